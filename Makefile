@@ -1,0 +1,22 @@
+# The two commands of the README. Each one creates .venv and installs the pinned stack first.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: demo test lint
+
+$(STAMP): setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python -m launch.generate --compare_autoregressive $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=15

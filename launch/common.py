@@ -1,0 +1,57 @@
+"""Shared plumbing for the absl entry points: one-line errors with exit code 2, atomic writes."""
+
+import json
+import os
+import sys
+import tempfile
+
+from absl import app, flags, logging
+
+
+class UsageError(ValueError):
+    """Bad input from the command line; reported as one line with exit code 2."""
+
+
+def _fail(message: str):
+    prog = os.path.basename(sys.argv[0]) if sys.argv else "spec-jax"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv):
+    """absl flag parsing that reports a bad flag in one line and exits 2 (no usage dump, no traceback)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).splitlines()[0])
+
+
+def run(main):
+    """app.run(main) where a ValueError from main is bad input: one line on stderr, exit code 2."""
+
+    def guarded(argv):
+        if not flags.FLAGS["verbosity"].present:
+            logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
+        try:
+            return main(argv)
+        except ValueError as e:  # includes UsageError
+            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+    app.run(guarded, flags_parser=parse_flags)
+
+
+def write_json_atomic(path: str, payload) -> None:
+    """Writes JSON to path via a temporary file and a rename, so no half-written file is left."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"--output_json: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

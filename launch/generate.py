@@ -1,0 +1,189 @@
+"""Generate text with speculative decoding (or plain decoding with --draft=none).
+
+Examples:
+  python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
+  python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
+
+Bad flags and bad input exit with code 2 and one line on stderr.
+"""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+from absl import flags
+
+from launch import common
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("target", "random", "Target model name (see models.known_models()).")
+flags.DEFINE_string("draft", "random-draft", "Draft model name, or 'none' for plain autoregressive decoding.")
+flags.DEFINE_integer("gamma", 4, "Draft tokens per round.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_integer("top_k", 0, "Keep the k most probable tokens (0 = off).", lower_bound=0)
+flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens reaching this mass, in (0, 1].")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Random seed.")
+flags.DEFINE_string("prompt", None, "A prompt text.")
+flags.DEFINE_string("prompts_file", None, 'JSON Lines file, one {"prompt": TEXT} object per line.')
+flags.DEFINE_integer("batch_size", 1, "Prompts decoded together in one batch.", lower_bound=1)
+flags.DEFINE_bool(
+    "compare_autoregressive",
+    False,
+    "Also run plain decoding of the target; report the speedup and whether outputs match.",
+)
+flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")
+flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see spec_jax.kernels.IMPLS).")
+
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+
+flags.register_validator("top_p", lambda v: 0.0 < v <= 1.0, message="--top_p must be in (0, 1]")
+flags.register_validator("target", lambda v: v != "none", message="--target cannot be 'none'")
+
+
+def read_prompts() -> list[str]:
+    if FLAGS.prompt is not None and FLAGS.prompts_file is not None:
+        raise common.UsageError("give --prompt or --prompts_file, not both")
+    if FLAGS.prompts_file is None:
+        return [DEFAULT_PROMPT if FLAGS.prompt is None else FLAGS.prompt]
+    if not os.path.exists(FLAGS.prompts_file) or os.path.isdir(FLAGS.prompts_file):
+        raise common.UsageError(f"--prompts_file: no such file: {FLAGS.prompts_file}")
+    prompts = []
+    with open(FLAGS.prompts_file) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise common.UsageError(f"--prompts_file line {number}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise common.UsageError(f'--prompts_file line {number}: needs a string "prompt" field')
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise common.UsageError(f"--prompts_file: {FLAGS.prompts_file} has no prompts")
+    return prompts
+
+
+def load_model(name: str):
+    import models
+
+    model = models.load(name, dtype=FLAGS.dtype)
+    config = dataclasses.replace(model.config, attention_impl=FLAGS.attention_impl)
+    return model.replace(config=config)
+
+
+def run_batches(target, draft, token_prompts, eos_id):
+    """Decodes in batches of --batch_size (a smaller last batch compiles its own loop)."""
+    import spec_jax
+
+    outputs, stats = [], []
+    size = FLAGS.batch_size
+    for start in range(0, len(token_prompts), size):
+        batch = token_prompts[start : start + size]
+        gen = spec_jax.generate(
+            target,
+            batch,
+            draft=draft,
+            gamma=FLAGS.gamma,
+            max_new_tokens=FLAGS.max_new_tokens,
+            temperature=FLAGS.temperature,
+            top_k=FLAGS.top_k,
+            top_p=FLAGS.top_p,
+            seed=FLAGS.seed,
+            eos_id=eos_id,
+        )
+        outputs.extend(gen.tokens)
+        stats.append(gen.stats)
+    return outputs, summarize(stats)
+
+
+def summarize(stats: list[dict]) -> dict:
+    """Sums counts and times over batches; recomputes the ratios."""
+    total = {}
+    for s in stats:
+        for key, value in s.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    seconds = total["prefill_seconds"] + total["decode_seconds"]
+    total["tokens_per_second"] = total["num_new_tokens"] / seconds
+    if "num_draft_tokens" in total:
+        rounds = max(total["num_rounds"], 1)
+        total["acceptance_rate"] = total["num_accepted_tokens"] / max(total["num_draft_tokens"], 1)
+        total["mean_accepted_length"] = 1 + total["num_accepted_tokens"] / rounds
+        total["alpha_hat"] = sum(s["alpha_hat"] * s["num_rounds"] for s in stats) / rounds  # round-weighted
+        total["accepted_histogram"] = np.sum([s["accepted_histogram"] for s in stats], axis=0).tolist()
+        weighted = [np.multiply(s["per_position_acceptance"], s["num_rounds"]) for s in stats]
+        total["per_position_acceptance"] = (np.sum(weighted, axis=0) / rounds).tolist()
+    return total
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    from spec_jax import kernels
+
+    kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
+    prompts = read_prompts()
+    target = load_model(FLAGS.target)
+    draft = None if FLAGS.draft == "none" else load_model(FLAGS.draft)
+    tokenizer = target.tokenizer
+    if draft is not None and draft.tokenizer is not None and tokenizer is not None:
+        probe = "def main():\n    return 'héllo'  # 123"
+        if draft.config.vocab_size != target.config.vocab_size or draft.tokenizer.encode(
+            probe
+        ) != tokenizer.encode(probe):
+            raise common.UsageError(
+                f"--draft={FLAGS.draft} and --target={FLAGS.target} do not share a "
+                "tokenizer and vocabulary; speculative decoding needs one"
+            )
+    token_prompts = [tokenizer.encode(p) for p in prompts]
+    eos_id = getattr(tokenizer, "eos_id", None)
+
+    tokens, stats = run_batches(target, draft, token_prompts, eos_id)
+    report = {
+        "target": FLAGS.target,
+        "draft": FLAGS.draft,
+        "gamma": FLAGS.gamma,
+        "temperature": FLAGS.temperature,
+        "stats": stats,
+        "outputs": [],
+    }
+    for prompt, new in zip(prompts, tokens, strict=True):
+        text = tokenizer.decode(new)
+        report["outputs"].append({"prompt": prompt, "tokens": new, "text": text})
+        print(f"--- prompt: {prompt!r}\n{text}\n")
+
+    def show(label, s):
+        line = (
+            f"{label}: {s['num_new_tokens']} tokens, {s['tokens_per_second']:.2f} tokens/s "
+            f"(compile {s['compile_seconds']:.1f} s, prefill {s['prefill_seconds']:.3f} s, "
+            f"decode {s['decode_seconds']:.3f} s)"
+        )
+        if "acceptance_rate" in s:
+            line += (
+                f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
+                f"{s['mean_accepted_length']:.2f}, alpha_hat {s['alpha_hat']:.3f}"
+            )
+        print(line)
+
+    show("speculative" if draft is not None else "autoregressive", stats)
+    if FLAGS.compare_autoregressive and draft is not None:
+        ar_tokens, ar_stats = run_batches(target, None, token_prompts, eos_id)
+        speedup = stats["tokens_per_second"] / ar_stats["tokens_per_second"]
+        identical = ar_tokens == tokens
+        show("autoregressive", ar_stats)
+        print(
+            f"speedup {speedup:.2f}x; outputs identical to autoregressive: {identical}"
+            + ("" if FLAGS.temperature == 0 else " (expected only at temperature 0)")
+        )
+        report.update(autoregressive_stats=ar_stats, speedup=speedup, identical_to_autoregressive=identical)
+    if FLAGS.output_json:
+        common.write_json_atomic(FLAGS.output_json, report)
+
+
+if __name__ == "__main__":
+    common.run(main)

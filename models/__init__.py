@@ -1,0 +1,103 @@
+"""Models: the Flax decoder, its configs, random models for tests, real models from the registry."""
+
+import dataclasses
+from typing import Any
+
+from models.config import ModelConfig
+from models.transformer import forward, init_cache, init_params
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A config, its parameters (a pytree of arrays) and a tokenizer (None for random models)."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any = None
+
+    def apply(self, params, tokens_bt, positions_bt, cache, logits_at=None):
+        """`(logits [B,T,V] float32, cache)`; see models.transformer.forward."""
+        return forward(self.config, params, tokens_bt, positions_bt, cache, logits_at)
+
+    def replace(self, **changes) -> "Model":
+        return dataclasses.replace(self, **changes)
+
+
+def random_model(
+    vocab_size=256,
+    num_layers=2,
+    d_model=64,
+    num_heads=4,
+    num_kv_heads=2,
+    seed=0,
+    *,
+    head_dim=None,
+    mlp_dim=None,
+    max_seq_len=2048,
+    qkv_bias=True,
+    tie_embeddings=False,
+    dtype="float32",
+    name="random",
+) -> Model:
+    """A randomly initialised Qwen2-style model (no tokenizer), for tests and benchmarks."""
+    config = ModelConfig(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        d_model=d_model,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim or d_model // num_heads,
+        mlp_dim=mlp_dim or 3 * d_model,
+        max_seq_len=max_seq_len,
+        qkv_bias=qkv_bias,
+        tie_embeddings=tie_embeddings,
+        dtype=dtype,
+        name=name,
+    )
+    return Model(config=config, params=init_params(config, seed))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255, so the CLI can drive random models with text."""
+
+    eos_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+# Random models by name, for the CLI and benchmarks without downloads (vocab >= 256 for ByteTokenizer).
+RANDOM_PRESETS = {
+    "random": dict(vocab_size=512, num_layers=4, d_model=256, num_heads=8, num_kv_heads=2, seed=0),
+    "random-draft": dict(vocab_size=512, num_layers=1, d_model=128, num_heads=4, num_kv_heads=2, seed=1),
+}
+
+
+def known_models() -> list[str]:
+    """Every name models.load accepts."""
+    return sorted(RANDOM_PRESETS)
+
+
+def load(name: str, dtype: str = "float32") -> Model:
+    """A model by name: a random preset (with a byte tokenizer) or a real pretrained model."""
+    if name in RANDOM_PRESETS:
+        model = random_model(**RANDOM_PRESETS[name], dtype=dtype, name=name)
+        return model.replace(tokenizer=ByteTokenizer())
+    raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+
+
+__all__ = [
+    "ByteTokenizer",
+    "RANDOM_PRESETS",
+    "known_models",
+    "load",
+    "Model",
+    "ModelConfig",
+    "forward",
+    "init_cache",
+    "init_params",
+    "random_model",
+]

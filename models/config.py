@@ -1,0 +1,72 @@
+"""Model configuration: one frozen, hashable dataclass (a static argument of jax.jit)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer of the Qwen2/Llama family.
+
+    Parameter layout (stacked over layers, leading axis L, for `nn.scan`):
+      embed/embedding                 [V, D]
+      layers/attn_norm/scale          [L, D]
+      layers/attn/{wq}                [L, D, H, Dh]      bq [L, H, Dh]      (bias if qkv_bias)
+      layers/attn/{wk, wv}            [L, D, KVH, Dh]    bk, bv [L, KVH, Dh]
+      layers/attn/wo                  [L, H, Dh, D]
+      layers/mlp_norm/scale           [L, D]
+      layers/mlp/{w_gate, w_up}       [L, D, F]
+      layers/mlp/w_down               [L, F, D]
+      final_norm/scale                [D]
+      lm_head/kernel                  [D, V]             (absent when tie_embeddings)
+    Query head h reads kv head h // (H // KVH). Rotary embeddings use the
+    rotate-half (GPT-NeoX / HF) layout over the full head dimension.
+    """
+
+    vocab_size: int
+    num_layers: int
+    d_model: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 2048
+    dtype: str = "float32"  # parameter and activation dtype: "float32" or "bfloat16"
+    attention_impl: str = "auto"  # see spec_jax.kernels.IMPLS
+    attention_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
+    name: str = "custom"
+
+    def __post_init__(self):
+        for field in (
+            "vocab_size",
+            "num_layers",
+            "d_model",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "mlp_dim",
+            "max_seq_len",
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def jnp_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)

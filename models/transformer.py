@@ -1,0 +1,183 @@
+"""A pure-functional Qwen2/Llama decoder in Flax linen, layers stacked and scanned.
+
+`forward(config, params, tokens[B,T], positions[B,T], cache) -> (logits, cache)`: the cache
+goes in and comes out; nothing is mutable. The same call does prefill (T = prompt bucket),
+decode (T = 1), draft steps and verification (T = gamma + 1).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from spec_jax import kernels
+from spec_jax.cache import KVCache, write_layer
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def rotary(x_bthd, positions_bt, theta):
+    """Rotate-half (GPT-NeoX / HF) rotary embedding of [B, T, H, Dh] at integer positions [B, T]."""
+    half = x_bthd.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [Dh/2]
+    angles = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, Dh/2]
+    sin = jnp.sin(angles)[:, :, None, :]
+    cos = jnp.cos(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x_bthd.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bthd.dtype)
+
+
+def _dense_init(fan_in):
+    return nn.initializers.normal(stddev=fan_in**-0.5)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer):
+        cfg = self.config
+        d, h, kvh, dh, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
+        wq = self.param("wq", _dense_init(d), (d, h, dh), dt)
+        wk = self.param("wk", _dense_init(d), (d, kvh, dh), dt)
+        wv = self.param("wv", _dense_init(d), (d, kvh, dh), dt)
+        wo = self.param("wo", _dense_init(h * dh), (h, dh, d), dt)
+        with jax.named_scope("qkv_matmul"):
+            q = jnp.einsum("btd,dhk->bthk", x_btd, wq)
+            k = jnp.einsum("btd,dhk->bthk", x_btd, wk)
+            v = jnp.einsum("btd,dhk->bthk", x_btd, wv)
+            if cfg.qkv_bias:
+                q = q + self.param("bq", nn.initializers.normal(0.1), (h, dh), dt)
+                k = k + self.param("bk", nn.initializers.normal(0.1), (kvh, dh), dt)
+                v = v + self.param("bv", nn.initializers.normal(0.1), (kvh, dh), dt)
+        q = rotary(q, positions_bt, cfg.rope_theta)
+        k = rotary(k, positions_bt, cfg.rope_theta)
+        with jax.named_scope("cache_write"):
+            cache = KVCache(
+                k=write_layer(cache.k, layer, k, positions_bt), v=write_layer(cache.v, layer, v, positions_bt)
+            )
+        with jax.named_scope("attention"):
+            out = kernels.attention(
+                q,
+                cache.k[layer],
+                cache.v[layer],
+                positions_bt,
+                kv_lengths_b,
+                impl=cfg.attention_impl,
+                interpret=cfg.attention_interpret,
+            )
+        with jax.named_scope("out_proj"):
+            return jnp.einsum("bthk,hkd->btd", out, wo), cache
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_btd):
+        d, f, dt = self.config.d_model, self.config.mlp_dim, self.config.jnp_dtype
+        w_gate = self.param("w_gate", _dense_init(d), (d, f), dt)
+        w_up = self.param("w_up", _dense_init(d), (d, f), dt)
+        w_down = self.param("w_down", _dense_init(f), (f, d), dt)
+        hidden = nn.silu(x_btd @ w_gate) * (x_btd @ w_up)
+        return hidden @ w_down
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; the scan carry is (activations, whole cache), the scanned input the layer index."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, layer, positions_bt, kv_lengths_b):
+        x, cache = carry
+        cfg = self.config
+        attn_out, cache = Attention(cfg, name="attn")(
+            RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer
+        )
+        x = x + attn_out
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="mlp_norm")(x))
+        return (x, cache), None
+
+
+class Transformer(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at=None):
+        """Returns (logits [B, T or K, V] float32, cache).
+
+        logits_at: optional [B, K] indices into T; only those positions get logits (prefill
+        needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
+        """
+        cfg = self.config
+        embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=cfg.jnp_dtype,
+            param_dtype=cfg.jnp_dtype,
+            embedding_init=nn.initializers.normal(stddev=1.0),
+            name="embed",
+        )
+        x = embed(tokens_bt)
+        # Contiguous positions per row: the last query bounds what this call may read.
+        kv_lengths_b = positions_bt[:, -1] + 1
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+        )(cfg, name="layers")
+        (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b)
+        x = RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="final_norm")(x)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+        with jax.named_scope("lm_head"):
+            if cfg.tie_embeddings:
+                logits = embed.attend(x)
+            else:
+                logits = nn.Dense(
+                    cfg.vocab_size,
+                    use_bias=False,
+                    dtype=cfg.jnp_dtype,
+                    param_dtype=cfg.jnp_dtype,
+                    kernel_init=_dense_init(cfg.d_model),
+                    name="lm_head",
+                )(x)
+        return logits.astype(jnp.float32), cache
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An empty [L, B, max_len, KVH, Dh] cache in the model's dtype."""
+    return KVCache.zeros(
+        config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim, config.jnp_dtype
+    )
+
+
+def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache, logits_at=None):
+    """`(logits, cache) = forward(config, params, tokens[B,T], positions[B,T], cache)`.
+
+    Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
+    written at their positions; each query sees keys at positions <= its own.
+    """
+    return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at)
+
+
+def init_params(config: ModelConfig, seed: int = 0):
+    """Random parameters in the layout documented on ModelConfig."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    cache = init_cache(config, 1, 1)
+    variables = jax.jit(Transformer(config).init)(jax.random.key(seed), tokens, tokens, cache)
+    return variables["params"]

@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="spec-jax",
+    version="0.1.0",
+    description="Speculative decoding in JAX: exact, batched, compiled, sharded.",
+    python_requires=">=3.11",
+    packages=find_packages(include=["spec_jax*", "models*", "experiments*", "launch*"]),
+    install_requires=[
+        "jax",
+        "flax",
+        "optax",
+        "orbax-checkpoint",
+        "numpy",
+        "chex",
+        "absl-py",
+        "ml_collections",
+        "gguf",
+        "tokenizers",
+        "tqdm",
+        "psutil",
+        "matplotlib",
+        "scipy",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-xdist", "ruff"],
+        # Only for recording reference fixtures (scripts/record_fixtures.py); never for tests.
+        "reference": ["torch==2.13.0", "transformers", "accelerate"],
+    },
+)

@@ -1,0 +1,163 @@
+"""`spec_jax.generate`: the one entry point for autoregressive and speculative decoding."""
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.decode import (
+    ARStatic,
+    PrefillInputs,
+    ar_loop,
+    ar_prefill,
+    bucket_length,
+    compiled,
+    pad_prompts,
+)
+from spec_jax.drafters import ModelDrafter
+from spec_jax.sampling import SamplingParams
+from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
+
+
+@dataclasses.dataclass
+class Generation:
+    """tokens: the new tokens of each prompt (EOS included when hit); stats: metrics and timings."""
+
+    tokens: list[list[int]]
+    stats: dict[str, Any]
+
+
+def _validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    vocab = target.config.vocab_size
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+        arr = np.asarray(p)
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompts[{i}] must be a flat list of integer token ids")
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(
+                f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
+                f"min {arr.min()}, max {arr.max()}"
+            )
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > target.config.max_seq_len:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+            f"context of {target.config.max_seq_len} tokens"
+        )
+    if eos_id is not None and not 0 <= eos_id < vocab:
+        raise ValueError(f"eos_id must be in [0, {vocab}), got {eos_id}")
+    if draft is None:
+        return
+    if not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if draft.vocab_size != vocab:
+        raise ValueError(
+            f"draft vocabulary size ({draft.vocab_size}) differs from the target's ({vocab}); "
+            "speculative decoding needs one shared vocabulary"
+        )
+    if longest + max_new_tokens + gamma > draft.max_seq_len:
+        raise ValueError(
+            f"the draft's context ({draft.max_seq_len} tokens) is shorter than needed: "
+            f"prompt {longest} + max_new_tokens {max_new_tokens} + gamma {gamma}"
+        )
+
+
+def as_drafter(draft):
+    """A Model becomes a ModelDrafter (with its params); any other drafter is used as it is."""
+    if hasattr(draft, "config") and hasattr(draft, "params"):
+        return ModelDrafter(draft.config), draft.params
+    return draft, getattr(draft, "arrays", None)
+
+
+def generate(
+    target,
+    prompts,
+    *,
+    draft=None,
+    gamma: int = 4,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    eos_id: int | None = None,
+) -> Generation:
+    """Generates up to max_new_tokens after each prompt, speculatively when a draft is given.
+
+    Args:
+      target: a models.Model.
+      prompts: list of token-id lists (ragged lengths are fine).
+      draft: None (plain autoregressive decoding), a models.Model, or a drafter.
+      gamma: draft tokens per round (static: a new gamma compiles a new loop).
+      temperature, top_k, top_p: the warp, applied identically to target and draft.
+      seed: row b's randomness depends on (seed, b) only.
+      eos_id: a row stops after generating it.
+
+    Returns:
+      Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics (for
+      speculative runs), the timings compile_seconds, prefill_seconds, decode_seconds,
+      tokens_per_second (new tokens over prefill + decode), and num_new_tokens.
+    """
+    sampling = SamplingParams(float(temperature), top_k, float(top_p))
+    drafter, draft_params = (None, None) if draft is None else as_drafter(draft)
+    _validate(target, prompts, drafter, gamma, max_new_tokens, eos_id)
+
+    longest = max(len(p) for p in prompts)
+    width = min(bucket_length(longest), max(longest, target.config.max_seq_len - max_new_tokens))
+    extra = 0 if drafter is None else gamma
+    cache_len = width + max_new_tokens + extra
+    tokens, lens = pad_prompts(prompts, width)
+    inputs = PrefillInputs(
+        tokens=jnp.asarray(tokens),
+        prompt_lens=jnp.asarray(lens),
+        eos_id=jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
+        key=jax.random.key(seed),
+    )
+
+    if drafter is None:
+        static = ARStatic(target.config, sampling, max_new_tokens, cache_len)
+        prefill_fn, c1 = compiled("ar_prefill", ar_prefill, static, (target.params, inputs))
+        start = time.perf_counter()
+        state = jax.block_until_ready(prefill_fn(target.params, inputs))
+        prefill_s = time.perf_counter() - start
+        loop_fn, c2 = compiled(
+            "ar_loop", ar_loop, static, (target.params, state, inputs.eos_id), donate_argnums=(1,)
+        )
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop_fn(target.params, state, inputs.eos_id))
+        decode_s = time.perf_counter() - start
+        stats = {"target_calls": int(state.steps) + 1, "draft_calls": 0}
+    else:
+        static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
+        prefill_fn, c1 = compiled("spec_prefill", spec_prefill, static, (target.params, draft_params, inputs))
+        start = time.perf_counter()
+        state = jax.block_until_ready(prefill_fn(target.params, draft_params, inputs))
+        prefill_s = time.perf_counter() - start
+        args = (target.params, draft_params, state, inputs.eos_id)
+        loop_fn, c2 = compiled("spec_loop", spec_loop, static, args, donate_argnums=(2,))
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop_fn(*args))
+        decode_s = time.perf_counter() - start
+        stats = state.metrics.to_dict()
+
+    counts = np.asarray(state.out.num_generated)
+    out = np.asarray(state.out.tokens)
+    new_tokens = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
+    total = int(counts.sum())
+    stats.update(
+        compile_seconds=c1 + c2,
+        prefill_seconds=prefill_s,
+        decode_seconds=decode_s,
+        num_new_tokens=total,
+        tokens_per_second=total / (prefill_s + decode_s),
+    )
+    return Generation(tokens=new_tokens, stats=stats)

@@ -1,0 +1,41 @@
+"""The KV cache: a pytree of stacked keys and values, written by position.
+
+A model call writes the keys/values of its T new tokens at their absolute positions and
+attends with the causal bound, so "rolling back" rejected tokens is simply not counting
+them: the decode loops keep each row's committed length and always write the next tokens
+from there, overwriting whatever a rejected draft left behind before it can be read.
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer.
+
+    k, v: [L, B, S, KVH, Dh]. Slot s holds the token at absolute position s.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, num_layers, batch, max_len, num_kv_heads, head_dim, dtype=jnp.float32) -> "KVCache":
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def write_layer(cache_lbskd, layer, new_btkd, positions_bt):
+    """Writes new [B, T, KVH, Dh] into layer `layer` of a [L, B, S, KVH, Dh] cache at positions.
+
+    Positions outside [0, S) are dropped rather than clamped, so a row that runs past the
+    cache can never overwrite a committed entry.
+    """
+    b_idx = jnp.arange(new_btkd.shape[0])[:, None]
+    return cache_lbskd.at[layer, b_idx, positions_bt].set(new_btkd.astype(cache_lbskd.dtype), mode="drop")

@@ -1,0 +1,88 @@
+"""Acceptance statistics in one schema, accumulated inside the compiled loop.
+
+The names follow the serving engines so results compare: a "round" is one row's draft +
+verify step (rows that are already done do not count), acceptance_rate is accepted/drafted,
+and mean_accepted_length is 1 + accepted/rounds (the paper's expected tokens per round,
+before truncation at max_new_tokens or EOS).
+"""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class SpecMetrics:
+    num_rounds: jax.Array  # int32 [], row-rounds
+    num_draft_tokens: jax.Array  # int32 []
+    num_accepted_tokens: jax.Array  # int32 []
+    per_position_accepted: jax.Array  # int32 [G]: rounds whose draft i was accepted
+    accepted_histogram: jax.Array  # int32 [G + 1]: rounds that accepted exactly k drafts
+    overlap_sum: jax.Array  # float32 []: sum of sum_x min(p, q) over scored positions
+    overlap_count: jax.Array  # int32 []
+    num_committed_tokens: jax.Array  # int32 []: tokens committed by rounds, after truncation
+    target_calls: jax.Array  # int32 [], batched target forward calls (prefill included)
+    draft_calls: jax.Array  # int32 [], batched drafter steps (prefill included)
+
+    @classmethod
+    def zeros(cls, gamma: int) -> "SpecMetrics":
+        i = jnp.zeros((), jnp.int32)
+        return cls(
+            i,
+            i,
+            i,
+            jnp.zeros((gamma,), jnp.int32),
+            jnp.zeros((gamma + 1,), jnp.int32),
+            jnp.zeros((), jnp.float32),
+            i,
+            i,
+            i,
+            i,
+        )
+
+    def update(self, active_b, num_accepted_b, overlap_bg, committed_b, draft_steps: int) -> "SpecMetrics":
+        """Adds one round. active: rows that drafted; overlap: [B, G] sum_x min(p, q) per position.
+
+        Only positions the target scored on the committed prefix (i <= num_accepted) enter
+        alpha: after the first rejection the drafts are conditioned on a rejected token.
+        """
+        gamma = overlap_bg.shape[1]
+        act = active_b.astype(jnp.int32)
+        acc = num_accepted_b * act
+        pos = jnp.arange(gamma)[None, :]
+        scored = (pos <= num_accepted_b[:, None]) & active_b[:, None]
+        return SpecMetrics(
+            num_rounds=self.num_rounds + jnp.sum(act),
+            num_draft_tokens=self.num_draft_tokens + gamma * jnp.sum(act),
+            num_accepted_tokens=self.num_accepted_tokens + jnp.sum(acc),
+            per_position_accepted=self.per_position_accepted
+            + jnp.sum((pos < num_accepted_b[:, None]) & active_b[:, None], axis=0).astype(jnp.int32),
+            accepted_histogram=self.accepted_histogram
+            + jnp.sum(jax.nn.one_hot(num_accepted_b, gamma + 1, dtype=jnp.int32) * act[:, None], axis=0),
+            overlap_sum=self.overlap_sum + jnp.sum(jnp.where(scored, overlap_bg, 0.0)),
+            overlap_count=self.overlap_count + jnp.sum(scored).astype(jnp.int32),
+            num_committed_tokens=self.num_committed_tokens + jnp.sum(committed_b),
+            target_calls=self.target_calls + 1,
+            draft_calls=self.draft_calls + draft_steps,
+        )
+
+    def to_dict(self) -> dict:
+        """Host-side summary in the schema of DESIGN.md (plain Python numbers and lists)."""
+        rounds = int(self.num_rounds)
+        drafted = int(self.num_draft_tokens)
+        accepted = int(self.num_accepted_tokens)
+        count = int(self.overlap_count)
+        return {
+            "num_rounds": rounds,
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else float("nan"),
+            "mean_accepted_length": 1.0 + accepted / rounds if rounds else float("nan"),
+            "per_position_acceptance": (np.asarray(self.per_position_accepted) / max(rounds, 1)).tolist(),
+            "accepted_histogram": np.asarray(self.accepted_histogram).tolist(),
+            "alpha_hat": float(self.overlap_sum) / count if count else float("nan"),
+            "num_committed_tokens": int(self.num_committed_tokens),
+            "target_calls": int(self.target_calls),
+            "draft_calls": int(self.draft_calls),
+        }

@@ -1,0 +1,70 @@
+"""Logits -> warped probabilities -> tokens. The one warp and the one draw every loop uses.
+
+Speculative sampling is lossless with respect to the *warped* target, so the same warp is
+applied to target and draft logits before the rejection rule. Temperature 0 warps to the
+one-hot argmax (ties go to the lowest token id), which turns the rejection rule into exact
+greedy verification.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static (hashable) warp settings: temperature >= 0, top_k >= 0 (0 = off), top_p in (0, 1]."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def validate_sampling(temperature, top_k, top_p):
+    """Raises ValueError naming the argument and its allowed range."""
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not (isinstance(top_k, int) and top_k >= 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def warp(logits, params: SamplingParams):
+    """Probabilities [..., V] float32 from logits [..., V]: temperature, then top-k, then top-p.
+
+    top-k keeps exactly k tokens (ties broken toward lower ids); top-p keeps the smallest set
+    of most probable tokens whose mass reaches p.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    if params.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    logits = logits / params.temperature
+    if 0 < params.top_k < vocab:
+        _, top_ids = jax.lax.top_k(logits, params.top_k)  # [..., k]
+        keep = jnp.any(jax.nn.one_hot(top_ids, vocab, dtype=jnp.bool_), axis=-2)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if params.top_p < 1.0:
+        order = jnp.argsort(-probs, axis=-1, stable=True)  # most probable first
+        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = mass_before < params.top_p  # always keeps the most probable token
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+        probs = jnp.where(keep, probs, 0.0)
+        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    return probs
+
+
+def draw(key, probs):
+    """One token id per row of probs [..., V] (int32 [...]). Zero-probability tokens never come out."""
+    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)

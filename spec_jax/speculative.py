@@ -1,0 +1,115 @@
+"""The speculative loop: prefill both models, then one lax.while_loop of draft -> verify -> commit.
+
+Each round, per row with n committed tokens (the last one, t_{n-1}, not yet in any cache):
+  1. the drafter reads t_{n-2}, t_{n-1} and proposes gamma tokens with their distributions q;
+  2. the target scores [t_{n-1}, d_0 .. d_{gamma-1}] at positions n-1 .. n-1+gamma in ONE call;
+  3. the rejection rule accepts a prefix of a drafts and draws one more token;
+  4. the row commits a + 1 tokens (fewer at EOS or max_new_tokens) and n advances by that,
+     independently of the other rows.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.transformer import forward
+from spec_jax.cache import KVCache
+from spec_jax.decode import TRACE_COUNTS, Output, PrefillInputs, commit, first_token, prefill
+from spec_jax.drafters import Drafter
+from spec_jax.metrics import SpecMetrics
+from spec_jax.sampling import SamplingParams, warp
+from spec_jax.verify import overlap, verify
+
+
+@flax.struct.dataclass
+class SpecState:
+    target_cache: KVCache
+    draft_state: Any
+    out: Output
+    prev_token: jax.Array  # int32 [B], committed token n-2 (in the target cache)
+    last_token: jax.Array  # int32 [B], committed token n-1 (in no cache yet)
+    length: jax.Array  # int32 [B], n: committed tokens, prompt included
+    key: jax.Array
+    metrics: SpecMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecStatic:
+    config: ModelConfig
+    drafter: Drafter
+    sampling: SamplingParams
+    gamma: int
+    max_new_tokens: int
+    cache_len: int
+
+
+def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs) -> SpecState:
+    TRACE_COUNTS["spec_prefill"] += 1
+    logits, target_cache = prefill(static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len)
+    draft_state = static.drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
+    out, token, key = first_token(logits, inputs, static.sampling, static.max_new_tokens)
+    prev = jnp.take_along_axis(inputs.tokens, (inputs.prompt_lens - 1)[:, None], axis=1)[:, 0]
+    metrics = SpecMetrics.zeros(static.gamma).replace(
+        target_calls=jnp.ones((), jnp.int32), draft_calls=jnp.ones((), jnp.int32)
+    )
+    return SpecState(
+        target_cache=target_cache,
+        draft_state=draft_state,
+        out=out,
+        prev_token=prev,
+        last_token=token,
+        length=inputs.prompt_lens + 1,
+        key=key,
+        metrics=metrics,
+    )
+
+
+def spec_round(static: SpecStatic, params, draft_params, state: SpecState, eos_id) -> SpecState:
+    gamma = static.gamma
+    key, draft_key, verify_key = jax.random.split(state.key, 3)
+    active = ~state.out.done
+
+    context = jnp.stack([state.prev_token, state.last_token], axis=1)
+    drafts, q, draft_state = static.drafter.propose(
+        draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_key
+    )
+
+    tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, G + 1]
+    positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
+    logits, target_cache = forward(static.config, params, tokens, positions, state.target_cache)
+    p = warp(logits, static.sampling)  # [B, G + 1, V]
+    num_accepted, next_token = verify(drafts, q, p, verify_key)
+
+    idx = jnp.arange(gamma + 1)[None, :]
+    drafts_ext = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
+    out, committed = commit(state.out, new, num_accepted + 1, static.max_new_tokens, eos_id)
+
+    # The new last two committed tokens; a row that committed nothing keeps its own.
+    last = jnp.take_along_axis(new, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
+    before_last = jnp.take_along_axis(new, jnp.maximum(committed - 2, 0)[:, None], axis=1)[:, 0]
+    prev = jnp.where(committed >= 2, before_last, state.last_token)
+    moved = committed > 0
+    metrics = state.metrics.update(active, num_accepted, overlap(p[:, :gamma], q), committed, gamma)
+    return SpecState(
+        target_cache=target_cache,
+        draft_state=draft_state,
+        out=out,
+        prev_token=jnp.where(moved, prev, state.prev_token),
+        last_token=jnp.where(moved, last, state.last_token),
+        length=state.length + committed,
+        key=key,
+        metrics=metrics,
+    )
+
+
+def spec_loop(static: SpecStatic, params, draft_params, state: SpecState, eos_id) -> SpecState:
+    """Runs rounds until every row is done, as one lax.while_loop."""
+    TRACE_COUNTS["spec_loop"] += 1
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.out.done), lambda s: spec_round(static, params, draft_params, s, eos_id), state
+    )
