@@ -3,8 +3,12 @@
 import dataclasses
 from typing import Any
 
+import jax
+
 from models.config import ModelConfig
 from models.transformer import forward, init_cache, init_params
+
+_forward_jit = jax.jit(forward, static_argnums=0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -16,8 +20,8 @@ class Model:
     tokenizer: Any = None
 
     def apply(self, params, tokens_bt, positions_bt, cache, logits_at=None):
-        """`(logits [B,T,V] float32, cache)`; see models.transformer.forward."""
-        return forward(self.config, params, tokens_bt, positions_bt, cache, logits_at)
+        """`(logits [B,T,V] float32, cache)`, jit-compiled; see models.transformer.forward."""
+        return _forward_jit(self.config, params, tokens_bt, positions_bt, cache, logits_at)
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)

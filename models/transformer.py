@@ -8,6 +8,7 @@ decode (T = 1), draft steps and verification (T = gamma + 1).
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
 from spec_jax import kernels
@@ -175,9 +176,34 @@ def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache
     return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at)
 
 
-def init_params(config: ModelConfig, seed: int = 0):
-    """Random parameters in the layout documented on ModelConfig."""
+def param_shapes(config: ModelConfig):
+    """The parameter pytree as jax.ShapeDtypeStruct leaves (no computation)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    cache = init_cache(config, 1, 1)
-    variables = jax.jit(Transformer(config).init)(jax.random.key(seed), tokens, tokens, cache)
+    cache = jax.eval_shape(lambda: init_cache(config, 1, 1))
+    variables = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens, cache)
     return variables["params"]
+
+
+def init_params(config: ModelConfig, seed: int = 0):
+    """Random parameters in the layout documented on ModelConfig.
+
+    Drawn with NumPy from the shape tree rather than by compiling `Transformer.init`, which
+    costs seconds per model: tests build many small models. Weights are normal with
+    variance 1/fan_in, norms are ones, biases small.
+    """
+    rng = np.random.default_rng(seed)
+    fan_in = {"wo": config.num_heads * config.head_dim, "w_down": config.mlp_dim}
+
+    def leaf(path, spec):
+        name = path[-1].key
+        if name == "scale":
+            value = np.ones(spec.shape)
+        elif name in ("bq", "bk", "bv"):
+            value = 0.1 * rng.standard_normal(spec.shape)
+        elif name == "embedding":
+            value = rng.standard_normal(spec.shape)
+        else:
+            value = rng.standard_normal(spec.shape) / np.sqrt(fan_in.get(name, config.d_model))
+        return jnp.asarray(value, spec.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config))

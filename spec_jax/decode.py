@@ -53,6 +53,11 @@ def compiled(name: str, fn: Callable, static: Hashable, args: tuple, donate_argn
     return executable, time.perf_counter() - start
 
 
+def clear_compiled() -> None:
+    """Forgets every compiled loop (tests that patch a rule use it so nothing stale is reused)."""
+    _EXECUTABLES.clear()
+
+
 def row_keys(key, batch: int):
     """[B] independent keys: row b's randomness depends on (key, b) alone, not on other rows."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))

@@ -82,6 +82,9 @@ class SpecMetrics:
             "per_position_acceptance": (np.asarray(self.per_position_accepted) / max(rounds, 1)).tolist(),
             "accepted_histogram": np.asarray(self.accepted_histogram).tolist(),
             "alpha_hat": float(self.overlap_sum) / count if count else float("nan"),
+            # Positions the target scored on the committed prefix (drafts up to the first
+            # rejection); accepted / scored estimates alpha directly, for any gamma.
+            "num_scored_positions": count,
             "num_committed_tokens": int(self.num_committed_tokens),
             "target_calls": int(self.target_calls),
             "draft_calls": int(self.draft_calls),

@@ -1,0 +1,69 @@
+"""The command line: runs end to end, and bad flags exit 2 with one line and no traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*args, module="launch.generate"):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gamma=0"], "--gamma"),
+        (["--top_p=0"], "--top_p"),
+        (["--top_k=-1"], "--top_k"),
+        (["--temperature=-1"], "--temperature"),
+        (["--max_new_tokens=0"], "--max_new_tokens"),
+        (["--target=nope"], "known models"),
+        (["--no_such_flag"], "no_such_flag"),
+        (["--prompt="], "empty"),
+        (["--max_new_tokens=4000"], "context"),
+        (["--prompts_file=/nonexistent.jsonl"], "--prompts_file"),
+        (["--attention_impl=cuda"], "attention impl"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_runs_and_writes_json(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello world"}\n')
+    out = tmp_path / "out.json"
+    result = run_cli(
+        f"--prompts_file={prompts}",
+        "--max_new_tokens=6",
+        "--batch_size=2",
+        "--temperature=0",
+        "--compare_autoregressive",
+        f"--output_json={out}",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert len(report["outputs"]) == 2
+    assert report["identical_to_autoregressive"] is True
+    assert "acceptance rate" in result.stdout and "speedup" in result.stdout
+
+
+def test_bad_prompts_file_line_is_reported_with_its_number(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    result = run_cli(f"--prompts_file={prompts}")
+    assert result.returncode == 2
+    assert "line 2" in result.stderr

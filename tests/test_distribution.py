@@ -1,0 +1,115 @@
+"""End to end: speculative sampling draws sequences from exactly the target's distribution.
+
+A tiny vocabulary (V = 8) and a 3-token horizon make the target's joint distribution over
+all 512 continuations enumerable. N independent rows (each row's randomness depends on the
+seed and its index only) give an empirical joint; a chi-square test compares the two. The
+same test must pass for the autoregressive sampler and fail for a broken rejection rule.
+"""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import models
+import spec_jax
+from spec_jax import decode, speculative
+from spec_jax.sampling import SamplingParams, warp
+
+V, HORIZON, N = 8, 3, 20_000
+PROMPT = [1, 5, 2]
+WARPS = [SamplingParams(1.0), SamplingParams(1.0, top_k=3), SamplingParams(0.8, top_p=0.8)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    kw = dict(vocab_size=V, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1)
+    return models.random_model(**kw, seed=3), models.random_model(**kw, seed=4)
+
+
+def exact_joint(model, sampling):
+    """[V, V, V]: the target's probability of each 3-token continuation under the warp."""
+    width = 16
+    prefixes = list(itertools.product(range(V), repeat=HORIZON - 1))
+    tokens = np.zeros((len(prefixes), width), np.int32)
+    for i, prefix in enumerate(prefixes):
+        tokens[i, : len(PROMPT) + HORIZON - 1] = PROMPT + list(prefix)
+    logits, _ = model.apply(
+        model.params,
+        jnp.asarray(tokens),
+        jnp.broadcast_to(jnp.arange(width), tokens.shape),
+        models.init_cache(model.config, len(prefixes), width),
+    )
+    probs = np.asarray(warp(logits[:, len(PROMPT) - 1 : len(PROMPT) + HORIZON - 1], sampling), np.float64)
+    # probs[i, step] = p(x_step | prompt, prefixes[i][:step]); the chain rule gives the joint.
+    joint = np.zeros((V,) * HORIZON)
+    for i, (a, b) in enumerate(prefixes):
+        joint[a, b, :] = probs[i, 0, a] * probs[i, 1, b] * probs[i, 2]
+    return joint
+
+
+def sample_counts(target, draft, sampling, gamma, seed):
+    gen = spec_jax.generate(
+        target,
+        [PROMPT] * N,
+        draft=draft,
+        gamma=gamma,
+        max_new_tokens=HORIZON,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=seed,
+    )
+    flat = np.ravel_multi_index(np.array(gen.tokens).T, (V,) * HORIZON)
+    return np.bincount(flat, minlength=V**HORIZON), gen.stats
+
+
+def chi2_pvalue(counts, joint):
+    """Pools the cells expected below 5 counts so the chi-square approximation holds."""
+    expected = joint.ravel() * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        assert obs[-1] == 0, "a continuation with zero target probability was sampled"
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.parametrize("sampling", WARPS, ids=["t1", "top_k3", "t0.8_top_p0.8"])
+def test_speculative_matches_target_distribution_exactly(pair, sampling):
+    target, draft = pair
+    counts, s = sample_counts(target, draft, sampling, gamma=2, seed=0)
+    assert 0.1 < s["acceptance_rate"] < 0.95, "draft and target must differ for the test to mean anything"
+    assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
+
+
+@pytest.mark.parametrize("sampling", WARPS, ids=["t1", "top_k3", "t0.8_top_p0.8"])
+def test_autoregressive_sampler_matches_target_distribution(pair, sampling):
+    target, _ = pair
+    counts, _ = sample_counts(target, None, sampling, gamma=2, seed=1)
+    assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
+
+
+def test_the_exact_joint_is_a_distribution_and_not_uniform(pair):
+    joint = exact_joint(pair[0], WARPS[0])
+    assert joint.shape == (V,) * HORIZON and np.isclose(joint.sum(), 1.0)
+    assert joint.max() > 3 / V**HORIZON
+
+
+def test_a_broken_rule_that_always_accepts_fails(pair, monkeypatch):
+    target, draft = pair
+
+    def always_accept(drafts, q, p, key):
+        n = jnp.full(drafts.shape[:1], drafts.shape[1], jnp.int32)
+        return n, jnp.argmax(p[:, -1], -1).astype(jnp.int32)
+
+    monkeypatch.setattr(speculative, "verify", always_accept)
+    decode.clear_compiled()
+    try:
+        counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
+    finally:
+        decode.clear_compiled()
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6

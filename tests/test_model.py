@@ -1,0 +1,122 @@
+"""The decoder: cached decoding equals the full forward, rows are independent, config checks."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models.transformer import rotary
+
+
+def full_forward(model, tokens_bt):
+    b, t = tokens_bt.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    logits, _ = model.apply(model.params, tokens_bt, positions, models.init_cache(model.config, b, t))
+    return logits
+
+
+@pytest.mark.parametrize("prefill_lens", [(1, 1), (3, 7), (5, 2), (8, 8)])
+def test_prefill_then_decode_equals_full_forward_with_ragged_rows(tiny_target, prefill_lens):
+    """Two rows prefilled to different lengths (right-padded), then decoded one token at a time."""
+    model = tiny_target
+    total = 12
+    tokens = jax.random.randint(jax.random.key(1), (2, total), 0, model.config.vocab_size)
+    expected = full_forward(model, tokens)
+    width = max(prefill_lens)
+    lens = jnp.array(prefill_lens)
+    pad = jnp.where(jnp.arange(width)[None] < lens[:, None], tokens[:, :width], 0)
+    positions = jnp.broadcast_to(jnp.arange(width), (2, width))
+    cache = models.init_cache(model.config, 2, 16)
+    logits, cache = model.apply(model.params, pad, positions, cache)
+    for row in range(2):
+        chex.assert_trees_all_close(
+            logits[row, : prefill_lens[row]], expected[row, : prefill_lens[row]], atol=1e-5, rtol=1e-5
+        )
+    # Decode step by step; each row continues from its own length, over the padding it left.
+    lengths = np.array(prefill_lens)
+    for _ in range(total - width):
+        step_tokens = tokens[jnp.arange(2), lengths][:, None]
+        logits, cache = model.apply(model.params, step_tokens, jnp.asarray(lengths)[:, None], cache)
+        for row in range(2):
+            chex.assert_trees_all_close(logits[row, 0], expected[row, lengths[row]], atol=1e-5, rtol=1e-5)
+        lengths = lengths + 1
+
+
+def test_multi_token_step_equals_full_forward(tiny_target):
+    """A verification-shaped call (T = gamma + 1) after a prefill matches the full forward."""
+    model = tiny_target
+    tokens = jax.random.randint(jax.random.key(2), (1, 10), 0, model.config.vocab_size)
+    expected = full_forward(model, tokens)
+    cache = models.init_cache(model.config, 1, 16)
+    _, cache = model.apply(model.params, tokens[:, :4], jnp.arange(4)[None], cache)
+    logits, _ = model.apply(model.params, tokens[:, 4:9], jnp.arange(4, 9)[None], cache)
+    chex.assert_trees_all_close(logits, expected[:, 4:9], atol=1e-5, rtol=1e-5)
+
+
+def test_stale_cache_entries_past_the_length_are_never_read(tiny_target):
+    """Garbage written beyond a row's length (a rejected draft) must not change later logits."""
+    model = tiny_target
+    tokens = jax.random.randint(jax.random.key(3), (1, 8), 0, model.config.vocab_size)
+    expected = full_forward(model, tokens)
+    cache = models.init_cache(model.config, 1, 16)
+    _, cache = model.apply(model.params, tokens[:, :5], jnp.arange(5)[None], cache)
+    junk = jnp.array([[7, 7, 7, 7]])
+    _, cache = model.apply(model.params, junk, jnp.arange(5, 9)[None], cache)  # "rejected drafts"
+    logits, _ = model.apply(model.params, tokens[:, 5:8], jnp.arange(5, 8)[None], cache)
+    chex.assert_trees_all_close(logits, expected[:, 5:8], atol=1e-5, rtol=1e-5)
+
+
+def test_logits_do_not_depend_on_other_rows(tiny_target):
+    model = tiny_target
+    tokens = jax.random.randint(jax.random.key(4), (3, 9), 0, model.config.vocab_size)
+    batched = full_forward(model, tokens)
+    alone = full_forward(model, tokens[1:2])
+    chex.assert_trees_all_close(batched[1:2], alone, atol=1e-6, rtol=1e-6)
+
+
+def test_rotary_is_a_relative_rotation():
+    """q.k after rotary depends only on the position difference."""
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+
+    def score(pq, pk):
+        return jnp.sum(rotary(q, jnp.array([[pq]]), 10000.0) * rotary(k, jnp.array([[pk]]), 10000.0))
+
+    np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-5)
+    assert not np.isclose(score(3, 1), score(3, 2))
+
+
+def test_scanned_parameters_are_stacked_over_layers():
+    model = models.random_model(vocab_size=32, num_layers=3, d_model=16, num_heads=2, num_kv_heads=1)
+    chex.assert_shape(model.params["layers"]["attn"]["wq"], (3, 16, 2, 8))
+    chex.assert_shape(model.params["layers"]["mlp"]["w_down"], (3, 48, 16))
+    assert "lm_head" in model.params
+    tied = models.random_model(
+        vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, tie_embeddings=True
+    )
+    assert "lm_head" not in tied.params
+
+
+def test_bfloat16_model_runs_and_returns_float32_logits():
+    model = models.random_model(
+        vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, dtype="bfloat16"
+    )
+    logits = full_forward(model, jnp.array([[1, 2, 3]]))
+    assert logits.dtype == jnp.float32
+    assert model.params["layers"]["attn"]["wq"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_heads=3, num_kv_heads=2), "multiple of num_kv_heads"),
+        (dict(vocab_size=0), "vocab_size"),
+        (dict(dtype="float16"), "dtype"),
+    ],
+)
+def test_bad_config_is_refused(kwargs, message):
+    base = dict(vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1)
+    with pytest.raises(ValueError, match=message):
+        models.random_model(**{**base, **kwargs})

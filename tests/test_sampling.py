@@ -1,0 +1,80 @@
+"""The one warp: temperature, top-k, top-p; and the one draw."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_jax.sampling import SamplingParams, draw, warp
+
+LOGITS = jax.random.normal(jax.random.key(0), (4, 50)) * 2.0
+
+
+def test_temperature_zero_is_one_hot_argmax():
+    probs = warp(LOGITS, SamplingParams(temperature=0.0))
+    np.testing.assert_array_equal(np.argmax(probs, -1), np.argmax(LOGITS, -1))
+    np.testing.assert_array_equal(probs.max(-1), 1.0)
+    np.testing.assert_array_equal((probs > 0).sum(-1), 1)
+
+
+def test_temperature_zero_breaks_ties_toward_the_lowest_id():
+    logits = jnp.array([[0.0, 3.0, 1.0, 3.0]])
+    probs = warp(logits, SamplingParams(temperature=0.0))
+    np.testing.assert_array_equal(probs, [[0, 1, 0, 0]])
+
+
+@pytest.mark.parametrize("k", [1, 5, 49])
+def test_top_k_keeps_exactly_k_tokens_the_most_probable(k):
+    probs = np.asarray(warp(LOGITS, SamplingParams(temperature=1.0, top_k=k)))
+    np.testing.assert_array_equal((probs > 0).sum(-1), k)
+    for row, logits in zip(probs, np.asarray(LOGITS), strict=True):
+        kept = set(np.nonzero(row)[0])
+        assert kept == set(np.argsort(-logits)[:k])
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_top_k_with_ties_still_keeps_exactly_k():
+    logits = jnp.array([[1.0, 2.0, 2.0, 2.0, 0.0]])
+    probs = warp(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert int((probs > 0).sum()) == 2
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_keeps_the_smallest_set_reaching_p(p):
+    full = np.asarray(warp(LOGITS, SamplingParams(temperature=0.7)))
+    probs = np.asarray(warp(LOGITS, SamplingParams(temperature=0.7, top_p=p)))
+    for row_full, row in zip(full, probs, strict=True):
+        order = np.argsort(-row_full)
+        kept = np.nonzero(row)[0]
+        n = len(kept)
+        assert set(kept) == set(order[:n]), "kept tokens must be the most probable ones"
+        assert row_full[order[:n]].sum() >= p - 1e-6, "kept mass reaches p"
+        assert n == 1 or row_full[order[: n - 1]].sum() < p, "and no smaller set does"
+        np.testing.assert_allclose(row[kept], row_full[kept] / row_full[kept].sum(), rtol=1e-5)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_probabilities_sum_to_one_for_every_warp():
+    for params in [SamplingParams(1.0), SamplingParams(0.3, 10, 0.8), SamplingParams(2.0, 0, 0.5)]:
+        np.testing.assert_allclose(warp(LOGITS, params).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_draw_never_returns_a_zero_probability_token():
+    probs = warp(jnp.tile(LOGITS[:1], (4000, 1)), SamplingParams(temperature=1.0, top_k=3))
+    tokens = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(1), 4000), probs)
+    allowed = set(np.nonzero(np.asarray(probs[0]))[0])
+    assert set(np.asarray(tokens).tolist()) == allowed
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_warp_settings_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
