@@ -2,34 +2,68 @@
 
 `attention(q[B,T,H,D], k[B,S,KVH,D], v[B,S,KVH,D], q_positions[B,T], kv_lengths[B])`:
 query at position q_positions[b,t] attends keys at positions s <= q_positions[b,t] and
-s < kv_lengths[b]; H is a multiple of KVH; float32 or bfloat16 in, same dtype out,
-accumulation in float32.
+s < kv_lengths[b]; H is a multiple of KVH (query head h reads kv head h // (H // KVH));
+float32 or bfloat16 in, same dtype out, accumulation in float32; a query that sees no key
+returns zeros.
+
+Implementations (`impl`):
+  "xla"         the dense reference (reference.py); any backend.
+  "pallas_tpu"  Mosaic kernels; "pallas_gpu" Triton kernels. Both route on T (static):
+                T <= DECODE_MAX_QUERIES -> flash_decoding (split-K over the cache, the T * H/KVH
+                query rows of a kv head folded into one tile), otherwise flash_attention (query x
+                key blocks, causal and ragged block skipping).
+  "auto"        pallas_tpu on a TPU backend, pallas_gpu on GPU, xla on CPU.
+`interpret=True` runs the Pallas kernels in interpret mode (CPU tests); the TPU kernels then use
+the TPU interpreter (pltpu.InterpretParams()). See docs/kernels.md.
 """
 
+import jax
+
+from spec_jax.kernels import flash_attention, flash_decoding
 from spec_jax.kernels.reference import DEFAULT_MASK_VALUE, attention_mask, attention_reference
 
-IMPLS = ("auto", "xla")
+IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+
+# Largest T sent to flash_decoding. Decode (T=1) and verification (T=gamma+1 <= 9) fold T * G query
+# rows into one tile and get their parallelism from splitting the cache; from 17 queries on
+# (prefill buckets, chunked prefill) the query blocks of flash_attention give enough parallel work
+# and the folded tile (T * G rows) would outgrow one MXU / tensor-core tile.
+DECODE_MAX_QUERIES = 16
 
 
 def resolve_impl(impl: str) -> str:
-    """Maps "auto" to the implementation for the default backend."""
+    """Maps "auto" to the implementation for the default backend; ValueError on an unknown name."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "xla"
-    return impl
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "pallas_tpu"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "pallas_gpu"
+    return "xla"
 
 
-def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret: bool = False):
-    """Returns [B, T, H, D]; see the module docstring for the masking contract."""
-    del interpret  # used by the Pallas implementations
+def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret=False):
+    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract."""
     impl = resolve_impl(impl)
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
-    return attention_reference(q, k, v, q_positions, kv_lengths)
+    if impl == "xla":
+        return attention_reference(q, k, v, q_positions, kv_lengths)
+    backend = "tpu" if impl == "pallas_tpu" else "gpu"
+    if q.shape[1] <= DECODE_MAX_QUERIES:
+        return flash_decoding.flash_decoding(
+            q, k, v, q_positions, kv_lengths, backend=backend, interpret=interpret
+        )
+    return flash_attention.flash_attention(
+        q, k, v, q_positions, kv_lengths, backend=backend, interpret=interpret
+    )
 
 
 __all__ = [
+    "DECODE_MAX_QUERIES",
     "DEFAULT_MASK_VALUE",
     "IMPLS",
     "attention",

@@ -1,0 +1,268 @@
+"""Pieces shared by the Pallas attention kernels (flash_attention.py and flash_decoding.py).
+
+Both kernels reduce the masking contract of `attention` to one integer per query row:
+`limit[b, t] = clip(min(q_positions[b, t] + 1, kv_lengths[b]), 0, S)`; query row t of batch row b
+sees exactly the keys s < limit[b, t]. Padded query rows get limit 0 and so see nothing.
+
+Online softmax state per query row: running max `m` (initialised to the finite DEFAULT_MASK_VALUE,
+not -inf, so that `m_prev - m_next` is never inf - inf), running sum `l` and unnormalised output
+`acc`. Probabilities of invisible keys are zeroed explicitly (not just pushed towards exp(-big)),
+so a row that sees no key keeps l == 0 and its output is defined as zeros.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from spec_jax.kernels.reference import DEFAULT_MASK_VALUE
+
+BACKENDS = ("tpu", "gpu")
+# Head dims the kernels are written for: powers of two (Triton tiles) that fill at least half of
+# the 128 TPU lanes.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Lane width of the lane-replicated [rows, 128] running max / sum scratch on TPU.
+TPU_LANES = 128
+# Largest VMEM working set (blocks double-buffered + scratch) a TPU kernel may ask for: fits every
+# TPU generation's per-core VMEM (64 MiB on the smallest) with room for Mosaic's internal scratch.
+TPU_VMEM_BUDGET_BYTES = 48 * 2**20
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_power_of_2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def tpu_sublanes(dtype) -> int:
+    """Rows per TPU vreg tile: 8 for 32-bit, 16 for packed bfloat16."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_inputs(q, k, v, q_positions, kv_lengths) -> None:
+    """Raises ValueError (at trace time: only static shapes and dtypes are read) on contract violations."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"expected q [B, T, H, D] and k, v [B, S, KVH, D], got q{q.shape} k{k.shape} v{v.shape}"
+        )
+    b, t, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: k{k.shape} v{v.shape}")
+    kb, s, kvh, kd = k.shape
+    if kb != b or kd != d:
+        raise ValueError(f"batch / head dim mismatch: q{q.shape} k{k.shape}")
+    if h % kvh:
+        raise ValueError(f"num query heads {h} is not a multiple of kv heads {kvh}")
+    if q_positions.shape != (b, t):
+        raise ValueError(f"q_positions must be [B, T] = {(b, t)}, got {q_positions.shape}")
+    if kv_lengths.shape != (b,):
+        raise ValueError(f"kv_lengths must be [B] = {(b,)}, got {kv_lengths.shape}")
+    if not (jnp.issubdtype(q_positions.dtype, jnp.integer) and jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
+        raise ValueError(
+            f"q_positions and kv_lengths must be integers, got {q_positions.dtype} and {kv_lengths.dtype}"
+        )
+    if min(b, t, s) < 1:
+        raise ValueError(f"empty input: B={b}, T={t}, S={s}")
+
+
+def check_kernel_inputs(q, k, v) -> None:
+    """The extra restrictions of the Pallas kernels (the XLA reference takes any float dtype / head dim)."""
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head dim {d} is not supported by the Pallas kernels; supported: {SUPPORTED_HEAD_DIMS}"
+        )
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q, k, v must share one dtype out of float32 / bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+
+
+def row_limits(q_positions, kv_lengths, num_keys: int):
+    """[B, T] int32: query (b, t) sees keys s < limit[b, t]."""
+    limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, kv_lengths.astype(jnp.int32)[:, None])
+    return jnp.clip(limit, 0, num_keys)
+
+
+def tpu_compiler_params(dimension_semantics, vmem_bytes: int, what: str):
+    """Mosaic compiler params with a VMEM limit sized to the kernel; ValueError if it cannot fit."""
+    if vmem_bytes > TPU_VMEM_BUDGET_BYTES:
+        raise ValueError(
+            f"{what} needs about {vmem_bytes / 2**20:.1f} MiB of VMEM, more than the "
+            f"{TPU_VMEM_BUDGET_BYTES / 2**20:.0f} MiB budget; use smaller blocks"
+        )
+    limit = int(min(max(2 * vmem_bytes, 32 * 2**20), 64 * 2**20))
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=limit)
+
+
+def tpu_interpret(interpret):
+    """TPU kernels use strided ref loads, which only the TPU interpreter (not interpret=True) models."""
+    return pltpu.InterpretParams() if interpret is True else interpret
+
+
+def dot_precision(dtype):
+    # float32 must not silently drop to TF32 (Triton default) or bf16 passes: the contract is f32 math.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def init_tpu_state(m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.full(m_ref.shape, DEFAULT_MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def tpu_attend_block(
+    q_ref,
+    k_ref,
+    v_ref,
+    limit,
+    kv_start,
+    m_ref,
+    l_ref,
+    acc_ref,
+    kf_ref,
+    vf_ref,
+    *,
+    num_keys: int,
+    scale: float,
+) -> None:
+    """Mosaic: online-softmax update of every kv head's query rows with one block of keys.
+
+    Args:
+      q_ref: [KVH, R, D] the query rows that read each kv head.
+      k_ref, v_ref: [block_k * KVH, D], keys kv_start .. kv_start + block_k with the heads interleaved
+        (row = s * KVH + h): a block of the [B, S * KVH, D] view of the [B, S, KVH, D] cache, so the
+        cache is read in place. Rows at keys >= num_keys (the tail of a partial last block) are garbage.
+      limit: [R, 1] int32, row r sees keys s < limit[r].
+      kv_start: int32 scalar, position of the block's first key.
+      m_ref, l_ref: [KVH, R, 128] f32 lane-replicated running max / sum; acc_ref: [KVH, R, D] f32.
+      kf_ref, vf_ref: [block_k * KVH, D] f32 scratch when the inputs are bfloat16 with KVH > 1, else None.
+    """
+    kvh, rows, _ = q_ref.shape
+    block_k = k_ref.shape[0] // kvh
+    precision = dot_precision(q_ref.dtype)
+    visible = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1) < limit  # [R, block_k]
+    if kf_ref is not None:
+        # Mosaic's strided sublane loads want 32-bit rows; widen the block once for all heads.
+        kf_ref[...] = k_ref[...].astype(jnp.float32)
+        vf_ref[...] = v_ref[...].astype(jnp.float32)
+        k_src, v_src = kf_ref, vf_ref
+    else:
+        k_src, v_src = k_ref, v_ref
+    if num_keys % block_k:
+        # The last block runs past the cache: zero those value rows, since p == 0 times NaN is NaN.
+        in_cache = kv_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < num_keys  # [block_k, 1]
+    for h in range(kvh):
+        rows_h = slice(None) if kvh == 1 else pl.ds(h, block_k, stride=kvh)
+        k = k_src[rows_h, :].astype(q_ref.dtype)  # [block_k, D]; exact: the values came from q's dtype
+        v = v_src[rows_h, :].astype(q_ref.dtype)
+        if num_keys % block_k:
+            v = jnp.where(in_cache, v, jnp.zeros_like(v))
+        s = lax.dot_general(
+            q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+        )  # [R, block_k]
+        s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
+        m_prev = m_ref[h][:, :1]  # [R, 1]
+        l_prev = l_ref[h][:, :1]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_next), 0.0)  # [R, block_k]
+        alpha = jnp.exp(m_prev - m_next)  # [R, 1]
+        pv = lax.dot_general(
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
+        )  # [R, D]
+        acc_ref[h] = alpha * acc_ref[h] + pv
+        m_ref[h] = jnp.broadcast_to(m_next, (rows, TPU_LANES))
+        l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), (rows, TPU_LANES))
+
+
+def gpu_attend_blocks(q, k_ref, v_ref, limit, first_key, num_blocks, *, block_k: int, scale: float):
+    """Triton: online softmax of query rows `q` over `num_blocks` key blocks starting at `first_key`.
+
+    Args:
+      q: [R, D] query rows (input dtype). R and D are powers of two >= 16.
+      k_ref, v_ref: [S, D], the whole key sequence of one (batch row, kv head); reads past S are masked.
+      limit: [R] int32, row r sees keys s < limit[r].
+      first_key: int32 scalar, a multiple of block_k; num_blocks: int32 scalar, data-dependent trip count.
+
+    Returns:
+      (acc [R, D] f32 unnormalised output, m [R] f32 running max, l [R] f32 running sum).
+    """
+    rows, head_dim = q.shape
+    num_keys = k_ref.shape[0]
+    precision = dot_precision(q.dtype)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        start = pl.multiple_of(first_key + j * block_k, block_k)
+        key_pos = start + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        if num_keys % block_k:
+            in_cache = jnp.broadcast_to((key_pos < num_keys)[:, None], (block_k, head_dim))
+            k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=in_cache, other=0.0)
+            v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=in_cache, other=0.0)
+        else:
+            k = k_ref[pl.ds(start, block_k), :]
+            v = v_ref[pl.ds(start, block_k), :]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)  # [R, block_k]
+        visible = key_pos[None, :] < limit[:, None]
+        s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
+        return alpha[:, None] * acc + pv, m_next, alpha * l_prev + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), DEFAULT_MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    return lax.fori_loop(0, num_blocks, body, init)
+
+
+def normalize(acc, row_sum):
+    """acc [..., R, D] / row_sum [..., R, 1]; zeros for rows that saw no key (row_sum == 0)."""
+    return jnp.where(row_sum > 0, acc / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
+
+
+def log_sum_exp(m, row_sum):
+    """Per-row log of the softmax denominator, m + log(row_sum); -inf for rows that saw no key."""
+    return jnp.where(row_sum > 0, m + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), -jnp.inf)
+
+
+def combine_partials(o_parts, lse):
+    """Log-sum-exp merge of softmax partials over key chunks (plain jnp, after the kernel).
+
+    Args:
+      o_parts: [..., C, R, D] f32, each chunk's output normalised by its own sum.
+      lse: [..., C, R] f32, each chunk's log-sum-exp; -inf where the chunk had no visible key.
+
+    Returns:
+      [..., R, D] f32; zeros for rows that saw no key in any chunk.
+    """
+    m = jnp.max(lse, axis=-2, keepdims=True)  # [..., 1, R]
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0))  # [..., C, R]; exp(-inf) = 0 for empty chunks
+    denom = jnp.sum(w, axis=-2)  # [..., R]
+    out = jnp.sum(w[..., None] * o_parts, axis=-3)  # [..., R, D]
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]

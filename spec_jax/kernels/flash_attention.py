@@ -1,0 +1,261 @@
+"""Prefill flash attention in Pallas: causal, grouped-query, ragged, with key-block skipping.
+
+Tiling: queries are cut into blocks of `block_q` rows, keys into blocks of `block_k`. For each
+(batch row, query block) the number of key blocks that can hold a visible key is
+`cdiv(max(limit over the block's rows), block_k)` (see common.row_limits): key blocks wholly beyond
+the row's length or above the causal diagonal of every query in the block are never loaded.
+
+TPU (Mosaic): grid (B, query blocks, key blocks), key axis last and "arbitrary". The per-block key
+block counts are scalar-prefetched into SMEM; the K/V index_map clamps to the last needed block
+(an unchanged block index issues no DMA) and the body is skipped with `pl.when`. One grid step
+handles all heads: the [B, S, KVH, D] cache is viewed (free reshape) as [B, S * KVH, D] and each kv
+head's keys are a stride-KVH sublane load, so the cache is never transposed. Queries are regrouped
+in the wrapper to [B, nq, KVH, G * block_q, D] so that the G query heads sharing a kv head form one
+MXU tile. m / l / acc live in VMEM scratch, initialised and finalised with `pl.when`.
+
+GPU (Triton): grid (query blocks, B, H); each program keeps its [block_q, D] query tile in
+registers and runs `lax.fori_loop` over key blocks with the data-dependent trip count above.
+Loads past S are masked, so the cache is neither padded nor transposed.
+
+S need not be a multiple of block_k (the ragged last block is masked); T is padded to a multiple
+of block_q in the wrapper (padded query rows see no key and are sliced off).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from spec_jax.kernels import common
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashBlockSizes:
+    """Tile sizes of the prefill kernel.
+
+    block_q: query rows per tile (per query head; on TPU the G heads of a kv head are stacked, so
+      the MXU tile has G * block_q rows). block_k: keys per tile.
+    TPU: block_q a multiple of 8 (float32) / 16 (bfloat16), block_k a multiple of 128.
+    GPU: both powers of two >= 16.
+    """
+
+    block_q: int
+    block_k: int
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def default(cls, backend: str, head_dim: int, dtype) -> "FlashBlockSizes":
+        common.check_backend(backend)
+        if backend == "tpu":
+            return cls(block_q=128, block_k=128)
+        # Triton keeps the q tile and two pipeline stages of K and V tiles in shared memory.
+        itemsize = jnp.dtype(dtype).itemsize
+        block_k = max(16, min(64, 2 ** ((16384 // (head_dim * itemsize)).bit_length() - 1)))
+        return cls(block_q=64 if head_dim * itemsize <= 256 else 32, block_k=block_k)
+
+    def check(self, backend: str, dtype) -> None:
+        """Raises ValueError naming the numbers when the blocks do not tile for `backend`."""
+        common.check_backend(backend)
+        if backend == "tpu":
+            sublanes = common.tpu_sublanes(dtype)
+            if self.block_q % sublanes:
+                raise ValueError(
+                    f"TPU block_q={self.block_q} must be a multiple of {sublanes} for {jnp.dtype(dtype).name}"
+                )
+            if self.block_k % 128:
+                raise ValueError(f"TPU block_k={self.block_k} must be a multiple of 128 (lane width)")
+        else:
+            for name in ("block_q", "block_k"):
+                value = getattr(self, name)
+                if value < 16 or not common.is_power_of_2(value):
+                    raise ValueError(f"GPU {name}={value} must be a power of two >= 16 (Triton tiles)")
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret"))
+def flash_attention(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_lengths,
+    *,
+    backend: str,
+    block_sizes: FlashBlockSizes | None = None,
+    interpret=False,
+):
+    """Blocked causal attention for prefill (any T); same contract as `spec_jax.kernels.attention`.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
+      q_positions: [B, T] int; kv_lengths: [B] int.
+      backend: "tpu" (Mosaic) or "gpu" (Triton).
+      block_sizes: FlashBlockSizes; None picks FlashBlockSizes.default(backend, D, dtype).
+      interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
+
+    Returns:
+      [B, T, H, D] in q's dtype.
+    """
+    common.check_backend(backend)
+    common.check_inputs(q, k, v, q_positions, kv_lengths)
+    common.check_kernel_inputs(q, k, v)
+    if block_sizes is None:
+        block_sizes = FlashBlockSizes.default(backend, q.shape[-1], q.dtype)
+    block_sizes.check(backend, q.dtype)
+    limit = common.row_limits(q_positions, kv_lengths, k.shape[1])  # [B, T]
+    if backend == "tpu":
+        return _tpu_flash_attention(q, k, v, limit, block_sizes, common.tpu_interpret(interpret))
+    return _gpu_flash_attention(q, k, v, limit, block_sizes, interpret)
+
+
+# ---------------------------------------------------------------------------------------------- TPU
+
+
+def _tpu_kernel(
+    nblocks_ref,  # SMEM [B * nq] int32: key blocks needed by each (batch row, query block)
+    q_ref,  # [KVH, R, D], R = G * block_q
+    limit_ref,  # [R, 1] int32
+    k_ref,  # [block_k * KVH, D]
+    v_ref,  # [block_k * KVH, D]
+    o_ref,  # [KVH, R, D]
+    m_ref,  # scratch [KVH, R, 128] f32
+    l_ref,  # scratch [KVH, R, 128] f32
+    acc_ref,  # scratch [KVH, R, D] f32
+    *f32_kv_refs,  # scratch [block_k * KVH, D] f32 x2, bfloat16 with KVH > 1 only
+    num_keys: int,
+    scale: float,
+):
+    b, qi, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_k = k_ref.shape[0] // q_ref.shape[0]
+
+    @pl.when(ki == 0)
+    def _init():
+        common.init_tpu_state(m_ref, l_ref, acc_ref)
+
+    @pl.when(ki < nblocks_ref[b * pl.num_programs(1) + qi])
+    def _attend():
+        kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
+        common.tpu_attend_block(
+            q_ref, k_ref, v_ref, limit_ref[...], ki * block_k, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
+            num_keys=num_keys, scale=scale,
+        )  # fmt: skip
+
+    @pl.when(ki == pl.num_programs(2) - 1)
+    def _finalize():
+        o_ref[...] = common.normalize(acc_ref[...], l_ref[:, :, :1]).astype(o_ref.dtype)
+
+
+def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret):
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    block_q = min(block_sizes.block_q, common.round_up(t, common.tpu_sublanes(q.dtype)))
+    # A block may not be larger than the array; a block equal to the full (short) sequence is legal.
+    block_k = block_sizes.block_k if s > block_sizes.block_k else s
+    nq, nk = common.cdiv(t, block_q), common.cdiv(s, block_k)
+    rows = g * block_q
+    t_pad = nq * block_q
+
+    # [B, T, H, D] -> [B, nq, KVH, G * block_q, D]: row g * block_q + i is query i of head (kv, g).
+    q_tiles = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+    q_tiles = (
+        q_tiles.reshape(b, nq, block_q, kvh, g, d).transpose(0, 1, 3, 4, 2, 5).reshape(b, nq, kvh, rows, d)
+    )
+    limit_pad = jnp.pad(limit, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)  # padded rows: 0
+    limit_rows = jnp.broadcast_to(limit_pad, (b, nq, g, block_q)).reshape(b, nq, rows, 1)
+    nblocks = ((jnp.max(limit_pad, axis=(2, 3)) + block_k - 1) // block_k).reshape(b * nq)  # [B * nq]
+    k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
+    v_rows = v.reshape(b, s * kvh, d)
+
+    def kv_index(bi, qi, ki, nblocks_ref):
+        # Past the last needed block, keep pointing at it: same block index -> no new DMA.
+        last = jnp.maximum(nblocks_ref[bi * nq + qi] - 1, 0)
+        return bi, jnp.minimum(ki, last), 0
+
+    upcast = q.dtype == jnp.bfloat16 and kvh > 1
+    scratch = [
+        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
+        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
+        pltpu.VMEM((kvh, rows, d), jnp.float32),
+    ]
+    if upcast:
+        scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
+    itemsize = q.dtype.itemsize
+    vmem = 2 * (2 * kvh * rows * d * itemsize + rows * 128 * 4 + 2 * block_k * kvh * d * itemsize)
+    vmem += kvh * rows * (2 * common.TPU_LANES + d) * 4 + (2 * block_k * kvh * d * 4 if upcast else 0)
+    params = common.tpu_compiler_params(
+        ("parallel", "parallel", "arbitrary"),
+        vmem,
+        f"flash_attention(block_q={block_q}, block_k={block_k}, H={h}, KVH={kvh}, D={d})",
+    )
+    out = pl.pallas_call(
+        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, nq, nk),
+            in_specs=[
+                pl.BlockSpec((None, None, kvh, rows, d), lambda bi, qi, ki, nb: (bi, qi, 0, 0, 0)),
+                pl.BlockSpec((None, None, rows, 1), lambda bi, qi, ki, nb: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, block_k * kvh, d), kv_index),
+                pl.BlockSpec((None, block_k * kvh, d), kv_index),
+            ],
+            out_specs=pl.BlockSpec((None, None, kvh, rows, d), lambda bi, qi, ki, nb: (bi, qi, 0, 0, 0)),
+            scratch_shapes=scratch,
+        ),
+        out_shape=jax.ShapeDtypeStruct((b, nq, kvh, rows, d), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="flash_attention_tpu",
+    )(nblocks, q_tiles, limit_rows, k_rows, v_rows)
+    out = out.reshape(b, nq, kvh, g, block_q, d).transpose(0, 1, 4, 2, 3, 5).reshape(b, t_pad, h, d)
+    return out[:, :t]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_kernel(q_ref, k_ref, v_ref, limit_ref, o_ref, *, block_k: int, scale: float):
+    # q_ref [block_q, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [block_q].
+    limit = limit_ref[...]
+    # Key blocks past every row's limit (ragged length or causal diagonal) are never visited.
+    num_blocks = lax.div(jnp.max(limit) + (block_k - 1), block_k)
+    acc, _, row_sum = common.gpu_attend_blocks(
+        q_ref[...], k_ref, v_ref, limit, 0, num_blocks, block_k=block_k, scale=scale
+    )
+    o_ref[...] = common.normalize(acc, row_sum[:, None]).astype(o_ref.dtype)
+
+
+def _gpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret):
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    block_q = min(block_sizes.block_q, max(16, common.next_power_of_2(t)))
+    nq = common.cdiv(t, block_q)
+    t_pad = nq * block_q
+    q_pad = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+    limit_pad = jnp.pad(limit, ((0, 0), (0, t_pad - t)))  # padded rows: limit 0
+    out = pl.pallas_call(
+        functools.partial(_gpu_kernel, block_k=block_sizes.block_k, scale=d**-0.5),
+        grid=(nq, b, h),
+        in_specs=[
+            pl.BlockSpec((None, block_q, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
+            pl.BlockSpec((None, s, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
+            pl.BlockSpec((None, s, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
+            pl.BlockSpec((None, block_q), lambda qi, bi, hi: (bi, qi)),
+        ],
+        out_specs=pl.BlockSpec((None, block_q, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
+        interpret=interpret,
+        name="flash_attention_gpu",
+    )(q_pad, k, v, limit_pad)
+    return out[:, :t]

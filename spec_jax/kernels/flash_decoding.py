@@ -1,0 +1,284 @@
+"""Flash-decoding in Pallas: few queries (decode T=1, verification T=gamma+1) against a long cache.
+
+With T * H query rows there is too little work per batch row to fill a chip by tiling queries, so
+the key sequence is split instead: `num_splits` chunks of `blocks_per_split * block_k` keys are a
+parallel grid axis; each chunk produces a partial output normalised by its own softmax sum plus its
+log-sum-exp, and the chunks are merged with a log-sum-exp reduction in plain jnp after the kernel
+(common.combine_partials). The T queries and the G = H / KVH query heads that share a kv head are
+folded into one [T * G, D] query tile, so each K/V block is read once per kv head, not once per
+query head or per query. Every query row sees keys s < limit[row] (common.row_limits); key blocks
+at or past the largest limit of a batch row are skipped, whole chunks included.
+
+TPU (Mosaic): grid (B, num_splits, blocks_per_split), the last axis "arbitrary". The number of
+needed key blocks per batch row is scalar-prefetched; the K/V index_map clamps to the last needed
+block (no DMA for skipped blocks) and `pl.when` skips the body. All kv heads are handled per grid
+step from the [B, S * KVH, D] view of the cache (stride-KVH sublane loads per head, see
+common.tpu_attend_block); m / l / acc are VMEM scratch.
+
+GPU (Triton): grid (B, KVH, num_splits); each program loops (`lax.fori_loop`, data-dependent trip
+count) over the key blocks of its chunk that are below the row's largest limit.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from spec_jax.kernels import common
+
+# GPU split heuristic: aim for this many programs (B * KVH * num_splits), ~2 per SM of an H100.
+_GPU_TARGET_PROGRAMS = 264
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Tiling of the flash-decoding kernel; None fields are picked per backend by `resolve`.
+
+    block_k: keys per tile. TPU: a multiple of 128. GPU: a power of two >= 16.
+    num_splits: key-sequence chunks processed in parallel (upper bound: never more than the number
+      of key blocks). TPU default: 2 when B == 1 (both TensorCores of a megacore chip get work),
+      else 1. GPU default: enough to give ~264 programs.
+    """
+
+    block_k: int | None = None
+    num_splits: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_k", "num_splits"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def resolve(self, backend: str, batch: int, num_kv_heads: int, num_keys: int, head_dim: int, dtype):
+        """Returns (block_k, num_splits, blocks_per_split), checked; ValueError naming the numbers."""
+        common.check_backend(backend)
+        itemsize = jnp.dtype(dtype).itemsize
+        block_k = self.block_k
+        if backend == "tpu":
+            if block_k is None:
+                # 512 keys, but at most 4096 interleaved K rows per block (VMEM).
+                block_k = max(128, min(512, 4096 // num_kv_heads // 128 * 128))
+            if block_k % 128:
+                raise ValueError(f"TPU block_k={block_k} must be a multiple of 128 (lane width)")
+            # A block may not be larger than the array; one block equal to the whole cache is legal.
+            block_k = min(block_k, num_keys)
+        else:
+            if block_k is None:
+                # Two pipeline stages of K and V tiles within ~128 KiB of shared memory.
+                block_k = max(16, min(128, 2 ** ((32768 // (head_dim * itemsize)).bit_length() - 1)))
+            if block_k < 16 or not common.is_power_of_2(block_k):
+                raise ValueError(f"GPU block_k={block_k} must be a power of two >= 16 (Triton tiles)")
+        num_blocks = common.cdiv(num_keys, block_k)
+        num_splits = self.num_splits
+        if num_splits is None:
+            if backend == "tpu":
+                num_splits = 2 if batch == 1 else 1
+            else:
+                num_splits = common.cdiv(_GPU_TARGET_PROGRAMS, batch * num_kv_heads)
+        blocks_per_split = common.cdiv(num_blocks, min(num_splits, num_blocks))
+        # Recount so that no chunk starts past the cache.
+        return block_k, common.cdiv(num_blocks, blocks_per_split), blocks_per_split
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret"))
+def flash_decoding(
+    q,
+    k,
+    v,
+    q_positions,
+    kv_lengths,
+    *,
+    backend: str,
+    block_sizes: DecodeBlockSizes | None = None,
+    interpret=False,
+):
+    """Split-K attention for small T; same contract as `spec_jax.kernels.attention`.
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
+      q_positions: [B, T] int; kv_lengths: [B] int.
+      backend: "tpu" (Mosaic) or "gpu" (Triton).
+      block_sizes: DecodeBlockSizes; None means DecodeBlockSizes() (all defaults).
+      interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
+
+    Returns:
+      [B, T, H, D] in q's dtype. Any T works, but the folded [T * H / KVH, D] query tile is meant to
+      be small (the dispatcher sends T <= 16 here).
+    """
+    common.check_backend(backend)
+    common.check_inputs(q, k, v, q_positions, kv_lengths)
+    common.check_kernel_inputs(q, k, v)
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    tiling = (block_sizes or DecodeBlockSizes()).resolve(backend, b, kvh, s, d, q.dtype)
+    limit = common.row_limits(q_positions, kv_lengths, s)  # [B, T]
+    g = h // kvh
+    rows = (
+        common.round_up(t * g, common.tpu_sublanes(q.dtype))
+        if backend == "tpu"
+        else max(16, common.next_power_of_2(t * g))
+    )
+    # Fold: [B, T, H, D] -> [B, KVH, R, D] with row t * G + g; padded rows have limit 0.
+    q_rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
+    limit_rows = jnp.pad(jnp.repeat(limit, g, axis=1), ((0, 0), (0, rows - t * g)))  # [B, R]
+    if backend == "tpu":
+        o_parts, lse = _tpu_partials(q_rows, k, v, limit_rows, *tiling, common.tpu_interpret(interpret))
+    else:
+        o_parts, lse = _gpu_partials(q_rows, k, v, limit_rows, *tiling, interpret)
+    out = common.combine_partials(o_parts, lse)  # [B, KVH, R, D] f32
+    out = out[:, :, : t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    return out.astype(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- TPU
+
+
+def _tpu_kernel(
+    nblocks_ref,  # SMEM [B] int32: key blocks holding a visible key, per batch row
+    q_ref,  # [KVH, R, D]
+    limit_ref,  # [R, 1] int32
+    k_ref,  # [block_k * KVH, D]
+    v_ref,  # [block_k * KVH, D]
+    o_ref,  # [KVH, R, D] f32, this chunk's normalised output
+    lse_ref,  # [KVH, R, 128] f32, this chunk's log-sum-exp (lane-replicated)
+    m_ref,  # scratch [KVH, R, 128] f32
+    l_ref,  # scratch [KVH, R, 128] f32
+    acc_ref,  # scratch [KVH, R, D] f32
+    *f32_kv_refs,  # scratch [block_k * KVH, D] f32 x2, bfloat16 with KVH > 1 only
+    num_keys: int,
+    scale: float,
+):
+    b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    block_k = k_ref.shape[0] // q_ref.shape[0]
+    block = split * pl.num_programs(2) + j
+
+    @pl.when(j == 0)
+    def _init():
+        common.init_tpu_state(m_ref, l_ref, acc_ref)
+
+    @pl.when(block < nblocks_ref[b])
+    def _attend():
+        kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
+        common.tpu_attend_block(
+            q_ref, k_ref, v_ref, limit_ref[...], block * block_k, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
+            num_keys=num_keys, scale=scale,
+        )  # fmt: skip
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _finalize():
+        row_sum = l_ref[...]
+        o_ref[...] = common.normalize(acc_ref[...], row_sum[:, :, :1])
+        lse_ref[...] = common.log_sum_exp(m_ref[...], row_sum)
+
+
+def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_split, interpret):
+    """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
+    b, kvh, rows, d = q_rows.shape
+    s = k.shape[1]
+    nblocks = (jnp.max(limit_rows, axis=1) + block_k - 1) // block_k  # [B]
+    k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
+    v_rows = v.reshape(b, s * kvh, d)
+
+    def kv_index(bi, split, j, nblocks_ref):
+        # Past the last needed block, keep pointing at it: same block index -> no new DMA.
+        last = jnp.maximum(nblocks_ref[bi] - 1, 0)
+        return bi, jnp.minimum(split * blocks_per_split + j, last), 0
+
+    upcast = q_rows.dtype == jnp.bfloat16 and kvh > 1
+    scratch = [
+        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
+        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
+        pltpu.VMEM((kvh, rows, d), jnp.float32),
+    ]
+    if upcast:
+        scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
+    itemsize = q_rows.dtype.itemsize
+    vmem = 2 * (kvh * rows * d * itemsize + rows * 128 * 4 + 2 * block_k * kvh * d * itemsize)
+    vmem += 2 * kvh * rows * (d + common.TPU_LANES) * 4  # outputs
+    vmem += kvh * rows * (2 * common.TPU_LANES + d) * 4 + (2 * block_k * kvh * d * 4 if upcast else 0)
+    params = common.tpu_compiler_params(
+        ("parallel", "parallel", "arbitrary"),
+        vmem,
+        f"flash_decoding(block_k={block_k}, KVH={kvh}, rows={rows})",
+    )
+    o_parts, lse = pl.pallas_call(
+        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(b, num_splits, blocks_per_split),
+            in_specs=[
+                pl.BlockSpec((None, kvh, rows, d), lambda bi, c, j, nb: (bi, 0, 0, 0)),
+                pl.BlockSpec((None, rows, 1), lambda bi, c, j, nb: (bi, 0, 0)),
+                pl.BlockSpec((None, block_k * kvh, d), kv_index),
+                pl.BlockSpec((None, block_k * kvh, d), kv_index),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, kvh, rows, d), lambda bi, c, j, nb: (bi, c, 0, 0, 0)),
+                pl.BlockSpec(
+                    (None, None, kvh, rows, common.TPU_LANES), lambda bi, c, j, nb: (bi, c, 0, 0, 0)
+                ),
+            ],
+            scratch_shapes=scratch,
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((b, num_splits, kvh, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, num_splits, kvh, rows, common.TPU_LANES), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="flash_decoding_tpu",
+    )(nblocks, q_rows, limit_rows[:, :, None], k_rows, v_rows)
+    return o_parts.transpose(0, 2, 1, 3, 4), lse[..., 0].transpose(0, 2, 1, 3)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_kernel(
+    q_ref, k_ref, v_ref, limit_ref, o_ref, lse_ref, *, block_k: int, blocks_per_split: int, scale: float
+):
+    # q_ref [R, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [R];
+    # o_ref [R, D] f32 and lse_ref [R] f32 of this chunk.
+    limit = limit_ref[...]
+    first_key = pl.program_id(2) * (blocks_per_split * block_k)
+    # Blocks of this chunk below the largest limit; 0 for chunks past the row's length.
+    todo = lax.div(jnp.max(limit) - first_key + (block_k - 1), block_k)
+    num_blocks = jnp.clip(todo, 0, blocks_per_split)
+    acc, m, row_sum = common.gpu_attend_blocks(
+        q_ref[...], k_ref, v_ref, limit, first_key, num_blocks, block_k=block_k, scale=scale
+    )
+    o_ref[...] = common.normalize(acc, row_sum[:, None])
+    lse_ref[...] = common.log_sum_exp(m, row_sum)
+
+
+def _gpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_split, interpret):
+    """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
+    b, kvh, rows, d = q_rows.shape
+    s = k.shape[1]
+    return pl.pallas_call(
+        functools.partial(_gpu_kernel, block_k=block_k, blocks_per_split=blocks_per_split, scale=d**-0.5),
+        grid=(b, kvh, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda bi, hi, c: (bi, hi, 0, 0)),
+            pl.BlockSpec((None, s, None, d), lambda bi, hi, c: (bi, 0, hi, 0)),
+            pl.BlockSpec((None, s, None, d), lambda bi, hi, c: (bi, 0, hi, 0)),
+            pl.BlockSpec((None, rows), lambda bi, hi, c: (bi, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, d), lambda bi, hi, c: (bi, hi, c, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda bi, hi, c: (bi, hi, c, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, kvh, num_splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kvh, num_splits, rows), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="flash_decoding_gpu",
+    )(q_rows, k, v, limit_rows)
