@@ -4,7 +4,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: demo test lint
+.PHONY: demo test test-slow lint
 
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,5 +18,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The whole suite except tests marked slow (the Qwen-size downloads and logit checks).
 test: lint
-	$(VENV)/bin/python -m pytest -q -n 2 --durations=15
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 -m "not slow"
+
+# The slow tests alone: downloads the Qwen pair (1.6 GB) once, then checks it (about 10 minutes).
+test-slow: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m slow --durations=15

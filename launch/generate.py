@@ -18,8 +18,10 @@ from launch import common
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("target", "random", "Target model name (see models.known_models()).")
-flags.DEFINE_string("draft", "random-draft", "Draft model name, or 'none' for plain autoregressive decoding.")
+flags.DEFINE_string("target", "qwen2.5-coder-1.5b", "Target model name (see models.known_models()).")
+flags.DEFINE_string(
+    "draft", "qwen2.5-coder-0.5b", "Draft model name, or 'none' for plain autoregressive decoding."
+)
 flags.DEFINE_integer("gamma", 4, "Draft tokens per round.", lower_bound=1)
 flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
 flags.DEFINE_integer("top_k", 0, "Keep the k most probable tokens (0 = off).", lower_bound=0)

@@ -11,9 +11,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*args, module="launch.generate"):
+    """Runs the CLI on the random presets (later flags override), so no download is needed."""
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    models = ["--target=random", "--draft=random-draft"] if module == "launch.generate" else []
     return subprocess.run(
-        [sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+        [sys.executable, "-m", module, *models, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
     )
 
 
@@ -59,6 +66,14 @@ def test_generate_runs_and_writes_json(tmp_path):
     assert len(report["outputs"]) == 2
     assert report["identical_to_autoregressive"] is True
     assert "acceptance rate" in result.stdout and "speedup" in result.stdout
+
+
+def test_draft_with_another_tokenizer_is_refused():
+    """SmolLM2 (49k vocabulary) cannot draft for a random 512-token model, nor Qwen for SmolLM2."""
+    result = run_cli("--target=random", "--draft=smollm2-135m")
+    assert result.returncode == 2
+    assert "do not share a tokenizer and vocabulary" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_bad_prompts_file_line_is_reported_with_its_number(tmp_path):

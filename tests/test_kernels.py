@@ -378,3 +378,26 @@ def test_dispatcher_routes_on_num_queries(monkeypatch, impl):
         ("decoding", kernels.DECODE_MAX_QUERIES, backend),
         ("attention", kernels.DECODE_MAX_QUERIES + 1, backend),
     ]
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_greedy_speculative_decoding_is_identical_with_each_impl(impl):
+    """The whole loop (prefill, draft steps, verification) under a Pallas impl in interpret mode."""
+    import dataclasses
+
+    import models
+    import spec_jax
+
+    target = models.random_model(
+        vocab_size=64, num_layers=1, d_model=128, num_heads=2, num_kv_heads=1, seed=0
+    )
+    draft = models.random_model(vocab_size=64, num_layers=1, d_model=128, num_heads=2, num_kv_heads=1, seed=1)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    kwargs = dict(draft=draft, gamma=3, max_new_tokens=7, temperature=0.0)
+    expected = spec_jax.generate(target, prompts, **kwargs).tokens
+
+    def with_impl(m):
+        return m.replace(config=dataclasses.replace(m.config, attention_impl=impl, attention_interpret=True))
+
+    kwargs["draft"] = with_impl(draft)
+    assert spec_jax.generate(with_impl(target), prompts, **kwargs).tokens == expected
