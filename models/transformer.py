@@ -5,6 +5,8 @@ goes in and comes out; nothing is mutable. The same call does prefill (T = promp
 decode (T = 1), draft steps and verification (T = gamma + 1).
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -134,14 +136,20 @@ class Transformer(nn.Module):
         x = embed(tokens_bt)
         # Contiguous positions per row: the last query bounds what this call may read.
         kv_lengths_b = positions_bt[:, -1] + 1
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-        )(cfg, name="layers")
-        (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b)
+        if cfg.scan_layers:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+            )(cfg, name="layers")
+            (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b)
+        else:
+            for i in range(cfg.num_layers):
+                (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")(
+                    (x, cache), i, positions_bt, kv_lengths_b
+                )
         x = RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="final_norm")(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
@@ -158,6 +166,23 @@ class Transformer(nn.Module):
                     name="lm_head",
                 )(x)
         return logits.astype(jnp.float32), cache
+
+
+def unstack_layers(params, num_layers: int):
+    """Stacked layout (layers/... with a leading L axis) -> layers_0 .. layers_{L-1}."""
+    params = dict(params)
+    stacked = params.pop("layers")
+    for i in range(num_layers):
+        params[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+    return params
+
+
+def stack_layers(params, num_layers: int):
+    """layers_0 .. layers_{L-1} -> the stacked layout."""
+    params = dict(params)
+    per_layer = [params.pop(f"layers_{i}") for i in range(num_layers)]
+    params["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+    return params
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
@@ -192,6 +217,7 @@ def init_params(config: ModelConfig, seed: int = 0):
     variance 1/fan_in, norms are ones, biases small.
     """
     rng = np.random.default_rng(seed)
+    stacked_config = dataclasses.replace(config, scan_layers=True)  # same draws in either layout
     fan_in = {"wo": config.num_heads * config.head_dim, "w_down": config.mlp_dim}
 
     def leaf(path, spec):
@@ -206,4 +232,5 @@ def init_params(config: ModelConfig, seed: int = 0):
             value = rng.standard_normal(spec.shape) / np.sqrt(fan_in.get(name, config.d_model))
         return jnp.asarray(value, spec.dtype)
 
-    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config))
+    params = jax.tree_util.tree_map_with_path(leaf, param_shapes(stacked_config))
+    return params if config.scan_layers else unstack_layers(params, config.num_layers)

@@ -11,7 +11,10 @@ def perturbed(model: models.Model, scale: float, seed: int) -> models.Model:
     """The same architecture with noise added to every weight: a draft that mostly agrees."""
     leaves, treedef = jax.tree.flatten(model.params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    noisy = [
+        x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys, strict=True)
+    ]
     return model.replace(params=jax.tree.unflatten(treedef, noisy))
 
 
