@@ -40,13 +40,24 @@ flags.DEFINE_string("output_dir", "benchmarks/results", "Where the .md and .json
 
 def timed(fn, repeats: int) -> dict:
     """Runs fn once to warm up, then `repeats` times; returns median/min/max seconds."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return timed_interleaved({"fn": fn}, repeats)["fn"]
+
+
+def timed_interleaved(fns: dict, repeats: int) -> dict:
+    """Warms each variant up, then times them in turn, round-robin, so that load from other
+    work on a shared machine falls on all variants alike. Returns {name: median/min/max}."""
+    for fn in fns.values():
         jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times), "repeats": repeats}
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return {
+        name: {"median": statistics.median(t), "min": min(t), "max": max(t), "repeats": repeats}
+        for name, t in times.items()
+    }
 
 
 def machine() -> dict:
@@ -100,10 +111,15 @@ def suite_loop(model, prompts) -> list[dict]:
             state = step(model.params, state, inputs.eos_id)
         return state
 
-    prefill_only = timed(lambda: prefill(model.params, inputs), FLAGS.repeats)
+    variants = {
+        "compiled lax.while_loop": compiled_loop,
+        "python loop of jitted step": python_loop,
+        "prefill alone": lambda: prefill(model.params, inputs),
+    }
+    results = timed_interleaved(variants, FLAGS.repeats)
+    prefill_only = results.pop("prefill alone")
     rows = []
-    for name, fn in (("compiled lax.while_loop", compiled_loop), ("python loop of jitted step", python_loop)):
-        t = timed(fn, FLAGS.repeats)
+    for name, t in results.items():
         steps = n - 1  # tokens after the first, which prefill draws
         per_token = (t["median"] - prefill_only["median"]) / steps
         rows.append(
@@ -136,8 +152,10 @@ def suite_overhead(model, prompts) -> list[dict]:
     ar = lambda: spec_jax.generate(model, prompts, **kwargs)  # noqa: E731
     spec = lambda: spec_jax.generate(model, prompts, draft=model, gamma=gamma, **kwargs)  # noqa: E731
     ar(), spec()  # compile
-    ar_runs = [ar().stats for _ in range(FLAGS.repeats)]
-    spec_runs = [spec().stats for _ in range(FLAGS.repeats)]
+    ar_runs, spec_runs = [], []
+    for _ in range(FLAGS.repeats):  # interleaved, so machine load falls on both alike
+        ar_runs.append(ar().stats)
+        spec_runs.append(spec().stats)
 
     # The model calls of one round (drafter: one T=2 call and gamma - 1 T=1 calls; target: one
     # T=gamma+1 call), alone, compiled in a fori_loop so per-call dispatch is not counted.
