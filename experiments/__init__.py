@@ -1,0 +1,35 @@
+"""Reproductions of the paper's tables and figures, each runnable by name.
+
+An experiment is one module that defines
+
+  TITLE: str                      one line, the heading of its Markdown output
+  get_config(quick: bool) -> ml_collections.ConfigDict
+                                  quick = small sample counts, for the test suite
+  validate(config) -> None        raises ValueError("<config key>: ...") on bad values
+  run(config) -> experiments.framework.Result
+
+plus one line in EXPERIMENTS below. `experiments.framework.run_experiment(name, ...)` (and
+`python -m launch.experiment --experiment=NAME`) runs it and writes NAME.csv, NAME.md,
+NAME.json and, when the experiment draws one, NAME.png into experiments/results/.
+"""
+
+import importlib
+import types
+
+# name -> module. Adding an experiment: write the module, add its line here.
+EXPERIMENTS = {
+    "table1": "experiments.table1",
+    "theory_vs_simulation": "experiments.theory_vs_simulation",
+}
+
+
+def names() -> list[str]:
+    """The registered experiment names, sorted."""
+    return sorted(EXPERIMENTS)
+
+
+def load(name: str) -> types.ModuleType:
+    """The module of experiment `name`; ValueError listing the known names if there is none."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; known experiments: {', '.join(names())}")
+    return importlib.import_module(EXPERIMENTS[name])

@@ -1,0 +1,316 @@
+"""Running a registered experiment and writing its outputs with their provenance.
+
+Each run writes, into one directory (default experiments/results/):
+  NAME.csv   the data: a header row, then one row per result; nothing else, so any CSV reader
+             takes it as is.
+  NAME.json  the sidecar: provenance (command line, git revision, machine), the config, and
+             the experiment's summary numbers. The CSV's provenance lives here.
+  NAME.md    the same provenance as a header, then the experiment's own tables and reading.
+  NAME.png   the plot, for experiments that draw one.
+All files are first written to temporary names in the same directory and only renamed into
+place once every one of them is complete, so a failure leaves no half-written output.
+"""
+
+import csv
+import dataclasses
+import datetime
+import io
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+
+import experiments
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Result:
+    """What an experiment's run(config) returns; the framework turns it into files.
+
+    columns/rows: the CSV (rows are sequences in column order). markdown: the body of the
+    .md after the provenance header. summary: JSON-able key numbers, stored in the sidecar.
+    figure: a matplotlib Figure saved as NAME.png, or None. passed: the experiment's own
+    check (e.g. "every cell reproduced"), or None if it has none.
+    """
+
+    columns: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    markdown: str
+    summary: dict
+    figure: Any = None
+    passed: bool | None = None
+
+
+def git_revision(repo_root: str = REPO_ROOT) -> tuple[str, bool | None]:
+    """(commit hash of HEAD or "unknown", whether tracked files differ from it or None)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo_root, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return "unknown", None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+        return head.stdout.strip(), dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def machine_description() -> dict:
+    """Platform, CPU model and count, Python, jax/jaxlib versions, backend and devices."""
+    import jax
+    import jaxlib
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
+def provenance(command: str) -> dict:
+    """The provenance block every output carries: command, git revision, machine, date."""
+    revision, dirty = git_revision()
+    return {
+        "command": command,
+        "git_revision": revision,
+        "git_dirty": dirty,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "machine": machine_description(),
+    }
+
+
+def make_config(
+    name: str, *, quick: bool = False, overrides: dict | None = None
+) -> ml_collections.ConfigDict:
+    """The experiment's (quick or full) config with overrides applied, validated.
+
+    Raises ValueError for an unknown name, an override key the config does not have, or a
+    value the experiment's validate() rejects (the message starts with the key).
+    """
+    module = experiments.load(name)
+    config = module.get_config(quick)
+    for key, value in (overrides or {}).items():
+        if key not in config:
+            raise ValueError(
+                f"{key}: does not apply to experiment {name} (its settings: {', '.join(sorted(config.keys()))})"
+            )
+        config[key] = value
+    module.validate(config)
+    return config
+
+
+def parse_setting(config: ml_collections.ConfigDict, key: str, text: str):
+    """The command-line text for config[key], cast to the type of its current value.
+
+    Tuples take comma-separated items of their first item's type; bools take true/false.
+    Raises ValueError starting with the key if the config has no such key or the text
+    does not parse.
+    """
+    if key not in config:
+        raise ValueError(
+            f"{key}: not a setting of this experiment (its settings: {', '.join(sorted(config.keys()))})"
+        )
+    current = config[key]
+
+    def cast(kind, item: str):
+        if kind is bool:
+            if item.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return item.lower() in ("true", "1", "yes")
+            raise ValueError(item)
+        return kind(item)
+
+    kind = type(current[0]) if isinstance(current, tuple | list) and current else type(current)
+    if current is None:
+        kind = str
+    try:
+        if isinstance(current, tuple | list):
+            return tuple(cast(kind, item.strip()) for item in text.split(",") if item.strip())
+        return cast(kind, text)
+    except ValueError:
+        raise ValueError(f"{key}: {text!r} is not a valid {kind.__name__}") from None
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table; cells are written with str()."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _csv_cell(value):
+    if hasattr(value, "item"):  # NumPy scalars
+        value = value.item()
+    return repr(value) if isinstance(value, float) else value
+
+
+def _csv_text(columns, rows) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(columns)
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"a CSV row has {len(row)} cells for {len(columns)} columns")
+        writer.writerow([_csv_cell(v) for v in row])
+    return buffer.getvalue()
+
+
+def _markdown_text(name, title, prov, config, seconds, result, has_plot) -> str:
+    m = prov["machine"]
+    dirty = {True: " (with uncommitted changes)", False: "", None: ""}[prov["git_dirty"]]
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(config.to_dict().items()))
+    header = [
+        f"# {name}: {title}",
+        "",
+        f"- command: `{prov['command']}`",
+        f"- git revision: `{prov['git_revision']}`{dirty}",
+        f"- machine: {m['platform']}, {m['cpu_model']}, {m['cpu_count']} CPUs; Python {m['python']}",
+        f"- jax {m['jax']} (jaxlib {m['jaxlib']}), backend {m['backend']}, devices: {', '.join(m['devices'])}",
+        f"- date (UTC): {prov['date_utc']}; wall time {seconds:.1f} s",
+        f"- config: {settings}",
+        f"- files: `{name}.csv` (data), `{name}.json` (provenance, config, summary)"
+        + (f", `{name}.png` (plot)" if has_plot else ""),
+        "",
+    ]
+    body = result.markdown.rstrip() + "\n"
+    if has_plot:
+        body += f"\n![{name}]({name}.png)\n"
+    return "\n".join(header) + "\n" + body
+
+
+def write_files_atomic(directory: str, writers: dict[str, Callable[[str], None]]) -> dict[str, str]:
+    """Calls writers[filename](temporary path) for each file, then renames all into directory.
+
+    Nothing is renamed until every writer has succeeded; on failure the temporaries are
+    removed and earlier outputs stay as they were. Returns {filename: final path}.
+    """
+    temporaries = {}
+    try:
+        for filename, write in writers.items():
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".tmp-{filename}-")
+            os.close(fd)
+            temporaries[filename] = tmp
+            write(tmp)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would survive the rename
+        paths = {}
+        for filename, tmp in temporaries.items():
+            paths[filename] = os.path.join(directory, filename)
+            os.replace(tmp, paths[filename])
+        return paths
+    finally:
+        for tmp in temporaries.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _text_writer(text: str) -> Callable[[str], None]:
+    def write(path):
+        with open(path, "w") as f:
+            f.write(text)
+
+    return write
+
+
+def prepare_output_dir(output_dir: str | None) -> str:
+    """The absolute output directory (default experiments/results/), created if missing.
+
+    Raises ValueError("output_dir: ...") if it cannot be created or written.
+    """
+    directory = os.path.abspath(output_dir or RESULTS_DIR)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output_dir: cannot create {directory} ({e.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"output_dir: {directory} is not writable")
+    return directory
+
+
+def run_experiment(
+    name: str,
+    *,
+    quick: bool = False,
+    overrides: dict | None = None,
+    output_dir: str | None = None,
+    command: str | None = None,
+) -> tuple[Result, dict[str, str]]:
+    """Runs experiment `name` and writes its outputs; returns (result, {filename: path}).
+
+    output_dir defaults to experiments/results/ and is created if missing. command is the
+    command line recorded in the provenance (default: this process's argv).
+    """
+    config = make_config(name, quick=quick, overrides=overrides)
+    module = experiments.load(name)
+    directory = prepare_output_dir(output_dir)
+
+    prov = provenance(
+        command if command is not None else shlex.join([os.path.basename(sys.executable), *sys.argv])
+    )
+    start = time.perf_counter()
+    result = module.run(config)
+    seconds = time.perf_counter() - start
+
+    has_plot = result.figure is not None
+    sidecar = {
+        "experiment": name,
+        "title": module.TITLE,
+        "quick": quick,
+        "provenance": prov,
+        "wall_seconds": seconds,
+        "config": config.to_dict(),
+        "passed": result.passed,
+        "summary": result.summary,
+        "columns": list(result.columns),
+    }
+    writers = {
+        f"{name}.csv": _text_writer(_csv_text(result.columns, result.rows)),
+        f"{name}.json": _text_writer(json.dumps(sidecar, indent=2, default=_json_default) + "\n"),
+        f"{name}.md": _text_writer(
+            _markdown_text(name, module.TITLE, prov, config, seconds, result, has_plot)
+        ),
+    }
+    if has_plot:
+        writers[f"{name}.png"] = lambda path: result.figure.savefig(path, format="png", dpi=120)
+    return result, write_files_atomic(directory, writers)
+
+
+def _json_default(value):
+    if hasattr(value, "tolist"):  # NumPy arrays and scalars
+        return value.tolist()
+    if isinstance(value, tuple | set):
+        return list(value)
+    raise TypeError(f"not JSON-serializable: {type(value).__name__}")

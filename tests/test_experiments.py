@@ -1,0 +1,258 @@
+"""The experiments: quick modes end to end, the simulation's check (and that it can fail), the CLI."""
+
+import csv
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import experiments
+import spec_jax.verify
+from experiments import framework
+from experiments import theory_vs_simulation as tvs
+from experiments.table1 import PUBLISHED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROVENANCE_LINES = (
+    "- command: ",
+    "- git revision: ",
+    "- machine: ",
+    "- jax ",
+    "- date (UTC): ",
+    "- config: ",
+)
+
+
+def run_cli(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "launch.experiment", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+
+
+def assert_provenance(markdown: str, sidecar: dict, command: str):
+    header = markdown.split("\n\n", 2)[1]  # the bullet block after the title
+    for prefix in PROVENANCE_LINES:
+        assert any(line.startswith(prefix) for line in header.splitlines()), prefix
+    assert f"- command: `{command}`" in header
+    prov = sidecar["provenance"]
+    assert prov["command"] == command
+    assert prov["git_revision"] == "unknown" or len(prov["git_revision"]) == 40
+    assert prov["git_revision"] in header
+    assert prov["machine"]["cpu_count"] == os.cpu_count()
+    assert prov["machine"]["jax"] == jax.__version__
+    assert prov["machine"]["devices"] == [str(d) for d in jax.devices()]
+
+
+def read_csv(path):
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return rows
+
+
+def test_every_registered_experiment_has_the_interface_and_valid_quick_and_full_configs():
+    assert {"table1", "theory_vs_simulation"} <= set(experiments.names())
+    for name in experiments.names():
+        module = experiments.load(name)
+        assert isinstance(module.TITLE, str) and callable(module.run)
+        for quick in (True, False):
+            module.validate(module.get_config(quick))
+    with pytest.raises(ValueError, match="known experiments: table1, theory_vs_simulation"):
+        experiments.load("table2")
+
+
+def test_table1_quick_writes_csv_md_json_with_provenance_and_reproduces_every_cell(tmp_path):
+    result, paths = framework.run_experiment(
+        "table1", quick=True, output_dir=str(tmp_path), command="cmd table1"
+    )
+    assert sorted(paths) == ["table1.csv", "table1.json", "table1.md"]  # no plot for a table
+    assert sorted(os.listdir(tmp_path)) == sorted(paths)  # and no temporaries left behind
+    assert result.passed is True
+    rows = read_csv(paths["table1.csv"])
+    assert [(float(r["alpha"]), int(r["gamma"])) for r in rows] == [(a, g) for a, g, _, _ in PUBLISHED]
+    for row, (_, _, ops, speed) in zip(rows, PUBLISHED, strict=True):
+        assert f"{float(row['operations_factor']):.2f}" == f"{ops:.2f}"
+        assert f"{float(row['walltime_speedup']):.2f}" == f"{speed:.2f}"
+        assert row["operations_match"] == row["walltime_match"] == "True"
+        assert float(row["c"]) == float(row["c_hat"]) == 0.0
+    markdown = pathlib.Path(paths["table1.md"]).read_text()
+    sidecar = json.loads(pathlib.Path(paths["table1.json"]).read_text())
+    assert_provenance(markdown, sidecar, "cmd table1")
+    assert "12 of 12 published cells reproduced" in markdown
+    assert "c = 0" in markdown and "c_hat = 0" in markdown
+
+
+def test_table1_check_fails_when_the_draft_is_not_free(tmp_path):
+    result, _ = framework.run_experiment(
+        "table1", overrides={"c": 0.01, "c_hat": 0.01}, output_dir=str(tmp_path)
+    )
+    assert result.passed is False
+    assert "NOT all of them" in result.markdown
+
+
+def test_theory_vs_simulation_quick_writes_outputs_and_matches_theory_within_1_percent(tmp_path):
+    config = tvs.get_config(quick=True)
+    # The quick sample size supports the 1% check: 1% is >= 4 standard errors in every cell.
+    assert config.tolerance == 0.01
+    result, paths = framework.run_experiment(
+        "theory_vs_simulation", quick=True, output_dir=str(tmp_path), command="cmd tvs"
+    )
+    assert sorted(paths) == sorted(f"theory_vs_simulation.{ext}" for ext in ("csv", "json", "md", "png"))
+    assert sorted(os.listdir(tmp_path)) == sorted(paths)
+
+    rows = read_csv(paths["theory_vs_simulation.csv"])
+    assert len(rows) == len(config.alphas) * len(config.gammas)
+    assert {(float(r["alpha"]), int(r["gamma"])) for r in rows} == {
+        (a, g) for a in config.alphas for g in config.gammas
+    }
+    for row in rows:
+        assert int(row["rounds"]) >= config.num_rounds
+        assert float(row["overlap_max_deviation"]) < 1e-6  # alpha is what the cell claims
+        expected, measured = float(row["expected_tokens"]), float(row["measured_tokens"])
+        assert abs(measured / expected - 1) <= 0.01, row
+        assert float(row["std_error"]) / expected <= 0.01 / 4, row
+    assert result.passed is True and not result.summary["failing_cells"]
+
+    markdown = pathlib.Path(paths["theory_vs_simulation.md"]).read_text()
+    sidecar = json.loads(pathlib.Path(paths["theory_vs_simulation.json"]).read_text())
+    assert_provenance(markdown, sidecar, "cmd tvs")
+    assert "![theory_vs_simulation](theory_vs_simulation.png)" in markdown
+    assert sidecar["config"]["num_rounds"] == config.num_rounds and sidecar["passed"] is True
+    assert pathlib.Path(paths["theory_vs_simulation.png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _real_verify():
+    return spec_jax.verify.verify
+
+
+def _make_broken(kind, real):
+    def two_tests(drafts, q, p, key):  # accepts only if two independent uniforms both accept
+        first, token = real(drafts, q, p, key)
+        second, _ = real(drafts, q, p, jax.random.fold_in(key, 1))
+        return jnp.minimum(first, second), token
+
+    def always_accepts(drafts, q, p, key):
+        _, token = real(drafts, q, p, key)
+        return jnp.full((drafts.shape[0],), drafts.shape[1], jnp.int32), token
+
+    def off_by_one(drafts, q, p, key):  # judges draft i by the target's distribution at i + 1
+        return real(drafts, q, jnp.roll(p, -1, axis=1), key)
+
+    return {"two_tests": two_tests, "always_accepts": always_accepts, "off_by_one": off_by_one}[kind]
+
+
+@pytest.mark.parametrize("kind", ["two_tests", "always_accepts", "off_by_one"])
+def test_a_broken_rule_fails_the_same_check(kind, monkeypatch):
+    # Patch the module attribute: the experiment must be calling spec_jax.verify.verify, or
+    # the broken rule would not be what runs and this test would fail.
+    monkeypatch.setattr(spec_jax.verify, "verify", _make_broken(kind, _real_verify()))
+    # Quick settings (same rounds, same 1% tolerance) at one gamma to keep the compile short;
+    # gamma 3 is in the quick grid, where the real rule passes (test above).
+    config = framework.make_config("theory_vs_simulation", quick=True, overrides={"gammas": (3,)})
+    cells = tvs.simulate(config)
+    failures = tvs.failing_cells(cells, config.tolerance)
+    assert failures, [c["relative_error"] for c in cells]
+    assert max(abs(c["relative_error"]) for c in cells) > 3 * config.tolerance  # not a near miss
+
+
+def test_distributions_have_the_prescribed_overlap_and_exercise_the_uniform():
+    rng = np.random.default_rng(0)
+    for alpha in (0.0, 0.3, 0.5, 0.95, 1.0):
+        p, q = tvs.distributions_with_overlap(rng, alpha, num_positions=6, vocab_size=8)  # [6, 8] each
+        assert np.all(p >= 0) and np.all(q >= 0)
+        np.testing.assert_allclose(p.sum(-1), 1.0, atol=1e-12)
+        np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-12)
+        np.testing.assert_allclose(np.minimum(p, q).sum(-1), alpha, atol=1e-12)
+        if 0.0 < alpha < 1.0:
+            ratio = p[q > 0] / q[q > 0]
+            assert np.any((ratio > 0.05) & (ratio < 0.95))  # acceptance depends on u there
+            assert np.any(ratio > 1.0)
+            assert not np.allclose(p[0], p[1])  # every position has its own distributions
+
+
+def test_writes_are_atomic_a_failing_writer_leaves_old_outputs_and_no_temporaries(tmp_path):
+    (tmp_path / "a.txt").write_text("old a")
+
+    def write_a(path):
+        with open(path, "w") as f:
+            f.write("new a")
+
+    def fail(path):
+        with open(path, "w") as f:
+            f.write("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        framework.write_files_atomic(str(tmp_path), {"a.txt": write_a, "b.txt": fail})
+    assert sorted(os.listdir(tmp_path)) == ["a.txt"]
+    assert (tmp_path / "a.txt").read_text() == "old a"
+
+    framework.write_files_atomic(str(tmp_path), {"a.txt": write_a})
+    assert (tmp_path / "a.txt").read_text() == "new a"
+
+
+def test_git_revision_is_unknown_outside_a_checkout(tmp_path):
+    assert framework.git_revision(str(tmp_path)) == ("unknown", None)
+    revision, _ = framework.git_revision()
+    assert revision == "unknown" or len(revision) == 40
+
+
+def test_overrides_are_validated_by_the_experiment():
+    with pytest.raises(ValueError, match=r"^alphas: .*\[0, 1\]"):
+        framework.make_config("theory_vs_simulation", overrides={"alphas": (0.5, 1.2)})
+    with pytest.raises(ValueError, match=r"^gammas: .*integer"):
+        framework.make_config("theory_vs_simulation", overrides={"gammas": (0,)})
+    with pytest.raises(ValueError, match=r"^alphas: does not apply to experiment table1"):
+        framework.make_config("table1", overrides={"alphas": (0.5,)})
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--experiment=table2"], "known: table1, theory_vs_simulation"),
+        ([], "--experiment"),
+        (
+            ["--experiment=theory_vs_simulation", "--alphas=0.5,1.5"],
+            "--alphas: each alpha must be in [0, 1], got 1.5",
+        ),
+        (["--experiment=theory_vs_simulation", "--alphas=-0.1"], "--alphas"),
+        (["--experiment=theory_vs_simulation", "--alphas=high"], "--alphas: 'high' is not a number"),
+        (["--experiment=theory_vs_simulation", "--gammas=0"], "--gammas: each gamma must be an integer >= 1"),
+        (["--experiment=theory_vs_simulation", "--gammas=1,2.5"], "--gammas: '2.5' is not an integer"),
+        (["--experiment=table1", "--gammas=3"], "--gammas: does not apply to experiment table1"),
+        (["--experiment=table1", "--output_dir=/dev/null/x"], "--output_dir"),
+        (["--experiment=table1", "--set=c=-1"], "--set c: must be a number >= 0"),
+        (["--experiment=table1", "--set=c=abc"], "--set c: 'abc' is not a valid float"),
+        (["--experiment=theory_vs_simulation", "--set=no_such_key=1"], "--set no_such_key: not a setting"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_runs_an_experiment_into_output_dir(tmp_path):
+    result = run_cli("--experiment=table1", "--quick", f"--output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["table1.csv", "table1.json", "table1.md"]
+    sidecar = json.loads((tmp_path / "table1.json").read_text())
+    assert (
+        sidecar["provenance"]["command"]
+        == f"python -m launch.experiment --experiment=table1 --quick --output_dir={tmp_path}"
+    )
+    assert sidecar["passed"] is True
