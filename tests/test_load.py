@@ -1,0 +1,54 @@
+"""models.load and the two layer layouts."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import models
+import spec_jax
+
+
+def test_unknown_model_name_lists_the_known_ones():
+    with pytest.raises(ValueError) as info:
+        models.load("gpt-5")
+    message = str(info.value)
+    for name in ("random", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"):
+        assert name in message
+
+
+def test_bad_dtype_is_refused():
+    with pytest.raises(ValueError, match="dtype"):
+        models.load("random", dtype="float16")
+
+
+def test_scanned_and_unrolled_layers_give_identical_outputs():
+    scanned = models.random_model(vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2)
+    unrolled = models.random_model(
+        vocab_size=64, num_layers=3, d_model=32, num_heads=4, num_kv_heads=2, scan_layers=False
+    )
+    assert "layers" in scanned.params and "layers_2" in unrolled.params
+    stacked_back = models.stack_layers(unrolled.params, 3)
+    assert all(
+        bool(jnp.all(a == b))
+        for a, b in zip(
+            jax.tree.leaves(stacked_back),
+            jax.tree.leaves(scanned.params),
+            strict=True,
+        )
+    )
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    kwargs = dict(draft=scanned, gamma=3, max_new_tokens=9, temperature=1.0, seed=2)
+    a = spec_jax.generate(scanned, prompts, **kwargs)
+    b = spec_jax.generate(unrolled, prompts, **{**kwargs, "draft": unrolled})
+    assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])
+def test_real_model_drafting_for_itself_accepts_everything(name):
+    model = models.load(name, progress=False, scan_layers=True)  # scanned: compiles in seconds
+    prompt = model.tokenizer.encode("def add(a, b):\n    return")
+    gen = spec_jax.generate(model, [prompt], draft=model, gamma=4, max_new_tokens=16, temperature=0.0)
+    assert gen.stats["acceptance_rate"] == 1.0
+    assert gen.stats["mean_accepted_length"] == 5.0
+    ar = spec_jax.generate(model, [prompt], max_new_tokens=16, temperature=0.0)
+    assert gen.tokens == ar.tokens
