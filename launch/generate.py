@@ -3,13 +3,24 @@
 Examples:
   python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
   python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
+  python -m launch.generate --mesh=data:2,model:4 ...             # tensor + data parallel
+  python -m launch.generate --mesh=auto --distributed ...           # every host of a Cloud TPU pod
+  python -m launch.generate --mesh=data:2,model:4 --coordinator_address=10.0.0.2:8476 \
+      --num_processes=2 --process_id=0 ...                          # one process per host
+
+Multi-host: every process runs the same command (only --process_id differs, or nothing on a
+Cloud TPU VM, where jax.distributed.initialize() finds its peers); only process 0 prints and
+writes --output_json.
 
 Bad flags and bad input exit with code 2 and one line on stderr.
 """
 
+import builtins
 import dataclasses
 import json
 import os
+import socket
+import time
 
 import numpy as np
 from absl import flags
@@ -39,6 +50,23 @@ flags.DEFINE_bool(
 flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")
 flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see spec_jax.kernels.IMPLS).")
+
+flags.DEFINE_string(
+    "mesh", None, "Device mesh, e.g. 'data:2,model:4' or 'auto' (all devices on model); unset: one device."
+)
+flags.DEFINE_bool(
+    "distributed",
+    False,
+    "Call jax.distributed.initialize() (auto-detects peers on Cloud TPU VMs); implied by the next three flags.",
+)
+flags.DEFINE_string("coordinator_address", None, "Multi-host: HOST:PORT of process 0's coordinator.")
+flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes (one per host).", lower_bound=1)
+flags.DEFINE_integer(
+    "process_id", None, "Multi-host: this process's index in [0, num_processes).", lower_bound=0
+)
+flags.DEFINE_integer(
+    "initialization_timeout", 300, "Seconds to wait for the coordinator and every process.", lower_bound=1
+)
 
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
 
@@ -70,6 +98,61 @@ def read_prompts() -> list[str]:
     return prompts
 
 
+def _parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise common.UsageError(f"--coordinator_address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _wait_for_coordinator(host: str, port: int, timeout: float) -> None:
+    """Polls the coordinator's port until it accepts a connection; UsageError after timeout.
+
+    jax.distributed.initialize aborts the process (no exception) when the coordinator never
+    answers, so a non-zero process checks reachability itself first, within the same timeout.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(
+                (host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))
+            ):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise common.UsageError(
+                    f"coordinator {host}:{port} unreachable after {timeout} s ({e.strerror or e}); "
+                    "is process 0 running, and is --coordinator_address its address?"
+                ) from None
+            time.sleep(0.2)
+
+
+def init_distributed() -> None:
+    """jax.distributed.initialize from the flags (a no-op without any of them)."""
+    explicit = [FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id]
+    if not FLAGS.distributed and all(v is None for v in explicit):
+        return
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts; other backends ignore it
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise common.UsageError("--coordinator_address, --num_processes and --process_id go together")
+        if FLAGS.process_id >= FLAGS.num_processes:
+            raise common.UsageError(
+                f"--process_id={FLAGS.process_id} must be below --num_processes={FLAGS.num_processes}"
+            )
+        host, port = _parse_address(FLAGS.coordinator_address)
+        if FLAGS.process_id != 0:
+            _wait_for_coordinator(host, port, FLAGS.initialization_timeout)
+    jax.distributed.initialize(
+        coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id,
+        initialization_timeout=FLAGS.initialization_timeout,
+    )
+
+
 def load_model(name: str):
     import models
 
@@ -78,7 +161,7 @@ def load_model(name: str):
     return model.replace(config=config)
 
 
-def run_batches(target, draft, token_prompts, eos_id):
+def run_batches(target, draft, token_prompts, eos_id, mesh=None):
     """Decodes in batches of --batch_size (a smaller last batch compiles its own loop)."""
     import spec_jax
 
@@ -97,6 +180,7 @@ def run_batches(target, draft, token_prompts, eos_id):
             top_p=FLAGS.top_p,
             seed=FLAGS.seed,
             eos_id=eos_id,
+            mesh=mesh,
         )
         outputs.extend(gen.tokens)
         stats.append(gen.stats)
@@ -126,12 +210,25 @@ def summarize(stats: list[dict]) -> dict:
 def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from spec_jax import kernels
+    init_distributed()  # before anything touches a jax backend
+    import jax
+
+    from spec_jax import kernels, sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
+    mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     prompts = read_prompts()
     target = load_model(FLAGS.target)
     draft = None if FLAGS.draft == "none" else load_model(FLAGS.draft)
+    if mesh is not None:  # placed once here; generate then uses the arrays as they are
+        target = sharding.place(target, mesh)
+        draft = None if draft is None else sharding.place(draft, mesh)
+    main_process = jax.process_index() == 0
+
+    def print(*args, **kwargs):  # noqa: A001 - only process 0 prints
+        if main_process:
+            builtins.print(*args, **kwargs)
+
     tokenizer = target.tokenizer
     if draft is not None and draft.tokenizer is not None and tokenizer is not None:
         probe = "def main():\n    return 'héllo'  # 123"
@@ -145,12 +242,13 @@ def main(argv):
     token_prompts = [tokenizer.encode(p) for p in prompts]
     eos_id = getattr(tokenizer, "eos_id", None)
 
-    tokens, stats = run_batches(target, draft, token_prompts, eos_id)
+    tokens, stats = run_batches(target, draft, token_prompts, eos_id, mesh)
     report = {
         "target": FLAGS.target,
         "draft": FLAGS.draft,
         "gamma": FLAGS.gamma,
         "temperature": FLAGS.temperature,
+        "mesh": FLAGS.mesh,
         "stats": stats,
         "outputs": [],
     }
@@ -174,7 +272,7 @@ def main(argv):
 
     show("speculative" if draft is not None else "autoregressive", stats)
     if FLAGS.compare_autoregressive and draft is not None:
-        ar_tokens, ar_stats = run_batches(target, None, token_prompts, eos_id)
+        ar_tokens, ar_stats = run_batches(target, None, token_prompts, eos_id, mesh)
         speedup = stats["tokens_per_second"] / ar_stats["tokens_per_second"]
         identical = ar_tokens == tokens
         show("autoregressive", ar_stats)
@@ -183,7 +281,7 @@ def main(argv):
             + ("" if FLAGS.temperature == 0 else " (expected only at temperature 0)")
         )
         report.update(autoregressive_stats=ar_stats, speedup=speedup, identical_to_autoregressive=identical)
-    if FLAGS.output_json:
+    if FLAGS.output_json and main_process:
         common.write_json_atomic(FLAGS.output_json, report)
 
 

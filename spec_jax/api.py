@@ -1,6 +1,7 @@
 """`spec_jax.generate`: the one entry point for autoregressive and speculative decoding."""
 
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax import sharding
 from spec_jax.decode import (
     ARStatic,
     PrefillInputs,
@@ -24,10 +26,15 @@ from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
 @dataclasses.dataclass
 class Generation:
-    """tokens: the new tokens of each prompt (EOS included when hit); stats: metrics and timings."""
+    """tokens: the new tokens of each prompt (EOS included when hit); stats: metrics and timings.
+
+    state: on a mesh, the final loop state as device arrays (caches included), so its
+    shardings can be inspected; None otherwise.
+    """
 
     tokens: list[list[int]]
     stats: dict[str, Any]
+    state: Any = None
 
 
 def _validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
@@ -78,6 +85,18 @@ def as_drafter(draft):
     return draft, getattr(draft, "arrays", None)
 
 
+def _mark_padding_done(prefill_fn, static, *args):
+    """prefill_fn(static, *args[:-1]) with the rows where args[-1] (active [B]) is False marked
+    done: rows added only to fill the data axis then never run a round or count in the metrics."""
+    *args, active = args
+    state = prefill_fn(static, *args)
+    return state.replace(out=state.out.replace(done=state.out.done | ~active))
+
+
+def _shardings_of(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
 def generate(
     target,
     prompts,
@@ -90,6 +109,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     eos_id: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Generation:
     """Generates up to max_new_tokens after each prompt, speculatively when a draft is given.
 
@@ -101,6 +121,12 @@ def generate(
       temperature, top_k, top_p: the warp, applied identically to target and draft.
       seed: row b's randomness depends on (seed, b) only.
       eos_id: a row stops after generating it.
+      mesh: None (one device) or a Mesh with axes ("data", "model") (spec_jax.sharding.make_mesh):
+        both models and both caches are sharded by spec_jax.sharding's rule table and the loop
+        runs under one jit with explicit in/out shardings. The batch is padded to a multiple of
+        the data axis with rows that are done from the start. Place models once with
+        spec_jax.sharding.place(model, mesh); unplaced models are placed on first use and cached.
+        Tokens equal the unsharded run's (up to float reassociation in the sharded matmuls).
 
     Returns:
       Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics (for
@@ -111,6 +137,10 @@ def generate(
     drafter, draft_params = (None, None) if draft is None else as_drafter(draft)
     _validate(target, prompts, drafter, gamma, max_new_tokens, eos_id)
 
+    num_rows = len(prompts)
+    if mesh is not None:
+        sharding.check_mesh(mesh)
+        prompts = list(prompts) + [prompts[0]] * (-num_rows % mesh.shape[sharding.DATA])
     longest = max(len(p) for p in prompts)
     width = min(bucket_length(longest), max(longest, target.config.max_seq_len - max_new_tokens))
     extra = 0 if drafter is None else gamma
@@ -122,37 +152,79 @@ def generate(
         eos_id=jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
         key=jax.random.key(seed),
     )
+    target_params = target.params
+    sharded = {}  # extra compiled() arguments on a mesh
+    if mesh is not None:
+        batch = len(prompts)
+        target_params = sharding.placed_params(target, mesh)
+        if isinstance(drafter, ModelDrafter):
+            draft_params = sharding.placed_params(draft, mesh)
+        elif draft_params is not None:  # other drafters' arrays (tables): replicated
+            draft_params = sharding.put(
+                draft_params, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params)
+            )
+        inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
+        active = sharding.put(np.arange(batch) < num_rows, sharding.batch_sharding(mesh, 1))
+
+    def compile_prefill(name, fn, static, args):
+        if mesh is None:
+            return compiled(name, fn, static, args)
+        fn, args = functools.partial(_mark_padding_done, fn), (*args, active)
+        state_shape = jax.eval_shape(functools.partial(fn, static), *args)
+        sharded["state"] = sharding.state_shardings(state_shape, mesh, batch)
+        return compiled(
+            name + "_sharded",
+            fn,
+            static,
+            args,
+            in_shardings=_shardings_of(args),
+            out_shardings=sharded["state"],
+        )
+
+    def compile_loop(name, fn, static, args, state_arg):
+        if mesh is None:
+            return compiled(name, fn, static, args, donate_argnums=(state_arg,))
+        in_shardings = _shardings_of(args)
+        return compiled(
+            name,
+            fn,
+            static,
+            args,
+            donate_argnums=(state_arg,),
+            in_shardings=in_shardings,
+            out_shardings=in_shardings[state_arg],
+        )
 
     if drafter is None:
         static = ARStatic(target.config, sampling, max_new_tokens, cache_len)
-        prefill_fn, c1 = compiled("ar_prefill", ar_prefill, static, (target.params, inputs))
+        prefill_args = (target_params, inputs) + (() if mesh is None else (active,))
+        prefill_fn, c1 = compile_prefill("ar_prefill", ar_prefill, static, (target_params, inputs))
         start = time.perf_counter()
-        state = jax.block_until_ready(prefill_fn(target.params, inputs))
+        state = jax.block_until_ready(prefill_fn(*prefill_args))
         prefill_s = time.perf_counter() - start
-        loop_fn, c2 = compiled(
-            "ar_loop", ar_loop, static, (target.params, state, inputs.eos_id), donate_argnums=(1,)
-        )
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop_fn(target.params, state, inputs.eos_id))
-        decode_s = time.perf_counter() - start
-        stats = {"target_calls": int(state.steps) + 1, "draft_calls": 0}
-    else:
-        static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
-        prefill_fn, c1 = compiled("spec_prefill", spec_prefill, static, (target.params, draft_params, inputs))
-        start = time.perf_counter()
-        state = jax.block_until_ready(prefill_fn(target.params, draft_params, inputs))
-        prefill_s = time.perf_counter() - start
-        args = (target.params, draft_params, state, inputs.eos_id)
-        loop_fn, c2 = compiled("spec_loop", spec_loop, static, args, donate_argnums=(2,))
+        args = (target_params, state, inputs.eos_id)
+        loop_fn, c2 = compile_loop("ar_loop", ar_loop, static, args, 1)
         start = time.perf_counter()
         state = jax.block_until_ready(loop_fn(*args))
         decode_s = time.perf_counter() - start
-        stats = state.metrics.to_dict()
+        stats = {"target_calls": int(sharding.fetch(state.steps)) + 1, "draft_calls": 0}
+    else:
+        static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
+        prefill_args = (target_params, draft_params, inputs)
+        prefill_fn, c1 = compile_prefill("spec_prefill", spec_prefill, static, prefill_args)
+        start = time.perf_counter()
+        state = jax.block_until_ready(prefill_fn(*prefill_args, *(() if mesh is None else (active,))))
+        prefill_s = time.perf_counter() - start
+        args = (target_params, draft_params, state, inputs.eos_id)
+        loop_fn, c2 = compile_loop("spec_loop", spec_loop, static, args, 2)
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop_fn(*args))
+        decode_s = time.perf_counter() - start
+        stats = sharding.fetch(state.metrics).to_dict()
 
-    counts = np.asarray(state.out.num_generated)
-    out = np.asarray(state.out.tokens)
-    new_tokens = [out[i, : counts[i]].tolist() for i in range(len(prompts))]
-    total = int(counts.sum())
+    out, counts = sharding.fetch((state.out.tokens, state.out.num_generated))
+    new_tokens = [out[i, : counts[i]].tolist() for i in range(num_rows)]
+    total = int(counts[:num_rows].sum())
     stats.update(
         compile_seconds=c1 + c2,
         prefill_seconds=prefill_s,
@@ -160,4 +232,4 @@ def generate(
         num_new_tokens=total,
         tokens_per_second=total / (prefill_s + decode_s),
     )
-    return Generation(tokens=new_tokens, stats=stats)
+    return Generation(tokens=new_tokens, stats=stats, state=None if mesh is None else state)

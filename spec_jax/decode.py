@@ -36,18 +36,41 @@ def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def compiled(name: str, fn: Callable, static: Hashable, args: tuple, donate_argnums=()) -> tuple[Any, float]:
+def compiled(
+    name: str,
+    fn: Callable,
+    static: Hashable,
+    args: tuple,
+    donate_argnums=(),
+    in_shardings=None,
+    out_shardings=None,
+) -> tuple[Any, float]:
     """Returns (executable, compile_seconds) for fn(static, *args), compiling once per shape.
 
-    The key is the static configuration plus the shapes, dtypes and shardings of args, so
-    a new prompt in the same bucket reuses the executable (compile_seconds = 0).
+    The key is the static configuration plus the shapes, dtypes and shardings of args (and
+    the requested out_shardings), so a new prompt in the same bucket reuses the executable
+    (compile_seconds = 0). in_shardings / out_shardings (pytrees of jax.sharding.Sharding
+    matching args / the result) are passed to jax.jit when given: the sharded loop.
     """
     leaves, treedef = jax.tree.flatten(args)
-    key = (name, static, treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    out_key = None if out_shardings is None else jax.tree.flatten(out_shardings)
+    out_key = out_key and (tuple(out_key[0]), out_key[1])
+    key = (
+        name,
+        static,
+        treedef,
+        tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves),
+        out_key,
+    )
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
     start = time.perf_counter()
-    jitted = jax.jit(functools.partial(fn, static), donate_argnums=donate_argnums)
+    shardings = {}
+    if in_shardings is not None:
+        shardings["in_shardings"] = tuple(in_shardings)
+    if out_shardings is not None:
+        shardings["out_shardings"] = out_shardings
+    jitted = jax.jit(functools.partial(fn, static), donate_argnums=donate_argnums, **shardings)
     executable = jitted.lower(*args).compile()
     _EXECUTABLES[key] = executable
     return executable, time.perf_counter() - start

@@ -1,0 +1,115 @@
+"""Cloud TPU VMs (single host or pod slice): create, copy + install, run on every worker, delete.
+
+  python -m launch.tpu create --name=spec --zone=us-central2-b --accelerator_type=v4-32
+  python -m launch.tpu setup  --name=spec --zone=us-central2-b
+  python -m launch.tpu run    --name=spec --zone=us-central2-b \\
+      --command="python -m launch.generate --mesh=auto --distributed --target=random --draft=random-draft"
+  python -m launch.tpu delete --name=spec --zone=us-central2-b
+
+Every command is a `gcloud compute tpus tpu-vm ...` call with `--worker=all` where it touches
+the workers, so a pod slice runs the same thing on each host (launch.generate then calls
+jax.distributed.initialize(), which finds its peers on a TPU VM). `--dry_run` prints the
+exact commands instead of running them. See docs/pods.md.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+
+from absl import flags
+
+from launch import common
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("name", None, "TPU VM (or pod slice) name.")
+flags.DEFINE_string("zone", None, "Zone, e.g. us-central2-b.")
+flags.DEFINE_string("project", None, "Google Cloud project (default: gcloud's configured project).")
+flags.DEFINE_string("accelerator_type", "v4-8", "Accelerator type for create, e.g. v4-32, v5litepod-16.")
+flags.DEFINE_string("runtime_version", "tpu-ubuntu2204-base", "TPU VM software version for create.")
+flags.DEFINE_string("command", None, "For run: the shell command every worker runs from the code directory.")
+flags.DEFINE_string(
+    "remote_dir", "spec-jax", "Code directory on each worker, relative to the home directory."
+)
+flags.DEFINE_bool("dry_run", False, "Print the gcloud commands instead of running them.")
+
+SUBCOMMANDS = ("create", "setup", "run", "delete")
+# What setup copies: the packages and the install files (not .venv, caches or results).
+CODE_PATHS = ("setup.py", "constraints.txt", "pyproject.toml", "spec_jax", "models", "experiments", "launch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _common() -> list[str]:
+    return [f"--zone={FLAGS.zone}"] + ([f"--project={FLAGS.project}"] if FLAGS.project else [])
+
+
+def _ssh(command: str) -> list[str]:
+    base = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", FLAGS.name, *_common(), "--worker=all"]
+    return base + [f"--command={command}"]
+
+
+def commands(subcommand: str) -> list[list[str]]:
+    """The gcloud argv lists that a subcommand runs, in order."""
+    vm = ["gcloud", "compute", "tpus", "tpu-vm"]
+    if subcommand == "create":
+        return [
+            vm
+            + [
+                "create",
+                FLAGS.name,
+                *_common(),
+                f"--accelerator-type={FLAGS.accelerator_type}",
+                f"--version={FLAGS.runtime_version}",
+            ]
+        ]
+    if subcommand == "delete":
+        return [vm + ["delete", FLAGS.name, *_common(), "--quiet"]]
+    remote = shlex.quote(FLAGS.remote_dir)
+    if subcommand == "setup":
+        sources = [p for p in CODE_PATHS if os.path.exists(os.path.join(ROOT, p))]
+        install = (
+            f"cd {remote} && python3 -m pip install -c constraints.txt -e . "
+            "&& python3 -m pip install -c constraints.txt 'jax[tpu]'"
+        )
+        return [
+            _ssh(f"mkdir -p {remote}"),
+            vm
+            + ["scp", "--recurse", *sources, f"{FLAGS.name}:{FLAGS.remote_dir}/", *_common(), "--worker=all"],
+            _ssh(install),
+        ]
+    if subcommand == "run":
+        return [_ssh(f"cd {remote} && {FLAGS.command}")]
+    raise AssertionError(subcommand)
+
+
+def main(argv):
+    if len(argv) != 2 or argv[1] not in SUBCOMMANDS:
+        raise common.UsageError(f"expected one subcommand, one of {', '.join(SUBCOMMANDS)}; got {argv[1:]}")
+    subcommand = argv[1]
+    for flag in ("name", "zone"):
+        if not FLAGS[flag].value:
+            raise common.UsageError(f"--{flag} is required")
+    if subcommand == "run" and not FLAGS.command:
+        raise common.UsageError(
+            "run needs --command, e.g. --command='python -m launch.generate --mesh=auto ...'"
+        )
+    argvs = commands(subcommand)
+    if FLAGS.dry_run:
+        for cmd in argvs:
+            print(shlex.join(cmd))
+        return
+    if shutil.which("gcloud") is None:
+        raise common.UsageError(
+            "gcloud not found on PATH: install the Google Cloud CLI (https://cloud.google.com/sdk/docs/install) "
+            "or pass --dry_run to print the commands"
+        )
+    for cmd in argvs:
+        print(f"+ {shlex.join(cmd)}", flush=True)
+        result = subprocess.run(cmd, cwd=ROOT)
+        if result.returncode:
+            raise SystemExit(result.returncode)
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,285 @@
+"""Meshes, logical axes and placement: the same loop on one device, 8 CPU devices or a pod.
+
+Every parameter and cache array carries logical axis names; one rule table maps them to the
+two mesh axes, `data` (batch) and `model` (tensor parallelism, Megatron style):
+
+  logical axis   mesh axis   what it shards
+  batch          data        rows of the batch (inputs, loop state, KV caches)
+  heads          model       wq, bq column-parallel; wo row-parallel (its reduction dim)
+  kv_heads       model       wk, wv, bk, bv column-parallel; the KV cache
+  mlp            model       w_gate, w_up column-parallel; w_down row-parallel
+  vocab          model       embedding rows (vocab-parallel) and lm_head columns (logits)
+  embed, head_dim, layers, seq   -   replicated
+
+So a layer costs two all-reduces of [B, T, D] activations (after wo and after w_down), the
+Megatron pattern; the logits are vocab-sharded until sampling gathers them.
+
+Divisibility rule: a dimension the mesh axis does not divide is REPLICATED along that axis,
+never an error, because it is what serving engines do for GQA models whose kv heads are
+fewer than the tensor-parallel degree (Qwen2.5 has 2 kv heads: with model=4 wk/wv and the KV
+cache are replicated over `model` and each device keeps the full cache of its batch rows).
+The same rule covers query heads (Qwen2.5-0.5B has 14, the 1.5B 12): with model=4 the 1.5B
+shards its attention and the 0.5B replicates wq/bq/wo; with model=8 both replicate their
+attention weights and shard only the MLP and the vocabulary. Replication costs memory and
+redundant attention FLOPs, never correctness. `describe(config, mesh)` lists what is
+replicated for a given mesh.
+
+Multi-host: arrays are built with `jax.make_array_from_callback` from host values that every
+process holds identically (same seed, same prompts), so `place` and `put` work the same in one
+process and in many; `fetch` gathers results onto every host.
+"""
+
+import weakref
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = "data"
+MODEL = "model"
+MESH_AXES = (DATA, MODEL)
+
+# Logical axis -> mesh axis (None: replicated).
+RULES = {
+    "batch": DATA,
+    "heads": MODEL,
+    "kv_heads": MODEL,
+    "mlp": MODEL,
+    "vocab": MODEL,
+    "embed": None,
+    "head_dim": None,
+    "layers": None,
+    "seq": None,
+}
+
+# Per-layer parameter leaves (the layout documented on models.config.ModelConfig).
+_LAYER_AXES = {
+    ("attn_norm", "scale"): ("embed",),
+    ("mlp_norm", "scale"): ("embed",),
+    ("attn", "wq"): ("embed", "heads", "head_dim"),
+    ("attn", "bq"): ("heads", "head_dim"),
+    ("attn", "wk"): ("embed", "kv_heads", "head_dim"),
+    ("attn", "wv"): ("embed", "kv_heads", "head_dim"),
+    ("attn", "bk"): ("kv_heads", "head_dim"),
+    ("attn", "bv"): ("kv_heads", "head_dim"),
+    ("attn", "wo"): ("heads", "head_dim", "embed"),
+    ("mlp", "w_gate"): ("embed", "mlp"),
+    ("mlp", "w_up"): ("embed", "mlp"),
+    ("mlp", "w_down"): ("mlp", "embed"),
+}
+_TOP_AXES = {
+    ("embed", "embedding"): ("vocab", "embed"),
+    ("final_norm", "scale"): ("embed",),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v [L, B, S, KVH, Dh]
+
+
+def make_mesh(spec: str | None, devices=None) -> Mesh:
+    """A Mesh with axes ("data", "model") from a flag string.
+
+    spec: "data:2,model:4" (a missing axis has size 1; the order of the entries does not
+    matter), "auto" (every device on `model`), or None / "" (one device). Uses the first
+    data*model of `devices` (default jax.devices(), global over all processes). ValueError on a
+    malformed spec or one that needs more devices than exist.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = {DATA: 1, MODEL: 1}
+    spec = (spec or "").strip()
+    if spec == "auto":
+        sizes[MODEL] = len(devices)
+    elif spec:
+        seen = set()
+        for part in spec.split(","):
+            name, sep, size = part.strip().partition(":")
+            name = name.strip()
+            if not sep or name not in sizes or not size.strip().isdigit() or int(size) < 1:
+                raise ValueError(
+                    f"malformed mesh {spec!r}: expected comma-separated AXIS:SIZE entries with AXIS in "
+                    f"{MESH_AXES} and SIZE a positive integer, e.g. 'data:2,model:4', or 'auto'"
+                )
+            if name in seen:
+                raise ValueError(f"malformed mesh {spec!r}: axis {name!r} given twice")
+            seen.add(name)
+            sizes[name] = int(size)
+    needed = sizes[DATA] * sizes[MODEL]
+    if needed > len(devices):
+        raise ValueError(f"mesh {spec!r} needs {needed} devices but only {len(devices)} exist")
+    if jax.process_count() > 1 and needed != len(devices):
+        raise ValueError(
+            f"mesh {spec!r} uses {needed} of {len(devices)} devices; with {jax.process_count()} "
+            "processes the mesh must cover every device"
+        )
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((sizes[DATA], sizes[MODEL]), MESH_AXES, axis_types=auto, devices=devices[:needed])
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """ValueError unless mesh has exactly the axes ("data", "model")."""
+    if not isinstance(mesh, Mesh) or set(mesh.axis_names) != set(MESH_AXES):
+        names = getattr(mesh, "axis_names", None)
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {MESH_AXES}, got axes {names}")
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def param_logical_axes(params):
+    """The logical axis names of every parameter leaf: a pytree of tuples matching params.
+
+    Works for both layouts: stacked (`layers/...`, leading "layers" axis) and per-layer
+    (`layers_0/...`). KeyError on a leaf this table does not know.
+    """
+
+    def axes(path, leaf):
+        keys = _keys(path)
+        if keys[0] == "layers":
+            names = ("layers",) + _LAYER_AXES[keys[-2:]]
+        elif keys[0].startswith("layers_"):
+            names = _LAYER_AXES[keys[-2:]]
+        else:
+            names = _TOP_AXES[keys[-2:]]
+        if len(names) != np.ndim(leaf):
+            raise ValueError(f"parameter {'/'.join(keys)} has shape {np.shape(leaf)}, expected axes {names}")
+        return names
+
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def partition_spec(logical_axes: tuple, shape: tuple, mesh: Mesh) -> P:
+    """The PartitionSpec of an array with these logical axes under RULES and the divisibility rule."""
+    spec = []
+    for name, size in zip(logical_axes, shape, strict=True):
+        axis = RULES[name]
+        if axis is None or mesh.shape[axis] == 1 or size % mesh.shape[axis]:
+            spec.append(None)
+        else:
+            spec.append(axis)
+    return P(*spec)
+
+
+def param_shardings(params, mesh: Mesh):
+    """A pytree of NamedSharding matching params (leaves may be arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(
+        lambda names, leaf: NamedSharding(mesh, partition_spec(names, np.shape(leaf), mesh)),
+        param_logical_axes(params),
+        params,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def cache_sharding(shape, mesh: Mesh) -> NamedSharding:
+    """Sharding of a KV cache array [L, B, S, KVH, Dh]: batch on data, kv heads on model if divisible."""
+    return NamedSharding(mesh, partition_spec(CACHE_AXES, tuple(shape), mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading (batch) axis on data, the rest replicated."""
+    return NamedSharding(mesh, P(DATA, *([None] * (ndim - 1))))
+
+
+def state_shardings(state, mesh: Mesh, batch: int):
+    """Shardings for a loop state / input pytree (leaves arrays or ShapeDtypeStructs).
+
+    KV caches (any KVCache node) follow CACHE_AXES; under a `metrics` or `key` field, and for
+    scalars, replicated; any other array whose leading dimension is the batch is split over
+    `data` (the loop's per-row arrays: tokens, lengths, done flags); the rest replicated.
+    """
+    from spec_jax.cache import KVCache
+
+    def one(path, leaf):
+        if isinstance(leaf, KVCache):
+            return KVCache(k=cache_sharding(leaf.k.shape, mesh), v=cache_sharding(leaf.v.shape, mesh))
+        keys = _keys(path)
+        shape = np.shape(leaf)
+        if "metrics" in keys or "key" in keys or not shape or shape[0] != batch or batch % mesh.shape[DATA]:
+            return replicated(mesh)
+        return batch_sharding(mesh, len(shape))
+
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def put(tree, shardings):
+    """Places host (or single-device) values with the given shardings, in one process or many.
+
+    Every process must pass the same global values; each one fills only its own shards. A
+    leaf that already has its target sharding is returned as it is (no copy).
+    """
+
+    def one(x, sharding):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = put(jax.random.key_data(x), sharding)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+# Placed parameters per (Model object, mesh); weak on the Model so dropping it frees them.
+_PLACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def place_params(params, mesh: Mesh):
+    """params placed by the rule table (a no-op for leaves already placed that way)."""
+    return put(params, param_shardings(params, mesh))
+
+
+def is_placed(params, mesh: Mesh) -> bool:
+    """True when every leaf already has the sharding the rule table gives it on mesh."""
+    wanted = jax.tree.leaves(param_shardings(params, mesh))
+    return all(
+        isinstance(x, jax.Array) and x.sharding == s
+        for x, s in zip(jax.tree.leaves(params), wanted, strict=True)
+    )
+
+
+def place(model, mesh: Mesh):
+    """A copy of a models.Model with its parameters sharded over mesh; do this once per model.
+
+    `spec_jax.generate(placed, ..., mesh=mesh)` then uses the arrays as they are. Passing an
+    unplaced model also works: generate places it once and keeps the placed copy for as long
+    as the Model object lives (twice the parameter memory meanwhile).
+    """
+    check_mesh(mesh)
+    return model.replace(params=place_params(model.params, mesh))
+
+
+def placed_params(model, mesh: Mesh):
+    """model.params on mesh: as they are when already placed, else placed once and cached."""
+    if is_placed(model.params, mesh):
+        return model.params
+    per_mesh = _PLACED.setdefault(model, {})
+    if mesh not in per_mesh:
+        per_mesh[mesh] = place_params(model.params, mesh)
+    return per_mesh[mesh]
+
+
+def fetch(tree):
+    """Host NumPy copies of a pytree of (possibly multi-host) arrays, the same on every process."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+def describe(config, mesh: Mesh) -> dict[str, str]:
+    """Parameter path -> PartitionSpec string for one model on mesh (what is sharded, what replicated)."""
+    from models.transformer import param_shapes
+
+    shapes = param_shapes(config)
+    specs = jax.tree.map(lambda s: str(s.spec), param_shardings(shapes, mesh))
+    flat, _ = jax.tree_util.tree_flatten_with_path(specs)
+    return {"/".join(_keys(path)): spec for path, spec in flat}

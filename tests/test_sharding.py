@@ -1,0 +1,339 @@
+"""Sharded generation: identical tokens on meshes of 8 CPU devices and across 2 processes.
+
+jax must see 8 host devices before it initialises, and this pytest process already has
+one, so the sharded runs happen in subprocesses (tests/sharding_worker.py), started together
+by one fixture so their compiles overlap on the 2 cores; the tests then read their results.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh
+
+import models
+from spec_jax import sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "sharding_worker.py")
+TIMEOUT_S = 240
+
+
+def _env(**extra):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **extra}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Starts every subprocess at once; returns {name: (Popen, output path)}."""
+    out = tmp_path_factory.mktemp("sharding")
+    port = _free_port()
+    specs = {
+        "qwen": ["equivalence", "qwen"],
+        "divisible": ["equivalence", "divisible"],
+        "host0": ["multihost", "0", "2", str(port)],
+        "host1": ["multihost", "1", "2", str(port)],
+    }
+    procs = {}
+    for name, args in specs.items():
+        path = out / f"{name}.json"
+        log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        procs[name] = (
+            subprocess.Popen(
+                [sys.executable, WORKER, *args, str(path)], env=_env(), stdout=log, stderr=log, cwd=ROOT
+            ),
+            path,
+            log,
+        )
+    yield procs
+    for proc, _, log in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+
+
+def _result(workers, name):
+    proc, path, log = workers[name]
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"worker {name} did not finish in {TIMEOUT_S} s")
+    log.flush()
+    if proc.returncode:
+        with open(log.name) as f:
+            pytest.fail(f"worker {name} exited {proc.returncode}:\n{f.read()[-3000:]}")
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("pair", ["qwen", "divisible"])
+def test_sharded_speculative_tokens_equal_unsharded(workers, pair):
+    result = _result(workers, pair)
+    assert result["num_devices"] == 8
+    meshes = {(c["mesh"], c["temperature"]) for c in result["cases"]}
+    assert {("data:2,model:4", 0.0), ("data:1,model:8", 0.0)} <= meshes
+    for case in result["cases"]:
+        assert case["tokens"] == case["ref_tokens"], case
+        assert case["rounds"] == case["ref_rounds"], case
+        assert all(len(t) == 10 for t in case["tokens"])
+
+
+def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(workers):
+    result = _result(workers, "qwen")
+    assert result["threefry_partitionable"]
+    (case,) = [c for c in result["cases"] if c["temperature"] == 1.0]
+    assert case["tokens"] == case["ref_tokens"]
+    # Not vacuous: sampled output differs from greedy output.
+    greedy = [c for c in result["cases"] if c["temperature"] == 0.0][0]
+    assert case["tokens"] != greedy["tokens"]
+
+
+def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(workers):
+    specs = _result(workers, "qwen")["placed_param_specs"]
+    # target: 12 q heads (divisible by 4) sharded, 2 kv heads replicated, MLP and vocab sharded.
+    assert specs["layers/attn/wq"] == "(None, None, 'model', None)"
+    assert specs["layers/attn/wo"] == "(None, 'model', None, None)"
+    assert specs["layers/attn/wk"] == "(None, None, None, None)"
+    assert specs["layers/mlp/w_gate"] == "(None, None, 'model')"
+    assert specs["layers/mlp/w_down"] == "(None, 'model', None)"
+    assert specs["lm_head/kernel"] == "(None, 'model')"
+    assert specs["embed/embedding"] == "('model', None)"
+
+
+def test_arrays_are_sharded_inside_the_compiled_loop(workers):
+    result = _result(workers, "divisible")
+    case = [c for c in result["cases"] if c["mesh"] == "data:2,model:4"][-1]
+    assert case["target_cache"] == "(None, 'data', None, 'model', None)"
+    assert case["draft_cache"] == "(None, 'data', None, 'model', None)"
+    assert case["out_tokens"] == "('data', None)"
+    # Per-layer layout: Megatron column/row parallel.
+    specs = result["placed_param_specs"]
+    assert specs["layers_0/attn/wq"] == "(None, 'model', None)"
+    assert specs["layers_1/attn/wk"] == "(None, 'model', None)"
+    assert specs["layers_0/attn/wo"] == "('model', None, None)"
+    assert specs["layers_1/mlp/w_down"] == "('model', None)"
+    # The executable of the loop takes sharded params and caches ...
+    loop_specs = result["loop_input_specs"]
+    assert "(None, 'data', None, 'model', None)" in loop_specs
+    assert "('model', None, None)" in loop_specs
+    # ... and its per-device program never holds the full [L, B, S, KVH, Dh] cache.
+    assert not result["full_cache_in_hlo"]
+    L, B, S, KVH, Dh = result["cache_shape"]
+    assert result["cache_local_shapes"] == [str((L, B // 2, S, KVH // 4, Dh))]
+    assert result["num_all_reduce_in_loop"] > 0
+    # The Qwen-like KV cache (2 kv heads, model=4) is replicated over model, split over data.
+    qwen = _result(workers, "qwen")
+    assert not qwen["full_cache_in_hlo"]
+    assert [c for c in qwen["cases"] if c["mesh"] == "data:2,model:4"][0]["target_cache"] == (
+        "(None, 'data', None, None, None)"
+    )
+
+
+def test_params_are_placed_once(workers):
+    result = _result(workers, "divisible")
+    assert result["is_placed"]
+    assert result["placed_model_added_cache_entries"] == 0
+    assert result["placed_model_same_tokens"]
+    assert result["placed_model_compile_seconds"] == 0.0
+    assert result["draft_cached_params_reused"]
+
+
+def test_sharded_autoregressive_tokens_equal_unsharded(workers):
+    ar = _result(workers, "divisible")["ar"]
+    assert ar["tokens"] == ar["ref_tokens"]
+    assert ar["cache"] == "(None, 'data', None, 'model', None)"
+
+
+def test_two_processes_produce_the_single_process_tokens(workers):
+    hosts = [_result(workers, f"host{i}") for i in range(2)]
+    single = _result(workers, "divisible")
+    (ref,) = [c for c in single["cases"] if c["mesh"] == "data:2,model:4" and c["temperature"] == 0.0]
+    for i, host in enumerate(hosts):
+        assert host["process_index"] == i and host["process_count"] == 2
+        assert host["num_devices"] == 8 and host["num_local_devices"] == 4
+        assert not host["cache_fully_addressable"]
+        assert host["target_cache"] == "(None, 'data', None, 'model', None)"
+        assert host["tokens"] == ref["ref_tokens"]
+
+
+# In-process (1 device): the rule table, the logical axes, mesh errors.
+
+
+def test_logical_axes_cover_both_layouts():
+    for scan in (True, False):
+        model = models.random_model(vocab_size=32, num_layers=2, d_model=32, num_heads=4, scan_layers=scan)
+        axes = sharding.param_logical_axes(model.params)
+        if scan:
+            assert axes["layers"]["attn"]["wq"] == ("layers", "embed", "heads", "head_dim")
+            assert axes["layers"]["mlp"]["w_down"] == ("layers", "mlp", "embed")
+        else:
+            assert axes["layers_1"]["attn"]["wo"] == ("heads", "head_dim", "embed")
+            assert axes["layers_0"]["attn"]["bk"] == ("kv_heads", "head_dim")
+        assert axes["lm_head"]["kernel"] == ("embed", "vocab")
+
+
+@pytest.mark.parametrize(
+    "heads, model_axis, expected",
+    [(12, 4, "model"), (14, 4, None), (12, 8, None), (2, 4, None), (8, 8, "model"), (12, 1, None)],
+)
+def test_dimension_not_divisible_by_the_model_axis_is_replicated(heads, model_axis, expected):
+    mesh = AbstractMesh((1, model_axis), ("data", "model"))
+    spec = sharding.partition_spec(("embed", "heads", "head_dim"), (96, heads, 8), mesh)
+    assert tuple(spec) == (None, expected, None)
+
+
+def test_cache_batch_on_data_kv_heads_on_model():
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    assert tuple(sharding.partition_spec(sharding.CACHE_AXES, (2, 4, 64, 8, 16), mesh)) == (
+        None,
+        "data",
+        None,
+        "model",
+        None,
+    )
+
+
+@pytest.mark.parametrize("spec", ["data=2", "data:0", "data:2,data:2", "model:x", "pipe:2", "data:2;model:4"])
+def test_malformed_mesh_is_a_clear_error(spec):
+    with pytest.raises(ValueError, match="malformed mesh"):
+        sharding.make_mesh(spec)
+
+
+def test_mesh_needing_more_devices_names_both_numbers():
+    with pytest.raises(ValueError, match=rf"needs 8 devices but only {jax.device_count()} exist"):
+        sharding.make_mesh("data:2,model:4")
+
+
+def test_mesh_defaults():
+    assert dict(sharding.make_mesh(None).shape) == {"data": 1, "model": 1}
+    assert dict(sharding.make_mesh("").shape) == {"data": 1, "model": 1}
+    assert dict(sharding.make_mesh("auto").shape) == {"data": 1, "model": jax.device_count()}
+    assert dict(sharding.make_mesh("model:1").shape) == {"data": 1, "model": 1}
+
+
+# The command lines.
+
+
+def _cli(*args, module="launch.generate", timeout=120, env=None):
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env or _env(),
+        timeout=timeout,
+    )
+    return result, time.monotonic() - start
+
+
+def _one_line_error(result, message):
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "mesh, message", [("data:2,model:4", "needs 8 devices but only 1 exist"), ("data=2", "malformed mesh")]
+)
+def test_cli_bad_mesh_exits_2_with_one_line(mesh, message):
+    result, _ = _cli("--target=random", "--draft=random-draft", f"--mesh={mesh}", "--max_new_tokens=2")
+    _one_line_error(result, message)
+
+
+def test_cli_unreachable_coordinator_fails_within_the_timeout():
+    port = _free_port()  # nothing listens there
+    result, seconds = _cli(
+        "--target=random",
+        f"--coordinator_address=127.0.0.1:{port}",
+        "--num_processes=2",
+        "--process_id=1",
+        "--initialization_timeout=3",
+        timeout=60,
+    )
+    _one_line_error(result, f"coordinator 127.0.0.1:{port} unreachable after 3 s")
+    assert seconds < 30
+
+
+def test_cli_runs_on_a_one_device_mesh():
+    result, _ = _cli(
+        "--target=random",
+        "--draft=random-draft",
+        "--mesh=auto",
+        "--max_new_tokens=3",
+        "--temperature=0",
+        "--prompt=ab",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "speculative: 3 tokens" in result.stdout
+
+
+TPU = ["--name=spec", "--zone=us-central2-b", "--dry_run"]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["create", "--accelerator_type=v4-32", "--runtime_version=tpu-ubuntu2204-base", "--project=proj"],
+            [
+                "gcloud compute tpus tpu-vm create spec --zone=us-central2-b --project=proj "
+                "--accelerator-type=v4-32 --version=tpu-ubuntu2204-base"
+            ],
+        ),
+        (
+            ["setup"],
+            [
+                "gcloud compute tpus tpu-vm ssh spec --zone=us-central2-b --worker=all '--command=mkdir -p spec-jax'",
+                "gcloud compute tpus tpu-vm scp --recurse setup.py constraints.txt pyproject.toml spec_jax models "
+                "experiments launch spec:spec-jax/ --zone=us-central2-b --worker=all",
+                "gcloud compute tpus tpu-vm ssh spec --zone=us-central2-b --worker=all '--command=cd spec-jax && "
+                "python3 -m pip install -c constraints.txt -e . && python3 -m pip install -c constraints.txt "
+                "'\"'\"'jax[tpu]'\"'\"''",
+            ],
+        ),
+        (
+            ["run", "--command=python -m launch.generate --mesh=auto --distributed"],
+            [
+                "gcloud compute tpus tpu-vm ssh spec --zone=us-central2-b --worker=all "
+                "'--command=cd spec-jax && python -m launch.generate --mesh=auto --distributed'"
+            ],
+        ),
+        (["delete"], ["gcloud compute tpus tpu-vm delete spec --zone=us-central2-b --quiet"]),
+    ],
+)
+def test_tpu_dry_run_prints_the_exact_commands(args, expected):
+    result, _ = _cli(*TPU, *args, module="launch.tpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == expected
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--name=a", "--zone=b", "--dry_run"], "run needs --command"),
+        (["frob", "--name=a", "--zone=b"], "expected one subcommand"),
+        (["create", "--zone=b"], "--name is required"),
+        (["delete", "--name=a", "--zone=b"], "gcloud not found on PATH"),
+    ],
+)
+def test_tpu_bad_input_exits_2_with_one_line(args, message):
+    result, _ = _cli(*args, module="launch.tpu", env=_env(PATH=""))  # no gcloud on an empty PATH
+    _one_line_error(result, message)
