@@ -9,8 +9,10 @@ A conversion is written into a temporary folder beside its final place and renam
 place when complete, so an interrupted conversion leaves nothing that looks finished.
 """
 
+import concurrent.futures
 import dataclasses
 import json
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -22,7 +24,7 @@ from models import gguf_loader, registry
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: matrices [out, in]
 
 
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:
@@ -56,14 +58,29 @@ def convert(name: str, cache_dir=None, progress: bool = True) -> pathlib.Path:
     return final
 
 
+def _is_current(folder: pathlib.Path) -> bool:
+    config_json = folder / "config.json"
+    return (
+        config_json.exists() and json.loads(config_json.read_text()).get("format_version") == FORMAT_VERSION
+    )
+
+
 def load_converted(name: str, cache_dir=None, progress: bool = True):
-    """Returns (ModelConfig, params as jax arrays, Tokenizer), converting on first use."""
-    folder = convert(name, cache_dir, progress)
+    """Returns (ModelConfig, params as numpy arrays, Tokenizer), converting on first use.
+
+    A conversion runs in a child process: the dequantized arrays, the GGUF pages and
+    orbax's buffers go back to the OS before the converted checkpoint is read (measured on
+    the 1.5B: a 19.8 GB peak RSS in one process). Its errors are re-raised here.
+    """
+    folder = converted_dir(name, cache_dir)
+    if not _is_current(folder):
+        if folder.exists():  # an older format: convert afresh
+            shutil.rmtree(folder)
+        with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")
+        ) as pool:
+            folder = pool.submit(convert, name, cache_dir, progress).result()
     meta = json.loads((folder / "config.json").read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        shutil.rmtree(folder)
-        folder = convert(name, cache_dir, progress)
-        meta = json.loads((folder / "config.json").read_text())
     config = ModelConfig(**meta["config"])
     params = ocp.StandardCheckpointer().restore(folder / "params")
     return config, params, Tokenizer.load(folder / "tokenizer.json")

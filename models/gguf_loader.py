@@ -133,17 +133,14 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def _dequantize_rows_into(tensor, out: np.ndarray, transpose: bool) -> None:
-    """Dequantize a 2-D tensor [R, C] in row blocks into out ([R, C], or [C, R] when transpose)."""
+def _dequantize_rows_into(tensor, out: np.ndarray) -> None:
+    """Dequantize a 2-D tensor [R, C] into out [R, C] in row blocks (bounded temporary memory)."""
     rows = int(tensor.shape[1])
     cols = int(tensor.shape[0])
     data = tensor.data.reshape(rows, -1)  # quantized: [R, bytes_per_row]; float: [R, C]
     for r0 in range(0, rows, _ROWS_PER_BLOCK):
         block = dequantize(data[r0 : r0 + _ROWS_PER_BLOCK], tensor.tensor_type).reshape(-1, cols)
-        if transpose:
-            out[:, r0 : r0 + block.shape[0]] = block.T
-        else:
-            out[r0 : r0 + block.shape[0]] = block
+        out[r0 : r0 + block.shape[0]] = block
 
 
 def load_params(
@@ -155,11 +152,12 @@ def load_params(
     """Dequantized parameters as a nested dict of numpy arrays in ModelConfig's layout.
 
     Shapes (L layers, V vocab, D model, H/KVH heads, Dh head dim, F mlp):
-      embed/embedding [V, D]; final_norm/scale [D]; lm_head/kernel [D, V] (only when untied);
+      embed/embedding [V, D]; final_norm/scale [D]; lm_head/embedding [V, D] (only when untied);
       layers/attn_norm/scale, layers/mlp_norm/scale [L, D];
-      layers/attn/wq [L, D, H, Dh], wk/wv [L, D, KVH, Dh], wo [L, H, Dh, D];
+      layers/attn/wq [L, H, Dh, D], wk/wv [L, KVH, Dh, D], wo [L, D, H, Dh];
       layers/attn/bq [L, H, Dh], bk/bv [L, KVH, Dh] (only when qkv_bias);
-      layers/mlp/w_gate, w_up [L, D, F], w_down [L, F, D].
+      layers/mlp/w_gate, w_up [L, F, D], w_down [L, D, F].
+    Matrices keep the file's [out, in] order; only the head axes are split out.
     `dtype` is the numpy dtype of the result (np.float32, or ml_dtypes.bfloat16).
     """
     reader = open_gguf(path_or_reader)
@@ -191,10 +189,10 @@ def load_params(
         return np.empty(shape, dtype)
 
     attn = {
-        "wq": empty(L, D, H, Dh),
-        "wk": empty(L, D, KVH, Dh),
-        "wv": empty(L, D, KVH, Dh),
-        "wo": empty(L, H, Dh, D),
+        "wq": empty(L, H, Dh, D),
+        "wk": empty(L, KVH, Dh, D),
+        "wv": empty(L, KVH, Dh, D),
+        "wo": empty(L, D, H, Dh),
     }
     if cfg["qkv_bias"]:
         attn |= {"bq": empty(L, H, Dh), "bk": empty(L, KVH, Dh), "bv": empty(L, KVH, Dh)}
@@ -204,12 +202,12 @@ def load_params(
             "attn_norm": {"scale": empty(L, D)},
             "attn": attn,
             "mlp_norm": {"scale": empty(L, D)},
-            "mlp": {"w_gate": empty(L, D, F), "w_up": empty(L, D, F), "w_down": empty(L, F, D)},
+            "mlp": {"w_gate": empty(L, F, D), "w_up": empty(L, F, D), "w_down": empty(L, D, F)},
         },
         "final_norm": {"scale": empty(D)},
     }
     if not cfg["tie_embeddings"]:
-        params["lm_head"] = {"kernel": empty(D, V)}
+        params["lm_head"] = {"embedding": empty(V, D)}
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
@@ -222,11 +220,11 @@ def load_params(
     total = 2 + (0 if cfg["tie_embeddings"] else 1) + L * (9 + (3 if cfg["qkv_bias"] else 0))
     with tqdm(total=total, unit="tensor", desc="convert gguf", disable=not progress) as bar:
         _check_shape(tensors, "token_embd.weight", (V, D))
-        _dequantize_rows_into(tensors["token_embd.weight"], params["embed"]["embedding"], transpose=False)
+        _dequantize_rows_into(tensors["token_embd.weight"], params["embed"]["embedding"])
         bar.update(1)
         if not cfg["tie_embeddings"]:
             _check_shape(tensors, "output.weight", (V, D))
-            _dequantize_rows_into(tensors["output.weight"], params["lm_head"]["kernel"], transpose=True)
+            _dequantize_rows_into(tensors["output.weight"], params["lm_head"]["embedding"])
             bar.update(1)
         params["final_norm"]["scale"][:] = get("output_norm.weight", (D,))
         bar.update(1)
@@ -236,16 +234,16 @@ def load_params(
             p = f"blk.{i}."
             lay["attn_norm"]["scale"][i] = get(p + "attn_norm.weight", (D,))
             lay["mlp_norm"]["scale"][i] = get(p + "ffn_norm.weight", (D,))
-            # torch [out, in] -> ours [in, heads, Dh]: transpose, then split the out axis.
+            # [out, in] as in the file; the out axis of q/k/v splits into (heads, Dh).
             wq = get(p + "attn_q.weight", (H * Dh, D))
             wk = get(p + "attn_k.weight", (KVH * Dh, D))
             if permute:
                 wq, wk = unpermute_llama_rows(wq, H), unpermute_llama_rows(wk, KVH)
-            attn["wq"][i] = wq.T.reshape(D, H, Dh)
-            attn["wk"][i] = wk.T.reshape(D, KVH, Dh)
-            attn["wv"][i] = get(p + "attn_v.weight", (KVH * Dh, D)).T.reshape(D, KVH, Dh)
-            # o_proj torch [D, H*Dh] -> ours [H, Dh, D].
-            attn["wo"][i] = get(p + "attn_output.weight", (D, H * Dh)).T.reshape(H, Dh, D)
+            attn["wq"][i] = wq.reshape(H, Dh, D)
+            attn["wk"][i] = wk.reshape(KVH, Dh, D)
+            attn["wv"][i] = get(p + "attn_v.weight", (KVH * Dh, D)).reshape(KVH, Dh, D)
+            # o_proj [D, H*Dh]: its in axis splits into (heads, Dh).
+            attn["wo"][i] = get(p + "attn_output.weight", (D, H * Dh)).reshape(D, H, Dh)
             if cfg["qkv_bias"]:
                 bq = get(p + "attn_q.bias", (H * Dh,))
                 bk = get(p + "attn_k.bias", (KVH * Dh,))
@@ -254,9 +252,9 @@ def load_params(
                 attn["bq"][i] = bq.reshape(H, Dh)
                 attn["bk"][i] = bk.reshape(KVH, Dh)
                 attn["bv"][i] = get(p + "attn_v.bias", (KVH * Dh,)).reshape(KVH, Dh)
-            lay["mlp"]["w_gate"][i] = get(p + "ffn_gate.weight", (F, D)).T
-            lay["mlp"]["w_up"][i] = get(p + "ffn_up.weight", (F, D)).T
-            lay["mlp"]["w_down"][i] = get(p + "ffn_down.weight", (D, F)).T
+            lay["mlp"]["w_gate"][i] = get(p + "ffn_gate.weight", (F, D))
+            lay["mlp"]["w_up"][i] = get(p + "ffn_up.weight", (F, D))
+            lay["mlp"]["w_down"][i] = get(p + "ffn_down.weight", (D, F))
             bar.update(9 + (3 if cfg["qkv_bias"] else 0))
     return params
 

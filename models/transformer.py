@@ -52,14 +52,15 @@ class Attention(nn.Module):
     def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer):
         cfg = self.config
         d, h, kvh, dh, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
-        wq = self.param("wq", _dense_init(d), (d, h, dh), dt)
-        wk = self.param("wk", _dense_init(d), (d, kvh, dh), dt)
-        wv = self.param("wv", _dense_init(d), (d, kvh, dh), dt)
-        wo = self.param("wo", _dense_init(h * dh), (h, dh, d), dt)
+        # Weights are [out, in] (the GGUF / PyTorch layout): see ModelConfig for why.
+        wq = self.param("wq", _dense_init(d), (h, dh, d), dt)
+        wk = self.param("wk", _dense_init(d), (kvh, dh, d), dt)
+        wv = self.param("wv", _dense_init(d), (kvh, dh, d), dt)
+        wo = self.param("wo", _dense_init(h * dh), (d, h, dh), dt)
         with jax.named_scope("qkv_matmul"):
-            q = jnp.einsum("btd,dhk->bthk", x_btd, wq)
-            k = jnp.einsum("btd,dhk->bthk", x_btd, wk)
-            v = jnp.einsum("btd,dhk->bthk", x_btd, wv)
+            q = jnp.einsum("btd,hkd->bthk", x_btd, wq)
+            k = jnp.einsum("btd,hkd->bthk", x_btd, wk)
+            v = jnp.einsum("btd,hkd->bthk", x_btd, wv)
             if cfg.qkv_bias:
                 q = q + self.param("bq", nn.initializers.normal(0.1), (h, dh), dt)
                 k = k + self.param("bk", nn.initializers.normal(0.1), (kvh, dh), dt)
@@ -81,7 +82,7 @@ class Attention(nn.Module):
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):
-            return jnp.einsum("bthk,hkd->btd", out, wo), cache
+            return jnp.einsum("bthk,dhk->btd", out, wo), cache
 
 
 class MLP(nn.Module):
@@ -90,11 +91,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_btd):
         d, f, dt = self.config.d_model, self.config.mlp_dim, self.config.jnp_dtype
-        w_gate = self.param("w_gate", _dense_init(d), (d, f), dt)
-        w_up = self.param("w_up", _dense_init(d), (d, f), dt)
-        w_down = self.param("w_down", _dense_init(f), (f, d), dt)
-        hidden = nn.silu(x_btd @ w_gate) * (x_btd @ w_up)
-        return hidden @ w_down
+        w_gate = self.param("w_gate", _dense_init(d), (f, d), dt)
+        w_up = self.param("w_up", _dense_init(d), (f, d), dt)
+        w_down = self.param("w_down", _dense_init(f), (d, f), dt)
+        gate = jnp.einsum("btd,fd->btf", x_btd, w_gate)
+        hidden = nn.silu(gate) * jnp.einsum("btd,fd->btf", x_btd, w_up)
+        return jnp.einsum("btf,df->btd", hidden, w_down)
 
 
 class DecoderLayer(nn.Module):
@@ -154,17 +156,18 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
-            if cfg.tie_embeddings:
-                logits = embed.attend(x)
-            else:
-                logits = nn.Dense(
+            # An untied head is a second [V, D] table, read the way a tied one is.
+            head = embed
+            if not cfg.tie_embeddings:
+                head = nn.Embed(
                     cfg.vocab_size,
-                    use_bias=False,
+                    cfg.d_model,
                     dtype=cfg.jnp_dtype,
                     param_dtype=cfg.jnp_dtype,
-                    kernel_init=_dense_init(cfg.d_model),
+                    embedding_init=_dense_init(cfg.d_model),
                     name="lm_head",
-                )(x)
+                )
+            logits = head.attend(x)
         return logits.astype(jnp.float32), cache
 
 
@@ -226,7 +229,7 @@ def init_params(config: ModelConfig, seed: int = 0):
             value = np.ones(spec.shape)
         elif name in ("bq", "bk", "bv"):
             value = 0.1 * rng.standard_normal(spec.shape)
-        elif name == "embedding":
+        elif name == "embedding" and path[0].key == "embed":
             value = rng.standard_normal(spec.shape)
         else:
             value = rng.standard_normal(spec.shape) / np.sqrt(fan_in.get(name, config.d_model))

@@ -8,7 +8,7 @@ two mesh axes, `data` (batch) and `model` (tensor parallelism, Megatron style):
   heads          model       wq, bq column-parallel; wo row-parallel (its reduction dim)
   kv_heads       model       wk, wv, bk, bv column-parallel; the KV cache
   mlp            model       w_gate, w_up column-parallel; w_down row-parallel
-  vocab          model       embedding rows (vocab-parallel) and lm_head columns (logits)
+  vocab          model       embedding and lm_head rows (vocab-parallel; logits too)
   embed, head_dim, layers, seq   -   replicated
 
 So a layer costs two all-reduces of [B, T, D] activations (after wo and after w_down), the
@@ -57,21 +57,21 @@ RULES = {
 _LAYER_AXES = {
     ("attn_norm", "scale"): ("embed",),
     ("mlp_norm", "scale"): ("embed",),
-    ("attn", "wq"): ("embed", "heads", "head_dim"),
+    ("attn", "wq"): ("heads", "head_dim", "embed"),
     ("attn", "bq"): ("heads", "head_dim"),
-    ("attn", "wk"): ("embed", "kv_heads", "head_dim"),
-    ("attn", "wv"): ("embed", "kv_heads", "head_dim"),
+    ("attn", "wk"): ("kv_heads", "head_dim", "embed"),
+    ("attn", "wv"): ("kv_heads", "head_dim", "embed"),
     ("attn", "bk"): ("kv_heads", "head_dim"),
     ("attn", "bv"): ("kv_heads", "head_dim"),
-    ("attn", "wo"): ("heads", "head_dim", "embed"),
-    ("mlp", "w_gate"): ("embed", "mlp"),
-    ("mlp", "w_up"): ("embed", "mlp"),
-    ("mlp", "w_down"): ("mlp", "embed"),
+    ("attn", "wo"): ("embed", "heads", "head_dim"),
+    ("mlp", "w_gate"): ("mlp", "embed"),
+    ("mlp", "w_up"): ("mlp", "embed"),
+    ("mlp", "w_down"): ("embed", "mlp"),
 }
 _TOP_AXES = {
     ("embed", "embedding"): ("vocab", "embed"),
     ("final_norm", "scale"): ("embed",),
-    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("lm_head", "embedding"): ("vocab", "embed"),
 }
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v [L, B, S, KVH, Dh]
 

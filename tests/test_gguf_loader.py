@@ -187,7 +187,7 @@ def _expected_shapes(c):
         c.mlp_dim,
         c.vocab_size,
     )
-    attn = {"wq": (L, D, H, Dh), "wk": (L, D, KVH, Dh), "wv": (L, D, KVH, Dh), "wo": (L, H, Dh, D)}
+    attn = {"wq": (L, H, Dh, D), "wk": (L, KVH, Dh, D), "wv": (L, KVH, Dh, D), "wo": (L, D, H, Dh)}
     if c.qkv_bias:
         attn |= {"bq": (L, H, Dh), "bk": (L, KVH, Dh), "bv": (L, KVH, Dh)}
     shapes = {
@@ -196,12 +196,12 @@ def _expected_shapes(c):
             "attn_norm": {"scale": (L, D)},
             "attn": attn,
             "mlp_norm": {"scale": (L, D)},
-            "mlp": {"w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)},
+            "mlp": {"w_gate": (L, F, D), "w_up": (L, F, D), "w_down": (L, D, F)},
         },
         "final_norm": {"scale": (D,)},
     }
     if not c.tie_embeddings:
-        shapes["lm_head"] = {"kernel": (D, V)}
+        shapes["lm_head"] = {"embedding": (V, D)}
     return shapes
 
 
@@ -256,7 +256,7 @@ def numpy_forward(params, c: dict, ids) -> np.ndarray:
     causal = np.tril(np.ones((t, t), bool))
     for i in range(c["num_layers"]):
         h = _rms(x, lay["attn_norm"]["scale"][i], c["rms_eps"])
-        q, k, v = (np.einsum("td,dhk->thk", h, a[w][i]) for w in ("wq", "wk", "wv"))
+        q, k, v = (np.einsum("td,hkd->thk", h, a[w][i]) for w in ("wq", "wk", "wv"))
         if c["qkv_bias"]:
             q, k, v = q + a["bq"][i], k + a["bk"][i], v + a["bv"][i]
         q, k = _rope_rotate_half(q, pos, c["rope_theta"]), _rope_rotate_half(k, pos, c["rope_theta"])
@@ -268,13 +268,13 @@ def numpy_forward(params, c: dict, ids) -> np.ndarray:
         s = np.where(causal, s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
-        x = x + np.einsum("thk,hkd->td", np.einsum("hts,shk->thk", p, v), a["wo"][i])
+        x = x + np.einsum("thk,dhk->td", np.einsum("hts,shk->thk", p, v), a["wo"][i])
         h = _rms(x, lay["mlp_norm"]["scale"][i], c["rms_eps"])
-        gate = h @ lay["mlp"]["w_gate"][i]
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ lay["mlp"]["w_up"][i])) @ lay["mlp"]["w_down"][i]
+        gate = h @ lay["mlp"]["w_gate"][i].T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ lay["mlp"]["w_up"][i].T)) @ lay["mlp"]["w_down"][i].T
     x = _rms(x, params["final_norm"]["scale"], c["rms_eps"]).astype(np.float32)
-    head = params["embed"]["embedding"].T if c["tie_embeddings"] else params["lm_head"]["kernel"]
-    return x @ head
+    head = params["embed"]["embedding"] if c["tie_embeddings"] else params["lm_head"]["embedding"]
+    return x @ head.T
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("qwen2.5-coder-0.5b", marks=pytest.mark.slow)])

@@ -90,8 +90,8 @@ def test_rotary_is_a_relative_rotation():
 
 def test_scanned_parameters_are_stacked_over_layers():
     model = models.random_model(vocab_size=32, num_layers=3, d_model=16, num_heads=2, num_kv_heads=1)
-    chex.assert_shape(model.params["layers"]["attn"]["wq"], (3, 16, 2, 8))
-    chex.assert_shape(model.params["layers"]["mlp"]["w_down"], (3, 48, 16))
+    chex.assert_shape(model.params["layers"]["attn"]["wq"], (3, 2, 8, 16))  # [L, H, Dh, D]
+    chex.assert_shape(model.params["layers"]["mlp"]["w_down"], (3, 16, 48))  # [L, D, F]
     assert "lm_head" in model.params
     tied = models.random_model(
         vocab_size=32, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, tie_embeddings=True

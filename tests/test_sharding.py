@@ -106,12 +106,12 @@ def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(workers):
 def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(workers):
     specs = _result(workers, "qwen")["placed_param_specs"]
     # target: 12 q heads (divisible by 4) sharded, 2 kv heads replicated, MLP and vocab sharded.
-    assert specs["layers/attn/wq"] == "(None, None, 'model', None)"
-    assert specs["layers/attn/wo"] == "(None, 'model', None, None)"
+    assert specs["layers/attn/wq"] == "(None, 'model', None, None)"
+    assert specs["layers/attn/wo"] == "(None, None, 'model', None)"
     assert specs["layers/attn/wk"] == "(None, None, None, None)"
-    assert specs["layers/mlp/w_gate"] == "(None, None, 'model')"
-    assert specs["layers/mlp/w_down"] == "(None, 'model', None)"
-    assert specs["lm_head/kernel"] == "(None, 'model')"
+    assert specs["layers/mlp/w_gate"] == "(None, 'model', None)"
+    assert specs["layers/mlp/w_down"] == "(None, None, 'model')"
+    assert specs["lm_head/embedding"] == "('model', None)"
     assert specs["embed/embedding"] == "('model', None)"
 
 
@@ -123,10 +123,10 @@ def test_arrays_are_sharded_inside_the_compiled_loop(workers):
     assert case["out_tokens"] == "('data', None)"
     # Per-layer layout: Megatron column/row parallel.
     specs = result["placed_param_specs"]
-    assert specs["layers_0/attn/wq"] == "(None, 'model', None)"
-    assert specs["layers_1/attn/wk"] == "(None, 'model', None)"
-    assert specs["layers_0/attn/wo"] == "('model', None, None)"
-    assert specs["layers_1/mlp/w_down"] == "('model', None)"
+    assert specs["layers_0/attn/wq"] == "('model', None, None)"
+    assert specs["layers_1/attn/wk"] == "('model', None, None)"
+    assert specs["layers_0/attn/wo"] == "(None, 'model', None)"
+    assert specs["layers_1/mlp/w_down"] == "(None, 'model')"
     # The executable of the loop takes sharded params and caches ...
     loop_specs = result["loop_input_specs"]
     assert "(None, 'data', None, 'model', None)" in loop_specs
@@ -179,12 +179,12 @@ def test_logical_axes_cover_both_layouts():
         model = models.random_model(vocab_size=32, num_layers=2, d_model=32, num_heads=4, scan_layers=scan)
         axes = sharding.param_logical_axes(model.params)
         if scan:
-            assert axes["layers"]["attn"]["wq"] == ("layers", "embed", "heads", "head_dim")
-            assert axes["layers"]["mlp"]["w_down"] == ("layers", "mlp", "embed")
+            assert axes["layers"]["attn"]["wq"] == ("layers", "heads", "head_dim", "embed")
+            assert axes["layers"]["mlp"]["w_down"] == ("layers", "embed", "mlp")
         else:
-            assert axes["layers_1"]["attn"]["wo"] == ("heads", "head_dim", "embed")
+            assert axes["layers_1"]["attn"]["wo"] == ("embed", "heads", "head_dim")
             assert axes["layers_0"]["attn"]["bk"] == ("kv_heads", "head_dim")
-        assert axes["lm_head"]["kernel"] == ("embed", "vocab")
+        assert axes["lm_head"]["embedding"] == ("vocab", "embed")
 
 
 @pytest.mark.parametrize(
