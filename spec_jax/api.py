@@ -79,10 +79,20 @@ def _validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
 
 
 def as_drafter(draft):
-    """A Model becomes a ModelDrafter (with its params); any other drafter is used as it is."""
+    """(drafter, params): a Model becomes (ModelDrafter(config), its params); a (drafter,
+    params) pair (e.g. from spec_jax.ngram.fit_bigram) is used as it is; a bare drafter
+    object is used with params None (or its `arrays`)."""
     if hasattr(draft, "config") and hasattr(draft, "params"):
-        return ModelDrafter(draft.config), draft.params
-    return draft, getattr(draft, "arrays", None)
+        draft = ModelDrafter(draft.config), draft.params
+    elif not (isinstance(draft, tuple) and len(draft) == 2):
+        draft = draft, getattr(draft, "arrays", None)
+    drafter, params = draft
+    if not all(hasattr(drafter, a) for a in ("vocab_size", "max_seq_len", "init", "propose")):
+        raise ValueError(
+            f"draft must be None, a models.Model, a drafter (spec_jax.drafters.Drafter) or a "
+            f"(drafter, params) pair; got {type(drafter).__name__}"
+        )
+    return drafter, params
 
 
 def _mark_padding_done(prefill_fn, static, *args):
@@ -116,7 +126,8 @@ def generate(
     Args:
       target: a models.Model.
       prompts: list of token-id lists (ragged lengths are fine).
-      draft: None (plain autoregressive decoding), a models.Model, or a drafter.
+      draft: None (plain autoregressive decoding), a models.Model, or a (drafter, params) pair
+        such as spec_jax.ngram.fit_bigram returns (see as_drafter).
       gamma: draft tokens per round (static: a new gamma compiles a new loop).
       temperature, top_k, top_p: the warp, applied identically to target and draft.
       seed: row b's randomness depends on (seed, b) only.

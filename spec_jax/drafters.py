@@ -1,4 +1,5 @@
-"""What can propose draft tokens. A draft model is one kind of drafter.
+"""What can propose draft tokens: a draft model (ModelDrafter), or n-gram tables
+(UnigramDrafter, BigramDrafter; fitted by spec_jax.ngram).
 
 A drafter is a frozen (hashable) dataclass of static settings, so it can be a static
 argument of jax.jit; its arrays (model parameters, n-gram tables) and its state (a KV
@@ -14,12 +15,13 @@ past n-2 are overwritten before they can be read.
 import dataclasses
 from typing import Any, Protocol
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.transformer import forward
-from spec_jax.decode import prefill, row_keys
+from spec_jax.decode import draw_rows, prefill, row_keys
 from spec_jax.sampling import SamplingParams, draw, warp
 
 
@@ -79,3 +81,92 @@ class ModelDrafter:
         tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)  # [B, G]
         q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [B, G, V]
         return tokens, q, cache
+
+
+# Drafters that need no model: n-gram tables, fitted by spec_jax.ngram. They keep no state
+# between rounds (the loop carries an empty tuple) and can read any context length.
+UNBOUNDED_CONTEXT = 2**31 - 1
+
+
+@flax.struct.dataclass
+class UnigramTables:
+    log_probs: jax.Array  # float32 [V]: log u(x), smoothed so every token has mass
+
+
+@dataclasses.dataclass(frozen=True)
+class UnigramDrafter:
+    """Drafts every token from one fixed distribution u (unigram frequencies), ignoring context.
+
+    Temperature, top-k and top-p warp log u like a model's logits; temperature 0 proposes
+    argmax u (the most frequent token) at every position.
+    """
+
+    vocab_size: int
+    max_seq_len: int = UNBOUNDED_CONTEXT
+
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+        return ()
+
+    def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, key):
+        batch = context_b2.shape[0]
+        q_bv = warp(jnp.broadcast_to(params.log_probs, (batch, self.vocab_size)), sampling)
+        keys = jax.random.split(key, gamma)
+        tokens = jnp.stack([draw_rows(k, q_bv) for k in keys], axis=1)  # [B, G]
+        q = jnp.broadcast_to(q_bv[:, None], (batch, gamma, self.vocab_size))
+        return tokens, q, state
+
+
+@flax.struct.dataclass
+class BigramTables:
+    """A smoothed bigram p(x | c) = (n(c, x) + s(x)) / d(c), stored sparsely (exact).
+
+    The nonzero counts n(c, .) of context c are next_ids / next_counts[row_start[c] :
+    row_start[c + 1]] (sorted by context, then padded with max_row_len zeros so a fixed-size
+    slice from any row start stays in bounds). s = prior * u is the backoff mass spread by the
+    unigram u, and d(c) = n(c) + prior, so an unseen context falls back to u exactly.
+    """
+
+    smoothing: jax.Array  # float32 [V]: prior * u(x)
+    denominator: jax.Array  # float32 [V]: n(c) + prior, per context c
+    row_start: jax.Array  # int32 [V + 1]
+    next_ids: jax.Array  # int32 [nnz + max_row_len]
+    next_counts: jax.Array  # float32 [nnz + max_row_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class BigramDrafter:
+    """Drafts from p(x | previous token): the first draft conditions on the last committed
+    token (context[:, 1]), each later one on the draft before it.
+
+    max_row_len: the most distinct successors any context has in the tables (a static slice
+    width). Temperature 0 proposes argmax_x p(x | c): the most frequent successor, ties
+    broken by the unigram, then toward the lower id (as warp does).
+    """
+
+    vocab_size: int
+    max_row_len: int
+    max_seq_len: int = UNBOUNDED_CONTEXT
+
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+        return ()
+
+    def probs(self, params: BigramTables, context_b):
+        """p(. | c) for each context token c [B]: float32 [B, V]."""
+
+        def row(c):
+            start = params.row_start[c]
+            ids = jax.lax.dynamic_slice(params.next_ids, (start,), (self.max_row_len,))
+            counts = jax.lax.dynamic_slice(params.next_counts, (start,), (self.max_row_len,))
+            counts = jnp.where(jnp.arange(self.max_row_len) < params.row_start[c + 1] - start, counts, 0.0)
+            return params.smoothing.at[ids].add(counts) / params.denominator[c]
+
+        return jax.vmap(row)(context_b)
+
+    def propose(self, params: BigramTables, state, context_b2, length_b, gamma, sampling, key):
+        def step(prev_b, step_key):
+            q_bv = warp(jnp.log(self.probs(params, prev_b)), sampling)
+            token_b = draw_rows(step_key, q_bv)
+            return token_b, (token_b, q_bv)
+
+        _, (tokens_gb, q_gbv) = jax.lax.scan(step, context_b2[:, 1], jax.random.split(key, gamma))
+        return tokens_gb.T, jnp.swapaxes(q_gbv, 0, 1), state

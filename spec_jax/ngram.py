@@ -1,0 +1,111 @@
+"""Fitting the n-gram drafters (spec_jax.drafters.UnigramDrafter / BigramDrafter) by counting.
+
+Counting is NumPy on the host. The result of each fit is a `(drafter, params)` pair that
+`spec_jax.generate(target, prompts, draft=pair, ...)` takes as it is.
+
+Smoothing (every token keeps some mass, so the draft can propose anything and log q is finite):
+  unigram  u(x) = (n(x) + add_k) / (N + add_k V)                       (add-k)
+  bigram   p(x | c) = (n(c, x) + prior u(x)) / (n(c) + prior)          (Dirichlet prior on u)
+The bigram backs off to the unigram in proportion prior / (n(c) + prior): a context never seen
+gets u itself, a frequent one is nearly its own relative frequencies. Counts are stored
+sparsely (only the bigrams that occur), which is exact: a dense [V, V] table would take
+151936^2 floats for the Qwen vocabulary.
+"""
+
+from collections.abc import Iterable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.drafters import BigramDrafter, BigramTables, UnigramDrafter, UnigramTables
+
+DEFAULT_ADD_K = 0.01
+DEFAULT_PRIOR = 1.0
+
+
+def _as_arrays(sequences: Iterable[Sequence[int]], vocab_size: int) -> list[np.ndarray]:
+    arrays = [np.asarray(s, np.int64) for s in sequences]
+    for i, a in enumerate(arrays):
+        if a.ndim != 1:
+            raise ValueError(f"sequences[{i}] must be a flat sequence of token ids")
+        if a.size and (a.min() < 0 or a.max() >= vocab_size):
+            raise ValueError(f"sequences[{i}] has token ids outside [0, {vocab_size})")
+    if not any(a.size for a in arrays):
+        raise ValueError("sequences: no tokens to count")
+    return arrays
+
+
+def _check(vocab_size, add_k, prior):
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    if not add_k > 0:
+        raise ValueError(f"add_k must be > 0, got {add_k}")
+    if not prior > 0:
+        raise ValueError(f"prior must be > 0, got {prior}")
+
+
+def unigram_probs(sequences, vocab_size: int, add_k: float = DEFAULT_ADD_K) -> np.ndarray:
+    """u [V] float64: add-k smoothed token frequencies over all sequences."""
+    _check(vocab_size, add_k, DEFAULT_PRIOR)
+    arrays = _as_arrays(sequences, vocab_size)
+    counts = np.bincount(np.concatenate(arrays), minlength=vocab_size).astype(np.float64)
+    return (counts + add_k) / (counts.sum() + add_k * vocab_size)
+
+
+def bigram_counts(sequences, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The bigrams (c, x) inside each sequence (none across sequence boundaries), as sorted
+    (contexts int64 [nnz], next ids int64 [nnz], counts int64 [nnz]), unique pairs."""
+    arrays = _as_arrays(sequences, vocab_size)
+    pairs = [a[:-1] * vocab_size + a[1:] for a in arrays if a.size >= 2]
+    if not pairs:
+        raise ValueError("sequences: no sequence has two tokens, so there are no bigrams")
+    keys, counts = np.unique(np.concatenate(pairs), return_counts=True)
+    return keys // vocab_size, keys % vocab_size, counts
+
+
+def fit_unigram(
+    sequences, vocab_size: int, add_k: float = DEFAULT_ADD_K
+) -> tuple[UnigramDrafter, UnigramTables]:
+    """A UnigramDrafter and its table, fitted on token sequences (lists of ids)."""
+    u = unigram_probs(sequences, vocab_size, add_k)
+    return UnigramDrafter(vocab_size), UnigramTables(log_probs=jnp.asarray(np.log(u), jnp.float32))
+
+
+def fit_bigram(
+    sequences, vocab_size: int, add_k: float = DEFAULT_ADD_K, prior: float = DEFAULT_PRIOR
+) -> tuple[BigramDrafter, BigramTables]:
+    """A BigramDrafter and its sparse tables, fitted on token sequences (lists of ids).
+
+    add_k smooths the unigram the bigram backs off to; prior is the backoff's pseudo-count.
+    """
+    _check(vocab_size, add_k, prior)
+    sequences = list(sequences)
+    u = unigram_probs(sequences, vocab_size, add_k)
+    contexts, next_ids, counts = bigram_counts(sequences, vocab_size)
+    per_context = np.bincount(contexts, minlength=vocab_size)  # distinct successors
+    totals = np.bincount(contexts, weights=counts, minlength=vocab_size)  # n(c)
+    max_row_len = int(per_context.max())
+    row_start = np.concatenate([[0], np.cumsum(per_context)])
+    pad = np.zeros(max_row_len, np.int64)
+    tables = BigramTables(
+        smoothing=jnp.asarray(prior * u, jnp.float32),
+        denominator=jnp.asarray(totals + prior, jnp.float32),
+        row_start=jnp.asarray(row_start, jnp.int32),
+        next_ids=jnp.asarray(np.concatenate([next_ids, pad]), jnp.int32),
+        next_counts=jnp.asarray(np.concatenate([counts, pad]), jnp.float32),
+    )
+    return BigramDrafter(vocab_size, max_row_len), tables
+
+
+def dense_bigram(tables: BigramTables, contexts: Sequence[int]) -> np.ndarray:
+    """p(. | c) for each given context, float64 [len(contexts), V], computed from the stored
+    tables on the host (a reference for tests; the drafter computes the same rows in JAX)."""
+    smoothing = np.asarray(tables.smoothing, np.float64)
+    start = np.asarray(tables.row_start)
+    ids, counts = np.asarray(tables.next_ids), np.asarray(tables.next_counts, np.float64)
+    rows = np.zeros((len(contexts), smoothing.size))
+    for i, c in enumerate(contexts):
+        rows[i] = smoothing
+        np.add.at(rows[i], ids[start[c] : start[c + 1]], counts[start[c] : start[c + 1]])
+        rows[i] /= float(np.asarray(tables.denominator)[c])
+    return rows
