@@ -19,7 +19,9 @@ import types
 # name -> module. Adding an experiment: write the module, add its line here.
 EXPERIMENTS = {
     "table1": "experiments.table1",
+    "table3": "experiments.table3",
     "theory_vs_simulation": "experiments.theory_vs_simulation",
+    "walltime": "experiments.walltime",
 }
 
 

@@ -8,7 +8,8 @@ Examples:
 --alphas, --gammas, --num_rounds and --seed override the experiment's config where it has
 that setting; --set=KEY=VALUE overrides any other setting (e.g. --set=vocab_size=16).
 Bad flags and bad input exit with code 2 and one line on stderr; an experiment whose own
-check fails (e.g. simulation off theory) still writes its outputs, then exits 1.
+check fails (e.g. simulation off theory) still writes its outputs, then exits 1; data that
+cannot be fetched (a corpus or model download) is one line on stderr and exit code 1.
 """
 
 import shlex
@@ -17,8 +18,9 @@ import sys
 from absl import flags
 
 import experiments
-from experiments import framework
+from experiments import corpora, framework
 from launch import common
+from models import registry
 
 FLAGS = flags.FLAGS
 
@@ -95,9 +97,17 @@ def main(argv):
         raise common.UsageError(f"--{e}" if key in FLAGS else f"--set {e}") from None
 
     command = shlex.join(["python", "-m", "launch.experiment", *sys.argv[1:]])
-    result, paths = framework.run_experiment(
-        FLAGS.experiment, quick=FLAGS.quick, overrides=overrides, output_dir=FLAGS.output_dir, command=command
-    )
+    try:
+        result, paths = framework.run_experiment(
+            FLAGS.experiment,
+            quick=FLAGS.quick,
+            overrides=overrides,
+            output_dir=FLAGS.output_dir,
+            command=command,
+        )
+    except (corpora.CorpusUnavailableError, registry.DownloadError) as e:  # data it needs cannot be had
+        print(f"experiment: error: {e}", file=sys.stderr)
+        return 1
     for path in paths.values():
         print(f"wrote {path}")
     if result.passed is False:

