@@ -41,6 +41,11 @@ def rotary(x_bthd, positions_bt, theta):
     return out.astype(x_bthd.dtype)
 
 
+def _project(x_btd, w_hkd):
+    """x [B, T, D] times a weight [heads, Dh, D] -> [B, T, heads * Dh]."""
+    return jnp.einsum("btd,nd->btn", x_btd, w_hkd.reshape(-1, w_hkd.shape[-1]))
+
+
 def _dense_init(fan_in):
     return nn.initializers.normal(stddev=fan_in**-0.5)
 
@@ -57,10 +62,14 @@ class Attention(nn.Module):
         wk = self.param("wk", _dense_init(d), (kvh, dh, d), dt)
         wv = self.param("wv", _dense_init(d), (kvh, dh, d), dt)
         wo = self.param("wo", _dense_init(h * dh), (d, h, dh), dt)
+        b, t = x_btd.shape[:2]
         with jax.named_scope("qkv_matmul"):
-            q = jnp.einsum("btd,hkd->bthk", x_btd, wq)
-            k = jnp.einsum("btd,hkd->bthk", x_btd, wk)
-            v = jnp.einsum("btd,hkd->bthk", x_btd, wv)
+            # Contract against [heads * Dh, D] views (free reshapes of row-major weights): with
+            # the head axes kept apart, XLA:CPU copies each weight into [D, heads * Dh] order
+            # before its dot, every call (docs/design.md, "Weight layout").
+            q = _project(x_btd, wq).reshape(b, t, h, dh)
+            k = _project(x_btd, wk).reshape(b, t, kvh, dh)
+            v = _project(x_btd, wv).reshape(b, t, kvh, dh)
             if cfg.qkv_bias:
                 q = q + self.param("bq", nn.initializers.normal(0.1), (h, dh), dt)
                 k = k + self.param("bk", nn.initializers.normal(0.1), (kvh, dh), dt)
@@ -82,7 +91,7 @@ class Attention(nn.Module):
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):
-            return jnp.einsum("bthk,dhk->btd", out, wo), cache
+            return jnp.einsum("btn,dn->btd", out.reshape(b, t, h * dh), wo.reshape(d, h * dh)), cache
 
 
 class MLP(nn.Module):

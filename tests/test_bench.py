@@ -72,6 +72,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     assert calls == ["target decode step (T=1)", "draft decode step (T=1)", "target verify call (T=3)"]
     assert all(r["floor_ms"] > 0 and r["step_over_floor"] > 0 for r in roofline["rows"])
     assert all(r["gb_per_s"] > 0 for r in roofline["sections"]["memory bandwidth"])
+    assert {r["kind"] for r in roofline["sections"]["memory bandwidth"]} == {"copy", "read"}
 
 
 def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(tmp_path):
