@@ -21,6 +21,7 @@ import jax
 import matplotlib
 import ml_collections
 import numpy as np
+import tqdm
 from matplotlib.figure import Figure
 
 from experiments import common, corpora, framework, per_prompt
@@ -219,20 +220,19 @@ def measure(config) -> list[dict]:
             if name not in NGRAM_DRAFTS:
                 model = common.load_model(name)
                 drafts[name] = dict.fromkeys(config.tasks, model)
-        for name in draft_names:
-            for temperature in config.temperatures:
-                for task in config.tasks:
-                    result = cell(target, drafts[name][task], data[task][1], temperature, config)
-                    cells.append(
-                        {
-                            "target": target_name,
-                            "draft": name,
-                            "task": task,
-                            "temperature": float(temperature),
-                            "data": data[task][2],
-                            **result,
-                        }
-                    )
+        grid = [(n, t, task) for n in draft_names for t in config.temperatures for task in config.tasks]
+        for name, temperature, task in tqdm.tqdm(grid, desc=f"table3 {target_name}", unit="cell"):
+            result = cell(target, drafts[name][task], data[task][1], temperature, config)
+            cells.append(
+                {
+                    "target": target_name,
+                    "draft": name,
+                    "task": task,
+                    "temperature": float(temperature),
+                    "data": data[task][2],
+                    **result,
+                }
+            )
         del target, drafts
     return cells
 
