@@ -22,6 +22,6 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 -m "not slow"
 
-# The slow tests alone: downloads the Qwen pair (1.6 GB) once, then checks it (about 10 minutes).
+# The slow tests alone: downloads the Qwen pair (1.6 GB) once, then checks it (about 3 minutes).
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow --durations=15
