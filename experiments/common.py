@@ -23,6 +23,15 @@ def check_model_name(key: str, name: str) -> None:
         raise ValueError(f"{key}: unknown model {name!r}; known models: {', '.join(model_names())}")
 
 
+def check_int_settings(config, ranges: dict) -> None:
+    """ValueError("<key>: ...") unless config[key] is an integer (not a bool) in [low, high]
+    for every key: (low, high) in ranges."""
+    for key, (low, high) in ranges.items():
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{key}: must be an integer in [{low}, {high}], got {value!r}")
+
+
 def load_model(name: str) -> models.Model:
     """A tiny random model (quick modes) or anything models.load knows (with its tokenizer)."""
     if name in TINY_MODELS:

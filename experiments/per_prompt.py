@@ -3,8 +3,8 @@
 `spec_jax.generate` sums the metrics over the batch. Here each prompt runs as its own batch of
 one, and jax.vmap runs all of them in one compiled call: the same spec_prefill / spec_loop /
 SpecMetrics code as the sampler, with a leading prompt axis on everything, so row b's metrics
-are exactly what generate would report for prompt b alone (row b's randomness comes from
-fold_in(key(seed), b)). The rows share every matmul, as a batch does.
+are those of prompt b decoded on its own, with its own key fold_in(key(seed), b) (at
+temperature 0 its tokens are generate's). The rows share every matmul, as a batch does.
 """
 
 import time
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import api
-from spec_jax.decode import PrefillInputs, bucket_length, compiled, pad_prompts
+from spec_jax.decode import PrefillInputs, compiled, pad_prompts
 from spec_jax.sampling import SamplingParams
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
@@ -41,11 +41,9 @@ def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature:
     """
     sampling = SamplingParams(float(temperature))
     drafter, draft_params = api.as_drafter(draft)
-    api._validate(target, prompts, drafter, gamma, max_new_tokens, None)
-    width = bucket_length(max(len(p) for p in prompts))
-    static = SpecStatic(
-        target.config, drafter, sampling, gamma, max_new_tokens, width + max_new_tokens + gamma
-    )
+    api.validate(target, prompts, drafter, gamma, max_new_tokens, None)
+    width, cache_len = api.layout(target.config, prompts, max_new_tokens, gamma)
+    static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens)[:, None],

@@ -109,18 +109,18 @@ def validate(config) -> None:
         not (isinstance(t, int | float) and t >= 0) for t in config.temperatures
     ):
         raise ValueError(f"temperatures: each must be a number >= 0, got {tuple(config.temperatures)}")
-    for key, low, high in (
-        ("num_prompts", 2, 10_000),
-        ("batch_size", 1, 1024),
-        ("prompt_tokens", 1, 1024),
-        ("max_new_tokens", 2, 1024),
-        ("gamma", 1, 64),
-        ("max_train_documents", 0, 10**9),
-        ("bootstrap_resamples", 100, 10**6),
-    ):
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{key}: must be an integer in [{low}, {high}], got {value!r}")
+    common.check_int_settings(
+        config,
+        {
+            "num_prompts": (2, 10_000),
+            "batch_size": (1, 1024),
+            "prompt_tokens": (1, 1024),
+            "max_new_tokens": (2, 1024),
+            "gamma": (1, 64),
+            "max_train_documents": (0, 10**9),
+            "bootstrap_resamples": (100, 10**6),
+        },
+    )
     if not 0.0 < config.test_fraction < 1.0:
         raise ValueError(f"test_fraction: must be in (0, 1), got {config.test_fraction}")
     for key in ("add_k", "prior"):

@@ -23,7 +23,6 @@
 import dataclasses
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ import spec_jax
 from experiments import common, corpora, framework
 from models.config import ModelConfig
 from models.transformer import forward, init_cache
-from spec_jax import theory
+from spec_jax import theory, timing
 from spec_jax.decode import compiled
 from spec_jax.drafters import ModelDrafter
 from spec_jax.sampling import SamplingParams, warp
@@ -92,17 +91,17 @@ def validate(config) -> None:
         raise ValueError(f"gammas: each gamma must be an integer in [1, 64], got {gammas}")
     if not config.temperature >= 0.0:
         raise ValueError(f"temperature: must be a number >= 0, got {config.temperature}")
-    for key, low, high in (
-        ("num_prompts", 1, 1024),
-        ("batch_size", 1, 1024),
-        ("prompt_tokens", 1, 1024),
-        ("max_new_tokens", 2, 4096),
-        ("repeats", 1, 1000),
-        ("step_repeats", 1, 10_000),
-    ):
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{key}: must be an integer in [{low}, {high}], got {value!r}")
+    common.check_int_settings(
+        config,
+        {
+            "num_prompts": (1, 1024),
+            "batch_size": (1, 1024),
+            "prompt_tokens": (1, 1024),
+            "max_new_tokens": (2, 4096),
+            "repeats": (1, 1000),
+            "step_repeats": (1, 10_000),
+        },
+    )
     if config.num_prompts % config.batch_size:
         raise ValueError(
             f"batch_size: must divide num_prompts ({config.num_prompts}), got {config.batch_size}"
@@ -125,20 +124,6 @@ def _timer(name, fn, static, args):
     """A zero-argument function that runs the compiled fn(static, *args) to completion."""
     executable, _ = compiled(name, fn, static, args)
     return lambda: jax.block_until_ready(executable(*args))
-
-
-def time_interleaved(fns: dict, repeats: int) -> dict:
-    """Median seconds per call of each function: one warm-up call each, then `repeats` rounds
-    that call every function once, in turn."""
-    for fn in fns.values():
-        fn()
-    runs = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            runs[name].append(time.perf_counter() - start)
-    return {name: statistics.median(r) for name, r in runs.items()}
 
 
 def step_costs(target, draft, config, prompt_len: int) -> dict:
@@ -176,7 +161,7 @@ def step_costs(target, draft, config, prompt_len: int) -> dict:
             jax.random.key(0),
         )
         fns[f"propose_{g}"] = _timer(f"walltime_propose_{g}", propose, drafter, args)
-    return time_interleaved(fns, config.step_repeats)
+    return {name: t["median"] for name, t in timing.timed_interleaved(fns, config.step_repeats).items()}
 
 
 def prompts_for(tokenizer, config) -> list[list[int]]:

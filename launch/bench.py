@@ -32,6 +32,7 @@ import numpy as np
 from absl import flags
 
 from launch import common
+from spec_jax.timing import interleaved, spread, timed, timed_interleaved
 
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,47 +123,7 @@ PROMPTS = [
 ]
 
 
-# --- timing helpers -------------------------------------------------------------------------
-
-
-def spread(values) -> dict:
-    """{"median", "min", "max"} of a non-empty sequence of numbers."""
-    values = list(values)
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def interleaved(fns: dict, inputs: list, warmup_inputs: list) -> dict:
-    """Runs every variant on each warm-up input (compiles; not timed), then times the variants
-    in turn on inputs[0], inputs[1], ... (round-robin, the starting variant rotating each
-    repeat), so that load from other work on a shared machine falls on all variants alike.
-
-    fns: {name: fn(input) -> result}. Returns {name: {"warmup": [results], "results": [...],
-    "seconds": [wall seconds per repeat]}}.
-    """
-    out = {name: {"warmup": [], "results": [], "seconds": []} for name in fns}
-    for name, fn in fns.items():
-        for x in warmup_inputs:
-            out[name]["warmup"].append(jax.block_until_ready(fn(x)))
-    names = list(fns)
-    for i, x in enumerate(inputs):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            start = time.perf_counter()
-            result = jax.block_until_ready(fns[name](x))
-            out[name]["seconds"].append(time.perf_counter() - start)
-            out[name]["results"].append(result)
-    return out
-
-
-def timed(fn, repeats: int) -> dict:
-    """Runs fn once to warm up, then `repeats` times; returns median/min/max seconds."""
-    return timed_interleaved({"fn": fn}, repeats)["fn"]
-
-
-def timed_interleaved(fns: dict, repeats: int) -> dict:
-    """interleaved() for argument-free variants; returns {name: median/min/max seconds}."""
-    runs = interleaved({n: (lambda _, f=f: f()) for n, f in fns.items()}, [None] * repeats, [None])
-    return {name: {**spread(r["seconds"]), "repeats": repeats} for name, r in runs.items()}
+# --- timing helpers: spec_jax.timing (spread, interleaved, timed, timed_interleaved) ----------
 
 
 def peak_rss_mb() -> float:

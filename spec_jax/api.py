@@ -37,7 +37,8 @@ class Generation:
     state: Any = None
 
 
-def _validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
+def validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
+    """Raises ValueError naming the argument and its allowed range (draft: a drafter or None)."""
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     vocab = target.config.vocab_size
@@ -76,6 +77,15 @@ def _validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
             f"the draft's context ({draft.max_seq_len} tokens) is shorter than needed: "
             f"prompt {longest} + max_new_tokens {max_new_tokens} + gamma {gamma}"
         )
+
+
+def layout(config, prompts, max_new_tokens: int, gamma: int) -> tuple[int, int]:
+    """(prompt width, cache length): prompts are right-padded to their length bucket (capped so
+    the cache fits the model's context), and the cache holds the width, the new tokens and
+    the gamma drafts a last round may write past them (gamma = 0 for plain decoding)."""
+    longest = max(len(p) for p in prompts)
+    width = min(bucket_length(longest), max(longest, config.max_seq_len - max_new_tokens))
+    return width, width + max_new_tokens + gamma
 
 
 def as_drafter(draft):
@@ -146,16 +156,13 @@ def generate(
     """
     sampling = SamplingParams(float(temperature), top_k, float(top_p))
     drafter, draft_params = (None, None) if draft is None else as_drafter(draft)
-    _validate(target, prompts, drafter, gamma, max_new_tokens, eos_id)
+    validate(target, prompts, drafter, gamma, max_new_tokens, eos_id)
 
     num_rows = len(prompts)
     if mesh is not None:
         sharding.check_mesh(mesh)
         prompts = list(prompts) + [prompts[0]] * (-num_rows % mesh.shape[sharding.DATA])
-    longest = max(len(p) for p in prompts)
-    width = min(bucket_length(longest), max(longest, target.config.max_seq_len - max_new_tokens))
-    extra = 0 if drafter is None else gamma
-    cache_len = width + max_new_tokens + extra
+    width, cache_len = layout(target.config, prompts, max_new_tokens, 0 if drafter is None else gamma)
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens),

@@ -109,7 +109,7 @@ class UnigramDrafter:
 
     def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, key):
         batch = context_b2.shape[0]
-        q_bv = warp(jnp.broadcast_to(params.log_probs, (batch, self.vocab_size)), sampling)
+        q_bv = jnp.broadcast_to(warp(params.log_probs, sampling), (batch, self.vocab_size))  # one warp
         keys = jax.random.split(key, gamma)
         tokens = jnp.stack([draw_rows(k, q_bv) for k in keys], axis=1)  # [B, G]
         q = jnp.broadcast_to(q_bv[:, None], (batch, gamma, self.vocab_size))
