@@ -12,10 +12,19 @@ class UsageError(ValueError):
     """Bad input from the command line; reported as one line with exit code 2."""
 
 
-def _fail(message: str):
+def _fail(message: str, code: int = 2):
     prog = os.path.basename(sys.argv[0]) if sys.argv else "spec-jax"
     print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
+
+
+def _unavailable_errors() -> tuple:
+    """Errors meaning data a command needs cannot be had (no registry access, a corrupted
+    download, a cache folder that cannot be written): the environment, not the flags."""
+    from experiments.corpora import CorpusUnavailableError
+    from models.registry import CacheNotWritableError, ChecksumMismatchError, DownloadError
+
+    return (DownloadError, ChecksumMismatchError, CacheNotWritableError, CorpusUnavailableError)
 
 
 def parse_flags(argv):
@@ -27,7 +36,8 @@ def parse_flags(argv):
 
 
 def run(main):
-    """app.run(main) where a ValueError from main is bad input: one line on stderr, exit code 2."""
+    """app.run(main) where a ValueError from main is bad input (one line on stderr, exit code
+    2) and data that cannot be fetched or cached is one line on stderr with exit code 1."""
 
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:
@@ -36,6 +46,10 @@ def run(main):
             return main(argv)
         except ValueError as e:  # includes UsageError
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except Exception as e:
+            if not isinstance(e, _unavailable_errors()):
+                raise
+            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, code=1)
 
     app.run(guarded, flags_parser=parse_flags)
 

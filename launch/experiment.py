@@ -18,9 +18,8 @@ import sys
 from absl import flags
 
 import experiments
-from experiments import corpora, framework
+from experiments import framework
 from launch import common
-from models import registry
 
 FLAGS = flags.FLAGS
 
@@ -97,17 +96,10 @@ def main(argv):
         raise common.UsageError(f"--{e}" if key in FLAGS else f"--set {e}") from None
 
     command = shlex.join(["python", "-m", "launch.experiment", *sys.argv[1:]])
-    try:
-        result, paths = framework.run_experiment(
-            FLAGS.experiment,
-            quick=FLAGS.quick,
-            overrides=overrides,
-            output_dir=FLAGS.output_dir,
-            command=command,
-        )
-    except (corpora.CorpusUnavailableError, registry.DownloadError) as e:  # data it needs cannot be had
-        print(f"experiment: error: {e}", file=sys.stderr)
-        return 1
+    # Data that cannot be fetched (a corpus, a model) is one line and exit code 1: common.run.
+    result, paths = framework.run_experiment(
+        FLAGS.experiment, quick=FLAGS.quick, overrides=overrides, output_dir=FLAGS.output_dir, command=command
+    )
     for path in paths.values():
         print(f"wrote {path}")
     if result.passed is False:

@@ -10,9 +10,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*args, module="launch.generate"):
+def run_cli(*args, module="launch.generate", env=None):
     """Runs the CLI on the random presets (later flags override), so no download is needed."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **(env or {})}
     models = ["--target=random", "--draft=random-draft"] if module == "launch.generate" else []
     return subprocess.run(
         [sys.executable, "-m", module, *models, *args],
@@ -82,3 +82,30 @@ def test_bad_prompts_file_line_is_reported_with_its_number(tmp_path):
     result = run_cli(f"--prompts_file={prompts}")
     assert result.returncode == 2
     assert "line 2" in result.stderr
+
+
+@pytest.mark.parametrize("module", ["launch.generate", "launch.bench"])
+def test_registry_unreachable_is_one_line_exit_1_and_leaves_the_cache_empty(tmp_path, module):
+    # A real model into an empty cache, with pip pointed at a port where nothing listens.
+    flags = ["--target=smollm2-135m", "--draft=none"] if module == "launch.generate" else ["--suite=decode"]
+    env = {
+        "SPEC_JAX_CACHE": str(tmp_path / "cache"),
+        "SPEC_JAX_PIP_INDEX": "http://127.0.0.1:9/simple",
+        "SPEC_JAX_PIP_ARGS": "--retries=0 --timeout=2",
+    }
+    result = run_cli(*flags, module=module, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "%|" not in line]
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(lines) == 1 and "could not download" in lines[0], result.stderr
+    left = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not left, left
+
+
+def test_cache_folder_that_cannot_be_written_is_one_line_exit_1(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = run_cli("--target=smollm2-135m", "--draft=none", env={"SPEC_JAX_CACHE": str(blocker)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "is not writable" in lines[0] and "SPEC_JAX_CACHE" in lines[0], lines
