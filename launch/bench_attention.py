@@ -23,7 +23,7 @@ import numpy as np
 from absl import flags
 
 from launch import common
-from spec_jax import kernels
+from models import kernels
 
 FLAGS = flags.FLAGS
 

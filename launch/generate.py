@@ -49,7 +49,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")
-flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see spec_jax.kernels.IMPLS).")
+flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see models.kernels.IMPLS).")
 
 flags.DEFINE_string(
     "mesh", None, "Device mesh, e.g. 'data:2,model:4' or 'auto' (all devices on model); unset: one device."
@@ -213,7 +213,8 @@ def main(argv):
     init_distributed()  # before anything touches a jax backend
     import jax
 
-    from spec_jax import kernels, sharding
+    from models import kernels
+    from spec_jax import sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None

@@ -41,7 +41,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     dtype: str = "float32"  # parameter and activation dtype: "float32" or "bfloat16"
-    attention_impl: str = "auto"  # see spec_jax.kernels.IMPLS
+    attention_impl: str = "auto"  # see models.kernels.IMPLS
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     # True: parameters stacked over layers and run by nn.scan (compiles in seconds; best on
     # TPU/GPU). False: one parameter subtree per layer (layers_0, layers_1, ...) and a Python

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
-from spec_jax import kernels
-from spec_jax.cache import KVCache, write_layer
+from models import kernels
+from models.cache import KVCache, write_layer
 
 
 class RMSNorm(nn.Module):

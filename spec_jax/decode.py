@@ -20,7 +20,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.transformer import forward, init_cache
-from spec_jax.cache import KVCache
+from models.cache import KVCache
 from spec_jax.sampling import SamplingParams, draw, warp
 
 MIN_BUCKET = 16

@@ -191,7 +191,7 @@ def state_shardings(state, mesh: Mesh, batch: int):
     scalars, replicated; any other array whose leading dimension is the batch is split over
     `data` (the loop's per-row arrays: tokens, lengths, done flags); the rest replicated.
     """
-    from spec_jax.cache import KVCache
+    from models.cache import KVCache
 
     def one(path, leaf):
         if isinstance(leaf, KVCache):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.transformer import forward
-from spec_jax.cache import KVCache
+from models.cache import KVCache
 from spec_jax.decode import TRACE_COUNTS, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafters import Drafter
 from spec_jax.metrics import SpecMetrics

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from spec_jax import kernels
-from spec_jax.kernels import flash_attention, flash_decoding
-from spec_jax.kernels.flash_attention import FlashBlockSizes
-from spec_jax.kernels.flash_decoding import DecodeBlockSizes
+from models import kernels
+from models.kernels import flash_attention, flash_decoding
+from models.kernels.flash_attention import FlashBlockSizes
+from models.kernels.flash_decoding import DecodeBlockSizes
 
 PALLAS_IMPLS = ("pallas_gpu", "pallas_tpu")
 # Max-normalised error: max |out - ref| / max |ref| (elementwise relative error is meaningless

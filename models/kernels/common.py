@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from spec_jax.kernels.reference import DEFAULT_MASK_VALUE
+from models.kernels.reference import DEFAULT_MASK_VALUE
 
 BACKENDS = ("tpu", "gpu")
 # Head dims the kernels are written for: powers of two (Triton tiles) that fill at least half of

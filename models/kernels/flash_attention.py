@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from spec_jax.kernels import common
+from models.kernels import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ def flash_attention(
     block_sizes: FlashBlockSizes | None = None,
     interpret=False,
 ):
-    """Blocked causal attention for prefill (any T); same contract as `spec_jax.kernels.attention`.
+    """Blocked causal attention for prefill (any T); same contract as `models.kernels.attention`.
 
     Args:
       q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from spec_jax.kernels import common
+from models.kernels import common
 
 # GPU split heuristic: aim for this many programs (B * KVH * num_splits), ~2 per SM of an H100.
 _GPU_TARGET_PROGRAMS = 264
@@ -97,7 +97,7 @@ def flash_decoding(
     block_sizes: DecodeBlockSizes | None = None,
     interpret=False,
 ):
-    """Split-K attention for small T; same contract as `spec_jax.kernels.attention`.
+    """Split-K attention for small T; same contract as `models.kernels.attention`.
 
     Args:
       q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.

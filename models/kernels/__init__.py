@@ -19,8 +19,8 @@ the TPU interpreter (pltpu.InterpretParams()). See docs/kernels.md.
 
 import jax
 
-from spec_jax.kernels import flash_attention, flash_decoding
-from spec_jax.kernels.reference import DEFAULT_MASK_VALUE, attention_mask, attention_reference
+from models.kernels import flash_attention, flash_decoding
+from models.kernels.reference import DEFAULT_MASK_VALUE, attention_mask, attention_reference
 
 IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 
