@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
 from models import kernels
 from models.cache import KVCache, write_layer
+from models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

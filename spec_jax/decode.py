@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward, init_cache
-from models.cache import KVCache
 from spec_jax.sampling import SamplingParams, draw, warp
 
 MIN_BUCKET = 16

@@ -15,9 +15,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
-from models.cache import KVCache
 from spec_jax.decode import TRACE_COUNTS, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafters import Drafter
 from spec_jax.metrics import SpecMetrics

@@ -22,7 +22,9 @@ def imported_modules(path: pathlib.Path) -> set[str]:
 
 def test_models_imports_nothing_from_spec_jax():
     offenders = {
-        str(path.relative_to(ROOT)): sorted(m for m in imported_modules(path) if m.split(".")[0] == "spec_jax")
+        str(path.relative_to(ROOT)): sorted(
+            m for m in imported_modules(path) if m.split(".")[0] == "spec_jax"
+        )
         for path in sorted((ROOT / "models").rglob("*.py"))
     }
     offenders = {path: mods for path, mods in offenders.items() if mods}
