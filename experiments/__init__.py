@@ -1,16 +1,22 @@
-"""Reproductions of the paper's tables and figures, each runnable by name.
+"""Reproductions of the paper's tables and figures, and the benchmark suites, each runnable by name.
 
 An experiment is one module that defines
 
   TITLE: str                      one line, the heading of its Markdown output
   get_config(quick: bool) -> ml_collections.ConfigDict
                                   quick = small sample counts, for the test suite
-  validate(config) -> None        raises ValueError("<config key>: ...") on bad values
-  run(config) -> experiments.framework.Result
+  run(config) -> experiments.framework.Result (or None: skipped, having printed why)
+
+and, checked by experiments.framework.validate before it runs (each optional):
+
+  MODEL_KEYS, INT_RANGES, TUPLE_RANGES   declared settings (model names, integer ranges,
+                                  tuples of numbers in a range)
+  validate(config) -> None        any other check; raises ValueError("<config key>: ...")
 
 plus one line in EXPERIMENTS below. `experiments.framework.run_experiment(name, ...)` (and
-`python -m launch.experiment --experiment=NAME`) runs it and writes NAME.csv, NAME.md,
-NAME.json and, when the experiment draws one, NAME.png into experiments/results/.
+`python -m launch.experiment --experiment=NAME[,NAME...]`, or `python -m launch.bench
+--suite=NAME[,NAME...]` for the benchmarks) runs it and writes NAME.csv, NAME.md, NAME.json
+and, when the experiment draws one, NAME.png into experiments/results/.
 """
 
 import importlib
@@ -22,7 +28,15 @@ EXPERIMENTS = {
     "table3": "experiments.table3",
     "theory_vs_simulation": "experiments.theory_vs_simulation",
     "walltime": "experiments.walltime",
+    # Benchmark suites (launch.bench runs these, in this order when given together).
+    "loop": "experiments.bench_loop",
+    "overhead": "experiments.bench_overhead",
+    "peer": "experiments.bench_peer",
+    "decode": "experiments.bench_decode",
+    "roofline": "experiments.bench_roofline",
+    "attention": "experiments.bench_attention",
 }
+BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention")
 
 
 def names() -> list[str]:

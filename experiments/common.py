@@ -1,4 +1,4 @@
-"""Helpers shared by the model-based experiments (table3, walltime)."""
+"""Helpers shared by the model-based experiments and benchmark suites."""
 
 import numpy as np
 
@@ -32,11 +32,52 @@ def check_int_settings(config, ranges: dict) -> None:
             raise ValueError(f"{key}: must be an integer in [{low}, {high}], got {value!r}")
 
 
+# Code and English prompts, alternating (the Qwen pair are code models; English is harder for
+# the draft), so that a few repeats already mix both. Each is at most 16 tokens with the Qwen
+# tokenizer, so every prompt and every batch of them shares one compiled bucket. The decode,
+# peer and roofline benchmarks use them; nothing is tuned to them.
+BENCH_PROMPTS = (
+    "def quicksort(arr):\n    ",
+    "The history of the Roman Empire begins",
+    "import numpy as np\n\ndef moving_average(x, window):\n    ",
+    "To make a cup of tea, first",
+    "class LinkedList:\n    def __init__(self):\n        ",
+    "SELECT name, COUNT(*) FROM orders",
+    "# Sum the second column of a CSV file\nimport csv\n",
+    "def is_prime(n: int) -> bool:\n    ",
+)
+
+# Models loaded by this process, so that experiments run together (`--experiment=peer,decode`)
+# load each model once. At most two real models stay resident (a target and its draft).
+_LOADED: dict = {}
+
+
+def check_tuple(config, key: str, kind: type, low, high) -> None:
+    """ValueError("<key>: ...") unless config[key] is a non-empty tuple of kind (int: integers,
+    not bools; float: any real number) in [low, high]."""
+    values = tuple(config[key])
+
+    def ok(v):
+        if isinstance(v, bool) or not isinstance(v, int if kind is int else int | float):
+            return False
+        return low <= v <= high
+
+    if not values or not all(ok(v) for v in values):
+        noun = "an integer" if kind is int else "a number"
+        raise ValueError(f"{key}: each value must be {noun} in [{low:g}, {high:g}], got {values}")
+
+
 def load_model(name: str) -> models.Model:
-    """A tiny random model (quick modes) or anything models.load knows (with its tokenizer)."""
+    """A tiny random model (quick modes) or anything models.load knows (with its tokenizer);
+    loaded once per process while it is one of the last two real models asked for."""
     if name in TINY_MODELS:
         return models.random_model(**TINY_MODELS[name], name=name).replace(tokenizer=models.ByteTokenizer())
-    return models.load(name, progress=False)
+    if name not in _LOADED:
+        for old in list(_LOADED)[: max(0, len(_LOADED) - 1)]:
+            del _LOADED[old]
+        _LOADED[name] = models.load(name, progress=False)
+    _LOADED[name] = _LOADED.pop(name)  # most recently used last
+    return _LOADED[name]
 
 
 def encode_all(tokenizer, texts) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""Running a registered experiment and writing its outputs with their provenance.
+"""Running a registered experiment (a paper reproduction or a benchmark suite) and writing its
+outputs with their provenance: the one results writer of the project.
 
 Each run writes, into one directory (default experiments/results/):
   NAME.csv   the data: a header row, then one row per result; nothing else, so any CSV reader
@@ -18,6 +19,7 @@ import io
 import json
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -50,6 +52,38 @@ class Result:
     summary: dict
     figure: Any = None
     passed: bool | None = None
+
+    @classmethod
+    def from_dicts(cls, rows: Sequence[dict], *, markdown: str = "", sections=None, summary=None, **kwargs):
+        """A Result whose CSV is `rows` (dicts; the columns are their keys in first-seen order)
+        and whose Markdown is the rows as a table (see dict_table), then `markdown`, then one
+        titled table per entry of `sections` ({title: list of dicts}); the sections are also
+        stored in the summary (the JSON sidecar) under "sections"."""
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        body = [dict_table(rows)]
+        if markdown:
+            body.append(markdown.rstrip())
+        sections = {title: table for title, table in (sections or {}).items() if table}
+        body += [f"## {title}\n\n{dict_table(table)}" for title, table in sections.items()]
+        summary = dict(summary or {})
+        if sections:
+            summary["sections"] = sections
+        return cls(
+            columns=columns,
+            rows=[[r.get(k, "") for k in columns] for r in rows],
+            markdown="\n\n".join(body),
+            summary=summary,
+            **kwargs,
+        )
+
+
+def new_figure(width: float, height: float, columns: int = 1):
+    """(Figure, [axes]) for a Result's plot: a matplotlib Figure not tied to any GUI backend
+    (saved by the framework as NAME.png), with `columns` axes side by side."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, list(fig.subplots(1, columns, squeeze=False)[0])
 
 
 def git_revision(repo_root: str = REPO_ROOT) -> tuple[str, bool | None]:
@@ -85,21 +119,32 @@ def _cpu_model() -> str | None:
 
 
 def machine_description() -> dict:
-    """Platform, CPU model and count, Python, jax/jaxlib versions, backend and devices."""
+    """Platform, CPU model and count, memory, Python, jax/jaxlib/flax/numpy versions, backend
+    and devices."""
+    import flax
     import jax
     import jaxlib
+    import numpy as np
 
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "numpy": np.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def provenance(command: str) -> dict:
@@ -130,8 +175,26 @@ def make_config(
                 f"{key}: does not apply to experiment {name} (its settings: {', '.join(sorted(config.keys()))})"
             )
         config[key] = value
-    module.validate(config)
+    validate(module, config)
     return config
+
+
+def validate(module, config) -> None:
+    """Checks a config against what its experiment module declares, then the module's own
+    validate(config) if it has one. Declarations (all optional):
+      MODEL_KEYS = ("target", ...)           each a model name the experiments can load
+      INT_RANGES = {"key": (low, high)}      each an integer (not a bool) in [low, high]
+      TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those
+    ValueError("<key>: ...") on the first bad value."""
+    from experiments import common
+
+    for key in getattr(module, "MODEL_KEYS", ()):
+        common.check_model_name(key, config[key])
+    common.check_int_settings(config, getattr(module, "INT_RANGES", {}))
+    for key, (kind, low, high) in getattr(module, "TUPLE_RANGES", {}).items():
+        common.check_tuple(config, key, kind, low, high)
+    if hasattr(module, "validate"):
+        module.validate(config)
 
 
 def parse_setting(config: ml_collections.ConfigDict, key: str, text: str):
@@ -172,6 +235,32 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def format_cell(v) -> str:
+    """Three significant digits below 1, two decimals below 1000, whole numbers above; text
+    escaped so that it stays in one table cell."""
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1 else f"{v:.2f}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace("|", "\\|")
+
+
+def dict_table(rows: Sequence[dict]) -> str:
+    """A Markdown table of dict rows; a column `x` with siblings `x_min` and `x_max` prints as
+    one column `x [min, max]`."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    ranged = {k for k in keys if f"{k}_min" in keys and f"{k}_max" in keys}
+    shown = [k for k in keys if not any(k in (f"{r}_min", f"{r}_max") for r in ranged)]
+
+    def cell(row, k):
+        if k not in row:
+            return ""
+        if k in ranged and f"{k}_min" in row:
+            return f"{format_cell(row[k])} [{format_cell(row[f'{k}_min'])}, {format_cell(row[f'{k}_max'])}]"
+        return format_cell(row[k])
+
+    header = [f"{k} [min, max]" if k in ranged else k for k in shown]
+    return markdown_table(header, [[cell(r, k) for k in shown] for r in rows])
+
+
 def _csv_cell(value):
     if hasattr(value, "item"):  # NumPy scalars
         value = value.item()
@@ -200,6 +289,7 @@ def _markdown_text(name, title, prov, config, seconds, result, has_plot) -> str:
         f"- git revision: `{prov['git_revision']}`{dirty}",
         f"- machine: {m['platform']}, {m['cpu_model']}, {m['cpu_count']} CPUs; Python {m['python']}",
         f"- jax {m['jax']} (jaxlib {m['jaxlib']}), backend {m['backend']}, devices: {', '.join(m['devices'])}",
+        f"- memory {m['memory_gb']} GB; peak RSS of this run {prov['peak_rss_mb']:.0f} MiB",
         f"- date (UTC): {prov['date_utc']}; wall time {seconds:.1f} s",
         f"- config: {settings}",
         f"- files: `{name}.csv` (data), `{name}.json` (provenance, config, summary)"
@@ -271,7 +361,9 @@ def run_experiment(
     """Runs experiment `name` and writes its outputs; returns (result, {filename: path}).
 
     output_dir defaults to experiments/results/ and is created if missing. command is the
-    command line recorded in the provenance (default: this process's argv).
+    command line recorded in the provenance (default: this process's argv). An experiment that
+    cannot run here (a benchmark whose peer system is not installed) returns None from its run
+    after printing why: then nothing is written and this returns (None, {}).
     """
     config = make_config(name, quick=quick, overrides=overrides)
     module = experiments.load(name)
@@ -283,6 +375,9 @@ def run_experiment(
     start = time.perf_counter()
     result = module.run(config)
     seconds = time.perf_counter() - start
+    if result is None:
+        return None, {}
+    prov["peak_rss_mb"] = round(peak_rss_mb())
 
     has_plot = result.figure is not None
     sidecar = {

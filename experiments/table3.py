@@ -12,20 +12,18 @@ Drafts: "unigram" and "bigram" are n-gram drafters (spec_jax.ngram) fitted on th
 training documents tokenized with the target's tokenizer; any other name is a draft model.
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
-independent. Runs use experiments.per_prompt, which keeps the metrics per prompt.
+independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
 """
 
 import time
 
 import jax
-import matplotlib
 import ml_collections
 import numpy as np
 import tqdm
-from matplotlib.figure import Figure
 
-from experiments import common, corpora, framework, per_prompt
-from spec_jax import ngram
+from experiments import common, corpora, framework
+from spec_jax import metrics, ngram, per_prompt
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"
 NGRAM_DRAFTS = ("unigram", "bigram")
@@ -91,6 +89,18 @@ def parse_run(run: str) -> tuple[str, tuple[str, ...]]:
     return target.strip(), names
 
 
+INT_RANGES = {
+    "num_prompts": (2, 10_000),
+    "batch_size": (1, 1024),
+    "prompt_tokens": (1, 1024),
+    "max_new_tokens": (2, 1024),
+    "gamma": (1, 64),
+    "max_train_documents": (0, 10**9),
+    "bootstrap_resamples": (100, 10**6),
+}
+TUPLE_RANGES = {"temperatures": (float, 0.0, 1e6)}
+
+
 def validate(config) -> None:
     """Raises ValueError starting with the offending key."""
     if not config.runs:
@@ -105,22 +115,6 @@ def validate(config) -> None:
         raise ValueError(
             f"tasks: each task must be one of {', '.join(corpora.TASKS)}, got {tuple(config.tasks)}"
         )
-    if not config.temperatures or any(
-        not (isinstance(t, int | float) and t >= 0) for t in config.temperatures
-    ):
-        raise ValueError(f"temperatures: each must be a number >= 0, got {tuple(config.temperatures)}")
-    common.check_int_settings(
-        config,
-        {
-            "num_prompts": (2, 10_000),
-            "batch_size": (1, 1024),
-            "prompt_tokens": (1, 1024),
-            "max_new_tokens": (2, 1024),
-            "gamma": (1, 64),
-            "max_train_documents": (0, 10**9),
-            "bootstrap_resamples": (100, 10**6),
-        },
-    )
     if not 0.0 < config.test_fraction < 1.0:
         raise ValueError(f"test_fraction: must be in (0, 1), got {config.test_fraction}")
     for key in ("add_k", "prior"):
@@ -163,21 +157,25 @@ def cell(target, draft, prompts, temperature, config) -> dict:
             seed=config.seed + i,
         )
         rows += batch_rows
+    pooled = metrics.pool(rows)
+    # Per-prompt sums for the bootstrap over prompts (a prompt with no scored position adds 0).
     scored = np.array([r["num_scored_positions"] for r in rows], np.float64)
-    overlap = np.array([r["alpha_hat"] * r["num_scored_positions"] for r in rows])
+    overlap = np.array(
+        [r["alpha_hat"] * r["num_scored_positions"] if r["num_scored_positions"] else 0.0 for r in rows]
+    )
     accepted = np.array([r["num_accepted_tokens"] for r in rows], np.float64)
     resamples, seed = config.bootstrap_resamples, config.seed
-    totals = {k: int(sum(r[k] for r in rows)) for k in ("num_rounds", "num_draft_tokens")}
     return {
         "num_prompts": len(rows),
-        **totals,
-        "num_scored_positions": int(scored.sum()),
-        "alpha_hat": float(overlap.sum() / scored.sum()),
+        "num_rounds": pooled["num_rounds"],
+        "num_draft_tokens": pooled["num_draft_tokens"],
+        "num_scored_positions": pooled["num_scored_positions"],
+        "alpha_hat": pooled["alpha_hat"],
         "alpha_hat_ci": common.bootstrap_ratio_ci(overlap, scored, resamples, seed),
         "accepted_per_scored": float(accepted.sum() / scored.sum()),
         "accepted_per_scored_ci": common.bootstrap_ratio_ci(accepted, scored, resamples, seed),
-        "acceptance_rate": float(accepted.sum() / totals["num_draft_tokens"]),
-        "mean_accepted_length": 1.0 + float(accepted.sum()) / totals["num_rounds"],
+        "acceptance_rate": pooled["acceptance_rate"],
+        "mean_accepted_length": pooled["mean_accepted_length"],
         "seconds": time.perf_counter() - start,
         "per_prompt": {
             "num_scored_positions": scored.astype(int).tolist(),
@@ -349,10 +347,8 @@ def markdown(cells, checks, config, passed) -> str:
 
 
 def figure(cells, config):
-    matplotlib.use("Agg")
     runs = [parse_run(r) for r in config.runs]
-    fig = Figure(figsize=(6 * len(runs), 4.2))
-    axes = fig.subplots(1, len(runs), squeeze=False)[0]
+    fig, axes = framework.new_figure(6 * len(runs), 4.2, len(runs))
     groups = [(task, float(t)) for task in config.tasks for t in config.temperatures]
     for ax, (target, drafts) in zip(axes, runs, strict=True):
         width = 0.8 / len(drafts)
@@ -374,7 +370,6 @@ def figure(cells, config):
         ax.set_ylabel("alpha (mean sum min(p, q)), 95% CI")
         ax.set_title(f"target {target}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
     return fig
 
 

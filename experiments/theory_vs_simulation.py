@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from experiments import framework
 from spec_jax import theory
 from spec_jax import verify as verify_lib  # looked up at call time, so a patched rule is what runs
-from spec_jax.sampling import draw
+from spec_jax.sampling import draw, row_keys
 
 TITLE = "Expected tokens per round (Eq. 1): theory vs simulation of the rejection rule"
 MAX_GAMMA = 64  # bounds the per-call memory, chunk_size * (gamma + 1) * vocab_size floats
@@ -125,7 +125,7 @@ def _accepted_histogram(verify_fn, gamma: int, chunk: int, num_chunks: int, key,
         q_bgv = jnp.broadcast_to(q_gv, (chunk, *q_gv.shape))
         p_bgv = jnp.broadcast_to(p_gv, (chunk, *p_gv.shape))
         drafts_bg = draw(draft_key, q_bgv)
-        num_accepted_b, _ = verify_fn(drafts_bg, q_bgv, p_bgv, verify_key)
+        num_accepted_b, _ = verify_fn(drafts_bg, q_bgv, p_bgv, row_keys(verify_key, jnp.arange(chunk)))
         return histogram + jnp.bincount(num_accepted_b, length=gamma + 1), None
 
     histogram, _ = jax.lax.scan(one_chunk, jnp.zeros(gamma + 1, jnp.int32), jnp.arange(num_chunks))
@@ -195,8 +195,7 @@ def plot(cells: list[dict], config) -> Figure:
 
     Right: relative error in percent with +-2 standard errors and the tolerance band.
     """
-    figure = Figure(figsize=(11, 4.4), layout="constrained")
-    ax_tokens, ax_error = figure.subplots(1, 2)
+    figure, (ax_tokens, ax_error) = framework.new_figure(11, 4.4, 2)
     cmap = matplotlib.colormaps["viridis"]
     alphas = list(config.alphas)
     gamma_line = np.arange(1, max(config.gammas) + 1)

@@ -3,11 +3,11 @@
 1. Costs, each the median of `step_repeats` timed calls after a warm-up, the models'
    calls interleaved so machine load falls on all alike, at the batch size and cache length
    of the runs below:
-     t_target  one T = 1 call of the target (forward + warp, compiled with spec_jax.decode.compiled)
+     t_target  one T = 1 call of the target (forward + warp: spec_jax.timing.model_call)
      t_draft   the same call of the draft model;       c = t_draft / t_target
      t_verify(gamma)  the target's T = gamma + 1 call;  v(gamma) = t_verify / t_target
-     t_propose(gamma) the drafter's whole proposal (ModelDrafter.propose: one T = 2 call and
-                      gamma - 1 T = 1 calls, sampling included);  d(gamma) = t_propose / t_target
+     t_propose(gamma) the drafter's model calls of a round (one T = 2 call and gamma - 1
+                      T = 1 calls, each warped);  d(gamma) = t_propose / t_target
 2. alpha from the speculative runs (alpha_hat pooled over every gamma).
 3. Predictions for each gamma, with E = expected_tokens(alpha, gamma):
      Theorem 3.8       E / (gamma c + 1)         (a verify call costs one step)
@@ -20,25 +20,16 @@
    tokens/s (prefill included) are in the CSV too.
 """
 
-import dataclasses
 import statistics
 import sys
 
-import jax
-import jax.numpy as jnp
-import matplotlib
 import ml_collections
 import tqdm
-from matplotlib.figure import Figure
 
 import spec_jax
 from experiments import common, corpora, framework
-from models.config import ModelConfig
-from models.transformer import forward, init_cache
-from spec_jax import theory, timing
-from spec_jax.decode import compiled
-from spec_jax.drafters import ModelDrafter
-from spec_jax.sampling import SamplingParams, warp
+from spec_jax import metrics, theory, timing
+from spec_jax.sampling import SamplingParams
 
 TITLE = "Walltime speedup: Theorem 3.8's prediction against measurement, gamma 1..8"
 
@@ -82,85 +73,45 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     return config
 
 
+MODEL_KEYS = ("target", "draft")
+INT_RANGES = {
+    "num_prompts": (1, 1024),
+    "batch_size": (1, 1024),
+    "prompt_tokens": (1, 1024),
+    "max_new_tokens": (2, 4096),
+    "repeats": (1, 1000),
+    "step_repeats": (1, 10_000),
+}
+TUPLE_RANGES = {"gammas": (int, 1, 64)}
+
+
 def validate(config) -> None:
     """Raises ValueError starting with the offending key."""
-    common.check_model_name("target", config.target)
-    common.check_model_name("draft", config.draft)
-    gammas = tuple(config.gammas)
-    if not gammas or any(isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= 64 for g in gammas):
-        raise ValueError(f"gammas: each gamma must be an integer in [1, 64], got {gammas}")
     if not config.temperature >= 0.0:
         raise ValueError(f"temperature: must be a number >= 0, got {config.temperature}")
-    common.check_int_settings(
-        config,
-        {
-            "num_prompts": (1, 1024),
-            "batch_size": (1, 1024),
-            "prompt_tokens": (1, 1024),
-            "max_new_tokens": (2, 4096),
-            "repeats": (1, 1000),
-            "step_repeats": (1, 10_000),
-        },
-    )
     if config.num_prompts % config.batch_size:
         raise ValueError(
             f"batch_size: must divide num_prompts ({config.num_prompts}), got {config.batch_size}"
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class CallStatic:
-    config: ModelConfig
-    sampling: SamplingParams
-
-
-def model_call(static: CallStatic, params, cache, tokens_bt, positions_bt):
-    """One model call as the loops make it: forward over T tokens, then the warp ([B, T, V])."""
-    logits, cache = forward(static.config, params, tokens_bt, positions_bt, cache)
-    return warp(logits, static.sampling), cache
-
-
-def _timer(name, fn, static, args):
-    """A zero-argument function that runs the compiled fn(static, *args) to completion."""
-    executable, _ = compiled(name, fn, static, args)
-    return lambda: jax.block_until_ready(executable(*args))
-
-
 def step_costs(target, draft, config, prompt_len: int) -> dict:
     """Median seconds of the target's T = 1 and T = gamma + 1 calls, the draft's T = 1 call and
-    the drafter's proposal of gamma tokens, at the runs' batch size and cache length."""
+    the drafter's model calls for gamma tokens (one T = 2 call, gamma - 1 T = 1 calls), each
+    with the warp, at the runs' batch size and cache length (spec_jax.timing.model_call)."""
     batch, gammas = config.batch_size, tuple(config.gammas)
     sampling = SamplingParams(float(config.temperature))
-    cache_len = 16 * -(-(prompt_len + config.max_new_tokens + max(gammas)) // 16)
-    position = prompt_len + config.max_new_tokens // 2  # a cache about half full
+    cache_slots = 2 * (prompt_len + config.max_new_tokens + max(gammas))
 
-    def call_args(model, width):
-        tokens = jnp.ones((batch, width), jnp.int32)
-        positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
-        return (model.params, init_cache(model.config, batch, cache_len), tokens, positions)
+    def call(model, widths):
+        return timing.model_call(
+            model, batch=batch, widths=widths, cache_slots=cache_slots, sampling=sampling
+        )
 
-    fns = {
-        "target": _timer(
-            "walltime_call", model_call, CallStatic(target.config, sampling), call_args(target, 1)
-        ),
-        "draft": _timer("walltime_call", model_call, CallStatic(draft.config, sampling), call_args(draft, 1)),
-    }
+    fns = {"target": call(target, [1]), "draft": call(draft, [1])}
     for g in gammas:
-        fns[f"verify_{g}"] = _timer(
-            "walltime_call", model_call, CallStatic(target.config, sampling), call_args(target, g + 1)
-        )
-        drafter = ModelDrafter(draft.config)
-        propose = lambda d, params, cache, context, length, key, g=g: d.propose(  # noqa: E731
-            params, cache, context, length, g, sampling, key
-        )
-        args = (
-            draft.params,
-            init_cache(draft.config, batch, cache_len),
-            jnp.ones((batch, 2), jnp.int32),
-            jnp.full((batch,), position, jnp.int32),
-            jax.random.key(0),
-        )
-        fns[f"propose_{g}"] = _timer(f"walltime_propose_{g}", propose, drafter, args)
+        fns[f"verify_{g}"] = call(target, [g + 1])
+        fns[f"propose_{g}"] = call(draft, [2] + [1] * (g - 1))
     return {name: t["median"] for name, t in timing.timed_interleaved(fns, config.step_repeats).items()}
 
 
@@ -225,11 +176,8 @@ def measure_runs(target, draft, prompts, config) -> dict:
 def analyse(costs: dict, measured: dict, config) -> tuple[list[dict], dict]:
     """Per-gamma predictions and measurements (rows) and the summary numbers."""
     warm = measured["warm"]
-    scored = {g: sum(s["num_scored_positions"] for s in warm[g]["stats"]) for g in config.gammas}
-    overlap = {
-        g: sum(s["alpha_hat"] * s["num_scored_positions"] for s in warm[g]["stats"]) for g in config.gammas
-    }
-    alpha = min(1.0, sum(overlap.values()) / sum(scored.values()))
+    alpha_at = {g: metrics.pool(warm[g]["stats"])["alpha_hat"] for g in config.gammas}
+    alpha = min(1.0, metrics.pool([s for g in config.gammas for s in warm[g]["stats"]])["alpha_hat"])
     c = costs["draft"] / costs["target"]
     runs = measured["runs"]
 
@@ -271,7 +219,7 @@ def analyse(costs: dict, measured: dict, config) -> tuple[list[dict], dict]:
                     r["new_tokens"] / r["seconds"] for r in runs[g]
                 )
                 / ar_e2e,
-                "alpha_hat_at_gamma": overlap[g] / scored[g],
+                "alpha_hat_at_gamma": alpha_at[g],
                 "spec_loop_tokens_per_s": statistics.median(spec_rates),
                 "ar_loop_tokens_per_s": ar_rate,
             }
@@ -389,9 +337,7 @@ def markdown(rows, summary, config) -> str:
 
 
 def figure(rows, summary):
-    matplotlib.use("Agg")
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
+    fig, (ax,) = framework.new_figure(7, 4.5)
     g = [r["gamma"] for r in rows]
     for key, label, style in (
         ("predicted_speedup", "Theorem 3.8: E / (gamma c + 1)", "-"),
@@ -422,7 +368,6 @@ def figure(rows, summary):
     ax.set_ylabel("speedup over autoregressive decoding")
     ax.set_title(f"alpha = {summary['alpha']:.3f}, c = {summary['c']:.3f}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 

@@ -20,11 +20,19 @@ def _fail(message: str, code: int = 2):
 
 def _unavailable_errors() -> tuple:
     """Errors meaning data a command needs cannot be had (no registry access, a corrupted
-    download, a cache folder that cannot be written): the environment, not the flags."""
+    download, a cache folder that cannot be written, a conversion killed for lack of memory):
+    the environment, not the flags."""
     from experiments.corpora import CorpusUnavailableError
+    from models.convert import ConversionError
     from models.registry import CacheNotWritableError, ChecksumMismatchError, DownloadError
 
-    return (DownloadError, ChecksumMismatchError, CacheNotWritableError, CorpusUnavailableError)
+    return (
+        DownloadError,
+        ChecksumMismatchError,
+        CacheNotWritableError,
+        CorpusUnavailableError,
+        ConversionError,
+    )
 
 
 def parse_flags(argv):

@@ -1,17 +1,20 @@
-"""Run a registered experiment and write its CSV, Markdown, JSON sidecar and plot.
+"""Run registered experiments and write their CSV, Markdown, JSON sidecar and plot.
 
 Examples:
   python -m launch.experiment --experiment=table1
   python -m launch.experiment --experiment=theory_vs_simulation --quick --output_dir=/tmp/out
   python -m launch.experiment --experiment=theory_vs_simulation --alphas=0.5,0.99 --gammas=1,20
+  python -m launch.experiment --experiment=peer,decode,roofline   # one process: models load once
 
---alphas, --gammas, --num_rounds and --seed override the experiment's config where it has
-that setting; --set=KEY=VALUE overrides any other setting (e.g. --set=vocab_size=16).
-Bad flags and bad input exit with code 2 and one line on stderr; an experiment whose own
-check fails (e.g. simulation off theory) still writes its outputs, then exits 1; data that
-cannot be fetched (a corpus or model download) is one line on stderr and exit code 1.
+--alphas, --gammas, --num_rounds and --seed override the config of each experiment that has
+that setting; --set=KEY=VALUE overrides any other setting (e.g. --set=vocab_size=16), in every
+named experiment that has it (it is an error if none has). Bad flags and bad input exit with
+code 2 and one line on stderr; an experiment whose own check fails (e.g. simulation off
+theory) still writes its outputs, then exits 1; data that cannot be fetched (a corpus or model
+download) is one line on stderr and exit code 1.
 """
 
+import os
 import shlex
 import sys
 
@@ -23,8 +26,8 @@ from launch import common
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_string("experiment", None, "Experiment name (see experiments.names()).")
-flags.DEFINE_bool("quick", False, "Small sample counts (what the test suite runs).")
+flags.DEFINE_list("experiment", None, "Experiment names, comma-separated (see experiments.names()).")
+flags.DEFINE_bool("quick", False, "Small sample counts and tiny models (what the test suite runs).")
 flags.DEFINE_string("output_dir", None, "Where the outputs go (default: experiments/results/).")
 flags.DEFINE_list("alphas", None, "Comma-separated acceptance rates in [0, 1], overriding the config.")
 flags.DEFINE_list(
@@ -35,7 +38,6 @@ flags.DEFINE_integer("seed", None, "Random seed, overriding the config.")
 flags.DEFINE_multi_string(
     "set", [], "KEY=VALUE: override any config setting (repeatable; tuples as comma-separated items)."
 )
-flags.mark_flag_as_required("experiment")
 
 
 def _numbers(flag: str, values: list[str], kind) -> tuple:
@@ -49,8 +51,10 @@ def _numbers(flag: str, values: list[str], kind) -> tuple:
     return tuple(parsed)
 
 
-def overrides_from_flags() -> dict:
-    """The config overrides given on the command line (a dedicated flag's name = its config key)."""
+def overrides_from_flags(name: str) -> dict:
+    """The config overrides of experiment `name` given on the command line (a dedicated flag's
+    name = its config key); settings the experiment does not have are skipped."""
+    config = experiments.load(name).get_config(FLAGS.quick)
     overrides = {}
     if FLAGS.alphas is not None:
         alphas = _numbers("alphas", FLAGS.alphas, float)
@@ -67,47 +71,73 @@ def overrides_from_flags() -> dict:
     for key in ("num_rounds", "seed"):
         if FLAGS[key].value is not None:
             overrides[key] = FLAGS[key].value
-    if FLAGS.set:
-        config = experiments.load(FLAGS.experiment).get_config(FLAGS.quick)
-        for item in FLAGS.set:
-            key, sep, text = item.partition("=")
-            if not sep or not key:
-                raise common.UsageError(f"--set: expected KEY=VALUE, got {item!r}")
+    for item in FLAGS.set:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise common.UsageError(f"--set: expected KEY=VALUE, got {item!r}")
+        if key in config:
             try:
                 overrides[key] = framework.parse_setting(config, key, text)
             except ValueError as e:
                 raise common.UsageError(f"--set {e}") from None
-    return overrides
+    return {k: v for k, v in overrides.items() if k in config}
+
+
+def check_every_setting_applies(names: list[str]) -> None:
+    """UsageError for a --set key or dedicated flag that none of the named experiments has."""
+    configs = [experiments.load(n).get_config(FLAGS.quick) for n in names]
+    given = [(f"--{k}", k) for k in ("alphas", "gammas", "num_rounds", "seed") if FLAGS[k].value is not None]
+    given += [(f"--set {item.partition('=')[0]}", item.partition("=")[0]) for item in FLAGS.set]
+    for flag, key in given:
+        if key and not any(key in c for c in configs):
+            known = sorted({k for c in configs for k in c.to_dict()})
+            raise common.UsageError(
+                f"{flag}: not a setting of {', '.join(names)} (settings: {', '.join(known)})"
+            )
+
+
+def run_named(names: list[str], flag: str = "experiment") -> int:
+    """Checks every named experiment's config first, then runs them in the order given; returns
+    the exit code (1 if an experiment's own check failed)."""
+    unknown = [n for n in names if n not in experiments.EXPERIMENTS]
+    if unknown or not names:
+        raise common.UsageError(
+            f"--{flag}: unknown experiment {','.join(unknown) or '(none)'!r}; known: {', '.join(experiments.names())}"
+        )
+    check_every_setting_applies(names)
+    overrides = {name: overrides_from_flags(name) for name in names}
+    for name in names:
+        try:
+            framework.make_config(name, quick=FLAGS.quick, overrides=overrides[name])
+            framework.prepare_output_dir(FLAGS.output_dir)
+        except ValueError as e:  # the message starts with the config key, a flag's name or a --set key
+            key = str(e).split(":", 1)[0]
+            raise common.UsageError(f"--{e}" if key in FLAGS else f"--set {e}") from None
+
+    module = "launch." + os.path.basename(sys.argv[0]).removesuffix(".py")
+    command = shlex.join(["python", "-m", module, *sys.argv[1:]])
+    code = 0
+    for name in names:
+        # Data that cannot be fetched (a corpus, a model) is one line and exit code 1: common.run.
+        result, paths = framework.run_experiment(
+            name, quick=FLAGS.quick, overrides=overrides[name], output_dir=FLAGS.output_dir, command=command
+        )
+        for path in paths.values():
+            print(f"wrote {path}")
+        if result is not None and result.passed is False:
+            print(f"{name}: the experiment's check FAILED (see {paths[name + '.md']})")
+            code = 1
+        elif result is not None and result.passed:
+            print(f"{name}: the experiment's check passed")
+    return code
 
 
 def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if FLAGS.experiment not in experiments.EXPERIMENTS:
-        raise common.UsageError(
-            f"--experiment: unknown experiment {FLAGS.experiment!r}; known: {', '.join(experiments.names())}"
-        )
-    overrides = overrides_from_flags()
-    try:
-        framework.make_config(FLAGS.experiment, quick=FLAGS.quick, overrides=overrides)
-        framework.prepare_output_dir(FLAGS.output_dir)
-    except ValueError as e:  # the message starts with the config key, a flag's name or a --set key
-        key = str(e).split(":", 1)[0]
-        raise common.UsageError(f"--{e}" if key in FLAGS else f"--set {e}") from None
-
-    command = shlex.join(["python", "-m", "launch.experiment", *sys.argv[1:]])
-    # Data that cannot be fetched (a corpus, a model) is one line and exit code 1: common.run.
-    result, paths = framework.run_experiment(
-        FLAGS.experiment, quick=FLAGS.quick, overrides=overrides, output_dir=FLAGS.output_dir, command=command
-    )
-    for path in paths.values():
-        print(f"wrote {path}")
-    if result.passed is False:
-        print(f"{FLAGS.experiment}: the experiment's check FAILED (see {paths[FLAGS.experiment + '.md']})")
-        return 1
-    if result.passed:
-        print(f"{FLAGS.experiment}: the experiment's check passed")
-    return 0
+    if not FLAGS.experiment:
+        raise common.UsageError(f"--experiment is required; known: {', '.join(experiments.names())}")
+    return run_named(FLAGS.experiment)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import os
 import socket
 import time
 
-import numpy as np
 from absl import flags
 
 from launch import common
@@ -34,11 +33,19 @@ flags.DEFINE_string(
     "draft", "qwen2.5-coder-0.5b", "Draft model name, or 'none' for plain autoregressive decoding."
 )
 flags.DEFINE_integer("gamma", 4, "Draft tokens per round.", lower_bound=1)
-flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.", lower_bound=0.0)
+flags.DEFINE_float(
+    "temperature",
+    0.0,
+    "Sampling temperature; 0 is greedy, any positive value samples (values below float32's smallest "
+    "normal number, 1.2e-38, act as that number: the same distribution).",
+    lower_bound=0.0,
+)
 flags.DEFINE_integer("top_k", 0, "Keep the k most probable tokens (0 = off).", lower_bound=0)
 flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens reaching this mass, in (0, 1].")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.", lower_bound=1)
-flags.DEFINE_integer("seed", 0, "Random seed.")
+flags.DEFINE_integer(
+    "seed", 0, "Random seed: prompt i of the file draws from (seed, i) alone, whatever --batch_size is."
+)
 flags.DEFINE_string("prompt", None, "A prompt text.")
 flags.DEFINE_string("prompts_file", None, 'JSON Lines file, one {"prompt": TEXT} object per line.')
 flags.DEFINE_integer("batch_size", 1, "Prompts decoded together in one batch.", lower_bound=1)
@@ -48,6 +55,15 @@ flags.DEFINE_bool(
     "Also run plain decoding of the target; report the speedup and whether outputs match.",
 )
 flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
+flags.DEFINE_string(
+    "stop_ids",
+    "auto",
+    "Token ids that end a row: 'auto' (the target tokenizer's end-of-generation set: eos, eot and "
+    "the family's end tokens such as <|endoftext|> and <|im_end|>), 'none', or comma-separated ids.",
+)
+flags.DEFINE_bool(
+    "skip_special_tokens", True, "Print and write text without special tokens (the token ids keep them)."
+)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")
 flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see models.kernels.IMPLS).")
 
@@ -161,9 +177,30 @@ def load_model(name: str):
     return model.replace(config=config)
 
 
-def run_batches(target, draft, token_prompts, eos_id, mesh=None):
-    """Decodes in batches of --batch_size (a smaller last batch compiles its own loop)."""
+def stop_ids_from_flag(tokenizer, vocab_size: int) -> list[int]:
+    """--stop_ids as a list of token ids; UsageError naming the flag on bad values."""
+    text = FLAGS.stop_ids.strip()
+    if text == "auto":
+        return list(getattr(tokenizer, "stop_ids", ()))
+    if text == "none":
+        return []
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise common.UsageError(
+            f"--stop_ids must be 'auto', 'none' or comma-separated integers, got {FLAGS.stop_ids!r}"
+        ) from None
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise common.UsageError(f"--stop_ids: each id must be in [0, {vocab_size}), got {bad[0]}")
+    return ids
+
+
+def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
+    """Decodes in batches of --batch_size (a smaller last batch compiles its own loop). Prompt i
+    of the list draws from (--seed, i) alone, so outputs do not depend on the batch size."""
     import spec_jax
+    from spec_jax import metrics
 
     outputs, stats = [], []
     size = FLAGS.batch_size
@@ -179,32 +216,13 @@ def run_batches(target, draft, token_prompts, eos_id, mesh=None):
             top_k=FLAGS.top_k,
             top_p=FLAGS.top_p,
             seed=FLAGS.seed,
-            eos_id=eos_id,
+            row_ids=range(start, start + len(batch)),
+            eos_id=stop_ids,
             mesh=mesh,
         )
         outputs.extend(gen.tokens)
         stats.append(gen.stats)
-    return outputs, summarize(stats)
-
-
-def summarize(stats: list[dict]) -> dict:
-    """Sums counts and times over batches; recomputes the ratios."""
-    total = {}
-    for s in stats:
-        for key, value in s.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                total[key] = total.get(key, 0) + value
-    seconds = total["prefill_seconds"] + total["decode_seconds"]
-    total["tokens_per_second"] = total["num_new_tokens"] / seconds
-    if "num_draft_tokens" in total:
-        rounds = max(total["num_rounds"], 1)
-        total["acceptance_rate"] = total["num_accepted_tokens"] / max(total["num_draft_tokens"], 1)
-        total["mean_accepted_length"] = 1 + total["num_accepted_tokens"] / rounds
-        total["alpha_hat"] = sum(s["alpha_hat"] * s["num_rounds"] for s in stats) / rounds  # round-weighted
-        total["accepted_histogram"] = np.sum([s["accepted_histogram"] for s in stats], axis=0).tolist()
-        weighted = [np.multiply(s["per_position_acceptance"], s["num_rounds"]) for s in stats]
-        total["per_position_acceptance"] = (np.sum(weighted, axis=0) / rounds).tolist()
-    return total
+    return outputs, metrics.pool(stats)
 
 
 def main(argv):
@@ -241,20 +259,21 @@ def main(argv):
                 "tokenizer and vocabulary; speculative decoding needs one"
             )
     token_prompts = [tokenizer.encode(p) for p in prompts]
-    eos_id = getattr(tokenizer, "eos_id", None)
+    stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
 
-    tokens, stats = run_batches(target, draft, token_prompts, eos_id, mesh)
+    tokens, stats = run_batches(target, draft, token_prompts, stop_ids, mesh)
     report = {
         "target": FLAGS.target,
         "draft": FLAGS.draft,
         "gamma": FLAGS.gamma,
         "temperature": FLAGS.temperature,
+        "stop_ids": stop_ids,
         "mesh": FLAGS.mesh,
         "stats": stats,
         "outputs": [],
     }
     for prompt, new in zip(prompts, tokens, strict=True):
-        text = tokenizer.decode(new)
+        text = tokenizer.decode(new, skip_special_tokens=FLAGS.skip_special_tokens)
         report["outputs"].append({"prompt": prompt, "tokens": new, "text": text})
         print(f"--- prompt: {prompt!r}\n{text}\n")
 
@@ -264,7 +283,7 @@ def main(argv):
             f"(compile {s['compile_seconds']:.1f} s, prefill {s['prefill_seconds']:.3f} s, "
             f"decode {s['decode_seconds']:.3f} s)"
         )
-        if "acceptance_rate" in s:
+        if s.get("num_draft_tokens"):
             line += (
                 f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
                 f"{s['mean_accepted_length']:.2f}, alpha_hat {s['alpha_hat']:.3f}"
@@ -273,7 +292,7 @@ def main(argv):
 
     show("speculative" if draft is not None else "autoregressive", stats)
     if FLAGS.compare_autoregressive and draft is not None:
-        ar_tokens, ar_stats = run_batches(target, None, token_prompts, eos_id, mesh)
+        ar_tokens, ar_stats = run_batches(target, None, token_prompts, stop_ids, mesh)
         speedup = stats["tokens_per_second"] / ar_stats["tokens_per_second"]
         identical = ar_tokens == tokens
         show("autoregressive", ar_stats)

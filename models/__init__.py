@@ -9,8 +9,6 @@ import numpy as np
 from models.config import ModelConfig
 from models.transformer import forward, init_cache, init_params, stack_layers, unstack_layers
 
-_forward_jit = jax.jit(forward, static_argnums=0)
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
@@ -19,10 +17,6 @@ class Model:
     config: ModelConfig
     params: Any
     tokenizer: Any = None
-
-    def apply(self, params, tokens_bt, positions_bt, cache, logits_at=None):
-        """`(logits [B,T,V] float32, cache)`, jit-compiled; see models.transformer.forward."""
-        return _forward_jit(self.config, params, tokens_bt, positions_bt, cache, logits_at)
 
     def replace(self, **changes) -> "Model":
         return dataclasses.replace(self, **changes)
@@ -68,11 +62,13 @@ class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, so the CLI can drive random models with text."""
 
     eos_id = None
+    stop_ids = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """UTF-8 text of the byte ids (there are no special tokens to skip)."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 

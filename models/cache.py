@@ -15,7 +15,7 @@ import jax.numpy as jnp
 class KVCache:
     """Keys and values of every layer.
 
-    k, v: [L, B, S, KVH, Dh]. Slot s holds the token at absolute position s.
+    k, v: [L, B, S, K, E] (K kv heads, E head dim). Slot s holds the token at absolute position s.
     """
 
     k: jax.Array
@@ -31,11 +31,11 @@ class KVCache:
         return self.k.shape[2]
 
 
-def write_layer(cache_lbskd, layer, new_btkd, positions_bt):
-    """Writes new [B, T, KVH, Dh] into layer `layer` of a [L, B, S, KVH, Dh] cache at positions.
+def write_layer(cache_lbske, layer, new_btke, positions_bt):
+    """Writes new [B, T, K, E] into layer `layer` of a [L, B, S, K, E] cache at positions [B, T].
 
     Positions outside [0, S) are dropped rather than clamped, so a row that runs past the
     cache can never overwrite a committed entry.
     """
-    b_idx = jnp.arange(new_btkd.shape[0])[:, None]
-    return cache_lbskd.at[layer, b_idx, positions_bt].set(new_btkd.astype(cache_lbskd.dtype), mode="drop")
+    b_idx = jnp.arange(new_btke.shape[0])[:, None]
+    return cache_lbske.at[layer, b_idx, positions_bt].set(new_btke.astype(cache_lbske.dtype), mode="drop")

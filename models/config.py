@@ -7,25 +7,9 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the Qwen2/Llama family.
+    """A decoder-only transformer of the Qwen2/Llama family (its weights: models.weights.WEIGHTS).
 
-    Parameter layout (stacked over layers, leading axis L, for `nn.scan`; with
-    scan_layers=False the same leaves without the L axis under layers_0 .. layers_{L-1}).
-    Matrices are [out, in], the layout of the GGUF file and of PyTorch: XLA:CPU runs the
-    small-T products of decode and verification 1.3-2x faster with the weight in this
-    order than in [in, out] (docs/design.md, "Weight layout").
-      embed/embedding                 [V, D]
-      layers/attn_norm/scale          [L, D]
-      layers/attn/{wq}                [L, H, Dh, D]      bq [L, H, Dh]      (bias if qkv_bias)
-      layers/attn/{wk, wv}            [L, KVH, Dh, D]    bk, bv [L, KVH, Dh]
-      layers/attn/wo                  [L, D, H, Dh]
-      layers/mlp_norm/scale           [L, D]
-      layers/mlp/{w_gate, w_up}       [L, F, D]
-      layers/mlp/w_down               [L, D, F]
-      final_norm/scale                [D]
-      lm_head/embedding               [V, D]             (absent when tie_embeddings)
-    Query head h reads kv head h // (H // KVH). Rotary embeddings use the
-    rotate-half (GPT-NeoX / HF) layout over the full head dimension.
+    Rotary embeddings use the rotate-half (GPT-NeoX / HF) layout over the full head dimension.
     """
 
     vocab_size: int
@@ -45,8 +29,8 @@ class ModelConfig:
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     # True: parameters stacked over layers and run by nn.scan (compiles in seconds; best on
     # TPU/GPU). False: one parameter subtree per layer (layers_0, layers_1, ...) and a Python
-    # loop: XLA:CPU copies every slice of a stacked weight before its dot, which cuts the
-    # achieved bandwidth of a decode step about 4x, so real models run this way on CPU.
+    # loop: XLA:CPU copies every slice of a stacked weight before its dot, so real models run
+    # this way on CPU (docs/design.md, "Layer layouts", has the measured cost).
     scan_layers: bool = True
     name: str = "custom"
 

@@ -7,15 +7,23 @@ Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
     {root}/converted/{name}/params/           float32 parameters (orbax StandardCheckpointer)
 A conversion is written into a temporary folder beside its final place and renamed into
 place when complete, so an interrupted conversion leaves nothing that looks finished.
+
+The conversion runs in a child process, `python -m models.convert NAME`, so that the
+dequantized arrays, the GGUF pages and orbax's buffers go back to the OS before the converted
+checkpoint is read, and so that it never re-imports the caller's main module (a script that
+calls models.load at its top level works; multiprocessing's spawn would re-run it).
 """
 
-import concurrent.futures
+import argparse
 import dataclasses
 import json
-import multiprocessing
 import os
 import pathlib
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 
 import orbax.checkpoint as ocp
@@ -65,22 +73,93 @@ def _is_current(folder: pathlib.Path) -> bool:
     )
 
 
-def load_converted(name: str, cache_dir=None, progress: bool = True):
-    """Returns (ModelConfig, params as numpy arrays, Tokenizer), converting on first use.
+class ConversionError(RuntimeError):
+    """The conversion process failed without a more specific error (e.g. it was killed)."""
 
-    A conversion runs in a child process: the dequantized arrays, the GGUF pages and
-    orbax's buffers go back to the OS before the converted checkpoint is read (measured on
-    the 1.5B: a 19.8 GB peak RSS in one process). Its errors are re-raised here.
-    """
+
+# Errors the child reports by name; the parent raises the same class with the same message.
+_ERRORS = {
+    cls.__name__: cls
+    for cls in (
+        registry.DownloadError,
+        registry.ChecksumMismatchError,
+        registry.CacheNotWritableError,
+        ValueError,
+        OSError,
+        ConversionError,
+    )
+}
+
+
+def convert_in_child(name: str, cache_dir=None, progress: bool = True) -> pathlib.Path:
+    """Runs `python -m models.convert NAME` and returns the converted folder; its errors are
+    re-raised here as the same class. A child killed by a signal (the kernel's out-of-memory
+    killer sends SIGKILL) is a ConversionError that says so and how much memory it had used."""
+    root = pathlib.Path(__file__).resolve().parent.parent  # the folder that holds `models`
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "models.convert", name] + (
+        ["--cache_dir", str(cache_dir)] if cache_dir else []
+    )
+    cmd += [] if progress else ["--no-progress"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: the progress bars
+    peak_gb = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2**20
+    lines = proc.stdout.strip().splitlines()
+    report = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+    if proc.returncode == 0 and "folder" in report:
+        if progress:
+            print(f"converted {name}: peak memory {report['peak_rss_gb']:.1f} GB", file=sys.stderr)
+        return pathlib.Path(report["folder"])
+    if "error" in report:
+        raise _ERRORS.get(report["error"], ConversionError)(report["message"])
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        hint = ", most likely by the out-of-memory killer" if sig == "SIGKILL" else ""
+        raise ConversionError(
+            f"converting {name} was stopped by {sig}{hint} (the process had used up to {peak_gb:.1f} GB); "
+            "free memory and run it again"
+        )
+    raise ConversionError(f"converting {name} failed (exit code {proc.returncode}); see the messages above")
+
+
+def load_converted(name: str, cache_dir=None, progress: bool = True):
+    """Returns (ModelConfig, params as numpy arrays, Tokenizer), converting on first use (in a
+    child process: convert_in_child)."""
     folder = converted_dir(name, cache_dir)
     if not _is_current(folder):
         if folder.exists():  # an older format: convert afresh
             shutil.rmtree(folder)
-        with concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn")
-        ) as pool:
-            folder = pool.submit(convert, name, cache_dir, progress).result()
+        folder = convert_in_child(name, cache_dir, progress)
     meta = json.loads((folder / "config.json").read_text())
     config = ModelConfig(**meta["config"])
     params = ocp.StandardCheckpointer().restore(folder / "params")
     return config, params, Tokenizer.load(folder / "tokenizer.json")
+
+
+def main(argv=None) -> int:
+    """The child process: converts one model, then prints one JSON line on stdout, {"folder": ...,
+    "peak_rss_gb": ...} or {"error": class name, "message": ...} (exit code 1)."""
+    parser = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__.splitlines()[0])
+    parser.add_argument("name", help="a registry model (models.registry.MODELS)")
+    parser.add_argument(
+        "--cache_dir", default=None, help="cache root (default $SPEC_JAX_CACHE or ~/.cache/spec_jax)"
+    )
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    args = parser.parse_args(argv)
+    try:
+        folder = convert(args.name, args.cache_dir, progress=args.progress)
+    except Exception as e:  # reported to the parent, which raises the same class
+        kind = next((n for n, cls in _ERRORS.items() if type(e) is cls), None)
+        kind = kind or next((n for n, cls in _ERRORS.items() if isinstance(e, cls)), "ConversionError")
+        print(json.dumps({"error": kind, "message": str(e) or type(e).__name__}), flush=True)
+        return 1
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(json.dumps({"folder": str(folder), "peak_rss_gb": round(peak_gb, 2)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

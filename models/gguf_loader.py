@@ -19,11 +19,13 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from models import weights
 from models.config import ModelConfig
 
 PathOrReader = str | os.PathLike | GGUFReader
@@ -149,16 +151,11 @@ def load_params(
     dtype: Any = np.float32,
     progress: bool = True,
 ) -> dict:
-    """Dequantized parameters as a nested dict of numpy arrays in ModelConfig's layout.
-
-    Shapes (L layers, V vocab, D model, H/KVH heads, Dh head dim, F mlp):
-      embed/embedding [V, D]; final_norm/scale [D]; lm_head/embedding [V, D] (only when untied);
-      layers/attn_norm/scale, layers/mlp_norm/scale [L, D];
-      layers/attn/wq [L, H, Dh, D], wk/wv [L, KVH, Dh, D], wo [L, D, H, Dh];
-      layers/attn/bq [L, H, Dh], bk/bv [L, KVH, Dh] (only when qkv_bias);
-      layers/mlp/w_gate, w_up [L, F, D], w_down [L, D, F].
-    Matrices keep the file's [out, in] order; only the head axes are split out.
-    `dtype` is the numpy dtype of the result (np.float32, or ml_dtypes.bfloat16).
+    """Dequantized parameters as a nested dict of numpy arrays, stacked over layers, in the
+    layout of models.weights: every entry of its table the config has, read from the table's
+    GGUF tensor (its [out, in] matrix reshaped to the table's shape; for arch "llama" the q / k
+    rows un-permuted). `dtype` is the numpy dtype of the result (np.float32, or
+    ml_dtypes.bfloat16).
     """
     reader = open_gguf(path_or_reader)
     arch = _require(reader, "general.architecture")
@@ -179,89 +176,41 @@ def load_params(
     ):
         if cfg[key] != file_config[key]:
             raise ValueError(f"config {key}={cfg[key]!r} does not match the GGUF file ({file_config[key]!r})")
-    V, L, D = cfg["vocab_size"], cfg["num_layers"], cfg["d_model"]
-    H, KVH, Dh, F = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["mlp_dim"]
+    model_config = ModelConfig(**{k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__})
     tensors = _tensors(reader)
     permute = arch == "llama"
-    dtype = np.dtype(dtype)
+    num_layers = model_config.num_layers
+    table = weights.weights_of(model_config)
+    stacked = dataclasses.replace(model_config, scan_layers=True)
+    params = jax.tree.map(lambda s: np.empty(s.shape, dtype), weights.param_shapes(stacked))
 
-    def empty(*shape):
-        return np.empty(shape, dtype)
-
-    attn = {
-        "wq": empty(L, H, Dh, D),
-        "wk": empty(L, KVH, Dh, D),
-        "wv": empty(L, KVH, Dh, D),
-        "wo": empty(L, D, H, Dh),
-    }
-    if cfg["qkv_bias"]:
-        attn |= {"bq": empty(L, H, Dh), "bk": empty(L, KVH, Dh), "bv": empty(L, KVH, Dh)}
-    params = {
-        "embed": {"embedding": empty(V, D)},
-        "layers": {
-            "attn_norm": {"scale": empty(L, D)},
-            "attn": attn,
-            "mlp_norm": {"scale": empty(L, D)},
-            "mlp": {"w_gate": empty(L, F, D), "w_up": empty(L, F, D), "w_down": empty(L, D, F)},
-        },
-        "final_norm": {"scale": empty(D)},
-    }
-    if not cfg["tie_embeddings"]:
-        params["lm_head"] = {"embedding": empty(V, D)}
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def read_into(w: weights.Weight, name: str, out: np.ndarray) -> None:
+        """Dequantizes tensor `name` (torch order: [out, in] or [n]) into out (the table's shape)."""
         if name not in tensors:
             raise ValueError(f"GGUF file has no tensor {name!r}")
-        w = dequantize_tensor(tensors[name])
-        if w.shape != shape:
-            raise ValueError(f"tensor {name!r} has shape {w.shape}, expected {shape}")
-        return w
+        tensor = tensors[name]
+        rows = int(np.prod(out.shape[: out.ndim - w.contract])) if w.contract else 1
+        file_shape = tuple(int(d) for d in reversed(tensor.shape))
+        if int(np.prod(file_shape)) != out.size or (w.contract and file_shape[0] != rows):
+            raise ValueError(f"tensor {name!r} has shape {file_shape}, expected {out.shape} ({w.name})")
+        flat = out.reshape(rows, -1)  # a view: rows are the matrix's output units
+        if rows > _ROWS_PER_BLOCK:  # big tables: bounded temporary memory
+            _dequantize_rows_into(tensor, flat)
+        else:
+            flat[:] = dequantize_tensor(tensor).reshape(flat.shape)
+        if permute and w.llama_permuted_heads:
+            flat[:] = unpermute_llama_rows(
+                flat.reshape(out.shape[0] * out.shape[1], -1), cfg[w.llama_permuted_heads]
+            ).reshape(flat.shape)
 
-    total = 2 + (0 if cfg["tie_embeddings"] else 1) + L * (9 + (3 if cfg["qkv_bias"] else 0))
+    total = sum(num_layers if w.per_layer else 1 for w in table)
     with tqdm(total=total, unit="tensor", desc="convert gguf", disable=not progress) as bar:
-        _check_shape(tensors, "token_embd.weight", (V, D))
-        _dequantize_rows_into(tensors["token_embd.weight"], params["embed"]["embedding"])
-        bar.update(1)
-        if not cfg["tie_embeddings"]:
-            _check_shape(tensors, "output.weight", (V, D))
-            _dequantize_rows_into(tensors["output.weight"], params["lm_head"]["embedding"])
-            bar.update(1)
-        params["final_norm"]["scale"][:] = get("output_norm.weight", (D,))
-        bar.update(1)
-
-        lay = params["layers"]
-        for i in range(L):
-            p = f"blk.{i}."
-            lay["attn_norm"]["scale"][i] = get(p + "attn_norm.weight", (D,))
-            lay["mlp_norm"]["scale"][i] = get(p + "ffn_norm.weight", (D,))
-            # [out, in] as in the file; the out axis of q/k/v splits into (heads, Dh).
-            wq = get(p + "attn_q.weight", (H * Dh, D))
-            wk = get(p + "attn_k.weight", (KVH * Dh, D))
-            if permute:
-                wq, wk = unpermute_llama_rows(wq, H), unpermute_llama_rows(wk, KVH)
-            attn["wq"][i] = wq.reshape(H, Dh, D)
-            attn["wk"][i] = wk.reshape(KVH, Dh, D)
-            attn["wv"][i] = get(p + "attn_v.weight", (KVH * Dh, D)).reshape(KVH, Dh, D)
-            # o_proj [D, H*Dh]: its in axis splits into (heads, Dh).
-            attn["wo"][i] = get(p + "attn_output.weight", (D, H * Dh)).reshape(D, H, Dh)
-            if cfg["qkv_bias"]:
-                bq = get(p + "attn_q.bias", (H * Dh,))
-                bk = get(p + "attn_k.bias", (KVH * Dh,))
-                if permute:
-                    bq, bk = unpermute_llama_rows(bq, H), unpermute_llama_rows(bk, KVH)
-                attn["bq"][i] = bq.reshape(H, Dh)
-                attn["bk"][i] = bk.reshape(KVH, Dh)
-                attn["bv"][i] = get(p + "attn_v.bias", (KVH * Dh,)).reshape(KVH, Dh)
-            lay["mlp"]["w_gate"][i] = get(p + "ffn_gate.weight", (F, D))
-            lay["mlp"]["w_up"][i] = get(p + "ffn_up.weight", (F, D))
-            lay["mlp"]["w_down"][i] = get(p + "ffn_down.weight", (D, F))
-            bar.update(9 + (3 if cfg["qkv_bias"] else 0))
+        for w in table:
+            node = params["layers"] if w.per_layer else params
+            for key in w.path[:-1]:
+                node = node[key]
+            target = node[w.path[-1]]
+            for i in range(num_layers) if w.per_layer else [None]:
+                read_into(w, w.gguf.format(i=i), target if i is None else target[i])
+                bar.update(1)
     return params
-
-
-def _check_shape(tensors: dict, name: str, shape: tuple[int, ...]) -> None:
-    if name not in tensors:
-        raise ValueError(f"GGUF file has no tensor {name!r}")
-    got = tuple(int(d) for d in reversed(tensors[name].shape))
-    if got != shape:
-        raise ValueError(f"tensor {name!r} has shape {got}, expected {shape}")

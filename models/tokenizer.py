@@ -7,6 +7,7 @@ A GGUF carries no tokenizer.json, only llama.cpp's metadata:
   tokenizer.ggml.merges      "a b" strings, best first
   tokenizer.ggml.token_type  1 normal, 3 control (special), 4 user defined, 5 unused
   tokenizer.ggml.{bos,eos}_token_id, tokenizer.ggml.add_bos_token
+  tokenizer.ggml.{eot,eom}_token_id   end of turn / end of message, where the file has them
 From these we rebuild what the model's original tokenizer.json did (the same choices as
 transformers' GGUF converter and llama.cpp's `llama-vocab.cpp` pre-tokenizer table).
 """
@@ -50,6 +51,25 @@ _GPT2_LIKE = ("gpt2", "default", "smollm")
 SUPPORTED_PRE = tuple(_SPLITS) + _GPT2_LIKE
 
 _CONTROL, _USER_DEFINED = 3, 4
+
+# Tokens that end a generation wherever a vocabulary has them (llama.cpp's `special_eog_ids`
+# in llama-vocab.cpp: it stops at every one of these, besides eos / eot / eom). Qwen2.5 ends a
+# document with <|endoftext|> and a chat turn with <|im_end|>; Llama 3 with <|end_of_text|>
+# and <|eot_id|>; Gemma a turn with <end_of_turn>.
+END_OF_GENERATION_TOKENS = (
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<end_of_turn>",
+    "<end_of_utterance>",
+    "<EOT>",
+    "_<EOT>",
+)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -171,6 +191,7 @@ class Tokenizer:
         add_bos: bool = False,
         pre: str = "",
         vocab_size: int | None = None,
+        stop_ids: Iterable[int] | None = None,
     ):
         self._tok = tokenizer
         self._bos_id = bos_id
@@ -178,6 +199,10 @@ class Tokenizer:
         self.add_bos = add_bos
         self.pre = pre
         self._vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+        if stop_ids is None:
+            stop_ids = [eos_id] if eos_id is not None else []
+            stop_ids += [i for t in END_OF_GENERATION_TOKENS if (i := tokenizer.token_to_id(t)) is not None]
+        self._stop_ids = tuple(sorted(set(int(i) for i in stop_ids)))
 
     @classmethod
     def from_gguf(cls, path_or_reader: PathOrReader) -> Tokenizer:
@@ -197,7 +222,20 @@ class Tokenizer:
         tok = build_tokenizer(
             tokens, merges, metadata_value(reader, "tokenizer.ggml.token_type"), pre, bos_id, add_bos
         )
-        return cls(tok, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, pre=pre, vocab_size=len(tokens))
+        # The end-of-generation set: eos, eot and eom as the file names them, and every token of
+        # END_OF_GENERATION_TOKENS the vocabulary has.
+        marked = [metadata_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        stop_ids = [i for i in marked if i is not None]
+        stop_ids += [i for i, t in enumerate(tokens) if t in END_OF_GENERATION_TOKENS]
+        return cls(
+            tok,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            add_bos=add_bos,
+            pre=pre,
+            vocab_size=len(tokens),
+            stop_ids=stop_ids,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (BOS prepended only if the model's metadata asks for it)."""
@@ -226,6 +264,12 @@ class Tokenizer:
         return self._eos_id
 
     @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every token id that ends a generation (eos, eot, and the family's end tokens, as
+        llama.cpp stops at them), sorted; pass it as spec_jax.generate(..., eos_id=...)."""
+        return self._stop_ids
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids (= embedding rows; includes control and unused placeholder tokens)."""
         return self._vocab_size
@@ -242,6 +286,7 @@ class Tokenizer:
                 "format": _FORMAT,
                 "bos_id": self._bos_id,
                 "eos_id": self._eos_id,
+                "stop_ids": list(self._stop_ids),
                 "add_bos": self.add_bos,
                 "pre": self.pre,
                 "vocab_size": self._vocab_size,
@@ -264,6 +309,7 @@ class Tokenizer:
             add_bos=data["add_bos"],
             pre=data["pre"],
             vocab_size=data["vocab_size"],
+            stop_ids=data.get("stop_ids"),  # caches written before it existed: derived from the vocab
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -280,5 +326,5 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (
             f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-            f"eos_id={self.eos_id}, add_bos={self.add_bos})"
+            f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos})"
         )

@@ -12,42 +12,72 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import kernels
+from models import kernels, weights
 from models.cache import KVCache, write_layer
 from models.config import ModelConfig
+from models.weights import param_shapes  # noqa: F401  (part of this module's API)
+
+
+def param(module: nn.Module, *path: str):
+    """The parameter `path` (an entry of models.weights.WEIGHTS) of `module`, declared with the
+    table's shape and initialiser in the config's dtype. The module's own name and nesting give
+    the pytree path, so the last element of `path` is the parameter's name in the module."""
+    w = weights.BY_PATH[path]
+    cfg = module.config
+    init = {
+        "ones": nn.initializers.ones,
+        "normal": nn.initializers.normal(stddev=w.fan_in(cfg) ** -0.5),
+        "embedding": nn.initializers.normal(stddev=1.0),
+        "bias": nn.initializers.normal(stddev=0.1),
+    }[w.init]
+    return module.param(path[-1], init, w.shape(cfg), cfg.jnp_dtype)
 
 
 class RMSNorm(nn.Module):
-    eps: float
-    dtype: jnp.dtype
+    """Root-mean-square norm with a learned scale; its name (attn_norm, mlp_norm, final_norm) is
+    its weight table entry."""
+
+    config: ModelConfig
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        scale = param(self, self.name, "scale")
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.config.jnp_dtype)
 
 
-def rotary(x_bthd, positions_bt, theta):
-    """Rotate-half (GPT-NeoX / HF) rotary embedding of [B, T, H, Dh] at integer positions [B, T]."""
-    half = x_bthd.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [Dh/2]
-    angles = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, Dh/2]
+class Embedding(nn.Module):
+    """A [V, D] table read by row (the input embedding) or as the output head ([B, T, D] -> [B,
+    T, V]); its name (embed, lm_head) is its weight table entry."""
+
+    config: ModelConfig
+
+    def setup(self):
+        self.embedding = param(self, self.name, "embedding")
+
+    def __call__(self, tokens_bt):
+        return jnp.take(self.embedding, tokens_bt, axis=0)
+
+    def attend(self, x_btd):
+        return jnp.einsum("btd,vd->btv", x_btd, self.embedding)
+
+
+def rotary(x_bthe, positions_bt, theta):
+    """Rotate-half (GPT-NeoX / HF) rotary embedding of [B, T, H, E] at integer positions [B, T]."""
+    half = x_bthe.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [E/2]
+    angles = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, E/2]
     sin = jnp.sin(angles)[:, :, None, :]
     cos = jnp.cos(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x_bthd.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_bthd.dtype)
+    return out.astype(x_bthe.dtype)
 
 
-def _project(x_btd, w_hkd):
-    """x [B, T, D] times a weight [heads, Dh, D] -> [B, T, heads * Dh]."""
-    return jnp.einsum("btd,nd->btn", x_btd, w_hkd.reshape(-1, w_hkd.shape[-1]))
-
-
-def _dense_init(fan_in):
-    return nn.initializers.normal(stddev=fan_in**-0.5)
+def _project(x_btd, w_hed):
+    """x [B, T, D] times a weight [heads, E, D] -> [B, T, heads * E]."""
+    return jnp.einsum("btd,nd->btn", x_btd, w_hed.reshape(-1, w_hed.shape[-1]))
 
 
 class Attention(nn.Module):
@@ -56,33 +86,31 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer):
         cfg = self.config
-        d, h, kvh, dh, dt = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
-        # Weights are [out, in] (the GGUF / PyTorch layout): see ModelConfig for why.
-        wq = self.param("wq", _dense_init(d), (h, dh, d), dt)
-        wk = self.param("wk", _dense_init(d), (kvh, dh, d), dt)
-        wv = self.param("wv", _dense_init(d), (kvh, dh, d), dt)
-        wo = self.param("wo", _dense_init(h * dh), (d, h, dh), dt)
+        d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # Weights are [out, in] (the GGUF / PyTorch layout): see models.weights for why.
+        wq, wk, wv, wo = (param(self, "attn", name) for name in ("wq", "wk", "wv", "wo"))
         b, t = x_btd.shape[:2]
         with jax.named_scope("qkv_matmul"):
-            # Contract against [heads * Dh, D] views (free reshapes of row-major weights): with
-            # the head axes kept apart, XLA:CPU copies each weight into [D, heads * Dh] order
+            # Contract against [heads * E, D] views (free reshapes of row-major weights): with
+            # the head axes kept apart, XLA:CPU copies each weight into [D, heads * E] order
             # before its dot, every call (docs/design.md, "Weight layout").
-            q = _project(x_btd, wq).reshape(b, t, h, dh)
-            k = _project(x_btd, wk).reshape(b, t, kvh, dh)
-            v = _project(x_btd, wv).reshape(b, t, kvh, dh)
+            q_bthe = _project(x_btd, wq).reshape(b, t, h, e)
+            k_btke = _project(x_btd, wk).reshape(b, t, k, e)
+            v_btke = _project(x_btd, wv).reshape(b, t, k, e)
             if cfg.qkv_bias:
-                q = q + self.param("bq", nn.initializers.normal(0.1), (h, dh), dt)
-                k = k + self.param("bk", nn.initializers.normal(0.1), (kvh, dh), dt)
-                v = v + self.param("bv", nn.initializers.normal(0.1), (kvh, dh), dt)
-        q = rotary(q, positions_bt, cfg.rope_theta)
-        k = rotary(k, positions_bt, cfg.rope_theta)
+                q_bthe = q_bthe + param(self, "attn", "bq")
+                k_btke = k_btke + param(self, "attn", "bk")
+                v_btke = v_btke + param(self, "attn", "bv")
+        q_bthe = rotary(q_bthe, positions_bt, cfg.rope_theta)
+        k_btke = rotary(k_btke, positions_bt, cfg.rope_theta)
         with jax.named_scope("cache_write"):
             cache = KVCache(
-                k=write_layer(cache.k, layer, k, positions_bt), v=write_layer(cache.v, layer, v, positions_bt)
+                k=write_layer(cache.k, layer, k_btke, positions_bt),
+                v=write_layer(cache.v, layer, v_btke, positions_bt),
             )
         with jax.named_scope("attention"):
-            out = kernels.attention(
-                q,
+            out_bthe = kernels.attention(
+                q_bthe,
                 cache.k[layer],
                 cache.v[layer],
                 positions_bt,
@@ -91,7 +119,7 @@ class Attention(nn.Module):
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):
-            return jnp.einsum("btn,dn->btd", out.reshape(b, t, h * dh), wo.reshape(d, h * dh)), cache
+            return jnp.einsum("btn,dn->btd", out_bthe.reshape(b, t, h * e), wo.reshape(d, h * e)), cache
 
 
 class MLP(nn.Module):
@@ -99,10 +127,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x_btd):
-        d, f, dt = self.config.d_model, self.config.mlp_dim, self.config.jnp_dtype
-        w_gate = self.param("w_gate", _dense_init(d), (f, d), dt)
-        w_up = self.param("w_up", _dense_init(d), (f, d), dt)
-        w_down = self.param("w_down", _dense_init(f), (d, f), dt)
+        w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
         gate = jnp.einsum("btd,fd->btf", x_btd, w_gate)
         hidden = nn.silu(gate) * jnp.einsum("btd,fd->btf", x_btd, w_up)
         return jnp.einsum("btf,df->btd", hidden, w_down)
@@ -118,10 +143,10 @@ class DecoderLayer(nn.Module):
         x, cache = carry
         cfg = self.config
         attn_out, cache = Attention(cfg, name="attn")(
-            RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer
+            RMSNorm(cfg, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer
         )
         x = x + attn_out
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="mlp_norm")(x))
+        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
         return (x, cache), None
 
 
@@ -136,14 +161,7 @@ class Transformer(nn.Module):
         needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
         """
         cfg = self.config
-        embed = nn.Embed(
-            cfg.vocab_size,
-            cfg.d_model,
-            dtype=cfg.jnp_dtype,
-            param_dtype=cfg.jnp_dtype,
-            embedding_init=nn.initializers.normal(stddev=1.0),
-            name="embed",
-        )
+        embed = Embedding(cfg, name="embed")
         x = embed(tokens_bt)
         # Contiguous positions per row: the last query bounds what this call may read.
         kv_lengths_b = positions_bt[:, -1] + 1
@@ -161,21 +179,12 @@ class Transformer(nn.Module):
                 (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")(
                     (x, cache), i, positions_bt, kv_lengths_b
                 )
-        x = RMSNorm(cfg.rms_eps, cfg.jnp_dtype, name="final_norm")(x)
+        x = RMSNorm(cfg, name="final_norm")(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
             # An untied head is a second [V, D] table, read the way a tied one is.
-            head = embed
-            if not cfg.tie_embeddings:
-                head = nn.Embed(
-                    cfg.vocab_size,
-                    cfg.d_model,
-                    dtype=cfg.jnp_dtype,
-                    param_dtype=cfg.jnp_dtype,
-                    embedding_init=_dense_init(cfg.d_model),
-                    name="lm_head",
-                )
+            head = embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")
             logits = head.attend(x)
         return logits.astype(jnp.float32), cache
 
@@ -198,7 +207,7 @@ def stack_layers(params, num_layers: int):
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """An empty [L, B, max_len, KVH, Dh] cache in the model's dtype."""
+    """An empty [L, B, max_len, K, E] cache in the model's dtype."""
     return KVCache.zeros(
         config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim, config.jnp_dtype
     )
@@ -213,36 +222,24 @@ def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache
     return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at)
 
 
-def param_shapes(config: ModelConfig):
-    """The parameter pytree as jax.ShapeDtypeStruct leaves (no computation)."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    cache = jax.eval_shape(lambda: init_cache(config, 1, 1))
-    variables = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens, cache)
-    return variables["params"]
-
-
 def init_params(config: ModelConfig, seed: int = 0):
-    """Random parameters in the layout documented on ModelConfig.
+    """Random parameters in the layout of models.weights, drawn by each weight's `init`.
 
-    Drawn with NumPy from the shape tree rather than by compiling `Transformer.init`, which
-    costs seconds per model: tests build many small models. Weights are normal with
-    variance 1/fan_in, norms are ones, biases small.
+    Drawn with NumPy from the weight table rather than by compiling `Transformer.init`, which
+    costs seconds per model: tests build many small models. The draws are the same in either
+    layer layout (stacked draws, then unstacked for scan_layers=False).
     """
     rng = np.random.default_rng(seed)
-    stacked_config = dataclasses.replace(config, scan_layers=True)  # same draws in either layout
-    fan_in = {"wo": config.num_heads * config.head_dim, "w_down": config.mlp_dim}
+    stacked = dataclasses.replace(config, scan_layers=True)
+    scales = {"embedding": lambda w: 1.0, "bias": lambda w: 0.1, "normal": lambda w: w.fan_in(config) ** -0.5}
 
     def leaf(path, spec):
-        name = path[-1].key
-        if name == "scale":
+        w, _ = weights.entry(path)
+        if w.init == "ones":
             value = np.ones(spec.shape)
-        elif name in ("bq", "bk", "bv"):
-            value = 0.1 * rng.standard_normal(spec.shape)
-        elif name == "embedding" and path[0].key == "embed":
-            value = rng.standard_normal(spec.shape)
         else:
-            value = rng.standard_normal(spec.shape) / np.sqrt(fan_in.get(name, config.d_model))
+            value = scales[w.init](w) * rng.standard_normal(spec.shape)
         return jnp.asarray(value, spec.dtype)
 
-    params = jax.tree_util.tree_map_with_path(leaf, param_shapes(stacked_config))
+    params = jax.tree_util.tree_map_with_path(leaf, weights.param_shapes(stacked))
     return params if config.scan_layers else unstack_layers(params, config.num_layers)

@@ -89,9 +89,8 @@ PROMPTS = [
     "for i in range(10):\n    print(i",
 ]
 
-# Models whose logits are recorded (the 1.5B takes ~2.5 min and 9 GB), and those only tokenized.
+# Models whose tokens and logits are recorded (the 1.5B takes ~2.5 min and 9 GB).
 LOGIT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
-TOKEN_ONLY_MODELS = ()
 
 
 def versions() -> dict:
@@ -129,7 +128,7 @@ def _floats(x) -> list:
     return [float(v) for v in np.asarray(x, dtype=np.float32).ravel()]
 
 
-def record(name: str, with_logits: bool) -> dict:
+def record(name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,8 +158,6 @@ def record(name: str, with_logits: bool) -> dict:
         "strings": STRINGS,
         "token_ids": token_ids,
     }
-    if not with_logits:
-        return out
 
     t0 = time.time()
     try:
@@ -234,14 +231,13 @@ def _rope_theta(cfg) -> float | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=list(LOGIT_MODELS), help="models to record logits for")
-    parser.add_argument("--token-only", nargs="*", default=list(TOKEN_ONLY_MODELS), help="token ids only")
     parser.add_argument("--out", default=str(FIXTURES))
     args = parser.parse_args(argv)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, with_logits in [(m, True) for m in args.models] + [(m, False) for m in args.token_only]:
-        data = record(name, with_logits)
-        path = out_dir / f"{name}.json" if with_logits else out_dir / f"{name}.tokens.json"
+    for name in args.models:
+        data = record(name)
+        path = out_dir / f"{name}.json"
         path.write_text(json.dumps(data, ensure_ascii=False, separators=(",", ":")) + "\n", encoding="utf-8")
         print(f"[{name}] wrote {path} ({path.stat().st_size / 1e3:.0f} kB)", flush=True)
     return 0

@@ -1,8 +1,13 @@
-"""`spec_jax.generate`: the one entry point for autoregressive and speculative decoding."""
+"""`spec_jax.generate`: the one entry point for autoregressive and speculative decoding.
+
+One path: the drafter is chosen up front (None -> NoDrafter with gamma 0, plain decoding), and
+"no mesh" is a 1x1 mesh on the default device, so every call places its arguments by the same
+sharding rules and runs the same two compiled programs (prefill, loop).
+"""
 
 import dataclasses
-import functools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -10,35 +15,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import sharding
-from spec_jax.decode import (
-    ARStatic,
-    PrefillInputs,
-    ar_loop,
-    ar_prefill,
-    bucket_length,
-    compiled,
-    pad_prompts,
-)
-from spec_jax.drafters import ModelDrafter
-from spec_jax.sampling import SamplingParams
-from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
+from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
+from spec_jax.drafters import ModelDrafter, NoDrafter
+from spec_jax.executables import compiled
+from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.speculative import SpecState, SpecStatic, spec_loop, spec_prefill
 
 
 @dataclasses.dataclass
 class Generation:
-    """tokens: the new tokens of each prompt (EOS included when hit); stats: metrics and timings.
-
-    state: on a mesh, the final loop state as device arrays (caches included), so its
-    shardings can be inspected; None otherwise.
-    """
+    """tokens: the new tokens of each prompt (the stop token included when hit); stats: the
+    metrics of spec_jax.metrics and timings."""
 
     tokens: list[list[int]]
     stats: dict[str, Any]
-    state: Any = None
 
 
-def validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
-    """Raises ValueError naming the argument and its allowed range (draft: a drafter or None)."""
+def _is_int(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def stop_id_list(eos_id, vocab: int) -> list[int]:
+    """eos_id (None, one token id, or a sequence of them) as a list; ValueError naming eos_id
+    unless every id is an integer in [0, vocab)."""
+    ids = [] if eos_id is None else [eos_id] if not isinstance(eos_id, Sequence) else list(eos_id)
+    for i in ids:
+        if not _is_int(i) or not 0 <= i < vocab:
+            raise ValueError(f"eos_id must be None or integer token ids in [0, {vocab}), got {eos_id!r}")
+    return ids
+
+
+def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
+    """Raises ValueError naming the argument and its allowed range (drafter: a drafter or None)."""
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     vocab = target.config.vocab_size
@@ -53,7 +61,7 @@ def validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
                 f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
                 f"min {arr.min()}, max {arr.max()}"
             )
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > target.config.max_seq_len:
@@ -61,20 +69,19 @@ def validate(target, prompts, draft, gamma, max_new_tokens, eos_id):
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
             f"context of {target.config.max_seq_len} tokens"
         )
-    if eos_id is not None and not 0 <= eos_id < vocab:
-        raise ValueError(f"eos_id must be in [0, {vocab}), got {eos_id}")
-    if draft is None:
+    stop_id_list(eos_id, vocab)
+    if drafter is None:
         return
-    if not isinstance(gamma, int) or gamma < 1:
+    if not _is_int(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
-    if draft.vocab_size != vocab:
+    if drafter.vocab_size != vocab:
         raise ValueError(
-            f"draft vocabulary size ({draft.vocab_size}) differs from the target's ({vocab}); "
+            f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
             "speculative decoding needs one shared vocabulary"
         )
-    if longest + max_new_tokens + gamma > draft.max_seq_len:
+    if longest + max_new_tokens + gamma > drafter.max_seq_len:
         raise ValueError(
-            f"the draft's context ({draft.max_seq_len} tokens) is shorter than needed: "
+            f"the draft's context ({drafter.max_seq_len} tokens) is shorter than needed: "
             f"prompt {longest} + max_new_tokens {max_new_tokens} + gamma {gamma}"
         )
 
@@ -90,31 +97,116 @@ def layout(config, prompts, max_new_tokens: int, gamma: int) -> tuple[int, int]:
 
 def as_drafter(draft):
     """(drafter, params): a Model becomes (ModelDrafter(config), its params); a (drafter,
-    params) pair (e.g. from spec_jax.ngram.fit_bigram) is used as it is; a bare drafter
-    object is used with params None (or its `arrays`)."""
+    params) pair (e.g. from spec_jax.ngram.fit_bigram) is used as it is."""
     if hasattr(draft, "config") and hasattr(draft, "params"):
         draft = ModelDrafter(draft.config), draft.params
-    elif not (isinstance(draft, tuple) and len(draft) == 2):
-        draft = draft, getattr(draft, "arrays", None)
+    if not (isinstance(draft, tuple) and len(draft) == 2):
+        raise ValueError(
+            "draft must be None, a models.Model or a (drafter, params) pair "
+            f"(a spec_jax.drafters.Drafter and its arrays); got {type(draft).__name__}"
+        )
     drafter, params = draft
     if not all(hasattr(drafter, a) for a in ("vocab_size", "max_seq_len", "init", "propose")):
         raise ValueError(
-            f"draft must be None, a models.Model, a drafter (spec_jax.drafters.Drafter) or a "
-            f"(drafter, params) pair; got {type(drafter).__name__}"
+            f"draft's drafter must implement spec_jax.drafters.Drafter; got {type(drafter).__name__}"
         )
     return drafter, params
 
 
-def _mark_padding_done(prefill_fn, static, *args):
-    """prefill_fn(static, *args[:-1]) with the rows where args[-1] (active [B]) is False marked
-    done: rows added only to fill the data axis then never run a round or count in the metrics."""
-    *args, active = args
-    state = prefill_fn(static, *args)
-    return state.replace(out=state.out.replace(done=state.out.done | ~active))
+def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b) -> SpecState:
+    """spec_prefill with the rows where active is False marked done: rows added only to fill the
+    data axis never run a round or count in the metrics."""
+    state = spec_prefill(static, params, draft_params, inputs)
+    return state.replace(out=state.out.replace(done=state.out.done | ~active_b))
 
 
 def _shardings_of(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def run(
+    target,
+    prompts,
+    *,
+    draft=None,
+    gamma: int = 4,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    row_ids=None,
+    eos_id=None,
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[SpecState, dict]:
+    """What generate does, returning the final loop state as device arrays (caches included,
+    with their shardings; rows past len(prompts) pad the data axis) and the timings dict."""
+    sampling = SamplingParams(float(temperature), top_k, float(top_p))
+    drafter, draft_params = (None, None) if draft is None else as_drafter(draft)
+    validate(target, prompts, drafter, gamma, max_new_tokens, eos_id)
+    num_rows = len(prompts)
+    row_ids = np.arange(num_rows) if row_ids is None else np.asarray(row_ids)
+    if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
+        raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
+    if drafter is None:
+        drafter, gamma = NoDrafter(target.config.vocab_size), 0
+
+    mesh = sharding.default_mesh() if mesh is None else mesh
+    sharding.check_mesh(mesh)
+    padding = -num_rows % mesh.shape[sharding.DATA]
+    prompts = list(prompts) + [prompts[0]] * padding
+    row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
+    batch = len(prompts)
+    width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
+    tokens, lens = pad_prompts(prompts, width)
+    inputs = PrefillInputs(
+        tokens=jnp.asarray(tokens),
+        prompt_lens=jnp.asarray(lens),
+        stop_ids=jnp.asarray(stop_id_list(eos_id, target.config.vocab_size) or [-1], jnp.int32),
+        keys=row_keys(jax.random.key(seed), row_ids),
+    )
+    inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
+    active = sharding.put(np.arange(batch) < num_rows, sharding.batch_sharding(mesh, 1))
+    target_params = sharding.placed_params(target, mesh)
+    if isinstance(drafter, ModelDrafter):
+        draft_params = sharding.placed_params(draft, mesh)
+    elif draft_params is not None:  # other drafters' arrays (tables): replicated
+        draft_params = sharding.put(
+            draft_params, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params)
+        )
+
+    static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
+    prefill_args = (target_params, draft_params, inputs, active)
+    prefill_fn, prefill_compile_s = compiled(
+        "spec_prefill",
+        _prefill_marking_padding_done,
+        static,
+        prefill_args,
+        in_shardings=_shardings_of(prefill_args),
+        out_shardings=lambda state_shape: sharding.state_shardings(state_shape, mesh, batch),
+    )
+    start = time.perf_counter()
+    state = jax.block_until_ready(prefill_fn(*prefill_args))
+    prefill_s = time.perf_counter() - start
+
+    loop_args = (target_params, draft_params, state, inputs.stop_ids)
+    in_shardings = _shardings_of(loop_args)
+    loop_fn, loop_compile_s = compiled(
+        "spec_loop",
+        spec_loop,
+        static,
+        loop_args,
+        donate_argnums=(2,),
+        in_shardings=in_shardings,
+        out_shardings=in_shardings[2],
+    )
+    start = time.perf_counter()
+    state = jax.block_until_ready(loop_fn(*loop_args))
+    decode_s = time.perf_counter() - start
+    timings = dict(
+        compile_seconds=prefill_compile_s + loop_compile_s, prefill_seconds=prefill_s, decode_seconds=decode_s
+    )
+    return state, timings
 
 
 def generate(
@@ -128,7 +220,8 @@ def generate(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
-    eos_id: int | None = None,
+    row_ids=None,
+    eos_id=None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Generation:
     """Generates up to max_new_tokens after each prompt, speculatively when a draft is given.
@@ -139,115 +232,48 @@ def generate(
       draft: None (plain autoregressive decoding), a models.Model, or a (drafter, params) pair
         such as spec_jax.ngram.fit_bigram returns (see as_drafter).
       gamma: draft tokens per round (static: a new gamma compiles a new loop).
-      temperature, top_k, top_p: the warp, applied identically to target and draft.
-      seed: row b's randomness depends on (seed, b) only.
-      eos_id: a row stops after generating it.
-      mesh: None (one device) or a Mesh with axes ("data", "model") (spec_jax.sharding.make_mesh):
-        both models and both caches are sharded by spec_jax.sharding's rule table and the loop
-        runs under one jit with explicit in/out shardings. The batch is padded to a multiple of
-        the data axis with rows that are done from the start. Place models once with
-        spec_jax.sharding.place(model, mesh); unplaced models are placed on first use and cached.
-        Tokens equal the unsharded run's (up to float reassociation in the sharded matmuls).
+      temperature, top_k, top_p: the warp, applied identically to target and draft; any
+        positive temperature samples (0 is greedy).
+      seed, row_ids: row b draws its randomness from fold_in(key(seed), row_ids[b]) alone
+        (row_ids default 0..B-1), so a prompt's sample does not depend on the other prompts of
+        its batch: pass each prompt's index in a larger list to make batching invisible.
+      eos_id: None, one token id, or a sequence of them (e.g. tokenizer.stop_ids): a row stops
+        after generating any of them.
+      mesh: None (one device: a 1x1 mesh) or a Mesh with axes ("data", "model")
+        (spec_jax.sharding.make_mesh): both models and both caches are sharded by
+        spec_jax.sharding's rule table and the loop runs under one jit with explicit in/out
+        shardings. The batch is padded to a multiple of the data axis with rows that are done
+        from the start. Place models once with spec_jax.sharding.place(model, mesh); unplaced
+        models are placed on first use and cached. Tokens equal the unsharded run's (up to
+        float reassociation in the sharded matmuls).
 
     Returns:
-      Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics (for
-      speculative runs), the timings compile_seconds, prefill_seconds, decode_seconds,
-      tokens_per_second (new tokens over prefill + decode), and num_new_tokens.
+      Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the
+      timings compile_seconds, prefill_seconds, decode_seconds, tokens_per_second (new tokens
+      over prefill + decode), and num_new_tokens.
     """
-    sampling = SamplingParams(float(temperature), top_k, float(top_p))
-    drafter, draft_params = (None, None) if draft is None else as_drafter(draft)
-    validate(target, prompts, drafter, gamma, max_new_tokens, eos_id)
-
-    num_rows = len(prompts)
-    if mesh is not None:
-        sharding.check_mesh(mesh)
-        prompts = list(prompts) + [prompts[0]] * (-num_rows % mesh.shape[sharding.DATA])
-    width, cache_len = layout(target.config, prompts, max_new_tokens, 0 if drafter is None else gamma)
-    tokens, lens = pad_prompts(prompts, width)
-    inputs = PrefillInputs(
-        tokens=jnp.asarray(tokens),
-        prompt_lens=jnp.asarray(lens),
-        eos_id=jnp.asarray(-1 if eos_id is None else eos_id, jnp.int32),
-        key=jax.random.key(seed),
+    state, timings = run(
+        target,
+        prompts,
+        draft=draft,
+        gamma=gamma,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        row_ids=row_ids,
+        eos_id=eos_id,
+        mesh=mesh,
     )
-    target_params = target.params
-    sharded = {}  # extra compiled() arguments on a mesh
-    if mesh is not None:
-        batch = len(prompts)
-        target_params = sharding.placed_params(target, mesh)
-        if isinstance(drafter, ModelDrafter):
-            draft_params = sharding.placed_params(draft, mesh)
-        elif draft_params is not None:  # other drafters' arrays (tables): replicated
-            draft_params = sharding.put(
-                draft_params, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params)
-            )
-        inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
-        active = sharding.put(np.arange(batch) < num_rows, sharding.batch_sharding(mesh, 1))
-
-    def compile_prefill(name, fn, static, args):
-        if mesh is None:
-            return compiled(name, fn, static, args)
-        fn, args = functools.partial(_mark_padding_done, fn), (*args, active)
-        state_shape = jax.eval_shape(functools.partial(fn, static), *args)
-        sharded["state"] = sharding.state_shardings(state_shape, mesh, batch)
-        return compiled(
-            name + "_sharded",
-            fn,
-            static,
-            args,
-            in_shardings=_shardings_of(args),
-            out_shardings=sharded["state"],
-        )
-
-    def compile_loop(name, fn, static, args, state_arg):
-        if mesh is None:
-            return compiled(name, fn, static, args, donate_argnums=(state_arg,))
-        in_shardings = _shardings_of(args)
-        return compiled(
-            name,
-            fn,
-            static,
-            args,
-            donate_argnums=(state_arg,),
-            in_shardings=in_shardings,
-            out_shardings=in_shardings[state_arg],
-        )
-
-    if drafter is None:
-        static = ARStatic(target.config, sampling, max_new_tokens, cache_len)
-        prefill_args = (target_params, inputs) + (() if mesh is None else (active,))
-        prefill_fn, c1 = compile_prefill("ar_prefill", ar_prefill, static, (target_params, inputs))
-        start = time.perf_counter()
-        state = jax.block_until_ready(prefill_fn(*prefill_args))
-        prefill_s = time.perf_counter() - start
-        args = (target_params, state, inputs.eos_id)
-        loop_fn, c2 = compile_loop("ar_loop", ar_loop, static, args, 1)
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop_fn(*args))
-        decode_s = time.perf_counter() - start
-        stats = {"target_calls": int(sharding.fetch(state.steps)) + 1, "draft_calls": 0}
-    else:
-        static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
-        prefill_args = (target_params, draft_params, inputs)
-        prefill_fn, c1 = compile_prefill("spec_prefill", spec_prefill, static, prefill_args)
-        start = time.perf_counter()
-        state = jax.block_until_ready(prefill_fn(*prefill_args, *(() if mesh is None else (active,))))
-        prefill_s = time.perf_counter() - start
-        args = (target_params, draft_params, state, inputs.eos_id)
-        loop_fn, c2 = compile_loop("spec_loop", spec_loop, static, args, 2)
-        start = time.perf_counter()
-        state = jax.block_until_ready(loop_fn(*args))
-        decode_s = time.perf_counter() - start
-        stats = sharding.fetch(state.metrics).to_dict()
-
-    out, counts = sharding.fetch((state.out.tokens, state.out.num_generated))
+    num_rows = len(prompts)
+    out, counts, metrics = sharding.fetch((state.out.tokens, state.out.num_generated, state.metrics))
     new_tokens = [out[i, : counts[i]].tolist() for i in range(num_rows)]
     total = int(counts[:num_rows].sum())
+    stats = metrics.to_dict()
     stats.update(
-        compile_seconds=c1 + c2,
-        prefill_seconds=prefill_s,
-        decode_seconds=decode_s,
+        timings,
         num_new_tokens=total,
-        tokens_per_second=total / (prefill_s + decode_s),
+        tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
-    return Generation(tokens=new_tokens, stats=stats, state=None if mesh is None else state)
+    return Generation(tokens=new_tokens, stats=stats)

@@ -1,5 +1,5 @@
-"""What can propose draft tokens: a draft model (ModelDrafter), or n-gram tables
-(UnigramDrafter, BigramDrafter; fitted by spec_jax.ngram).
+"""What can propose draft tokens: nothing (NoDrafter: plain autoregressive decoding), a draft
+model (ModelDrafter), or n-gram tables (UnigramDrafter, BigramDrafter; fitted by spec_jax.ngram).
 
 A drafter is a frozen (hashable) dataclass of static settings, so it can be a static
 argument of jax.jit; its arrays (model parameters, n-gram tables) and its state (a KV
@@ -21,26 +21,46 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.transformer import forward
-from spec_jax.decode import draw_rows, prefill, row_keys
-from spec_jax.sampling import SamplingParams, draw, warp
+from spec_jax.decode import prefill
+from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 
 class Drafter(Protocol):
     vocab_size: int
     max_seq_len: int
+    prefill_calls: int  # batched calls `init` makes (counted in the metrics' draft_calls)
 
     def init(self, params: Any, tokens_bp, prompt_lens_b, cache_len: int) -> Any:
         """The drafter's state after reading the padded prompts [B, P]."""
 
     def propose(
-        self, params: Any, state: Any, context_b2, length_b, gamma: int, sampling: SamplingParams, key
+        self, params: Any, state: Any, context_b2, length_b, gamma: int, sampling: SamplingParams, keys_b
     ) -> tuple[jax.Array, jax.Array, Any]:
         """Drafts gamma tokens per row.
 
         context_b2: the last two committed tokens of each row, at positions length-2, length-1.
+        keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
         Returns (tokens int32 [B, gamma], q float32 [B, gamma, V] the warped distributions
         each token was sampled from, new state).
         """
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDrafter:
+    """Proposes nothing: with gamma = 0 the loop is plain autoregressive decoding."""
+
+    vocab_size: int
+    max_seq_len: int = 2**31 - 1
+    prefill_calls: int = 0
+
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+        return ()
+
+    def propose(self, params, state, context_b2, length_b, gamma, sampling, keys_b):
+        if gamma:
+            raise ValueError(f"NoDrafter proposes nothing: gamma must be 0, got {gamma}")
+        batch = context_b2.shape[0]
+        return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, self.vocab_size), jnp.float32), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +68,7 @@ class ModelDrafter:
     """A small transformer drafting autoregressively from its own KV cache."""
 
     config: ModelConfig
+    prefill_calls: int = 1
 
     @property
     def vocab_size(self) -> int:
@@ -61,20 +82,20 @@ class ModelDrafter:
         _, cache = prefill(self.config, params, tokens_bp, prompt_lens_b, cache_len)
         return cache
 
-    def propose(self, params, cache, context_b2, length_b, gamma, sampling, key):
+    def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
         logits, cache = forward(
             self.config, params, context_b2, positions, cache, logits_at=jnp.ones_like(length_b)[:, None]
         )
-        keys = jax.random.split(key, gamma)
+        keys = split_rows(keys_b, gamma)  # [G, B]
         q0 = warp(logits[:, 0], sampling)
-        x0 = jax.vmap(draw)(row_keys(keys[0], q0.shape[0]), q0)
+        x0 = draw_rows(keys[0], q0)
 
-        def step(carry, step_key):
+        def step(carry, step_keys):
             token, position, cache = carry
             logits, cache = forward(self.config, params, token[:, None], position[:, None], cache)
             q = warp(logits[:, 0], sampling)
-            nxt = jax.vmap(draw)(row_keys(step_key, q.shape[0]), q)
+            nxt = draw_rows(step_keys, q)
             return (nxt, position + 1, cache), (nxt, q)
 
         (_, _, cache), (xs, qs) = jax.lax.scan(step, (x0, length_b, cache), keys[1:])
@@ -103,15 +124,15 @@ class UnigramDrafter:
 
     vocab_size: int
     max_seq_len: int = UNBOUNDED_CONTEXT
+    prefill_calls: int = 0
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()
 
-    def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, key):
+    def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, keys_b):
         batch = context_b2.shape[0]
         q_bv = jnp.broadcast_to(warp(params.log_probs, sampling), (batch, self.vocab_size))  # one warp
-        keys = jax.random.split(key, gamma)
-        tokens = jnp.stack([draw_rows(k, q_bv) for k in keys], axis=1)  # [B, G]
+        tokens = jnp.stack([draw_rows(k, q_bv) for k in split_rows(keys_b, gamma)], axis=1)  # [B, G]
         q = jnp.broadcast_to(q_bv[:, None], (batch, gamma, self.vocab_size))
         return tokens, q, state
 
@@ -146,6 +167,7 @@ class BigramDrafter:
     vocab_size: int
     max_row_len: int
     max_seq_len: int = UNBOUNDED_CONTEXT
+    prefill_calls: int = 0
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()
@@ -162,11 +184,11 @@ class BigramDrafter:
 
         return jax.vmap(row)(context_b)
 
-    def propose(self, params: BigramTables, state, context_b2, length_b, gamma, sampling, key):
-        def step(prev_b, step_key):
+    def propose(self, params: BigramTables, state, context_b2, length_b, gamma, sampling, keys_b):
+        def step(prev_b, step_keys):
             q_bv = warp(jnp.log(self.probs(params, prev_b)), sampling)
-            token_b = draw_rows(step_key, q_bv)
+            token_b = draw_rows(step_keys, q_bv)
             return token_b, (token_b, q_bv)
 
-        _, (tokens_gb, q_gbv) = jax.lax.scan(step, context_b2[:, 1], jax.random.split(key, gamma))
+        _, (tokens_gb, q_gbv) = jax.lax.scan(step, context_b2[:, 1], split_rows(keys_b, gamma))
         return tokens_gb.T, jnp.swapaxes(q_gbv, 0, 1), state

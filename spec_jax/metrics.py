@@ -68,7 +68,7 @@ class SpecMetrics:
         )
 
     def to_dict(self) -> dict:
-        """Host-side summary in the schema of DESIGN.md (plain Python numbers and lists)."""
+        """Host-side summary in the metrics schema above (plain Python numbers and lists)."""
         rounds = int(self.num_rounds)
         drafted = int(self.num_draft_tokens)
         accepted = int(self.num_accepted_tokens)
@@ -89,3 +89,54 @@ class SpecMetrics:
             "target_calls": int(self.target_calls),
             "draft_calls": int(self.draft_calls),
         }
+
+
+COUNTS = (
+    "num_rounds",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_scored_positions",
+    "num_committed_tokens",
+    "target_calls",
+    "draft_calls",
+)
+TIMINGS = ("compile_seconds", "prefill_seconds", "decode_seconds", "num_new_tokens")
+
+
+def pool(stats: list[dict]) -> dict:
+    """Pools the stats of several runs (batches, repeats, prompts) into one dict, by definition:
+    counts and seconds add; acceptance_rate = accepted / drafted; mean_accepted_length = 1 +
+    accepted / rounds; alpha_hat is the mean overlap over ALL scored positions (each run's
+    alpha_hat weighted by its num_scored_positions, so a run with no rounds adds nothing);
+    per_position_acceptance weighted by rounds; histograms add; tokens_per_second = new tokens
+    over prefill + decode seconds. Keys a run does not have are left out (plain decoding has no
+    acceptance), as are per-position lists of different lengths. The one place this is done:
+    the CLI, the benchmarks and the experiments all pool with it.
+    """
+    if not stats:
+        raise ValueError("pool needs at least one stats dict")
+    out = {}
+    for key in COUNTS + TIMINGS:
+        if all(key in s for s in stats):
+            out[key] = sum(s[key] for s in stats)
+    if "num_new_tokens" in out and "prefill_seconds" in out:
+        seconds = out["prefill_seconds"] + out["decode_seconds"]
+        out["tokens_per_second"] = out["num_new_tokens"] / seconds if seconds > 0 else float("nan")
+    if "num_draft_tokens" not in out:
+        return out
+    drafted, accepted, rounds = out["num_draft_tokens"], out["num_accepted_tokens"], out["num_rounds"]
+    scored = out["num_scored_positions"]
+    out["acceptance_rate"] = accepted / drafted if drafted else float("nan")
+    out["mean_accepted_length"] = 1.0 + accepted / rounds if rounds else float("nan")
+    overlap_sum = sum(s["alpha_hat"] * s["num_scored_positions"] for s in stats if s["num_scored_positions"])
+    out["alpha_hat"] = overlap_sum / scored if scored else float("nan")
+    for key in ("per_position_acceptance", "accepted_histogram"):
+        lengths = {len(s[key]) for s in stats if key in s}
+        if len(lengths) != 1 or not all(key in s for s in stats):
+            continue
+        if key == "accepted_histogram":
+            out[key] = np.sum([s[key] for s in stats], axis=0).astype(int).tolist()
+        elif rounds:
+            weighted = np.sum([np.multiply(s[key], s["num_rounds"]) for s in stats], axis=0)
+            out[key] = (weighted / rounds).tolist()
+    return out

@@ -4,17 +4,23 @@ Speculative sampling is lossless with respect to the *warped* target, so the sam
 applied to target and draft logits before the rejection rule. Temperature 0 warps to the
 one-hot argmax (ties go to the lowest token id), which turns the rejection rule into exact
 greedy verification.
+
+Randomness is per row: every loop carries one key per row ([B] keys) and row b draws only
+from its own, so a row's sample depends on (seed, the row's id) and never on the other rows
+of its batch (spec_jax.api derives the row keys from the seed and each prompt's index).
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Static (hashable) warp settings: temperature >= 0, top_k >= 0 (0 = off), top_p in (0, 1]."""
+    """Static (hashable) warp settings: temperature >= 0 (0 = greedy; any positive value samples,
+    however small), top_k >= 0 (0 = off), top_p in (0, 1]."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -30,8 +36,8 @@ class SamplingParams:
 
 def validate_sampling(temperature, top_k, top_p):
     """Raises ValueError naming the argument and its allowed range."""
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
     if not (isinstance(top_k, int) and top_k >= 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k}")
     if not 0.0 < top_p <= 1.0:
@@ -48,7 +54,15 @@ def warp(logits, params: SamplingParams):
     vocab = logits.shape[-1]
     if params.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
-    logits = logits / params.temperature
+    # Subtract the maximum BEFORE dividing: the top entry is then exactly 0 for any positive
+    # temperature and the others <= 0 (-inf at worst), so no entry overflows to +inf. Dividing
+    # first let XLA round the two uses of logits / T differently under jit: with T ~ 1e-9 the
+    # top entry became inf, the row NaN, and the draw returned token 0. A temperature below
+    # float32's smallest normal number would be flushed to 0 (0 / 0 = NaN); it acts as that
+    # number instead, which is the same distribution: no two distinct float32 logits are that
+    # close, so every token but the exact ties of the maximum gets probability 0 either way.
+    temperature = max(params.temperature, float(np.finfo(np.float32).tiny))
+    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
     if 0 < params.top_k < vocab:
         _, top_ids = jax.lax.top_k(logits, params.top_k)  # [..., k]
         keep = jnp.any(jax.nn.one_hot(top_ids, vocab, dtype=jnp.bool_), axis=-2)
@@ -68,3 +82,18 @@ def warp(logits, params: SamplingParams):
 def draw(key, probs):
     """One token id per row of probs [..., V] (int32 [...]). Zero-probability tokens never come out."""
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
+
+
+def row_keys(key, row_ids_b):
+    """[B] keys, key b = fold_in(key, row_ids[b]): a row's randomness depends on (key, its id) alone."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(row_ids_b, jnp.uint32))
+
+
+def split_rows(keys_b, num: int):
+    """Splits each row's key: [num, B] keys (row b's new keys come from keys[b] alone)."""
+    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, num))(keys_b), 0, 1)
+
+
+def draw_rows(keys_b, probs_bv):
+    """One token per row of [B, V] probabilities, row b drawn with keys[b]: int32 [B]."""
+    return jax.vmap(draw)(keys_b, probs_bv)

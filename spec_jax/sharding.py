@@ -29,12 +29,15 @@ process holds identically (same seed, same prompts), so `place` and `put` work t
 process and in many; `fetch` gathers results onto every host.
 """
 
+import functools
 import weakref
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from models import weights
 
 DATA = "data"
 MODEL = "model"
@@ -53,26 +56,6 @@ RULES = {
     "seq": None,
 }
 
-# Per-layer parameter leaves (the layout documented on models.config.ModelConfig).
-_LAYER_AXES = {
-    ("attn_norm", "scale"): ("embed",),
-    ("mlp_norm", "scale"): ("embed",),
-    ("attn", "wq"): ("heads", "head_dim", "embed"),
-    ("attn", "bq"): ("heads", "head_dim"),
-    ("attn", "wk"): ("kv_heads", "head_dim", "embed"),
-    ("attn", "wv"): ("kv_heads", "head_dim", "embed"),
-    ("attn", "bk"): ("kv_heads", "head_dim"),
-    ("attn", "bv"): ("kv_heads", "head_dim"),
-    ("attn", "wo"): ("embed", "heads", "head_dim"),
-    ("mlp", "w_gate"): ("mlp", "embed"),
-    ("mlp", "w_up"): ("mlp", "embed"),
-    ("mlp", "w_down"): ("embed", "mlp"),
-}
-_TOP_AXES = {
-    ("embed", "embedding"): ("vocab", "embed"),
-    ("final_norm", "scale"): ("embed",),
-    ("lm_head", "embedding"): ("vocab", "embed"),
-}
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v [L, B, S, KVH, Dh]
 
 
@@ -115,6 +98,13 @@ def make_mesh(spec: str | None, devices=None) -> Mesh:
     return jax.make_mesh((sizes[DATA], sizes[MODEL]), MESH_AXES, axis_types=auto, devices=devices[:needed])
 
 
+@functools.cache
+def default_mesh() -> Mesh:
+    """The 1x1 mesh on this process's first device: what "no mesh" means."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), MESH_AXES, axis_types=auto)
+
+
 def check_mesh(mesh: Mesh) -> None:
     """ValueError unless mesh has exactly the axes ("data", "model")."""
     if not isinstance(mesh, Mesh) or set(mesh.axis_names) != set(MESH_AXES):
@@ -127,25 +117,9 @@ def _keys(path) -> tuple[str, ...]:
 
 
 def param_logical_axes(params):
-    """The logical axis names of every parameter leaf: a pytree of tuples matching params.
-
-    Works for both layouts: stacked (`layers/...`, leading "layers" axis) and per-layer
-    (`layers_0/...`). KeyError on a leaf this table does not know.
-    """
-
-    def axes(path, leaf):
-        keys = _keys(path)
-        if keys[0] == "layers":
-            names = ("layers",) + _LAYER_AXES[keys[-2:]]
-        elif keys[0].startswith("layers_"):
-            names = _LAYER_AXES[keys[-2:]]
-        else:
-            names = _TOP_AXES[keys[-2:]]
-        if len(names) != np.ndim(leaf):
-            raise ValueError(f"parameter {'/'.join(keys)} has shape {np.shape(leaf)}, expected axes {names}")
-        return names
-
-    return jax.tree_util.tree_map_with_path(axes, params)
+    """The logical axis names of every parameter leaf (models.weights.logical_axes): a pytree of
+    tuples matching params, in either layer layout. KeyError on a leaf the table does not know."""
+    return weights.logical_axes(params)
 
 
 def partition_spec(logical_axes: tuple, shape: tuple, mesh: Mesh) -> P:
@@ -187,9 +161,9 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 def state_shardings(state, mesh: Mesh, batch: int):
     """Shardings for a loop state / input pytree (leaves arrays or ShapeDtypeStructs).
 
-    KV caches (any KVCache node) follow CACHE_AXES; under a `metrics` or `key` field, and for
-    scalars, replicated; any other array whose leading dimension is the batch is split over
-    `data` (the loop's per-row arrays: tokens, lengths, done flags); the rest replicated.
+    KV caches (any KVCache node) follow CACHE_AXES; under a `metrics` field, and for scalars,
+    replicated; any other array whose leading dimension is the batch is split over `data` (the
+    loop's per-row arrays: tokens, lengths, done flags, the rows' PRNG keys); the rest replicated.
     """
     from models.cache import KVCache
 
@@ -198,7 +172,7 @@ def state_shardings(state, mesh: Mesh, batch: int):
             return KVCache(k=cache_sharding(leaf.k.shape, mesh), v=cache_sharding(leaf.v.shape, mesh))
         keys = _keys(path)
         shape = np.shape(leaf)
-        if "metrics" in keys or "key" in keys or not shape or shape[0] != batch or batch % mesh.shape[DATA]:
+        if "metrics" in keys or not shape or shape[0] != batch or batch % mesh.shape[DATA]:
             return replicated(mesh)
         return batch_sharding(mesh, len(shape))
 
@@ -209,11 +183,14 @@ def put(tree, shardings):
     """Places host (or single-device) values with the given shardings, in one process or many.
 
     Every process must pass the same global values; each one fills only its own shards. A
-    leaf that already has its target sharding is returned as it is (no copy).
+    leaf that already has its target sharding (or an equivalent one: a single-device array
+    for a 1x1 mesh on that device) is returned as it is (no copy).
     """
 
     def one(x, sharding):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
+        if isinstance(x, jax.Array) and (
+            x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+        ):
             return x
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = put(jax.random.key_data(x), sharding)
@@ -237,7 +214,7 @@ def is_placed(params, mesh: Mesh) -> bool:
     """True when every leaf already has the sharding the rule table gives it on mesh."""
     wanted = jax.tree.leaves(param_shardings(params, mesh))
     return all(
-        isinstance(x, jax.Array) and x.sharding == s
+        isinstance(x, jax.Array) and (x.sharding == s or x.sharding.is_equivalent_to(s, x.ndim))
         for x, s in zip(jax.tree.leaves(params), wanted, strict=True)
     )
 
@@ -277,9 +254,7 @@ def fetch(tree):
 
 def describe(config, mesh: Mesh) -> dict[str, str]:
     """Parameter path -> PartitionSpec string for one model on mesh (what is sharded, what replicated)."""
-    from models.transformer import param_shapes
-
-    shapes = param_shapes(config)
+    shapes = weights.param_shapes(config)
     specs = jax.tree.map(lambda s: str(s.spec), param_shardings(shapes, mesh))
     flat, _ = jax.tree_util.tree_flatten_with_path(specs)
     return {"/".join(_keys(path)): spec for path, spec in flat}

@@ -1,11 +1,13 @@
-"""The speculative loop: prefill both models, then one lax.while_loop of draft -> verify -> commit.
+"""The decoding loop: prefill both models, then one lax.while_loop of draft -> verify -> commit.
 
 Each round, per row with n committed tokens (the last one, t_{n-1}, not yet in any cache):
   1. the drafter reads t_{n-2}, t_{n-1} and proposes gamma tokens with their distributions q;
   2. the target scores [t_{n-1}, d_0 .. d_{gamma-1}] at positions n-1 .. n-1+gamma in ONE call;
   3. the rejection rule accepts a prefix of a drafts and draws one more token;
-  4. the row commits a + 1 tokens (fewer at EOS or max_new_tokens) and n advances by that,
-     independently of the other rows.
+  4. the row commits a + 1 tokens (fewer at a stop token or max_new_tokens) and n advances by
+     that, independently of the other rows.
+Plain autoregressive decoding is this loop with gamma = 0 and spec_jax.drafters.NoDrafter: the
+target scores [t_{n-1}] and the rule draws the next token from p (there is nothing to reject).
 """
 
 import dataclasses
@@ -18,10 +20,11 @@ import jax.numpy as jnp
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
-from spec_jax.decode import TRACE_COUNTS, Output, PrefillInputs, commit, first_token, prefill
+from spec_jax.decode import Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafters import Drafter
+from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
-from spec_jax.sampling import SamplingParams, warp
+from spec_jax.sampling import SamplingParams, split_rows, warp
 from spec_jax.verify import overlap, verify
 
 
@@ -33,28 +36,32 @@ class SpecState:
     prev_token: jax.Array  # int32 [B], committed token n-2 (in the target cache)
     last_token: jax.Array  # int32 [B], committed token n-1 (in no cache yet)
     length: jax.Array  # int32 [B], n: committed tokens, prompt included
-    key: jax.Array
+    keys: jax.Array  # [B] PRNG keys, one chain per row
     metrics: SpecMetrics
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecStatic:
+    """The static settings of one compiled loop (hashable: a static argument of jax.jit)."""
+
     config: ModelConfig
     drafter: Drafter
     sampling: SamplingParams
-    gamma: int
+    gamma: int  # 0: plain autoregressive decoding (with NoDrafter)
     max_new_tokens: int
     cache_len: int
 
 
 def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs) -> SpecState:
+    """Both models read the prompts; the first new token is drawn from the target's logits."""
     TRACE_COUNTS["spec_prefill"] += 1
     logits, target_cache = prefill(static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len)
     draft_state = static.drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
-    out, token, key = first_token(logits, inputs, static.sampling, static.max_new_tokens)
+    out, token, keys = first_token(logits, inputs, static.sampling, static.max_new_tokens)
     prev = jnp.take_along_axis(inputs.tokens, (inputs.prompt_lens - 1)[:, None], axis=1)[:, 0]
     metrics = SpecMetrics.zeros(static.gamma).replace(
-        target_calls=jnp.ones((), jnp.int32), draft_calls=jnp.ones((), jnp.int32)
+        target_calls=jnp.ones((), jnp.int32),
+        draft_calls=jnp.asarray(static.drafter.prefill_calls, jnp.int32),
     )
     return SpecState(
         target_cache=target_cache,
@@ -63,31 +70,32 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
         prev_token=prev,
         last_token=token,
         length=inputs.prompt_lens + 1,
-        key=key,
+        keys=keys,
         metrics=metrics,
     )
 
 
-def spec_round(static: SpecStatic, params, draft_params, state: SpecState, eos_id) -> SpecState:
+def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
+    """One round for every row (rows already done compute but commit nothing)."""
     gamma = static.gamma
-    key, draft_key, verify_key = jax.random.split(state.key, 3)
+    keys, draft_keys, verify_keys = split_rows(state.keys, 3)
     active = ~state.out.done
 
     context = jnp.stack([state.prev_token, state.last_token], axis=1)
     drafts, q, draft_state = static.drafter.propose(
-        draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_key
+        draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_keys
     )
 
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, G + 1]
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
     logits, target_cache = forward(static.config, params, tokens, positions, state.target_cache)
     p = warp(logits, static.sampling)  # [B, G + 1, V]
-    num_accepted, next_token = verify(drafts, q, p, verify_key)
+    num_accepted, next_token = verify(drafts, q, p, verify_keys)
 
     idx = jnp.arange(gamma + 1)[None, :]
-    drafts_ext = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    drafts_ext = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G + 1]
     new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
-    out, committed = commit(state.out, new, num_accepted + 1, static.max_new_tokens, eos_id)
+    out, committed = commit(state.out, new, num_accepted + 1, static.max_new_tokens, stop_ids)
 
     # The new last two committed tokens; a row that committed nothing keeps its own.
     last = jnp.take_along_axis(new, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
@@ -102,14 +110,14 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, eos_i
         prev_token=jnp.where(moved, prev, state.prev_token),
         last_token=jnp.where(moved, last, state.last_token),
         length=state.length + committed,
-        key=key,
+        keys=keys,
         metrics=metrics,
     )
 
 
-def spec_loop(static: SpecStatic, params, draft_params, state: SpecState, eos_id) -> SpecState:
+def spec_loop(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
     """Runs rounds until every row is done, as one lax.while_loop."""
     TRACE_COUNTS["spec_loop"] += 1
     return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.out.done), lambda s: spec_round(static, params, draft_params, s, eos_id), state
+        lambda s: ~jnp.all(s.out.done), lambda s: spec_round(static, params, draft_params, s, stop_ids), state
     )

@@ -51,3 +51,119 @@ def timed_interleaved(fns: dict, repeats: int) -> dict:
 def timed(fn, repeats: int) -> dict:
     """One function: a warm-up call, then `repeats` timed calls; median/min/max seconds."""
     return timed_interleaved({"fn": fn}, repeats)["fn"]
+
+
+def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
+    """A zero-argument function timing what the loops' model calls cost, nothing else.
+
+    It runs, `repeat` times inside one compiled program (so per-call dispatch is not counted),
+    the calls of `widths` in order: call i feeds widths[i] tokens per row at the next positions
+    of a cache of cache_slots slots about half full (the cache is donated and carried from call
+    to call), and warps the logits with `sampling` when given, as the loops do. Returns the
+    logits of the last call, consumed so that nothing is dead code. The usual widths: [1] a
+    decode step, [gamma + 1] a verify call, [2] + [1] * (gamma - 1) a model drafter's round.
+    Time the function with `timed` / `timed_interleaved` and divide by `repeat`; its attribute
+    compile_seconds says what compiling it took.
+    """
+    import jax.numpy as jnp
+
+    from models.transformer import forward, init_cache
+    from spec_jax.sampling import warp
+
+    widths = tuple(int(w) for w in widths)
+    start = cache_slots // 2
+    if start + sum(widths) > cache_slots:
+        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
+
+    def calls(params, cache):
+        def body(_, carry):
+            cache, _ = carry
+            position = start
+            for width in widths:
+                tokens = jnp.ones((batch, width), jnp.int32)
+                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
+                logits, cache = forward(model.config, params, tokens, positions, cache)
+                logits = logits if sampling is None else warp(logits, sampling)
+                position += width
+            return cache, logits[:, -1]
+
+        logits0 = jnp.zeros((batch, model.config.vocab_size), jnp.float32)
+        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
+
+    start_compile = time.perf_counter()
+    executable = (
+        jax.jit(calls, donate_argnums=1)
+        .lower(model.params, init_cache(model.config, batch, cache_slots))
+        .compile()
+    )
+    compile_seconds = time.perf_counter() - start_compile
+    box = {"cache": init_cache(model.config, batch, cache_slots)}
+
+    def run():
+        box["cache"], logits = executable(model.params, box["cache"])
+        return logits
+
+    run.compile_seconds = compile_seconds
+    return run
+
+
+def measure_bandwidth(megabytes: int, repeats: int) -> list[dict]:
+    """Memory bandwidth of the default device, two ways: a large array copy (read + write
+    counted) and a large array sum (read only). A decode step mostly reads (its weights), so
+    the read figure is the tighter ceiling for it; the copy is the classic STREAM-style measure.
+
+    On a CPU backend NumPy does the work on one thread and on every core (it releases the GIL);
+    on an accelerator jax does it on the device (x + 1, which a compiler cannot elide, and a
+    sum). Returns one dict per method: method, kind ("copy" / "read"), array_mb, gb_per_s
+    (median) with _min / _max.
+    """
+    import concurrent.futures
+    import os
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    if jax.default_backend() == "cpu":
+        src = np.ones(megabytes * 2**20 // 8, np.float64)
+        dst = np.zeros_like(src)  # written once, so no page faults inside the timed copies
+        threads = os.cpu_count() or 1
+        step = -(-src.size // threads)
+        bounds = [(i, min(i + step, src.size)) for i in range(0, src.size, step)]
+        pool = concurrent.futures.ThreadPoolExecutor(threads)
+        methods = {  # name: (fn, bytes moved per call)
+            "numpy copy, 1 thread": (lambda: np.copyto(dst, src), 2 * src.nbytes),
+            f"numpy copy, {threads} threads": (
+                lambda: list(pool.map(lambda b: np.copyto(dst[b[0] : b[1]], src[b[0] : b[1]]), bounds)),
+                2 * src.nbytes,
+            ),
+            "numpy sum (read only), 1 thread": (src.sum, src.nbytes),
+            f"numpy sum (read only), {threads} threads": (
+                lambda: list(pool.map(lambda b: src[b[0] : b[1]].sum(), bounds)),
+                src.nbytes,
+            ),
+        }
+    else:
+        pool = None
+        x = jnp.zeros((megabytes * 2**20 // 4,), jnp.float32)
+        copy, total = jax.jit(lambda a: a + 1.0), jax.jit(jnp.sum)
+        methods = {
+            "device copy (x + 1)": (lambda: copy(x), 2 * x.nbytes),
+            "device sum (read only)": (lambda: total(x), x.nbytes),
+        }
+    runs = timed_interleaved({name: fn for name, (fn, _) in methods.items()}, repeats)
+    if pool is not None:
+        pool.shutdown()
+    rows = []
+    for name, t in runs.items():
+        gb = methods[name][1] / 1e9
+        rows.append(
+            {
+                "method": name,
+                "kind": "read" if "sum" in name else "copy",
+                "array_mb": megabytes,
+                "gb_per_s": gb / t["median"],
+                "gb_per_s_min": gb / t["max"],
+                "gb_per_s_max": gb / t["min"],
+            }
+        )
+    return rows

@@ -10,27 +10,27 @@ the same formula as the residual draw, so there is one code path.
 import jax
 import jax.numpy as jnp
 
-from spec_jax.sampling import draw
+from spec_jax.sampling import draw_rows, split_rows
 
 
-def verify(draft_tokens_bg, q_bgv, p_bgv, key):
+def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
     """Applies the rule to each row.
 
     Args:
       draft_tokens_bg: int [B, G], the sampled drafts.
       q_bgv: [B, G, V], the (warped) draft distributions the drafts were sampled from.
       p_bgv: [B, G + 1, V], the (warped) target distributions at the same positions plus one.
-      key: PRNG key; row b uses randomness derived from (key, b) only.
+      keys_b: [B] PRNG keys; row b draws from keys_b[b] only.
 
     Returns:
       (num_accepted [B] int32 in [0, G], next_token [B] int32): the row commits
       draft_tokens[:num_accepted] and then next_token.
     """
-    batch, gamma = draft_tokens_bg.shape
+    gamma = draft_tokens_bg.shape[1]
     q = q_bgv.astype(jnp.float32)
     p = p_bgv.astype(jnp.float32)
-    keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(key, i)))(jnp.arange(batch))  # [B, 2]
-    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(keys[:, 0])  # [B, G] in [0, 1)
+    uniform_keys, residual_keys = split_rows(keys_b, 2)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(uniform_keys)  # [B, G] in [0, 1)
 
     p_x = jnp.take_along_axis(p[:, :gamma], draft_tokens_bg[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q, draft_tokens_bg[..., None], axis=-1)[..., 0]
@@ -46,7 +46,7 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, key):
     # p == q up to rounding leaves no residual mass; the rejection then had probability ~0,
     # and any distribution keeps the rule exact up to that rounding: use p.
     residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_at)
-    next_token = jax.vmap(draw)(keys[:, 1], residual)
+    next_token = draw_rows(residual_keys, residual)
     return num_accepted, next_token
 
 

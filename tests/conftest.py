@@ -6,6 +6,13 @@ import pytest
 
 import models
 
+_forward = jax.jit(models.forward, static_argnums=0)
+
+
+def apply(model: models.Model, tokens_bt, positions_bt, cache, logits_at=None):
+    """`(logits, cache)` of models.forward for model's config and params, jit-compiled."""
+    return _forward(model.config, model.params, tokens_bt, positions_bt, cache, logits_at)
+
 
 def perturbed(model: models.Model, scale: float, seed: int) -> models.Model:
     """The same architecture with noise added to every weight: a draft that mostly agrees."""

@@ -38,6 +38,16 @@ def models_for(pair: str):
     return target, draft
 
 
+def generation(state, num_rows: int) -> dict:
+    """Host tokens and rounds of a final loop state (what spec_jax.generate returns from it)."""
+    from spec_jax import sharding
+
+    out, counts, rounds = sharding.fetch(
+        (state.out.tokens, state.out.num_generated, state.metrics.num_rounds)
+    )
+    return {"tokens": [out[i, : counts[i]].tolist() for i in range(num_rows)], "num_rounds": int(rounds)}
+
+
 def spec_of(x) -> str:
     return str(tuple(x.sharding.spec))
 
@@ -47,7 +57,7 @@ def equivalence(pair: str, out_path: str):
     import jax
 
     import spec_jax
-    from spec_jax import decode, sharding
+    from spec_jax import api, executables, sharding
 
     target, draft = models_for(pair)
     result = {
@@ -65,16 +75,16 @@ def equivalence(pair: str, out_path: str):
         if temperature not in refs:
             refs[temperature] = spec_jax.generate(target, PROMPTS, **kwargs)
         mesh = sharding.make_mesh(mesh_spec)
-        gen = spec_jax.generate(target, PROMPTS, mesh=mesh, **kwargs)
-        st = gen.state
+        st, _ = api.run(target, PROMPTS, mesh=mesh, **kwargs)  # generate, keeping the final state
+        gen = generation(st, len(PROMPTS))
         cases.append(
             {
                 "temperature": temperature,
                 "mesh": mesh_spec,
                 "ref_tokens": refs[temperature].tokens,
-                "tokens": gen.tokens,
+                "tokens": gen["tokens"],
                 "ref_rounds": refs[temperature].stats["num_rounds"],
-                "rounds": gen.stats["num_rounds"],
+                "rounds": gen["num_rounds"],
                 "target_cache": spec_of(st.target_cache.k),
                 "draft_cache": spec_of(st.draft_state.k),
                 "out_tokens": spec_of(st.out.tokens),
@@ -90,7 +100,7 @@ def equivalence(pair: str, out_path: str):
         for path, x in jax.tree_util.tree_flatten_with_path(placed.params)[0]
     }
     # The executable of the speculative loop: its input shardings and its per-device HLO.
-    loops = [(k, v) for k, v in decode._EXECUTABLES.items() if k[0] == "spec_loop"]
+    loops = [(k, v) for k, v in executables._EXECUTABLES.items() if k[0] == "spec_loop"]
     key, loop = loops[-1]
     result["loop_input_specs"] = [str(tuple(s.spec)) for s in jax.tree.leaves(loop.input_shardings)]
     hlo = loop.as_text()
@@ -105,7 +115,7 @@ def equivalence(pair: str, out_path: str):
     # is used as it is.
     before = len(sharding._PLACED)
     again = spec_jax.generate(placed, PROMPTS, mesh=mesh, **kwargs)  # same settings: no recompile
-    result["placed_model_same_tokens"] = again.tokens == gen.tokens
+    result["placed_model_same_tokens"] = again.tokens == gen["tokens"]
     result["placed_model_compile_seconds"] = again.stats["compile_seconds"]
     result["placed_model_added_cache_entries"] = len(sharding._PLACED) - before
     result["draft_cached_params_reused"] = sharding.placed_params(draft, mesh) is sharding.placed_params(
@@ -115,8 +125,9 @@ def equivalence(pair: str, out_path: str):
 
     if pair == "divisible":  # plain autoregressive decoding goes through the same sharded machinery
         ref = spec_jax.generate(target, PROMPTS[:3], max_new_tokens=6, temperature=0.0)
-        gen = spec_jax.generate(target, PROMPTS[:3], max_new_tokens=6, temperature=0.0, mesh=mesh)
-        result["ar"] = {"ref_tokens": ref.tokens, "tokens": gen.tokens, "cache": spec_of(gen.state.cache.k)}
+        st, _ = api.run(target, PROMPTS[:3], max_new_tokens=6, temperature=0.0, mesh=mesh)
+        tokens = generation(st, 3)["tokens"]
+        result["ar"] = {"ref_tokens": ref.tokens, "tokens": tokens, "cache": spec_of(st.target_cache.k)}
     with open(out_path, "w") as f:
         json.dump(result, f)
 
@@ -132,23 +143,23 @@ def multihost(process_id: int, num_processes: int, port: int, out_path: str):
         process_id=process_id,
         initialization_timeout=60,
     )
-    import spec_jax
-    from spec_jax import sharding
+    from spec_jax import api, sharding
 
     target, draft = models_for("divisible")
     mesh = sharding.make_mesh("data:2,model:4")
     placed = sharding.place(target, mesh)
-    gen = spec_jax.generate(
+    state, _ = api.run(
         placed, PROMPTS, draft=draft, gamma=3, max_new_tokens=MAX_NEW, temperature=0.0, seed=5, mesh=mesh
     )
+
     result = {
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "num_devices": jax.device_count(),
         "num_local_devices": jax.local_device_count(),
-        "tokens": gen.tokens,
-        "target_cache": spec_of(gen.state.target_cache.k),
-        "cache_fully_addressable": gen.state.target_cache.k.is_fully_addressable,
+        "tokens": generation(state, len(PROMPTS))["tokens"],
+        "target_cache": spec_of(state.target_cache.k),
+        "cache_fully_addressable": state.target_cache.k.is_fully_addressable,
     }
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -3,10 +3,11 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import apply
 
 import models
 import spec_jax
-from spec_jax import decode
+from spec_jax import decode, executables
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 
@@ -16,9 +17,7 @@ def greedy_reference(model, prompt, n, width=32):
     seq = list(prompt)
     for _ in range(n):
         padded = jnp.array([seq + [0] * (width - len(seq))])
-        logits, _ = model.apply(
-            model.params, padded, jnp.arange(width)[None], models.init_cache(model.config, 1, width)
-        )
+        logits, _ = apply(model, padded, jnp.arange(width)[None], models.init_cache(model.config, 1, width))
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt) :]
 
@@ -57,12 +56,12 @@ def test_sampling_is_reproducible_by_seed(tiny_target):
 
 def test_no_retrace_for_a_new_prompt_in_the_same_bucket(tiny_target):
     spec_jax.generate(tiny_target, [[1, 2, 3], [4, 5]], max_new_tokens=6, temperature=0.0)
-    before = dict(decode.TRACE_COUNTS)
+    before = dict(executables.TRACE_COUNTS)
     gen = spec_jax.generate(tiny_target, [[9, 8, 7, 6, 5], [3]], max_new_tokens=6, temperature=0.0)
-    assert dict(decode.TRACE_COUNTS) == before
+    assert dict(executables.TRACE_COUNTS) == before
     assert gen.stats["compile_seconds"] == 0.0
     spec_jax.generate(tiny_target, [[1] * 20, [2]], max_new_tokens=6, temperature=0.0)  # next bucket
-    assert decode.TRACE_COUNTS["ar_loop"] == before["ar_loop"] + 1
+    assert executables.TRACE_COUNTS["spec_loop"] == before["spec_loop"] + 1
 
 
 def test_bucket_lengths_are_powers_of_two():
@@ -92,6 +91,11 @@ def test_stats_report_timings_and_counts(tiny_target):
         ([[1, 64]], {}, r"outside the vocabulary \[0, 64\)"),
         ([[-1, 2]], {}, "outside the vocabulary"),
         ([[1, 2]], dict(eos_id=99), "eos_id"),
+        ([[1, 2]], dict(eos_id=2.7), "eos_id must be None or integer token ids"),
+        ([[1, 2]], dict(eos_id=[3, 2.0]), "eos_id"),
+        ([[1, 2]], dict(eos_id=True), "eos_id"),
+        ([[1, 2]], dict(temperature=float("inf")), "temperature"),
+        ([[1, 2]], dict(row_ids=[0, 1]), "row_ids"),
     ],
 )
 def test_bad_input_gets_a_clear_error_naming_the_argument(prompts, kwargs, message):
@@ -106,10 +110,50 @@ def test_bad_input_gets_a_clear_error_naming_the_argument(prompts, kwargs, messa
 def test_commit_stops_rows_at_eos_and_max_tokens():
     out = decode.new_output(3, 5, 4)
     new = jnp.array([[1, 2, 3], [4, 9, 6], [7, 8, 9]])
-    out, counts = decode.commit(out, new, jnp.array([3, 3, 2]), 5, jnp.asarray(9))
+    out, counts = decode.commit(out, new, jnp.array([3, 3, 2]), 5, jnp.asarray([9]))
     np.testing.assert_array_equal(counts, [3, 2, 2])  # row 1 stops after EOS, row 2 asked for 2
     np.testing.assert_array_equal(out.done, [False, True, False])
-    out, counts = decode.commit(out, new, jnp.array([3, 3, 3]), 5, jnp.asarray(-1))
+    out, counts = decode.commit(out, new, jnp.array([3, 3, 3]), 5, jnp.asarray([-1]))
     np.testing.assert_array_equal(counts, [2, 0, 3])  # row 0 hits max_new_tokens, row 1 is done
     np.testing.assert_array_equal(out.done, [True, True, True])
     np.testing.assert_array_equal(out.tokens[0, :5], [1, 2, 3, 1, 2])
+
+
+@pytest.mark.parametrize("temperature", [1e-9, 1e-20, 1e-45])
+def test_a_tiny_positive_temperature_decodes_the_greedy_tokens(tiny_target, tiny_draft, temperature):
+    """Autoregressive and speculative: temperature 1e-9 used to give [24, 0, 57, ...] (NaN rows)."""
+    greedy = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=9, temperature=0.0).tokens
+    ar = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=9, temperature=temperature, seed=1)
+    spec = spec_jax.generate(
+        tiny_target, PROMPTS, draft=tiny_draft, gamma=3, max_new_tokens=9, temperature=temperature, seed=1
+    )
+    assert ar.tokens == greedy
+    assert spec.tokens == greedy
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_a_row_stops_at_any_token_of_its_stop_set(tiny_target, tiny_draft, draft):
+    """Two end tokens: a row that emits the second one (before the first) stops there, in the
+    autoregressive and the speculative loop alike, and both give the same tokens."""
+    free = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=12, temperature=0.0).tokens
+    second_end = free[0][2]  # row 0 emits it at step 2, before it emits first_end
+    first_end = next(t for t in free[0][3:] if t not in free[0][:3])
+    kwargs = dict(max_new_tokens=12, temperature=0.0, eos_id=[first_end, second_end])
+    ar = spec_jax.generate(tiny_target, PROMPTS, **kwargs).tokens
+    got = spec_jax.generate(tiny_target, PROMPTS, draft=tiny_draft, gamma=3, **kwargs).tokens if draft else ar
+    for full, cut in zip(free, got, strict=True):
+        stops = [i for i, t in enumerate(full) if t in (first_end, second_end)]
+        assert cut == (full[: stops[0] + 1] if stops else full)
+    assert got[0][-1] == second_end and len(got[0]) <= 3
+    assert got == ar
+
+
+def test_prompts_draw_from_their_row_id_not_their_place_in_the_batch(tiny_target):
+    """row_ids name each prompt's randomness: prompt 2 decoded alone with row_id 2 samples what it
+    samples as the third row of the batch."""
+    kwargs = dict(max_new_tokens=10, temperature=1.0, seed=4)
+    batched = spec_jax.generate(tiny_target, PROMPTS, **kwargs).tokens
+    alone = spec_jax.generate(tiny_target, PROMPTS[2:], row_ids=[2], **kwargs).tokens
+    assert alone[0] == batched[2]
+    repeated = spec_jax.generate(tiny_target, [PROMPTS[0]] * 2, **kwargs).tokens
+    assert repeated[0] != repeated[1], "the same prompt in two rows gets two different samples"

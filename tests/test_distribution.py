@@ -11,11 +11,12 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import apply
 from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import decode, speculative
+from spec_jax import executables, speculative
 from spec_jax.sampling import SamplingParams, warp
 
 V, HORIZON, N = 8, 3, 20_000
@@ -36,8 +37,8 @@ def exact_joint(model, sampling):
     tokens = np.zeros((len(prefixes), width), np.int32)
     for i, prefix in enumerate(prefixes):
         tokens[i, : len(PROMPT) + HORIZON - 1] = PROMPT + list(prefix)
-    logits, _ = model.apply(
-        model.params,
+    logits, _ = apply(
+        model,
         jnp.asarray(tokens),
         jnp.broadcast_to(jnp.arange(width), tokens.shape),
         models.init_cache(model.config, len(prefixes), width),
@@ -107,9 +108,9 @@ def test_a_broken_rule_that_always_accepts_fails(pair, monkeypatch):
         return n, jnp.argmax(p[:, -1], -1).astype(jnp.int32)
 
     monkeypatch.setattr(speculative, "verify", always_accept)
-    decode.clear_compiled()
+    executables.clear_compiled()
     try:
         counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
     finally:
-        decode.clear_compiled()
+        executables.clear_compiled()
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6

@@ -64,12 +64,13 @@ def read_csv(path):
 
 def test_every_registered_experiment_has_the_interface_and_valid_quick_and_full_configs():
     assert {"table1", "table3", "theory_vs_simulation", "walltime"} <= set(experiments.names())
+    assert set(experiments.BENCHMARKS) <= set(experiments.names())
     for name in experiments.names():
         module = experiments.load(name)
         assert isinstance(module.TITLE, str) and callable(module.run)
         for quick in (True, False):
-            module.validate(module.get_config(quick))
-    with pytest.raises(ValueError, match="known experiments: table1, table3, theory_vs_simulation, walltime"):
+            framework.validate(module, module.get_config(quick))
+    with pytest.raises(ValueError, match="known experiments: attention, decode, loop"):
         experiments.load("table2")
 
 
@@ -138,9 +139,9 @@ def _real_verify():
 
 
 def _make_broken(kind, real):
-    def two_tests(drafts, q, p, key):  # accepts only if two independent uniforms both accept
-        first, token = real(drafts, q, p, key)
-        second, _ = real(drafts, q, p, jax.random.fold_in(key, 1))
+    def two_tests(drafts, q, p, keys):  # accepts only if two independent uniforms both accept
+        first, token = real(drafts, q, p, keys)
+        second, _ = real(drafts, q, p, jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys))
         return jnp.minimum(first, second), token
 
     def always_accepts(drafts, q, p, key):
@@ -221,7 +222,7 @@ def test_overrides_are_validated_by_the_experiment():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--experiment=table2"], "known: table1, table3, theory_vs_simulation, walltime"),
+        (["--experiment=table2"], "known: attention, decode, loop"),
         ([], "--experiment"),
         (
             ["--experiment=theory_vs_simulation", "--alphas=0.5,1.5"],
@@ -231,7 +232,7 @@ def test_overrides_are_validated_by_the_experiment():
         (["--experiment=theory_vs_simulation", "--alphas=high"], "--alphas: 'high' is not a number"),
         (["--experiment=theory_vs_simulation", "--gammas=0"], "--gammas: each gamma must be an integer >= 1"),
         (["--experiment=theory_vs_simulation", "--gammas=1,2.5"], "--gammas: '2.5' is not an integer"),
-        (["--experiment=table1", "--gammas=3"], "--gammas: does not apply to experiment table1"),
+        (["--experiment=table1", "--gammas=3"], "--gammas: not a setting of table1"),
         (["--experiment=table1", "--output_dir=/dev/null/x"], "--output_dir"),
         (["--experiment=table1", "--set=c=-1"], "--set c: must be a number >= 0"),
         (["--experiment=table1", "--set=c=abc"], "--set c: 'abc' is not a valid float"),
@@ -325,7 +326,7 @@ def test_table3_and_walltime_configs_are_validated():
             framework.make_config("table3", quick=True, overrides=overrides)
     for overrides, message in [
         ({"draft": "nope"}, r"^draft: unknown model 'nope'; known models: "),
-        ({"gammas": (1, 65)}, r"^gammas: each gamma must be an integer in \[1, 64\]"),
+        ({"gammas": (1, 65)}, r"^gammas: each value must be an integer in \[1, 64\]"),
         ({"batch_size": 3}, r"^batch_size: must divide num_prompts"),
     ]:
         with pytest.raises(ValueError, match=message):

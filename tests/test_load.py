@@ -52,3 +52,54 @@ def test_real_model_drafting_for_itself_accepts_everything(name):
     assert gen.stats["mean_accepted_length"] == 5.0
     ar = spec_jax.generate(model, [prompt], max_new_tokens=16, temperature=0.0)
     assert gen.tokens == ar.tokens
+
+
+def test_a_plain_script_can_load_a_model_into_an_empty_cache(tmp_path):
+    """A script whose top level calls models.load (no __main__ guard) on a cold cache: the
+    conversion child must not re-import the script (multiprocessing's spawn did, and died with
+    "An attempt has been made to start a new process before ... bootstrapping phase")."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from models import registry
+
+    cache = tmp_path / "cache"
+    (cache / "gguf").mkdir(parents=True)
+    shutil.copy(registry.fetch_gguf("smollm2-135m", progress=False), cache / "gguf")  # no download
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "import models\n"
+        "model = models.load('smollm2-135m', progress=False)\n"
+        "print('layers', model.config.num_layers, model.tokenizer.encode('hi'))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "SPEC_JAX_CACHE": str(cache), "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("layers 30 ")
+    assert (cache / "converted" / "smollm2-135m" / "config.json").exists()
+
+
+def test_a_conversion_killed_for_memory_is_one_clear_error(tmp_path, monkeypatch):
+    import subprocess
+
+    from models import convert
+
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, returncode=-9, stdout="")
+    )
+    with pytest.raises(convert.ConversionError, match="SIGKILL, most likely by the out-of-memory killer"):
+        convert.convert_in_child("smollm2-135m", tmp_path)
+
+
+def test_errors_in_the_conversion_child_come_back_as_their_own_class(tmp_path):
+    from models import convert, registry
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(registry.CacheNotWritableError, match="not writable"):
+        convert.convert_in_child("smollm2-135m", blocker / "cache", progress=False)

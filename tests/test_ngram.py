@@ -8,9 +8,8 @@ from scipy import stats
 
 import models
 import spec_jax
-from experiments import per_prompt
-from spec_jax import ngram
-from spec_jax.sampling import SamplingParams
+from spec_jax import ngram, per_prompt
+from spec_jax.sampling import SamplingParams, row_keys
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
 MAX_NEW = 13
@@ -61,12 +60,28 @@ def test_propose_returns_the_table_rows_it_drew_from():
     context = jnp.array([[0, 3], [5, 7], [1, 1]])
     length = jnp.array([4, 4, 4])
     propose = jax.jit(drafter.propose, static_argnums=(4, 5))
-    tokens, q, state = propose(tables, (), context, length, 3, SamplingParams(1.0), jax.random.key(0))
+    tokens, q, state = propose(
+        tables,
+        (),
+        context,
+        length,
+        3,
+        SamplingParams(1.0),
+        row_keys(jax.random.key(0), jnp.arange(context.shape[0])),
+    )
     assert tokens.shape == (3, 3) and tokens.dtype == jnp.int32 and q.shape == (3, 3, vocab) and state == ()
     contexts = np.concatenate([np.asarray(context[:, 1:]), np.asarray(tokens[:, :-1])], axis=1)  # [B, G]
     for b in range(3):
         np.testing.assert_allclose(np.asarray(q[b]), ngram.dense_bigram(tables, contexts[b]), rtol=1e-5)
-    tokens0, q0, _ = propose(tables, (), context, length, 3, SamplingParams(0.0), jax.random.key(0))
+    tokens0, q0, _ = propose(
+        tables,
+        (),
+        context,
+        length,
+        3,
+        SamplingParams(0.0),
+        row_keys(jax.random.key(0), jnp.arange(context.shape[0])),
+    )
     dense = ngram.dense_bigram(tables, range(vocab))
     for b in range(3):
         c = int(context[b, 1])
@@ -76,7 +91,7 @@ def test_propose_returns_the_table_rows_it_drew_from():
             c = int(tokens0[b, i])
     unigram, uni = ngram.fit_unigram(skewed_sequences(vocab), vocab)
     tokens, q, _ = jax.jit(unigram.propose, static_argnums=(4, 5))(
-        uni, (), context, length, 2, SamplingParams(1.0), jax.random.key(1)
+        uni, (), context, length, 2, SamplingParams(1.0), row_keys(jax.random.key(1), jnp.arange(3))
     )
     np.testing.assert_allclose(
         np.asarray(q), np.broadcast_to(np.exp(uni.log_probs), (3, 2, vocab)), rtol=1e-5
@@ -98,7 +113,7 @@ def test_bigram_drafts_are_distributed_as_the_q_it_returns():
     drafter, tables = ngram.fit_bigram(skewed_sequences(vocab, seed=3), vocab)
     context = jnp.tile(jnp.array([[0, 5]]), (rows, 1))
     tokens, q, _ = jax.jit(drafter.propose, static_argnums=(4, 5))(
-        tables, (), context, jnp.full((rows,), 4), 2, SamplingParams(1.0), jax.random.key(2)
+        tables, (), context, jnp.full((rows,), 4), 2, SamplingParams(1.0), row_keys(jax.random.key(2), jnp.arange(rows))
     )
     tokens, q = np.asarray(tokens), np.asarray(q, np.float64)
     first = np.bincount(tokens[:, 0], minlength=vocab)
@@ -168,7 +183,7 @@ def test_greedy_speculative_with_a_bigram_draft_equals_autoregressive_also_per_p
             r"draft vocabulary size \(65\) differs from the target's \(64\)",
         ),
         (ngram.fit_bigram([[1, 2, 3]], 63), r"draft vocabulary size \(63\) differs"),
-        ("bigram", "draft must be None, a models.Model, a drafter"),
+        ("bigram", "draft must be None, a models.Model or a"),
     ],
 )
 def test_mismatched_or_unknown_drafts_are_refused(tiny_target, draft, message):

@@ -78,3 +78,21 @@ def test_draw_never_returns_a_zero_probability_token():
 def test_bad_warp_settings_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-9, 1e-20, 1e-38, 1e-40, 1e-45])
+def test_a_tiny_positive_temperature_is_the_argmax_and_never_nan(temperature):
+    """Real logits are around 30: dividing before subtracting the maximum overflowed under jit
+    (the top entry became inf, the row NaN, the draw token 0)."""
+    logits = 30.0 + jax.random.normal(jax.random.key(3), (8, 64))
+    probs = jax.jit(warp, static_argnums=1)(logits, SamplingParams(temperature))
+    assert not np.isnan(np.asarray(probs)).any()
+    np.testing.assert_array_equal(np.argmax(probs, -1), np.argmax(logits, -1))
+    np.testing.assert_allclose(np.asarray(probs).max(-1), 1.0, rtol=1e-6)
+    tokens = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(4), 8), probs)
+    np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
+
+
+def test_a_tiny_temperature_keeps_exact_ties_of_the_maximum_uniform():
+    probs = warp(jnp.array([[2.0, 5.0, 5.0, 1.0]]), SamplingParams(1e-30))
+    np.testing.assert_allclose(probs, [[0.0, 0.5, 0.5, 0.0]])

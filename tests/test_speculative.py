@@ -4,10 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import apply
 
 import models
 import spec_jax
-from spec_jax import decode, speculative
+from spec_jax import executables, speculative
 
 # Ragged rows: lengths 3, 1, 10 and 6.
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
@@ -113,20 +114,20 @@ def test_an_always_accepting_rule_fails_the_alpha_check(tiny_target, tiny_draft,
         )
 
     monkeypatch.setattr(speculative, "verify", always_accept)
-    decode.clear_compiled()
+    executables.clear_compiled()
     try:
         measured, alpha, stderr, _ = acceptance_vs_alpha(tiny_target, tiny_draft, 1)
     finally:
-        decode.clear_compiled()
+        executables.clear_compiled()
     assert abs(measured - alpha) > 4 * stderr
 
 
 def test_no_retrace_for_new_prompts_in_the_same_bucket(tiny_target, tiny_draft):
     kwargs = dict(draft=tiny_draft, gamma=2, max_new_tokens=5, temperature=0.0)
     spec_jax.generate(tiny_target, [[1, 2, 3], [4]], **kwargs)
-    before = dict(decode.TRACE_COUNTS)
+    before = dict(executables.TRACE_COUNTS)
     gen = spec_jax.generate(tiny_target, [[9, 9], [8, 7, 6, 5, 4, 3, 2]], **kwargs)
-    assert dict(decode.TRACE_COUNTS) == before
+    assert dict(executables.TRACE_COUNTS) == before
     assert gen.stats["compile_seconds"] == 0.0
 
 
@@ -156,23 +157,25 @@ def test_drafter_cache_holds_the_committed_prefix_after_every_round(tiny_target,
     # Re-run the loop by hand for a few rounds and compare caches.
     from spec_jax.decode import PrefillInputs, pad_prompts
     from spec_jax.drafters import ModelDrafter
-    from spec_jax.sampling import SamplingParams
+    from spec_jax.sampling import SamplingParams, row_keys
 
     static = speculative.SpecStatic(
         tiny_target.config, ModelDrafter(tiny_draft.config), SamplingParams(0.0), 3, MAX_NEW, 16 + MAX_NEW + 3
     )
     tokens, lens = pad_prompts(PROMPTS[:1], 16)
-    inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(-1), jax.random.key(0))
+    inputs = PrefillInputs(
+        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), row_keys(jax.random.key(0), [0])
+    )
     state = jax.jit(speculative.spec_prefill, static_argnums=0)(
         static, tiny_target.params, tiny_draft.params, inputs
     )
     step = jax.jit(speculative.spec_round, static_argnums=0)
     for _ in range(3):
-        state = step(static, tiny_target.params, tiny_draft.params, state, jnp.asarray(-1))
+        state = step(static, tiny_target.params, tiny_draft.params, state, jnp.asarray([-1]))
         n = int(state.length[0])
         assert seq[n - 1] == int(state.last_token[0]) and seq[n - 2] == int(state.prev_token[0])
         fresh_tokens = jnp.array([seq[: n - 2] + [0] * (32 - (n - 2))])
-        _, fresh = tiny_draft.apply(
-            tiny_draft.params, fresh_tokens, jnp.arange(32)[None], models.init_cache(tiny_draft.config, 1, 32)
+        _, fresh = apply(
+            tiny_draft, fresh_tokens, jnp.arange(32)[None], models.init_cache(tiny_draft.config, 1, 32)
         )
         np.testing.assert_allclose(state.draft_state.k[:, 0, : n - 2], fresh.k[:, 0, : n - 2], atol=1e-5)

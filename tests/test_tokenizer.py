@@ -150,3 +150,20 @@ def test_duplicate_tokens_are_rejected():
     alphabet = list(bytes_to_unicode().values())
     with pytest.raises(ValueError, match="duplicate token"):
         build_tokenizer([*alphabet, "a"], [], None, "gpt2")
+
+
+@pytest.mark.parametrize("name, filename", MODELS)
+def test_the_stop_set_holds_every_end_of_generation_token_of_the_vocabulary(name, filename):
+    """Qwen2.5-Coder ends a document with <|endoftext|> and a chat turn with <|im_end|>; the GGUF
+    names only one of them as eos. Generation must stop at both (as llama.cpp does)."""
+    tok = _tokenizer(name)
+    ends = {tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")}
+    assert None not in ends and ends <= set(tok.stop_ids)
+    assert tok.eos_id in tok.stop_ids
+    assert tok.token_to_id("<|im_start|>") not in tok.stop_ids
+    again = Tokenizer.from_json(tok.to_json())
+    assert again.stop_ids == tok.stop_ids
+    # A cache written before stop_ids existed derives the same set from the vocabulary.
+    old = json.loads(tok.to_json())
+    del old["stop_ids"]
+    assert Tokenizer.from_json(json.dumps(old)).stop_ids == tok.stop_ids

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from spec_jax.sampling import draw
+from spec_jax.sampling import draw, draw_rows, row_keys
 from spec_jax.verify import overlap, verify
 
 V = 6
@@ -17,21 +17,22 @@ def random_dists(key, shape, sharp=1.5):
     return jax.nn.softmax(sharp * jax.random.normal(key, (*shape, V)), axis=-1)
 
 
-def always_accept(drafts, q, p, key):
+def keys(seed, rows):
+    """[rows] per-row keys, as the loops pass them."""
+    return row_keys(jax.random.key(seed), jnp.arange(rows))
+
+
+def always_accept(drafts, q, p, keys_b):
     """A deliberately broken rule: accepts every draft."""
     gamma = drafts.shape[1]
-    bonus = jax.vmap(draw)(jax.random.split(key, drafts.shape[0]), p[:, gamma])
-    return jnp.full(drafts.shape[:1], gamma, jnp.int32), bonus
+    return jnp.full(drafts.shape[:1], gamma, jnp.int32), draw_rows(keys_b, p[:, gamma])
 
 
-def residual_from_p(drafts, q, p, key):
+def residual_from_p(drafts, q, p, keys_b):
     """A deliberately broken rule: correct acceptance, but resamples from p instead of max(0, p - q)."""
-    n, _ = verify(drafts, q, p, key)
-    fresh = jax.vmap(draw)(
-        jax.random.split(jax.random.fold_in(key, 1), drafts.shape[0]),
-        jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0],
-    )
-    return n, fresh
+    n, _ = verify(drafts, q, p, keys_b)
+    fresh_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys_b)
+    return n, draw_rows(fresh_keys, jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0])
 
 
 def first_committed_token(rule, gamma, seed):
@@ -41,7 +42,7 @@ def first_committed_token(rule, gamma, seed):
     q = random_dists(kq, (1, gamma))
     p_n, q_n = jnp.broadcast_to(p, (N, gamma + 1, V)), jnp.broadcast_to(q, (N, gamma, V))
     drafts = jax.vmap(draw)(jax.random.split(kx, N * gamma), q_n.reshape(-1, V)).reshape(N, gamma)
-    n, nxt = jax.jit(rule)(drafts, q_n, p_n, kv)
+    n, nxt = jax.jit(rule)(drafts, q_n, p_n, row_keys(kv, jnp.arange(N)))
     first = jnp.where(n > 0, drafts[:, 0], nxt)
     return np.bincount(np.asarray(first), minlength=V), np.asarray(p[0, 0])
 
@@ -69,9 +70,9 @@ def test_greedy_one_hot_distributions_give_exact_greedy_verification():
     drafts = jnp.array([[3, 1, 5]])
     p = jax.nn.one_hot(target, V)
     q = jax.nn.one_hot(drafts, V)
-    n, nxt = verify(drafts, q, p, jax.random.key(0))
+    n, nxt = verify(drafts, q, p, keys(0, drafts.shape[0]))
     assert int(n[0]) == 2 and int(nxt[0]) == 4
-    n, nxt = verify(target[:, :3], jax.nn.one_hot(target[:, :3], V), p, jax.random.key(0))
+    n, nxt = verify(target[:, :3], jax.nn.one_hot(target[:, :3], V), p, keys(0, 1))
     assert int(n[0]) == 3 and int(nxt[0]) == 1  # all accepted: the bonus token
 
 
@@ -80,7 +81,7 @@ def test_identical_distributions_accept_everything_and_never_nan():
     drafts = jax.vmap(draw)(jax.random.split(jax.random.key(6), 64 * 3), p[:, :3].reshape(-1, V)).reshape(
         64, 3
     )
-    n, nxt = verify(drafts, p[:, :3], p, jax.random.key(7))
+    n, nxt = verify(drafts, p[:, :3], p, keys(7, drafts.shape[0]))
     np.testing.assert_array_equal(n, 3)
     assert np.all((np.asarray(nxt) >= 0) & (np.asarray(nxt) < V))
 

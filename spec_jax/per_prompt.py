@@ -3,8 +3,9 @@
 `spec_jax.generate` sums the metrics over the batch. Here each prompt runs as its own batch of
 one, and jax.vmap runs all of them in one compiled call: the same spec_prefill / spec_loop /
 SpecMetrics code as the sampler, with a leading prompt axis on everything, so row b's metrics
-are those of prompt b decoded on its own, with its own key fold_in(key(seed), b) (at
-temperature 0 its tokens are generate's). The rows share every matmul, as a batch does.
+are those of prompt b decoded on its own, with the key generate gives row b (its tokens are
+generate's, up to float reassociation in the batched matmuls). The rows share every matmul,
+as a batch does.
 """
 
 import time
@@ -14,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import api
-from spec_jax.decode import PrefillInputs, compiled, pad_prompts
-from spec_jax.sampling import SamplingParams
+from spec_jax.decode import PrefillInputs, pad_prompts
+from spec_jax.executables import compiled
+from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
 
@@ -25,15 +27,15 @@ def _rows(static: SpecStatic, target_params, draft_params, inputs: PrefillInputs
 
     def one(row_inputs):
         state = spec_prefill(static, target_params, draft_params, row_inputs)
-        state = spec_loop(static, target_params, draft_params, state, row_inputs.eos_id)
+        state = spec_loop(static, target_params, draft_params, state, row_inputs.stop_ids)
         return state.out.tokens, state.out.num_generated, state.metrics
 
-    axes = PrefillInputs(tokens=0, prompt_lens=0, eos_id=None, key=0)
+    axes = PrefillInputs(tokens=0, prompt_lens=0, stop_ids=None, keys=0)
     return jax.vmap(one, in_axes=(axes,))(inputs)
 
 
 def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature: float, seed: int = 0):
-    """Speculative decoding of each prompt (no EOS: every row makes max_new_tokens).
+    """Speculative decoding of each prompt (no stop tokens: every row makes max_new_tokens).
 
     draft: anything spec_jax.generate accepts (a models.Model or a (drafter, params) pair).
     Returns (new tokens per prompt, metrics dict per prompt in the spec_jax.metrics schema,
@@ -48,8 +50,8 @@ def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature:
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens)[:, None],
         prompt_lens=jnp.asarray(lens)[:, None],
-        eos_id=jnp.asarray(-1, jnp.int32),
-        key=jax.vmap(lambda b: jax.random.fold_in(jax.random.key(seed), b))(jnp.arange(len(prompts))),
+        stop_ids=jnp.asarray([-1], jnp.int32),
+        keys=row_keys(jax.random.key(seed), np.arange(len(prompts)))[:, None],
     )
     args = (target.params, draft_params, inputs)
     fn, compile_s = compiled("spec_rows", _rows, static, args)

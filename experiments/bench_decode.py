@@ -1,0 +1,176 @@
+"""Benchmark: autoregressive vs speculative decoding of a real pair, over batch size,
+temperature and gamma, with acceptance, time to first token and greedy identity.
+
+Cells are (batch, temperature). The first cell (batch 1, temperature 0 by default) sweeps every
+`gammas`; the other cells run `gamma` alone, unless `full_sweep` (every gamma in every cell:
+about 10 minutes of compilation alone on a 2-core CPU). In each cell AR and the gammas are
+warmed up (compile, reported apart), then timed for `repeats` interleaved repeats, repeat r
+decoding the r-th batch of the bench prompts (cycling through them). At temperature 0 every
+speculative row is checked against the AR row of the same repeat: greedy speculative decoding
+must give identical tokens.
+"""
+
+import functools
+import sys
+
+import ml_collections
+
+import spec_jax
+from experiments import common, framework
+from spec_jax import metrics, timing
+from spec_jax.decode import bucket_length
+
+TITLE = "Benchmark decode: autoregressive vs speculative tokens/s over batch, temperature and gamma"
+
+
+MODEL_KEYS = ("target", "draft")
+INT_RANGES = {
+    "gamma": (1, 16),
+    "num_prompts": (1, len(common.BENCH_PROMPTS)),
+    "repeats": (1, 1000),
+    "max_new_tokens": (2, 4096),
+}
+TUPLE_RANGES = {"batch_sizes": (int, 1, 64), "gammas": (int, 1, 16), "temperatures": (float, 0.0, 100.0)}
+
+
+def get_config(quick: bool = False) -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
+    config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.batch_sizes = (1, 2) if quick else (1, 4)
+    config.temperatures = (0.0,) if quick else (0.0, 1.0)
+    config.gammas = (2,) if quick else (1, 2, 3, 4, 5, 6)
+    config.gamma = 2 if quick else 4  # the cells after the first
+    config.full_sweep = False
+    config.num_prompts = 2 if quick else len(common.BENCH_PROMPTS)
+    config.repeats = 2 if quick else 3
+    config.max_new_tokens = 8 if quick else 32
+    return config
+
+
+def bench_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in common.BENCH_PROMPTS[:num_prompts]]
+
+
+def batches_for(prompts, batch: int, repeats: int) -> list[list[list[int]]]:
+    """The batch of each repeat: repeat r takes prompts r*B .. r*B + B - 1, cycling, so that
+    repeats walk through every prompt instead of timing one (very predictable) prompt."""
+    return [[prompts[(r * batch + i) % len(prompts)] for i in range(batch)] for r in range(repeats)]
+
+
+def warmup_batches(batches) -> list:
+    """One batch per distinct prompt bucket: warming up on each compiles every executable the
+    timed repeats will use, so no timed repeat compiles."""
+    by_width = {}
+    for b in batches:
+        by_width.setdefault(bucket_length(max(len(p) for p in b)), b)
+    return list(by_width.values())
+
+
+def throughput(seconds: list[float], tokens: list[int]) -> dict:
+    """tokens_per_s: all tokens over all seconds; per_repeat_tokens_per_s: median/min/max."""
+    per = timing.spread(t / s for t, s in zip(tokens, seconds, strict=True))
+    return {
+        "tokens_per_s": sum(tokens) / sum(seconds),
+        "per_repeat_tokens_per_s": per["median"],
+        "per_repeat_tokens_per_s_min": per["min"],
+        "per_repeat_tokens_per_s_max": per["max"],
+    }
+
+
+_COMPILE_SECONDS: dict = {}  # loop -> seconds its first compile took, across experiments
+
+
+def run_generate(target, prompts, draft, gamma: int, temperature: float, max_new_tokens: int, seed: int = 0):
+    """spec_jax.generate(...) with stats["first_compile_seconds"]: what compiling this loop
+    took, also when an earlier experiment in this process compiled it (generate then reports 0)."""
+    gen = spec_jax.generate(
+        target,
+        prompts,
+        draft=draft,
+        gamma=gamma if draft is not None else 4,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+    )
+    width = bucket_length(max(len(p) for p in prompts))
+    key = (id(target), id(draft), gamma, temperature, len(prompts), width, max_new_tokens)
+    if gen.stats["compile_seconds"]:
+        _COMPILE_SECONDS[key] = gen.stats["compile_seconds"]
+    gen.stats["first_compile_seconds"] = _COMPILE_SECONDS.get(key, 0.0)
+    return gen
+
+
+def run(config) -> framework.Result:
+    target, draft = common.load_model(config.target), common.load_model(config.draft)
+    prompts = bench_prompts(target.tokenizer, config.num_prompts)
+    rows, identity, covered, checked = [], {"same": 0, "rows": 0}, set(), set()
+    cells = [(b, t) for b in config.batch_sizes for t in config.temperatures]
+    for i, (batch, temperature) in enumerate(cells):
+        batches = batches_for(prompts, batch, config.repeats)
+        cell_gammas = config.gammas if config.full_sweep or i == 0 else (config.gamma,)
+        variants = {"autoregressive": (None, 0)} | {f"gamma {g}": (draft, g) for g in cell_gammas}
+
+        def one(inputs, draft_model, gamma, temperature=temperature):
+            r, batch_prompts = inputs
+            return run_generate(
+                target, batch_prompts, draft_model, gamma, temperature, config.max_new_tokens, seed=r
+            )
+
+        fns = {name: functools.partial(one, draft_model=d, gamma=g) for name, (d, g) in variants.items()}
+        runs = timing.interleaved(fns, list(enumerate(batches)), [(0, b) for b in warmup_batches(batches)])
+        ar_results = runs["autoregressive"]["results"]
+        ar_tps = None
+        for name, (_, gamma) in variants.items():
+            result = runs[name]
+            gens = result["results"]
+            stats = [g.stats for g in gens]
+            if any(s["compile_seconds"] for s in stats):
+                print(f"warning: {name} compiled during a timed repeat", file=sys.stderr)
+            row = {
+                "variant": "autoregressive" if gamma == 0 else "speculative",
+                "batch": batch,
+                "temperature": temperature,
+                "gamma": gamma,
+                **throughput(result["seconds"], [s["num_new_tokens"] for s in stats]),
+            }
+            ar_tps = ar_tps or row["tokens_per_s"]
+            row["speedup"] = row["tokens_per_s"] / ar_tps
+            if gamma:
+                pooled = metrics.pool(stats)
+                row.update({k: pooled[k] for k in ("acceptance_rate", "mean_accepted_length", "alpha_hat")})
+            ttft = timing.spread(1e3 * s["prefill_seconds"] for s in stats)
+            row.update(ttft_ms=ttft["median"], ttft_ms_min=ttft["min"], ttft_ms_max=ttft["max"])
+            row["compile_s"] = sum(g.stats["first_compile_seconds"] for g in result["warmup"])
+            if gamma and temperature == 0:
+                same = sum(
+                    a == b
+                    for ar, sp in zip(ar_results, gens, strict=True)
+                    for a, b in zip(ar.tokens, sp.tokens, strict=True)
+                )
+                total = sum(len(g.tokens) for g in gens)
+                row["identical_to_ar"] = f"{same}/{total}"
+                identity["same"] += same
+                identity["rows"] += total
+                covered.update(tuple(p) for b in batches for p in b)
+                checked.add(gamma)
+            rows.append(row)
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    summary = [
+        {
+            "check": "greedy identity: speculative tokens == autoregressive tokens, same batch",
+            "identical_rows": f"{identity['same']}/{identity['rows']}"
+            if identity["rows"]
+            else "not run (no temperature 0)",
+            "prompts_covered": f"{len(covered)}/{len(prompts)}",
+            "gammas": ",".join(map(str, sorted(checked))),
+            "batch_sizes": ",".join(map(str, config.batch_sizes)),
+        }
+    ]
+    if identity["rows"] and identity["same"] != identity["rows"]:
+        print("warning: greedy speculative output differs from autoregressive", file=sys.stderr)
+    return framework.Result.from_dicts(
+        rows,
+        sections={"greedy identity": summary},
+        passed=None if not identity["rows"] else identity["same"] == identity["rows"],
+    )

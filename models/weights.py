@@ -1,0 +1,251 @@
+"""The weight table: every parameter of the decoder declared once.
+
+Each `Weight` says where the parameter lives in the pytree, its shape in terms of the config,
+its logical axes (for spec_jax.sharding's rule table), the GGUF tensor it is read from, how it
+is initialised for random models, and how a model call reads it. Everything else is derived
+from WEIGHTS: the Flax modules' `self.param` calls (models.transformer.param), the parameter
+shapes (param_shapes), random parameters (models.transformer.init_params), the GGUF loader
+(models.gguf_loader.load_params), the sharding axes (spec_jax.sharding.param_logical_axes) and
+the bytes a call reads (read_bytes).
+
+Layout. Per-layer weights are stacked over layers (a leading L axis, under `layers/`) for
+`nn.scan`; with scan_layers=False the same leaves without the L axis sit under `layers_0` ..
+`layers_{L-1}`. Matrices are [out..., in...], the layout of the GGUF file and of PyTorch
+(XLA:CPU runs the small-T products of decode and verification 1.3-2x faster with the weight in
+this order than in [in, out]; docs/design.md, "Weight layout"); `contract` is the number of
+trailing (input) axes a matrix is contracted over. Query head h reads kv head h // (H // KVH).
+
+Shape letters (docs/design.md): V vocab, D model width, H query heads, K kv heads, E head dim,
+F mlp width, L layers.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+
+
+def _always(config: ModelConfig) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    path: tuple[str, ...]  # under layers/ (per_layer) or at the top of the pytree
+    shape: Callable[[ModelConfig], tuple[int, ...]]  # without the L axis
+    axes: tuple[str, ...]  # logical axes, one per dimension of `shape`
+    gguf: str  # GGUF tensor name; "{i}" is the layer index
+    init: str  # "ones", "normal" (stddev fan_in^-1/2), "embedding" (stddev 1), "bias" (stddev 0.1)
+    per_layer: bool = True
+    contract: int = 0  # matrices: trailing (input) axes contracted by the product; 0 = not a matrix
+    present: Callable[[ModelConfig], bool] = _always
+    llama_permuted_heads: str | None = None  # config field whose heads llama.cpp permuted (q, k rows)
+    lookup: bool = False  # read by row lookup (the input embedding): a call reads B * T rows of it
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.path)
+
+    def fan_in(self, config: ModelConfig) -> int:
+        shape = self.shape(config)
+        return math.prod(shape[len(shape) - self.contract :]) if self.contract else 1
+
+
+WEIGHTS: tuple[Weight, ...] = (
+    Weight(
+        ("embed", "embedding"),
+        lambda c: (c.vocab_size, c.d_model),
+        ("vocab", "embed"),
+        "token_embd.weight",
+        "embedding",
+        per_layer=False,
+        contract=1,  # also the output head when tie_embeddings
+        lookup=True,
+    ),
+    Weight(("attn_norm", "scale"), lambda c: (c.d_model,), ("embed",), "blk.{i}.attn_norm.weight", "ones"),
+    Weight(
+        ("attn", "wq"),
+        lambda c: (c.num_heads, c.head_dim, c.d_model),
+        ("heads", "head_dim", "embed"),
+        "blk.{i}.attn_q.weight",
+        "normal",
+        contract=1,
+        llama_permuted_heads="num_heads",
+    ),
+    Weight(
+        ("attn", "wk"),
+        lambda c: (c.num_kv_heads, c.head_dim, c.d_model),
+        ("kv_heads", "head_dim", "embed"),
+        "blk.{i}.attn_k.weight",
+        "normal",
+        contract=1,
+        llama_permuted_heads="num_kv_heads",
+    ),
+    Weight(
+        ("attn", "wv"),
+        lambda c: (c.num_kv_heads, c.head_dim, c.d_model),
+        ("kv_heads", "head_dim", "embed"),
+        "blk.{i}.attn_v.weight",
+        "normal",
+        contract=1,
+    ),
+    Weight(
+        ("attn", "bq"),
+        lambda c: (c.num_heads, c.head_dim),
+        ("heads", "head_dim"),
+        "blk.{i}.attn_q.bias",
+        "bias",
+        present=lambda c: c.qkv_bias,
+        llama_permuted_heads="num_heads",
+    ),
+    Weight(
+        ("attn", "bk"),
+        lambda c: (c.num_kv_heads, c.head_dim),
+        ("kv_heads", "head_dim"),
+        "blk.{i}.attn_k.bias",
+        "bias",
+        present=lambda c: c.qkv_bias,
+        llama_permuted_heads="num_kv_heads",
+    ),
+    Weight(
+        ("attn", "bv"),
+        lambda c: (c.num_kv_heads, c.head_dim),
+        ("kv_heads", "head_dim"),
+        "blk.{i}.attn_v.bias",
+        "bias",
+        present=lambda c: c.qkv_bias,
+    ),
+    Weight(
+        ("attn", "wo"),
+        lambda c: (c.d_model, c.num_heads, c.head_dim),
+        ("embed", "heads", "head_dim"),
+        "blk.{i}.attn_output.weight",
+        "normal",
+        contract=2,
+    ),
+    Weight(("mlp_norm", "scale"), lambda c: (c.d_model,), ("embed",), "blk.{i}.ffn_norm.weight", "ones"),
+    Weight(
+        ("mlp", "w_gate"),
+        lambda c: (c.mlp_dim, c.d_model),
+        ("mlp", "embed"),
+        "blk.{i}.ffn_gate.weight",
+        "normal",
+        contract=1,
+    ),
+    Weight(
+        ("mlp", "w_up"),
+        lambda c: (c.mlp_dim, c.d_model),
+        ("mlp", "embed"),
+        "blk.{i}.ffn_up.weight",
+        "normal",
+        contract=1,
+    ),
+    Weight(
+        ("mlp", "w_down"),
+        lambda c: (c.d_model, c.mlp_dim),
+        ("embed", "mlp"),
+        "blk.{i}.ffn_down.weight",
+        "normal",
+        contract=1,
+    ),
+    Weight(
+        ("final_norm", "scale"),
+        lambda c: (c.d_model,),
+        ("embed",),
+        "output_norm.weight",
+        "ones",
+        per_layer=False,
+    ),
+    Weight(
+        ("lm_head", "embedding"),
+        lambda c: (c.vocab_size, c.d_model),
+        ("vocab", "embed"),
+        "output.weight",
+        "normal",
+        per_layer=False,
+        contract=1,
+        present=lambda c: not c.tie_embeddings,
+    ),
+)
+
+BY_PATH: dict[tuple[str, ...], Weight] = {w.path: w for w in WEIGHTS}
+LAYER_PREFIX = "layers"
+
+
+def weights_of(config: ModelConfig) -> tuple[Weight, ...]:
+    """The weights this config has (biases only with qkv_bias, lm_head only when untied)."""
+    return tuple(w for w in WEIGHTS if w.present(config))
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def entry(path) -> tuple[Weight, bool]:
+    """(the table entry of a parameter leaf, whether the leaf is stacked over layers) from its
+    pytree path (jax key path or strings): layers/..., layers_N/... or a top-level path.
+    KeyError for a leaf the table does not declare."""
+    keys = _keys(path)
+    if keys[0] == LAYER_PREFIX:
+        w, stacked = BY_PATH[keys[1:]], True
+    elif keys[0].startswith(LAYER_PREFIX + "_"):
+        w, stacked = BY_PATH[keys[1:]], False
+    else:
+        w, stacked = BY_PATH[keys], False
+    if w.per_layer != (keys[0].startswith(LAYER_PREFIX)):
+        raise KeyError(f"{'/'.join(keys)}: {w.name} is {'' if w.per_layer else 'not '}a per-layer weight")
+    return w, stacked
+
+
+def param_shapes(config: ModelConfig):
+    """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout (no computation)."""
+    dtype = config.jnp_dtype
+    tree: dict = {}
+
+    def put(prefix: tuple[str, ...], w: Weight, shape):
+        node = tree
+        for key in prefix + w.path[:-1]:
+            node = node.setdefault(key, {})
+        node[w.path[-1]] = jax.ShapeDtypeStruct(shape, dtype)
+
+    for w in weights_of(config):
+        if not w.per_layer:
+            put((), w, w.shape(config))
+        elif config.scan_layers:
+            put((LAYER_PREFIX,), w, (config.num_layers, *w.shape(config)))
+        else:
+            for i in range(config.num_layers):
+                put((f"{LAYER_PREFIX}_{i}",), w, w.shape(config))
+    return tree
+
+
+def logical_axes(params):
+    """The logical axis names of every parameter leaf: a pytree of tuples matching params (either
+    layout; "layers" leads stacked leaves). KeyError on a leaf the table does not declare,
+    ValueError on one whose rank does not match its declaration."""
+
+    def axes(path, leaf):
+        w, stacked = entry(path)
+        names = (("layers",) if stacked else ()) + w.axes
+        if len(names) != len(jnp.shape(leaf)):
+            raise ValueError(f"parameter {w.name} has shape {jnp.shape(leaf)}, expected axes {names}")
+        return names
+
+    return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def read_bytes(config: ModelConfig, params, tokens: int) -> int:
+    """Bytes of parameters one model call over `tokens` tokens (B * T) reads: every weight once,
+    except an input embedding that is only looked up (untied), of which it reads `tokens` rows."""
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        w, _ = entry(path)
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if w.lookup and not config.tie_embeddings:
+            nbytes = min(nbytes, tokens * nbytes // leaf.shape[0])
+        total += nbytes
+    return total
