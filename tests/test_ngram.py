@@ -113,7 +113,13 @@ def test_bigram_drafts_are_distributed_as_the_q_it_returns():
     drafter, tables = ngram.fit_bigram(skewed_sequences(vocab, seed=3), vocab)
     context = jnp.tile(jnp.array([[0, 5]]), (rows, 1))
     tokens, q, _ = jax.jit(drafter.propose, static_argnums=(4, 5))(
-        tables, (), context, jnp.full((rows,), 4), 2, SamplingParams(1.0), row_keys(jax.random.key(2), jnp.arange(rows))
+        tables,
+        (),
+        context,
+        jnp.full((rows,), 4),
+        2,
+        SamplingParams(1.0),
+        row_keys(jax.random.key(2), jnp.arange(rows)),
     )
     tokens, q = np.asarray(tokens), np.asarray(q, np.float64)
     first = np.bincount(tokens[:, 0], minlength=vocab)
