@@ -1,10 +1,21 @@
-"""Shared fixtures: tiny random models, built once per session."""
+"""Shared fixtures: tiny random models, built once per session.
 
-import jax
-import jax.numpy as jnp
-import pytest
+The suite runs on the CPU backend. JAX_PLATFORMS=cpu (set before jax is imported, inherited by the
+subprocesses the tests start) keeps it there and quiet when the `compile` extra is installed:
+libtpu and the CUDA PJRT plugin would otherwise be tried as backends at start-up and log errors
+on a machine without a TPU or CUDA. Their compile-only devices work under it
+(tests/test_compile_targets.py).
+"""
 
-import models
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+import models  # noqa: E402
 
 
 def perturbed(model: models.Model, scale: float, seed: int) -> models.Model:
