@@ -5,12 +5,16 @@ STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
 .PHONY: demo test test-slow lint
+.PHONY: compile-sweep
 
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# With the compile extra installed (make test), libtpu and the CUDA plugin would be tried as
+# backends at start-up and log errors on this CPU-only stack; the demo runs on the CPU as before.
+demo: export JAX_PLATFORMS ?= cpu
 demo: $(STAMP)
 	$(VENV)/bin/python -m launch.generate --compare_autoregressive $(ARGS)
 
@@ -25,3 +29,16 @@ test: lint
 # The slow tests alone: downloads the Qwen pair (1.6 GB) once, then checks it (about 3 minutes).
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow --durations=15
+
+# Compile-only TPU and CUDA devices (the `compile` extra: libtpu, jax-cuda12-pjrt), for
+# tests/test_compile_targets.py in `make test` and for the full sweep below (docs/kernels.md).
+COMPILE_STAMP := $(VENV)/.compile-stamp
+$(COMPILE_STAMP): $(STAMP) setup.py constraints.txt
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,compile]'
+	touch $(COMPILE_STAMP)
+test: $(COMPILE_STAMP)
+
+# Every kernel call and model step of the registered models compiled for every TPU / GPU target,
+# as a table (scripts/compile_sweep.py --help; about 35 minutes with ARGS="--jobs=2").
+compile-sweep: $(COMPILE_STAMP)
+	JAX_PLATFORMS=cpu $(VENV)/bin/python scripts/compile_sweep.py $(ARGS)

@@ -24,6 +24,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "ruff"],
+        # Compile-only TPU and CUDA devices for tests/test_compile_targets.py and
+        # scripts/compile_sweep.py (docs/kernels.md); `make test` installs them.
+        "compile": ["libtpu", "jax-cuda12-pjrt"],
         # Only for recording reference fixtures (scripts/record_fixtures.py); never for tests.
         "reference": ["torch==2.13.0", "transformers", "accelerate"],
     },

@@ -252,6 +252,11 @@ def pallas_impl(target_name: str) -> str:
     return "pallas_tpu" if target_name in TPU_TOPOLOGIES else "pallas_gpu"
 
 
+def auto_differs(target_name: str) -> bool:
+    """Whether impl="auto" picks something other than the target's Pallas impl (pre-Ampere GPUs)."""
+    return models.kernels.resolve_impl("auto", device(target_name)) != pallas_impl(target_name)
+
+
 def case_program(case: Case, target_name: str):
     """(function, abstract arguments, impl) of one case; impl is the config's attention_impl."""
     impl = "auto" if case.impl == "auto" else pallas_impl(target_name)
