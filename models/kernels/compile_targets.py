@@ -114,14 +114,19 @@ GPU_TARGETS = {f"gpu-{name}": spec for name, spec in GPU_SPECS.items()}
 TARGETS = (*TPU_TOPOLOGIES, *GPU_TARGETS)
 
 
+_PACKAGES = (("libtpu", "libtpu"), ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"))
+
+
 def missing_packages() -> list[str]:
     """Which of the two compile-only backends are not installed (empty when both are)."""
-    missing = []
-    if importlib.util.find_spec("libtpu") is None:
-        missing.append("libtpu")
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        missing.append("jax-cuda12-pjrt")
-    return missing
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package (jax_plugins) is absent
+            return False
+
+    return [package for module, package in _PACKAGES if not installed(module)]
 
 
 @functools.cache
