@@ -19,6 +19,7 @@ import argparse
 import collections
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -139,7 +140,10 @@ def main(argv=None):
     print(f"{len(jobs)} compiles on {args.jobs} process(es)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     results = []
-    pool = concurrent.futures.ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
+    # Spawned, not forked: the parent has loaded libtpu (to ask what "auto" means per target), and a
+    # forked copy of its threads and locks aborts inside libtpu.
+    spawn = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) if args.jobs > 1 else None
     outcomes = pool.map(_run, jobs, chunksize=4) if pool else map(_run, jobs)
     for i, (target, case, result) in enumerate(outcomes, 1):
         results.append((target, case, result))
