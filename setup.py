@@ -26,7 +26,7 @@ setup(
         "test": ["pytest", "pytest-xdist", "ruff"],
         # Compile-only TPU and CUDA devices for tests/test_compile_targets.py and
         # scripts/compile_sweep.py (docs/kernels.md); `make test` installs them.
-        "compile": ["libtpu", "jax-cuda12-pjrt"],
+        "compile": ["libtpu", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"],
         # Only for recording reference fixtures (scripts/record_fixtures.py); never for tests.
         "reference": ["torch==2.13.0", "transformers", "accelerate"],
     },

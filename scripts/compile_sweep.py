@@ -25,7 +25,12 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+# Where `make test` puts libtpu and the CUDA plugin (pip --target; see tests/conftest.py).
+_DEPS = os.environ.get("SPEC_JAX_COMPILE_DEPS", os.path.join(_ROOT, ".venv-compile"))
+if os.path.isdir(_DEPS):
+    sys.path.append(_DEPS)
 
 from models.kernels import compile_targets as ct  # noqa: E402
 

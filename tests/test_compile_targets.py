@@ -88,10 +88,13 @@ def test_auto_traces_the_kernel_for_the_target_device(target, expected):
         assert ct.has_pallas_kernel(text, pallas) == (pallas == expected)
 
 
-def test_pre_ampere_gpu_compiles_with_xla_attention_and_refuses_forced_pallas():
+@pytest.mark.parametrize("target", ["gpu-t4", "gpu-v100"])
+def test_pre_ampere_gpu_compiles_with_xla_attention_and_refuses_forced_pallas(target):
+    """V100 needs CUDA 12's ptxas (nvidia-cuda-nvcc-cu12): CUDA 13 dropped sm_70."""
     verify = ct.Case("model", "qwen2.5-coder-0.5b", 1, 1000, 5, "float32", impl="auto")
-    assert ct.compile_case(verify, "gpu-t4").status == "ok"
-    forced = ct.compile_case(ct.Case("kernel", "qwen2.5-coder-0.5b", 1, 1000, 5, "float32"), "gpu-t4")
+    result = ct.compile_case(verify, target)
+    assert result.status == "ok" and result.impl == "xla", result.error
+    forced = ct.compile_case(ct.Case("kernel", "qwen2.5-coder-0.5b", 1, 1000, 5, "float32"), target)
     assert forced.status == "refused" and "needs compute capability >= 8.0" in forced.error
 
 

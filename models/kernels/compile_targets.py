@@ -4,11 +4,18 @@ libtpu and XLA's CUDA plugin both offer compile-only devices: `jax.experimental.
 describes a TPU slice or a GPU (from a GpuTargetConfigProto) without the hardware, and compiling
 for such a device runs the real device compilers (libtpu's Mosaic compiler and XLA:TPU; XLA:GPU,
 Triton -> PTX -> cubin for that compute capability and shared-memory limit), everything but
-running. Install (pinned in constraints.txt, the `compile` extra of setup.py):
+running. Install (pinned in constraints.txt; `make test` does this):
 
-    pip install "libtpu==0.0.42.*" jax-cuda12-pjrt==0.10.2
+    pip install --target .venv-compile --no-deps "libtpu==0.0.42.*" jax-cuda12-pjrt==0.10.2 nvidia-cuda-nvcc-cu12==12.9.86
 
-Only the PJRT part of the CUDA plugin is needed (`jax-cuda12-plugin` adds the CUDA runtime
+tests/conftest.py and scripts/compile_sweep.py put .venv-compile on their own sys.path before
+importing jax. Installed into the venv itself (`pip install -e ".[compile]"`) they work too, but
+the CUDA plugin then logs three lines ("cuda_plugin_extension is not found", ...) at every jax
+start-up of every program, which breaks the CLI tests' one-line-stderr checks.
+
+XLA:GPU assembles PTX with a ptxas binary: nvidia-cuda-nvcc-cu12 ships CUDA 12.9's, which jax
+finds first (a system CUDA 13 toolkit has none for Volta, sm_70). Only the PJRT part of the CUDA
+plugin is needed (`jax-cuda12-plugin` adds the CUDA runtime
 bindings, which log at every `import jax` on a machine without CUDA). Run with JAX_PLATFORMS=cpu:
 the host backend stays the CPU, and libtpu / the CUDA plugin are loaded only for these devices.
 
@@ -32,7 +39,10 @@ import models.kernels
 from models import transformer
 from models.config import ModelConfig
 
-INSTALL_HINT = 'pip install "libtpu==0.0.42.*" jax-cuda12-pjrt==0.10.2  (or: pip install -e ".[compile]")'
+INSTALL_HINT = (
+    "make .venv-compile/.installed-stamp, or: pip install --target .venv-compile --no-deps "
+    '"libtpu==0.0.42.*" jax-cuda12-pjrt==0.10.2 nvidia-cuda-nvcc-cu12==12.9.86'
+)
 
 # TPU targets: generation name -> the smallest slice the topology API takes (one device is used).
 TPU_TOPOLOGIES = {
@@ -114,11 +124,15 @@ GPU_TARGETS = {f"gpu-{name}": spec for name, spec in GPU_SPECS.items()}
 TARGETS = (*TPU_TOPOLOGIES, *GPU_TARGETS)
 
 
-_PACKAGES = (("libtpu", "libtpu"), ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"))
+_PACKAGES = (
+    ("libtpu", "libtpu"),
+    ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"),
+    ("nvidia.cuda_nvcc", "nvidia-cuda-nvcc-cu12"),
+)
 
 
 def missing_packages() -> list[str]:
-    """Which of the two compile-only backends are not installed (empty when both are)."""
+    """Which packages of the `compile` extra are not installed (empty when all are)."""
 
     def installed(module: str) -> bool:
         try:
