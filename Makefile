@@ -34,12 +34,13 @@ test-slow: $(STAMP)
 COMPILE_DEPS := .venv-compile
 COMPILE_STAMP := $(COMPILE_DEPS)/.installed-stamp
 $(COMPILE_STAMP): $(STAMP) constraints.txt
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps \
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt --no-deps --upgrade \
 		--target $(COMPILE_DEPS) libtpu jax-cuda12-pjrt nvidia-cuda-nvcc-cu12
 	touch $(COMPILE_STAMP)
 test: $(COMPILE_STAMP)
 
 # Every kernel call and model step of the registered models compiled for every TPU / GPU target,
-# as a table (scripts/compile_sweep.py --help; about 35 minutes with ARGS="--jobs=2").
+# as a table (scripts/compile_sweep.py --help). The default grid is about 3,000 compiles, some two
+# hours with ARGS="--jobs=2" on 2 cores; docs/kernels.md gives a 47-minute grid.
 compile-sweep: $(COMPILE_STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python scripts/compile_sweep.py $(ARGS)
