@@ -24,6 +24,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "ruff"],
+        # Compile-only TPU and CUDA devices (docs/kernels.md). `make test` installs the same
+        # packages into .venv-compile instead: in an environment they log at every jax start-up.
+        "compile": ["libtpu", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"],
         # Only for recording reference fixtures (scripts/record_fixtures.py); never for tests.
         "reference": ["torch==2.13.0", "transformers", "accelerate"],
     },

@@ -1,10 +1,31 @@
-"""Shared fixtures: tiny random models, built once per session."""
+"""Shared fixtures: tiny random models, built once per session.
 
-import jax
-import jax.numpy as jnp
-import pytest
+The suite runs on the CPU backend. JAX_PLATFORMS=cpu (set before jax is imported, inherited by the
+subprocesses the tests start) keeps it there: libtpu and the CUDA PJRT plugin, where installed,
+would otherwise be tried as backends at start-up and log errors on a machine without a TPU or
+CUDA. Their compile-only devices work under it (tests/test_compile_targets.py).
+"""
 
-import models
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The compile-only backends live outside the venv (`make test` installs them with pip --target):
+# on the venv's path the CUDA plugin logs three lines at every jax start-up, even on
+# JAX_PLATFORMS=cpu, which breaks the one-line-stderr checks of the CLI tests. Only this process
+# (the tests that compile for TPUs / GPUs) sees them; the subprocesses the tests start do not.
+COMPILE_DEPS = os.environ.get(
+    "SPEC_JAX_COMPILE_DEPS",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-compile"),
+)
+if os.path.isdir(COMPILE_DEPS) and COMPILE_DEPS not in sys.path:
+    sys.path.append(COMPILE_DEPS)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+import models  # noqa: E402
 
 _forward = jax.jit(models.forward, static_argnums=0)
 

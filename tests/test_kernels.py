@@ -8,6 +8,7 @@ additionally runs the Pallas -> Mosaic / Triton lowering for the real platforms 
 
 import functools
 import itertools
+import types
 
 import chex
 import jax
@@ -17,7 +18,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from models import kernels
-from models.kernels import flash_attention, flash_decoding
+from models.kernels import common, flash_attention, flash_decoding
+from models.kernels import target as target_lib
 from models.kernels.flash_attention import FlashBlockSizes
 from models.kernels.flash_decoding import DecodeBlockSizes
 
@@ -401,3 +403,206 @@ def test_greedy_speculative_decoding_is_identical_with_each_impl(impl):
 
     kwargs["draft"] = with_impl(draft)
     assert spec_jax.generate(with_impl(target), prompts, **kwargs).tokens == expected
+
+
+# ------------------------------------------------------------------------ targets: what "auto" and
+# the default tiles depend on. tests/test_compile_targets.py runs the real device compilers.
+
+MIB = 2**20
+TPU_V3 = target_lib.Target("tpu", "TPU v3", tpu_generation=3, vmem_bytes=16 * MIB)
+TPU_V4 = target_lib.Target("tpu", "TPU v4", tpu_generation=4, vmem_bytes=16 * MIB)
+TPU_V5E = target_lib.Target("tpu", "TPU v5 lite", tpu_generation=5, vmem_bytes=128 * MIB)
+GPU_A6000 = target_lib.Target("gpu", "NVIDIA RTX A6000", compute_capability=(8, 6))
+GPU_A100 = target_lib.Target("gpu", "NVIDIA A100-SXM4-40GB", compute_capability=(8, 0))
+GPU_H100 = target_lib.Target("gpu", "NVIDIA H100 80GB HBM3", compute_capability=(9, 0))
+GPU_T4 = target_lib.Target("gpu", "Tesla T4", compute_capability=(7, 5))
+
+
+def _tpu_device(kind):
+    return jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform="tpu")
+
+
+def _gpu_device(kind, compute_capability):
+    # What a jax GPU device (real or compile-only) exposes; compute_capability is a string there.
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=compute_capability)
+
+
+@pytest.mark.parametrize(
+    "device, expected",
+    [
+        (_tpu_device("TPU v5 lite"), "pallas_tpu"),
+        (_tpu_device("TPU v2"), "pallas_tpu"),  # bfloat16 is multiplied in float32 there
+        (_gpu_device("NVIDIA H100 80GB HBM3", "9.0"), "pallas_gpu"),
+        (_gpu_device("NVIDIA RTX A6000", "8.6"), "pallas_gpu"),
+        (_gpu_device("Tesla T4", "7.5"), "xla"),  # XLA compiles Triton only from Ampere (8.0) on
+        (_gpu_device("Tesla V100-SXM2-16GB", "7.0"), "xla"),
+        (jax.devices("cpu")[0], "xla"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else x.device_kind,
+)
+def test_auto_resolves_for_the_device_it_is_given(device, expected):
+    assert kernels.resolve_impl("auto", device) == expected
+    assert kernels.resolve_impl("auto", target_lib.for_device(device)) == expected
+    for impl in ("xla", "pallas_tpu", "pallas_gpu"):
+        assert kernels.resolve_impl(impl, device) == impl
+
+
+def test_auto_follows_the_device_being_traced_for():
+    """Without a device argument, "auto" reads the device in effect: an abstract mesh's device (or
+    jax.default_device), not jax.default_backend(), which is the CPU when compiling for a TPU here."""
+    tpu = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=_tpu_device("TPU v5 lite"))
+    with jax.sharding.use_abstract_mesh(tpu):
+        assert kernels.resolve_impl("auto") == "pallas_tpu"
+        assert target_lib.current().tpu_generation == 5
+    assert kernels.resolve_impl("auto") == "xla"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert kernels.resolve_impl("auto") == "xla"
+
+
+def test_target_facts_from_the_device():
+    v3, v5e = target_lib.for_device(_tpu_device("TPU v3")), target_lib.for_device(_tpu_device("TPU v5 lite"))
+    assert (v3.tpu_generation, v3.tpu_bf16_matmul, v3.tpu_vmem_bytes) == (3, False, 16 * MIB)
+    assert (v5e.tpu_generation, v5e.tpu_bf16_matmul, v5e.tpu_vmem_bytes) == (5, True, 128 * MIB)
+    a6000 = target_lib.for_device(_gpu_device("NVIDIA RTX A6000", "8.6"))
+    assert a6000.compute_capability == (8, 6) and a6000.gpu_shared_memory_per_block == 99 * 1024
+    assert target_lib.for_device(_gpu_device("H100", "9.0")).gpu_shared_memory_per_block == 227 * 1024
+    assert not target_lib.for_device(_gpu_device("Tesla T4", "7.5")).triton_supported
+    # Unknown: the smallest modern part, so that defaults chosen for it compile anywhere.
+    cpu = target_lib.for_device(jax.devices("cpu")[0])
+    assert (cpu.platform, cpu.tpu_vmem_bytes, cpu.gpu_shared_memory_per_block) == ("cpu", 16 * MIB, 99 * 1024)
+    with pytest.raises(ValueError, match=r"platform must be one of \('cpu', 'tpu', 'gpu'\), got 'npu'"):
+        target_lib.Target("npu")
+
+
+# Folded decode tiles of the registered models: (T, G = H / KVH, D), decode and verification.
+DECODE_TILES = [(1, 7, 64), (5, 7, 64), (16, 7, 64), (5, 6, 128), (16, 6, 128), (16, 3, 64), (9, 8, 256)]
+
+
+@pytest.mark.parametrize("gpu", [GPU_A6000, GPU_A100, GPU_H100], ids=lambda g: g.device_kind.split()[-1])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t, g, d", DECODE_TILES)
+def test_gpu_decode_block_is_the_largest_that_fits_shared_memory(gpu, dtype, t, g, d):
+    rows = flash_decoding.folded_rows("gpu", t, g, dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    if not flash_decoding.fits((1, t, g * 2, d), (1, 1000, 2, d), dtype, "gpu", gpu):
+        assert common.gpu_shared_memory_bytes(rows, 16, d, itemsize) > gpu.gpu_shared_memory_per_block
+        return
+    block_k, _, _ = DecodeBlockSizes().resolve("gpu", 1, 2, 1000, d, dtype, rows, gpu)
+    assert common.gpu_shared_memory_bytes(rows, block_k, d, itemsize) <= gpu.gpu_shared_memory_per_block
+    # Largest: the next power of two would overflow shared memory or the float32 tile cap.
+    double = 2 * block_k
+    assert (
+        block_k == 128
+        or common.gpu_shared_memory_bytes(rows, double, d, itemsize) > gpu.gpu_shared_memory_per_block
+        or (dtype == jnp.float32 and rows * double * d > flash_decoding._GPU_MAX_F32_TILE)
+    )
+
+
+def test_gpu_decode_block_counts_the_folded_query_rows():
+    """Qwen2.5-0.5B float32 verification (T=5, 14 / 2 heads: 35 rows, padded to 64): the old rule
+    (block_k = 128 from D * itemsize alone) asked sm_86 for 114944 bytes of its 101376."""
+    rows = flash_decoding.folded_rows("gpu", 5, 7, jnp.float32)
+    assert rows == 64
+    assert DecodeBlockSizes().resolve("gpu", 1, 2, 1000, 64, jnp.float32, rows, GPU_A6000)[0] <= 64
+    assert DecodeBlockSizes(block_k=128).resolve("gpu", 1, 2, 1000, 64, jnp.float32, rows, GPU_A100)[0] == 128
+    with pytest.raises(
+        ValueError,
+        match=r"block_k=128\) needs about 113.0 KiB of shared memory per block \(64 query rows x "
+        r"block_k=128, D=64, float32\), more than the 99 KiB of NVIDIA RTX A6000 \(sm_86\)",
+    ):
+        DecodeBlockSizes(block_k=128).resolve("gpu", 1, 2, 1000, 64, jnp.float32, rows, GPU_A6000)
+
+
+def test_gpu_float32_decode_tile_is_capped():
+    """float32 runs on the FMA units: 128 rows x 128 keys x D=64 took ptxas 28 s for sm_80."""
+    rows = flash_decoding.folded_rows("gpu", 16, 7, jnp.float32)
+    assert DecodeBlockSizes().resolve("gpu", 1, 2, 1000, 64, jnp.float32, rows, GPU_H100)[0] == 32
+    assert DecodeBlockSizes().resolve("gpu", 1, 2, 1000, 64, jnp.bfloat16, rows, GPU_H100)[0] == 128
+
+
+@pytest.mark.parametrize("gpu", [GPU_A6000, GPU_A100, GPU_H100], ids=lambda g: g.device_kind.split()[-1])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_prefill_default_blocks_fit_shared_memory(gpu, dtype, d):
+    blocks = FlashBlockSizes.default("gpu", d, dtype, gpu)
+    blocks.check("gpu", dtype)
+    need = common.gpu_shared_memory_bytes(blocks.block_q, blocks.block_k, d, jnp.dtype(dtype).itemsize)
+    assert need <= gpu.gpu_shared_memory_per_block
+
+
+def test_dispatcher_sends_decode_tiles_too_big_for_shared_memory_to_flash_attention(monkeypatch):
+    calls = []
+    for module, name in ((flash_decoding, "flash_decoding"), (flash_attention, "flash_attention")):
+        monkeypatch.setattr(module, name, lambda q, *a, name=name, **kw: calls.append(name) or q)
+    gpu = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice("NVIDIA RTX A6000", 1, "gpu")
+    )
+    with jax.sharding.use_abstract_mesh(gpu):
+        # 16 queries x 8 heads = 128 rows; D=256 float32 needs 169 KiB at block_k=16 (99 KiB here).
+        jax.eval_shape(functools.partial(kernels.attention, impl="pallas_gpu"), *_shapes(t=16, h=16, d=256))
+        jax.eval_shape(functools.partial(kernels.attention, impl="pallas_gpu"), *_shapes(t=16, h=16, d=64))
+    assert calls == ["flash_attention", "flash_decoding"]
+
+
+@pytest.mark.parametrize("tpu, fits", [(TPU_V4, False), (TPU_V5E, True)], ids=["v4-16MiB", "v5e-128MiB"])
+def test_tpu_vmem_budget_follows_the_generation(tpu, fits):
+    """block_k=4096 with KVH=2, D=128, float32 needs ~21 MiB of VMEM: XLA:TPU rejects it on v4
+    ("Used 21.03M of 16.00M vmem"); the old fixed 48 MiB budget let it through."""
+    fn = functools.partial(
+        flash_decoding.flash_decoding, backend="tpu", block_sizes=DecodeBlockSizes(block_k=4096), target=tpu
+    )
+    shapes = _shapes(t=5, s=8192, h=8, kvh=2, d=128)
+    if fits:
+        jax.eval_shape(fn, *shapes)
+        return
+    with pytest.raises(
+        ValueError, match=r"needs about [\d.]+ MiB of VMEM, more than the 12 MiB budget on TPU v4"
+    ):
+        jax.eval_shape(fn, *shapes)
+
+
+@pytest.mark.parametrize("tpu", [TPU_V4, TPU_V5E], ids=["v4", "v5e"])
+@pytest.mark.parametrize("kvh, d", [(8, 256), (2, 128)])
+def test_tpu_default_blocks_fit_the_vmem_budget(tpu, kvh, d):
+    for dtype in (jnp.float32, jnp.bfloat16):
+        rows = flash_decoding.folded_rows("tpu", 16, 4, dtype)
+        block_k, _, _ = DecodeBlockSizes().resolve("tpu", 1, kvh, 32768, d, dtype, rows, tpu)
+        budget = common.tpu_vmem_budget(tpu)
+        assert flash_decoding.tpu_vmem_bytes(kvh, rows, d, block_k, dtype) <= budget
+        blocks = FlashBlockSizes.default("tpu", d, dtype, tpu, group=4, num_kv_heads=kvh)
+        assert flash_attention.tpu_vmem_bytes(kvh, 4 * blocks.block_q, d, blocks.block_k, dtype) <= budget
+
+
+@pytest.mark.parametrize("kernel", ["flash_decoding", "flash_attention"])
+def test_pallas_gpu_refuses_pre_ampere_gpus_at_trace_time(kernel):
+    module = flash_decoding if kernel == "flash_decoding" else flash_attention
+    fn = functools.partial(getattr(module, kernel), backend="gpu", target=GPU_T4)
+    with pytest.raises(
+        ValueError,
+        match=r"impl='pallas_gpu' needs compute capability >= 8\.0 .*Tesla T4 \(sm_75\) has 7\.5: "
+        r"use impl='auto' or 'xla'",
+    ):
+        jax.eval_shape(fn, *_shapes(t=5 if kernel == "flash_decoding" else 64))
+    # Interpret mode runs anywhere.
+    jax.eval_shape(functools.partial(fn, interpret=True), *_shapes(t=5))
+
+
+def test_kernels_refuse_a_device_of_another_platform():
+    fn = functools.partial(flash_decoding.flash_decoding, backend="tpu", target=GPU_A100)
+    with pytest.raises(ValueError, match=r"pallas_tpu kernels cannot compile for NVIDIA A100.*a gpu device"):
+        jax.eval_shape(fn, *_shapes())
+
+
+@pytest.mark.parametrize(
+    "kernel, t, kvh", [("flash_decoding", 5, 2), ("flash_attention", 20, 1)], ids=["decode", "prefill"]
+)
+def test_tpu_v3_bfloat16_path_matches_reference(kernel, t, kvh):
+    """On v2 / v3 the bfloat16 operands are multiplied as float32 (Mosaic: "Unsupported matmul RHS
+    type ... bf16" otherwise; tests/test_compile_targets.py shows it). Same results, run in the TPU
+    interpreter with the v3 target; KVH 2 and 1 cover both ways the K/V block is read."""
+    q, k, v, pos, lens = _inputs(
+        5, b=2, t=t, s=150, h=4, kvh=kvh, d=64, dtype=jnp.bfloat16, lengths=(150, 77), mode="decode"
+    )
+    module = flash_decoding if kernel == "flash_decoding" else flash_attention
+    fn = functools.partial(getattr(module, kernel), backend="tpu", interpret=True, target=TPU_V3)
+    _assert_matches_reference(jax.jit(fn)(q, k, v, pos, lens), q, k, v, pos, lens)

@@ -12,14 +12,17 @@ Implementations (`impl`):
                 T <= DECODE_MAX_QUERIES -> flash_decoding (split-K over the cache, the T * H/KVH
                 query rows of a kv head folded into one tile), otherwise flash_attention (query x
                 key blocks, causal and ragged block skipping).
-  "auto"        pallas_tpu on a TPU backend, pallas_gpu on GPU, xla on CPU.
+  "auto"        for the device being traced for (target.current(): the abstract mesh's device,
+                jax.default_device, else the default backend): pallas_tpu on a TPU, pallas_gpu on a
+                GPU that XLA compiles Triton kernels for (compute capability >= 8.0), otherwise xla
+                (CPU; pre-Ampere GPUs such as T4 and V100).
 `interpret=True` runs the Pallas kernels in interpret mode (CPU tests); the TPU kernels then use
-the TPU interpreter (pltpu.InterpretParams()). See docs/kernels.md.
+the TPU interpreter (pltpu.InterpretParams()). The kernels tile for the same device: TPU VMEM and
+generation, GPU shared memory per block (see target.py). See docs/kernels.md.
 """
 
-import jax
-
 from models.kernels import flash_attention, flash_decoding
+from models.kernels import target as target_lib
 from models.kernels.reference import DEFAULT_MASK_VALUE, attention_mask, attention_reference
 
 IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
@@ -31,16 +34,25 @@ IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 DECODE_MAX_QUERIES = 16
 
 
-def resolve_impl(impl: str) -> str:
-    """Maps "auto" to the implementation for the default backend; ValueError on an unknown name."""
+def resolve_impl(impl: str, device=None) -> str:
+    """The implementation `impl` means for `device`; ValueError on an unknown name.
+
+    device: a jax Device (real or compile-only), a jax.sharding.AbstractDevice or a target.Target;
+      None means the device in effect while tracing (target.current()). Only "auto" depends on it.
+    """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    backend = jax.default_backend()
-    if backend == "tpu":
+    if device is None:
+        target = target_lib.current()
+    elif isinstance(device, target_lib.Target):
+        target = device
+    else:
+        target = target_lib.for_device(device)
+    if target.platform == "tpu":
         return "pallas_tpu"
-    if backend in ("gpu", "cuda", "rocm"):
+    if target.platform == "gpu" and target.triton_supported:
         return "pallas_gpu"
     return "xla"
 
@@ -53,7 +65,11 @@ def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths)
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
-    if q.shape[1] <= DECODE_MAX_QUERIES:
+    # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
+    # goes to flash_attention, which tiles the queries.
+    if q.shape[1] <= DECODE_MAX_QUERIES and flash_decoding.fits(
+        q.shape, k.shape, q.dtype, backend, target_lib.current()
+    ):
         return flash_decoding.flash_decoding(
             q, k, v, q_positions, kv_lengths, backend=backend, interpret=interpret
         )

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from models.kernels import target as target_lib
 from models.kernels.reference import DEFAULT_MASK_VALUE
 
 BACKENDS = ("tpu", "gpu")
@@ -25,9 +26,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Lane width of the lane-replicated [rows, 128] running max / sum scratch on TPU.
 TPU_LANES = 128
-# Largest VMEM working set (blocks double-buffered + scratch) a TPU kernel may ask for: fits every
-# TPU generation's per-core VMEM (64 MiB on the smallest) with room for Mosaic's internal scratch.
-TPU_VMEM_BUDGET_BYTES = 48 * 2**20
+# Share of a TPU core's VMEM that a kernel's working set (blocks double-buffered + scratch) may
+# take; the rest is Mosaic's internal scratch. 12 MiB on v2-v4, 48 MiB on v5p, 96 MiB on v5e/v6e.
+TPU_VMEM_BUDGET_FRACTION = 0.75
+# Slack on top of gpu_shared_memory_bytes: the largest shortfall measured was 512 bytes.
+_GPU_SHARED_MEMORY_SLACK = 1024
 
 
 def cdiv(a: int, b: int) -> int:
@@ -102,15 +105,84 @@ def row_limits(q_positions, kv_lengths, num_keys: int):
     return jnp.clip(limit, 0, num_keys)
 
 
-def tpu_compiler_params(dimension_semantics, vmem_bytes: int, what: str):
+def tpu_vmem_budget(target: target_lib.Target) -> int:
+    """Bytes of VMEM a TPU kernel's working set may take on `target`."""
+    return int(TPU_VMEM_BUDGET_FRACTION * target.tpu_vmem_bytes)
+
+
+def tpu_compiler_params(dimension_semantics, vmem_bytes: int, what: str, target: target_lib.Target):
     """Mosaic compiler params with a VMEM limit sized to the kernel; ValueError if it cannot fit."""
-    if vmem_bytes > TPU_VMEM_BUDGET_BYTES:
+    budget = tpu_vmem_budget(target)
+    if vmem_bytes > budget:
         raise ValueError(
             f"{what} needs about {vmem_bytes / 2**20:.1f} MiB of VMEM, more than the "
-            f"{TPU_VMEM_BUDGET_BYTES / 2**20:.0f} MiB budget; use smaller blocks"
+            f"{budget / 2**20:.0f} MiB budget on {target.describe('tpu')} "
+            f"({target.tpu_vmem_bytes / 2**20:.0f} MiB per core); use smaller blocks"
         )
-    limit = int(min(max(2 * vmem_bytes, 32 * 2**20), 64 * 2**20))
+    capacity = target.tpu_vmem_bytes
+    limit = int(min(max(2 * vmem_bytes, 32 * 2**20), capacity))
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics, vmem_limit_bytes=limit)
+
+
+def gpu_shared_memory_bytes(rows: int, block_k: int, head_dim: int, itemsize: int) -> int:
+    """Upper bound on the shared memory XLA's Triton gives one program of `gpu_attend_blocks`.
+
+    Triton stages the [block_k, D] K and V tiles, the [rows, block_k] float32 score tile and the
+    [rows, D] query tile through shared memory (operand layouts of the two dots). Measured with
+    XLA's own "requested N bytes" on sm_80, sm_86 and sm_90 for rows and block_k in 16..128,
+    D in {64, 128}, float32 and bfloat16 (tests/test_compile_targets.py checks a few of them): exact
+    for float32 up to 512 bytes, an over-estimate for bfloat16.
+    """
+    tiles = block_k * (2 * head_dim * itemsize + 4 * rows) + rows * head_dim * itemsize
+    return tiles + _GPU_SHARED_MEMORY_SLACK
+
+
+def check_gpu_shared_memory(rows: int, block_k: int, head_dim: int, dtype, what: str, target) -> None:
+    """ValueError naming the numbers when one program's tiles would not fit a block's shared memory."""
+    need = gpu_shared_memory_bytes(rows, block_k, head_dim, jnp.dtype(dtype).itemsize)
+    have = target.gpu_shared_memory_per_block
+    if need > have:
+        raise ValueError(
+            f"{what} needs about {need / 1024:.1f} KiB of shared memory per block "
+            f"({rows} query rows x block_k={block_k}, D={head_dim}, {jnp.dtype(dtype).name}), more than "
+            f"the {have / 1024:.0f} KiB of {target.describe('gpu')}; use a smaller block_k"
+        )
+
+
+def largest_gpu_block(cap: int, fits) -> int | None:
+    """Largest power of two in [16, cap] for which fits(block) holds; None if even 16 does not."""
+    block = cap
+    while block >= 16:
+        if fits(block):
+            return block
+        block //= 2
+    return None
+
+
+def resolve_target(target: target_lib.Target | None) -> target_lib.Target:
+    """The Target a kernel tiles for: the given one, else the device in effect while tracing."""
+    return target if target is not None else target_lib.current()
+
+
+def check_target(backend: str, target: target_lib.Target, interpret) -> None:
+    """ValueError when the kernels of `backend` cannot compile for the accelerator being traced for.
+
+    In interpret mode (and when lowering on a CPU host without a target device) nothing is checked.
+    """
+    if interpret is not False or target.platform == "cpu":
+        return
+    if target.platform != backend:
+        raise ValueError(
+            f"the pallas_{backend} kernels cannot compile for {target.describe()}, a {target.platform} "
+            f"device; use impl='auto', 'xla' or 'pallas_{target.platform}'"
+        )
+    if backend == "gpu" and not target.triton_supported:
+        major, minor = target.compute_capability
+        need = ".".join(map(str, target_lib.TRITON_MIN_COMPUTE_CAPABILITY))
+        raise ValueError(
+            f"impl='pallas_gpu' needs compute capability >= {need} (XLA compiles Triton kernels only "
+            f"from Ampere on); {target.describe()} has {major}.{minor}: use impl='auto' or 'xla'"
+        )
 
 
 def tpu_interpret(interpret):
@@ -143,6 +215,7 @@ def tpu_attend_block(
     *,
     num_keys: int,
     scale: float,
+    mxu_dtype,
 ) -> None:
     """Mosaic: online-softmax update of every kv head's query rows with one block of keys.
 
@@ -155,6 +228,8 @@ def tpu_attend_block(
       kv_start: int32 scalar, position of the block's first key.
       m_ref, l_ref: [KVH, R, 128] f32 lane-replicated running max / sum; acc_ref: [KVH, R, D] f32.
       kf_ref, vf_ref: [block_k * KVH, D] f32 scratch when the inputs are bfloat16 with KVH > 1, else None.
+      mxu_dtype: dtype of the matmul operands: q's dtype, or float32 for bfloat16 inputs on a TPU
+        without bfloat16 matmuls (v2, v3). The default precision then rounds them as a bf16 MXU would.
     """
     kvh, rows, _ = q_ref.shape
     block_k = k_ref.shape[0] // kvh
@@ -172,12 +247,16 @@ def tpu_attend_block(
         in_cache = kv_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < num_keys  # [block_k, 1]
     for h in range(kvh):
         rows_h = slice(None) if kvh == 1 else pl.ds(h, block_k, stride=kvh)
-        k = k_src[rows_h, :].astype(q_ref.dtype)  # [block_k, D]; exact: the values came from q's dtype
-        v = v_src[rows_h, :].astype(q_ref.dtype)
+        k = k_src[rows_h, :].astype(mxu_dtype)  # [block_k, D]; exact: the values came from q's dtype
+        v = v_src[rows_h, :].astype(mxu_dtype)
         if num_keys % block_k:
             v = jnp.where(in_cache, v, jnp.zeros_like(v))
         s = lax.dot_general(
-            q_ref[h], k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+            q_ref[h].astype(mxu_dtype),
+            k,
+            (((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+            precision=precision,
         )  # [R, block_k]
         s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
         m_prev = m_ref[h][:, :1]  # [R, 1]

@@ -32,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
+from models.kernels import target as target_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +55,46 @@ class FlashBlockSizes:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     @classmethod
-    def default(cls, backend: str, head_dim: int, dtype) -> "FlashBlockSizes":
+    def default(
+        cls,
+        backend: str,
+        head_dim: int,
+        dtype,
+        target: target_lib.Target | None = None,
+        group: int = 1,
+        num_kv_heads: int = 1,
+    ) -> "FlashBlockSizes":
+        """The default tiles for `target` (None: the smallest modern part, see target.py).
+
+        TPU: 128 x 128, block_q halved while the VMEM working set (G * block_q rows per kv head)
+        exceeds the target's budget. GPU: block_q = 64 (32 for D * itemsize > 256) and block_k the
+        largest power of two <= 64 with block_k * D * itemsize <= 16 KiB, both halved while the
+        tiles exceed the target's shared memory per block (common.gpu_shared_memory_bytes).
+        """
         common.check_backend(backend)
-        if backend == "tpu":
-            return cls(block_q=128, block_k=128)
-        # Triton keeps the q tile and two pipeline stages of K and V tiles in shared memory.
+        target = target or target_lib.Target(backend if backend == "tpu" else "gpu")
         itemsize = jnp.dtype(dtype).itemsize
+        if backend == "tpu":
+            block_q, sublanes = 128, common.tpu_sublanes(dtype)
+            budget = common.tpu_vmem_budget(target)
+            while block_q > sublanes and (
+                tpu_vmem_bytes(num_kv_heads, group * block_q, head_dim, 128, dtype) > budget
+            ):
+                block_q //= 2
+            return cls(block_q=max(block_q, sublanes), block_k=128)
+        # Triton keeps the q tile, the K and V tiles and the score tile in shared memory.
         block_k = max(16, min(64, 2 ** ((16384 // (head_dim * itemsize)).bit_length() - 1)))
-        return cls(block_q=64 if head_dim * itemsize <= 256 else 32, block_k=block_k)
+        block_q = 64 if head_dim * itemsize <= 256 else 32
+        have = target.gpu_shared_memory_per_block
+        while (
+            common.gpu_shared_memory_bytes(block_q, block_k, head_dim, itemsize) > have
+            and max(block_q, block_k) > 16
+        ):
+            if block_k >= block_q:
+                block_k //= 2
+            else:
+                block_q //= 2
+        return cls(block_q=block_q, block_k=block_k)
 
     def check(self, backend: str, dtype) -> None:
         """Raises ValueError naming the numbers when the blocks do not tile for `backend`."""
@@ -81,7 +114,7 @@ class FlashBlockSizes:
                     raise ValueError(f"GPU {name}={value} must be a power of two >= 16 (Triton tiles)")
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
 def flash_attention(
     q,
     k,
@@ -92,6 +125,7 @@ def flash_attention(
     backend: str,
     block_sizes: FlashBlockSizes | None = None,
     interpret=False,
+    target: target_lib.Target | None = None,
 ):
     """Blocked causal attention for prefill (any T); same contract as `models.kernels.attention`.
 
@@ -99,8 +133,10 @@ def flash_attention(
       q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
       q_positions: [B, T] int; kv_lengths: [B] int.
       backend: "tpu" (Mosaic) or "gpu" (Triton).
-      block_sizes: FlashBlockSizes; None picks FlashBlockSizes.default(backend, D, dtype).
+      block_sizes: FlashBlockSizes; None picks FlashBlockSizes.default(backend, D, dtype, target, ...).
       interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
+      target: the device to tile for (target.Target); None: the device in effect while tracing
+        (models.kernels.target.current()).
 
     Returns:
       [B, T, H, D] in q's dtype.
@@ -108,13 +144,16 @@ def flash_attention(
     common.check_backend(backend)
     common.check_inputs(q, k, v, q_positions, kv_lengths)
     common.check_kernel_inputs(q, k, v)
+    target = common.resolve_target(target)
+    common.check_target(backend, target, interpret)
+    group, kvh = q.shape[2] // k.shape[2], k.shape[2]
     if block_sizes is None:
-        block_sizes = FlashBlockSizes.default(backend, q.shape[-1], q.dtype)
+        block_sizes = FlashBlockSizes.default(backend, q.shape[-1], q.dtype, target, group, kvh)
     block_sizes.check(backend, q.dtype)
     limit = common.row_limits(q_positions, kv_lengths, k.shape[1])  # [B, T]
     if backend == "tpu":
-        return _tpu_flash_attention(q, k, v, limit, block_sizes, common.tpu_interpret(interpret))
-    return _gpu_flash_attention(q, k, v, limit, block_sizes, interpret)
+        return _tpu_flash_attention(q, k, v, limit, block_sizes, common.tpu_interpret(interpret), target)
+    return _gpu_flash_attention(q, k, v, limit, block_sizes, interpret, target)
 
 
 # ---------------------------------------------------------------------------------------------- TPU
@@ -133,6 +172,7 @@ def _tpu_kernel(
     *f32_kv_refs,  # scratch [block_k * KVH, D] f32 x2, bfloat16 with KVH > 1 only
     num_keys: int,
     scale: float,
+    mxu_dtype,
 ):
     b, qi, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
@@ -146,7 +186,7 @@ def _tpu_kernel(
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
         common.tpu_attend_block(
             q_ref, k_ref, v_ref, limit_ref[...], ki * block_k, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
-            num_keys=num_keys, scale=scale,
+            num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(ki == pl.num_programs(2) - 1)
@@ -154,7 +194,16 @@ def _tpu_kernel(
         o_ref[...] = common.normalize(acc_ref[...], l_ref[:, :, :1]).astype(o_ref.dtype)
 
 
-def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret):
+def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
+    """VMEM working set of the TPU kernel (rows = G * block_q): double-buffered blocks plus scratch."""
+    itemsize = jnp.dtype(dtype).itemsize
+    upcast = jnp.dtype(dtype) == jnp.bfloat16 and kvh > 1
+    vmem = 2 * (2 * kvh * rows * d * itemsize + rows * 128 * 4 + 2 * block_k * kvh * d * itemsize)
+    vmem += kvh * rows * (2 * common.TPU_LANES + d) * 4 + (2 * block_k * kvh * d * 4 if upcast else 0)
+    return vmem
+
+
+def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -189,16 +238,15 @@ def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret
     ]
     if upcast:
         scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
-    itemsize = q.dtype.itemsize
-    vmem = 2 * (2 * kvh * rows * d * itemsize + rows * 128 * 4 + 2 * block_k * kvh * d * itemsize)
-    vmem += kvh * rows * (2 * common.TPU_LANES + d) * 4 + (2 * block_k * kvh * d * 4 if upcast else 0)
     params = common.tpu_compiler_params(
         ("parallel", "parallel", "arbitrary"),
-        vmem,
+        tpu_vmem_bytes(kvh, rows, d, block_k, q.dtype),
         f"flash_attention(block_q={block_q}, block_k={block_k}, H={h}, KVH={kvh}, D={d})",
+        target,
     )
+    mxu_dtype = q.dtype if target.tpu_bf16_matmul else jnp.float32
     out = pl.pallas_call(
-        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5),
+        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(b, nq, nk),
@@ -234,11 +282,14 @@ def _gpu_kernel(q_ref, k_ref, v_ref, limit_ref, o_ref, *, block_k: int, scale: f
     o_ref[...] = common.normalize(acc, row_sum[:, None]).astype(o_ref.dtype)
 
 
-def _gpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret):
+def _gpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     block_q = min(block_sizes.block_q, max(16, common.next_power_of_2(t)))
+    common.check_gpu_shared_memory(
+        block_q, block_sizes.block_k, d, q.dtype, f"GPU flash_attention(block_q={block_q})", target
+    )
     nq = common.cdiv(t, block_q)
     t_pad = nq * block_q
     q_pad = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))

@@ -30,14 +30,21 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
+from models.kernels import target as target_lib
 
 # GPU split heuristic: aim for this many programs (B * KVH * num_splits), ~2 per SM of an H100.
 _GPU_TARGET_PROGRAMS = 264
+# Largest default GPU key block; smaller where rows x block_k x D would not fit shared memory.
+_GPU_MAX_BLOCK_K = 128
+# float32 dots run at HIGHEST precision on the FMA units (no tensor cores), unrolled per thread:
+# the default tile rows x block_k x D stays within this many elements. Beyond it ptxas takes tens
+# of seconds (28 s for 128 x 128 x 64 on sm_80, 3 s at this size) and the tile spills registers.
+_GPU_MAX_F32_TILE = 2**18
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Tiling of the flash-decoding kernel; None fields are picked per backend by `resolve`.
+    """Tiling of the flash-decoding kernel; None fields are picked per backend and target by `resolve`.
 
     block_k: keys per tile. TPU: a multiple of 128. GPU: a power of two >= 16.
     num_splits: key-sequence chunks processed in parallel (upper bound: never more than the number
@@ -54,25 +61,54 @@ class DecodeBlockSizes:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
-    def resolve(self, backend: str, batch: int, num_kv_heads: int, num_keys: int, head_dim: int, dtype):
-        """Returns (block_k, num_splits, blocks_per_split), checked; ValueError naming the numbers."""
+    def resolve(
+        self,
+        backend: str,
+        batch: int,
+        num_kv_heads: int,
+        num_keys: int,
+        head_dim: int,
+        dtype,
+        rows: int,
+        target: target_lib.Target,
+    ):
+        """Returns (block_k, num_splits, blocks_per_split), checked; ValueError naming the numbers.
+
+        rows: the folded query rows per kv head (T * H / KVH, padded). The default block_k is the
+        largest whose working set fits the target: TPU VMEM (common.tpu_vmem_budget), GPU shared
+        memory per block (common.gpu_shared_memory_bytes of rows x block_k x D).
+        """
         common.check_backend(backend)
-        itemsize = jnp.dtype(dtype).itemsize
         block_k = self.block_k
         if backend == "tpu":
             if block_k is None:
-                # 512 keys, but at most 4096 interleaved K rows per block (VMEM).
+                # Up to 512 keys and 4096 interleaved K rows per block, less while VMEM is short.
                 block_k = max(128, min(512, 4096 // num_kv_heads // 128 * 128))
+                budget = common.tpu_vmem_budget(target)
+                while block_k > 128 and tpu_vmem_bytes(num_kv_heads, rows, head_dim, block_k, dtype) > budget:
+                    block_k -= 128
             if block_k % 128:
                 raise ValueError(f"TPU block_k={block_k} must be a multiple of 128 (lane width)")
             # A block may not be larger than the array; one block equal to the whole cache is legal.
             block_k = min(block_k, num_keys)
         else:
+            what = f"GPU flash_decoding(block_k={block_k})"
             if block_k is None:
-                # Two pipeline stages of K and V tiles within ~128 KiB of shared memory.
-                block_k = max(16, min(128, 2 ** ((32768 // (head_dim * itemsize)).bit_length() - 1)))
+                itemsize = jnp.dtype(dtype).itemsize
+                have = target.gpu_shared_memory_per_block
+                cap = _GPU_MAX_BLOCK_K
+                while (
+                    jnp.dtype(dtype) == jnp.float32 and cap > 16 and rows * cap * head_dim > _GPU_MAX_F32_TILE
+                ):
+                    cap //= 2
+                block_k = common.largest_gpu_block(
+                    cap, lambda bk: common.gpu_shared_memory_bytes(rows, bk, head_dim, itemsize) <= have
+                )
+                what = "GPU flash_decoding at the smallest block_k=16"
+                block_k = block_k or 16  # does not fit: the check below says so
             if block_k < 16 or not common.is_power_of_2(block_k):
                 raise ValueError(f"GPU block_k={block_k} must be a power of two >= 16 (Triton tiles)")
+            common.check_gpu_shared_memory(rows, block_k, head_dim, dtype, what, target)
         num_blocks = common.cdiv(num_keys, block_k)
         num_splits = self.num_splits
         if num_splits is None:
@@ -85,7 +121,36 @@ class DecodeBlockSizes:
         return block_k, common.cdiv(num_blocks, blocks_per_split), blocks_per_split
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret"))
+def folded_rows(backend: str, num_queries: int, group: int, dtype) -> int:
+    """Rows of the folded [T * G, D] query tile: padded to the TPU sublanes, or a GPU power of two >= 16."""
+    if backend == "tpu":
+        return common.round_up(num_queries * group, common.tpu_sublanes(dtype))
+    return max(16, common.next_power_of_2(num_queries * group))
+
+
+def fits(q_shape, kv_shape, dtype, backend: str, target: target_lib.Target) -> bool:
+    """Whether the default tiling of flash_decoding fits `target` for these shapes (GPU: the folded
+    query tile and the smallest key block within one block's shared memory). The dispatcher sends
+    small-T calls that do not fit to flash_attention, which tiles the queries."""
+    if backend != "gpu":
+        return True
+    _, t, h, d = q_shape
+    rows = folded_rows(backend, t, h // kv_shape[2], dtype)
+    need = common.gpu_shared_memory_bytes(rows, 16, d, jnp.dtype(dtype).itemsize)
+    return need <= target.gpu_shared_memory_per_block
+
+
+def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
+    """VMEM working set of the TPU kernel: double-buffered inputs and outputs plus scratch."""
+    itemsize = jnp.dtype(dtype).itemsize
+    upcast = jnp.dtype(dtype) == jnp.bfloat16 and kvh > 1
+    vmem = 2 * (kvh * rows * d * itemsize + rows * 128 * 4 + 2 * block_k * kvh * d * itemsize)
+    vmem += 2 * kvh * rows * (d + common.TPU_LANES) * 4  # outputs
+    vmem += kvh * rows * (2 * common.TPU_LANES + d) * 4 + (2 * block_k * kvh * d * 4 if upcast else 0)
+    return vmem
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
 def flash_decoding(
     q,
     k,
@@ -96,6 +161,7 @@ def flash_decoding(
     backend: str,
     block_sizes: DecodeBlockSizes | None = None,
     interpret=False,
+    target: target_lib.Target | None = None,
 ):
     """Split-K attention for small T; same contract as `models.kernels.attention`.
 
@@ -105,6 +171,8 @@ def flash_decoding(
       backend: "tpu" (Mosaic) or "gpu" (Triton).
       block_sizes: DecodeBlockSizes; None means DecodeBlockSizes() (all defaults).
       interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
+      target: the device to tile for (target.Target); None: the device in effect while tracing
+        (models.kernels.target.current()).
 
     Returns:
       [B, T, H, D] in q's dtype. Any T works, but the folded [T * H / KVH, D] query tile is meant to
@@ -113,22 +181,22 @@ def flash_decoding(
     common.check_backend(backend)
     common.check_inputs(q, k, v, q_positions, kv_lengths)
     common.check_kernel_inputs(q, k, v)
+    target = common.resolve_target(target)
+    common.check_target(backend, target, interpret)
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
-    tiling = (block_sizes or DecodeBlockSizes()).resolve(backend, b, kvh, s, d, q.dtype)
-    limit = common.row_limits(q_positions, kv_lengths, s)  # [B, T]
     g = h // kvh
-    rows = (
-        common.round_up(t * g, common.tpu_sublanes(q.dtype))
-        if backend == "tpu"
-        else max(16, common.next_power_of_2(t * g))
-    )
+    rows = folded_rows(backend, t, g, q.dtype)
+    tiling = (block_sizes or DecodeBlockSizes()).resolve(backend, b, kvh, s, d, q.dtype, rows, target)
+    limit = common.row_limits(q_positions, kv_lengths, s)  # [B, T]
     # Fold: [B, T, H, D] -> [B, KVH, R, D] with row t * G + g; padded rows have limit 0.
     q_rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
     limit_rows = jnp.pad(jnp.repeat(limit, g, axis=1), ((0, 0), (0, rows - t * g)))  # [B, R]
     if backend == "tpu":
-        o_parts, lse = _tpu_partials(q_rows, k, v, limit_rows, *tiling, common.tpu_interpret(interpret))
+        o_parts, lse = _tpu_partials(
+            q_rows, k, v, limit_rows, *tiling, common.tpu_interpret(interpret), target
+        )
     else:
         o_parts, lse = _gpu_partials(q_rows, k, v, limit_rows, *tiling, interpret)
     out = common.combine_partials(o_parts, lse)  # [B, KVH, R, D] f32
@@ -153,6 +221,7 @@ def _tpu_kernel(
     *f32_kv_refs,  # scratch [block_k * KVH, D] f32 x2, bfloat16 with KVH > 1 only
     num_keys: int,
     scale: float,
+    mxu_dtype,
 ):
     b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
@@ -167,7 +236,7 @@ def _tpu_kernel(
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
         common.tpu_attend_block(
             q_ref, k_ref, v_ref, limit_ref[...], block * block_k, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
-            num_keys=num_keys, scale=scale,
+            num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -177,7 +246,7 @@ def _tpu_kernel(
         lse_ref[...] = common.log_sum_exp(m_ref[...], row_sum)
 
 
-def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_split, interpret):
+def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_split, interpret, target):
     """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
@@ -198,17 +267,15 @@ def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_spli
     ]
     if upcast:
         scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
-    itemsize = q_rows.dtype.itemsize
-    vmem = 2 * (kvh * rows * d * itemsize + rows * 128 * 4 + 2 * block_k * kvh * d * itemsize)
-    vmem += 2 * kvh * rows * (d + common.TPU_LANES) * 4  # outputs
-    vmem += kvh * rows * (2 * common.TPU_LANES + d) * 4 + (2 * block_k * kvh * d * 4 if upcast else 0)
     params = common.tpu_compiler_params(
         ("parallel", "parallel", "arbitrary"),
-        vmem,
+        tpu_vmem_bytes(kvh, rows, d, block_k, q_rows.dtype),
         f"flash_decoding(block_k={block_k}, KVH={kvh}, rows={rows})",
+        target,
     )
+    mxu_dtype = q_rows.dtype if target.tpu_bf16_matmul else jnp.float32
     o_parts, lse = pl.pallas_call(
-        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5),
+        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
             grid=(b, num_splits, blocks_per_split),
