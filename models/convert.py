@@ -26,8 +26,11 @@ import subprocess
 import sys
 import tempfile
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+import models
 from models import gguf_loader, registry
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
@@ -51,6 +54,13 @@ def convert(name: str, cache_dir=None, progress: bool = True) -> pathlib.Path:
         reader = gguf_loader.open_gguf(gguf)  # parsed once: it takes seconds for a 150k vocabulary
         config = ModelConfig(**gguf_loader.read_config(reader, name=name))
         params = gguf_loader.load_params(reader, config, progress=progress)
+        # orbax copies numpy leaves before writing them (peak 3x the model: 18.3 GB for the
+        # 1.5B); device arrays it writes as they are, and on a CPU each leaf moves over in
+        # place of its numpy source, so the peak stays near one copy (measured: 0.5B 7.3 -> 3.6 GB).
+        leaves, treedef = jax.tree.flatten(params)
+        del params
+        params = models.to_device(leaves, treedef, np.float32)
+        del leaves
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", params)
         checkpointer.wait_until_finished()
