@@ -5,6 +5,8 @@ Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
     {root}/converted/{name}/config.json       ModelConfig fields read from the GGUF metadata
     {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary
     {root}/converted/{name}/params/           float32 parameters (orbax StandardCheckpointer)
+    {root}/converted/{name}/params-{dtype}/   the same in another precision (models.precision),
+                                              derived from params/ on first use
 A conversion is written into a temporary folder beside its final place and renamed into
 place when complete, so an interrupted conversion leaves nothing that looks finished.
 
@@ -135,17 +137,48 @@ def convert_in_child(name: str, cache_dir=None, progress: bool = True) -> pathli
     raise ConversionError(f"converting {name} failed (exit code {proc.returncode}); see the messages above")
 
 
-def load_converted(name: str, cache_dir=None, progress: bool = True):
-    """Returns (ModelConfig, params as numpy arrays, Tokenizer), converting on first use (in a
-    child process: convert_in_child)."""
+def _int8_nodes(tree):
+    """orbax restores a models.precision.Int8Weight as {"value", "scale"}: rebuild the node."""
+    from models.precision import Int8Weight
+
+    if isinstance(tree, dict):
+        if set(tree) == {"value", "scale"}:
+            return Int8Weight(value=tree["value"], scale=tree["scale"])
+        return {k: _int8_nodes(v) for k, v in tree.items()}
+    return tree
+
+
+def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str = "float32"):
+    """Returns (ModelConfig, params as numpy arrays in precision `dtype`, Tokenizer), converting
+    on first use (in a child process: convert_in_child) and deriving a precision's checkpoint
+    from the float32 one on its first use (models.precision.cast_params, cached beside it)."""
+    from models import precision
+
     folder = converted_dir(name, cache_dir)
     if not _is_current(folder):
         if folder.exists():  # an older format: convert afresh
             shutil.rmtree(folder)
         folder = convert_in_child(name, cache_dir, progress)
     meta = json.loads((folder / "config.json").read_text())
-    config = ModelConfig(**meta["config"])
-    params = ocp.StandardCheckpointer().restore(folder / "params")
+    config = ModelConfig(**meta["config"]).replace(dtype=dtype)
+    checkpointer = ocp.StandardCheckpointer()
+    derived = folder / f"params-{dtype}"
+    if dtype == "float32":
+        params = checkpointer.restore(folder / "params")
+    elif derived.exists():
+        params = _int8_nodes(checkpointer.restore(derived))
+    else:
+        params = precision.cast_params(checkpointer.restore(folder / "params"), config)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-params-{dtype}-", dir=folder))
+        try:
+            checkpointer.save(tmp / "params", params)
+            checkpointer.wait_until_finished()
+            os.replace(tmp / "params", derived)  # complete or absent, never half-written
+        except OSError:
+            if not derived.exists():  # (it exists if a concurrent load won the race)
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return config, params, Tokenizer.load(folder / "tokenizer.json")
 
 

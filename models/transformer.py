@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import kernels, weights
+from models import kernels, precision, weights
 from models.cache import KVCache, write_layer
 from models.config import ModelConfig
 from models.weights import param_shapes  # noqa: F401  (part of this module's API)
@@ -57,10 +57,10 @@ class Embedding(nn.Module):
         self.embedding = param(self, self.name, "embedding")
 
     def __call__(self, tokens_bt):
-        return jnp.take(self.embedding, tokens_bt, axis=0)
+        return precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
 
     def attend(self, x_btd):
-        return jnp.einsum("btd,vd->btv", x_btd, self.embedding)
+        return precision.linear(x_btd, self.embedding, 1, self.config.matmul_impl)
 
 
 def rotary(x_bthe, positions_bt, theta):
@@ -75,28 +75,22 @@ def rotary(x_bthe, positions_bt, theta):
     return out.astype(x_bthe.dtype)
 
 
-def _project(x_btd, w_hed):
-    """x [B, T, D] times a weight [heads, E, D] -> [B, T, heads * E]."""
-    return jnp.einsum("btd,nd->btn", x_btd, w_hed.reshape(-1, w_hed.shape[-1]))
-
-
 class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer):
         cfg = self.config
-        d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # Weights are [out, in] (the GGUF / PyTorch layout): see models.weights for why.
         wq, wk, wv, wo = (param(self, "attn", name) for name in ("wq", "wk", "wv", "wo"))
-        b, t = x_btd.shape[:2]
+        impl = cfg.matmul_impl
         with jax.named_scope("qkv_matmul"):
-            # Contract against [heads * E, D] views (free reshapes of row-major weights): with
-            # the head axes kept apart, XLA:CPU copies each weight into [D, heads * E] order
-            # before its dot, every call (docs/design.md, "Weight layout").
-            q_bthe = _project(x_btd, wq).reshape(b, t, h, e)
-            k_btke = _project(x_btd, wk).reshape(b, t, k, e)
-            v_btke = _project(x_btd, wv).reshape(b, t, k, e)
+            # precision.linear contracts [heads * E, D] views (free reshapes of row-major
+            # weights): with the head axes kept apart, XLA:CPU copied each weight into
+            # [D, heads * E] order before its dot, every call (docs/design.md, "Weight layout").
+            q_bthe = precision.linear(x_btd, wq, 1, impl)
+            k_btke = precision.linear(x_btd, wk, 1, impl)
+            v_btke = precision.linear(x_btd, wv, 1, impl)
             if cfg.qkv_bias:
                 q_bthe = q_bthe + param(self, "attn", "bq")
                 k_btke = k_btke + param(self, "attn", "bk")
@@ -119,7 +113,7 @@ class Attention(nn.Module):
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):
-            return jnp.einsum("btn,dn->btd", out_bthe.reshape(b, t, h * e), wo.reshape(d, h * e)), cache
+            return precision.linear(out_bthe, wo, 2, impl), cache
 
 
 class MLP(nn.Module):
@@ -128,9 +122,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_btd):
         w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
-        gate = jnp.einsum("btd,fd->btf", x_btd, w_gate)
-        hidden = nn.silu(gate) * jnp.einsum("btd,fd->btf", x_btd, w_up)
-        return jnp.einsum("btf,df->btd", hidden, w_down)
+        impl = self.config.matmul_impl
+        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, impl)) * precision.linear(x_btd, w_up, 1, impl)
+        return precision.linear(hidden, w_down, 1, impl)
 
 
 class DecoderLayer(nn.Module):
@@ -234,12 +228,14 @@ def init_params(config: ModelConfig, seed: int = 0):
     scales = {"embedding": lambda w: 1.0, "bias": lambda w: 0.1, "normal": lambda w: w.fan_in(config) ** -0.5}
 
     def leaf(path, spec):
-        w, _ = weights.entry(path)
+        w, _, _ = weights.entry(path)
         if w.init == "ones":
             value = np.ones(spec.shape)
         else:
             value = scales[w.init](w) * rng.standard_normal(spec.shape)
-        return jnp.asarray(value, spec.dtype)
+        return value.astype(np.float32)
 
-    params = jax.tree_util.tree_map_with_path(leaf, weights.param_shapes(stacked))
+    stacked_f32 = dataclasses.replace(stacked, dtype="float32")
+    params = jax.tree_util.tree_map_with_path(leaf, weights.param_shapes(stacked_f32))
+    params = precision.cast_params(params, stacked, to_device=jnp.asarray)
     return params if config.scan_layers else unstack_layers(params, config.num_layers)
