@@ -14,8 +14,9 @@
 // Numerics: row m of y depends on row m of x alone, summed in the same order whatever M is
 // (8 lanes over k = 0, 8, 16, ..., then the lanes added, then the k tail), so a row's result
 // is bit-identical between a decode call (M = 1) and a verification call (M = gamma + 1).
-// Built with -mavx2 -mfma (the Python side checks the CPU first); AVX2 + FMA is every x86-64
-// server and laptop since 2013-2015.
+// Built with -mavx2 -mfma -ffp-contract=off: no fused multiply-add but the explicit ones, so
+// every instantiation rounds the k tail alike. The Python side checks the CPU first; AVX2 + FMA
+// is every x86-64 server and laptop since 2013-2015.
 
 #include <immintrin.h>
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {  # weight dtype -> (ffi target name, exported symbol)
     "float32": ("spec_jax_matmul_f32", "SpecJaxMatmulF32"),
     "bfloat16": ("spec_jax_matmul_bf16", "SpecJaxMatmulBF16"),
