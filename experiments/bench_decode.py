@@ -24,6 +24,7 @@ TITLE = "Benchmark decode: autoregressive vs speculative tokens/s over batch, te
 
 
 MODEL_KEYS = ("target", "draft")
+DTYPE_KEYS = ("target_dtype", "draft_dtype")
 INT_RANGES = {
     "gamma": (1, 16),
     "num_prompts": (1, len(common.BENCH_PROMPTS)),
@@ -37,6 +38,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.target_dtype = "float32"  # models.precision.PRECISIONS
+    config.draft_dtype = "float32"
     config.batch_sizes = (1, 2) if quick else (1, 4)
     config.temperatures = (0.0,) if quick else (0.0, 1.0)
     config.gammas = (2,) if quick else (1, 2, 3, 4, 5, 6)
@@ -102,7 +105,8 @@ def run_generate(target, prompts, draft, gamma: int, temperature: float, max_new
 
 
 def run(config) -> framework.Result:
-    target, draft = common.load_model(config.target), common.load_model(config.draft)
+    target = common.load_model(config.target, config.target_dtype)
+    draft = common.load_model(config.draft, config.draft_dtype)
     prompts = bench_prompts(target.tokenizer, config.num_prompts)
     rows, identity, covered, checked = [], {"same": 0, "rows": 0}, set(), set()
     cells = [(b, t) for b in config.batch_sizes for t in config.temperatures]

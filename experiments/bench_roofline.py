@@ -23,6 +23,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.target_dtype = "float32"  # models.precision.PRECISIONS
+    config.draft_dtype = "float32"
     config.batch_size = 1
     config.gamma = 2 if quick else 4
     config.context = 32 if quick else 128  # KV-cache slots each call reads
@@ -32,6 +34,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
 
 MODEL_KEYS = ("target", "draft")
+DTYPE_KEYS = ("target_dtype", "draft_dtype")
 INT_RANGES = {
     "batch_size": (1, 64),
     "gamma": (1, 16),
@@ -69,7 +72,8 @@ def run(config) -> framework.Result:
     bandwidth = timing.measure_bandwidth(config.bandwidth_mb, max(3, config.repeats // 2))
     copy_gbs = max(r["gb_per_s"] for r in bandwidth if r["kind"] == "copy")
     read_gbs = max(r["gb_per_s"] for r in bandwidth if r["kind"] == "read")
-    target, draft = common.load_model(config.target), common.load_model(config.draft)
+    target = common.load_model(config.target, config.target_dtype)
+    draft = common.load_model(config.draft, config.draft_dtype)
     batch, slots, gamma = config.batch_size, config.context, config.gamma
     greedy = SamplingParams(0.0)
     calls = {  # name: (model, widths, sampling)

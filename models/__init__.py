@@ -58,6 +58,19 @@ def random_model(
     return Model(config=config, params=init_params(config, seed))
 
 
+def cast(model: Model, dtype: str) -> Model:
+    """A float32 model at another precision (models.precision.PRECISIONS): its weights cast or
+    quantized the way `load(name, dtype=...)` does it. ValueError unless the model is float32."""
+    from models import precision
+
+    if model.config.dtype != "float32":
+        raise ValueError(
+            f"cast: the model must be float32 (it is {model.config.dtype}); load it again instead"
+        )
+    config = model.config.replace(dtype=dtype)
+    return model.replace(config=config, params=precision.cast_params(model.params, config, jax.device_put))
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, so the CLI can drive random models with text."""
 
@@ -138,6 +151,7 @@ def to_device(leaves: list, treedef):
 
 __all__ = [
     "ByteTokenizer",
+    "cast",
     "RANDOM_PRESETS",
     "known_models",
     "load",

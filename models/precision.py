@@ -83,15 +83,16 @@ def cast_params(params, config, to_device=None):
 
 
 def resolve_matmul_impl(impl: str) -> str:
-    """The implementation "auto" means here: the CPU kernel on a CPU backend where it builds, else
-    "xla". ValueError on a bad name, or for "cpu_kernel" where the kernel cannot be built (the
-    reason was warned)."""
-    from models.kernels import cpu_matmul
+    """The implementation "auto" means here: the CPU kernel when tracing for a CPU device
+    (models.kernels.target.current(): a compile-only TPU or GPU device traced from a CPU host
+    gets XLA) where the kernel builds, else "xla". ValueError on a bad name, or for
+    "cpu_kernel" where the kernel cannot be built (the reason was warned)."""
+    from models.kernels import cpu_matmul, target
 
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "cpu_kernel" if jax.default_backend() == "cpu" and cpu_matmul.available() else "xla"
+        return "cpu_kernel" if target.current().platform == "cpu" and cpu_matmul.available() else "xla"
     if impl == "cpu_kernel" and not cpu_matmul.available():
         raise ValueError("matmul impl cpu_kernel is unavailable here (see the warning); use auto or xla")
     return impl
