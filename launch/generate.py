@@ -83,6 +83,14 @@ flags.DEFINE_enum(
     ["float32", "bfloat16", "int8"],
     "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
 )
+flags.DEFINE_integer(
+    "draft_vocab",
+    0,
+    "VocabTrim: the draft proposes only this many tokens (the most frequent of the code and news "
+    "training corpora, plus the stop tokens; counted once and cached), so its output head costs "
+    "that share of the full one. Exact for any value; 0 = the full vocabulary.",
+    lower_bound=0,
+)
 flags.DEFINE_enum(
     "matmul_impl",
     "auto",
@@ -222,6 +230,21 @@ def stop_ids_from_flag(tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
+def trimmed_draft(draft, stop_ids):
+    """The draft as a (drafter, params) pair proposing --draft_vocab tokens (VocabTrim)."""
+    from experiments import corpora
+    from spec_jax import drafters
+
+    vocab = draft.config.vocab_size
+    if not len(stop_ids) < FLAGS.draft_vocab <= vocab:
+        raise common.UsageError(
+            f"--draft_vocab must be 0 or in [{len(stop_ids) + 1}, {vocab}] (more than the stop tokens), "
+            f"got {FLAGS.draft_vocab}"
+        )
+    ids = corpora.frequent_tokens(FLAGS.draft, draft.tokenizer, vocab, FLAGS.draft_vocab, always=stop_ids)
+    return drafters.trim_vocabulary(draft, ids)
+
+
 def gamma_from_flag():
     """--gamma as an int >= 1 or "auto"; UsageError naming the flag otherwise."""
     text = FLAGS.gamma.strip()
@@ -305,6 +328,8 @@ def main(argv):
             )
     token_prompts = [tokenizer.encode(p) for p in prompts]
     stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
+    if draft is not None and FLAGS.draft_vocab:
+        draft = trimmed_draft(draft, stop_ids)
 
     tokens, stats = run_batches(target, draft, token_prompts, stop_ids, mesh)
     report = {
@@ -312,6 +337,7 @@ def main(argv):
         "draft": FLAGS.draft,
         "target_dtype": FLAGS.target_dtype,
         "draft_dtype": FLAGS.draft_dtype,
+        "draft_vocab": FLAGS.draft_vocab,
         "matmul_impl": FLAGS.matmul_impl,
         "gamma": gamma_from_flag(),
         "temperature": FLAGS.temperature,

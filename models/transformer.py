@@ -148,11 +148,13 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at=None):
+    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None):
         """Returns (logits [B, T or K, V] float32, cache).
 
         logits_at: optional [B, K] indices into T; only those positions get logits (prefill
         needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
+        head: optional output weight [R, D] (any precision) used instead of the model's own
+        head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafters).
         """
         cfg = self.config
         embed = Embedding(cfg, name="embed")
@@ -177,10 +179,16 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
-            # An untied head is a second [V, D] table, read the way a tied one is.
-            head = embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")
-            logits = head.attend(x)
+            if head is not None:
+                logits = precision.linear(x, head, 1, cfg.matmul_impl)
+            else:  # an untied head is a second [V, D] table, read the way a tied one is
+                logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
         return logits.astype(jnp.float32), cache
+
+
+def output_head(config: ModelConfig, params):
+    """The output weight [V, D] of a model's parameters (the embedding when tied)."""
+    return params["embed" if config.tie_embeddings else "lm_head"]["embedding"]
 
 
 def unstack_layers(params, num_layers: int):
@@ -207,13 +215,13 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
-def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache, logits_at=None):
+def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None):
     """`(logits, cache) = forward(config, params, tokens[B,T], positions[B,T], cache)`.
 
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
     written at their positions; each query sees keys at positions <= its own.
     """
-    return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at)
+    return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at, head)
 
 
 def init_params(config: ModelConfig, seed: int = 0):

@@ -165,8 +165,7 @@ def run(
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
     controller = None
     if auto:
-        draft_model = draft if isinstance(drafter, ModelDrafter) else None
-        costs = autogamma.costs_for(target, draft_model, batch=batch, cache_slots=cache_len)
+        costs = autogamma.costs_for(target, drafter, draft_params, batch=batch, cache_slots=cache_len)
         controller = autogamma.Controller(costs, gamma)
         if costs.best_gamma(1.0, gamma) == 0:  # no acceptance rate could make drafting pay
             drafter, draft_params = NoDrafter(target.config.vocab_size), None
@@ -181,7 +180,15 @@ def run(
     active = sharding.put(np.arange(batch) < num_rows, sharding.batch_sharding(mesh, 1))
     target_params = sharding.placed_params(target, mesh)
     if isinstance(drafter, ModelDrafter):
-        draft_params = sharding.placed_params(draft, mesh)
+        if drafter.trimmed:  # the model's parameters by the rule table, the trimmed head replicated
+            draft_params = draft_params.replace(
+                model=sharding.place_params(draft_params.model, mesh),
+                head=sharding.put(
+                    draft_params.head, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params.head)
+                ),
+            )
+        else:
+            draft_params = sharding.placed_params(draft, mesh)
         drafter = dataclasses.replace(drafter, config=sharding.for_mesh(drafter.config, mesh))
     elif draft_params is not None:  # other drafters' arrays (tables): replicated
         draft_params = sharding.put(

@@ -94,20 +94,39 @@ def cache_path(key: dict, cache_dir=None):
 
 
 def measure(
-    target, draft, *, batch: int, cache_slots: int, gamma_max: int = GAMMA_MAX, repeats: int = 5
+    target,
+    drafter,
+    draft_params,
+    *,
+    batch: int,
+    cache_slots: int,
+    gamma_max: int = GAMMA_MAX,
+    repeats: int = 5,
 ) -> Costs:
-    """Times the target's calls over 1..gamma_max + 1 tokens and the draft's over 1 and 2 tokens
-    (medians of interleaved repeats after a warm-up; spec_jax.timing.model_call)."""
+    """Times the target's calls over 1..gamma_max + 1 tokens and a model drafter's calls over 1
+    and 2 tokens (medians of interleaved repeats after a warm-up; spec_jax.timing.model_call).
+    Other drafters (n-gram tables) count as free."""
+    from models import Model
+    from spec_jax.drafters import ModelDrafter
+
     slots = max(cache_slots, 2 * (gamma_max + 2))
     repeat = 4  # calls per timed program, so that dispatch is not counted
     fns = {
         ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
         for w in range(1, gamma_max + 2)
     }
-    if draft is not None:
+    if isinstance(drafter, ModelDrafter):
+        model_params, head = (
+            (draft_params.model, draft_params.head.weight) if drafter.trimmed else (draft_params, None)
+        )
         for w in (1, 2):
             fns[("draft", w)] = timing.model_call(
-                draft, batch=batch, widths=[w], cache_slots=slots, repeat=repeat
+                Model(config=drafter.config, params=model_params),
+                batch=batch,
+                widths=[w],
+                cache_slots=slots,
+                repeat=repeat,
+                head=head,
             )
     times = timing.timed_interleaved(fns, repeats)
     step = times[("target", 1)]["median"]
@@ -122,18 +141,25 @@ def measure(
 
 
 def costs_for(
-    target, draft, *, batch: int, cache_slots: int, gamma_max: int = GAMMA_MAX, cache_dir=None
+    target, drafter, draft_params, *, batch: int, cache_slots: int, gamma_max: int = GAMMA_MAX, cache_dir=None
 ) -> Costs:
     """Cached costs for this machine, pair, batch and cache size (measured on first use).
 
-    draft is a models.Model, or None for a drafter that costs nothing measurable (n-gram tables).
-    The cache size is rounded up to a power of two, so prompts of similar length share a measurement.
+    target: a models.Model; drafter, draft_params: as spec_jax.api.as_drafter returns them.
+    The cache size is rounded up to a power of two, so prompts of similar length share a
+    measurement.
     """
+    from spec_jax.drafters import ModelDrafter
+
     slots = 1 << max(cache_slots - 1, 1).bit_length()
+    draft_key = type(drafter).__name__
+    if isinstance(drafter, ModelDrafter):
+        rows = int(draft_params.head.ids.shape[0]) if drafter.trimmed else drafter.config.vocab_size
+        draft_key = {**model_key(drafter.config), "head_rows": rows}
     key = {
         "machine": machine_key(),
         "target": model_key(target.config),
-        "draft": None if draft is None else model_key(draft.config),
+        "draft": draft_key,
         "batch": batch,
         "cache_slots": slots,
         "gamma_max": gamma_max,
@@ -145,7 +171,7 @@ def costs_for(
             return Costs(**{**saved, "verify": tuple(saved["verify"])})
         except (ValueError, KeyError, TypeError):
             pass  # a stale or damaged file: measure again
-    costs = measure(target, draft, batch=batch, cache_slots=slots, gamma_max=gamma_max)
+    costs = measure(target, drafter, draft_params, batch=batch, cache_slots=slots, gamma_max=gamma_max)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str))
