@@ -30,7 +30,6 @@ INT_RANGES = {
     "num_prompts": (1, len(common.BENCH_PROMPTS)),
     "repeats": (1, 1000),
     "max_new_tokens": (2, 4096),
-    "draft_vocab": (0, 1 << 20),
 }
 TUPLE_RANGES = {"batch_sizes": (int, 1, 64), "gammas": (int, 1, 16), "temperatures": (float, 0.0, 100.0)}
 
@@ -52,6 +51,17 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.repeats = 2 if quick else 3
     config.max_new_tokens = 8 if quick else 32
     return config
+
+
+def validate(config) -> None:
+    if (
+        isinstance(config.draft_vocab, bool)
+        or not isinstance(config.draft_vocab, int)
+        or config.draft_vocab < 0
+    ):
+        raise ValueError(
+            f"draft_vocab: must be 0 (the full vocabulary) or a positive integer, got {config.draft_vocab!r}"
+        )
 
 
 def bench_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
