@@ -86,6 +86,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     calls = [r["call"] for r in roofline["rows"]]
     assert calls == ["target decode step (T=1)", "draft decode step (T=1)", "target verify call (T=3)"]
     assert all(float(r["floor_ms"]) > 0 and float(r["step_over_floor"]) > 0 for r in roofline["rows"])
+    assert {r["precision"] for r in roofline["rows"]} == {"int8"}
     bandwidth = roofline["summary"]["sections"]["memory bandwidth"]
     assert all(r["gb_per_s"] > 0 for r in bandwidth) and {r["kind"] for r in bandwidth} == {"copy", "read"}
 
