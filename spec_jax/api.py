@@ -167,7 +167,7 @@ def run(
     if auto:
         costs = autogamma.costs_for(target, drafter, draft_params, batch=batch, cache_slots=cache_len)
         controller = autogamma.Controller(costs, gamma)
-        if costs.best_gamma(1.0, gamma) == 0:  # no acceptance rate could make drafting pay
+        if controller.gamma == 0:  # drafting would not pay even with a good draft: never run it
             drafter, draft_params = NoDrafter(target.config.vocab_size), None
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(

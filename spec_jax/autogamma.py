@@ -27,6 +27,7 @@ from spec_jax import theory, timing
 
 GAMMA_MAX = 8  # the largest gamma auto considers
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 4.0  # the running estimate starts as 4 positions at alpha 0.5
+EXPLORE_ALPHA = 0.8  # the first chunk drafts as if alpha were this (a good draft's), to measure it
 SWITCH_GAIN = 1.03  # change gamma only for a predicted 3% more tokens per unit time
 FIRST_CHUNK, MAX_CHUNK = 2, 16  # rounds between decisions: 2, 4, 8, 16, 16, ...
 
@@ -182,7 +183,9 @@ def costs_for(
 class Controller:
     """Chooses gamma for the next chunk of rounds from the costs and the acceptance so far.
 
-    alpha is estimated as (PRIOR_WEIGHT * PRIOR_ALPHA + overlap sum) / (PRIOR_WEIGHT + scored
+    The first chunk (2 rounds) drafts with the gamma that would be best at EXPLORE_ALPHA, so that
+    a draft that pays only when it is good gets measured; a draft that does not pay even then
+    is never run. Afterwards alpha is estimated as (PRIOR_WEIGHT * PRIOR_ALPHA + overlap sum) / (PRIOR_WEIGHT + scored
     positions). gamma changes only when the new choice is predicted SWITCH_GAIN better than the
     current one; plain decoding (gamma 0) is absorbing, since the drafter's state stops following
     the text once it is off. Chunks double from FIRST_CHUNK rounds to MAX_CHUNK.
@@ -190,7 +193,7 @@ class Controller:
 
     def __init__(self, costs: Costs, gamma_max: int):
         self.costs, self.gamma_max = costs, gamma_max
-        self.gamma = costs.best_gamma(PRIOR_ALPHA, gamma_max)
+        self.gamma = costs.best_gamma(EXPLORE_ALPHA, gamma_max)
         self.chunk = FIRST_CHUNK
         self.schedule: list[tuple[int, int]] = []  # (gamma, rounds asked for) per chunk
 

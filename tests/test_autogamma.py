@@ -41,7 +41,8 @@ def test_the_controller_changes_gamma_only_for_a_real_gain_and_never_leaves_plai
     start = controller.gamma
     assert start > 0
     assert [controller.next_chunk()[1] for _ in range(6)] == [2, 4, 8, 16, 16, 16]
-    controller.observe(overlap_sum=0.5 * 100, scored=100)  # alpha 0.5: the prior, no change
+    assert start == controller.costs.best_gamma(autogamma.EXPLORE_ALPHA)
+    controller.observe(overlap_sum=0.8 * 10**4, scored=10**4)  # as explored: no change
     assert controller.gamma == start
     controller.observe(overlap_sum=0.98 * 1000, scored=1000)
     assert controller.gamma > start
@@ -63,16 +64,18 @@ def greedy_ar(pair):
 
 
 def test_greedy_output_is_exact_while_gamma_changes_between_chunks(pair, greedy_ar, monkeypatch):
-    # Costs under which the prior (alpha 0.5) and this pair's acceptance (about 0.75) choose
-    # different gammas, so the run switches gamma at least once.
-    fixed = costs(draft=0.02, verify_slope=0.02)
-    assert fixed.best_gamma(0.5) != fixed.best_gamma(0.75)
+    # Costs under which the first chunk explores gamma 4 and a weak draft's acceptance (well
+    # below 0.7) makes a smaller gamma 3-40% better, so the run switches gamma.
+    fixed = costs(draft=0.02, verify_slope=0.2)
+    assert fixed.best_gamma(autogamma.EXPLORE_ALPHA) == 4 and fixed.best_gamma(0.6) < 4
     monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: fixed)
+    weak = perturbed(pair[0], 0.6, seed=11)
     gen = spec_jax.generate(
-        pair[0], PROMPTS, draft=pair[1], gamma="auto", max_new_tokens=MAX_NEW, temperature=0.0
+        pair[0], PROMPTS, draft=weak, gamma="auto", max_new_tokens=MAX_NEW, temperature=0.0
     )
     assert gen.tokens == greedy_ar
-    assert len({g for g, _ in gen.stats["gamma_schedule"]}) >= 2, gen.stats["gamma_schedule"]
+    gammas = [g for g, _ in gen.stats["gamma_schedule"]]
+    assert gammas[0] == 4 and len(set(gammas)) >= 2, gen.stats["gamma_schedule"]
 
 
 def test_auto_measures_a_deliberately_expensive_draft_and_decodes_plainly(
