@@ -34,7 +34,7 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string(
     "gamma",
-    "4",
+    "auto",
     "Draft tokens per round: an integer >= 1, or 'auto' (chosen per chunk of rounds from the measured "
     "cost of the draft and verify calls and the acceptance rate so far, 0..8; 0 = plain decoding "
     "when drafting does not pay; the costs are measured once per machine and pair, and cached).",
@@ -72,14 +72,14 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_enum(
     "target_dtype",
-    "float32",
+    "int8",
     ["float32", "bfloat16", "int8"],
     "Target weight precision (models.precision): float32; bfloat16 weights and activations; int8 "
     "weights with a float32 scale per output unit. Output is exact for the target at this precision.",
 )
 flags.DEFINE_enum(
     "draft_dtype",
-    "float32",
+    "int8",
     ["float32", "bfloat16", "int8"],
     "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
 )

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_cli(*args, module="launch.generate", env=None):
     """Runs the CLI on the random presets (later flags override), so no download is needed."""
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **(env or {})}
-    models = ["--target=random", "--draft=random-draft"] if module == "launch.generate" else []
+    # gamma 4: the default, auto, would first measure the random pair's costs (tests/test_autogamma.py)
+    models = ["--target=random", "--draft=random-draft", "--gamma=4"] if module == "launch.generate" else []
     return subprocess.run(
         [sys.executable, "-m", module, *models, *args],
         capture_output=True,
@@ -28,6 +29,9 @@ def run_cli(*args, module="launch.generate", env=None):
     "args, message",
     [
         (["--gamma=0"], "--gamma"),
+        (["--gamma=many"], "--gamma must be an integer >= 1 or 'auto'"),
+        (["--target_dtype=fp8"], "--target_dtype"),
+        (["--draft_vocab=100000"], "--draft_vocab must be 0 or in [1, 512]"),
         (["--top_p=0"], "--top_p"),
         (["--top_k=-1"], "--top_k"),
         (["--temperature=-1"], "--temperature"),

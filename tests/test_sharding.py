@@ -277,6 +277,7 @@ def test_cli_runs_on_a_one_device_mesh():
         "--target=random",
         "--draft=random-draft",
         "--mesh=auto",
+        "--gamma=4",
         "--max_new_tokens=3",
         "--temperature=0",
         "--prompt=ab",
