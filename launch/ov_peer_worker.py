@@ -7,43 +7,46 @@ started by experiments/bench_peer.py as a subprocess; the protocol, the common f
     .venv-ref/bin/python -m launch.ov_peer_worker --target=T.gguf --draft=D.gguf --threads=2 \\
         --num_assistant_tokens=4
 
-OpenVINO GenAI reads the GGUF files itself (`openvino_genai.LLMPipeline(path.gguf, "CPU")`:
-it builds the model graph, keeps the quantized weights compressed, and makes the tokenizer from
-the GGUF vocabulary). Its GGUF reader rejects some tensor types (the draft's Q5_0), so the
-draft is loaded from a copy whose tensors of those types are requantized to Q8_0 with the gguf
-library (`requantize_for_openvino`: made once, next to the original in the cache, written
-atomically). Two pipelines share the process: the target alone (plain), and the target with
-the draft (`openvino_genai.draft_model`, speculative, `num_assistant_tokens` drafts per round,
-fixed). Both get a SchedulerConfig with enable_prefix_caching = False, so that a repeated
-prompt is recomputed, not served from the prefix cache, and INFERENCE_NUM_THREADS = --threads.
+OpenVINO GenAI reads the target's GGUF file itself (`openvino_genai.LLMPipeline(path.gguf,
+"CPU")`: it builds the model graph, keeps the quantized weights compressed, and makes the
+tokenizer from the GGUF vocabulary). The draft needs two detours, taken once and cached beside
+the draft's GGUF (`draft_for_openvino`, written atomically): `openvino_genai.draft_model` reads
+only OpenVINO IR folders, and the GGUF reader rejects the draft's Q5_0 tensors; so the worker
+writes a copy of the draft GGUF with those tensors requantized to Q8_0 (the gguf library), has
+OpenVINO GenAI build its model from that copy and serialize it as IR (`enable_save_ov_model`),
+and loads the draft from there. Two pipelines share the process: the target alone (plain), and
+the target with the draft (speculative, `num_assistant_tokens` drafts per round, fixed: the
+continuous-batching pipeline a scheduler config selects does not adapt it). Both get a
+SchedulerConfig with enable_prefix_caching = False, so that a repeated prompt is recomputed,
+not served from the prefix cache, and INFERENCE_NUM_THREADS = --threads.
 Greedy (do_sample=False), ignore_eos=True so every run generates exactly max_new_tokens.
 Requests are token ids (the same ids every system gets), fed as an input_ids tensor.
 """
 
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
 from launch import peer_protocol
 
-# GGUF tensor types OpenVINO GenAI 2026.4 loads (seen in the Qwen pair: the target's Q4_K,
-# Q6_K, F32; the draft's Q8_0). Tensors of any other type are requantized to Q8_0.
-OPENVINO_GGUF_TYPES = frozenset({"F32", "Q4_K", "Q6_K", "Q8_0"})
-REQUANTIZED_SUFFIX = ".q8_0.gguf"
+# GGUF tensor types OpenVINO GenAI 2026.4's GGUF reader loads (as they are: F32, F16; unpacked:
+# Q4_0, Q4_1, Q4_K, Q6_K, Q8_0). Tensors of any other type are requantized to Q8_0.
+OPENVINO_GGUF_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0"})
 
 
-def requantized_path(path: str | os.PathLike) -> pathlib.Path:
-    """Where requantize_for_openvino caches its copy of `path`: beside it, `NAME.q8_0.gguf`."""
+def draft_folder(path: str | os.PathLike) -> pathlib.Path:
+    """Where draft_for_openvino caches its work for the GGUF `path`: the folder `NAME.openvino`
+    beside it."""
     path = pathlib.Path(path)
-    return path.with_name(path.name.removesuffix(".gguf") + REQUANTIZED_SUFFIX)
+    return path.with_name(path.name.removesuffix(".gguf") + ".openvino")
 
 
 def requantize_gguf(src, dst, keep=OPENVINO_GGUF_TYPES) -> int:
     """Writes `dst`: the GGUF `src` with every tensor whose type is not in `keep` dequantized
     and requantized to Q8_0; other tensors, every metadata key (tokenizer included) and the
-    tensor order unchanged. Returns how many tensors were requantized. Writes `dst` in place
-    (callers wanting atomicity pass a temporary path)."""
+    tensor order unchanged. Returns how many tensors were requantized."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType, quants
@@ -88,28 +91,45 @@ def requantize_gguf(src, dst, keep=OPENVINO_GGUF_TYPES) -> int:
     return sum(requantized)
 
 
-def requantize_for_openvino(path: str | os.PathLike) -> pathlib.Path:
-    """A GGUF OpenVINO GenAI can read with the weights of `path`: `path` itself when all its
-    tensor types load, else its cached requantized copy (made once: written to a temporary
-    file in the same folder, then renamed into place, so a file at the final path is whole)."""
-    import gguf
+def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
+    """A folder `openvino_genai.draft_model` can load, holding the draft GGUF `path`'s weights.
 
+    draft_model() reads only OpenVINO IR folders, not GGUF files, and the GGUF reader rejects
+    some tensor types; so, once, in a temporary folder beside `path`: write NAME.q8_0.gguf
+    (`path` with those tensors requantized to Q8_0, requantize_gguf), then `export(that gguf)`
+    (default: an LLMPipeline with enable_save_ov_model, which serializes the model it builds
+    from the GGUF, tokenizer included, into the GGUF's folder), then rename the folder into
+    place (draft_folder(path)), so a folder at the final path is whole. Returns that folder."""
     path = pathlib.Path(path)
-    if all(t.tensor_type.name in OPENVINO_GGUF_TYPES for t in gguf.GGUFReader(path).tensors):
-        return path
-    final = requantized_path(path)
-    if final.exists():
+    final = draft_folder(path)
+    if (final / "openvino_model.xml").exists():
         return final
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{final.name}-", dir=final.parent)
-    os.close(fd)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
-        count = requantize_gguf(path, tmp)
-        os.replace(tmp, final)
+        converted = tmp / (path.name.removesuffix(".gguf") + ".q8_0.gguf")
+        count = requantize_gguf(path, converted)
+        (export or _export_openvino_ir)(converted)
+        if not (tmp / "openvino_model.xml").exists():
+            raise RuntimeError(f"exporting {converted.name} wrote no openvino_model.xml")
+        tmp.chmod(0o755)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / "openvino_model.xml").exists():  # else another worker won the race
+                raise
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    print(f"ov_peer_worker: {count} tensors of {path.name} requantized to Q8_0 in {final}", file=sys.stderr)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(
+        f"ov_peer_worker: {path.name} ({count} tensors requantized to Q8_0) exported to {final}",
+        file=sys.stderr,
+    )
     return final
+
+
+def _export_openvino_ir(gguf_path: pathlib.Path) -> None:
+    import openvino_genai
+
+    openvino_genai.LLMPipeline(str(gguf_path), "CPU", enable_save_ov_model=True)
 
 
 class OpenVINOBackend:
@@ -120,7 +140,7 @@ class OpenVINOBackend:
 
         self.ov_genai, self.threads = openvino_genai, threads
         self.num_assistant_tokens = num_assistant_tokens
-        self.draft_path = requantize_for_openvino(draft_gguf)
+        self.draft_path = draft_for_openvino(draft_gguf)
         scheduler = openvino_genai.SchedulerConfig()
         scheduler.enable_prefix_caching = False  # a repeated prompt must cost what a new one does
         properties = {"INFERENCE_NUM_THREADS": threads}
@@ -148,11 +168,11 @@ class OpenVINOBackend:
             "threads": self.threads,
             "num_assistant_tokens": self.num_assistant_tokens,
             "prefix_caching": False,
-            "draft_gguf": self.draft_path.name,
+            "draft_model": self.draft_path.name,
             # Weights stay as quantized in the GGUF files; the CPU plugin's defaults on this machine
             # say what it computes activations in and what the KV cache holds.
-            "precision": f"GGUF weights, {core.get_property('CPU', 'INFERENCE_PRECISION_HINT')} compute",
-            "kv_cache_precision": str(core.get_property("CPU", "KV_CACHE_PRECISION")),
+            "precision": f"GGUF weights, {core.get_property('CPU', 'INFERENCE_PRECISION_HINT').to_string()} compute",
+            "kv_cache_precision": core.get_property("CPU", "KV_CACHE_PRECISION").to_string(),
         }
 
     def generate(self, prompt, max_new_tokens, speculative):

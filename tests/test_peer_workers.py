@@ -10,6 +10,7 @@ import sys
 
 import gguf
 import numpy as np
+import pytest
 from gguf import GGMLQuantizationType, quants
 
 from experiments import bench_peer
@@ -60,15 +61,10 @@ def test_draft_requantized_for_openvino_keeps_metadata_and_other_tensors(tmp_pat
         "output.weight": rng.standard_normal((16, 64)).astype(np.float32),
     }
     Q = GGMLQuantizationType
-    src = tmp_path / "draft.gguf"
+    src, out = tmp_path / "draft.gguf", tmp_path / "draft.q8_0.gguf"
     write_gguf(src, tensors, {"token_embd.weight": Q.Q5_0, "output.weight": Q.Q8_0})
 
-    out = ov_peer_worker.requantize_for_openvino(src)
-    assert out == tmp_path / "draft.q8_0.gguf" == ov_peer_worker.requantized_path(src)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "draft.gguf",
-        "draft.q8_0.gguf",
-    ]  # no temporary left
+    assert ov_peer_worker.requantize_gguf(src, out) == 1
     before, after = gguf.GGUFReader(src), gguf.GGUFReader(out)
     assert [(t.name, t.tensor_type.name, list(t.shape)) for t in after.tensors] == [
         ("token_embd.weight", "Q8_0", [64, 16]),
@@ -87,10 +83,35 @@ def test_draft_requantized_for_openvino_keeps_metadata_and_other_tensors(tmp_pat
     step = np.abs(q5_blocks).max(axis=-1, keepdims=True) / 127
     assert np.all(np.abs(q8_blocks - q5_blocks) <= step) and not np.array_equal(q8, q5)
 
-    # Cached: a second call reuses the copy; a file OpenVINO reads as it is is used directly.
-    mtime = out.stat().st_mtime_ns
-    assert ov_peer_worker.requantize_for_openvino(src) == out and out.stat().st_mtime_ns == mtime
-    assert ov_peer_worker.requantize_for_openvino(out) == out
+
+def test_draft_for_openvino_is_made_once_and_never_left_half_made(tmp_path):
+    src = tmp_path / "draft.gguf"
+    write_gguf(
+        src,
+        {"token_embd.weight": np.ones((4, 32), np.float32)},
+        {"token_embd.weight": GGMLQuantizationType.Q5_0},
+    )
+    exported = []
+
+    def broken_export(gguf_path):
+        exported.append(gguf_path)
+        raise RuntimeError("no model")
+
+    with pytest.raises(RuntimeError, match="no model"):
+        ov_peer_worker.draft_for_openvino(src, export=broken_export)
+    assert len(exported) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf"]
+
+    def export(gguf_path):  # what enable_save_ov_model does: the IR beside the GGUF it read
+        exported.append(gguf_path)
+        (gguf_path.parent / "openvino_model.xml").write_text("<net/>")
+
+    folder = ov_peer_worker.draft_for_openvino(src, export=export)
+    assert folder == tmp_path / "draft.openvino" == ov_peer_worker.draft_folder(src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf", "draft.openvino"]  # no temporary left
+    assert sorted(p.name for p in folder.iterdir()) == ["draft.q8_0.gguf", "openvino_model.xml"]
+    assert exported[-1].name == "draft.q8_0.gguf"
+    assert [t.tensor_type.name for t in gguf.GGUFReader(folder / "draft.q8_0.gguf").tensors] == ["Q8_0"]
+    assert ov_peer_worker.draft_for_openvino(src, export=export) == folder and len(exported) == 2  # cached
 
 
 def stub_interpreter(tmp_path, modules):
