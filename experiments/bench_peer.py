@@ -75,6 +75,7 @@ PEERS = {
 }
 
 MODEL_KEYS = bench_decode.MODEL_KEYS
+DTYPE_KEYS = bench_decode.DTYPE_KEYS
 INT_RANGES = bench_decode.INT_RANGES
 
 
@@ -89,6 +90,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.peer_python = ".venv-ref/bin/python"
     config.peers = tuple(PEERS)  # the peer libraries to run, from PEERS
     config.hf_dtype = "float32"  # torch dtype of HF's models (HF_DTYPES)
+    config.target_dtype = "float32"  # this project's precisions (models.precision.PRECISIONS)
+    config.draft_dtype = "float32"
     # quick: the workers' --fake backend (deterministic tokens, no library) over the real protocol
     config.fake_peer = quick
     return config
@@ -224,7 +227,8 @@ def run(config) -> framework.Result | None:
             workers[peer.key] = PeerWorker(python, peer.module, model_args + peer.worker_args(config))
             stack.callback(workers[peer.key].close)
             families[peer.library] = (peer.plain, peer.speculative.format(gamma=gamma))
-        target, draft = common.load_model(config.target), common.load_model(config.draft)
+        target = common.load_model(config.target, config.target_dtype)
+        draft = common.load_model(config.draft, config.draft_dtype)
         prompts = bench_decode.bench_prompts(target.tokenizer, config.num_prompts)
 
         def ours(prompt, draft_model):  # the wall time of the whole generate call
