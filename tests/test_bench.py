@@ -82,6 +82,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     assert {(r["batch"], r["gamma"]) for r in decode["rows"]} == {
         ("1", "0"),
         ("1", "2"),
+        ("1", "auto"),  # gamma=auto in the first cell
         ("2", "0"),
         ("2", "2"),
     }

@@ -79,8 +79,13 @@ def test_draft_with_another_tokenizer_is_refused():
     result = run_cli("--target=random", "--draft=smollm2-135m")
     assert result.returncode == 2
     assert "do not share a tokenizer and vocabulary" in result.stderr
-    # On a fresh machine the first run downloads SmolLM2: its progress bars are not errors.
-    lines = [line for line in result.stderr.splitlines() if line.strip() and "%|" not in line]
+    # On a fresh machine the first run downloads and converts SmolLM2: its progress bars and the
+    # conversion's one-line report are not errors.
+    lines = [
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and "%|" not in line and not line.startswith("converted ")
+    ]
     assert len(lines) == 1, result.stderr
 
 
@@ -130,7 +135,8 @@ def test_registry_unreachable_is_one_line_exit_1_and_leaves_the_cache_empty(tmp_
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert len(lines) == 1 and "could not download" in lines[0], result.stderr
-    left = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    # Nothing of the model is left; the CPU matmul kernel, complete, may be (built before the download).
+    left = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.parent.name != "kernels"]
     assert not left, left
 
 

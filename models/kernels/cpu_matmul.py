@@ -57,6 +57,10 @@ def library_path(cache_dir=None) -> pathlib.Path:
 def build(cache_dir=None) -> pathlib.Path:
     """Compiles cpu_matmul.cc (if not cached) and returns the library's path."""
     path = library_path(cache_dir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a cache folder that cannot be written: the user's temporary folder instead
+        path = pathlib.Path(tempfile.gettempdir()) / f"spec_jax-{os.getuid()}" / "kernels" / path.name
     if path.exists():
         return path
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -102,4 +106,5 @@ def matmul(x_mk, w_nk, scale_n=None):
     target, _ = TARGETS[jnp.dtype(w_nk.dtype).name]
     out = jax.ShapeDtypeStruct((x_mk.shape[0], w_nk.shape[0]), jnp.float32)
     args = (x_mk.astype(jnp.float32), w_nk) + (() if scale_n is None else (scale_n.astype(jnp.float32),))
-    return jax.ffi.ffi_call(target, out)(*args)
+    # Under vmap (per-prompt decoding) the kernel runs once per batch element.
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
