@@ -58,12 +58,13 @@ def test_cpu_kernel_matches_xla_and_each_row_is_bit_identical_whatever_the_row_c
     n, k = 45, 37  # a partial block of 8 weight rows and a k tail past the 8-lane loop
     w = rng.standard_normal((n, k)).astype(np.float32)
     weight = precision.quantize_int8(w, 1) if dtype == "int8" else jnp.asarray(w, dtype)
-    x = jnp.asarray(rng.standard_normal((7, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((12, k)), jnp.float32)  # up to 3 passes of rows
     kernel = jax.jit(lambda x: precision.linear(x, weight, 1, "cpu_kernel"))
     reference = jnp.asarray(precision.dequantize(weight), jnp.float32)  # float32 products of the same weights
     np.testing.assert_allclose(kernel(x), precision.linear(x, reference, 1, "xla"), rtol=2e-5, atol=2e-5)
     all_rows = np.asarray(kernel(x))
-    for m in range(7):  # a decode call (1 row) and a verify call (7 rows) give the same bits
+    for m in range(1, 12):  # a decode call (1 row) and verify calls (m rows: every pass shape) agree bitwise
+        np.testing.assert_array_equal(np.asarray(kernel(x[:m])), all_rows[:m])
         np.testing.assert_array_equal(np.asarray(kernel(x[m : m + 1]))[0], all_rows[m])
 
 

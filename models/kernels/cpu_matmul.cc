@@ -25,7 +25,6 @@
 #include <cstring>
 #include <memory>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -96,40 +95,54 @@ inline void Store(const float* x, const W* w, const float* scale, float* y, int6
   }
 }
 
-// All rows of x against one block of kRowBlock weight rows (nb of them valid): pairs of x rows
-// take the block as two halves of 4 rows (2 x 4 accumulators), a last single row takes it whole
-// (1 x 8).
-template <typename W>
-void Block(const float* x, const W* block, const float* s, float* y, int64_t m_rows, int64_t k_dim,
-           int64_t k8, int64_t n_dim, int64_t n, int64_t nb) {
-  int64_t m = 0;
-  for (; m + 2 <= m_rows; m += 2) {
-    for (int64_t half = 0; half < kRowBlock; half += 4) {
-      __m256 acc[2][4];
-      Pass<2, 4>(x + m * k_dim, block + half * k_dim, k_dim, k8, acc);
-      const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(4, nb - half));
-      Store<2, 4>(x + m * k_dim, block + half * k_dim, s == nullptr ? nullptr : s + half,
-                  y + m * n_dim + n + half, k_dim, k8, n_dim, valid, acc);
-    }
-  }
-  if (m < m_rows) {
-    __m256 acc[1][kRowBlock];
-    Pass<1, kRowBlock>(x + m * k_dim, block, k_dim, k8, acc);
-    Store<1, kRowBlock>(x + m * k_dim, block, s, y + m * n_dim + n, k_dim, k8, n_dim, nb, acc);
+// Rows of x per pass and the weight rows a pass takes at once: MB x NB accumulators, NB widened
+// weight vectors and one x vector stay in the 16 ymm registers, and each weight is loaded and
+// widened once per pass, for all its MB rows. A call over M <= kMaxPassRows rows of x streams
+// the weights once, in one pass; more rows take several passes over each block of kRowBlock
+// weight rows (from cache).
+constexpr int64_t kMaxPassRows = 5;
+
+template <int MB, typename W>
+void Passes(const float* x, const W* block, const float* s, float* y, int64_t k_dim, int64_t k8,
+            int64_t n_dim, int64_t n, int64_t nb) {
+  constexpr int NB = MB == 1 ? 8 : MB == 2 ? 4 : 2;
+  for (int64_t half = 0; half < kRowBlock; half += NB) {
+    __m256 acc[MB][NB];
+    Pass<MB, NB>(x, block + half * k_dim, k_dim, k8, acc);
+    const int64_t valid = std::max<int64_t>(0, std::min<int64_t>(NB, nb - half));
+    Store<MB, NB>(x, block + half * k_dim, s == nullptr ? nullptr : s + half, y + n + half, k_dim, k8,
+                  n_dim, valid, acc);
   }
 }
 
-// Output columns [n0, n1) for every row of x, a block of kRowBlock weight rows at a time. With
-// more than two rows of x (several passes over a block) an int8 / bfloat16 block is widened to
-// float32 once, into a buffer the passes read from cache, instead of once per pass; the sums are
-// the same either way (widening is exact). scale is null for float weights.
+// All rows of x against one block of kRowBlock weight rows (nb of them valid), in passes of at
+// most kMaxPassRows rows, sized alike (7 rows: 3 + 4).
+template <typename W>
+void Block(const float* x, const W* block, const float* s, float* y, int64_t m_rows, int64_t k_dim,
+           int64_t k8, int64_t n_dim, int64_t n, int64_t nb) {
+  const int64_t passes = (m_rows + kMaxPassRows - 1) / kMaxPassRows;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = (m_rows - m) / (passes - p);  // the rows left, shared by the passes left
+    const float* xm = x + m * k_dim;
+    float* ym = y + m * n_dim;
+    switch (rows) {
+      case 1: Passes<1>(xm, block, s, ym, k_dim, k8, n_dim, n, nb); break;
+      case 2: Passes<2>(xm, block, s, ym, k_dim, k8, n_dim, n, nb); break;
+      case 3: Passes<3>(xm, block, s, ym, k_dim, k8, n_dim, n, nb); break;
+      case 4: Passes<4>(xm, block, s, ym, k_dim, k8, n_dim, n, nb); break;
+      default: Passes<5>(xm, block, s, ym, k_dim, k8, n_dim, n, nb); break;
+    }
+    m += rows;
+  }
+}
+
+// Output columns [n0, n1) for every row of x, a block of kRowBlock weight rows at a time.
+// scale is null for float weights.
 template <typename W>
 void Columns(const float* x, const W* w, const float* scale, float* y, int64_t m_rows, int64_t k_dim,
              int64_t n_dim, int64_t n0, int64_t n1) {
   const int64_t k8 = k_dim & ~int64_t{7};
-  const bool widen = !std::is_same_v<W, float> && m_rows > 2;
-  thread_local std::vector<W> padded;      // a last block of fewer than kRowBlock rows, zero-filled
-  thread_local std::vector<float> widened;
+  thread_local std::vector<W> padded;  // a last block of fewer than kRowBlock rows, zero-filled
   for (int64_t n = n0; n < n1; n += kRowBlock) {
     const int64_t nb = std::min(kRowBlock, n1 - n);
     const W* block = w + n * k_dim;
@@ -138,16 +151,7 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t m
       std::copy(block, block + nb * k_dim, padded.begin());
       block = padded.data();
     }
-    const float* s = scale == nullptr ? nullptr : scale + n;
-    if (widen) {
-      const int64_t total = kRowBlock * k_dim, total8 = total & ~int64_t{7};
-      widened.resize(total);
-      for (int64_t i = 0; i < total8; i += 8) _mm256_storeu_ps(&widened[i], Load8(block + i));
-      for (int64_t i = total8; i < total; ++i) widened[i] = ToFloat(block[i]);
-      Block(x, widened.data(), s, y, m_rows, k_dim, k8, n_dim, n, nb);
-    } else {
-      Block(x, block, s, y, m_rows, k_dim, k8, n_dim, n, nb);
-    }
+    Block(x, block, scale == nullptr ? nullptr : scale + n, y, m_rows, k_dim, k8, n_dim, n, nb);
   }
 }
 
