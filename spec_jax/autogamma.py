@@ -62,7 +62,10 @@ class Costs:
 
 
 def machine_key() -> dict:
-    """What the costs depend on besides the models: the device, the core count, jax."""
+    """What the costs depend on besides the models: the device, the core count, jax, and the
+    source of the CPU matmul kernel (a faster kernel makes the cached costs stale)."""
+    from models.kernels import cpu_matmul
+
     device = jax.devices()[0]
     cpu = platform.processor()
     try:
@@ -76,6 +79,7 @@ def machine_key() -> dict:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "jax": jax.__version__,
+        "cpu_matmul": cpu_matmul.library_path().stem if jax.default_backend() == "cpu" else None,
     }
 
 
