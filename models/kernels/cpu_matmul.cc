@@ -6,10 +6,10 @@
 // x and y are float32; the weights keep the [out, in] layout of the model. Why: XLA:CPU sends
 // every product of 2 or more activation rows to YNNPACK, which on an AVX2 CPU costs 2.6-4.7x a
 // 1-row mat-vec (docs/design.md), so a speculative verification call over gamma + 1 rows cost
-// several decode steps. This kernel streams each weight row block once per call and multiplies
-// it with every row of x while it sits in L1, so a call over a few rows costs about what one
-// row costs (the weights' bytes), and int8 / bfloat16 weights are widened to float32 in
-// registers, never in memory.
+// several decode steps. This kernel loads each weight once per call and multiplies it, in
+// registers, with up to 5 rows of x (more rows: several passes over a block of weight rows held
+// in cache), so a call over a few rows costs little more than one row (the weights' bytes), and
+// int8 / bfloat16 weights are widened to float32 in registers, once for all those rows.
 //
 // Numerics: row m of y depends on row m of x alone, summed in the same order whatever M is
 // (8 lanes over k = 0, 8, 16, ..., then the lanes added, then the k tail), so a row's result
