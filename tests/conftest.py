@@ -10,6 +10,11 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite compiles hundreds of small programs and runs each a few times: LLVM's optimizations
+# cost more CPU than they save (tests/test_decode.py: 104 -> 60 CPU-seconds without them). The
+# subprocesses the tests start inherit the flag. Numerics do not depend on it: every comparison
+# in the suite is between programs compiled alike, or to a tolerance.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 # The compile-only backends live outside the venv (`make test` installs them with pip --target):
 # on the venv's path the CUDA plugin logs three lines at every jax start-up, even on
 # JAX_PLATFORMS=cpu, which breaks the one-line-stderr checks of the CLI tests. Only this process

@@ -53,7 +53,7 @@ def spec_of(x) -> str:
 
 
 def equivalence(pair: str, out_path: str):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
     import jax
 
     import spec_jax
@@ -132,7 +132,7 @@ def equivalence(pair: str, out_path: str):
 
 
 def multihost(process_id: int, num_processes: int, port: int, out_path: str):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
