@@ -24,6 +24,7 @@ TITLE = "Benchmark decode: autoregressive vs speculative tokens/s over batch, te
 
 
 MODEL_KEYS = ("target", "draft")
+DTYPE_KEYS = ("target_dtype", "draft_dtype")
 INT_RANGES = {
     "gamma": (1, 16),
     "num_prompts": (1, len(common.BENCH_PROMPTS)),
@@ -37,15 +38,30 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.target_dtype = "float32"  # models.precision.PRECISIONS
+    config.draft_dtype = "float32"
     config.batch_sizes = (1, 2) if quick else (1, 4)
     config.temperatures = (0.0,) if quick else (0.0, 1.0)
     config.gammas = (2,) if quick else (1, 2, 3, 4, 5, 6)
     config.gamma = 2 if quick else 4  # the cells after the first
+    config.auto = True  # also gamma=auto (spec_jax.autogamma) in the first cell
+    config.draft_vocab = 0  # VocabTrim: the draft's head keeps this many tokens (0 = all)
     config.full_sweep = False
     config.num_prompts = 2 if quick else len(common.BENCH_PROMPTS)
     config.repeats = 2 if quick else 3
     config.max_new_tokens = 8 if quick else 32
     return config
+
+
+def validate(config) -> None:
+    if (
+        isinstance(config.draft_vocab, bool)
+        or not isinstance(config.draft_vocab, int)
+        or config.draft_vocab < 0
+    ):
+        raise ValueError(
+            f"draft_vocab: must be 0 (the full vocabulary) or a positive integer, got {config.draft_vocab!r}"
+        )
 
 
 def bench_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
@@ -101,8 +117,23 @@ def run_generate(target, prompts, draft, gamma: int, temperature: float, max_new
     return gen
 
 
+def trimmed(draft, config):
+    """The draft, vocabulary-trimmed to config.draft_vocab tokens when that is set."""
+    if not config.draft_vocab:
+        return draft
+    from experiments import corpora
+    from spec_jax import drafters
+
+    stop = getattr(draft.tokenizer, "stop_ids", ())
+    ids = corpora.frequent_tokens(
+        config.draft, draft.tokenizer, draft.config.vocab_size, config.draft_vocab, stop
+    )
+    return drafters.trim_vocabulary(draft, ids)
+
+
 def run(config) -> framework.Result:
-    target, draft = common.load_model(config.target), common.load_model(config.draft)
+    target = common.load_model(config.target, config.target_dtype)
+    draft = trimmed(common.load_model(config.draft, config.draft_dtype), config)
     prompts = bench_prompts(target.tokenizer, config.num_prompts)
     rows, identity, covered, checked = [], {"same": 0, "rows": 0}, set(), set()
     cells = [(b, t) for b in config.batch_sizes for t in config.temperatures]
@@ -110,6 +141,8 @@ def run(config) -> framework.Result:
         batches = batches_for(prompts, batch, config.repeats)
         cell_gammas = config.gammas if config.full_sweep or i == 0 else (config.gamma,)
         variants = {"autoregressive": (None, 0)} | {f"gamma {g}": (draft, g) for g in cell_gammas}
+        if config.auto and i == 0:
+            variants["gamma auto"] = (draft, "auto")
 
         def one(inputs, draft_model, gamma, temperature=temperature):
             r, batch_prompts = inputs
@@ -119,16 +152,24 @@ def run(config) -> framework.Result:
 
         fns = {name: functools.partial(one, draft_model=d, gamma=g) for name, (d, g) in variants.items()}
         runs = timing.interleaved(fns, list(enumerate(batches)), [(0, b) for b in warmup_batches(batches)])
+        for result in runs.values():  # a loop first compiled in a timed repeat (auto's gammas): not timed
+            result["seconds"] = [
+                t - g.stats["compile_seconds"]
+                for t, g in zip(result["seconds"], result["results"], strict=True)
+            ]
         ar_results = runs["autoregressive"]["results"]
         ar_tps = None
         for name, (_, gamma) in variants.items():
             result = runs[name]
             gens = result["results"]
             stats = [g.stats for g in gens]
-            if any(s["compile_seconds"] for s in stats):
+            if any(s["compile_seconds"] for s in stats) and gamma != "auto":
                 print(f"warning: {name} compiled during a timed repeat", file=sys.stderr)
             row = {
                 "variant": "autoregressive" if gamma == 0 else "speculative",
+                "target_dtype": config.target_dtype,
+                "draft_dtype": config.draft_dtype,
+                "draft_vocab": config.draft_vocab or "all",
                 "batch": batch,
                 "temperature": temperature,
                 "gamma": gamma,
@@ -136,6 +177,9 @@ def run(config) -> framework.Result:
             }
             ar_tps = ar_tps or row["tokens_per_s"]
             row["speedup"] = row["tokens_per_s"] / ar_tps
+            if gamma == "auto":
+                chunks = [c for s in stats for c in s["gamma_schedule"]]
+                row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=int))
             if gamma:
                 pooled = metrics.pool(stats)
                 row.update({k: pooled[k] for k in ("acceptance_rate", "mean_accepted_length", "alpha_hat")})
@@ -163,7 +207,7 @@ def run(config) -> framework.Result:
             if identity["rows"]
             else "not run (no temperature 0)",
             "prompts_covered": f"{len(covered)}/{len(prompts)}",
-            "gammas": ",".join(map(str, sorted(checked))),
+            "gammas": ",".join(map(str, sorted(checked, key=str))),
             "batch_sizes": ",".join(map(str, config.batch_sizes)),
         }
     ]

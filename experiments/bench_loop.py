@@ -22,6 +22,7 @@ TITLE = "Benchmark loop: the compiled while_loop against a Python loop of the ji
 
 
 MODEL_KEYS = ("model",)
+DTYPE_KEYS = ("dtype",)
 INT_RANGES = {"batch_size": (1, 64), "max_new_tokens": (2, 4096), "repeats": (1, 1000)}
 
 
@@ -29,6 +30,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     """One random model (a tiny one when quick), batch 1, greedy."""
     config = ml_collections.ConfigDict()
     config.model = "tiny" if quick else "random"
+    config.dtype = "float32"  # models.precision.PRECISIONS
     config.batch_size = 1
     config.max_new_tokens = 8 if quick else 128
     config.repeats = 2 if quick else 5
@@ -57,7 +59,7 @@ def plain_loop_setup(model, prompts, max_new_tokens: int):
 
 
 def run(config) -> framework.Result:
-    model = common.load_model(config.model)
+    model = common.load_model(config.model, config.dtype)
     n = config.max_new_tokens
     static, inputs = plain_loop_setup(model, synthetic_prompts(config.batch_size), n)
     prefill = jax.jit(functools.partial(spec_prefill, static))

@@ -21,6 +21,7 @@ REPS = 32  # model-call sequences per timed program
 
 
 MODEL_KEYS = bench_loop.MODEL_KEYS
+DTYPE_KEYS = bench_loop.DTYPE_KEYS
 INT_RANGES = {**bench_loop.INT_RANGES, "gamma": (1, 16)}
 
 
@@ -32,7 +33,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
 
 def run(config) -> framework.Result:
-    model = common.load_model(config.model)
+    model = common.load_model(config.model, config.dtype)
     prompts = bench_loop.synthetic_prompts(config.batch_size)
     n, gamma = config.max_new_tokens, config.gamma
     kwargs = dict(max_new_tokens=n, temperature=0.0)

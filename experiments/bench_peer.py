@@ -1,33 +1,81 @@
-"""Benchmark: this project against HF transformers on the same pair, prompts and machine,
-greedy, the systems alternating.
+"""Benchmark: this project against HF transformers and OpenVINO GenAI on the same pair, prompts
+and machine, greedy, the systems alternating.
 
-HF runs in `peer_python` (a worker process, launch/hf_peer_worker.py, that loads both models
-once); repeat r runs prompt r (cycling) through all four systems, the starting system rotating.
-Each system's time is the wall time of its generate call alone (HF: measured inside the
-worker). Needs a `.venv-ref` with torch and transformers; without one the suite prints one
-line saying how to install it and writes nothing.
+Each peer library runs in `peer_python` in a worker process of its own (launch/hf_peer_worker.py,
+launch/ov_peer_worker.py; one protocol, launch/peer_protocol.py) that loads both models once;
+repeat r runs prompt r (cycling) through every system (plain and speculative of each library),
+the starting system rotating. Each system's time is the wall time of its generate call alone
+(the peers': measured inside the worker). A peer library whose packages `peer_python` cannot
+import is skipped with one line saying how to install them; with neither, or without the
+interpreter, the suite prints why and writes nothing.
 """
 
+import contextlib
+import dataclasses
 import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 
+import jax
 import ml_collections
 
 from experiments import bench_decode, common, framework
 from spec_jax import timing
 
-TITLE = "Benchmark peer: spec-jax against HF transformers (plain and assisted), side by side"
+TITLE = "Benchmark peer: spec-jax against HF transformers and OpenVINO GenAI (plain and speculative), side by side"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "launch", "hf_peer_worker.py")
 PEER_INSTALL = (
-    "python3 -m venv .venv-ref && .venv-ref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy"
+    "python3 -m venv .venv-ref && .venv-ref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy "
+    "openvino-genai==2026.4.1.0"
 )
+HF_DTYPES = ("float32", "bfloat16")
 
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A peer library: its worker module, what the worker imports, and its two systems."""
+
+    key: str  # its value in config.peers
+    library: str
+    module: str  # run as `peer_python -m module` from the repository root
+    requires: tuple[str, ...]  # modules the real (not --fake) worker imports
+    install: str  # the pip line that gives .venv-ref those modules
+    plain: str  # row names; {gamma} is the suite's gamma
+    speculative: str
+    worker_args: Callable[[ml_collections.ConfigDict], list[str]]  # beyond --target/--draft/--threads
+
+
+PEERS = {
+    peer.key: peer
+    for peer in (
+        Peer(
+            key="hf",
+            library="HF transformers",
+            module="launch.hf_peer_worker",
+            requires=("torch", "transformers", "accelerate", "gguf"),
+            install=".venv-ref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy",
+            plain="HF transformers, plain",
+            speculative="HF transformers, assisted",
+            worker_args=lambda config: [f"--dtype={config.hf_dtype}"],
+        ),
+        Peer(
+            key="ov",
+            library="OpenVINO GenAI",
+            module="launch.ov_peer_worker",
+            requires=("openvino_genai", "gguf", "numpy"),
+            install=".venv-ref/bin/pip install openvino-genai==2026.4.1.0 gguf numpy",
+            plain="OpenVINO GenAI, plain",
+            speculative="OpenVINO GenAI, speculative gamma {gamma}",
+            worker_args=lambda config: [f"--num_assistant_tokens={config.gamma}"],
+        ),
+    )
+}
 
 MODEL_KEYS = bench_decode.MODEL_KEYS
+DTYPE_KEYS = bench_decode.DTYPE_KEYS
 INT_RANGES = bench_decode.INT_RANGES
 
 
@@ -40,9 +88,21 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.repeats = 2 if quick else 6
     config.max_new_tokens = 8 if quick else 32
     config.peer_python = ".venv-ref/bin/python"
-    # quick: the worker's --fake backend (deterministic tokens, no torch) over the real protocol
+    config.peers = tuple(PEERS)  # the peer libraries to run, from PEERS
+    config.hf_dtype = "float32"  # torch dtype of HF's models (HF_DTYPES)
+    config.target_dtype = "float32"  # this project's precisions (models.precision.PRECISIONS)
+    config.draft_dtype = "float32"
+    # quick: the workers' --fake backend (deterministic tokens, no library) over the real protocol
     config.fake_peer = quick
     return config
+
+
+def validate(config) -> None:
+    if config.hf_dtype not in HF_DTYPES:
+        raise ValueError(f"hf_dtype: must be one of {', '.join(HF_DTYPES)}, got {config.hf_dtype!r}")
+    peers = tuple(config.peers)
+    if not peers or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
+        raise ValueError(f"peers: must be distinct values from {', '.join(PEERS)}, got {','.join(peers)!r}")
 
 
 def resolve_python(path: str) -> str:
@@ -51,31 +111,27 @@ def resolve_python(path: str) -> str:
     return os.path.join(ROOT, path)
 
 
-def peer_unavailable(python: str, config) -> str | None:
-    """Why the peer suite cannot run with this interpreter, or None when it can."""
-    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        return f"peer_python={config.peer_python}: no such interpreter"
-    if config.fake_peer:  # the fake worker needs nothing but the standard library
+def peer_unavailable(python: str, peer: Peer, fake: bool = False) -> str | None:
+    """Why `peer`'s worker cannot run in `python`, or None when it can (the fake worker needs
+    nothing but the standard library)."""
+    if fake:
         return None
     probe = subprocess.run(
-        [python, "-c", "import torch, transformers, accelerate, gguf"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [python, "-c", f"import {', '.join(peer.requires)}"], capture_output=True, text=True, timeout=300
     )
     if probe.returncode:
         missing = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
-        return f"{python} cannot import torch/transformers/accelerate/gguf ({missing})"
+        return f"{python} cannot import {'/'.join(peer.requires)} ({missing})"
     return None
 
 
 class PeerWorker:
-    """launch/hf_peer_worker.py in the reference interpreter, spoken to in JSON lines."""
+    """A peer worker (launch/peer_protocol.py) in the reference interpreter, spoken to in JSON lines."""
 
-    def __init__(self, python: str, args: list[str]):
+    def __init__(self, python: str, module: str, args: list[str]):
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
         self.proc = subprocess.Popen(
-            [python, WORKER, *args],
+            [python, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -93,8 +149,13 @@ class PeerWorker:
             raise RuntimeError(f"peer worker: {message['error']}")
         return message
 
-    def generate(self, prompt, max_new_tokens: int, assisted: bool) -> dict:
-        request = {"op": "generate", "prompt": prompt, "max_new_tokens": max_new_tokens, "assisted": assisted}
+    def generate(self, prompt, max_new_tokens: int, speculative: bool) -> dict:
+        request = {
+            "op": "generate",
+            "prompt": prompt,
+            "max_new_tokens": max_new_tokens,
+            "speculative": speculative,
+        }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return self._read()
@@ -117,28 +178,58 @@ def first_difference(a: list, b: list) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def params_precision(model) -> str:
+    """The dtypes of a model's weight matrices, e.g. "float32"."""
+    return "/".join(sorted({str(leaf.dtype) for leaf in jax.tree.leaves(model.params) if leaf.ndim >= 2}))
+
+
+def available_peers(python: str, config) -> list[Peer]:
+    """The peers of config.peers that can run in `python`; prints one line for each that cannot."""
+    peers = []
+    for key in config.peers:
+        peer = PEERS[key]
+        reason = peer_unavailable(python, peer, config.fake_peer)
+        if reason:
+            print(f"peer suite: {peer.library} skipped: {reason}. Install it with: {peer.install}")
+        else:
+            peers.append(peer)
+    return peers
+
+
 def run(config) -> framework.Result | None:
     python = resolve_python(config.peer_python)
-    reason = peer_unavailable(python, config)
-    if reason:
-        print(f"peer suite skipped: {reason}. Install the reference stack with: {PEER_INSTALL}")
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        print(
+            f"peer suite skipped: peer_python={config.peer_python}: no such interpreter. "
+            f"Install the reference stack with: {PEER_INSTALL}"
+        )
+        return None
+    peers = available_peers(python, config)
+    if not peers:
+        print("peer suite skipped: no peer library can run, so there is nothing to compare with")
         return None
     threads = os.cpu_count()
+    n, gamma = config.max_new_tokens, config.gamma
     if config.fake_peer:
-        worker_args = ["--fake"]
+        model_args = ["--fake"]
     else:
         from models import registry
 
         paths = [str(registry.fetch_gguf(name)) for name in (config.target, config.draft)]
-        worker_args = [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
-    print(
-        f"peer: loading HF transformers in {python} (torch threads = {threads} = CPU cores) ...", flush=True
-    )
-    worker = PeerWorker(python, worker_args)  # loads before ours: the two loads' peaks never overlap
-    try:
-        target, draft = common.load_model(config.target), common.load_model(config.draft)
+        model_args = [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
+
+    ar, spec = "spec-jax, autoregressive", f"spec-jax, speculative gamma {gamma}"
+    families = {"spec-jax": (ar, spec)}  # library -> (plain system, speculative system)
+    with contextlib.ExitStack() as stack:
+        workers = {}
+        for peer in peers:  # one at a time, all before ours: the loads' peaks never overlap
+            print(f"peer: loading {peer.library} in {python} ({threads} threads = CPU cores) ...", flush=True)
+            workers[peer.key] = PeerWorker(python, peer.module, model_args + peer.worker_args(config))
+            stack.callback(workers[peer.key].close)
+            families[peer.library] = (peer.plain, peer.speculative.format(gamma=gamma))
+        target = common.load_model(config.target, config.target_dtype)
+        draft = common.load_model(config.draft, config.draft_dtype)
         prompts = bench_decode.bench_prompts(target.tokenizer, config.num_prompts)
-        n, gamma = config.max_new_tokens, config.gamma
 
         def ours(prompt, draft_model):  # the wall time of the whole generate call
             start = time.perf_counter()
@@ -150,80 +241,94 @@ def run(config) -> framework.Result | None:
                 "compile_seconds": gen.stats["first_compile_seconds"],
             }
 
-        systems = {
-            "HF transformers, plain": lambda p: worker.generate(p, n, False),
-            "HF transformers, assisted": lambda p: worker.generate(p, n, True),
-            "spec-jax, autoregressive": lambda p: ours(p, None),
-            f"spec-jax, speculative gamma {gamma}": lambda p: ours(p, draft),
-        }
+        def peer_system(worker, speculative):
+            return lambda p: worker.generate(p, n, speculative)
+
+        systems = {ar: lambda p: ours(p, None), spec: lambda p: ours(p, draft)}
+        for peer in peers:
+            plain_name, spec_name = families[peer.library]
+            systems[plain_name] = peer_system(workers[peer.key], False)
+            systems[spec_name] = peer_system(workers[peer.key], True)
         repeat_prompts = [prompts[r % len(prompts)] for r in range(config.repeats)]
         warmup = [b[0] for b in bench_decode.warmup_batches([[p] for p in repeat_prompts])]
         runs = timing.interleaved(systems, repeat_prompts, warmup)
-    finally:
-        worker.close()
 
-    names = list(systems)
-    hf_plain, hf_assisted, ours_ar, ours_spec = names
+    precision = dict.fromkeys((ar, spec), params_precision(target))
+    for peer in peers:
+        precision.update(dict.fromkeys(families[peer.library], workers[peer.key].info["precision"]))
+    first_run = {}  # each distinct prompt -> the first repeat that ran it
+    for r, prompt in enumerate(repeat_prompts):
+        first_run.setdefault(tuple(prompt), r)
+    differences = {  # system -> per distinct prompt, where its tokens first differ from spec-jax AR's
+        name: [
+            first_difference(runs[name]["results"][r]["tokens"], runs[ar]["results"][r]["tokens"])
+            for r in first_run.values()
+        ]
+        for name in systems
+    }
+
+    def per_second(result):
+        return len(result["tokens"]) / result["seconds"]
+
     rows = {}
-    for name in names:
+    for name in systems:
         results = runs[name]["results"]
         row = {
             "system": name,
+            "precision": precision[name],
             **bench_decode.throughput([r["seconds"] for r in results], [len(r["tokens"]) for r in results]),
         }
-        if name.startswith("spec-jax"):
+        if name != ar:
+            paired = timing.spread(
+                per_second(a) / per_second(b) for a, b in zip(results, runs[ar]["results"], strict=True)
+            )
+            same = sum(d is None for d in differences[name])
+            row.update(
+                ratio_per_repeat=paired["median"],
+                ratio_per_repeat_min=paired["min"],
+                ratio_per_repeat_max=paired["max"],
+                greedy_same_as_spec_jax_ar=f"{same}/{len(first_run)} prompts",
+            )
+        if name in (ar, spec):
             row["compile_s"] = sum(r["compile_seconds"] for r in runs[name]["warmup"])
         rows[name] = row
-    for baseline, other in ((hf_plain, hf_assisted), (ours_ar, ours_spec)):
+    for baseline, other in families.values():
         rows[baseline]["speedup_over_own_baseline"] = 1.0
         rows[other]["speedup_over_own_baseline"] = (
             rows[other]["tokens_per_s"] / rows[baseline]["tokens_per_s"]
         )
-    best_hf = max((hf_plain, hf_assisted), key=lambda k: rows[k]["tokens_per_s"])
-    for name in (ours_ar, ours_spec):
-        rows[name]["ratio_to_best_hf"] = rows[name]["tokens_per_s"] / rows[best_hf]["tokens_per_s"]
-        paired = timing.spread(
-            (len(a["tokens"]) / a["seconds"]) / (len(b["tokens"]) / b["seconds"])
-            for a, b in zip(runs[name]["results"], runs[best_hf]["results"], strict=True)
-        )
-        rows[name].update(
-            ratio_per_repeat=paired["median"],
-            ratio_per_repeat_min=paired["min"],
-            ratio_per_repeat_max=paired["max"],
-        )
-    rows[best_hf]["ratio_to_best_hf"] = 1.0
+    for row in rows.values():
+        row["over_spec_jax_ar"] = row["tokens_per_s"] / rows[ar]["tokens_per_s"]
 
-    agreement, seen = [], set()
-    for r, prompt in enumerate(repeat_prompts):
-        if tuple(prompt) in seen:
-            continue
-        seen.add(tuple(prompt))
-        out = {name: runs[name]["results"][r]["tokens"] for name in names}
-        diff = first_difference(out[ours_spec], out[hf_plain])
-        agreement.append(
-            {
-                "prompt": common.BENCH_PROMPTS[prompts.index(prompt)],
-                "ours_spec_equals_hf_plain": diff is None,
-                "first_difference_at": "" if diff is None else diff,
-                "ours_ar_equals_ours_spec": out[ours_ar] == out[ours_spec],
-                "hf_plain_equals_hf_assisted": out[hf_plain] == out[hf_assisted],
-                "ours_ar_equals_hf_plain": out[ours_ar] == out[hf_plain],
-            }
-        )
-    agree = sum(a["ours_spec_equals_hf_plain"] for a in agreement)
-    summary_row = {
-        "system": "summary",
-        "ours_spec_over_best_hf": rows[ours_spec]["ratio_to_best_hf"],
-        "best_hf": best_hf,
-        "greedy_outputs_agree": f"{agree}/{len(agreement)} prompts",
-    }
-    hf_rss = max(r.get("peak_rss_mb", 0) for name in (hf_plain, hf_assisted) for r in runs[name]["results"])
+    def speed(name):
+        return rows[name]["tokens_per_s"]
+
+    fastest = max(families["spec-jax"], key=speed)
+    summary_row = {"system": "summary", "fastest_spec_jax": fastest}
+    if "HF transformers" in families:
+        best_hf = max(families["HF transformers"], key=speed)
+        summary_row.update(best_hf=best_hf, fastest_spec_jax_over_best_hf=speed(fastest) / speed(best_hf))
+    if "OpenVINO GenAI" in families:
+        ov_spec = families["OpenVINO GenAI"][1]
+        summary_row["fastest_spec_jax_over_openvino_speculative"] = speed(fastest) / speed(ov_spec)
+
+    agreement = []
+    for i, prompt in enumerate(first_run):
+        entry = {"prompt": common.BENCH_PROMPTS[prompts.index(list(prompt))]}
+        for name in systems:
+            if name != ar:
+                entry[name] = "same" if differences[name][i] is None else f"differs at {differences[name][i]}"
+        agreement.append(entry)
+    summary = {}
+    for peer in peers:
+        summary[f"{peer.key}_worker"] = {k: v for k, v in workers[peer.key].info.items() if k != "ready"}
+        rss = max(r.get("peak_rss_mb", 0) for name in families[peer.library] for r in runs[name]["results"])
+        summary[f"{peer.key}_worker_peak_rss_mb"] = round(rss)
+    summary["threads"] = (
+        f"{threads} = os.cpu_count() (XLA:CPU; torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS)"
+    )
     return framework.Result.from_dicts(
         [*rows.values(), summary_row],
-        sections={"greedy agreement per prompt": agreement},
-        summary={
-            "peer_worker": {k: v for k, v in worker.info.items() if k != "ready"},
-            "peer_worker_peak_rss_mb": round(hf_rss),
-            "torch_threads": f"{threads} (torch.set_num_threads = os.cpu_count(); XLA:CPU uses every core too)",
-        },
+        sections={"greedy agreement with spec-jax autoregressive, per prompt": agreement},
+        summary=summary,
     )

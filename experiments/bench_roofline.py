@@ -9,10 +9,10 @@ the KV cache at `context` slots) over the bandwidth; step_over_floor uses the co
 (read + write counted), step_over_read_floor the read-only one.
 """
 
-import jax
 import ml_collections
 
 from experiments import common, framework
+from models import precision, weights
 from spec_jax import timing
 from spec_jax.sampling import SamplingParams
 
@@ -23,6 +23,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.precisions = ("int8",) if quick else ("float32", "bfloat16", "int8")  # both models at each
     config.batch_size = 1
     config.gamma = 2 if quick else 4
     config.context = 32 if quick else 128  # KV-cache slots each call reads
@@ -32,6 +33,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
 
 MODEL_KEYS = ("target", "draft")
+DTYPE_KEYS = ("precisions",)
 INT_RANGES = {
     "batch_size": (1, 64),
     "gamma": (1, 16),
@@ -53,23 +55,16 @@ def step_bytes(model, batch: int, tokens_per_row: int, cache_slots: int) -> dict
     the B * T rows looked up, plus the KV cache at cache_slots positions (the XLA attention reads
     every slot of the cache)."""
     cfg = model.config
-    weights = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
-        keys = [str(getattr(k, "key", k)) for k in path]
-        if keys[0] == "embed" and not cfg.tie_embeddings:
-            weights += batch * tokens_per_row * leaf.shape[-1] * leaf.dtype.itemsize
-        else:
-            weights += leaf.size * leaf.dtype.itemsize
+    weight_bytes = weights.read_bytes(cfg, model.params, batch * tokens_per_row)
     itemsize = cfg.jnp_dtype.itemsize
     kv = 2 * cfg.num_layers * batch * cache_slots * cfg.num_kv_heads * cfg.head_dim * itemsize
-    return {"weights": weights, "kv": kv}
+    return {"weights": weight_bytes, "kv": kv}
 
 
-def run(config) -> framework.Result:
-    bandwidth = timing.measure_bandwidth(config.bandwidth_mb, max(3, config.repeats // 2))
-    copy_gbs = max(r["gb_per_s"] for r in bandwidth if r["kind"] == "copy")
-    read_gbs = max(r["gb_per_s"] for r in bandwidth if r["kind"] == "read")
-    target, draft = common.load_model(config.target), common.load_model(config.draft)
+def precision_rows(config, dtype: str, copy_gbs: float, read_gbs: float) -> list[dict]:
+    """The three calls' rows with both models at one precision (timed interleaved)."""
+    target = common.load_model(config.target, dtype)
+    draft = common.load_model(config.draft, dtype)
     batch, slots, gamma = config.batch_size, config.context, config.gamma
     greedy = SamplingParams(0.0)
     calls = {  # name: (model, widths, sampling)
@@ -92,6 +87,8 @@ def run(config) -> framework.Result:
         t = timing.spread(runs[name]["seconds"])
         rows.append(
             {
+                "precision": dtype,
+                "matmul_impl": precision.resolve_matmul_impl(model.config.matmul_impl),
                 "call": name,
                 "model": model.config.name,
                 "batch": batch,
@@ -108,7 +105,18 @@ def run(config) -> framework.Result:
                 "compile_s": fns[name].compile_seconds,
             }
         )
+    rows[1]["draft_over_target_step"] = rows[1]["step_ms"] / rows[0]["step_ms"]
     rows[2]["verify_over_target_step"] = rows[2]["step_ms"] / rows[0]["step_ms"]
+    return rows
+
+
+def run(config) -> framework.Result:
+    bandwidth = timing.measure_bandwidth(config.bandwidth_mb, max(3, config.repeats // 2))
+    copy_gbs = max(r["gb_per_s"] for r in bandwidth if r["kind"] == "copy")
+    read_gbs = max(r["gb_per_s"] for r in bandwidth if r["kind"] == "read")
+    rows = []
+    for dtype in config.precisions:
+        rows += precision_rows(config, dtype, copy_gbs, read_gbs)
     return framework.Result.from_dicts(
         rows,
         sections={"memory bandwidth": bandwidth},

@@ -67,17 +67,20 @@ def check_tuple(config, key: str, kind: type, low, high) -> None:
         raise ValueError(f"{key}: each value must be {noun} in [{low:g}, {high:g}], got {values}")
 
 
-def load_model(name: str) -> models.Model:
-    """A tiny random model (quick modes) or anything models.load knows (with its tokenizer);
-    loaded once per process while it is one of the last two real models asked for."""
+def load_model(name: str, dtype: str = "float32") -> models.Model:
+    """A tiny random model (quick modes) or anything models.load knows (with its tokenizer), at
+    a precision (models.precision.PRECISIONS); loaded once per process while it is one of the
+    last two real (model, precision) pairs asked for."""
     if name in TINY_MODELS:
-        return models.random_model(**TINY_MODELS[name], name=name).replace(tokenizer=models.ByteTokenizer())
-    if name not in _LOADED:
+        model = models.random_model(**TINY_MODELS[name], name=name, dtype=dtype)
+        return model.replace(tokenizer=models.ByteTokenizer())
+    key = (name, dtype)
+    if key not in _LOADED:
         for old in list(_LOADED)[: max(0, len(_LOADED) - 1)]:
             del _LOADED[old]
-        _LOADED[name] = models.load(name, progress=False)
-    _LOADED[name] = _LOADED.pop(name)  # most recently used last
-    return _LOADED[name]
+        _LOADED[key] = models.load(name, dtype=dtype, progress=False)
+    _LOADED[key] = _LOADED.pop(key)  # most recently used last
+    return _LOADED[key]
 
 
 def encode_all(tokenizer, texts) -> list[list[int]]:

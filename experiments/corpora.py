@@ -148,3 +148,34 @@ def prompt_texts(test_docs: Sequence[Document], num_prompts: int, min_chars: int
             f"num_prompts: only {len(texts)} test documents are long enough for a prompt, asked for {num_prompts}"
         )
     return texts
+
+
+TRIM_TEST_FRACTION = 0.2  # table3's split: the trimmed head never counted a test prompt's text
+
+
+def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, always=(), cache_dir=None):
+    """The token set of a vocabulary-trimmed draft head (spec_jax.drafters.trim_vocabulary):
+    the `count` most frequent tokens of the training documents of both tasks, with `always`
+    (the stop tokens) included. Counted once per model and count, cached as
+    `$SPEC_JAX_CACHE/vocab_trim/MODEL-COUNT.npy`."""
+    from spec_jax import ngram
+
+    always = sorted({int(i) for i in always})
+    path = (
+        registry.cache_root(cache_dir)
+        / "vocab_trim"
+        / f"{model_name}-{count}-{'_'.join(map(str, always))}.npy"
+    )
+    if path.exists():
+        return np.load(path)
+    texts = [text for task in TASKS for _, text in split(documents(task, cache_dir), TRIM_TEST_FRACTION)[0]]
+    encoded = (
+        tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, texts)
+    )
+    ids = ngram.most_frequent(list(encoded), vocab_size, count, always)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    with open(tmp, "wb") as f:
+        np.save(f, ids)
+    os.replace(tmp, path)
+    return ids

@@ -183,13 +183,19 @@ def validate(module, config) -> None:
     """Checks a config against what its experiment module declares, then the module's own
     validate(config) if it has one. Declarations (all optional):
       MODEL_KEYS = ("target", ...)           each a model name the experiments can load
+      DTYPE_KEYS = ("target_dtype", ...)     each a precision (models.precision.PRECISIONS)
       INT_RANGES = {"key": (low, high)}      each an integer (not a bool) in [low, high]
       TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those
     ValueError("<key>: ...") on the first bad value."""
     from experiments import common
+    from models.precision import PRECISIONS
 
     for key in getattr(module, "MODEL_KEYS", ()):
         common.check_model_name(key, config[key])
+    for key in getattr(module, "DTYPE_KEYS", ()):
+        values = config[key] if isinstance(config[key], tuple) else (config[key],)
+        if not values or any(v not in PRECISIONS for v in values):
+            raise ValueError(f"{key}: each value must be one of {', '.join(PRECISIONS)}, got {config[key]!r}")
     common.check_int_settings(config, getattr(module, "INT_RANGES", {}))
     for key, (kind, low, high) in getattr(module, "TUPLE_RANGES", {}).items():
         common.check_tuple(config, key, kind, low, high)

@@ -61,6 +61,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.target_dtype = "float32"  # models.precision.PRECISIONS
+    config.draft_dtype = "float32"
     config.gammas = (1,) if quick else tuple(range(1, 9))
     config.temperature = 1.0 if quick else 0.0  # random models agree on no argmax: alpha 0 at T=0
     config.num_prompts = 2
@@ -74,6 +76,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
 
 MODEL_KEYS = ("target", "draft")
+DTYPE_KEYS = ("target_dtype", "draft_dtype")
 INT_RANGES = {
     "num_prompts": (1, 1024),
     "batch_size": (1, 1024),
@@ -372,7 +375,8 @@ def figure(rows, summary):
 
 
 def run(config) -> framework.Result:
-    target, draft = common.load_model(config.target), common.load_model(config.draft)
+    target = common.load_model(config.target, config.target_dtype)
+    draft = common.load_model(config.draft, config.draft_dtype)
     prompts = prompts_for(target.tokenizer, config)
     print("walltime: timing the model calls (compiles each first) ...", file=sys.stderr, flush=True)
     costs = step_costs(target, draft, config, max(len(p) for p in prompts))

@@ -3,7 +3,7 @@
   python -m launch.bench --suite=loop       # compiled while_loop vs a Python loop of jitted rounds
   python -m launch.bench --suite=overhead   # a round's bookkeeping beyond its model calls
   python -m launch.bench --suite=decode     # the Qwen pair: tokens/s over batch, temperature, gamma
-  python -m launch.bench --suite=peer       # the same pair through HF transformers, side by side
+  python -m launch.bench --suite=peer       # the same pair through HF transformers and OpenVINO GenAI
   python -m launch.bench --suite=roofline   # bytes per step vs measured memory bandwidth
   python -m launch.bench --suite=attention  # the attention kernels vs the XLA reference
   python -m launch.bench --suite=peer,decode,roofline   # together: the models load once
@@ -13,7 +13,7 @@ Each suite is an experiment (experiments/bench_*.py) and `--suite=X` is `python 
 launch.experiment --experiment=X`: the same --quick, --output_dir, --set=KEY=VALUE and
 --gammas / --seed flags, the same outputs (X.md, X.csv, X.json in experiments/results/, with
 the command, git revision, machine and peak RSS). Suites given together run in the order
-above (peer before decode, so that HF loads before this project's models are resident).
+above (peer before decode, so that the peer libraries load before this project's models are resident).
 Timings are medians over interleaved repeats after a warm-up; they are never asserted by
 tests (--quick runs each suite on tiny models to prove the harness). docs/benchmarks.md
 explains every column.

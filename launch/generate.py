@@ -32,7 +32,13 @@ flags.DEFINE_string("target", "qwen2.5-coder-1.5b", "Target model name (see mode
 flags.DEFINE_string(
     "draft", "qwen2.5-coder-0.5b", "Draft model name, or 'none' for plain autoregressive decoding."
 )
-flags.DEFINE_integer("gamma", 4, "Draft tokens per round.", lower_bound=1)
+flags.DEFINE_string(
+    "gamma",
+    "auto",
+    "Draft tokens per round: an integer >= 1, or 'auto' (chosen per chunk of rounds from the measured "
+    "cost of the draft and verify calls and the acceptance rate so far, 0..8; 0 = plain decoding "
+    "when drafting does not pay; the costs are measured once per machine and pair, and cached).",
+)
 flags.DEFINE_float(
     "temperature",
     0.0,
@@ -64,7 +70,33 @@ flags.DEFINE_string(
 flags.DEFINE_bool(
     "skip_special_tokens", True, "Print and write text without special tokens (the token ids keep them)."
 )
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and activation dtype.")
+flags.DEFINE_enum(
+    "target_dtype",
+    "int8",
+    ["float32", "bfloat16", "int8"],
+    "Target weight precision (models.precision): float32; bfloat16 weights and activations; int8 "
+    "weights with a float32 scale per output unit. Output is exact for the target at this precision.",
+)
+flags.DEFINE_enum(
+    "draft_dtype",
+    "int8",
+    ["float32", "bfloat16", "int8"],
+    "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
+)
+flags.DEFINE_integer(
+    "draft_vocab",
+    0,
+    "VocabTrim: the draft proposes only this many tokens (the most frequent of the code and news "
+    "training corpora, plus the stop tokens; counted once and cached), so its output head costs "
+    "that share of the full one. Exact for any value; 0 = the full vocabulary.",
+    lower_bound=0,
+)
+flags.DEFINE_enum(
+    "matmul_impl",
+    "auto",
+    ["auto", "xla", "cpu_kernel"],
+    "Matrix products: auto (this project's CPU kernel on an x86-64 AVX2 CPU, else XLA), xla, cpu_kernel.",
+)
 flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see models.kernels.IMPLS).")
 
 flags.DEFINE_string(
@@ -169,11 +201,13 @@ def init_distributed() -> None:
     )
 
 
-def load_model(name: str):
+def load_model(name: str, dtype: str):
     import models
 
-    model = models.load(name, dtype=FLAGS.dtype)
-    config = dataclasses.replace(model.config, attention_impl=FLAGS.attention_impl)
+    model = models.load(name, dtype=dtype)
+    config = dataclasses.replace(
+        model.config, attention_impl=FLAGS.attention_impl, matmul_impl=FLAGS.matmul_impl
+    )
     return model.replace(config=config)
 
 
@@ -196,6 +230,35 @@ def stop_ids_from_flag(tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
+def trimmed_draft(draft, stop_ids):
+    """The draft as a (drafter, params) pair proposing --draft_vocab tokens (VocabTrim)."""
+    from experiments import corpora
+    from spec_jax import drafters
+
+    vocab = draft.config.vocab_size
+    if not len(stop_ids) < FLAGS.draft_vocab <= vocab:
+        raise common.UsageError(
+            f"--draft_vocab must be 0 or in [{len(stop_ids) + 1}, {vocab}] (more than the stop tokens), "
+            f"got {FLAGS.draft_vocab}"
+        )
+    ids = corpora.frequent_tokens(FLAGS.draft, draft.tokenizer, vocab, FLAGS.draft_vocab, always=stop_ids)
+    return drafters.trim_vocabulary(draft, ids)
+
+
+def gamma_from_flag():
+    """--gamma as an int >= 1 or "auto"; UsageError naming the flag otherwise."""
+    text = FLAGS.gamma.strip()
+    if text == "auto":
+        return text
+    try:
+        gamma = int(text)
+    except ValueError:
+        gamma = 0
+    if gamma < 1:
+        raise common.UsageError(f"--gamma must be an integer >= 1 or 'auto', got {FLAGS.gamma!r}")
+    return gamma
+
+
 def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
     """Decodes in batches of --batch_size (a smaller last batch compiles its own loop). Prompt i
     of the list draws from (--seed, i) alone, so outputs do not depend on the batch size."""
@@ -210,7 +273,7 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
             target,
             batch,
             draft=draft,
-            gamma=FLAGS.gamma,
+            gamma=gamma_from_flag(),
             max_new_tokens=FLAGS.max_new_tokens,
             temperature=FLAGS.temperature,
             top_k=FLAGS.top_k,
@@ -222,7 +285,10 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
         )
         outputs.extend(gen.tokens)
         stats.append(gen.stats)
-    return outputs, metrics.pool(stats)
+    pooled = metrics.pool(stats)
+    if "gamma_schedule" in stats[0]:  # --gamma=auto: [gamma, rounds] chunks of each batch
+        pooled["gamma_schedules"] = [s["gamma_schedule"] for s in stats]
+    return outputs, pooled
 
 
 def main(argv):
@@ -231,14 +297,16 @@ def main(argv):
     init_distributed()  # before anything touches a jax backend
     import jax
 
-    from models import kernels
+    from models import kernels, precision
     from spec_jax import sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
+    precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
+    gamma_from_flag()
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     prompts = read_prompts()
-    target = load_model(FLAGS.target)
-    draft = None if FLAGS.draft == "none" else load_model(FLAGS.draft)
+    target = load_model(FLAGS.target, FLAGS.target_dtype)
+    draft = None if FLAGS.draft == "none" else load_model(FLAGS.draft, FLAGS.draft_dtype)
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
         target = sharding.place(target, mesh)
         draft = None if draft is None else sharding.place(draft, mesh)
@@ -260,12 +328,18 @@ def main(argv):
             )
     token_prompts = [tokenizer.encode(p) for p in prompts]
     stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
+    if draft is not None and FLAGS.draft_vocab:
+        draft = trimmed_draft(draft, stop_ids)
 
     tokens, stats = run_batches(target, draft, token_prompts, stop_ids, mesh)
     report = {
         "target": FLAGS.target,
         "draft": FLAGS.draft,
-        "gamma": FLAGS.gamma,
+        "target_dtype": FLAGS.target_dtype,
+        "draft_dtype": FLAGS.draft_dtype,
+        "draft_vocab": FLAGS.draft_vocab,
+        "matmul_impl": FLAGS.matmul_impl,
+        "gamma": gamma_from_flag(),
         "temperature": FLAGS.temperature,
         "stop_ids": stop_ids,
         "mesh": FLAGS.mesh,
@@ -288,6 +362,11 @@ def main(argv):
                 f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
                 f"{s['mean_accepted_length']:.2f}, alpha_hat {s['alpha_hat']:.3f}"
             )
+        if "gamma_schedules" in s:
+            chunks = [
+                f"{g}x{r}" if r < 2**31 - 1 else f"{g} to the end" for b in s["gamma_schedules"] for g, r in b
+            ]
+            line += f", gamma=auto chunks (gamma x rounds): {' '.join(chunks)}"
         print(line)
 
     show("speculative" if draft is not None else "autoregressive", stats)

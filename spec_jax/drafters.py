@@ -18,9 +18,10 @@ from typing import Any, Protocol
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
-from models.transformer import forward
+from models.transformer import forward, output_head
 from spec_jax.decode import prefill
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
@@ -63,12 +64,34 @@ class NoDrafter:
         return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, self.vocab_size), jnp.float32), state
 
 
+@flax.struct.dataclass
+class TrimmedHead:
+    """The rows of a draft model's output head for a subset of the vocabulary (VocabTrim)."""
+
+    weight: Any  # [R, D], the head's rows for these tokens (any precision: Int8Weight too)
+    ids: jax.Array  # int32 [R], their token ids
+
+
+@flax.struct.dataclass
+class TrimmedDraftParams:
+    model: Any  # the draft model's parameters
+    head: TrimmedHead
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter:
-    """A small transformer drafting autoregressively from its own KV cache."""
+    """A small transformer drafting autoregressively from its own KV cache.
+
+    trimmed: the params are TrimmedDraftParams and the draft's distribution lives on the
+    head's R tokens (VocabTrim, `trim_vocabulary`): each step multiplies by an [R, D] head
+    instead of [V, D], and q is 0 on every other token. The rejection rule stays exact for any
+    q the drafts are sampled from, this one included: tokens off the set are never proposed,
+    and the target's residual max(0, p - q) keeps their whole probability.
+    """
 
     config: ModelConfig
     prefill_calls: int = 1
+    trimmed: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -79,22 +102,33 @@ class ModelDrafter:
         return self.config.max_seq_len
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
-        _, cache = prefill(self.config, params, tokens_bp, prompt_lens_b, cache_len)
+        model_params = params.model if self.trimmed else params
+        _, cache = prefill(self.config, model_params, tokens_bp, prompt_lens_b, cache_len)
         return cache
+
+    def distribution(self, params, tokens_bt, positions_bt, cache, sampling, logits_at=None):
+        """(q [B, V] of the last scored position, cache): the warped draft distribution."""
+        if not self.trimmed:
+            logits, cache = forward(self.config, params, tokens_bt, positions_bt, cache, logits_at)
+            return warp(logits[:, 0], sampling), cache
+        logits, cache = forward(
+            self.config, params.model, tokens_bt, positions_bt, cache, logits_at, head=params.head.weight
+        )
+        q_r = warp(logits[:, 0], sampling)  # [B, R]
+        q = jnp.zeros((q_r.shape[0], self.vocab_size), q_r.dtype)
+        return q.at[:, params.head.ids].set(q_r), cache
 
     def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
-        logits, cache = forward(
-            self.config, params, context_b2, positions, cache, logits_at=jnp.ones_like(length_b)[:, None]
+        q0, cache = self.distribution(
+            params, context_b2, positions, cache, sampling, logits_at=jnp.ones_like(length_b)[:, None]
         )
         keys = split_rows(keys_b, gamma)  # [G, B]
-        q0 = warp(logits[:, 0], sampling)
         x0 = draw_rows(keys[0], q0)
 
         def step(carry, step_keys):
             token, position, cache = carry
-            logits, cache = forward(self.config, params, token[:, None], position[:, None], cache)
-            q = warp(logits[:, 0], sampling)
+            q, cache = self.distribution(params, token[:, None], position[:, None], cache, sampling)
             nxt = draw_rows(step_keys, q)
             return (nxt, position + 1, cache), (nxt, q)
 
@@ -102,6 +136,22 @@ class ModelDrafter:
         tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)  # [B, G]
         q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [B, G, V]
         return tokens, q, cache
+
+
+def trim_vocabulary(draft, token_ids) -> tuple[ModelDrafter, TrimmedDraftParams]:
+    """(drafter, params) drafting with `draft` (a models.Model) over token_ids only (VocabTrim):
+    the output head keeps those rows. token_ids: distinct ids in [0, V), e.g. the most frequent
+    tokens of a corpus (spec_jax.ngram.most_frequent) plus the stop tokens."""
+    ids = np.asarray(token_ids)
+    vocab = draft.config.vocab_size
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be a non-empty list of integer token ids, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= vocab or np.unique(ids).size != ids.size:
+        raise ValueError(f"token_ids must be distinct ids in [0, {vocab})")
+    ids = jnp.asarray(np.sort(ids), jnp.int32)
+    weight = jax.tree.map(lambda a: a[ids], output_head(draft.config, draft.params))
+    params = TrimmedDraftParams(model=draft.params, head=TrimmedHead(weight=weight, ids=ids))
+    return ModelDrafter(draft.config, trimmed=True), params
 
 
 # Drafters that need no model: n-gram tables, fitted by spec_jax.ngram. They keep no state

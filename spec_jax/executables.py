@@ -48,14 +48,15 @@ def compiled(
     if key in _EXECUTABLES:
         return _EXECUTABLES[key], 0.0
     start = time.perf_counter()
+    fn_static = functools.partial(fn, static)
     if callable(out_shardings):
-        out_shardings = out_shardings(jax.eval_shape(functools.partial(fn, static), *args))
+        out_shardings = out_shardings(jax.eval_shape(fn_static, *args))
     shardings = {}
     if in_shardings is not None:
         shardings["in_shardings"] = tuple(in_shardings)
     if out_shardings is not None:
         shardings["out_shardings"] = out_shardings
-    jitted = jax.jit(functools.partial(fn, static), donate_argnums=donate_argnums, **shardings)
+    jitted = jax.jit(fn_static, donate_argnums=donate_argnums, **shardings)
     executable = jitted.lower(*args).compile()
     _EXECUTABLES[key] = executable
     return executable, time.perf_counter() - start

@@ -42,16 +42,20 @@ class SpecMetrics:
         )
 
     def update(self, active_b, num_accepted_b, overlap_bg, committed_b, draft_steps: int) -> "SpecMetrics":
-        """Adds one round. active: rows that drafted; overlap: [B, G] sum_x min(p, q) per position.
+        """Adds one round. active: rows that drafted; overlap: [B, G] sum_x min(p, q) per position,
+        G at most the gamma these metrics were made for (gamma=auto runs rounds of several gammas
+        into metrics sized for the largest).
 
         Only positions the target scored on the committed prefix (i <= num_accepted) enter
         alpha: after the first rejection the drafts are conditioned on a rejected token.
         """
         gamma = overlap_bg.shape[1]
+        size = self.per_position_accepted.shape[0]
+        overlap_bg = jnp.pad(overlap_bg, ((0, 0), (0, size - gamma)))
         act = active_b.astype(jnp.int32)
         acc = num_accepted_b * act
-        pos = jnp.arange(gamma)[None, :]
-        scored = (pos <= num_accepted_b[:, None]) & active_b[:, None]
+        pos = jnp.arange(size)[None, :]
+        scored = (pos <= num_accepted_b[:, None]) & (pos < gamma) & active_b[:, None]
         return SpecMetrics(
             num_rounds=self.num_rounds + jnp.sum(act),
             num_draft_tokens=self.num_draft_tokens + gamma * jnp.sum(act),
@@ -59,7 +63,7 @@ class SpecMetrics:
             per_position_accepted=self.per_position_accepted
             + jnp.sum((pos < num_accepted_b[:, None]) & active_b[:, None], axis=0).astype(jnp.int32),
             accepted_histogram=self.accepted_histogram
-            + jnp.sum(jax.nn.one_hot(num_accepted_b, gamma + 1, dtype=jnp.int32) * act[:, None], axis=0),
+            + jnp.sum(jax.nn.one_hot(num_accepted_b, size + 1, dtype=jnp.int32) * act[:, None], axis=0),
             overlap_sum=self.overlap_sum + jnp.sum(jnp.where(scored, overlap_bg, 0.0)),
             overlap_count=self.overlap_count + jnp.sum(scored).astype(jnp.int32),
             num_committed_tokens=self.num_committed_tokens + jnp.sum(committed_b),

@@ -109,3 +109,19 @@ def dense_bigram(tables: BigramTables, contexts: Sequence[int]) -> np.ndarray:
         np.add.at(rows[i], ids[start[c] : start[c + 1]], counts[start[c] : start[c + 1]])
         rows[i] /= float(np.asarray(tables.denominator)[c])
     return rows
+
+
+def most_frequent(sequences, vocab_size: int, count: int, always: Sequence[int] = ()) -> np.ndarray:
+    """The `count` most frequent token ids of the sequences (ties: the smaller id first), plus
+    every id of `always` (e.g. the stop tokens) in place of the least frequent: int64 [count],
+    sorted. The token set of a vocabulary-trimmed draft (spec_jax.drafters.trim_vocabulary)."""
+    if not isinstance(count, int) or not 1 <= count <= vocab_size:
+        raise ValueError(f"count must be an integer in [1, {vocab_size}], got {count!r}")
+    always = np.unique(np.asarray(always, np.int64))
+    if always.size > count or (always.size and (always.min() < 0 or always.max() >= vocab_size)):
+        raise ValueError(f"always: at most {count} ids in [0, {vocab_size})")
+    counts = np.bincount(np.concatenate(_as_arrays(sequences, vocab_size)), minlength=vocab_size)
+    counts[always] = -1  # taken first, below
+    ranked = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, ties by id
+    chosen = ranked[: count - always.size]
+    return np.sort(np.concatenate([always, chosen]))

@@ -112,6 +112,19 @@ def check_mesh(mesh: Mesh) -> None:
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {MESH_AXES}, got axes {names}")
 
 
+def for_mesh(config, mesh: Mesh):
+    """The model config as run on this mesh. The CPU matmul kernel (models.precision) is an XLA
+    custom call the partitioner cannot split, so it runs on one-device meshes only: there
+    "auto" keeps it, elsewhere "auto" means XLA's dot and "cpu_kernel" is a ValueError."""
+    if mesh.devices.size == 1 or config.matmul_impl == "xla":
+        return config
+    if config.matmul_impl == "cpu_kernel":
+        raise ValueError(
+            f"matmul_impl: cpu_kernel runs on one device, not a {mesh.devices.size}-device mesh; use auto or xla"
+        )
+    return config.replace(matmul_impl="xla")
+
+
 def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 

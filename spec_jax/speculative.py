@@ -115,9 +115,19 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     )
 
 
-def spec_loop(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
-    """Runs rounds until every row is done, as one lax.while_loop."""
+def spec_loop(
+    static: SpecStatic, params, draft_params, state: SpecState, stop_ids, max_rounds=None
+) -> SpecState:
+    """Runs rounds until every row is done, or for max_rounds rounds (an int32 scalar; gamma=auto
+    runs the loop in chunks), as one lax.while_loop."""
     TRACE_COUNTS["spec_loop"] += 1
-    return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.out.done), lambda s: spec_round(static, params, draft_params, s, stop_ids), state
+    limit = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
+
+    def body(carry):
+        s, i = carry
+        return spec_round(static, params, draft_params, s, stop_ids), i + 1
+
+    state, _ = jax.lax.while_loop(
+        lambda c: ~jnp.all(c[0].out.done) & (c[1] < limit), body, (state, jnp.zeros((), jnp.int32))
     )
+    return state

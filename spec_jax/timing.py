@@ -53,7 +53,7 @@ def timed(fn, repeats: int) -> dict:
     return timed_interleaved({"fn": fn}, repeats)["fn"]
 
 
-def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
+def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
     """A zero-argument function timing what the loops' model calls cost, nothing else.
 
     It runs, `repeat` times inside one compiled program (so per-call dispatch is not counted),
@@ -62,6 +62,7 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
     to call), and warps the logits with `sampling` when given, as the loops do. Returns the
     logits of the last call, consumed so that nothing is dead code. The usual widths: [1] a
     decode step, [gamma + 1] a verify call, [2] + [1] * (gamma - 1) a model drafter's round.
+    head: an output weight used instead of the model's own (a vocabulary-trimmed draft).
     Time the function with `timed` / `timed_interleaved` and divide by `repeat`; its attribute
     compile_seconds says what compiling it took. The program is model_calls(...) (its cost
     without running it: experiments/predicted_speed.py).
@@ -69,7 +70,13 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
     from models.transformer import init_cache
 
     calls = model_calls(
-        model.config, batch=batch, widths=widths, cache_slots=cache_slots, sampling=sampling, repeat=repeat
+        model.config,
+        batch=batch,
+        widths=widths,
+        cache_slots=cache_slots,
+        sampling=sampling,
+        repeat=repeat,
+        head=head,
     )
     start_compile = time.perf_counter()
     executable = (
@@ -88,7 +95,7 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
     return run
 
 
-def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
+def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
     """The pure function model_call times: calls(params, cache) -> (cache, logits of the last
     call [B, V]) (see model_call for what it runs); jit it with the cache donated."""
     import jax.numpy as jnp
@@ -108,12 +115,13 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
             for width in widths:
                 tokens = jnp.ones((batch, width), jnp.int32)
                 positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
-                logits, cache = forward(config, params, tokens, positions, cache)
+                logits, cache = forward(config, params, tokens, positions, cache, head=head)
                 logits = logits if sampling is None else warp(logits, sampling)
                 position += width
             return cache, logits[:, -1]
 
-        logits0 = jnp.zeros((batch, config.vocab_size), jnp.float32)
+        vocab = config.vocab_size if head is None else head.shape[0]
+        logits0 = jnp.zeros((batch, vocab), jnp.float32)
         return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
 
     return calls

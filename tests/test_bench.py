@@ -61,16 +61,28 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
 
     peer = read_report(tmp_path, "peer")
     systems = [r["system"] for r in peer["rows"]]
-    assert systems[:2] == ["HF transformers, plain", "HF transformers, assisted"]
-    assert all(float(r["tokens_per_s"]) > 0 for r in peer["rows"][:4])
-    assert peer["rows"][-1]["greedy_outputs_agree"].endswith("/2 prompts")
-    assert peer["summary"]["peer_worker"]["versions"]["backend"] == "fake"
-    assert len(peer["summary"]["sections"]["greedy agreement per prompt"]) == 2
+    assert systems == [
+        "spec-jax, autoregressive",
+        "spec-jax, speculative gamma 2",
+        "HF transformers, plain",
+        "HF transformers, assisted",
+        "OpenVINO GenAI, plain",
+        "OpenVINO GenAI, speculative gamma 2",
+        "summary",
+    ]
+    assert all(float(r["tokens_per_s"]) > 0 for r in peer["rows"][:6])
+    # The fake workers answer other tokens than the tiny model: only spec-jax agrees with itself.
+    agree = [r["greedy_same_as_spec_jax_ar"] for r in peer["rows"][1:6]]
+    assert agree == ["2/2 prompts"] + ["0/2 prompts"] * 4
+    for key in ("hf", "ov"):
+        assert peer["summary"][f"{key}_worker"]["versions"]["backend"] == "fake"
+    assert len(peer["summary"]["sections"]["greedy agreement with spec-jax autoregressive, per prompt"]) == 2
 
     decode = read_report(tmp_path, "decode")
     assert {(r["batch"], r["gamma"]) for r in decode["rows"]} == {
         ("1", "0"),
         ("1", "2"),
+        ("1", "auto"),  # gamma=auto in the first cell
         ("2", "0"),
         ("2", "2"),
     }
@@ -79,13 +91,15 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
         assert float(row["ttft_ms"]) > 0
     # Greedy speculative decoding reproduces the AR tokens, on every prompt at every batch size.
     identity = decode["summary"]["sections"]["greedy identity"][0]
-    assert identity["identical_rows"] == "6/6" and identity["prompts_covered"] == "2/2"
+    # 2 repeats of batch 1 at gamma 2 and at auto, 2 repeats of batch 2 at gamma 2: 8 rows.
+    assert identity["identical_rows"] == "8/8" and identity["prompts_covered"] == "2/2"
     assert decode["passed"] is True
 
     roofline = read_report(tmp_path, "roofline")
     calls = [r["call"] for r in roofline["rows"]]
     assert calls == ["target decode step (T=1)", "draft decode step (T=1)", "target verify call (T=3)"]
     assert all(float(r["floor_ms"]) > 0 and float(r["step_over_floor"]) > 0 for r in roofline["rows"])
+    assert {r["precision"] for r in roofline["rows"]} == {"int8"}
     bandwidth = roofline["summary"]["sections"]["memory bandwidth"]
     assert all(r["gb_per_s"] > 0 for r in bandwidth) and {r["kind"] for r in bandwidth} == {"copy", "read"}
 
@@ -104,18 +118,44 @@ def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(tmp
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and "skipped" in lines[0] and "pip install torch==2.13.0" in lines[0]
+    assert "openvino-genai==2026.4.1.0" in lines[0]
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="this interpreter has torch")
-def test_peer_suite_without_torch_skips_before_loading_any_model(tmp_path):
-    # Not --quick: the real path probes the interpreter for torch/transformers first.
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is not None for m in ("torch", "openvino_genai")),
+    reason="this interpreter has torch or openvino_genai",
+)
+def test_peer_suite_without_any_peer_library_skips_before_loading_any_model(tmp_path):
+    # Not --quick: the real path probes the interpreter for each library's packages first.
     result = bench(
         "--suite=peer", f"--output_dir={tmp_path}", f"--set=peer_python={sys.executable}", timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert "skipped" in result.stdout and "cannot import" in result.stdout
+    hf, ov, last = result.stdout.strip().splitlines()
+    assert "HF transformers skipped" in hf and "cannot import" in hf and "torch==2.13.0" in hf
+    assert "OpenVINO GenAI skipped" in ov and "cannot import" in ov and "openvino-genai==2026.4.1.0" in ov
+    assert "peer suite skipped" in last
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_peer_suite_runs_one_peer_library_alone(tmp_path):
+    result = bench(
+        "--suite=peer",
+        "--quick",
+        f"--output_dir={tmp_path}",
+        f"--set=peer_python={sys.executable}",
+        "--set=peers=ov",
+        "--set=repeats=1",
+    )
+    assert result.returncode == 0, result.stderr
+    peer = read_report(tmp_path, "peer")
+    assert [r["system"] for r in peer["rows"]][2:] == [
+        "OpenVINO GenAI, plain",
+        "OpenVINO GenAI, speculative gamma 2",
+        "summary",
+    ]
+    assert "hf_worker" not in peer["summary"] and "best_hf" not in peer["rows"][-1]
 
 
 @pytest.mark.parametrize(
@@ -128,6 +168,8 @@ def test_peer_suite_without_torch_skips_before_loading_any_model(tmp_path):
         (["--suite=decode", "--set=temperatures=-1"], "--set temperatures"),
         (["--suite=decode", "--set=num_prompts=9"], "--set num_prompts"),
         (["--suite=loop", "--set=no_such=1"], "--set no_such"),
+        (["--suite=peer", "--set=hf_dtype=float16"], "--set hf_dtype"),
+        (["--suite=peer", "--set=peers=hf,vllm"], "--set peers"),
     ],
 )
 def test_bench_rejects_bad_flags_in_one_line(args, message):

@@ -9,7 +9,13 @@ import models
 import spec_jax
 from spec_jax import decode, executables
 
-PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
+# The batch, length and gamma of tests/test_speculative.py (one xdist group), so that the two
+# files share their compiled loops (~10 s of CPU each).
+PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
+MAX_NEW = 13
+GAMMA = 4
+pytestmark = pytest.mark.xdist_group("tiny_target")
+OTHER_ROWS = [[60] * 16, [2], [8, 8, 8, 8]]  # neighbours for PROMPTS[0], longer and shorter
 
 
 def greedy_reference(model, prompt, n, width=32):
@@ -23,23 +29,26 @@ def greedy_reference(model, prompt, n, width=32):
 
 
 def test_greedy_autoregressive_equals_stepwise_argmax_of_full_forward(tiny_target):
-    gen = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=9, temperature=0.0)
+    gen = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
     for prompt, tokens in zip(PROMPTS, gen.tokens, strict=True):
-        assert tokens == greedy_reference(tiny_target, prompt, 9)
+        assert tokens == greedy_reference(tiny_target, prompt, MAX_NEW)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_row_does_not_depend_on_the_other_rows(tiny_target, temperature):
-    """Row 0 decoded alone and batched with longer/shorter rows gives the same tokens."""
-    alone = spec_jax.generate(tiny_target, PROMPTS[:1], max_new_tokens=12, temperature=temperature, seed=3)
-    batched = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=12, temperature=temperature, seed=3)
-    assert batched.tokens[0] == alone.tokens[0]
+    """Row 0 gives the same tokens beside other rows, longer and shorter ones. (Same batch shape,
+    so one compiled loop; a prompt decoded alone: test_prompts_draw_from_their_row_id_...)"""
+    kwargs = dict(max_new_tokens=MAX_NEW, temperature=temperature, seed=3)
+    batched = spec_jax.generate(tiny_target, PROMPTS, **kwargs)
+    other = spec_jax.generate(tiny_target, [PROMPTS[0], *OTHER_ROWS], **kwargs)
+    assert other.tokens[0] == batched.tokens[0]
+    assert other.tokens[1:] != batched.tokens[1:]
 
 
 def test_rows_stop_at_their_own_eos(tiny_target):
-    free = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=12, temperature=0.0)
+    free = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
     eos = free.tokens[0][3]  # row 0 emits this at step 3 (maybe earlier too)
-    gen = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=12, temperature=0.0, eos_id=eos)
+    gen = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0, eos_id=eos)
     for full, cut in zip(free.tokens, gen.tokens, strict=True):
         expected = full[: full.index(eos) + 1] if eos in full else full
         assert cut == expected
@@ -47,20 +56,21 @@ def test_rows_stop_at_their_own_eos(tiny_target):
 
 
 def test_sampling_is_reproducible_by_seed(tiny_target):
-    a = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=10, temperature=1.0, seed=11)
-    b = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=10, temperature=1.0, seed=11)
-    c = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=10, temperature=1.0, seed=12)
+    a = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0, seed=11)
+    b = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0, seed=11)
+    c = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0, seed=12)
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
 
 
 def test_no_retrace_for_a_new_prompt_in_the_same_bucket(tiny_target):
-    spec_jax.generate(tiny_target, [[1, 2, 3], [4, 5]], max_new_tokens=6, temperature=0.0)
+    kwargs = dict(max_new_tokens=MAX_NEW, temperature=0.0)
+    spec_jax.generate(tiny_target, PROMPTS, **kwargs)
     before = dict(executables.TRACE_COUNTS)
-    gen = spec_jax.generate(tiny_target, [[9, 8, 7, 6, 5], [3]], max_new_tokens=6, temperature=0.0)
+    gen = spec_jax.generate(tiny_target, [[9, 8, 7, 6, 5], [3], [1] * 16, [2, 2]], **kwargs)
     assert dict(executables.TRACE_COUNTS) == before
     assert gen.stats["compile_seconds"] == 0.0
-    spec_jax.generate(tiny_target, [[1] * 20, [2]], max_new_tokens=6, temperature=0.0)  # next bucket
+    spec_jax.generate(tiny_target, [[1] * 20, [2], [3], [4]], **kwargs)  # next bucket (no other test uses it)
     assert executables.TRACE_COUNTS["spec_loop"] == before["spec_loop"] + 1
 
 
@@ -69,8 +79,8 @@ def test_bucket_lengths_are_powers_of_two():
 
 
 def test_stats_report_timings_and_counts(tiny_target):
-    gen = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=5, temperature=0.0)
-    assert gen.stats["num_new_tokens"] == 15
+    gen = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
+    assert gen.stats["num_new_tokens"] == len(PROMPTS) * MAX_NEW
     assert gen.stats["tokens_per_second"] > 0
     for key in ("compile_seconds", "prefill_seconds", "decode_seconds"):
         assert gen.stats[key] >= 0
@@ -122,10 +132,11 @@ def test_commit_stops_rows_at_eos_and_max_tokens():
 @pytest.mark.parametrize("temperature", [1e-9, 1e-20, 1e-45])
 def test_a_tiny_positive_temperature_decodes_the_greedy_tokens(tiny_target, tiny_draft, temperature):
     """Autoregressive and speculative: temperature 1e-9 used to give [24, 0, 57, ...] (NaN rows)."""
-    greedy = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=9, temperature=0.0).tokens
-    ar = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=9, temperature=temperature, seed=1)
+    kwargs = dict(max_new_tokens=MAX_NEW, seed=1)
+    greedy = spec_jax.generate(tiny_target, PROMPTS, temperature=0.0, **kwargs).tokens
+    ar = spec_jax.generate(tiny_target, PROMPTS, temperature=temperature, **kwargs)
     spec = spec_jax.generate(
-        tiny_target, PROMPTS, draft=tiny_draft, gamma=3, max_new_tokens=9, temperature=temperature, seed=1
+        tiny_target, PROMPTS, draft=tiny_draft, gamma=GAMMA, temperature=temperature, **kwargs
     )
     assert ar.tokens == greedy
     assert spec.tokens == greedy
@@ -135,12 +146,16 @@ def test_a_tiny_positive_temperature_decodes_the_greedy_tokens(tiny_target, tiny
 def test_a_row_stops_at_any_token_of_its_stop_set(tiny_target, tiny_draft, draft):
     """Two end tokens: a row that emits the second one (before the first) stops there, in the
     autoregressive and the speculative loop alike, and both give the same tokens."""
-    free = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=12, temperature=0.0).tokens
+    free = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0).tokens
     second_end = free[0][2]  # row 0 emits it at step 2, before it emits first_end
     first_end = next(t for t in free[0][3:] if t not in free[0][:3])
-    kwargs = dict(max_new_tokens=12, temperature=0.0, eos_id=[first_end, second_end])
+    kwargs = dict(max_new_tokens=MAX_NEW, temperature=0.0, eos_id=[first_end, second_end])
     ar = spec_jax.generate(tiny_target, PROMPTS, **kwargs).tokens
-    got = spec_jax.generate(tiny_target, PROMPTS, draft=tiny_draft, gamma=3, **kwargs).tokens if draft else ar
+    got = (
+        spec_jax.generate(tiny_target, PROMPTS, draft=tiny_draft, gamma=GAMMA, **kwargs).tokens
+        if draft
+        else ar
+    )
     for full, cut in zip(free, got, strict=True):
         stops = [i for i, t in enumerate(full) if t in (first_end, second_end)]
         assert cut == (full[: stops[0] + 1] if stops else full)
@@ -151,9 +166,9 @@ def test_a_row_stops_at_any_token_of_its_stop_set(tiny_target, tiny_draft, draft
 def test_prompts_draw_from_their_row_id_not_their_place_in_the_batch(tiny_target):
     """row_ids name each prompt's randomness: prompt 2 decoded alone with row_id 2 samples what it
     samples as the third row of the batch."""
-    kwargs = dict(max_new_tokens=10, temperature=1.0, seed=4)
+    kwargs = dict(max_new_tokens=MAX_NEW, temperature=1.0, seed=4)
     batched = spec_jax.generate(tiny_target, PROMPTS, **kwargs).tokens
-    alone = spec_jax.generate(tiny_target, PROMPTS[2:], row_ids=[2], **kwargs).tokens
+    alone = spec_jax.generate(tiny_target, PROMPTS[2:3], row_ids=[2], **kwargs).tokens
     assert alone[0] == batched[2]
-    repeated = spec_jax.generate(tiny_target, [PROMPTS[0]] * 2, **kwargs).tokens
+    repeated = spec_jax.generate(tiny_target, [PROMPTS[0]] * len(PROMPTS), **kwargs).tokens
     assert repeated[0] != repeated[1], "the same prompt in two rows gets two different samples"

@@ -6,6 +6,7 @@ seed and its index only) give an empirical joint; a chi-square test compares the
 same test must pass for the autoregressive sampler and fail for a broken rejection rule.
 """
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import executables, speculative
+from spec_jax import drafters, executables, speculative
 from spec_jax.sampling import SamplingParams, warp
 
 V, HORIZON, N = 8, 3, 20_000
@@ -108,9 +109,42 @@ def test_a_broken_rule_that_always_accepts_fails(pair, monkeypatch):
         return n, jnp.argmax(p[:, -1], -1).astype(jnp.int32)
 
     monkeypatch.setattr(speculative, "verify", always_accept)
-    executables.clear_compiled()
-    try:
-        counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
-    finally:
-        executables.clear_compiled()
+    # An empty cache of compiled loops for this test only: the real rule's loops stay for the others.
+    monkeypatch.setattr(executables, "_EXECUTABLES", {})
+    counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
+
+
+# VocabTrim: the draft proposes from 5 of the 8 tokens (q = 0 on the other 3).
+TRIMMED_IDS = [0, 2, 3, 5, 6]
+
+
+@dataclasses.dataclass(frozen=True)
+class UntrimmedQDrafter(drafters.ModelDrafter):
+    """Broken on purpose: drafts from the trimmed distribution but hands the rule the draft
+    model's untrimmed q at the same positions (the full head's softmax)."""
+
+    def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
+        tokens, _, new_cache = super().propose(params, cache, context_b2, length_b, gamma, sampling, keys_b)
+        seq = jnp.concatenate([context_b2, tokens[:, :-1]], axis=1)  # [B, G + 1]
+        positions = (length_b - 2)[:, None] + jnp.arange(gamma + 1)[None, :]
+        logits, _ = models.forward(self.config, params.model, seq, positions, cache)
+        return tokens, warp(logits[:, 1:], sampling), new_cache
+
+
+def test_a_vocabulary_trimmed_draft_keeps_the_target_distribution_exact(pair):
+    target, draft = pair
+    trimmed = drafters.trim_vocabulary(draft, TRIMMED_IDS)
+    counts, s = sample_counts(target, trimmed, WARPS[0], gamma=2, seed=0)
+    assert 0.1 < s["acceptance_rate"] < 0.95
+    joint = exact_joint(target, WARPS[0])
+    assert joint[[1, 4, 7]].sum() > 0.2, "the target often wants tokens the draft cannot propose"
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_a_trimmed_draft_handing_the_rule_its_untrimmed_q_fails(pair):
+    target, draft = pair
+    drafter, params = drafters.trim_vocabulary(draft, TRIMMED_IDS)
+    broken = UntrimmedQDrafter(drafter.config, trimmed=True)
+    counts, _ = sample_counts(target, (broken, params), WARPS[0], gamma=2, seed=0)
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6

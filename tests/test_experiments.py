@@ -217,6 +217,19 @@ def test_overrides_are_validated_by_the_experiment():
         framework.make_config("theory_vs_simulation", overrides={"gammas": (0,)})
     with pytest.raises(ValueError, match=r"^alphas: does not apply to experiment table1"):
         framework.make_config("table1", overrides={"alphas": (0.5,)})
+    with pytest.raises(ValueError, match=r"^precisions: each value must be one of float32, bfloat16, int8"):
+        framework.make_config("precision_drift", overrides={"precisions": ("float32", "int4")})
+    with pytest.raises(ValueError, match=r"^target_dtype: each value must be one of"):
+        framework.make_config("decode", overrides={"target_dtype": "fp8"})
+
+
+def test_precision_drift_quick_compares_each_precision_with_float32(tmp_path):
+    from experiments import precision_drift
+
+    result = precision_drift.run(framework.make_config("precision_drift", quick=True))
+    rows = [dict(zip(result.columns, r, strict=True)) for r in result.rows]
+    assert [r["precision"] for r in rows] == ["float32", "bfloat16", "int8"]
+    assert rows[0]["greedy_rows_identical_to_float32"] == "2/2"  # float32 against itself
 
 
 @pytest.mark.parametrize(

@@ -161,6 +161,7 @@ def test_bigram_fitted_on_a_cycle_drafts_it_and_a_cycle_target_accepts_every_dra
     assert gen.stats["mean_accepted_length"] == gamma + 1
 
 
+@pytest.mark.xdist_group("tiny_target")  # shares the greedy loop of tests/test_decode.py
 def test_greedy_speculative_with_a_bigram_draft_equals_autoregressive_also_per_prompt(tiny_target):
     """Through spec_jax.generate, and through experiments.per_prompt (the same loop, one row per
     prompt under vmap): tokens equal greedy decoding, and the per-prompt metrics add up to the

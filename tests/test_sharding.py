@@ -3,8 +3,14 @@
 jax must see 8 host devices before it initialises, and this pytest process already has
 one, so the sharded runs happen in subprocesses (tests/sharding_worker.py), started together
 by one fixture so their compiles overlap on the 2 cores; the tests then read their results.
+Under pytest-xdist the first worker that needs them runs them and the others wait for its
+results (a file lock), so they never run twice. The Qwen-shaped pair (head counts the model
+axis does not divide) runs only in `make test-slow`; its placement rule is checked in-process
+below (test_qwen_head_counts_replicate_in_the_rule_table).
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -36,54 +42,88 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _exclusive(path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _run_workers(tmp_path_factory, group: str, specs: dict) -> dict:
+    """Runs `python sharding_worker.py ARGS OUT.json` for every spec at once, once per test
+    session (across xdist workers: their base temp folders share one parent); returns {name:
+    (exit code or None on timeout, output path, log path)}."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = shared / f"sharding-{group}"
+    out.mkdir(exist_ok=True)
+    with _exclusive(out / ".lock"):
+        status = out / "status.json"
+        if not status.exists():
+            procs = {}
+            for name, args in specs.items():
+                log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed below
+                cmd = [sys.executable, WORKER, *args, str(out / f"{name}.json")]
+                procs[name] = (subprocess.Popen(cmd, env=_env(), stdout=log, stderr=log, cwd=ROOT), log)
+            deadline = time.monotonic() + TIMEOUT_S
+            codes = {}
+            for name, (proc, log) in procs.items():
+                try:
+                    codes[name] = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    codes[name] = None
+                log.close()
+            status.write_text(json.dumps(codes))
+        codes = json.loads(status.read_text())
+    return {name: (codes[name], out / f"{name}.json", out / f"{name}.log") for name in specs}
+
+
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    """Starts every subprocess at once; returns {name: (Popen, output path)}."""
-    out = tmp_path_factory.mktemp("sharding")
+    """The divisible pair on 8 devices, and the same pair across 2 processes of 4 devices."""
     port = _free_port()
     specs = {
-        "qwen": ["equivalence", "qwen"],
         "divisible": ["equivalence", "divisible"],
         "host0": ["multihost", "0", "2", str(port)],
         "host1": ["multihost", "1", "2", str(port)],
     }
-    procs = {}
-    for name, args in specs.items():
-        path = out / f"{name}.json"
-        log = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        procs[name] = (
-            subprocess.Popen(
-                [sys.executable, WORKER, *args, str(path)], env=_env(), stdout=log, stderr=log, cwd=ROOT
-            ),
-            path,
-            log,
-        )
-    yield procs
-    for proc, _, log in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        log.close()
+    return _run_workers(tmp_path_factory, "main", specs)
+
+
+@pytest.fixture(scope="module")
+def qwen_worker(tmp_path_factory):
+    """The Qwen-shaped pair on 8 devices (slow tests only)."""
+    return _run_workers(tmp_path_factory, "qwen", {"qwen": ["equivalence", "qwen"]})
 
 
 def _result(workers, name):
-    proc, path, log = workers[name]
-    try:
-        proc.wait(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    code, path, log = workers[name]
+    if code is None:
         pytest.fail(f"worker {name} did not finish in {TIMEOUT_S} s")
-    log.flush()
-    if proc.returncode:
-        with open(log.name) as f:
-            pytest.fail(f"worker {name} exited {proc.returncode}:\n{f.read()[-3000:]}")
-    with open(path) as f:
-        return json.load(f)
+    if code:
+        pytest.fail(f"worker {name} exited {code}:\n{log.read_text()[-3000:]}")
+    return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("pair", ["qwen", "divisible"])
-def test_sharded_speculative_tokens_equal_unsharded(workers, pair):
-    result = _result(workers, pair)
+@pytest.fixture
+def pair_results(request):
+    """The equivalence worker's results for the pair named by the test's `pair` parameter."""
+    pair = request.param
+    fixture = "qwen_worker" if pair == "qwen" else "workers"
+    return _result(request.getfixturevalue(fixture), pair)
+
+
+PAIRS = ["divisible", pytest.param("qwen", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
+def test_sharded_speculative_tokens_equal_unsharded(pair_results):
+    result = pair_results
     assert result["num_devices"] == 8
     meshes = {(c["mesh"], c["temperature"]) for c in result["cases"]}
     assert {("data:2,model:4", 0.0), ("data:1,model:8", 0.0)} <= meshes
@@ -93,8 +133,9 @@ def test_sharded_speculative_tokens_equal_unsharded(workers, pair):
         assert all(len(t) == 10 for t in case["tokens"])
 
 
-def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(workers):
-    result = _result(workers, "qwen")
+@pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
+def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(pair_results):
+    result = pair_results
     assert result["threefry_partitionable"]
     (case,) = [c for c in result["cases"] if c["temperature"] == 1.0]
     assert case["tokens"] == case["ref_tokens"]
@@ -103,16 +144,45 @@ def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(workers):
     assert case["tokens"] != greedy["tokens"]
 
 
-def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(workers):
-    specs = _result(workers, "qwen")["placed_param_specs"]
+# The Qwen2.5 head counts of tests/sharding_worker.py: target 12 q / 2 kv heads on model=4.
+QWEN_TARGET_SPECS = {
+    "layers/attn/wq": "(None, 'model', None, None)",
+    "layers/attn/wo": "(None, None, 'model', None)",
+    "layers/attn/wk": "(None, None, None, None)",
+    "layers/mlp/w_gate": "(None, 'model', None)",
+    "layers/mlp/w_down": "(None, None, 'model')",
+    "lm_head/embedding": "('model', None)",
+    "embed/embedding": "('model', None)",
+}
+
+
+def test_qwen_head_counts_replicate_in_the_rule_table():
+    """In-process: the Qwen-shaped target's placement on data:2,model:4 (an abstract mesh) shards
+    its 12 q heads, replicates its 2 kv heads and its KV cache over model; the cache stays split
+    over data. (The placed arrays themselves: the slow test below.)"""
+    from sharding_worker import models_for
+
+    target, _ = models_for("qwen")
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    described = sharding.describe(target.config, mesh)
+    for path, spec in QWEN_TARGET_SPECS.items():
+        assert described[path] == "P" + spec, path
+    cache = models.init_cache(target.config, 4, 32)
+    assert tuple(sharding.partition_spec(sharding.CACHE_AXES, cache.k.shape, mesh)) == (
+        None,
+        "data",
+        None,
+        None,
+        None,
+    )
+
+
+@pytest.mark.slow
+def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(qwen_worker):
+    specs = _result(qwen_worker, "qwen")["placed_param_specs"]
     # target: 12 q heads (divisible by 4) sharded, 2 kv heads replicated, MLP and vocab sharded.
-    assert specs["layers/attn/wq"] == "(None, 'model', None, None)"
-    assert specs["layers/attn/wo"] == "(None, None, 'model', None)"
-    assert specs["layers/attn/wk"] == "(None, None, None, None)"
-    assert specs["layers/mlp/w_gate"] == "(None, 'model', None)"
-    assert specs["layers/mlp/w_down"] == "(None, None, 'model')"
-    assert specs["lm_head/embedding"] == "('model', None)"
-    assert specs["embed/embedding"] == "('model', None)"
+    for path, spec in QWEN_TARGET_SPECS.items():
+        assert specs[path] == spec, path
 
 
 def test_arrays_are_sharded_inside_the_compiled_loop(workers):
@@ -136,8 +206,12 @@ def test_arrays_are_sharded_inside_the_compiled_loop(workers):
     L, B, S, KVH, Dh = result["cache_shape"]
     assert result["cache_local_shapes"] == [str((L, B // 2, S, KVH // 4, Dh))]
     assert result["num_all_reduce_in_loop"] > 0
+
+
+@pytest.mark.slow
+def test_qwen_kv_cache_is_replicated_over_model_inside_the_loop(qwen_worker):
     # The Qwen-like KV cache (2 kv heads, model=4) is replicated over model, split over data.
-    qwen = _result(workers, "qwen")
+    qwen = _result(qwen_worker, "qwen")
     assert not qwen["full_cache_in_hlo"]
     assert [c for c in qwen["cases"] if c["mesh"] == "data:2,model:4"][0]["target_cache"] == (
         "(None, 'data', None, None, None)"
@@ -277,6 +351,7 @@ def test_cli_runs_on_a_one_device_mesh():
         "--target=random",
         "--draft=random-draft",
         "--mesh=auto",
+        "--gamma=4",
         "--max_new_tokens=3",
         "--temperature=0",
         "--prompt=ab",

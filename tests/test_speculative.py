@@ -10,9 +10,14 @@ import models
 import spec_jax
 from spec_jax import executables, speculative
 
-# Ragged rows: lengths 3, 1, 10 and 6.
+# Ragged rows: lengths 3, 1, 10 and 6. The same batch, length and gamma as tests/test_decode.py and
+# tests/test_ngram.py (one xdist group): compiling a loop costs ~10 s of CPU, so the tests share
+# the loops they can (a loop is compiled per batch shape, max_new_tokens, gamma and warp).
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
 MAX_NEW = 13  # not a multiple of gamma + 1 for any gamma below
+GAMMA = 4
+pytestmark = pytest.mark.xdist_group("tiny_target")
+OTHER_ROWS = [[60] * 16, [2], [8, 8, 8, 8]]  # neighbours for PROMPTS[0], longer and shorter
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +25,7 @@ def greedy_ar(tiny_target):
     return spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0).tokens
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("gamma", [1, GAMMA, 7])
 def test_greedy_speculative_equals_autoregressive_token_for_token(tiny_target, tiny_draft, greedy_ar, gamma):
     gen = spec_jax.generate(
         tiny_target, PROMPTS, draft=tiny_draft, gamma=gamma, max_new_tokens=MAX_NEW, temperature=0.0
@@ -34,7 +39,13 @@ def test_greedy_equivalence_with_rows_that_stop_at_eos_early(tiny_target, tiny_d
     eos = greedy_ar[1][2]  # row 1 stops at its third token at the latest
     ar = spec_jax.generate(tiny_target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0, eos_id=eos)
     spec = spec_jax.generate(
-        tiny_target, PROMPTS, draft=tiny_draft, gamma=4, max_new_tokens=MAX_NEW, temperature=0.0, eos_id=eos
+        tiny_target,
+        PROMPTS,
+        draft=tiny_draft,
+        gamma=GAMMA,
+        max_new_tokens=MAX_NEW,
+        temperature=0.0,
+        eos_id=eos,
     )
     assert spec.tokens == ar.tokens
     assert len(spec.tokens[1]) <= 3 and spec.tokens[1][-1] == eos
@@ -43,7 +54,7 @@ def test_greedy_equivalence_with_rows_that_stop_at_eos_early(tiny_target, tiny_d
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_equal_to_target_accepts_everything(tiny_target, temperature):
-    gamma = 3
+    gamma = GAMMA
     gen = spec_jax.generate(
         tiny_target, PROMPTS, draft=tiny_target, gamma=gamma, max_new_tokens=MAX_NEW, temperature=temperature
     )
@@ -58,7 +69,7 @@ def test_draft_equal_to_target_accepts_everything(tiny_target, temperature):
 
 
 def test_stats_add_up(tiny_target, tiny_draft):
-    gamma = 4
+    gamma = GAMMA
     gen = spec_jax.generate(
         tiny_target, PROMPTS, draft=tiny_draft, gamma=gamma, max_new_tokens=MAX_NEW, temperature=1.0, seed=5
     )
@@ -79,11 +90,13 @@ def test_stats_add_up(tiny_target, tiny_draft):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_row_does_not_depend_on_the_other_rows(tiny_target, tiny_draft, temperature):
-    """Rows advance by their own accepted counts: row 0 alone equals row 0 in a ragged batch."""
-    kwargs = dict(draft=tiny_draft, gamma=3, max_new_tokens=MAX_NEW, temperature=temperature, seed=9)
-    alone = spec_jax.generate(tiny_target, PROMPTS[:1], **kwargs)
+    """Rows advance by their own accepted counts: row 0 gives the same tokens in two ragged
+    batches whose other rows differ (in content and length; one batch shape, one compiled loop)."""
+    kwargs = dict(draft=tiny_draft, gamma=GAMMA, max_new_tokens=MAX_NEW, temperature=temperature, seed=9)
     batched = spec_jax.generate(tiny_target, PROMPTS, **kwargs)
-    assert batched.tokens[0] == alone.tokens[0]
+    other = spec_jax.generate(tiny_target, [PROMPTS[0], *OTHER_ROWS], **kwargs)
+    assert other.tokens[0] == batched.tokens[0]
+    assert other.tokens[1:] != batched.tokens[1:]
 
 
 def acceptance_vs_alpha(target, draft, gamma):
@@ -114,19 +127,17 @@ def test_an_always_accepting_rule_fails_the_alpha_check(tiny_target, tiny_draft,
         )
 
     monkeypatch.setattr(speculative, "verify", always_accept)
-    executables.clear_compiled()
-    try:
-        measured, alpha, stderr, _ = acceptance_vs_alpha(tiny_target, tiny_draft, 1)
-    finally:
-        executables.clear_compiled()
+    # An empty cache of compiled loops for this test only: the real rule's loops stay for the others.
+    monkeypatch.setattr(executables, "_EXECUTABLES", {})
+    measured, alpha, stderr, _ = acceptance_vs_alpha(tiny_target, tiny_draft, 1)
     assert abs(measured - alpha) > 4 * stderr
 
 
 def test_no_retrace_for_new_prompts_in_the_same_bucket(tiny_target, tiny_draft):
-    kwargs = dict(draft=tiny_draft, gamma=2, max_new_tokens=5, temperature=0.0)
-    spec_jax.generate(tiny_target, [[1, 2, 3], [4]], **kwargs)
+    kwargs = dict(draft=tiny_draft, gamma=GAMMA, max_new_tokens=MAX_NEW, temperature=0.0)
+    spec_jax.generate(tiny_target, PROMPTS, **kwargs)
     before = dict(executables.TRACE_COUNTS)
-    gen = spec_jax.generate(tiny_target, [[9, 9], [8, 7, 6, 5, 4, 3, 2]], **kwargs)
+    gen = spec_jax.generate(tiny_target, [[9, 9], [8, 7, 6, 5, 4, 3, 2], [4], [1] * 16], **kwargs)
     assert dict(executables.TRACE_COUNTS) == before
     assert gen.stats["compile_seconds"] == 0.0
 
@@ -151,16 +162,21 @@ def test_bad_speculative_input_gets_a_clear_error(tiny_target, draft_kwargs, kwa
 def test_drafter_cache_holds_the_committed_prefix_after_every_round(tiny_target, tiny_draft):
     """After any round, the draft cache up to n-2 equals a fresh prefill of the committed tokens."""
     gen = spec_jax.generate(
-        tiny_target, PROMPTS[:1], draft=tiny_draft, gamma=3, max_new_tokens=MAX_NEW, temperature=0.0
+        tiny_target, PROMPTS, draft=tiny_draft, gamma=GAMMA, max_new_tokens=MAX_NEW, temperature=0.0
     )
-    seq = PROMPTS[0] + gen.tokens[0]
+    seq = PROMPTS[0] + gen.tokens[0]  # row 0 of the batch: rows do not depend on each other
     # Re-run the loop by hand for a few rounds and compare caches.
     from spec_jax.decode import PrefillInputs, pad_prompts
     from spec_jax.drafters import ModelDrafter
     from spec_jax.sampling import SamplingParams, row_keys
 
     static = speculative.SpecStatic(
-        tiny_target.config, ModelDrafter(tiny_draft.config), SamplingParams(0.0), 3, MAX_NEW, 16 + MAX_NEW + 3
+        tiny_target.config,
+        ModelDrafter(tiny_draft.config),
+        SamplingParams(0.0),
+        GAMMA,
+        MAX_NEW,
+        16 + MAX_NEW + GAMMA,
     )
     tokens, lens = pad_prompts(PROMPTS[:1], 16)
     inputs = PrefillInputs(

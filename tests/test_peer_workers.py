@@ -1,0 +1,139 @@
+"""The peer suite's parts that need no peer library: the workers' JSON-lines protocol, the
+draft GGUF's requantization for OpenVINO GenAI, and skipping a library whose packages are
+missing while the others still run. (tests/test_bench.py runs the whole suite on fake workers.)"""
+
+import io
+import json
+import os
+import stat
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from experiments import bench_peer
+from launch import ov_peer_worker, peer_protocol
+
+
+def test_protocol_answers_each_request_and_survives_a_bad_one():
+    requests = [
+        json.dumps({"op": "generate", "prompt": [5, 6], "max_new_tokens": 3, "speculative": True}),
+        "",
+        json.dumps({"op": "nope"}),
+        json.dumps({"op": "generate", "prompt": [], "max_new_tokens": 2, "speculative": False}),
+        json.dumps({"op": "quit"}),
+        json.dumps({"op": "generate", "prompt": [1], "max_new_tokens": 1, "speculative": False}),
+    ]
+    out = io.StringIO()
+    peer_protocol.serve(peer_protocol.FakeBackend(), out, [line + "\n" for line in requests])
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(replies) == 3  # nothing after quit
+    assert replies[0]["tokens"] == [7, 8, 9] and replies[0]["seconds"] >= 0 and replies[0]["peak_rss_mb"] > 0
+    assert "unknown op" in replies[1]["error"]
+    assert replies[2]["error"].startswith("IndexError")  # an empty prompt: the fake backend's error
+
+
+def write_gguf(path, tensors: dict, quant_types: dict):
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_block_count(1)
+    writer.add_token_list(["a", "b", "<|endoftext|>"])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(2)
+    for name, values in tensors.items():
+        qtype = quant_types.get(name)
+        if qtype is None:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_draft_requantized_for_openvino_keeps_metadata_and_other_tensors(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        "token_embd.weight": rng.standard_normal((16, 64)).astype(np.float32),
+        "blk.0.attn_norm.weight": rng.standard_normal(64).astype(np.float32),
+        "output.weight": rng.standard_normal((16, 64)).astype(np.float32),
+    }
+    Q = GGMLQuantizationType
+    src, out = tmp_path / "draft.gguf", tmp_path / "draft.q8_0.gguf"
+    write_gguf(src, tensors, {"token_embd.weight": Q.Q5_0, "output.weight": Q.Q8_0})
+
+    assert ov_peer_worker.requantize_gguf(src, out) == 1
+    before, after = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert [(t.name, t.tensor_type.name, list(t.shape)) for t in after.tensors] == [
+        ("token_embd.weight", "Q8_0", [64, 16]),
+        ("blk.0.attn_norm.weight", "F32", [64]),
+        ("output.weight", "Q8_0", [64, 16]),
+    ]
+    keys = [k for k in before.fields if not k.startswith("GGUF.")]
+    assert keys == [k for k in after.fields if not k.startswith("GGUF.")]
+    assert all(before.fields[k].contents() == after.fields[k].contents() for k in keys)
+    for kept in (1, 2):  # copied byte for byte
+        assert np.array_equal(before.tensors[kept].data, after.tensors[kept].data)
+    q5 = quants.dequantize(before.tensors[0].data, Q.Q5_0)
+    q8 = quants.dequantize(after.tensors[0].data, Q.Q8_0)
+    # Q8_0: blocks of 32 values, scale max|x| / 127 (stored as float16): within a step of Q5_0's values
+    q5_blocks, q8_blocks = q5.reshape(16, 2, 32), q8.reshape(16, 2, 32)
+    step = np.abs(q5_blocks).max(axis=-1, keepdims=True) / 127
+    assert np.all(np.abs(q8_blocks - q5_blocks) <= step) and not np.array_equal(q8, q5)
+
+
+def test_draft_for_openvino_is_made_once_and_never_left_half_made(tmp_path):
+    src = tmp_path / "draft.gguf"
+    write_gguf(
+        src,
+        {"token_embd.weight": np.ones((4, 32), np.float32)},
+        {"token_embd.weight": GGMLQuantizationType.Q5_0},
+    )
+    exported = []
+
+    def broken_export(gguf_path):
+        exported.append(gguf_path)
+        raise RuntimeError("no model")
+
+    with pytest.raises(RuntimeError, match="no model"):
+        ov_peer_worker.draft_for_openvino(src, export=broken_export)
+    assert len(exported) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf"]
+
+    def export(gguf_path):  # what enable_save_ov_model does: the IR beside the GGUF it read
+        exported.append(gguf_path)
+        (gguf_path.parent / "openvino_model.xml").write_text("<net/>")
+
+    folder = ov_peer_worker.draft_for_openvino(src, export=export)
+    assert folder == tmp_path / "draft.openvino" == ov_peer_worker.draft_folder(src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf", "draft.openvino"]  # no temporary left
+    assert sorted(p.name for p in folder.iterdir()) == ["draft.q8_0.gguf", "openvino_model.xml"]
+    assert exported[-1].name == "draft.q8_0.gguf"
+    assert [t.tensor_type.name for t in gguf.GGUFReader(folder / "draft.q8_0.gguf").tensors] == ["Q8_0"]
+    assert ov_peer_worker.draft_for_openvino(src, export=export) == folder and len(exported) == 2  # cached
+
+
+def stub_interpreter(tmp_path, modules):
+    """An executable that runs this interpreter with empty stand-ins for `modules` importable."""
+    stubs = tmp_path / "stubs"
+    for name in modules:
+        (stubs / name).mkdir(parents=True)
+        (stubs / name / "__init__.py").write_text("")
+    script = tmp_path / "python"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={stubs} exec {sys.executable} "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return os.fspath(script)
+
+
+def test_a_missing_peer_library_is_skipped_with_one_line_and_the_other_runs(tmp_path, capsys):
+    config = bench_peer.get_config(quick=False)
+    no_openvino = stub_interpreter(tmp_path / "hf", ["torch", "transformers", "accelerate", "gguf"])
+    assert [p.key for p in bench_peer.available_peers(no_openvino, config)] == ["hf"]
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "OpenVINO GenAI skipped" in line and "pip install openvino-genai==2026.4.1.0" in line
+
+    no_torch = stub_interpreter(tmp_path / "ov", ["openvino_genai", "gguf", "numpy"])
+    assert [p.key for p in bench_peer.available_peers(no_torch, config)] == ["ov"]
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "HF transformers skipped" in line and "pip install torch==2.13.0" in line

@@ -1,0 +1,120 @@
+"""Weight precision: int8 quantization, the CPU matmul kernel, and exactness per precision."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import apply, perturbed
+
+import models
+import spec_jax
+from models import precision, weights
+from models.kernels import cpu_matmul
+from spec_jax import sharding
+
+PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
+MAX_NEW = 13
+needs_kernel = pytest.mark.skipif(
+    cpu_matmul.cpu_supported() is not None,
+    reason="the CPU matmul kernel needs an x86-64 CPU with AVX2 and FMA",
+)
+
+
+def test_int8_quantization_is_symmetric_per_output_unit_and_within_half_a_step():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 4, 10)).astype(np.float32)  # [heads, E, D]: contract 1
+    w[2, 1] *= 100.0  # one unit with a large range must not coarsen the others
+    q = precision.quantize_int8(w, contract=1)
+    assert q.value.dtype == np.int8 and q.value.shape == w.shape and q.scale.shape == (6, 4)
+    np.testing.assert_allclose(q.scale, np.abs(w).max(axis=-1) / 127.0, rtol=1e-6)
+    assert np.abs(q.value).max() == 127
+    err = np.abs(np.asarray(precision.dequantize(q)) - w)
+    assert (err <= q.scale[..., None] / 2 + 1e-6).all()
+    assert err[0].max() < np.abs(w[0]).max() / 200  # untouched by the large unit
+
+
+def test_cast_params_covers_every_matrix_of_the_weight_table():
+    model = models.cast(models.random_model(vocab_size=64, num_layers=2, d_model=32, seed=0), "int8")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        w, _, field = weights.entry(path)
+        if w.contract:
+            assert field in ("value", "scale"), w.name
+            assert leaf.dtype == (jnp.int8 if field == "value" else jnp.float32), w.name
+        else:
+            assert field is None and leaf.dtype == jnp.float32, w.name
+    assert jax.tree.structure(weights.logical_axes(model.params)) is not None  # every leaf has axes
+
+
+def test_cast_refuses_a_model_that_is_not_float32():
+    model = models.random_model(vocab_size=64, num_layers=1, d_model=32, dtype="bfloat16")
+    with pytest.raises(ValueError, match="must be float32"):
+        models.cast(model, "int8")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_cpu_kernel_matches_xla_and_each_row_is_bit_identical_whatever_the_row_count(dtype):
+    rng = np.random.default_rng(1)
+    n, k = 45, 37  # a partial block of 8 weight rows and a k tail past the 8-lane loop
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    weight = precision.quantize_int8(w, 1) if dtype == "int8" else jnp.asarray(w, dtype)
+    x = jnp.asarray(rng.standard_normal((7, k)), jnp.float32)
+    kernel = jax.jit(lambda x: precision.linear(x, weight, 1, "cpu_kernel"))
+    reference = jnp.asarray(precision.dequantize(weight), jnp.float32)  # float32 products of the same weights
+    np.testing.assert_allclose(kernel(x), precision.linear(x, reference, 1, "xla"), rtol=2e-5, atol=2e-5)
+    all_rows = np.asarray(kernel(x))
+    for m in range(7):  # a decode call (1 row) and a verify call (7 rows) give the same bits
+        np.testing.assert_array_equal(np.asarray(kernel(x[m : m + 1]))[0], all_rows[m])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_precision_drift_from_float32_is_small_on_a_random_model(dtype):
+    f32 = models.random_model(vocab_size=64, num_layers=2, d_model=32, seed=0)
+    low = models.cast(f32, dtype)
+    tokens = jnp.asarray([PROMPTS[2]])
+    positions = jnp.arange(tokens.shape[1])[None]
+    cache = models.init_cache(f32.config, 1, 16)
+    ref, _ = apply(f32, tokens, positions, cache)
+    out, _ = apply(low, tokens, positions, models.init_cache(low.config, 1, 16))
+    drift = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
+    assert 0 < drift < 0.05  # changed (the precision is real), but close
+
+
+@pytest.fixture(scope="module")
+def pair_f32():
+    target = models.random_model(vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, seed=0)
+    return target, perturbed(target, 0.1, seed=7)
+
+
+def _greedy(target, draft=None):
+    return spec_jax.generate(
+        target, PROMPTS, draft=draft, gamma=3, max_new_tokens=MAX_NEW, temperature=0.0
+    ).tokens
+
+
+# float32 with the default impl is tests/test_speculative.py's case.
+@pytest.mark.parametrize(
+    "dtype, impl", [("bfloat16", "auto"), ("int8", "auto"), ("int8", "xla"), ("float32", "xla")]
+)
+def test_greedy_speculative_equals_autoregressive_at_each_precision(pair_f32, dtype, impl):
+    target, draft = (models.cast(m, dtype) if dtype != "float32" else m for m in pair_f32)
+    target, draft = (m.replace(config=m.config.replace(matmul_impl=impl)) for m in (target, draft))
+    assert _greedy(target, draft) == _greedy(target), (dtype, impl)
+
+
+def test_quantizing_only_the_draft_never_changes_the_output(pair_f32):
+    target, draft = pair_f32
+    assert _greedy(target, models.cast(draft, "int8")) == _greedy(target)
+
+
+def test_the_cpu_kernel_is_refused_on_a_multi_device_mesh_and_auto_means_xla_there():
+    config = models.random_model(vocab_size=64, num_layers=1, d_model=32).config
+    mesh = sharding.default_mesh()
+    assert sharding.for_mesh(config, mesh) is config
+
+    class TwoDevices:  # for_mesh reads the mesh's device count only
+        devices = np.zeros(2)
+
+    assert sharding.for_mesh(config, TwoDevices()).matmul_impl == "xla"
+    with pytest.raises(ValueError, match="matmul_impl: cpu_kernel runs on one device"):
+        sharding.for_mesh(config.replace(matmul_impl="cpu_kernel"), TwoDevices())
