@@ -80,7 +80,7 @@ def build_cases(args) -> list[tuple[str, ct.Case]]:
                                     )
                                 )
         if "loop" in args.kinds:
-            for dtype in args.dtypes:
+            for dtype in args.loop_dtypes:
                 for b in args.loop_batches:
                     for phase in compile_loop.PHASES:
                         cases.append((target, compile_loop.LoopCase(phase, b, dtype)))
@@ -143,12 +143,18 @@ def main(argv=None):
     parser.add_argument(
         "--loop_batches", default="1,8", help="B of the speculative loop (make demo's shapes)"
     )
+    parser.add_argument(
+        "--loop_dtypes",
+        default="float32,bfloat16,int8",
+        help="precisions of the speculative loop's models (int8: make demo's default)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (each loads libtpu: ~1 GB)")
     parser.add_argument("--output_json", default="", help="also write every result here")
     args = parser.parse_args(argv)
     args.targets = _names(args.targets, ct.TARGETS, "targets")
     args.models = _names(args.models, tuple(ct.MODELS), "models")
     args.dtypes = _names(args.dtypes, ("float32", "bfloat16"), "dtypes")
+    args.loop_dtypes = _names(args.loop_dtypes, ("float32", "bfloat16", "int8"), "loop_dtypes")
     args.kinds = _names(args.kinds, KINDS, "kinds")
     args.batches, args.cache_lens = _ints(args.batches), _ints(args.cache_lens)
     args.model_batches, args.loop_batches = _ints(args.model_batches), _ints(args.loop_batches)

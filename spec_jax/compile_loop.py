@@ -11,7 +11,9 @@ nothing from `spec_jax`.
 DEMO is what `make demo` runs (launch.generate's defaults): the Qwen2.5-Coder pair, gamma 4, 64
 new tokens, greedy, the default prompt "def fibonacci(n):\\n    " (5 Qwen tokens, so the 16-token
 bucket of spec_jax.api.layout and a cache of 16 + 64 + 4 slots), and the Qwen tokenizer's two
-end-of-generation ids as stop ids. The dtype is left to the case (the demo's default is float32).
+end-of-generation ids as stop ids. The dtype is left to the case (the demo's default is int8 for
+both models, with --gamma=auto: auto runs this same program at the gammas it tries, with a limit
+on the rounds of each chunk).
 """
 
 import dataclasses

@@ -2,6 +2,7 @@
 (compile-only devices, like tests/test_compile_targets.py), and the speedups they predict."""
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from experiments import framework
 from experiments import predicted_speed as ps
 from models.kernels import compile_targets as ct
 from spec_jax import theory
+from spec_jax.sampling import SamplingParams
 
 _missing = ct.missing_packages()
 if _missing:
@@ -69,3 +71,16 @@ def test_costs_count_the_weights_and_decode_is_memory_bound(quick_run):
             assert call["bound"] == "memory", call
     impls = {c["target"]: c["impl"] for c in result.summary["calls"]}
     assert impls == {"tpu-v5e": "pallas_tpu", "gpu-a100": "pallas_gpu"}
+
+
+def test_costs_are_linear_in_depth_so_two_small_compiles_give_the_whole_depth():
+    """analysed_costs extrapolates a deep model's costs from 1- and 2-layer compiles; at 3 layers
+    the extrapolation must match a direct compile: the flops exactly, the bytes within 10% (XLA's
+    fusion choices, hence the bytes it counts, differ a little from layer to layer: 5% here)."""
+    config = ps.get_config(quick=True)
+    cfg = dataclasses.replace(ps.model_config(config, config.target), num_layers=3)
+    slots, dev, greedy = ps.cache_slots(config, cfg), ct.device("tpu-v5e"), SamplingParams(0.0)
+    direct = ps.analysed_costs(cfg, 1, 5, slots, greedy, dev, extrapolate=False)
+    extrapolated = ps.analysed_costs(cfg, 1, 5, slots, greedy, dev, extrapolate=True)
+    assert extrapolated[0] == pytest.approx(direct[0], rel=1e-3)
+    assert extrapolated[1] == pytest.approx(direct[1], rel=0.1)
