@@ -29,6 +29,7 @@ EXPERIMENTS = {
     "theory_vs_simulation": "experiments.theory_vs_simulation",
     "walltime": "experiments.walltime",
     "precision_drift": "experiments.precision_drift",
+    "predicted_speed": "experiments.predicted_speed",
     # Benchmark suites (launch.bench runs these, in this order when given together).
     "loop": "experiments.bench_loop",
     "overhead": "experiments.bench_overhead",

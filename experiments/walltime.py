@@ -210,7 +210,7 @@ def analyse(costs: dict, measured: dict, config) -> tuple[list[dict], dict]:
                 "verify_cost": v,
                 "draft_round_cost": d,
                 "predicted_speedup": theory.walltime_speedup(alpha, g, c),
-                "verify_corrected_speedup": expected / (g * c + v),
+                "verify_corrected_speedup": theory.walltime_speedup(alpha, g, c, verify_cost=v),
                 "cost_corrected_speedup": expected / (d + v),
                 # A round's time in AR steps, both from the loops themselves.
                 "measured_round_cost": statistics.median(r["decode_seconds"] / r["calls"] for r in runs[g])

@@ -1,4 +1,5 @@
-"""Compile every attention call and model step of the registered models for every TPU / GPU target.
+"""Compile every attention call and model step of the registered models, and the speculative loop,
+for every TPU / GPU target.
 
 Runs the real device compilers on this CPU-only machine (libtpu and the CUDA PJRT plugin's
 compile-only devices; models/kernels/compile_targets.py) and prints a Markdown table: targets x
@@ -9,10 +10,13 @@ compile-only devices; models/kernels/compile_targets.py) and prints a Markdown t
     make compile-sweep ARGS="--jobs=2 --output_json=/tmp/sweep.json"
 
 Grid: kernel calls over B x S x T x model x dtype (T <= S), model steps (2 scanned layers) over
---model_batches x --model_num_queries x model x dtype at S = --model_cache_len, each with the target's Pallas impl forced; where
-"auto" picks something else for the target (XLA attention on pre-Ampere GPUs) the model step is
-compiled with "auto" too. "refused" is a trace-time ValueError of the kernels (e.g. pallas_gpu
-forced on a pre-Ampere GPU): a clear error instead of a compiler failure.
+--model_batches x --model_num_queries x model x dtype at S = --model_cache_len, and the whole
+speculative decoding program (spec_jax.compile_loop: spec_prefill and spec_loop of the Qwen pair at
+full depth, at `make demo`'s shapes) over --loop_batches x dtype, each with the target's Pallas impl
+forced; where "auto" picks something else for the target (XLA attention on pre-Ampere GPUs) the
+model steps and the loop are compiled with "auto" too. "refused" is a trace-time ValueError of
+the kernels (e.g. pallas_gpu forced on a pre-Ampere GPU): a clear error instead of a compiler
+failure.
 """
 
 import argparse
@@ -33,6 +37,9 @@ if os.path.isdir(_DEPS):
     sys.path.append(_DEPS)
 
 from models.kernels import compile_targets as ct  # noqa: E402
+from spec_jax import compile_loop  # noqa: E402
+
+KINDS = (*ct.KINDS, "loop")
 
 
 def _ints(text: str) -> list[int]:
@@ -72,12 +79,19 @@ def build_cases(args) -> list[tuple[str, ct.Case]]:
                                         ct.Case("model", model, b, args.model_cache_len, t, dtype, "auto"),
                                     )
                                 )
+        if "loop" in args.kinds:
+            for dtype in args.loop_dtypes:
+                for b in args.loop_batches:
+                    for phase in compile_loop.PHASES:
+                        cases.append((target, compile_loop.LoopCase(phase, b, dtype)))
+                        if ct.auto_differs(target):
+                            cases.append((target, compile_loop.LoopCase(phase, b, dtype, impl="auto")))
     return cases
 
 
 def _run(job):
     target, case = job
-    return target, case, ct.compile_case(case, target)
+    return target, case, compile_loop.compile_any(case, target)
 
 
 def table(results) -> str:
@@ -119,22 +133,31 @@ def main(argv=None):
     parser.add_argument("--targets", default=",".join(ct.TARGETS))
     parser.add_argument("--models", default=",".join(ct.MODELS))
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--kinds", default="kernel,model")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--cache_lens", default="256,1000,2048", help="S of the kernel calls")
     parser.add_argument("--num_queries", default="1,5,16,37,128,512", help="T of the kernel calls")
     parser.add_argument("--model_batches", default="1,8", help="B of the model steps")
     parser.add_argument("--model_cache_len", type=int, default=1000, help="S of the model steps")
     parser.add_argument("--model_num_queries", default="1,5,16,128", help="T of the model steps")
+    parser.add_argument(
+        "--loop_batches", default="1,8", help="B of the speculative loop (make demo's shapes)"
+    )
+    parser.add_argument(
+        "--loop_dtypes",
+        default="float32,bfloat16,int8",
+        help="precisions of the speculative loop's models (int8: make demo's default)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (each loads libtpu: ~1 GB)")
     parser.add_argument("--output_json", default="", help="also write every result here")
     args = parser.parse_args(argv)
     args.targets = _names(args.targets, ct.TARGETS, "targets")
     args.models = _names(args.models, tuple(ct.MODELS), "models")
     args.dtypes = _names(args.dtypes, ("float32", "bfloat16"), "dtypes")
-    args.kinds = _names(args.kinds, ct.KINDS, "kinds")
+    args.loop_dtypes = _names(args.loop_dtypes, ("float32", "bfloat16", "int8"), "loop_dtypes")
+    args.kinds = _names(args.kinds, KINDS, "kinds")
     args.batches, args.cache_lens = _ints(args.batches), _ints(args.cache_lens)
-    args.model_batches = _ints(args.model_batches)
+    args.model_batches, args.loop_batches = _ints(args.model_batches), _ints(args.loop_batches)
     args.num_queries, args.model_num_queries = _ints(args.num_queries), _ints(args.model_num_queries)
     if args.jobs < 1:
         raise SystemExit(f"compile_sweep.py: error: --jobs must be >= 1, got {args.jobs}")
@@ -165,7 +188,9 @@ def main(argv=None):
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(
-                [{"target": t, **vars(c), "step": c.step, **vars(r)} for t, c, r in results], f, indent=1
+                [{"target": t, "kind": c.kind, **vars(c), "step": c.step, **vars(r)} for t, c, r in results],
+                f,
+                indent=1,
             )
 
 

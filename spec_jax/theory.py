@@ -76,15 +76,21 @@ def expected_tokens(alpha, gamma):
     return _out(_geometric_sum(_check_alpha(alpha), _check_gamma(gamma)))
 
 
-def walltime_speedup(alpha, gamma, c):
+def walltime_speedup(alpha, gamma, c, verify_cost=1.0):
     """Expected walltime improvement over plain decoding (Theorem 3.8).
 
     (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma * c + 1)): a round costs gamma draft steps
-    plus one target step and commits expected_tokens(alpha, gamma) tokens. Returns a float
-    or an array of the broadcast shape.
+    plus one target step and commits expected_tokens(alpha, gamma) tokens. verify_cost is
+    what the target's call over gamma + 1 positions costs in target steps, v(gamma); the
+    theorem takes 1, and with a measured or predicted v the denominator is gamma * c + v
+    (experiments/walltime.py, experiments/predicted_speed.py). Returns a float or an array of
+    the broadcast shape.
     """
     a, g, c = _check_alpha(alpha), _check_gamma(gamma), _check_cost(c, "c")
-    return _out(_geometric_sum(a, g) / (g * c + 1.0))
+    v = _check_cost(verify_cost, "verify_cost")
+    if not np.all(v > 0.0):
+        raise ValueError(f"verify_cost must be a finite number > 0, got {verify_cost}")
+    return _out(_geometric_sum(a, g) / (g * c + v))
 
 
 def operations_factor(alpha, gamma, c_hat):

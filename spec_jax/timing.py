@@ -64,34 +64,20 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
     decode step, [gamma + 1] a verify call, [2] + [1] * (gamma - 1) a model drafter's round.
     head: an output weight used instead of the model's own (a vocabulary-trimmed draft).
     Time the function with `timed` / `timed_interleaved` and divide by `repeat`; its attribute
-    compile_seconds says what compiling it took.
+    compile_seconds says what compiling it took. The program is model_calls(...) (its cost
+    without running it: experiments/predicted_speed.py).
     """
-    import jax.numpy as jnp
+    from models.transformer import init_cache
 
-    from models.transformer import forward, init_cache
-    from spec_jax.sampling import warp
-
-    widths = tuple(int(w) for w in widths)
-    start = cache_slots // 2
-    if start + sum(widths) > cache_slots:
-        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
-
-    def calls(params, cache):
-        def body(_, carry):
-            cache, _ = carry
-            position = start
-            for width in widths:
-                tokens = jnp.ones((batch, width), jnp.int32)
-                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
-                logits, cache = forward(model.config, params, tokens, positions, cache, head=head)
-                logits = logits if sampling is None else warp(logits, sampling)
-                position += width
-            return cache, logits[:, -1]
-
-        vocab = model.config.vocab_size if head is None else head.shape[0]
-        logits0 = jnp.zeros((batch, vocab), jnp.float32)
-        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
-
+    calls = model_calls(
+        model.config,
+        batch=batch,
+        widths=widths,
+        cache_slots=cache_slots,
+        sampling=sampling,
+        repeat=repeat,
+        head=head,
+    )
     start_compile = time.perf_counter()
     executable = (
         jax.jit(calls, donate_argnums=1)
@@ -107,6 +93,38 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
 
     run.compile_seconds = compile_seconds
     return run
+
+
+def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
+    """The pure function model_call times: calls(params, cache) -> (cache, logits of the last
+    call [B, V]) (see model_call for what it runs); jit it with the cache donated."""
+    import jax.numpy as jnp
+
+    from models.transformer import forward
+    from spec_jax.sampling import warp
+
+    widths = tuple(int(w) for w in widths)
+    start = cache_slots // 2
+    if start + sum(widths) > cache_slots:
+        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
+
+    def calls(params, cache):
+        def body(_, carry):
+            cache, _ = carry
+            position = start
+            for width in widths:
+                tokens = jnp.ones((batch, width), jnp.int32)
+                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
+                logits, cache = forward(config, params, tokens, positions, cache, head=head)
+                logits = logits if sampling is None else warp(logits, sampling)
+                position += width
+            return cache, logits[:, -1]
+
+        vocab = config.vocab_size if head is None else head.shape[0]
+        logits0 = jnp.zeros((batch, vocab), jnp.float32)
+        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
+
+    return calls
 
 
 def measure_bandwidth(megabytes: int, repeats: int) -> list[dict]:

@@ -21,6 +21,7 @@ from models.kernels import common, flash_decoding
 from models.kernels import compile_targets as ct
 from models.kernels import target as target_lib
 from models.kernels.flash_decoding import DecodeBlockSizes
+from spec_jax import compile_loop
 
 _missing = ct.missing_packages()
 if _missing:
@@ -71,6 +72,38 @@ def test_compiles_for_target(target, case):
     result = ct.compile_case(case, target)
     assert result.status == "ok", result.error
     assert result.impl == ct.pallas_impl(target)
+
+
+# The whole speculative decoding program (spec_jax/compile_loop.py: spec_loop, the while_loop of
+# draft -> verify -> commit rounds) of the Qwen pair at full depth, at `make demo`'s shapes: one TPU
+# and the 99 KiB GPU class, both batch sizes between them, bfloat16 and int8 (make demo's default). spec_prefill and the other
+# targets: scripts/compile_sweep.py --kinds=loop.
+LOOP_PAIRS = [
+    ("tpu-v5e", compile_loop.LoopCase("loop", 8, "bfloat16")),
+    ("gpu-rtx-a6000", compile_loop.LoopCase("loop", 1, "int8")),
+]
+
+
+@pytest.mark.parametrize(
+    "target, case", LOOP_PAIRS, ids=[f"{t}-{c.label().replace(' ', '-')}" for t, c in LOOP_PAIRS]
+)
+def test_speculative_loop_compiles_for_target(target, case):
+    result = compile_loop.compile_loop_case(case, target)
+    assert result.status == "ok", result.error
+    assert result.impl == ct.pallas_impl(target)
+
+
+def test_loop_case_has_the_demo_shapes():
+    """make demo: gamma 4, 64 new tokens, a 5-token prompt in the 16-token bucket; the draft's cache
+    and the target's have 16 + 64 + 4 slots, the loop carries both and the drafts' distributions."""
+    fn, args, impl, donate = compile_loop.loop_program(
+        compile_loop.LoopCase("loop", 8, "bfloat16"), "tpu-v5e"
+    )
+    params, draft_params, state, stop_ids = args
+    assert impl == "pallas_tpu" and donate == (2,) and stop_ids.shape == (2,)
+    assert state.target_cache.k.shape[:3] == (28, 8, 16 + 64 + 4)
+    assert state.draft_state.k.shape[:3] == (24, 8, 16 + 64 + 4)
+    assert params["layers"]["mlp"]["w_gate"].shape[0] == 28
 
 
 @pytest.mark.parametrize(

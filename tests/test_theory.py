@@ -29,6 +29,8 @@ def test_walltime_and_operations_match_hand_computed_values():
     # alpha 0.8, gamma 3: E = 2.952 tokens per round; a round costs 3 c + 1 target steps.
     assert theory.walltime_speedup(0.8, 3, 0.1) == pytest.approx(2.952 / 1.3, rel=1e-14)
     assert theory.walltime_speedup(0.8, 3, 0.0) == pytest.approx(2.952, rel=1e-14)
+    # A verify call costing 1.5 target steps instead of one: the round costs 3 c + 1.5.
+    assert theory.walltime_speedup(0.8, 3, 0.1, verify_cost=1.5) == pytest.approx(2.952 / 1.8, rel=1e-14)
     # operations: target on 4 positions + draft 3 c_hat, per 2.952 tokens.
     assert theory.operations_factor(0.8, 3, 0.1) == pytest.approx(4.3 / 2.952, rel=1e-14)
     assert theory.operations_factor(0.5, 1, 0.0) == pytest.approx(2 / 1.5, rel=1e-14)
@@ -94,6 +96,8 @@ def test_numpy_arrays_broadcast_like_scalars():
         (lambda: theory.walltime_speedup(0.5, 3, -0.01), "c"),
         (lambda: theory.walltime_speedup(0.5, 3, float("inf")), "c"),
         (lambda: theory.walltime_speedup(2.0, 3, 0.1), "alpha"),
+        (lambda: theory.walltime_speedup(0.5, 3, 0.0, verify_cost=0.0), "verify_cost"),
+        (lambda: theory.walltime_speedup(0.5, 3, 0.1, verify_cost=float("nan")), "verify_cost"),
         (lambda: theory.operations_factor(0.5, 3, -1.0), "c_hat"),
         (lambda: theory.operations_factor(0.5, 0, 0.0), "gamma"),
         (lambda: theory.optimal_gamma(0.5, -0.1), "c"),
@@ -104,7 +108,7 @@ def test_numpy_arrays_broadcast_like_scalars():
 def test_bad_input_raises_value_error_naming_the_argument_and_range(call, name):
     with pytest.raises(ValueError, match=rf"^{name} must be") as info:
         call()
-    assert any(word in str(info.value) for word in ("[0, 1]", ">= 1", ">= 0"))
+    assert any(word in str(info.value) for word in ("[0, 1]", ">= 1", ">= 0", "> 0"))
 
 
 def test_integer_valued_float_gamma_is_accepted():

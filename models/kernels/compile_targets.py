@@ -28,8 +28,10 @@ tests/test_compile_targets.py (a few cases in `make test`) and scripts/compile_s
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import os
+import sys
 import time
 
 import jax
@@ -131,6 +133,24 @@ _PACKAGES = (
 )
 
 
+# Where `make test` installs the three packages (tests/conftest.py and scripts/compile_sweep.py add
+# the same folder to their path before importing jax).
+COMPILE_DEPS = os.environ.get(
+    "SPEC_JAX_COMPILE_DEPS",
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), ".venv-compile"
+    ),
+)
+
+
+def add_compile_deps() -> None:
+    """Appends COMPILE_DEPS to sys.path (if it exists and is not there): for programs that started
+    jax before they knew they would compile for TPUs / GPUs (the experiment launcher). device()
+    registers the CUDA plugin itself when jax's plugin discovery ran before it was on the path."""
+    if os.path.isdir(COMPILE_DEPS) and COMPILE_DEPS not in sys.path:
+        sys.path.append(COMPILE_DEPS)
+
+
 def missing_packages() -> list[str]:
     """Which packages of the `compile` extra are not installed (empty when all are)."""
 
@@ -150,9 +170,12 @@ def device(target):
 
     if isinstance(target, GpuSpec):
         config = target.target_config()
-        return topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1").devices[
-            0
-        ]
+        try:
+            topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+        except NotImplementedError:  # "topology not implemented for cuda": see _register_cuda_plugin
+            _register_cuda_plugin()
+            topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+        return topology.devices[0]
     if target in TPU_TOPOLOGIES:
         # libtpu takes a machine-wide lock unless told that several processes may load it (pytest
         # workers, a sweep beside a test run); compile-only devices share nothing.
@@ -163,22 +186,31 @@ def device(target):
     raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
 
 
+def _register_cuda_plugin() -> None:
+    """jax registers PJRT plugins once, when it first starts a backend; a process that put the
+    CUDA plugin on its path after that (add_compile_deps) registers it here by calling the plugin's
+    own initialize(), which is what jax's discovery calls. Re-raises if it is not installed."""
+    plugin = importlib.import_module("jax_plugins.xla_cuda12")
+    plugin.initialize()
+
+
 def place(tree, dev):
     """ShapeDtypeStructs (or arrays) -> ShapeDtypeStructs on `dev`."""
     sharding = jax.sharding.SingleDeviceSharding(dev)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def lower_for(fn, args, dev):
+def lower_for(fn, args, dev, donate_argnums=()):
     """jax.stages.Lowered of fn(*args) traced for `dev` (under jax.default_device, which the
     dispatcher and the kernels read); args are ShapeDtypeStructs, placed on `dev` here."""
     with jax.default_device(dev):
-        return jax.jit(fn).trace(*place(args, dev)).lower()
+        return jax.jit(fn, donate_argnums=donate_argnums).trace(*place(args, dev)).lower()
 
 
-def compile_for(fn, args, dev):
-    """Runs the device compiler on fn(*args) for `dev`; its errors propagate."""
-    lowered = lower_for(fn, args, dev)
+def compile_for(fn, args, dev, donate_argnums=()):
+    """Runs the device compiler on fn(*args) for `dev`; its errors propagate. Returns the
+    jax.stages.Compiled (its cost_analysis() is what experiments/predicted_speed.py reads)."""
+    lowered = lower_for(fn, args, dev, donate_argnums)
     with jax.default_device(dev):
         return lowered.compile()
 
@@ -302,12 +334,18 @@ def case_program(case: Case, target_name: str):
 
 def compile_case(case: Case, target_name: str) -> Result:
     """Traces, lowers and compiles `case` for the target; errors become a Result that says which."""
-    dev = device(target_name)
     fn, args, impl = case_program(case, target_name)
+    return compile_program(fn, args, impl, target_name)
+
+
+def compile_program(fn, args, impl: str, target_name: str, donate_argnums=()) -> Result:
+    """compile_for(fn, args) for the target as a Result; impl is the attention impl the program's
+    configs ask for (reported as what it resolves to on the target)."""
+    dev = device(target_name)
     resolved = models.kernels.resolve_impl(impl, dev)
     start = time.perf_counter()
     try:
-        compile_for(fn, args, dev)
+        compile_for(fn, args, dev, donate_argnums)
     except Exception as e:  # noqa: BLE001 - every error is a result to report
         lines = str(e).strip().splitlines()
         status = "refused" if isinstance(e, ValueError) else "FAIL"
@@ -315,6 +353,25 @@ def compile_case(case: Case, target_name: str) -> Result:
             status, resolved, time.perf_counter() - start, f"{type(e).__name__}: {lines[0] if lines else ''}"
         )
     return Result("ok", resolved, time.perf_counter() - start)
+
+
+def cost_analysis(compiled) -> dict:
+    """{"flops", "bytes accessed"} of a compiled program: XLA's HloCostAnalysis of the program the
+    device compiler produced (after fusion; a while loop's body counted once, whatever its trip
+    count; a Pallas kernel's custom call at most what its cost estimate says). Where the backend
+    does not provide it (the CUDA plugin's compile-only executables: "GetCostAnalysis is not
+    supported") the same analysis is run by the host's XLA on the optimized HLO module; on TPU the
+    two agree within 0.1%."""
+    costs = compiled.cost_analysis()
+    if isinstance(costs, list | tuple):
+        costs = costs[0] if costs else None
+    if not costs:
+        from jax._src import xla_bridge
+        from jax._src.lib import xla_client
+
+        (module,) = compiled.runtime_executable().hlo_modules()
+        costs = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    return {key: float(costs.get(key, 0.0)) for key in ("flops", "bytes accessed")}
 
 
 def has_pallas_kernel(lowered_text: str, impl: str) -> bool:
