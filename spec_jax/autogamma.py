@@ -61,6 +61,10 @@ class Costs:
         return int(np.argmax(rates))
 
 
+# How measure() turns repeats into a cost; part of the cache key, so a change re-measures.
+MEASURE_METHOD = "min of interleaved repeats"
+
+
 def machine_key() -> dict:
     """What the costs depend on besides the models: the device, the core count, jax, and the
     source of the CPU matmul kernel (a faster kernel makes the cached costs stale)."""
@@ -109,7 +113,7 @@ def measure(
     repeats: int = 5,
 ) -> Costs:
     """Times the target's calls over 1..gamma_max + 1 tokens and a model drafter's calls over 1
-    and 2 tokens (medians of interleaved repeats after a warm-up; spec_jax.timing.model_call).
+    and 2 tokens (the fastest of interleaved repeats after a warm-up; spec_jax.timing.model_call).
     Other drafters (n-gram tables) count as free."""
     from models import Model
     from spec_jax.drafters import ModelDrafter
@@ -133,11 +137,13 @@ def measure(
                 repeat=repeat,
                 head=head,
             )
+    # The fastest of the interleaved repeats: on a machine shared with other work, each call's
+    # least disturbed time, so that the cost ratios do not follow the load of the moment.
     times = timing.timed_interleaved(fns, repeats)
-    step = times[("target", 1)]["median"]
+    step = times[("target", 1)]["min"]
 
     def rel(key):
-        return times[key]["median"] / step if key in times else 0.0
+        return times[key]["min"] / step if key in times else 0.0
 
     verify = (1.0,) + tuple(rel(("target", g + 1)) for g in range(1, gamma_max + 1))
     return Costs(
@@ -168,6 +174,7 @@ def costs_for(
         "batch": batch,
         "cache_slots": slots,
         "gamma_max": gamma_max,
+        "method": MEASURE_METHOD,
     }
     path = cache_path(key, cache_dir)
     if path.exists():
