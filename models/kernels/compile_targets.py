@@ -149,6 +149,11 @@ def add_compile_deps() -> None:
     registers the CUDA plugin itself when jax's plugin discovery ran before it was on the path."""
     if os.path.isdir(COMPILE_DEPS) and COMPILE_DEPS not in sys.path:
         sys.path.append(COMPILE_DEPS)
+    # jax finds the pinned ptxas through the package only when it was on the path at import;
+    # otherwise XLA looks on PATH, where a system CUDA 13 ptxas has no Volta (sm_70) target.
+    nvcc_bin = os.path.join(COMPILE_DEPS, "nvidia", "cuda_nvcc", "bin")
+    if os.path.isdir(nvcc_bin) and nvcc_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = nvcc_bin + os.pathsep + os.environ.get("PATH", "")
 
 
 def missing_packages() -> list[str]:
