@@ -127,7 +127,8 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         overlap(p[:, :gamma], q),
         committed,
         gamma,
-        served(static.drafter, draft_state, tokens.shape[0]),
+        # A plain round (gamma 0, as gamma=auto may end with) is served by no drafter source.
+        served(static.drafter, draft_state, tokens.shape[0]) if gamma else jnp.full_like(state.length, -1),
     )
     return SpecState(
         target_cache=target_cache,
