@@ -112,9 +112,7 @@ def drafts_of(kind, target, draft, threshold=0.0):
     return api.make_draft(kind, target, draft=draft, threshold=threshold)
 
 
-@pytest.mark.parametrize(
-    "kind, threshold", [("prompt_lookup", 0.0), ("hybrid", 0.0), ("model", THRESHOLD), ("hybrid", THRESHOLD)]
-)
+@pytest.mark.parametrize("kind, threshold", [("prompt_lookup", 0.0), ("hybrid", 0.0), ("model", THRESHOLD)])
 def test_greedy_output_equals_autoregressive_on_a_ragged_batch(
     tiny_target, tiny_draft, greedy_ar, kind, threshold
 ):
