@@ -8,6 +8,11 @@ warmed up (compile, reported apart), then timed for `repeats` interleaved repeat
 decoding the r-th batch of the bench prompts (cycling through them). At temperature 0 every
 speculative row is checked against the AR row of the same repeat: greedy speculative decoding
 must give identical tokens.
+
+`drafters` picks what drafts (spec_jax.api.make_draft): the draft model, prompt lookup, or the
+hybrid of the two (with `max_ngram` and the adaptive `draft_threshold`); every drafter runs at
+every gamma of a cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
+(code editing and reading prompts whose output repeats their input: experiments.common).
 """
 
 import functools
@@ -32,6 +37,7 @@ INT_RANGES = {
     "max_new_tokens": (2, 4096),
 }
 TUPLE_RANGES = {"batch_sizes": (int, 1, 64), "gammas": (int, 1, 16), "temperatures": (float, 0.0, 100.0)}
+BENCH_DRAFTERS = ("model", "prompt_lookup", "hybrid")
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -46,6 +52,10 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.gamma = 2 if quick else 4  # the cells after the first
     config.auto = True  # also gamma=auto (spec_jax.autogamma) in the first cell
     config.draft_vocab = 0  # VocabTrim: the draft's head keeps this many tokens (0 = all)
+    config.drafters = ("model",)  # BENCH_DRAFTERS: each at every gamma of a cell
+    config.max_ngram = 3  # prompt_lookup / hybrid
+    config.draft_threshold = 0.0  # model / hybrid: per-row adaptive draft length (0 = off)
+    config.prompt_set = "open"  # experiments.common.PROMPT_SETS
     config.full_sweep = False
     config.num_prompts = 2 if quick else len(common.BENCH_PROMPTS)
     config.repeats = 2 if quick else 3
@@ -54,6 +64,16 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
 
 
 def validate(config) -> None:
+    drafters = tuple(config.drafters)
+    if not drafters or any(d not in BENCH_DRAFTERS for d in drafters):
+        raise ValueError(f"drafters: each must be one of {', '.join(BENCH_DRAFTERS)}, got {drafters}")
+    if config.prompt_set not in common.PROMPT_SETS:
+        raise ValueError(
+            f"prompt_set: must be one of {', '.join(common.PROMPT_SETS)}, got {config.prompt_set!r}"
+        )
+    common.check_int_settings(config, {"max_ngram": (1, 16)})  # (INT_RANGES is shared with bench_peer)
+    if not 0.0 <= config.draft_threshold < 1.0:
+        raise ValueError(f"draft_threshold: must be a number in [0, 1), got {config.draft_threshold!r}")
     if (
         isinstance(config.draft_vocab, bool)
         or not isinstance(config.draft_vocab, int)
@@ -64,8 +84,8 @@ def validate(config) -> None:
         )
 
 
-def bench_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
-    return [tokenizer.encode(p) for p in common.BENCH_PROMPTS[:num_prompts]]
+def bench_prompts(tokenizer, num_prompts: int, prompt_set: str = "open") -> list[list[int]]:
+    return [tokenizer.encode(p) for p in common.prompt_set(prompt_set, num_prompts)]
 
 
 def batches_for(prompts, batch: int, repeats: int) -> list[list[list[int]]]:
@@ -131,18 +151,41 @@ def trimmed(draft, config):
     return drafters.trim_vocabulary(draft, ids)
 
 
+def drafts_for(target, config) -> dict:
+    """{drafter name: what generate's `draft` gets} for config.drafters (the draft model is
+    loaded only when one of them needs it)."""
+    from spec_jax import api
+
+    drafters = tuple(config.drafters)
+    model = None
+    if {"model", "hybrid"} & set(drafters):
+        model = trimmed(common.load_model(config.draft, config.draft_dtype), config)
+    out = {}
+    for name in drafters:
+        if name == "model" and not config.draft_threshold:
+            out[name] = model  # as before drafters were a setting: the same compiled loops
+        else:
+            out[name] = api.make_draft(
+                name, target, draft=model, max_ngram=config.max_ngram, threshold=config.draft_threshold
+            )
+    return out
+
+
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
-    draft = trimmed(common.load_model(config.draft, config.draft_dtype), config)
-    prompts = bench_prompts(target.tokenizer, config.num_prompts)
+    drafts = drafts_for(target, config)
+    prompts = bench_prompts(target.tokenizer, config.num_prompts, config.prompt_set)
     rows, identity, covered, checked = [], {"same": 0, "rows": 0}, set(), set()
     cells = [(b, t) for b in config.batch_sizes for t in config.temperatures]
     for i, (batch, temperature) in enumerate(cells):
         batches = batches_for(prompts, batch, config.repeats)
         cell_gammas = config.gammas if config.full_sweep or i == 0 else (config.gamma,)
-        variants = {"autoregressive": (None, 0)} | {f"gamma {g}": (draft, g) for g in cell_gammas}
-        if config.auto and i == 0:
-            variants["gamma auto"] = (draft, "auto")
+        variants = {"autoregressive": (None, 0, "")}
+        for name, draft in drafts.items():
+            prefix = "" if name == "model" else f"{name} "
+            variants |= {f"{prefix}gamma {g}": (draft, g, name) for g in cell_gammas}
+            if config.auto and i == 0:
+                variants[f"{prefix}gamma auto"] = (draft, "auto", name)
 
         def one(inputs, draft_model, gamma, temperature=temperature):
             r, batch_prompts = inputs
@@ -150,7 +193,7 @@ def run(config) -> framework.Result:
                 target, batch_prompts, draft_model, gamma, temperature, config.max_new_tokens, seed=r
             )
 
-        fns = {name: functools.partial(one, draft_model=d, gamma=g) for name, (d, g) in variants.items()}
+        fns = {name: functools.partial(one, draft_model=d, gamma=g) for name, (d, g, _) in variants.items()}
         runs = timing.interleaved(fns, list(enumerate(batches)), [(0, b) for b in warmup_batches(batches)])
         for result in runs.values():  # a loop first compiled in a timed repeat (auto's gammas): not timed
             result["seconds"] = [
@@ -159,7 +202,7 @@ def run(config) -> framework.Result:
             ]
         ar_results = runs["autoregressive"]["results"]
         ar_tps = None
-        for name, (_, gamma) in variants.items():
+        for name, (_, gamma, drafter) in variants.items():
             result = runs[name]
             gens = result["results"]
             stats = [g.stats for g in gens]
@@ -167,6 +210,8 @@ def run(config) -> framework.Result:
                 print(f"warning: {name} compiled during a timed repeat", file=sys.stderr)
             row = {
                 "variant": "autoregressive" if gamma == 0 else "speculative",
+                "drafter": drafter,
+                "prompt_set": config.prompt_set,
                 "target_dtype": config.target_dtype,
                 "draft_dtype": config.draft_dtype,
                 "draft_vocab": config.draft_vocab or "all",
@@ -183,6 +228,14 @@ def run(config) -> framework.Result:
             if gamma:
                 pooled = metrics.pool(stats)
                 row.update({k: pooled[k] for k in ("acceptance_rate", "mean_accepted_length", "alpha_hat")})
+                row["drafted_per_round"] = pooled["num_draft_tokens"] / max(pooled["num_rounds"], 1)
+                if len(pooled.get("fraction_of_rounds_by_drafter", {})) > 1:
+                    row["rounds_served"] = " ".join(
+                        f"{k}:{v:.2f}" for k, v in pooled["fraction_of_rounds_by_drafter"].items()
+                    )
+                    row["acceptance_by_drafter"] = " ".join(
+                        f"{k}:{v:.3f}" for k, v in pooled["acceptance_rate_by_drafter"].items()
+                    )
             ttft = timing.spread(1e3 * s["prefill_seconds"] for s in stats)
             row.update(ttft_ms=ttft["median"], ttft_ms_min=ttft["min"], ttft_ms_max=ttft["max"])
             row["compile_s"] = sum(g.stats["first_compile_seconds"] for g in result["warmup"])

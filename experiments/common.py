@@ -47,6 +47,90 @@ BENCH_PROMPTS = (
     "def is_prime(n: int) -> bool:\n    ",
 )
 
+PROMPT_SETS = ("open", "grounded")
+GROUNDED_SOURCE_CHARS = 900  # the most source or article text one grounded prompt carries
+
+
+def _stdlib_functions(count: int) -> list[tuple[str, str]]:
+    """(source, first argument) of `count` top-level functions of 6-20 lines with an argument,
+    from the held-out standard-library files (corpora's test split: no n-gram table or trimmed
+    head counted them), one per file, in the split's order."""
+    import ast
+
+    from experiments import corpora
+
+    _, test = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)
+    found = []
+    for _, text in test:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.args.args or ast.get_docstring(node):
+                continue
+            source = ast.get_source_segment(text, node)
+            if source and 6 <= source.count("\n") + 1 <= 20 and len(source) <= GROUNDED_SOURCE_CHARS:
+                found.append((source, node.args.args[0].arg))
+                break
+        if len(found) == count:
+            return found
+    raise ValueError(f"num_prompts: only {len(found)} held-out stdlib functions fit, asked for {count}")
+
+
+def _news_articles(count: int) -> list[str]:
+    """The openings (up to GROUNDED_SOURCE_CHARS, whole lines) of `count` held-out BBC articles."""
+    from experiments import corpora
+
+    _, test = corpora.split(corpora.documents("news"), corpora.TRIM_TEST_FRACTION)
+    texts = []
+    for _, text in test[:count]:
+        cut = text[:GROUNDED_SOURCE_CHARS]
+        texts.append(cut[: cut.rfind("\n")].strip() if "\n" in cut else cut)
+    return texts
+
+
+def grounded_prompts(count: int = 8) -> list[str]:
+    """Input-grounded prompts, where the output repeats the input (what prompt lookup is for),
+    alternating: code editing (a held-out standard-library function and the instruction to
+    rename its first argument, or to add a docstring; the rewrite is begun for the model) and
+    reading (a held-out BBC News article, then a one-sentence summary or a question to answer
+    by quoting it). Built from the corpora the experiments already use; no prompt's text was
+    fitted into any table."""
+    functions = _stdlib_functions((count + 1) // 2)
+    articles = _news_articles(count // 2)
+    prompts = []
+    for i in range(count):
+        if i % 2 == 0:
+            source, arg = functions[i // 2]
+            header = source.split("\n", 1)[0]
+            if (i // 2) % 2 == 0:
+                task = f"The same function with the argument `{arg}` renamed to `{arg}_value` everywhere:"
+                start = header.replace(f"({arg}", f"({arg}_value", 1)
+            else:
+                task = "The same function with a docstring added:"
+                start = header
+            prompts.append(f"# Original:\n{source}\n\n# {task}\n{start}\n")
+        else:
+            article = articles[i // 2]
+            if (i // 2) % 2 == 0:
+                ask = "Summarize the article above in one sentence, reusing its words.\nSummary:"
+            else:
+                ask = "Question: What happened, according to the article above? Quote it.\nAnswer:"
+            prompts.append(f"Article:\n{article}\n\n{ask}")
+    return prompts
+
+
+def prompt_set(name: str, count: int) -> list[str]:
+    """The first `count` prompts of a set: "open" (BENCH_PROMPTS, open-ended) or "grounded"
+    (grounded_prompts). ValueError("prompt_set: ...") for another name."""
+    if name == "open":
+        return list(BENCH_PROMPTS[:count])
+    if name == "grounded":
+        return grounded_prompts(count)
+    raise ValueError(f"prompt_set: must be one of {', '.join(PROMPT_SETS)}, got {name!r}")
+
+
 # Models loaded by this process, so that experiments run together (`--experiment=peer,decode`)
 # load each model once. At most two real models stay resident (a target and its draft).
 _LOADED: dict = {}

@@ -153,6 +153,15 @@ def prompt_texts(test_docs: Sequence[Document], num_prompts: int, min_chars: int
 TRIM_TEST_FRACTION = 0.2  # table3's split: the trimmed head never counted a test prompt's text
 
 
+def training_sequences(tokenizer, cache_dir=None) -> list[list[int]]:
+    """The training documents of both tasks (table3's split), tokenized: what the CLI's unigram
+    and bigram drafters are fitted on, so no held-out prompt's text was counted."""
+    texts = [text for task in TASKS for _, text in split(documents(task, cache_dir), TRIM_TEST_FRACTION)[0]]
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch(texts)
+    return [tokenizer.encode(t) for t in texts]
+
+
 def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, always=(), cache_dir=None):
     """The token set of a vocabulary-trimmed draft head (spec_jax.drafters.trim_vocabulary):
     the `count` most frequent tokens of the training documents of both tasks, with `always`
@@ -168,11 +177,7 @@ def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, alw
     )
     if path.exists():
         return np.load(path)
-    texts = [text for task in TASKS for _, text in split(documents(task, cache_dir), TRIM_TEST_FRACTION)[0]]
-    encoded = (
-        tokenizer.encode_batch(texts) if hasattr(tokenizer, "encode_batch") else map(tokenizer.encode, texts)
-    )
-    ids = ngram.most_frequent(list(encoded), vocab_size, count, always)
+    ids = ngram.most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
     with open(tmp, "wb") as f:

@@ -9,7 +9,10 @@ up to and including the first rejection; see spec_jax.metrics):
                  probability sum_x min(p, q), so it estimates the same alpha, with more noise
                  at temperature > 0; at temperature 0 the two are equal)
 Drafts: "unigram" and "bigram" are n-gram drafters (spec_jax.ngram) fitted on the task's
-training documents tokenized with the target's tokenizer; any other name is a draft model.
+training documents tokenized with the target's tokenizer; "prompt_lookup" copies from the
+prompt and output (spec_jax.lookup), "hybrid@MODEL" is prompt lookup with MODEL where it finds
+nothing; any other name is a draft model. The lookup drafts are left out of the ordering check
+(their alpha is over the positions they chose to propose).
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
 independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
@@ -23,10 +26,17 @@ import numpy as np
 import tqdm
 
 from experiments import common, corpora, framework
-from spec_jax import metrics, ngram, per_prompt
+from spec_jax import api, metrics, ngram, per_prompt
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"
 NGRAM_DRAFTS = ("unigram", "bigram")
+LOOKUP = "prompt_lookup"
+HYBRID_PREFIX = "hybrid@"
+
+
+def is_lookup(draft: str) -> bool:
+    return draft == LOOKUP or draft.startswith(HYBRID_PREFIX)
+
 
 COLUMNS = (
     "target",
@@ -60,7 +70,10 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.runs = (
         ("tiny:unigram+bigram",)
         if quick
-        else ("qwen2.5-coder-1.5b:unigram+bigram+qwen2.5-coder-0.5b", "smollm2-135m:unigram+bigram")
+        else (
+            "qwen2.5-coder-1.5b:unigram+bigram+qwen2.5-coder-0.5b+prompt_lookup+hybrid@qwen2.5-coder-0.5b",
+            "smollm2-135m:unigram+bigram",
+        )
     )
     config.tasks = ("code",) if quick else corpora.TASKS
     config.temperatures = (1.0,) if quick else (0.0, 1.0)
@@ -109,7 +122,9 @@ def validate(config) -> None:
         target, drafts = parse_run(run)
         common.check_model_name("runs", target)
         for draft in drafts:
-            if draft not in NGRAM_DRAFTS:
+            if draft.startswith(HYBRID_PREFIX):
+                common.check_model_name("runs", draft[len(HYBRID_PREFIX) :])
+            elif draft not in NGRAM_DRAFTS and draft != LOOKUP:
                 common.check_model_name("runs", draft)
     if not config.tasks or any(t not in corpora.TASKS for t in config.tasks):
         raise ValueError(
@@ -215,7 +230,12 @@ def measure(config) -> list[dict]:
             fits = [ngram.fit_bigram(data[t][0], vocab, config.add_k, config.prior) for t in config.tasks]
             drafts["bigram"] = dict(zip(config.tasks, same_shapes(fits), strict=True))
         for name in draft_names:
-            if name not in NGRAM_DRAFTS:
+            if name == LOOKUP:
+                drafts[name] = dict.fromkeys(config.tasks, api.make_draft(LOOKUP, target))
+            elif name.startswith(HYBRID_PREFIX):
+                model = common.load_model(name[len(HYBRID_PREFIX) :])
+                drafts[name] = dict.fromkeys(config.tasks, api.make_draft("hybrid", target, draft=model))
+            elif name not in NGRAM_DRAFTS:
                 model = common.load_model(name)
                 drafts[name] = dict.fromkeys(config.tasks, model)
         grid = [(n, t, task) for n in draft_names for t in config.temperatures for task in config.tasks]
@@ -240,6 +260,9 @@ def ordering_checks(cells, config) -> list[dict]:
     checks = []
     for run in config.runs:
         target, drafts = parse_run(run)
+        drafts = tuple(d for d in drafts if not is_lookup(d))
+        if len(drafts) < 2:
+            continue
         for task in config.tasks:
             for temperature in config.temperatures:
                 row = {

@@ -3,6 +3,7 @@
 Examples:
   python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
   python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
+  python -m launch.generate --drafter=hybrid --max_ngram=3 --draft_threshold=0.3 ...  # lookup, then the model
   python -m launch.generate --mesh=data:2,model:4 ...             # tensor + data parallel
   python -m launch.generate --mesh=auto --distributed ...           # every host of a Cloud TPU pod
   python -m launch.generate --mesh=data:2,model:4 --coordinator_address=10.0.0.2:8476 \
@@ -31,6 +32,28 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "qwen2.5-coder-1.5b", "Target model name (see models.known_models()).")
 flags.DEFINE_string(
     "draft", "qwen2.5-coder-0.5b", "Draft model name, or 'none' for plain autoregressive decoding."
+)
+flags.DEFINE_enum(
+    "drafter",
+    "model",
+    ["model", "prompt_lookup", "hybrid", "unigram", "bigram"],
+    "What drafts: model (--draft), prompt_lookup (copies the continuation of the last --max_ngram "
+    "tokens' latest earlier occurrence in the prompt + output; no model), hybrid (prompt lookup, "
+    "and --draft where it finds nothing, per row and round), unigram / bigram (tables fitted on "
+    "the training split of the code and news corpora).",
+)
+flags.DEFINE_integer(
+    "max_ngram",
+    3,
+    "prompt_lookup / hybrid: the longest suffix matched (then shorter, down to 1).",
+    lower_bound=1,
+    upper_bound=16,
+)
+flags.DEFINE_float(
+    "draft_threshold",
+    0.0,
+    "model / hybrid: a row stops drafting at the first position where the draft model's top "
+    "probability is below this (per-row adaptive draft length; 0 = always gamma), in [0, 1).",
 )
 flags.DEFINE_string(
     "gamma",
@@ -119,6 +142,9 @@ flags.DEFINE_integer(
 DEFAULT_PROMPT = "def fibonacci(n):\n    "
 
 flags.register_validator("top_p", lambda v: 0.0 < v <= 1.0, message="--top_p must be in (0, 1]")
+flags.register_validator(
+    "draft_threshold", lambda v: 0.0 <= v < 1.0, message="--draft_threshold must be in [0, 1)"
+)
 flags.register_validator("target", lambda v: v != "none", message="--target cannot be 'none'")
 
 
@@ -245,6 +271,27 @@ def trimmed_draft(draft, stop_ids):
     return drafters.trim_vocabulary(draft, ids)
 
 
+def make_draft(target, draft):
+    """What generate's `draft` gets for --drafter (None: plain decoding, --drafter=model --draft=none)."""
+    from spec_jax import api
+
+    if FLAGS.drafter == "model" and draft is None:
+        return None
+    sequences = None
+    if FLAGS.drafter in ("unigram", "bigram"):
+        from experiments import corpora
+
+        sequences = corpora.training_sequences(target.tokenizer)
+    return api.make_draft(
+        FLAGS.drafter,
+        target,
+        draft=draft,
+        max_ngram=FLAGS.max_ngram,
+        threshold=FLAGS.draft_threshold,
+        sequences=sequences,
+    )
+
+
 def gamma_from_flag():
     """--gamma as an int >= 1 or "auto"; UsageError naming the flag otherwise."""
     text = FLAGS.gamma.strip()
@@ -303,10 +350,13 @@ def main(argv):
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
     gamma_from_flag()
+    uses_model = FLAGS.drafter in ("model", "hybrid")
+    if FLAGS.drafter == "hybrid" and FLAGS.draft == "none":
+        raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     prompts = read_prompts()
     target = load_model(FLAGS.target, FLAGS.target_dtype)
-    draft = None if FLAGS.draft == "none" else load_model(FLAGS.draft, FLAGS.draft_dtype)
+    draft = None if FLAGS.draft == "none" or not uses_model else load_model(FLAGS.draft, FLAGS.draft_dtype)
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
         target = sharding.place(target, mesh)
         draft = None if draft is None else sharding.place(draft, mesh)
@@ -330,11 +380,15 @@ def main(argv):
     stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
     if draft is not None and FLAGS.draft_vocab:
         draft = trimmed_draft(draft, stop_ids)
+    draft = make_draft(target, draft)
 
     tokens, stats = run_batches(target, draft, token_prompts, stop_ids, mesh)
     report = {
         "target": FLAGS.target,
         "draft": FLAGS.draft,
+        "drafter": FLAGS.drafter,
+        "max_ngram": FLAGS.max_ngram,
+        "draft_threshold": FLAGS.draft_threshold,
         "target_dtype": FLAGS.target_dtype,
         "draft_dtype": FLAGS.draft_dtype,
         "draft_vocab": FLAGS.draft_vocab,
@@ -362,6 +416,11 @@ def main(argv):
                 f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
                 f"{s['mean_accepted_length']:.2f}, alpha_hat {s['alpha_hat']:.3f}"
             )
+        if "fraction_of_rounds_by_drafter" in s and len(s["fraction_of_rounds_by_drafter"]) > 1:
+            line += ", rounds served / acceptance rate: " + ", ".join(
+                f"{name} {share:.2f} / {s['acceptance_rate_by_drafter'][name]:.3f}"
+                for name, share in s["fraction_of_rounds_by_drafter"].items()
+            )
         if "gamma_schedules" in s:
             chunks = [
                 f"{g}x{r}" if r < 2**31 - 1 else f"{g} to the end" for b in s["gamma_schedules"] for g, r in b
@@ -369,7 +428,7 @@ def main(argv):
             line += f", gamma=auto chunks (gamma x rounds): {' '.join(chunks)}"
         print(line)
 
-    show("speculative" if draft is not None else "autoregressive", stats)
+    show(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats)
     if FLAGS.compare_autoregressive and draft is not None:
         ar_tokens, ar_stats = run_batches(target, None, token_prompts, stop_ids, mesh)
         speedup = stats["tokens_per_second"] / ar_stats["tokens_per_second"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
-from spec_jax.drafters import ModelDrafter, NoDrafter
+from spec_jax.drafters import ModelDrafter, NoDrafter, sources_of
 from spec_jax.executables import compiled
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, spec_loop, spec_prefill
@@ -115,6 +115,49 @@ def as_drafter(draft):
     return drafter, params
 
 
+DRAFTERS = ("model", "prompt_lookup", "hybrid", "unigram", "bigram")
+
+
+def make_draft(kind: str, target, *, draft=None, max_ngram: int = 3, threshold: float = 0.0, sequences=None):
+    """The (drafter, params) pair of a drafter kind, for generate's `draft`:
+      model          the draft model `draft` (a models.Model or a (ModelDrafter, params) pair, e.g.
+                     a vocabulary-trimmed one), stopping each row below `threshold` (0: never)
+      prompt_lookup  spec_jax.lookup.PromptLookupDrafter(max_ngram): no model
+      hybrid         prompt lookup, and the draft model where it finds nothing
+      unigram, bigram  n-gram tables fitted on `sequences` (token-id lists; spec_jax.ngram)
+    ValueError naming the argument and its allowed values otherwise.
+    """
+    from spec_jax import lookup, ngram
+
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
+    if not _is_int(max_ngram) or not 1 <= max_ngram <= lookup.MAX_NGRAM_LIMIT:
+        raise ValueError(f"max_ngram must be an integer in [1, {lookup.MAX_NGRAM_LIMIT}], got {max_ngram!r}")
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0.0 <= threshold < 1.0:
+        raise ValueError(
+            f"threshold must be a number in [0, 1) (0: drafts never stop early), got {threshold!r}"
+        )
+    vocab = target.config.vocab_size
+    if kind in ("unigram", "bigram"):
+        if sequences is None:
+            raise ValueError(f"drafter {kind!r} needs sequences (token-id lists) to fit its table on")
+        return (
+            ngram.fit_unigram(sequences, vocab) if kind == "unigram" else ngram.fit_bigram(sequences, vocab)
+        )
+    prompt_lookup = lookup.PromptLookupDrafter(vocab, max_ngram)
+    if kind == "prompt_lookup":
+        return prompt_lookup, ()
+    if draft is None:
+        raise ValueError(f"drafter {kind!r} needs a draft model")
+    model, params = as_drafter(draft)
+    if not isinstance(model, ModelDrafter):
+        raise ValueError(f"drafter {kind!r} needs a draft model, got a {type(model).__name__}")
+    model = dataclasses.replace(model, threshold=float(threshold))
+    if kind == "model":
+        return model, params
+    return lookup.HybridDrafter(prompt_lookup, model), params
+
+
 def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b) -> SpecState:
     """spec_prefill with the rows where active is False marked done: rows added only to fill the
     data axis never run a round or count in the metrics."""
@@ -179,17 +222,21 @@ def run(
     inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
     active = sharding.put(np.arange(batch) < num_rows, sharding.batch_sharding(mesh, 1))
     target_params = sharding.placed_params(target, mesh)
-    if isinstance(drafter, ModelDrafter):
-        if drafter.trimmed:  # the model's parameters by the rule table, the trimmed head replicated
+    model_drafter = drafter.model if hasattr(drafter, "model") else drafter  # a hybrid's model
+    if isinstance(model_drafter, ModelDrafter):
+        if model_drafter.trimmed:  # the model's parameters by the rule table, the trimmed head replicated
             draft_params = draft_params.replace(
                 model=sharding.place_params(draft_params.model, mesh),
                 head=sharding.put(
                     draft_params.head, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params.head)
                 ),
             )
-        else:
+        elif hasattr(draft, "config"):
             draft_params = sharding.placed_params(draft, mesh)
-        drafter = dataclasses.replace(drafter, config=sharding.for_mesh(drafter.config, mesh))
+        else:  # a (drafter, params) pair, e.g. make_draft's
+            draft_params = sharding.place_params(draft_params, mesh)
+        placed = dataclasses.replace(model_drafter, config=sharding.for_mesh(model_drafter.config, mesh))
+        drafter = placed if drafter is model_drafter else dataclasses.replace(drafter, model=placed)
     elif draft_params is not None:  # other drafters' arrays (tables): replicated
         draft_params = sharding.put(
             draft_params, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params)
@@ -313,7 +360,7 @@ def generate(
     out, counts, metrics = sharding.fetch((state.out.tokens, state.out.num_generated, state.metrics))
     new_tokens = [out[i, : counts[i]].tolist() for i in range(num_rows)]
     total = int(counts[:num_rows].sum())
-    stats = metrics.to_dict()
+    stats = metrics.to_dict(() if draft is None else sources_of(as_drafter(draft)[0]))
     stats.update(
         timings,
         num_new_tokens=total,

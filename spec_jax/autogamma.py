@@ -114,9 +114,11 @@ def measure(
 ) -> Costs:
     """Times the target's calls over 1..gamma_max + 1 tokens and a model drafter's calls over 1
     and 2 tokens (the fastest of interleaved repeats after a warm-up; spec_jax.timing.model_call).
-    Other drafters (n-gram tables) count as free."""
+    Other drafters (n-gram tables, prompt lookup) count as free; a hybrid costs its model's calls."""
     from models import Model
     from spec_jax.drafters import ModelDrafter
+
+    drafter = getattr(drafter, "model", drafter)  # spec_jax.lookup.HybridDrafter: its model
 
     slots = max(cache_slots, 2 * (gamma_max + 2))
     repeat = 4  # calls per timed program, so that dispatch is not counted
@@ -164,6 +166,7 @@ def costs_for(
 
     slots = 1 << max(cache_slots - 1, 1).bit_length()
     draft_key = type(drafter).__name__
+    drafter = getattr(drafter, "model", drafter)  # spec_jax.lookup.HybridDrafter: its model
     if isinstance(drafter, ModelDrafter):
         rows = int(draft_params.head.ids.shape[0]) if drafter.trimmed else drafter.config.vocab_size
         draft_key = {**model_key(drafter.config), "head_rows": rows}

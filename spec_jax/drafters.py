@@ -1,5 +1,7 @@
 """What can propose draft tokens: nothing (NoDrafter: plain autoregressive decoding), a draft
-model (ModelDrafter), or n-gram tables (UnigramDrafter, BigramDrafter; fitted by spec_jax.ngram).
+model (ModelDrafter), n-gram tables (UnigramDrafter, BigramDrafter; fitted by spec_jax.ngram),
+the row's own prompt and output (spec_jax.lookup.PromptLookupDrafter) or lookup with a model
+behind it (spec_jax.lookup.HybridDrafter).
 
 A drafter is a frozen (hashable) dataclass of static settings, so it can be a static
 argument of jax.jit; its arrays (model parameters, n-gram tables) and its state (a KV
@@ -10,10 +12,16 @@ committed tokens. Feeding both, at positions n-2 and n-1, keeps the drafter's ca
 the committed prefix in every case: after a fully accepted round the drafter has not yet
 seen its own last draft (it is token n-2 now), and after a rejection the rejected entries
 past n-2 are overwritten before they can be read.
+
+A drafter may propose fewer than gamma tokens in a row: the positions it does not propose get
+q = 0 (spec_jax.verify), and then `variable_length` is True, so that the loop checks for a
+round where no row proposed anything (the target then scores one position, not gamma + 1).
+`sources` names what served a row's round (a HybridDrafter has two and says which served each
+row with `served(state)`); the metrics count rounds, drafts and acceptances per source.
 """
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import flax.struct
 import jax
@@ -42,8 +50,21 @@ class Drafter(Protocol):
         context_b2: the last two committed tokens of each row, at positions length-2, length-1.
         keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
         Returns (tokens int32 [B, gamma], q float32 [B, gamma, V] the warped distributions
-        each token was sampled from, new state).
+        each token was sampled from, all zero from the first position not proposed, new state).
         """
+
+
+def sources_of(drafter) -> tuple[str, ...]:
+    """The names of what can serve a drafter's rounds (one name for most drafters)."""
+    return tuple(getattr(drafter, "sources", (type(drafter).__name__,)))
+
+
+def served(drafter, state, batch: int):
+    """int32 [B]: the index in sources_of(drafter) of the source that served each row's last
+    round (0 for a drafter with one source)."""
+    if hasattr(drafter, "served"):
+        return drafter.served(state)
+    return jnp.zeros((batch,), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +74,7 @@ class NoDrafter:
     vocab_size: int
     max_seq_len: int = 2**31 - 1
     prefill_calls: int = 0
+    sources: ClassVar[tuple[str, ...]] = ()
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()
@@ -87,11 +109,23 @@ class ModelDrafter:
     instead of [V, D], and q is 0 on every other token. The rejection rule stays exact for any
     q the drafts are sampled from, this one included: tokens off the set are never proposed,
     and the target's residual max(0, p - q) keeps their whole probability.
+
+    threshold: a per-row adaptive draft length (the `p-min` of HF and llama.cpp). A row stops
+    proposing at the first position where the draft's confidence, its top probability before
+    the warp (at temperature 1, so that greedy decoding has one too), is below threshold;
+    0 proposes all gamma. The stop reads the draft's own distribution only, so the output
+    stays exact.
     """
 
     config: ModelConfig
     prefill_calls: int = 1
     trimmed: bool = False
+    threshold: float = 0.0
+    sources: ClassVar[tuple[str, ...]] = ("model",)
+
+    @property
+    def variable_length(self) -> bool:
+        return self.threshold > 0
 
     @property
     def vocab_size(self) -> int:
@@ -107,20 +141,21 @@ class ModelDrafter:
         return cache
 
     def distribution(self, params, tokens_bt, positions_bt, cache, sampling, logits_at=None):
-        """(q [B, V] of the last scored position, cache): the warped draft distribution."""
+        """(q [B, V] of the last scored position, confidence [B], cache): the warped draft
+        distribution and the top probability of the unwarped one."""
         if not self.trimmed:
             logits, cache = forward(self.config, params, tokens_bt, positions_bt, cache, logits_at)
-            return warp(logits[:, 0], sampling), cache
+            return warp(logits[:, 0], sampling), top_probability(logits[:, 0]), cache
         logits, cache = forward(
             self.config, params.model, tokens_bt, positions_bt, cache, logits_at, head=params.head.weight
         )
         q_r = warp(logits[:, 0], sampling)  # [B, R]
         q = jnp.zeros((q_r.shape[0], self.vocab_size), q_r.dtype)
-        return q.at[:, params.head.ids].set(q_r), cache
+        return q.at[:, params.head.ids].set(q_r), top_probability(logits[:, 0]), cache
 
     def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
-        q0, cache = self.distribution(
+        q0, conf0, cache = self.distribution(
             params, context_b2, positions, cache, sampling, logits_at=jnp.ones_like(length_b)[:, None]
         )
         keys = split_rows(keys_b, gamma)  # [G, B]
@@ -128,14 +163,24 @@ class ModelDrafter:
 
         def step(carry, step_keys):
             token, position, cache = carry
-            q, cache = self.distribution(params, token[:, None], position[:, None], cache, sampling)
+            q, conf, cache = self.distribution(params, token[:, None], position[:, None], cache, sampling)
             nxt = draw_rows(step_keys, q)
-            return (nxt, position + 1, cache), (nxt, q)
+            return (nxt, position + 1, cache), (nxt, q, conf)
 
-        (_, _, cache), (xs, qs) = jax.lax.scan(step, (x0, length_b, cache), keys[1:])
+        (_, _, cache), (xs, qs, confs) = jax.lax.scan(step, (x0, length_b, cache), keys[1:])
         tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)  # [B, G]
         q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [B, G, V]
+        if self.threshold > 0:
+            confidence = jnp.concatenate([conf0[:, None], confs.T], axis=1)  # [B, G]
+            keep = jnp.cumprod(confidence >= self.threshold, axis=1)
+            q = q * keep[..., None].astype(q.dtype)
         return tokens, q, cache
+
+
+def top_probability(logits_bv):
+    """The top probability of softmax(logits), [B] float32."""
+    logits = logits_bv.astype(jnp.float32)
+    return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
 
 
 def trim_vocabulary(draft, token_ids) -> tuple[ModelDrafter, TrimmedDraftParams]:
@@ -175,6 +220,7 @@ class UnigramDrafter:
     vocab_size: int
     max_seq_len: int = UNBOUNDED_CONTEXT
     prefill_calls: int = 0
+    sources: ClassVar[tuple[str, ...]] = ("unigram",)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()
@@ -218,6 +264,7 @@ class BigramDrafter:
     max_row_len: int
     max_seq_len: int = UNBOUNDED_CONTEXT
     prefill_calls: int = 0
+    sources: ClassVar[tuple[str, ...]] = ("bigram",)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()

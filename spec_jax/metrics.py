@@ -3,7 +3,10 @@
 The names follow the serving engines so results compare: a "round" is one row's draft +
 verify step (rows that are already done do not count), acceptance_rate is accepted/drafted,
 and mean_accepted_length is 1 + accepted/rounds (the paper's expected tokens per round,
-before truncation at max_new_tokens or EOS).
+before truncation at max_new_tokens or EOS). Rows may draft fewer than gamma tokens (a
+lookup that found nothing, a confidence stop): only proposed positions count as drafted or
+scored. A drafter with several sources (spec_jax.lookup.HybridDrafter: prompt lookup, then
+the model) says which one served each row's round; the counts are also kept per source.
 """
 
 import flax.struct
@@ -24,10 +27,14 @@ class SpecMetrics:
     num_committed_tokens: jax.Array  # int32 []: tokens committed by rounds, after truncation
     target_calls: jax.Array  # int32 [], batched target forward calls (prefill included)
     draft_calls: jax.Array  # int32 [], batched drafter steps (prefill included)
+    source_rounds: jax.Array  # int32 [S]: rounds each of the drafter's sources served
+    source_draft_tokens: jax.Array  # int32 [S]
+    source_accepted_tokens: jax.Array  # int32 [S]
 
     @classmethod
-    def zeros(cls, gamma: int) -> "SpecMetrics":
+    def zeros(cls, gamma: int, num_sources: int = 1) -> "SpecMetrics":
         i = jnp.zeros((), jnp.int32)
+        per_source = jnp.zeros((num_sources,), jnp.int32)
         return cls(
             i,
             i,
@@ -39,26 +46,34 @@ class SpecMetrics:
             i,
             i,
             i,
+            per_source,
+            per_source,
+            per_source,
         )
 
-    def update(self, active_b, num_accepted_b, overlap_bg, committed_b, draft_steps: int) -> "SpecMetrics":
-        """Adds one round. active: rows that drafted; overlap: [B, G] sum_x min(p, q) per position,
-        G at most the gamma these metrics were made for (gamma=auto runs rounds of several gammas
-        into metrics sized for the largest).
+    def update(
+        self, active_b, num_drafted_b, num_accepted_b, overlap_bg, committed_b, draft_steps: int, source_b
+    ) -> "SpecMetrics":
+        """Adds one round. active: rows that drafted; num_drafted: [B] proposed drafts per row (at
+        most G); overlap: [B, G] sum_x min(p, q) per position, G at most the gamma these metrics
+        were made for (gamma=auto runs rounds of several gammas into metrics sized for the
+        largest); source: int32 [B], the drafter's source that served each row.
 
-        Only positions the target scored on the committed prefix (i <= num_accepted) enter
-        alpha: after the first rejection the drafts are conditioned on a rejected token.
+        Only proposed positions the target scored on the committed prefix (i <= num_accepted)
+        enter alpha: after the first rejection the drafts are conditioned on a rejected token.
         """
         gamma = overlap_bg.shape[1]
         size = self.per_position_accepted.shape[0]
         overlap_bg = jnp.pad(overlap_bg, ((0, 0), (0, size - gamma)))
         act = active_b.astype(jnp.int32)
         acc = num_accepted_b * act
+        drafted = num_drafted_b * act
         pos = jnp.arange(size)[None, :]
-        scored = (pos <= num_accepted_b[:, None]) & (pos < gamma) & active_b[:, None]
+        scored = (pos <= num_accepted_b[:, None]) & (pos < num_drafted_b[:, None]) & active_b[:, None]
+        by_source = jax.nn.one_hot(source_b, self.source_rounds.shape[0], dtype=jnp.int32)  # [B, S]
         return SpecMetrics(
             num_rounds=self.num_rounds + jnp.sum(act),
-            num_draft_tokens=self.num_draft_tokens + gamma * jnp.sum(act),
+            num_draft_tokens=self.num_draft_tokens + jnp.sum(drafted),
             num_accepted_tokens=self.num_accepted_tokens + jnp.sum(acc),
             per_position_accepted=self.per_position_accepted
             + jnp.sum((pos < num_accepted_b[:, None]) & active_b[:, None], axis=0).astype(jnp.int32),
@@ -69,15 +84,20 @@ class SpecMetrics:
             num_committed_tokens=self.num_committed_tokens + jnp.sum(committed_b),
             target_calls=self.target_calls + 1,
             draft_calls=self.draft_calls + draft_steps,
+            source_rounds=self.source_rounds + act @ by_source,
+            source_draft_tokens=self.source_draft_tokens + drafted @ by_source,
+            source_accepted_tokens=self.source_accepted_tokens + acc @ by_source,
         )
 
-    def to_dict(self) -> dict:
-        """Host-side summary in the metrics schema above (plain Python numbers and lists)."""
+    def to_dict(self, sources: tuple[str, ...] = ()) -> dict:
+        """Host-side summary in the metrics schema above (plain Python numbers and lists).
+        sources: the names of the drafter's sources (spec_jax.drafters.sources_of); with them
+        the per-source counts come out as {name: count} dicts (see by_drafter)."""
         rounds = int(self.num_rounds)
         drafted = int(self.num_draft_tokens)
         accepted = int(self.num_accepted_tokens)
         count = int(self.overlap_count)
-        return {
+        out = {
             "num_rounds": rounds,
             "num_draft_tokens": drafted,
             "num_accepted_tokens": accepted,
@@ -93,6 +113,34 @@ class SpecMetrics:
             "target_calls": int(self.target_calls),
             "draft_calls": int(self.draft_calls),
         }
+        if sources and len(sources) == self.source_rounds.shape[0]:
+            for key, values in zip(BY_DRAFTER, self._source_counts(), strict=True):
+                out[key] = dict(zip(sources, np.asarray(values).tolist(), strict=True))
+            out.update(by_drafter(out))
+        return out
+
+    def _source_counts(self):
+        return self.source_rounds, self.source_draft_tokens, self.source_accepted_tokens
+
+
+# Per-source counts ({source name: count}); pool adds them up name by name.
+BY_DRAFTER = ("rounds_by_drafter", "draft_tokens_by_drafter", "accepted_tokens_by_drafter")
+
+
+def by_drafter(stats: dict) -> dict:
+    """The per-source rates from the per-source counts: fraction_of_rounds_by_drafter (the
+    share of rounds each source served), acceptance_rate_by_drafter (accepted / drafted) and
+    mean_accepted_length_by_drafter (1 + accepted / rounds), as {name: value} dicts."""
+    rounds, drafted, accepted = (stats[k] for k in BY_DRAFTER)
+    total = sum(rounds.values())
+    nan = float("nan")
+    return {
+        "fraction_of_rounds_by_drafter": {k: v / total if total else nan for k, v in rounds.items()},
+        "acceptance_rate_by_drafter": {k: accepted[k] / v if v else nan for k, v in drafted.items()},
+        "mean_accepted_length_by_drafter": {
+            k: 1.0 + accepted[k] / v if v else nan for k, v in rounds.items()
+        },
+    }
 
 
 COUNTS = (
@@ -113,7 +161,8 @@ def pool(stats: list[dict]) -> dict:
     accepted / rounds; alpha_hat is the mean overlap over ALL scored positions (each run's
     alpha_hat weighted by its num_scored_positions, so a run with no rounds adds nothing);
     per_position_acceptance weighted by rounds; histograms add; tokens_per_second = new tokens
-    over prefill + decode seconds. Keys a run does not have are left out (plain decoding has no
+    over prefill + decode seconds; the per-drafter counts add name by name and their rates are
+    recomputed from them. Keys a run does not have are left out (plain decoding has no
     acceptance), as are per-position lists of different lengths. The one place this is done:
     the CLI, the benchmarks and the experiments all pool with it.
     """
@@ -134,6 +183,11 @@ def pool(stats: list[dict]) -> dict:
     out["mean_accepted_length"] = 1.0 + accepted / rounds if rounds else float("nan")
     overlap_sum = sum(s["alpha_hat"] * s["num_scored_positions"] for s in stats if s["num_scored_positions"])
     out["alpha_hat"] = overlap_sum / scored if scored else float("nan")
+    if all(k in s for s in stats for k in BY_DRAFTER):
+        for key in BY_DRAFTER:
+            names = list(dict.fromkeys(name for s in stats for name in s[key]))
+            out[key] = {name: sum(s[key].get(name, 0) for s in stats) for name in names}
+        out.update(by_drafter(out))
     for key in ("per_position_acceptance", "accepted_histogram"):
         lengths = {len(s[key]) for s in stats if key in s}
         if len(lengths) != 1 or not all(key in s for s in stats):

@@ -16,6 +16,7 @@ import numpy as np
 
 from spec_jax import api
 from spec_jax.decode import PrefillInputs, pad_prompts
+from spec_jax.drafters import sources_of
 from spec_jax.executables import compiled
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
@@ -60,5 +61,6 @@ def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature:
     run_s = time.perf_counter() - start
     out, counts = np.asarray(out[:, 0]), np.asarray(counts[:, 0])
     new_tokens = [out[b, : counts[b]].tolist() for b in range(len(prompts))]
-    per_row = [jax.tree.map(lambda x, b=b: x[b], metrics).to_dict() for b in range(len(prompts))]
+    sources = sources_of(drafter)
+    per_row = [jax.tree.map(lambda x, b=b: x[b], metrics).to_dict(sources) for b in range(len(prompts))]
     return new_tokens, per_row, {"compile_seconds": compile_s, "run_seconds": run_s}

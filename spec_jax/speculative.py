@@ -1,8 +1,10 @@
 """The decoding loop: prefill both models, then one lax.while_loop of draft -> verify -> commit.
 
 Each round, per row with n committed tokens (the last one, t_{n-1}, not yet in any cache):
-  1. the drafter reads t_{n-2}, t_{n-1} and proposes gamma tokens with their distributions q;
-  2. the target scores [t_{n-1}, d_0 .. d_{gamma-1}] at positions n-1 .. n-1+gamma in ONE call;
+  1. the drafter reads t_{n-2}, t_{n-1} and proposes up to gamma tokens with their
+     distributions q (q = 0 where a row proposes nothing more: spec_jax.verify);
+  2. the target scores [t_{n-1}, d_0 .. d_{gamma-1}] at positions n-1 .. n-1+gamma in ONE call
+     (t_{n-1} alone when the drafter may stop early and no row proposed anything);
   3. the rejection rule accepts a prefix of a drafts and draws one more token;
   4. the row commits a + 1 tokens (fewer at a stop token or max_new_tokens) and n advances by
      that, independently of the other rows.
@@ -21,11 +23,11 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
 from spec_jax.decode import Output, PrefillInputs, commit, first_token, prefill
-from spec_jax.drafters import Drafter
+from spec_jax.drafters import Drafter, served, sources_of
 from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import SamplingParams, split_rows, warp
-from spec_jax.verify import overlap, verify
+from spec_jax.verify import draft_lengths, overlap, verify
 
 
 @flax.struct.dataclass
@@ -59,7 +61,7 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
     draft_state = static.drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
     out, token, keys = first_token(logits, inputs, static.sampling, static.max_new_tokens)
     prev = jnp.take_along_axis(inputs.tokens, (inputs.prompt_lens - 1)[:, None], axis=1)[:, 0]
-    metrics = SpecMetrics.zeros(static.gamma).replace(
+    metrics = SpecMetrics.zeros(static.gamma, len(sources_of(static.drafter))).replace(
         target_calls=jnp.ones((), jnp.int32),
         draft_calls=jnp.asarray(static.drafter.prefill_calls, jnp.int32),
     )
@@ -88,8 +90,24 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
 
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, G + 1]
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
-    logits, target_cache = forward(static.config, params, tokens, positions, state.target_cache)
-    p = warp(logits, static.sampling)  # [B, G + 1, V]
+    num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
+
+    def score(width, cache):
+        """p [B, G + 1, V] from a target call over the first `width` positions (with width 1,
+        p at position 0 repeated: no row proposed a draft, so the rule reads nothing past it)."""
+        logits, cache = forward(static.config, params, tokens[:, :width], positions[:, :width], cache)
+        p = warp(logits, static.sampling)
+        return jnp.broadcast_to(p[:, :1], (p.shape[0], gamma + 1, p.shape[2])) if width == 1 else p, cache
+
+    if gamma and getattr(static.drafter, "variable_length", False):
+        p, target_cache = jax.lax.cond(
+            jnp.any(active & (num_drafted > 0)),
+            lambda cache: score(gamma + 1, cache),
+            lambda cache: score(1, cache),
+            state.target_cache,
+        )
+    else:
+        p, target_cache = score(gamma + 1, state.target_cache)  # [B, G + 1, V]
     num_accepted, next_token = verify(drafts, q, p, verify_keys)
 
     idx = jnp.arange(gamma + 1)[None, :]
@@ -102,7 +120,16 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     before_last = jnp.take_along_axis(new, jnp.maximum(committed - 2, 0)[:, None], axis=1)[:, 0]
     prev = jnp.where(committed >= 2, before_last, state.last_token)
     moved = committed > 0
-    metrics = state.metrics.update(active, num_accepted, overlap(p[:, :gamma], q), committed, gamma)
+    metrics = state.metrics.update(
+        active,
+        num_drafted,
+        num_accepted,
+        overlap(p[:, :gamma], q),
+        committed,
+        gamma,
+        # A plain round (gamma 0, as gamma=auto may end with) is served by no drafter source.
+        served(static.drafter, draft_state, tokens.shape[0]) if gamma else jnp.full_like(state.length, -1),
+    )
     return SpecState(
         target_cache=target_cache,
         draft_state=draft_state,

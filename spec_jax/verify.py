@@ -5,6 +5,12 @@ next token comes from norm(max(0, p_i - q_i)); if all gamma drafts are accepted,
 token comes from p_{gamma+1}. The committed tokens are then distributed exactly as the
 target's. Appending a zero "draft distribution" after the last draft makes the bonus draw
 the same formula as the residual draw, so there is one code path.
+
+Rows may draft fewer than G tokens (per-row adaptive lengths, a lookup that found nothing): a
+position whose q is all zeros was not proposed. Nothing is accepted from there on, and the
+next token is drawn from max(0, p - 0) = p itself, as after the last draft. The proposed
+positions of a row are a prefix of its G; whether a row stops may depend on draft-side
+information only (never on p or on the uniforms), which keeps every position exact.
 """
 
 import jax
@@ -34,8 +40,9 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
 
     p_x = jnp.take_along_axis(p[:, :gamma], draft_tokens_bg[..., None], axis=-1)[..., 0]
     q_x = jnp.take_along_axis(q, draft_tokens_bg[..., None], axis=-1)[..., 0]
-    # u < p/q without dividing: a draft has q(x) > 0 since it was sampled from q.
-    accepted = u * q_x < p_x  # [B, G]
+    # u < p/q without dividing: a proposed draft has q(x) > 0 since it was sampled from q; an
+    # unproposed position (q = 0) is never accepted.
+    accepted = (u * q_x < p_x) & (q_x > 0)  # [B, G]
     num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
 
     q_ext = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # [B, G + 1, V]
@@ -48,6 +55,12 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
     residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_at)
     next_token = draw_rows(residual_keys, residual)
     return num_accepted, next_token
+
+
+def draft_lengths(q_bgv):
+    """int32 [B]: how many leading positions of each row were proposed (q not all zero)."""
+    proposed = jnp.sum(q_bgv, axis=-1) > 0  # [B, G]
+    return jnp.sum(jnp.cumprod(proposed, axis=1), axis=1).astype(jnp.int32)
 
 
 def overlap(p_bgv, q_bgv):

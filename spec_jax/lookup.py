@@ -1,0 +1,210 @@
+"""Drafts copied from the row's own text: prompt lookup, and prompt lookup with a draft model
+behind it (HybridDrafter).
+
+Prompt lookup (as HF's `prompt_lookup_num_tokens` and vLLM's `ngram`): find the most recent
+earlier occurrence of the row's last n committed tokens (n from max_ngram down to 1) in its
+prompt + generated tokens, and propose the tokens that followed it. When the occurrence is
+closer than gamma tokens to the end, the text is taken to repeat with that period (the match
+says t[n + i] = t[j + 1 + i] for an occurrence ending at j; where j + 1 + i reaches the draft
+itself, it is read from there), so a match always proposes gamma tokens. A row without a
+match proposes nothing (q = 0: spec_jax.verify). The drafts are deterministic, so q is
+one-hot: the rule accepts draft x with probability p(x) and otherwise draws from p with x
+removed, which keeps sampling at any temperature exact.
+
+The state is a token buffer [B, S] (S = the loop's cache length) holding each row's prompt +
+committed tokens. The loop hands `propose` only the last two committed tokens, so the buffer
+is kept as the model drafter keeps its cache: `propose` writes its drafts at n .. n+G-1 (the
+accepted ones are committed as proposed), and the next call writes the two context tokens at
+n'-2, n'-1 over them, which also replaces the first rejected draft with the token the rule
+drew. Every position below n' is then a committed token; entries at n' and past are garbage
+and are masked out of the match. A round the loop truncates (max_new_tokens, a stop token)
+ends its row, so a truncated row never proposes again.
+"""
+
+import dataclasses
+from typing import Any, ClassVar
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from models.transformer import forward
+from spec_jax.drafters import UNBOUNDED_CONTEXT, ModelDrafter
+
+MAX_NGRAM_LIMIT = 16  # the largest max_ngram accepted (the match is max_ngram shifted compares)
+
+
+def write_tokens(buffer_bs, tokens_bt, start_b):
+    """buffer with tokens [B, T] written at positions start .. start+T-1 of each row (positions
+    past the buffer are dropped)."""
+    rows = jnp.arange(buffer_bs.shape[0])[:, None]
+    positions = start_b[:, None] + jnp.arange(tokens_bt.shape[1])[None, :]
+    return buffer_bs.at[rows, positions].set(tokens_bt, mode="drop")
+
+
+def find_match(buffer_bs, length_b, max_ngram: int):
+    """The most recent earlier occurrence of each row's longest matching suffix.
+
+    For n = max_ngram down to 1 the last n tokens t[L-n .. L-1] (L = length) are compared with
+    every window ending at j <= L-2 (an earlier occurrence: its continuation t[j+1] is known);
+    positions >= L are never read. Returns (found bool [B], end int32 [B]: j of the most
+    recent occurrence of the longest matching n, -1 if none; ngram int32 [B]: that n, 0 if none).
+    """
+    batch, slots = buffer_bs.shape
+    j = jnp.arange(slots)[None, :]  # [1, S]: where an earlier occurrence ends
+    n = length_b[:, None]  # [B, 1]
+    ok = j <= n - 2
+    end = jnp.full((batch,), -1, jnp.int32)
+    ngram = jnp.zeros((batch,), jnp.int32)
+    for d in range(max_ngram):  # the n-gram's tokens, last first: window j - d vs t[L-1-d]
+        shifted = jnp.pad(buffer_bs, ((0, 0), (d, 0)), constant_values=-1)[:, :slots]  # [b, j] = t[j-d]
+        suffix = jnp.take_along_axis(buffer_bs, jnp.maximum(n - 1 - d, 0), axis=1)  # [B, 1]
+        ok = ok & (shifted == suffix) & (n - 1 - d >= 0) & (j >= d)
+        end_d = jnp.max(jnp.where(ok, j, -1), axis=1).astype(jnp.int32)
+        found_d = end_d >= 0
+        end = jnp.where(found_d, end_d, end)
+        ngram = jnp.where(found_d, d + 1, ngram)
+    return end >= 0, end, ngram
+
+
+def continuation(buffer_bs, length_b, end_b, gamma: int):
+    """int32 [B, G]: the gamma tokens after an occurrence ending at end, t[end + 1 + (i mod P)]
+    with P = L - 1 - end (the text repeating with period P past its last token)."""
+    period = jnp.maximum(length_b - 1 - end_b, 1)[:, None]
+    idx = end_b[:, None] + 1 + jnp.arange(gamma)[None, :] % period
+    return jnp.take_along_axis(buffer_bs, jnp.clip(idx, 0, buffer_bs.shape[1] - 1), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookupDrafter:
+    """Drafts by prompt lookup (module docstring); no parameters (params: None or ())."""
+
+    vocab_size: int
+    max_ngram: int = 3
+    max_seq_len: int = UNBOUNDED_CONTEXT
+    prefill_calls: int = 0
+    variable_length: ClassVar[bool] = True
+    sources: ClassVar[tuple[str, ...]] = ("prompt_lookup",)
+
+    def __post_init__(self):
+        if not (isinstance(self.max_ngram, int) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
+            raise ValueError(
+                f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
+            )
+
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+        """The token buffer [B, cache_len]: the padded prompts (padding past each length is garbage)."""
+        return jnp.pad(tokens_bp.astype(jnp.int32), ((0, 0), (0, cache_len - tokens_bp.shape[1])))
+
+    def lookup(self, buffer_bs, context_b2, length_b, gamma: int):
+        """(buffer with the context written, found [B], drafts int32 [B, G]): the match."""
+        buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
+        found, end, _ = find_match(buffer_bs, length_b, self.max_ngram)
+        drafts = continuation(buffer_bs, length_b, end, gamma)
+        return buffer_bs, found, jnp.where(found[:, None], drafts, context_b2[:, 1:])
+
+    def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling, keys_b):
+        buffer_bs, found, drafts = self.lookup(buffer_bs, context_b2, length_b, gamma)
+        q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32) * found[:, None, None]
+        return drafts, q, write_tokens(buffer_bs, drafts, length_b)
+
+
+@flax.struct.dataclass
+class HybridState:
+    buffer: jax.Array  # int32 [B, S]: prompt + committed tokens (PromptLookupDrafter's state)
+    cache: Any  # the draft model's KVCache
+    cached: jax.Array  # int32 [B]: the model's cache is exact at positions below this
+    model_drafted: jax.Array  # bool [B]: the model served the row's last round
+    last_length: jax.Array  # int32 [B]: the length at the last round (unchanged: the row is done)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridDrafter:
+    """Prompt lookup first, the draft model for the rows where it finds nothing (per row, per
+    round); params are the model's (a TrimmedDraftParams for a trimmed model).
+
+    The model runs in a round only when some active row needs it. Its cache must then hold the
+    committed prefix, although it skipped the rounds lookup served (each of which committed up
+    to gamma + 1 tokens): it is exact below `cached`, and before drafting it reads the
+    committed tokens from `cached` to n-2 out of the lookup's buffer, `catch_up` tokens per
+    call (as many calls as the longest gap needs), then drafts as ModelDrafter does (which
+    feeds n-2, n-1). After a round it drafted, the cache is exact below n for every row, and
+    for the rows it served also below the next round's n'-2 (its own accepted drafts).
+    """
+
+    lookup: PromptLookupDrafter
+    model: ModelDrafter
+    catch_up: int = 8
+    prefill_calls: int = 1
+    variable_length: ClassVar[bool] = True
+    sources: ClassVar[tuple[str, ...]] = ("prompt_lookup", "model")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+        return HybridState(
+            buffer=self.lookup.init(None, tokens_bp, prompt_lens_b, cache_len),
+            cache=self.model.init(params, tokens_bp, prompt_lens_b, cache_len),
+            cached=prompt_lens_b.astype(jnp.int32),
+            model_drafted=jnp.zeros(prompt_lens_b.shape, jnp.bool_),
+            last_length=jnp.zeros(prompt_lens_b.shape, jnp.int32),
+        )
+
+    def served(self, state: HybridState):
+        return state.model_drafted.astype(jnp.int32)
+
+    def feed(self, params, cache, buffer_bs, start_b, stop_b):
+        """The cache after reading the committed tokens at start .. stop-1 of each row (a row
+        whose start >= stop reads nothing it needs), `catch_up` positions per call."""
+        model_params, head = (params.model, params.head.weight) if self.model.trimmed else (params, None)
+        width = self.catch_up
+        first = jnp.zeros((start_b.shape[0], 1), jnp.int32)  # logits of one position (unused)
+
+        def body(carry):
+            start, cache = carry
+            positions = start[:, None] + jnp.arange(width)[None, :]
+            tokens = jnp.take_along_axis(buffer_bs, jnp.clip(positions, 0, buffer_bs.shape[1] - 1), axis=1)
+            _, cache = forward(self.model.config, model_params, tokens, positions, cache, first, head=head)
+            return jnp.where(start < stop_b, jnp.minimum(start + width, stop_b), start), cache
+
+        _, cache = jax.lax.while_loop(lambda c: jnp.any(c[0] < stop_b), body, (start_b, cache))
+        return cache
+
+    def propose(self, params, state: HybridState, context_b2, length_b, gamma, sampling, keys_b):
+        buffer, found, drafts = self.lookup.lookup(state.buffer, context_b2, length_b, gamma)
+        # The rows the model served last round have their accepted drafts in its cache.
+        cached = jnp.where(state.model_drafted, jnp.maximum(state.cached, length_b - 2), state.cached)
+        need = ~found & (length_b != state.last_length)  # a done row keeps its length: never needs it
+
+        def with_model(cache, cached):
+            cache = self.feed(params, cache, buffer, cached, length_b - 2)
+            tokens, q, cache = self.model.propose(
+                params, cache, context_b2, length_b, gamma, sampling, keys_b
+            )
+            return tokens, q, cache, length_b
+
+        def without_model(cache, cached):
+            batch = length_b.shape[0]
+            q = jnp.zeros((batch, gamma, self.vocab_size), jnp.float32)
+            return jnp.zeros((batch, gamma), jnp.int32), q, cache, cached
+
+        model_tokens, model_q, cache, cached = jax.lax.cond(
+            jnp.any(need), with_model, without_model, state.cache, cached
+        )
+        tokens = jnp.where(found[:, None], drafts, model_tokens)
+        lookup_q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32)
+        q = jnp.where(found[:, None, None], lookup_q, model_q)
+        new_state = HybridState(
+            buffer=write_tokens(buffer, tokens, length_b),
+            cache=cache,
+            cached=cached,
+            model_drafted=need,
+            last_length=length_b,
+        )
+        return tokens, q, new_state
