@@ -355,7 +355,7 @@ def test_cli_runs_on_a_one_device_mesh():
         "--prompt=ab",
     )
     assert result.returncode == 0, result.stderr
-    assert "speculative: 3 tokens" in result.stdout
+    assert "speculative (model): 3 tokens" in result.stdout
 
 
 TPU = ["--name=spec", "--zone=us-central2-b", "--dry_run"]
