@@ -201,7 +201,7 @@ def run(config) -> framework.Result:
                 for t, g in zip(result["seconds"], result["results"], strict=True)
             ]
         ar_results = runs["autoregressive"]["results"]
-        ar_tps = None
+        ar_tps = ar_decode_tps = None
         for name, (_, gamma, drafter) in variants.items():
             result = runs[name]
             gens = result["results"]
@@ -222,6 +222,12 @@ def run(config) -> framework.Result:
             }
             ar_tps = ar_tps or row["tokens_per_s"]
             row["speedup"] = row["tokens_per_s"] / ar_tps
+            # After the prompt: every token but each row's first (drawn from the prefill's logits)
+            # over the loop's seconds; long prompts make the prefill weigh on tokens_per_s.
+            decode_tokens = sum(s["num_new_tokens"] - len(g.tokens) for s, g in zip(stats, gens, strict=True))
+            row["decode_tokens_per_s"] = decode_tokens / sum(s["decode_seconds"] for s in stats)
+            ar_decode_tps = ar_decode_tps or row["decode_tokens_per_s"]
+            row["decode_speedup"] = row["decode_tokens_per_s"] / ar_decode_tps
             if gamma == "auto":
                 chunks = [c for s in stats for c in s["gamma_schedule"]]
                 row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=int))
