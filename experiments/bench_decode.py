@@ -9,8 +9,9 @@ decoding the r-th batch of the bench prompts (cycling through them). At temperat
 speculative row is checked against the AR row of the same repeat: greedy speculative decoding
 must give identical tokens.
 
-`drafters` picks what drafts (spec_jax.api.make_draft): the draft model, prompt lookup, or the
-hybrid of the two (with `max_ngram` and the adaptive `draft_threshold`); every drafter runs at
+`drafters` picks what drafts (spec_jax.api.make_draft): the draft model, prompt lookup, suffix
+matching (the row's text and the training corpora's n-gram table), or the hybrid of lookup and
+the model (with `max_ngram` and the adaptive `draft_threshold`); every drafter runs at
 every gamma of a cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
 (code editing and reading prompts whose output repeats their input: experiments.common).
 """
@@ -37,7 +38,7 @@ INT_RANGES = {
     "max_new_tokens": (2, 4096),
 }
 TUPLE_RANGES = {"batch_sizes": (int, 1, 64), "gammas": (int, 1, 16), "temperatures": (float, 0.0, 100.0)}
-BENCH_DRAFTERS = ("model", "prompt_lookup", "hybrid")
+BENCH_DRAFTERS = ("model", "prompt_lookup", "suffix", "hybrid")
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -53,8 +54,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.auto = True  # also gamma=auto (spec_jax.autogamma) in the first cell
     config.draft_vocab = 0  # VocabTrim: the draft's head keeps this many tokens (0 = all)
     config.drafters = ("model",)  # BENCH_DRAFTERS: each at every gamma of a cell
-    config.max_ngram = 3  # prompt_lookup / hybrid
+    config.max_ngram = 3  # prompt_lookup / suffix / hybrid
     config.draft_threshold = 0.0  # model / hybrid: per-row adaptive draft length (0 = off)
+    config.suffix_threshold = 0.0  # suffix: the same, on the top successor's frequency
     config.prompt_set = "open"  # experiments.common.PROMPT_SETS
     config.full_sweep = False
     config.num_prompts = 2 if quick else len(common.BENCH_PROMPTS)
@@ -72,8 +74,9 @@ def validate(config) -> None:
             f"prompt_set: must be one of {', '.join(common.PROMPT_SETS)}, got {config.prompt_set!r}"
         )
     common.check_int_settings(config, {"max_ngram": (1, 16)})  # (INT_RANGES is shared with bench_peer)
-    if not 0.0 <= config.draft_threshold < 1.0:
-        raise ValueError(f"draft_threshold: must be a number in [0, 1), got {config.draft_threshold!r}")
+    for key in ("draft_threshold", "suffix_threshold"):
+        if not 0.0 <= config[key] < 1.0:
+            raise ValueError(f"{key}: must be a number in [0, 1), got {config[key]!r}")
     if (
         isinstance(config.draft_vocab, bool)
         or not isinstance(config.draft_vocab, int)
@@ -161,12 +164,26 @@ def drafts_for(target, config) -> dict:
     if {"model", "hybrid"} & set(drafters):
         model = trimmed(common.load_model(config.draft, config.draft_dtype), config)
     out = {}
+    tables = None
+    if "suffix" in drafters:
+        from experiments import corpora
+
+        vocab = target.config.vocab_size
+        if config.target in common.TINY_MODELS:  # tiny models have no tokenizer: their own text only
+            tables = None
+        else:
+            tables = corpora.suffix_tables(config.target, target.tokenizer, vocab, config.max_ngram)
     for name in drafters:
         if name == "model" and not config.draft_threshold:
             out[name] = model  # as before drafters were a setting: the same compiled loops
         else:
             out[name] = api.make_draft(
-                name, target, draft=model, max_ngram=config.max_ngram, threshold=config.draft_threshold
+                name,
+                target,
+                draft=model,
+                max_ngram=config.max_ngram,
+                threshold=config.suffix_threshold if name == "suffix" else config.draft_threshold,
+                tables=tables,
             )
     return out
 

@@ -21,6 +21,7 @@ import sysconfig
 import zipfile
 from collections.abc import Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from models import registry
@@ -184,3 +185,22 @@ def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, alw
         np.save(f, ids)
     os.replace(tmp, path)
     return ids
+
+
+def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, cache_dir=None):
+    """The suffix drafter's n-gram table (spec_jax.suffix.fit_suffix_tables) of the training
+    documents of both tasks, fitted once per model and max_ngram and cached as
+    `$SPEC_JAX_CACHE/suffix/MODEL-N.npz`."""
+    from spec_jax import suffix
+
+    path = registry.cache_root(cache_dir) / "suffix" / f"{model_name}-{max_ngram}.npz"
+    if path.exists():
+        with np.load(path) as f:
+            return suffix.SuffixTables(**{k: jnp.asarray(f[k]) for k in ("keys", "next_ids", "next_counts")})
+    tables = suffix.fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    with open(tmp, "wb") as f:
+        np.savez(f, keys=tables.keys, next_ids=tables.next_ids, next_counts=tables.next_counts)
+    os.replace(tmp, path)
+    return tables

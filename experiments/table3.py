@@ -10,9 +10,11 @@ up to and including the first rejection; see spec_jax.metrics):
                  at temperature > 0; at temperature 0 the two are equal)
 Drafts: "unigram" and "bigram" are n-gram drafters (spec_jax.ngram) fitted on the task's
 training documents tokenized with the target's tokenizer; "prompt_lookup" copies from the
-prompt and output (spec_jax.lookup), "hybrid@MODEL" is prompt lookup with MODEL where it finds
-nothing; any other name is a draft model. The lookup drafts are left out of the ordering check
-(their alpha is over the positions they chose to propose).
+prompt and output (spec_jax.lookup), "suffix" samples the continuation of the longest earlier
+suffix in the prompt + output or in the task's training documents (spec_jax.suffix, max_ngram 3),
+"hybrid@MODEL" is prompt lookup with MODEL where it finds nothing; any other name is a draft
+model. The lookup drafts are left out of the ordering check (their alpha is over the positions
+they chose to propose).
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
 independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
@@ -26,16 +28,18 @@ import numpy as np
 import tqdm
 
 from experiments import common, corpora, framework
-from spec_jax import api, metrics, ngram, per_prompt
+from spec_jax import api, metrics, ngram, per_prompt, suffix
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"
 NGRAM_DRAFTS = ("unigram", "bigram")
 LOOKUP = "prompt_lookup"
+SUFFIX = "suffix"
+SUFFIX_NGRAM = 3
 HYBRID_PREFIX = "hybrid@"
 
 
 def is_lookup(draft: str) -> bool:
-    return draft == LOOKUP or draft.startswith(HYBRID_PREFIX)
+    return draft in (LOOKUP, SUFFIX) or draft.startswith(HYBRID_PREFIX)
 
 
 COLUMNS = (
@@ -68,10 +72,11 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     # "TARGET:DRAFT+DRAFT+...", drafts in the order their alpha should increase.
     config.runs = (
-        ("tiny:unigram+bigram",)
+        ("tiny:unigram+bigram+suffix",)
         if quick
         else (
-            "qwen2.5-coder-1.5b:unigram+bigram+qwen2.5-coder-0.5b+prompt_lookup+hybrid@qwen2.5-coder-0.5b",
+            "qwen2.5-coder-1.5b:unigram+bigram+qwen2.5-coder-0.5b+prompt_lookup+suffix"
+            "+hybrid@qwen2.5-coder-0.5b",
             "smollm2-135m:unigram+bigram",
         )
     )
@@ -124,7 +129,7 @@ def validate(config) -> None:
         for draft in drafts:
             if draft.startswith(HYBRID_PREFIX):
                 common.check_model_name("runs", draft[len(HYBRID_PREFIX) :])
-            elif draft not in NGRAM_DRAFTS and draft != LOOKUP:
+            elif draft not in NGRAM_DRAFTS and draft not in (LOOKUP, SUFFIX):
                 common.check_model_name("runs", draft)
     if not config.tasks or any(t not in corpora.TASKS for t in config.tasks):
         raise ValueError(
@@ -215,6 +220,20 @@ def same_shapes(pairs):
     return out
 
 
+def same_width_suffix(target, data, tasks) -> dict:
+    """{task: suffix (drafter, tables)} fitted on each task's training sequences, every table
+    with one number of buckets so the tasks share one compiled loop."""
+    vocab = target.config.vocab_size
+    fits = {t: suffix.fit_suffix_tables(data[t][0], vocab, SUFFIX_NGRAM) for t in tasks}
+    buckets = max(t.keys.shape[0] for t in fits.values())
+    out = {}
+    for task, tables in fits.items():
+        if tables.keys.shape[0] != buckets:
+            tables = suffix.fit_suffix_tables(data[task][0], vocab, SUFFIX_NGRAM, num_buckets=buckets)
+        out[task] = api.make_draft(SUFFIX, target, max_ngram=SUFFIX_NGRAM, tables=tables)
+    return out
+
+
 def measure(config) -> list[dict]:
     """Every cell of the table, as dicts (target, draft, task, temperature and cell())."""
     cells = []
@@ -229,13 +248,15 @@ def measure(config) -> list[dict]:
         if "bigram" in draft_names:
             fits = [ngram.fit_bigram(data[t][0], vocab, config.add_k, config.prior) for t in config.tasks]
             drafts["bigram"] = dict(zip(config.tasks, same_shapes(fits), strict=True))
+        if SUFFIX in draft_names:
+            drafts[SUFFIX] = same_width_suffix(target, data, config.tasks)
         for name in draft_names:
             if name == LOOKUP:
                 drafts[name] = dict.fromkeys(config.tasks, api.make_draft(LOOKUP, target))
             elif name.startswith(HYBRID_PREFIX):
                 model = common.load_model(name[len(HYBRID_PREFIX) :])
                 drafts[name] = dict.fromkeys(config.tasks, api.make_draft("hybrid", target, draft=model))
-            elif name not in NGRAM_DRAFTS:
+            elif name not in NGRAM_DRAFTS and name != SUFFIX:
                 model = common.load_model(name)
                 drafts[name] = dict.fromkeys(config.tasks, model)
         grid = [(n, t, task) for n in draft_names for t in config.temperatures for task in config.tasks]

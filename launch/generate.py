@@ -36,24 +36,27 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
     "drafter",
     "model",
-    ["model", "prompt_lookup", "hybrid", "unigram", "bigram"],
+    ["model", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram"],
     "What drafts: model (--draft), prompt_lookup (copies the continuation of the last --max_ngram "
-    "tokens' latest earlier occurrence in the prompt + output; no model), hybrid (prompt lookup, "
+    "tokens' latest earlier occurrence in the prompt + output; no model), suffix (samples the "
+    "continuation of the longest suffix seen before, in the prompt + output or in the code and news "
+    "training corpora, from its counts; no model), hybrid (prompt lookup, "
     "and --draft where it finds nothing, per row and round), unigram / bigram (tables fitted on "
     "the training split of the code and news corpora).",
 )
 flags.DEFINE_integer(
     "max_ngram",
     3,
-    "prompt_lookup / hybrid: the longest suffix matched (then shorter, down to 1).",
+    "prompt_lookup / suffix / hybrid: the longest suffix matched (then shorter, down to 1).",
     lower_bound=1,
     upper_bound=16,
 )
 flags.DEFINE_float(
     "draft_threshold",
     0.0,
-    "model / hybrid: a row stops drafting at the first position where the draft model's top "
-    "probability is below this (per-row adaptive draft length; 0 = always gamma), in [0, 1).",
+    "model / hybrid / suffix: a row stops drafting at the first position where the draft's top "
+    "probability (suffix: the top successor's frequency) is below this (per-row adaptive draft "
+    "length; 0 = always gamma), in [0, 1).",
 )
 flags.DEFINE_string(
     "gamma",
@@ -277,11 +280,16 @@ def make_draft(target, draft):
 
     if FLAGS.drafter == "model" and draft is None:
         return None
-    sequences = None
+    sequences = tables = None
     if FLAGS.drafter in ("unigram", "bigram"):
         from experiments import corpora
 
         sequences = corpora.training_sequences(target.tokenizer)
+    if FLAGS.drafter == "suffix":
+        from experiments import corpora
+
+        vocab = target.config.vocab_size
+        tables = corpora.suffix_tables(FLAGS.target, target.tokenizer, vocab, FLAGS.max_ngram)
     return api.make_draft(
         FLAGS.drafter,
         target,
@@ -289,6 +297,7 @@ def make_draft(target, draft):
         max_ngram=FLAGS.max_ngram,
         threshold=FLAGS.draft_threshold,
         sequences=sequences,
+        tables=tables,
     )
 
 

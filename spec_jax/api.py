@@ -115,19 +115,24 @@ def as_drafter(draft):
     return drafter, params
 
 
-DRAFTERS = ("model", "prompt_lookup", "hybrid", "unigram", "bigram")
+DRAFTERS = ("model", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram")
 
 
-def make_draft(kind: str, target, *, draft=None, max_ngram: int = 3, threshold: float = 0.0, sequences=None):
+def make_draft(
+    kind: str, target, *, draft=None, max_ngram: int = 3, threshold: float = 0.0, sequences=None, tables=None
+):
     """The (drafter, params) pair of a drafter kind, for generate's `draft`:
       model          the draft model `draft` (a models.Model or a (ModelDrafter, params) pair, e.g.
                      a vocabulary-trimmed one), stopping each row below `threshold` (0: never)
       prompt_lookup  spec_jax.lookup.PromptLookupDrafter(max_ngram): no model
+      suffix         spec_jax.suffix.SuffixDrafter(max_ngram, threshold): the row's own text, and
+                     `tables` (spec_jax.suffix.SuffixTables), or tables fitted on `sequences`, if
+                     given; a row stops where the top successor frequency is below `threshold`
       hybrid         prompt lookup, and the draft model where it finds nothing
       unigram, bigram  n-gram tables fitted on `sequences` (token-id lists; spec_jax.ngram)
     ValueError naming the argument and its allowed values otherwise.
     """
-    from spec_jax import lookup, ngram
+    from spec_jax import lookup, ngram, suffix
 
     if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
@@ -144,6 +149,12 @@ def make_draft(kind: str, target, *, draft=None, max_ngram: int = 3, threshold: 
         return (
             ngram.fit_unigram(sequences, vocab) if kind == "unigram" else ngram.fit_bigram(sequences, vocab)
         )
+    if kind == "suffix":
+        if tables is None and sequences is not None:
+            tables = suffix.fit_suffix_tables(sequences, vocab, max_ngram)
+        if tables is not None and not isinstance(tables, suffix.SuffixTables):
+            raise ValueError(f"tables must be a spec_jax.suffix.SuffixTables, got {type(tables).__name__}")
+        return suffix.SuffixDrafter(vocab, max_ngram, float(threshold)), (() if tables is None else tables)
     prompt_lookup = lookup.PromptLookupDrafter(vocab, max_ngram)
     if kind == "prompt_lookup":
         return prompt_lookup, ()

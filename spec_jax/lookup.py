@@ -42,28 +42,35 @@ def write_tokens(buffer_bs, tokens_bt, start_b):
     return buffer_bs.at[rows, positions].set(tokens_bt, mode="drop")
 
 
-def find_match(buffer_bs, length_b, max_ngram: int):
-    """The most recent earlier occurrence of each row's longest matching suffix.
+def occurrences(buffer_bs, length_b, max_ngram: int):
+    """Each row's earlier occurrences of its longest matching suffix.
 
     For n = max_ngram down to 1 the last n tokens t[L-n .. L-1] (L = length) are compared with
     every window ending at j <= L-2 (an earlier occurrence: its continuation t[j+1] is known);
-    positions >= L are never read. Returns (found bool [B], end int32 [B]: j of the most
-    recent occurrence of the longest matching n, -1 if none; ngram int32 [B]: that n, 0 if none).
+    positions >= L are never read. Returns (ngram int32 [B]: the longest n that occurs, 0 if
+    none; ok bool [B, S]: the j where an occurrence of that n ends, all False if none).
     """
     batch, slots = buffer_bs.shape
     j = jnp.arange(slots)[None, :]  # [1, S]: where an earlier occurrence ends
     n = length_b[:, None]  # [B, 1]
     ok = j <= n - 2
-    end = jnp.full((batch,), -1, jnp.int32)
+    best = jnp.zeros((batch, slots), jnp.bool_)
     ngram = jnp.zeros((batch,), jnp.int32)
     for d in range(max_ngram):  # the n-gram's tokens, last first: window j - d vs t[L-1-d]
         shifted = jnp.pad(buffer_bs, ((0, 0), (d, 0)), constant_values=-1)[:, :slots]  # [b, j] = t[j-d]
         suffix = jnp.take_along_axis(buffer_bs, jnp.maximum(n - 1 - d, 0), axis=1)  # [B, 1]
         ok = ok & (shifted == suffix) & (n - 1 - d >= 0) & (j >= d)
-        end_d = jnp.max(jnp.where(ok, j, -1), axis=1).astype(jnp.int32)
-        found_d = end_d >= 0
-        end = jnp.where(found_d, end_d, end)
+        found_d = jnp.any(ok, axis=1)
+        best = jnp.where(found_d[:, None], ok, best)
         ngram = jnp.where(found_d, d + 1, ngram)
+    return ngram, best
+
+
+def find_match(buffer_bs, length_b, max_ngram: int):
+    """The most recent earlier occurrence of each row's longest matching suffix (occurrences):
+    (found bool [B], end int32 [B]: where it ends, -1 if none; ngram int32 [B], 0 if none)."""
+    ngram, ok = occurrences(buffer_bs, length_b, max_ngram)
+    end = jnp.max(jnp.where(ok, jnp.arange(buffer_bs.shape[1])[None, :], -1), axis=1).astype(jnp.int32)
     return end >= 0, end, ngram
 
 

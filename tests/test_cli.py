@@ -44,7 +44,10 @@ def run_cli(*args, module="launch.generate", env=None):
         (["--attention_impl=cuda"], "attention impl"),
         (["--stop_ids=1,x"], "--stop_ids"),
         (["--stop_ids=600"], "--stop_ids"),
-        (["--drafter=suffix"], "--drafter=suffix: value should be one of <model|prompt_lookup|hybrid"),
+        (
+            ["--drafter=lookahead"],
+            "--drafter=lookahead: value should be one of <model|prompt_lookup|suffix|hybrid",
+        ),
         (["--max_ngram=0"], "--max_ngram=0: 0 is not an integer in the range [1, 16]"),
         (["--draft_threshold=1"], "--draft_threshold must be in [0, 1)"),
         (["--drafter=hybrid", "--draft=none"], "--drafter=hybrid needs a draft model"),

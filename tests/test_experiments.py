@@ -283,11 +283,17 @@ def test_table3_quick_reports_alpha_two_ways_with_per_prompt_intervals(tmp_path)
     result, paths = framework.run_experiment("table3", quick=True, output_dir=str(tmp_path), command="cmd t3")
     assert sorted(paths) == sorted(f"table3.{ext}" for ext in ("csv", "json", "md", "png"))
     rows = read_csv(paths["table3.csv"])
-    assert [(r["draft"], r["task"]) for r in rows] == [("unigram", "code"), ("bigram", "code")]
+    assert [(r["draft"], r["task"]) for r in rows] == [
+        ("unigram", "code"),
+        ("bigram", "code"),
+        ("suffix", "code"),
+    ]
+    assert int(rows[2]["num_draft_tokens"]) > 0, "the suffix table matches the held-out code"
     for row in rows:
         assert int(row["num_prompts"]) == config.num_prompts
-        # Every prompt drafts at least once per round, and rounds commit at most gamma + 1.
-        assert int(row["num_scored_positions"]) >= config.num_prompts * (config.max_new_tokens - 1) // 3
+        if row["draft"] != "suffix":  # (a suffix round may propose nothing)
+            # Every prompt drafts at least once per round, and rounds commit at most gamma + 1.
+            assert int(row["num_scored_positions"]) >= config.num_prompts * (config.max_new_tokens - 1) // 3
         for name in ("alpha_hat", "accepted_per_scored"):
             low, value, high = (float(row[k]) for k in (f"{name}_ci_low", name, f"{name}_ci_high"))
             assert 0.0 <= low <= value <= high <= 1.0, (name, row)

@@ -79,8 +79,8 @@ def test_a_bad_max_ngram_is_refused(tiny_target):
             api.make_draft("prompt_lookup", tiny_target, max_ngram=bad)
     with pytest.raises(ValueError, match=r"threshold must be a number in \[0, 1\)"):
         api.make_draft("model", tiny_target, draft=tiny_target, threshold=1.0)
-    with pytest.raises(ValueError, match="drafter must be one of model, prompt_lookup, hybrid"):
-        api.make_draft("suffix", tiny_target)
+    with pytest.raises(ValueError, match="drafter must be one of model, prompt_lookup, suffix, hybrid"):
+        api.make_draft("lookahead", tiny_target)
     with pytest.raises(ValueError, match="drafter 'hybrid' needs a draft model"):
         api.make_draft("hybrid", tiny_target)
 

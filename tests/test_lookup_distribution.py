@@ -6,10 +6,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
-from spec_jax import api, executables, lookup, speculative, verify
+from spec_jax import api, executables, lookup, speculative, suffix, verify
 
 THRESHOLD = 0.25  # the V = 8 draft's top probability straddles this: rows draft 0, 1 or 2
 
@@ -113,3 +114,54 @@ def test_the_draft_confidence_is_the_top_unwarped_probability():
     from spec_jax.drafters import top_probability
 
     assert jax.device_get(top_probability(logits)).tolist() == pytest.approx([0.75, 0.5])
+
+
+def suffix_tables():
+    """A table over V = 8 fitted on sequences from a random Markov chain: every context has
+    several successors with unequal counts, so q is far from one-hot."""
+    rng = np.random.default_rng(5)
+    transition = rng.dirichlet(np.full(8, 0.7), size=8)
+    seqs = []
+    for _ in range(40):
+        s = [int(rng.integers(8))]
+        for _ in range(30):
+            s.append(int(rng.choice(8, p=transition[s[-1]])))
+        seqs.append(s)
+    return suffix.fit_suffix_tables(seqs, 8, max_ngram=2, slots=4)
+
+
+def test_suffix_drafting_matches_target_distribution_exactly(pair):  # noqa: F811
+    target, _ = pair
+    draft = api.make_draft("suffix", target, max_ngram=2, tables=suffix_tables())
+    counts, s = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
+    assert 0.1 < s["acceptance_rate"] < 0.95
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) > 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class FlattenedSuffix(suffix.SuffixDrafter):
+    """Broken on purpose: samples from the counts but hands the rule the uniform distribution
+    over the successors seen, not the one it sampled from. (Handing it the one-hot of the drawn
+    token would not be broken: given the draw, the rule is exact for a deterministic draft.)"""
+
+    def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling, keys_b):
+        tokens, q, buffer_bs = super().propose(
+            params, buffer_bs, context_b2, length_b, gamma, sampling, keys_b
+        )
+        support = (q > 0).astype(q.dtype)
+        return tokens, support / jnp.maximum(jnp.sum(support, axis=-1, keepdims=True), 1.0), buffer_bs
+
+
+def test_a_suffix_drafter_handing_the_rule_another_q_fails(pair):  # noqa: F811
+    target, _ = pair
+    broken = (FlattenedSuffix(target.config.vocab_size, 2), suffix_tables())
+    counts, _ = sample_counts(target, broken, WARPS[0], gamma=2, seed=0)
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
+
+
+def test_suffix_drafting_with_a_confidence_stop_matches_target_distribution_exactly(pair):  # noqa: F811
+    target, _ = pair
+    draft = api.make_draft("suffix", target, max_ngram=2, threshold=0.4, tables=suffix_tables())
+    counts, s = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
+    assert 0.2 < s["num_draft_tokens"] / (2 * s["num_rounds"]) < 0.8, "rows stop at different lengths"
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) > 1e-3
