@@ -4,6 +4,7 @@ Examples:
   python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
   python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
   python -m launch.generate --drafter=hybrid --max_ngram=3 --draft_threshold=0.3 ...  # lookup, then the model
+  python -m launch.generate --drafter=suffix --draft_threshold=0.4 ...   # no model: text seen before
   python -m launch.generate --mesh=data:2,model:4 ...             # tensor + data parallel
   python -m launch.generate --mesh=auto --distributed ...           # every host of a Cloud TPU pod
   python -m launch.generate --mesh=data:2,model:4 --coordinator_address=10.0.0.2:8476 \
