@@ -110,13 +110,14 @@ flags.DEFINE_enum(
     ["float32", "bfloat16", "int8"],
     "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
 )
-flags.DEFINE_integer(
+AUTO_DRAFT_VOCAB = 32768
+flags.DEFINE_string(
     "draft_vocab",
-    0,
+    "auto",
     "VocabTrim: the draft proposes only this many tokens (the most frequent of the code and news "
     "training corpora, plus the stop tokens; counted once and cached), so its output head costs "
-    "that share of the full one. Exact for any value; 0 = the full vocabulary.",
-    lower_bound=0,
+    "that share of the full one. Exact for any value; 0 = the full vocabulary; 'auto' = "
+    f"{AUTO_DRAFT_VOCAB} where the draft's vocabulary is larger (the measured default), else 0.",
 )
 flags.DEFINE_enum(
     "matmul_impl",
@@ -260,18 +261,32 @@ def stop_ids_from_flag(tokenizer, vocab_size: int) -> list[int]:
     return ids
 
 
-def trimmed_draft(draft, stop_ids):
-    """The draft as a (drafter, params) pair proposing --draft_vocab tokens (VocabTrim)."""
+def draft_vocab_from_flag(vocab: int) -> int:
+    """--draft_vocab as a token count (0: the full vocabulary) for a draft of `vocab` tokens."""
+    text = FLAGS.draft_vocab.strip()
+    if text == "auto":
+        return AUTO_DRAFT_VOCAB if vocab > AUTO_DRAFT_VOCAB else 0
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise common.UsageError(f"--draft_vocab must be 'auto', 0 or a positive token count, got {text!r}")
+    return count
+
+
+def trimmed_draft(draft, stop_ids, count: int):
+    """The draft as a (drafter, params) pair proposing `count` tokens (VocabTrim)."""
     from experiments import corpora
     from spec_jax import drafters
 
     vocab = draft.config.vocab_size
-    if not len(stop_ids) < FLAGS.draft_vocab <= vocab:
+    if not len(stop_ids) < count <= vocab:
         raise common.UsageError(
             f"--draft_vocab must be 0 or in [{len(stop_ids) + 1}, {vocab}] (more than the stop tokens), "
-            f"got {FLAGS.draft_vocab}"
+            f"got {count}"
         )
-    ids = corpora.frequent_tokens(FLAGS.draft, draft.tokenizer, vocab, FLAGS.draft_vocab, always=stop_ids)
+    ids = corpora.frequent_tokens(FLAGS.draft, draft.tokenizer, vocab, count, always=stop_ids)
     return drafters.trim_vocabulary(draft, ids)
 
 
@@ -360,6 +375,7 @@ def main(argv):
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
     gamma_from_flag()
+    draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
     uses_model = FLAGS.drafter in ("model", "hybrid")
     if FLAGS.drafter == "hybrid" and FLAGS.draft == "none":
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
@@ -388,8 +404,9 @@ def main(argv):
             )
     token_prompts = [tokenizer.encode(p) for p in prompts]
     stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
-    if draft is not None and FLAGS.draft_vocab:
-        draft = trimmed_draft(draft, stop_ids)
+    draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
+    if draft_vocab:
+        draft = trimmed_draft(draft, stop_ids, draft_vocab)
     draft = make_draft(target, draft)
 
     tokens, stats = run_batches(target, draft, token_prompts, stop_ids, mesh)
@@ -401,7 +418,7 @@ def main(argv):
         "draft_threshold": FLAGS.draft_threshold,
         "target_dtype": FLAGS.target_dtype,
         "draft_dtype": FLAGS.draft_dtype,
-        "draft_vocab": FLAGS.draft_vocab,
+        "draft_vocab": draft_vocab,
         "matmul_impl": FLAGS.matmul_impl,
         "gamma": gamma_from_flag(),
         "temperature": FLAGS.temperature,

@@ -32,6 +32,7 @@ def run_cli(*args, module="launch.generate", env=None):
         (["--gamma=many"], "--gamma must be an integer >= 1 or 'auto'"),
         (["--target_dtype=fp8"], "--target_dtype"),
         (["--draft_vocab=100000"], "--draft_vocab must be 0 or in [1, 512]"),
+        (["--draft_vocab=-3"], "--draft_vocab must be 'auto', 0 or a positive token count"),
         (["--top_p=0"], "--top_p"),
         (["--top_k=-1"], "--top_k"),
         (["--temperature=-1"], "--temperature"),
