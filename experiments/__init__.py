@@ -30,6 +30,7 @@ EXPERIMENTS = {
     "walltime": "experiments.walltime",
     "precision_drift": "experiments.precision_drift",
     "predicted_speed": "experiments.predicted_speed",
+    "train_head": "experiments.train_head",
     # Benchmark suites (launch.bench runs these, in this order when given together).
     "loop": "experiments.bench_loop",
     "overhead": "experiments.bench_overhead",

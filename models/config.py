@@ -36,6 +36,10 @@ class ModelConfig:
     # this way on CPU (docs/design.md, "Layer layouts", has the measured cost).
     scan_layers: bool = True
     name: str = "custom"
+    # "decoder": a language model (embedding, layers, final norm, output head). "draft_head": an
+    # EAGLE-style draft head (models.draft_head): an input projection of [target feature, token
+    # embedding] and the layers, reading the target's embedding and output head.
+    kind: str = "decoder"
 
     def __post_init__(self):
         for field in (
@@ -59,6 +63,8 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in ("float32", "bfloat16", "int8"):
             raise ValueError(f"dtype must be one of float32, bfloat16, int8, got {self.dtype!r}")
+        if self.kind not in ("decoder", "draft_head"):
+            raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):
             raise ValueError(f"matmul_impl must be one of auto, xla, cpu_kernel, got {self.matmul_impl!r}")
 
@@ -66,6 +72,10 @@ class ModelConfig:
     def jnp_dtype(self):
         """The activation (and KV cache) dtype: bfloat16 for bfloat16, else float32."""
         return jnp.dtype(jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32)
+
+    @property
+    def is_decoder(self) -> bool:
+        return self.kind == "decoder"
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

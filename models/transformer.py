@@ -148,15 +148,22 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None):
-        """Returns (logits [B, T or K, V] float32, cache).
+    def __call__(
+        self, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None, with_features=False
+    ):
+        """Returns (logits [B, T or K, V] float32, cache), and the features [B, T, D] third when
+        with_features.
 
         logits_at: optional [B, K] indices into T; only those positions get logits (prefill
         needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
         head: optional output weight [R, D] (any precision) used instead of the model's own
         head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafters).
+        with_features: also return the last hidden state after the final norm at every
+        position (what the output head reads; a draft head's input, models.draft_head).
         """
         cfg = self.config
+        if not cfg.is_decoder:
+            raise ValueError(f"forward runs decoders; a {cfg.kind} runs with models.draft_head.forward")
         embed = Embedding(cfg, name="embed")
         x = embed(tokens_bt)
         # Contiguous positions per row: the last query bounds what this call may read.
@@ -175,7 +182,7 @@ class Transformer(nn.Module):
                 (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")(
                     (x, cache), i, positions_bt, kv_lengths_b
                 )
-        x = RMSNorm(cfg, name="final_norm")(x)
+        x = features_btd = RMSNorm(cfg, name="final_norm")(x)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
@@ -183,6 +190,8 @@ class Transformer(nn.Module):
                 logits = precision.linear(x, head, 1, cfg.matmul_impl)
             else:  # an untied head is a second [V, D] table, read the way a tied one is
                 logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
+        if with_features:
+            return logits.astype(jnp.float32), cache, features_btd
         return logits.astype(jnp.float32), cache
 
 
@@ -215,13 +224,25 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
-def forward(config: ModelConfig, params, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None):
-    """`(logits, cache) = forward(config, params, tokens[B,T], positions[B,T], cache)`.
+def forward(
+    config: ModelConfig,
+    params,
+    tokens_bt,
+    positions_bt,
+    cache: KVCache,
+    logits_at=None,
+    head=None,
+    with_features=False,
+):
+    """`(logits, cache) = forward(config, params, tokens[B,T], positions[B,T], cache)`;
+    `(logits, cache, features [B, T, D])` with with_features (see Transformer).
 
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
     written at their positions; each query sees keys at positions <= its own.
     """
-    return Transformer(config).apply({"params": params}, tokens_bt, positions_bt, cache, logits_at, head)
+    return Transformer(config).apply(
+        {"params": params}, tokens_bt, positions_bt, cache, logits_at, head, with_features
+    )
 
 
 def init_params(config: ModelConfig, seed: int = 0):

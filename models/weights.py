@@ -33,6 +33,10 @@ def _always(config: ModelConfig) -> bool:
     return True
 
 
+def _decoder(config: ModelConfig) -> bool:
+    return config.is_decoder
+
+
 @dataclasses.dataclass(frozen=True)
 class Weight:
     path: tuple[str, ...]  # under layers/ (per_layer) or at the top of the pytree
@@ -64,7 +68,18 @@ WEIGHTS: tuple[Weight, ...] = (
         "embedding",
         per_layer=False,
         contract=1,  # also the output head when tie_embeddings
+        present=_decoder,
         lookup=True,
+    ),
+    Weight(  # a draft head's input projection: [target feature, token embedding] -> D
+        ("fc", "weight"),
+        lambda c: (c.d_model, 2 * c.d_model),
+        ("embed", "embed"),
+        "",
+        "normal",
+        per_layer=False,
+        contract=1,
+        present=lambda c: c.kind == "draft_head",
     ),
     Weight(("attn_norm", "scale"), lambda c: (c.d_model,), ("embed",), "blk.{i}.attn_norm.weight", "ones"),
     Weight(
@@ -159,6 +174,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "output_norm.weight",
         "ones",
         per_layer=False,
+        present=_decoder,
     ),
     Weight(
         ("lm_head", "embedding"),
@@ -168,7 +184,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "normal",
         per_layer=False,
         contract=1,
-        present=lambda c: not c.tie_embeddings,
+        present=lambda c: c.is_decoder and not c.tie_embeddings,
     ),
 )
 

@@ -18,6 +18,7 @@ from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
 from spec_jax.drafters import ModelDrafter, NoDrafter, sources_of
 from spec_jax.executables import compiled
+from spec_jax.head_drafter import HeadDrafter
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, spec_loop, spec_prefill
 
@@ -248,6 +249,17 @@ def run(
             draft_params = sharding.place_params(draft_params, mesh)
         placed = dataclasses.replace(model_drafter, config=sharding.for_mesh(model_drafter.config, mesh))
         drafter = placed if drafter is model_drafter else dataclasses.replace(drafter, model=placed)
+    elif isinstance(drafter, HeadDrafter):  # the head by the rule table, the target's tables as the target's
+        draft_params = draft_params.replace(
+            head=sharding.place_params(draft_params.head, mesh),
+            embed=sharding.place_params({"embed": {"embedding": draft_params.embed}}, mesh)["embed"][
+                "embedding"
+            ],
+            out=sharding.put(
+                draft_params.out, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params.out)
+            ),
+        )
+        drafter = dataclasses.replace(drafter, config=sharding.for_mesh(drafter.config, mesh))
     elif draft_params is not None:  # other drafters' arrays (tables): replicated
         draft_params = sharding.put(
             draft_params, jax.tree.map(lambda _: sharding.replicated(mesh), draft_params)

@@ -34,18 +34,25 @@ def pad_prompts(prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.nd
     return tokens, np.array([len(p) for p in prompts], np.int32)
 
 
-def prefill(config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int):
+def prefill(config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int, with_features=False):
     """Runs the padded prompts [B, P] through the model into a fresh cache of cache_len slots.
 
-    Returns (logits at each row's last prompt token [B, V], cache).
+    Returns (logits at each row's last prompt token [B, V], cache), and with_features the
+    features at every prompt position [B, P, D] third (models.transformer.forward).
     """
     batch, width = tokens_bp.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = init_cache(config, batch, cache_len)
-    logits, cache = forward(
-        config, params, tokens_bp, positions, cache, logits_at=(prompt_lens_b - 1)[:, None]
+    out = forward(
+        config,
+        params,
+        tokens_bp,
+        positions,
+        cache,
+        logits_at=(prompt_lens_b - 1)[:, None],
+        with_features=with_features,
     )
-    return logits[:, 0], cache
+    return (out[0][:, 0],) + tuple(out[1:])
 
 
 @flax.struct.dataclass

@@ -54,6 +54,13 @@ class Drafter(Protocol):
         """
 
 
+def reads_features(drafter) -> bool:
+    """Whether a drafter reads the target's features (spec_jax.head_drafter.HeadDrafter): its
+    `init` then takes the prompt's features [B, P, D] too, and the loop calls its `observe`
+    with each round's features and committed tokens."""
+    return bool(getattr(drafter, "reads_features", False))
+
+
 def sources_of(drafter) -> tuple[str, ...]:
     """The names of what can serve a drafter's rounds (one name for most drafters)."""
     return tuple(getattr(drafter, "sources", (type(drafter).__name__,)))

@@ -23,7 +23,7 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
 from spec_jax.decode import Output, PrefillInputs, commit, first_token, prefill
-from spec_jax.drafters import Drafter, served, sources_of
+from spec_jax.drafters import Drafter, reads_features, served, sources_of
 from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import SamplingParams, split_rows, warp
@@ -57,9 +57,25 @@ class SpecStatic:
 def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs) -> SpecState:
     """Both models read the prompts; the first new token is drawn from the target's logits."""
     TRACE_COUNTS["spec_prefill"] += 1
-    logits, target_cache = prefill(static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len)
-    draft_state = static.drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
+    drafter = static.drafter
+    if reads_features(drafter):
+        logits, target_cache, features = prefill(
+            static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len, with_features=True
+        )
+        draft_state = drafter.init(
+            draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len, features
+        )
+    else:
+        logits, target_cache = prefill(
+            static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len
+        )
+        draft_state = drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
     out, token, keys = first_token(logits, inputs, static.sampling, static.max_new_tokens)
+    if reads_features(drafter):  # the last prompt position's pair waited for the first token
+        last = (inputs.prompt_lens - 1)[:, None]
+        f_last = jnp.take_along_axis(features, last[:, :, None], axis=1)  # [B, 1, D]
+        ones = jnp.ones_like(inputs.prompt_lens)
+        draft_state = drafter.observe(draft_params, draft_state, f_last, token[:, None], last[:, 0], ones)
     prev = jnp.take_along_axis(inputs.tokens, (inputs.prompt_lens - 1)[:, None], axis=1)[:, 0]
     metrics = SpecMetrics.zeros(static.gamma, len(sources_of(static.drafter))).replace(
         target_calls=jnp.ones((), jnp.int32),
@@ -92,28 +108,41 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
     num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
 
+    features = reads_features(static.drafter)
+
     def score(width, cache):
-        """p [B, G + 1, V] from a target call over the first `width` positions (with width 1,
-        p at position 0 repeated: no row proposed a draft, so the rule reads nothing past it)."""
-        logits, cache = forward(static.config, params, tokens[:, :width], positions[:, :width], cache)
-        p = warp(logits, static.sampling)
-        return jnp.broadcast_to(p[:, :1], (p.shape[0], gamma + 1, p.shape[2])) if width == 1 else p, cache
+        """(p [B, G + 1, V], cache, features [B, G + 1, D] or None) from a target call over the
+        first `width` positions (with width 1, position 0 repeated: no row proposed a draft, so
+        the rule reads nothing past it and the row commits one token)."""
+        out = forward(
+            static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
+        )
+        p = warp(out[0], static.sampling)
+        f = out[2] if features else None
+        if width == 1:
+            p = jnp.broadcast_to(p[:, :1], (p.shape[0], gamma + 1, p.shape[2]))
+            f = None if f is None else jnp.broadcast_to(f, (f.shape[0], gamma + 1, f.shape[2]))
+        return p, out[1], f
 
     if gamma and getattr(static.drafter, "variable_length", False):
-        p, target_cache = jax.lax.cond(
+        p, target_cache, target_features = jax.lax.cond(
             jnp.any(active & (num_drafted > 0)),
             lambda cache: score(gamma + 1, cache),
             lambda cache: score(1, cache),
             state.target_cache,
         )
     else:
-        p, target_cache = score(gamma + 1, state.target_cache)  # [B, G + 1, V]
+        p, target_cache, target_features = score(gamma + 1, state.target_cache)  # [B, G + 1, V]
     num_accepted, next_token = verify(drafts, q, p, verify_keys)
 
     idx = jnp.arange(gamma + 1)[None, :]
     drafts_ext = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G + 1]
     new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
     out, committed = commit(state.out, new, num_accepted + 1, static.max_new_tokens, stop_ids)
+    if features:  # the pairs (feature at n-1+i, committed token at n+i), i < committed, are real
+        draft_state = static.drafter.observe(
+            draft_params, draft_state, target_features, new, state.length - 1, jnp.maximum(committed, 1)
+        )
 
     # The new last two committed tokens; a row that committed nothing keeps its own.
     last = jnp.take_along_axis(new, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]

@@ -1,0 +1,54 @@
+"""Train a drafter: a draft head on the target's features (EAGLE-1) or an acceptance head.
+
+Examples:
+  python -m launch.train --config=launch/configs/draft_head.py
+  python -m launch.train --config=launch/configs/draft_head.py --config.steps=2000 --workdir=/tmp/head
+  python -m launch.train --config=launch/configs/draft_head.py:quick --output_dir=/tmp/out   # seconds
+
+The config file's `kind` names what it trains (draft_head: experiments/train_head.py). A run
+writes its checkpoints into --workdir (default $SPEC_JAX_CACHE/heads/TARGET/) and resumes
+there if it was interrupted (the same settings); its learning curves and summary go to
+--output_dir (default experiments/results/) as NAME.csv/.md/.json/.png. Bad settings exit
+with code 2 and one line; data that cannot be fetched exits 1.
+"""
+
+import os
+import shlex
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import framework
+from launch import common
+
+FLAGS = flags.FLAGS
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "draft_head.py")
+KINDS = {"draft_head": "train_head"}  # config kind -> experiment
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (PATH[:variant]).")
+flags.DEFINE_string("workdir", None, "Checkpoint folder (default: $SPEC_JAX_CACHE/heads/TARGET/).")
+flags.DEFINE_string("output_dir", None, "Where the results go (default: experiments/results/).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    config = _CONFIG.value
+    kind = config.get("kind")
+    if kind not in KINDS:
+        raise common.UsageError(f"--config: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    overrides = {k: v for k, v in config.items() if k != "kind"}
+    if FLAGS.workdir:
+        overrides["workdir"] = FLAGS.workdir
+    quick = overrides.get("target") in ("tiny",)
+    command = shlex.join([os.path.basename(sys.executable), "-m", "launch.train", *sys.argv[1:]])
+    _, paths = framework.run_experiment(
+        KINDS[kind], quick=quick, overrides=overrides, output_dir=FLAGS.output_dir, command=command
+    )
+    for path in paths.values():
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    common.run(main)

@@ -1,0 +1,179 @@
+"""Draft-head training (spec_jax.training, launch.train): it learns what it should, the same config
+and seed give the same parameters, a resumed run equals an uninterrupted one (also after a
+SIGKILL), and bad settings get one clear error."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_ngram import cycle_following_target
+
+import models
+from spec_jax import features, training
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VOCAB = 16
+
+
+def cycle_sets(seq_len=16):
+    """(train, eval) FeatureSets of the cycle target (next token = token + 1 mod 16) over runs of
+    the cycle from different starts, computed by the target itself."""
+    target = cycle_following_target(VOCAB)
+    rng = np.random.default_rng(0)
+    seqs = [list((int(s) + np.arange(40)) % VOCAB) for s in rng.integers(0, VOCAB, 24)]
+    sets = []
+    for part in (seqs[:20], seqs[20:]):
+        w = features.windows(part, seq_len, 10**6, seed=0)
+        f, g = features.extract(target.config, target.params, w, batch_size=8, progress=False)
+        sets.append(features.FeatureSet(w, f, g))
+    return target, sets
+
+
+@pytest.fixture(scope="module")
+def cycle():
+    return cycle_sets()
+
+
+def config(**changes):
+    c = training.default_config()
+    c.target, c.target_dtype, c.vocab, c.seq_len = "cycle", "float32", 0, 16
+    c.batch_size, c.steps, c.warmup_steps, c.learning_rate = 4, 60, 5, 1e-2
+    c.eval_every = c.checkpoint_every = 20
+    c.eval_windows = 8
+    c.init_from_target = False
+    for k, v in changes.items():
+        c[k] = v
+    return c
+
+
+def run(cycle, workdir, stop_at=None, **changes):
+    target, (train_set, eval_set) = cycle
+    ids = np.arange(VOCAB)
+    return training.train(
+        config(**changes), workdir, target, ids, train_set, eval_set, progress=False, stop_at=stop_at
+    )
+
+
+def test_a_head_trained_on_the_cycle_drafts_it_and_a_misaligned_loss_does_not(cycle, tmp_path, monkeypatch):
+    """The cycle target's features are one-hot: the head must learn to map (f_j, e(t_{j+1})) to
+    f_{j+1}. Trained, its first draft always agrees and a chain of 4 mostly does; with the
+    regression target shifted by one position (predicting f_j, a classic misalignment) the
+    first draft does not."""
+    result = run(cycle, tmp_path / "ok")
+    assert result.best["acc_1"] == 1.0 and result.best["eval_length"] > 3.5
+    assert result.history[-1]["loss"] < 0.2 * result.history[0]["loss"]
+
+    def misaligned(tokens, feats):  # the goal one position early: f_j where f_{j+1} belongs
+        return feats[:, :-1], tokens[:, 1:], feats[:, :-1]
+
+    monkeypatch.setattr(training, "training_pairs", misaligned)
+    broken = run(cycle, tmp_path / "broken")
+    assert broken.best["acc_1"] < 0.3
+
+
+def test_the_same_config_and_seed_give_the_same_parameters_and_another_seed_does_not(cycle, tmp_path):
+    a = run(cycle, tmp_path / "a", steps=20)
+    b = run(cycle, tmp_path / "b", steps=20)
+    c = run(cycle, tmp_path / "c", steps=20, seed=1)
+    assert a.params_hash == b.params_hash != c.params_hash
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(cycle, tmp_path):
+    whole = run(cycle, tmp_path / "whole", steps=40)
+    first = run(cycle, tmp_path / "split", steps=40, stop_at=30)  # checkpoints at 20 and 30
+    assert first.steps_done == 30
+    second = run(cycle, tmp_path / "split", steps=40)
+    assert second.steps_run == 10 and second.params_hash == whole.params_hash
+    steps = [h["step"] for h in second.history]
+    assert steps == list(range(1, 41))  # the history continues where the checkpoint was
+
+
+def test_resuming_with_other_settings_is_refused(cycle, tmp_path):
+    run(cycle, tmp_path / "w", steps=20)
+    with pytest.raises(ValueError, match="config.learning_rate differs"):
+        run(cycle, tmp_path / "w", steps=20, learning_rate=2e-2)
+
+
+def test_a_trained_head_loads_for_its_target_only(cycle, tmp_path):
+    target, _ = cycle
+    run(cycle, tmp_path / "w", steps=20)
+    head, ids, meta = training.load_head(tmp_path / "w", target)
+    assert head.config.kind == "draft_head" and ids.tolist() == list(range(VOCAB))
+    assert meta["target"]["name"] == target.config.name
+    other = models.random_model(
+        vocab_size=VOCAB, num_layers=1, d_model=VOCAB, num_heads=2, num_kv_heads=1, name="other"
+    )
+    wider = models.random_model(
+        vocab_size=VOCAB, num_layers=1, d_model=2 * VOCAB, num_heads=2, num_kv_heads=1
+    )
+    for wrong in (other, wider):
+        with pytest.raises(ValueError, match="was trained for target"):
+            training.load_head(tmp_path / "w", wrong)
+    with pytest.raises(ValueError, match="no trained head"):
+        training.load_head(tmp_path / "empty", target)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"head_mlp_dim": 10**6}, "head_mlp_dim: must be an integer in"),
+        ({"head_layers": 5}, "head_layers: must be an integer in"),
+        ({"learning_rate": 0.0}, "learning_rate: must be positive"),
+        ({"batch_size": 0}, r"batch_size: must be an integer in \[1, 4096\]"),
+    ],
+)
+def test_bad_training_settings_get_one_clear_error(cycle, tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        run(cycle, tmp_path / "w", **changes)
+
+
+def cli(*args, workdir, output_dir, **kw):
+    cmd = [sys.executable, "-m", "launch.train", "--config=launch/configs/draft_head.py:quick"]
+    cmd += [f"--workdir={workdir}", f"--output_dir={output_dir}", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def summary_hash(output_dir) -> str:
+    return json.loads((pathlib.Path(output_dir) / "train_head.json").read_text())["summary"]["params_hash"]
+
+
+def test_the_cli_refuses_bad_settings_with_one_line(tmp_path):
+    for args, message in [
+        (["--config.corpora=poetry"], "corpora: unknown corpus poetry"),
+        (["--config.head_mlp_dim=100000"], "head_mlp_dim: must be an integer in [1, 96]"),
+    ]:
+        proc = cli(*args, workdir=tmp_path / "w", output_dir=tmp_path / "out")
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted_result(tmp_path):
+    steps = ["--config.steps=24", "--config.checkpoint_every=2", "--config.eval_every=6"]
+    whole = cli(*steps, workdir=tmp_path / "whole", output_dir=tmp_path / "whole_out")
+    killed = cli(
+        *steps, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out", start_new_session=True
+    )
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 240
+    while time.time() < deadline and killed.poll() is None:
+        done = [p for p in checkpoints.glob("*") if p.name.isdigit()] if checkpoints.exists() else []
+        if any(int(p.name) >= 6 for p in done):
+            break
+        time.sleep(0.05)
+    assert killed.poll() is None, "the run ended before it could be killed: " + killed.communicate()[1][-500:]
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    _, err = whole.communicate(timeout=300)
+    assert whole.returncode == 0, err
+    resumed = cli(*steps, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert summary_hash(tmp_path / "killed_out") == summary_hash(tmp_path / "whole_out")
