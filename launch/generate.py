@@ -37,13 +37,20 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
     "drafter",
     "model",
-    ["model", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram"],
-    "What drafts: model (--draft), prompt_lookup (copies the continuation of the last --max_ngram "
+    ["model", "head", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram"],
+    "What drafts: model (--draft), head (a draft head trained on the target's features with "
+    "python -m launch.train, from --head_dir; one decoder layer, EAGLE-style), prompt_lookup (copies the continuation of the last --max_ngram "
     "tokens' latest earlier occurrence in the prompt + output; no model), suffix (samples the "
     "continuation of the longest suffix seen before, in the prompt + output or in the code and news "
     "training corpora, from its counts; no model), hybrid (prompt lookup, "
     "and --draft where it finds nothing, per row and round), unigram / bigram (tables fitted on "
     "the training split of the code and news corpora).",
+)
+flags.DEFINE_string(
+    "head_dir",
+    None,
+    "--drafter=head: the training workdir of the head (default $SPEC_JAX_CACHE/heads/TARGET/); its "
+    "best checkpoint is used, at --draft_dtype.",
 )
 flags.DEFINE_integer(
     "max_ngram",
@@ -55,7 +62,7 @@ flags.DEFINE_integer(
 flags.DEFINE_float(
     "draft_threshold",
     0.0,
-    "model / hybrid / suffix: a row stops drafting at the first position where the draft's top "
+    "model / head / hybrid / suffix: a row stops drafting at the first position where the draft's top "
     "probability (suffix: the top successor's frequency) is below this (per-row adaptive draft "
     "length; 0 = always gamma), in [0, 1).",
 )
@@ -296,6 +303,13 @@ def make_draft(target, draft):
 
     if FLAGS.drafter == "model" and draft is None:
         return None
+    if FLAGS.drafter == "head":
+        from experiments import heads
+
+        try:
+            draft = heads.load_drafter(target, FLAGS.head_dir, dtype=FLAGS.draft_dtype)
+        except ValueError as e:
+            raise common.UsageError(f"--drafter=head: {e}") from None
     sequences = tables = None
     if FLAGS.drafter in ("unigram", "bigram"):
         from experiments import corpora

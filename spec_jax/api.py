@@ -116,7 +116,7 @@ def as_drafter(draft):
     return drafter, params
 
 
-DRAFTERS = ("model", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram")
+DRAFTERS = ("model", "head", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram")
 
 
 def make_draft(
@@ -125,6 +125,9 @@ def make_draft(
     """The (drafter, params) pair of a drafter kind, for generate's `draft`:
       model          the draft model `draft` (a models.Model or a (ModelDrafter, params) pair, e.g.
                      a vocabulary-trimmed one), stopping each row below `threshold` (0: never)
+      head           a draft head on the target's features: `draft` is a (HeadDrafter, HeadParams)
+                     pair (experiments.heads.load_drafter reads a trained one), stopping each row
+                     below `threshold`
       prompt_lookup  spec_jax.lookup.PromptLookupDrafter(max_ngram): no model
       suffix         spec_jax.suffix.SuffixDrafter(max_ngram, threshold): the row's own text, and
                      `tables` (spec_jax.suffix.SuffixTables), or tables fitted on `sequences`, if
@@ -156,6 +159,14 @@ def make_draft(
         if tables is not None and not isinstance(tables, suffix.SuffixTables):
             raise ValueError(f"tables must be a spec_jax.suffix.SuffixTables, got {type(tables).__name__}")
         return suffix.SuffixDrafter(vocab, max_ngram, float(threshold)), (() if tables is None else tables)
+    if kind == "head":
+        drafter, params = as_drafter(draft) if draft is not None else (None, None)
+        if not isinstance(drafter, HeadDrafter):
+            raise ValueError(
+                "drafter 'head' needs a (HeadDrafter, HeadParams) pair as draft "
+                "(experiments.heads.load_drafter reads a trained head)"
+            )
+        return dataclasses.replace(drafter, threshold=float(threshold)), params
     prompt_lookup = lookup.PromptLookupDrafter(vocab, max_ngram)
     if kind == "prompt_lookup":
         return prompt_lookup, ()
@@ -168,6 +179,21 @@ def make_draft(
     if kind == "model":
         return model, params
     return lookup.HybridDrafter(prompt_lookup, model), params
+
+
+VERIFY_WIDTHS = ("auto", "ends", "all")
+
+
+def resolve_verify_widths(verify_widths: str, drafter) -> str:
+    """SpecStatic.verify_widths for generate's setting: "ends" (the target scores 1 or gamma + 1
+    positions) or "all" (any width up to gamma + 1: the narrowest that covers the round's
+    drafts; one compiled branch per width). "auto" is "all" for a drafter whose learned stop
+    makes short drafts common (a draft head with an acceptance head), else "ends"."""
+    if verify_widths not in VERIFY_WIDTHS:
+        raise ValueError(f"verify_widths must be one of {', '.join(VERIFY_WIDTHS)}, got {verify_widths!r}")
+    if verify_widths == "auto":
+        return "all" if getattr(drafter, "stop_rejection", 0) > 0 else "ends"
+    return verify_widths
 
 
 def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b) -> SpecState:
@@ -195,6 +221,7 @@ def run(
     row_ids=None,
     eos_id=None,
     mesh: jax.sharding.Mesh | None = None,
+    verify_widths: str = "auto",
 ) -> tuple[SpecState, dict]:
     """What generate does, returning the final loop state as device arrays (caches included,
     with their shardings; rows past len(prompts) pad the data axis) and the timings dict."""
@@ -266,7 +293,8 @@ def run(
         )
 
     config = sharding.for_mesh(target.config, mesh)
-    static = SpecStatic(config, drafter, sampling, gamma, max_new_tokens, cache_len)
+    widths = resolve_verify_widths(verify_widths, drafter)
+    static = SpecStatic(config, drafter, sampling, gamma, max_new_tokens, cache_len, widths)
     prefill_args = (target_params, draft_params, inputs, active)
     prefill_fn, prefill_compile_s = compiled(
         "spec_prefill",
@@ -336,6 +364,7 @@ def generate(
     row_ids=None,
     eos_id=None,
     mesh: jax.sharding.Mesh | None = None,
+    verify_widths: str = "auto",
 ) -> Generation:
     """Generates up to max_new_tokens after each prompt, speculatively when a draft is given.
 
@@ -359,6 +388,8 @@ def generate(
         from the start. Place models once with spec_jax.sharding.place(model, mesh); unplaced
         models are placed on first use and cached. Tokens equal the unsharded run's (up to
         float reassociation in the sharded matmuls).
+      verify_widths: for drafters that may propose fewer than gamma drafts, which widths the
+        target's verification call may take (resolve_verify_widths): "auto", "ends", "all".
 
     Returns:
       Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the
@@ -378,6 +409,7 @@ def generate(
         row_ids=row_ids,
         eos_id=eos_id,
         mesh=mesh,
+        verify_widths=verify_widths,
     )
     num_rows = len(prompts)
     out, counts, metrics = sharding.fetch((state.out.tokens, state.out.num_generated, state.metrics))

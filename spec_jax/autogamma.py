@@ -114,9 +114,12 @@ def measure(
 ) -> Costs:
     """Times the target's calls over 1..gamma_max + 1 tokens and a model drafter's calls over 1
     and 2 tokens (the fastest of interleaved repeats after a warm-up; spec_jax.timing.model_call).
-    Other drafters (n-gram tables, prompt lookup) count as free; a hybrid costs its model's calls."""
+    A draft head (spec_jax.head_drafter) costs its drafting step (draft1) and a 2-pair call (draft2:
+    a round's observe call and first draft). Other drafters (n-gram tables, prompt lookup) count
+    as free; a hybrid costs its model's calls."""
     from models import Model
     from spec_jax.drafters import ModelDrafter
+    from spec_jax.head_drafter import HeadDrafter
 
     drafter = getattr(drafter, "model", drafter)  # spec_jax.lookup.HybridDrafter: its model
 
@@ -138,6 +141,11 @@ def measure(
                 cache_slots=slots,
                 repeat=repeat,
                 head=head,
+            )
+    if isinstance(drafter, HeadDrafter):  # a drafting step, and a 2-pair observe call for the first
+        for w in (1, 2):
+            fns[("draft", w)] = timing.head_call(
+                drafter, draft_params, batch=batch, widths=[w], cache_slots=slots, repeat=repeat
             )
     # The fastest of the interleaved repeats: on a machine shared with other work, each call's
     # least disturbed time, so that the cost ratios do not follow the load of the moment.
@@ -163,6 +171,7 @@ def costs_for(
     measurement.
     """
     from spec_jax.drafters import ModelDrafter
+    from spec_jax.head_drafter import HeadDrafter
 
     slots = 1 << max(cache_slots - 1, 1).bit_length()
     draft_key = type(drafter).__name__
@@ -170,6 +179,12 @@ def costs_for(
     if isinstance(drafter, ModelDrafter):
         rows = int(draft_params.head.ids.shape[0]) if drafter.trimmed else drafter.config.vocab_size
         draft_key = {**model_key(drafter.config), "head_rows": rows}
+    elif isinstance(drafter, HeadDrafter):
+        draft_key = {
+            **model_key(drafter.config),
+            "kind": "draft_head",
+            "head_rows": int(draft_params.out.ids.shape[0]),
+        }
     key = {
         "machine": machine_key(),
         "target": model_key(target.config),

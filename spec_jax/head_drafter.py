@@ -37,7 +37,7 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import output_head
 from spec_jax.decode import PAD_ID
-from spec_jax.drafters import TrimmedHead, top_probability
+from spec_jax.drafters import TrimmedHead
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 
@@ -46,6 +46,7 @@ class HeadParams:
     head: Any  # the head's parameters (models.draft_head, any precision)
     embed: Any  # the target's input embedding [V, D]
     out: TrimmedHead  # the target's output head, its rows for the drafted tokens (all: ids = 0..V-1)
+    acceptance: Any = None  # spec_jax.acceptance.AcceptanceParams, for HeadDrafter.stop_rejection
 
 
 @flax.struct.dataclass
@@ -87,18 +88,23 @@ class HeadDrafter:
     config: the head's config. trimmed: the output head holds a subset of the vocabulary
     (HeadParams.out.ids) and q is 0 off it. threshold: a row stops drafting at the first
     position whose top probability (before the warp) is below it, as ModelDrafter's.
+    stop_rejection: with an acceptance head (HeadParams.acceptance, spec_jax.acceptance), a row
+    stops drafting before the first position where the head's probability that at least one of
+    its drafts so far is rejected exceeds this (SpecDec++); 0 = off. Both stops read only the
+    drafter's own signals, so the output stays exact.
     """
 
     config: ModelConfig
     trimmed: bool = False
     threshold: float = 0.0
+    stop_rejection: float = 0.0
     prefill_calls: int = 1
     sources: ClassVar[tuple[str, ...]] = ("head",)
     reads_features: ClassVar[bool] = True
 
     @property
     def variable_length(self) -> bool:
-        return self.threshold > 0
+        return self.threshold > 0 or self.stop_rejection > 0
 
     @property
     def vocab_size(self) -> int:
@@ -138,40 +144,83 @@ class HeadDrafter:
         return HeadState(cache=cache, hidden=last)
 
     def distribution(self, params: HeadParams, hidden_bd, sampling: SamplingParams):
-        """(q [B, V] warped, confidence [B]: the unwarped top probability) of the token after a
-        hidden state, through the (trimmed) output head."""
+        """(q [B, V] warped, confidence [B], entropy [B]) of the token after a hidden state,
+        through the (trimmed) output head; confidence and entropy are of the unwarped
+        distribution (so that greedy decoding has them too)."""
         logits = draft_head.logits(hidden_bd[:, None], params.out.weight, self.config.matmul_impl)[:, 0]
         q = warp(logits, sampling)
         if self.trimmed:
             q = jnp.zeros((q.shape[0], self.vocab_size), q.dtype).at[:, params.out.ids].set(q)
-        return q, top_probability(logits)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return q, jnp.exp(jnp.max(logp, axis=-1)), entropy
+
+    def draft_chain(self, params: HeadParams, state: HeadState, length_b, gamma: int, sampling, keys_b):
+        """Drafts up to gamma tokens per row: (tokens [B, G], q [B, G, V] (0 from a row's first
+        unproposed position), signals {"hidden" [B, G, D], "confidence", "entropy",
+        "reject" [B, G]} of each position drafted, new cache).
+
+        Draft i is drawn from the head's output for the pair (prediction of f_{n-2+i}, d_{i-1})
+        at position n - 2 + i (draft 0 from the kept prediction). A row stops at the first
+        position its stop rule refuses (threshold: confidence below it; stop_rejection: the
+        acceptance head's probability that some draft so far is rejected above it), and the
+        loop ends when no row drafts: a stop saves the remaining head calls too.
+        """
+        batch, vocab, width = length_b.shape[0], self.vocab_size, self.config.d_model
+        keys = split_rows(keys_b, gamma)  # [G, B]
+        dtype = self.config.jnp_dtype
+        empty = dict(
+            tokens=jnp.zeros((batch, gamma), jnp.int32),
+            q=jnp.zeros((batch, gamma, vocab), jnp.float32),
+            hidden=jnp.zeros((batch, gamma, width), dtype),
+            confidence=jnp.zeros((batch, gamma), jnp.float32),
+            entropy=jnp.zeros((batch, gamma), jnp.float32),
+            reject=jnp.zeros((batch, gamma), jnp.float32),
+        )
+
+        def position(i, hidden, drafting, survive, out):
+            q, conf, entropy = self.distribution(params, hidden, sampling)
+            token = draw_rows(keys[i], q)
+            keep = drafting
+            reject = jnp.zeros_like(conf)
+            if self.threshold > 0:
+                keep = keep & (conf >= self.threshold)
+            if self.stop_rejection > 0:
+                from spec_jax import acceptance
+
+                reject = acceptance.reject_probability(
+                    params.acceptance, acceptance.signals(hidden, conf, entropy, i)
+                )
+                survive = survive * (1.0 - reject)
+                keep = keep & (1.0 - survive <= self.stop_rejection)
+            rows = (("tokens", token), ("q", q * keep[:, None]), ("hidden", hidden))
+            rows += (("confidence", conf), ("entropy", entropy), ("reject", reject))
+            out = {k: out[k].at[:, i].set(v.astype(out[k].dtype)) for k, v in rows}
+            return keep, survive, out
+
+        drafting, survive, out = position(
+            0, state.hidden, jnp.ones((batch,), bool), jnp.ones((batch,)), empty
+        )
+
+        def cond(carry):
+            i, _, _, drafting, _, _ = carry
+            return (i < gamma) & jnp.any(drafting)
+
+        def body(carry):
+            i, hidden, cache, drafting, survive, out = carry
+            pos = (length_b - 2 + i)[:, None]
+            prev = out["tokens"][:, i - 1]
+            step, cache = draft_head.forward(
+                self.config, params.head, hidden[:, None], prev[:, None], pos, cache, params.embed
+            )
+            drafting, survive, out = position(i, step[:, 0], drafting, survive, out)
+            return i + 1, step[:, 0], cache, drafting, survive, out
+
+        carry = (jnp.ones((), jnp.int32), state.hidden, state.cache, drafting, survive, out)
+        _, _, cache, _, _, out = jax.lax.while_loop(cond, body, carry)
+        signals = {k: out[k] for k in ("hidden", "confidence", "entropy", "reject")}
+        return out["tokens"], out["q"], signals, cache
 
     def propose(self, params: HeadParams, state: HeadState, context_b2, length_b, gamma, sampling, keys_b):
-        keys = split_rows(keys_b, gamma)  # [G, B]
-        q0, conf0 = self.distribution(params, state.hidden, sampling)
-        x0 = draw_rows(keys[0], q0)
-
-        def step(carry, step_keys):
-            token, hidden, position, cache = carry
-            out, cache = draft_head.forward(
-                self.config,
-                params.head,
-                hidden[:, None],
-                token[:, None],
-                position[:, None],
-                cache,
-                params.embed,
-            )
-            q, conf = self.distribution(params, out[:, 0], sampling)
-            nxt = draw_rows(step_keys, q)
-            return (nxt, out[:, 0], position + 1, cache), (nxt, q, conf)
-
-        carry = (x0, state.hidden, length_b - 1, state.cache)
-        (_, _, _, cache), (xs, qs, confs) = jax.lax.scan(step, carry, keys[1:])
-        tokens = jnp.concatenate([x0[:, None], xs.T], axis=1)  # [B, G]
-        q = jnp.concatenate([q0[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)  # [B, G, V]
-        if self.threshold > 0:
-            confidence = jnp.concatenate([conf0[:, None], confs.T], axis=1)  # [B, G]
-            keep = jnp.cumprod(confidence >= self.threshold, axis=1)
-            q = q * keep[..., None].astype(q.dtype)
+        tokens, q, _, cache = self.draft_chain(params, state, length_b, gamma, sampling, keys_b)
         return tokens, q, state.replace(cache=cache)

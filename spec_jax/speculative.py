@@ -52,6 +52,17 @@ class SpecStatic:
     gamma: int  # 0: plain autoregressive decoding (with NoDrafter)
     max_new_tokens: int
     cache_len: int
+    # Target call widths for drafters that propose fewer than gamma drafts in some rounds (each
+    # compiles a branch of the loop): "ends" 1 and gamma + 1; "all" every width 1..gamma + 1,
+    # so that a round verifies only as many positions as its longest draft needs.
+    verify_widths: str = "ends"
+
+    def widths(self) -> tuple[int, ...]:
+        if self.verify_widths == "all":
+            return tuple(range(1, self.gamma + 2))
+        if self.verify_widths == "ends":
+            return (1, self.gamma + 1)
+        raise ValueError(f"verify_widths must be 'ends' or 'all', got {self.verify_widths!r}")
 
 
 def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs) -> SpecState:
@@ -112,24 +123,25 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
 
     def score(width, cache):
         """(p [B, G + 1, V], cache, features [B, G + 1, D] or None) from a target call over the
-        first `width` positions (with width 1, position 0 repeated: no row proposed a draft, so
-        the rule reads nothing past it and the row commits one token)."""
+        first `width` positions, the last one repeated up to G + 1: every active row proposed
+        at most width - 1 drafts, so the rule reads nothing past position width - 1 and the
+        row commits at most width tokens."""
         out = forward(
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
-        p = warp(out[0], static.sampling)
-        f = out[2] if features else None
-        if width == 1:
-            p = jnp.broadcast_to(p[:, :1], (p.shape[0], gamma + 1, p.shape[2]))
-            f = None if f is None else jnp.broadcast_to(f, (f.shape[0], gamma + 1, f.shape[2]))
+        pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
+        p = jnp.pad(warp(out[0], static.sampling), pad, mode="edge")
+        f = jnp.pad(out[2], pad, mode="edge") if features else None
         return p, out[1], f
 
     if gamma and getattr(static.drafter, "variable_length", False):
-        p, target_cache, target_features = jax.lax.cond(
-            jnp.any(active & (num_drafted > 0)),
-            lambda cache: score(gamma + 1, cache),
-            lambda cache: score(1, cache),
-            state.target_cache,
+        # The narrowest target call that covers every active row's drafts (a round where no
+        # row proposed anything is one decode step).
+        widths = static.widths()
+        needed = jnp.max(jnp.where(active, num_drafted, 0)) + 1
+        branch = jnp.searchsorted(jnp.asarray(widths), needed)
+        p, target_cache, target_features = jax.lax.switch(
+            branch, [lambda cache, w=w: score(w, cache) for w in widths], state.target_cache
         )
     else:
         p, target_cache, target_features = score(gamma + 1, state.target_cache)  # [B, G + 1, V]

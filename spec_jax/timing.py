@@ -127,6 +127,59 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
     return calls
 
 
+def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
+    """model_call for a draft head (spec_jax.head_drafter.HeadDrafter with its HeadParams): each
+    call feeds widths[i] (feature, token) pairs per row through the head and its output head
+    (trimmed as the drafter's), warped with `sampling` when given: [1] a drafting step, [g + 1]
+    the observe call of a round. Same contract as model_call."""
+    import jax.numpy as jnp
+
+    from models import draft_head
+
+    cfg = drafter.config
+    widths = tuple(int(w) for w in widths)
+    start = cache_slots // 2
+    if start + sum(widths) > cache_slots:
+        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
+
+    def calls(params, cache):
+        def body(_, carry):
+            cache, _ = carry
+            position = start
+            for width in widths:
+                feats = jnp.ones((batch, width, cfg.d_model), cfg.jnp_dtype)
+                tokens = jnp.ones((batch, width), jnp.int32)
+                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
+                hidden, cache = draft_head.forward(
+                    cfg, params.head, feats, tokens, positions, cache, params.embed
+                )
+                logits = draft_head.logits(hidden[:, -1:], params.out.weight, cfg.matmul_impl)
+                logits = logits if sampling is None else warp(logits, sampling)
+                position += width
+            return cache, logits[:, -1]
+
+        logits0 = jnp.zeros((batch, params.out.weight.shape[0]), jnp.float32)
+        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
+
+    from spec_jax.sampling import warp
+
+    start_compile = time.perf_counter()
+    executable = (
+        jax.jit(calls, donate_argnums=1)
+        .lower(params, draft_head.new_cache(cfg, batch, cache_slots))
+        .compile()
+    )
+    compile_seconds = time.perf_counter() - start_compile
+    box = {"cache": draft_head.new_cache(cfg, batch, cache_slots)}
+
+    def run():
+        box["cache"], logits = executable(params, box["cache"])
+        return logits
+
+    run.compile_seconds = compile_seconds
+    return run
+
+
 def measure_bandwidth(megabytes: int, repeats: int) -> list[dict]:
     """Memory bandwidth of the default device, two ways: a large array copy (read + write
     counted) and a large array sum (read only). A decode step mostly reads (its weights), so

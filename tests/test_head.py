@@ -77,13 +77,16 @@ def test_greedy_head_drafting_equals_autoregressive(target, gamma, trimmed):
 def cycle_head(target, wrong: dict[int, int]):
     """A head for cycle_following_target (feature at j = sqrt(V) one-hot(t_j)) that predicts the
     feature of the token it is given, sqrt(V) one-hot(t_{j+1}) (so its draft is t_{j+1} + 1,
-    the target's choice), except that token a is read as token b for each a: b in wrong (a
-    draft the target rejects). Its layer's outputs are zero; its cache is written all the same."""
+    the target's choice), except that token a is read mostly as token b for each a: b in wrong
+    (its draft is b + 1, which the target rejects; the hidden state still differs from token
+    b's, so an acceptance head can tell them apart). Its layer's outputs are zero; its cache
+    is written all the same."""
     vocab = target.config.vocab_size
     head = random_head(target, seed=3)
-    read = np.eye(vocab, dtype=np.float32)
+    eye = np.eye(vocab, dtype=np.float32)
+    read = eye.copy()
     for a, b in wrong.items():
-        read[:, a] = np.eye(vocab, dtype=np.float32)[b]
+        read[:, a] = 0.9 * eye[b] + 0.3 * eye[a]
     fc = np.concatenate([np.zeros((vocab, vocab), np.float32), np.sqrt(vocab) * read], axis=1)
 
     def edit(path, x):
