@@ -31,6 +31,7 @@ EXPERIMENTS = {
     "precision_drift": "experiments.precision_drift",
     "predicted_speed": "experiments.predicted_speed",
     "train_head": "experiments.train_head",
+    "train_acceptance": "experiments.train_acceptance",
     # Benchmark suites (launch.bench runs these, in this order when given together).
     "loop": "experiments.bench_loop",
     "overhead": "experiments.bench_overhead",

@@ -4,10 +4,12 @@ Examples:
   python -m launch.train --config=launch/configs/draft_head.py
   python -m launch.train --config=launch/configs/draft_head.py --config.steps=2000 --workdir=/tmp/head
   python -m launch.train --config=launch/configs/draft_head.py:quick --output_dir=/tmp/out   # seconds
+  python -m launch.train --config=launch/configs/acceptance_head.py   # after a draft head
 
-The config file's `kind` names what it trains (draft_head: experiments/train_head.py). A run
-writes its checkpoints into --workdir (default $SPEC_JAX_CACHE/heads/TARGET/) and resumes
-there if it was interrupted (the same settings); its learning curves and summary go to
+The config file's `kind` names what it trains (draft_head: experiments/train_head.py;
+acceptance_head: experiments/train_acceptance.py). A draft head's run writes its checkpoints
+into --workdir (default $SPEC_JAX_CACHE/heads/TARGET/) and resumes there if it was interrupted
+(the same settings); an acceptance head reads the draft head there and is written beside it; its learning curves and summary go to
 --output_dir (default experiments/results/) as NAME.csv/.md/.json/.png. Bad settings exit
 with code 2 and one line; data that cannot be fetched exits 1.
 """
@@ -24,7 +26,7 @@ from launch import common
 
 FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "draft_head.py")
-KINDS = {"draft_head": "train_head"}  # config kind -> experiment
+KINDS = {"draft_head": "train_head", "acceptance_head": "train_acceptance"}  # config kind -> experiment
 
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (PATH[:variant]).")
 flags.DEFINE_string("workdir", None, "Checkpoint folder (default: $SPEC_JAX_CACHE/heads/TARGET/).")
@@ -40,7 +42,7 @@ def main(argv):
         raise common.UsageError(f"--config: kind must be one of {', '.join(KINDS)}, got {kind!r}")
     overrides = {k: v for k, v in config.items() if k != "kind"}
     if FLAGS.workdir:
-        overrides["workdir"] = FLAGS.workdir
+        overrides["workdir" if kind == "draft_head" else "head_workdir"] = FLAGS.workdir
     quick = overrides.get("target") in ("tiny",)
     command = shlex.join([os.path.basename(sys.executable), "-m", "launch.train", *sys.argv[1:]])
     _, paths = framework.run_experiment(

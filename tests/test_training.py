@@ -5,6 +5,7 @@ SIGKILL), and bad settings get one clear error."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -177,3 +178,26 @@ def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert summary_hash(tmp_path / "killed_out") == summary_hash(tmp_path / "whole_out")
+
+
+def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_path):
+    """The quick experiments end to end: a draft head, then its acceptance head (logged rounds,
+    classifier, threshold), loaded as one drafter; retraining the draft head invalidates it."""
+    from experiments import common, framework, heads
+
+    workdir = str(tmp_path / "head")
+    framework.run_experiment("train_head", quick=True, overrides={"workdir": workdir}, output_dir=str(tmp_path / "o"))
+    result, paths = framework.run_experiment(
+        "train_acceptance", quick=True, overrides={"head_workdir": workdir}, output_dir=str(tmp_path / "o")
+    )
+    assert set(paths) == {f"train_acceptance.{e}" for e in ("csv", "json", "md", "png")}
+    target = common.load_model("tiny")
+    drafter, params = heads.load_drafter(target, workdir, acceptance=True)
+    assert drafter.stop_rejection == result.summary["threshold"] and params.acceptance is not None
+    for part in ("checkpoints", "best"):  # a new draft head in the same folder; acceptance/ stays
+        shutil.rmtree(pathlib.Path(workdir) / part)
+    framework.run_experiment(
+        "train_head", quick=True, overrides={"workdir": workdir, "seed": 1}, output_dir=str(tmp_path / "o")
+    )
+    with pytest.raises(ValueError, match="trained for another draft head"):
+        heads.load_drafter(target, workdir, acceptance=True)

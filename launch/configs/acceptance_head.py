@@ -1,0 +1,16 @@
+"""Acceptance-head training: `python -m launch.train --config=launch/configs/acceptance_head.py`.
+
+Needs a trained draft head for the target (launch/configs/draft_head.py) in --workdir (default
+$SPEC_JAX_CACHE/heads/TARGET/); the acceptance head is written beside it, in acceptance/.
+`:quick` is the tiny variant the tests run. Settings: experiments/train_acceptance.py.
+"""
+
+from experiments import train_acceptance
+
+
+def get_config(variant: str | None = None):
+    if variant not in (None, "", "quick"):
+        raise ValueError(f"config variant must be empty or 'quick', got {variant!r}")
+    config = train_acceptance.get_config(quick=variant == "quick")
+    config.kind = "acceptance_head"
+    return config
