@@ -11,8 +11,9 @@ must give identical tokens.
 
 `drafters` picks what drafts (spec_jax.api.make_draft): the draft model, prompt lookup, suffix
 matching (the row's text and the training corpora's n-gram table), or the hybrid of lookup and
-the model (with `max_ngram` and the adaptive `draft_threshold`); every drafter runs at
-every gamma of a cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
+the model (with `max_ngram` and the adaptive `draft_threshold`), the target's trained draft
+head (`head`, experiments.heads; `head_acceptance`: with its acceptance head deciding each
+row's draft length, gamma the most it may draft); every drafter runs at every gamma of a cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
 (code editing and reading prompts whose output repeats their input: experiments.common).
 """
 
@@ -38,7 +39,7 @@ INT_RANGES = {
     "max_new_tokens": (2, 4096),
 }
 TUPLE_RANGES = {"batch_sizes": (int, 1, 64), "gammas": (int, 1, 16), "temperatures": (float, 0.0, 100.0)}
-BENCH_DRAFTERS = ("model", "prompt_lookup", "suffix", "hybrid")
+BENCH_DRAFTERS = ("model", "head", "head_acceptance", "prompt_lookup", "suffix", "hybrid")
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -174,7 +175,16 @@ def drafts_for(target, config) -> dict:
         else:
             tables = corpora.suffix_tables(config.target, target.tokenizer, vocab, config.max_ngram)
     for name in drafters:
-        if name == "model" and not config.draft_threshold:
+        if name.startswith("head"):
+            from experiments import heads
+
+            out[name] = heads.load_drafter(
+                target,
+                dtype=config.draft_dtype,
+                threshold=config.draft_threshold,
+                acceptance=name == "head_acceptance",
+            )
+        elif name == "model" and not config.draft_threshold:
             out[name] = model  # as before drafters were a setting: the same compiled loops
         else:
             out[name] = api.make_draft(
@@ -245,6 +255,15 @@ def run(config) -> framework.Result:
             row["decode_tokens_per_s"] = decode_tokens / sum(s["decode_seconds"] for s in stats)
             ar_decode_tps = ar_decode_tps or row["decode_tokens_per_s"]
             row["decode_speedup"] = row["decode_tokens_per_s"] / ar_decode_tps
+            # Repeat by repeat (the same batch of prompts as the autoregressive repeat; with
+            # batch 1, one prompt): the worst decode speedup over plain decoding.
+            ar_stats = [g.stats for g in ar_results]
+            row["worst_repeat_decode_speedup"] = min(
+                (s["num_new_tokens"] - len(g.tokens))
+                / s["decode_seconds"]
+                / ((a["num_new_tokens"] - len(g.tokens)) / a["decode_seconds"])
+                for s, a, g in zip(stats, ar_stats, gens, strict=True)
+            )
             if gamma == "auto":
                 chunks = [c for s in stats for c in s["gamma_schedule"]]
                 row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=int))

@@ -12,9 +12,11 @@ Drafts: "unigram" and "bigram" are n-gram drafters (spec_jax.ngram) fitted on th
 training documents tokenized with the target's tokenizer; "prompt_lookup" copies from the
 prompt and output (spec_jax.lookup), "suffix" samples the continuation of the longest earlier
 suffix in the prompt + output or in the task's training documents (spec_jax.suffix, max_ngram 3),
-"hybrid@MODEL" is prompt lookup with MODEL where it finds nothing; any other name is a draft
-model. The lookup drafts are left out of the ordering check (their alpha is over the positions
-they chose to propose).
+"hybrid@MODEL" is prompt lookup with MODEL where it finds nothing; "head" is the target's draft
+head trained on its features (spec_jax.training, `python -m launch.train`; read from its default
+workdir); any other name is a draft model. The lookup drafts and the head are left out of the
+ordering check (the lookups' alpha is over the positions they chose to propose; the head is
+not one of the paper's drafts).
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
 independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
@@ -36,10 +38,17 @@ LOOKUP = "prompt_lookup"
 SUFFIX = "suffix"
 SUFFIX_NGRAM = 3
 HYBRID_PREFIX = "hybrid@"
+HEAD = "head"  # the target's trained draft head (experiments.heads.load_drafter, default workdir)
 
 
 def is_lookup(draft: str) -> bool:
     return draft in (LOOKUP, SUFFIX) or draft.startswith(HYBRID_PREFIX)
+
+
+def unordered(draft: str) -> bool:
+    """Drafts left out of the ordering check: the lookups (their alpha is over the positions they
+    chose to propose) and the trained head (not one of the paper's drafts)."""
+    return is_lookup(draft) or draft == HEAD
 
 
 COLUMNS = (
@@ -129,7 +138,7 @@ def validate(config) -> None:
         for draft in drafts:
             if draft.startswith(HYBRID_PREFIX):
                 common.check_model_name("runs", draft[len(HYBRID_PREFIX) :])
-            elif draft not in NGRAM_DRAFTS and draft not in (LOOKUP, SUFFIX):
+            elif draft not in NGRAM_DRAFTS and draft not in (LOOKUP, SUFFIX, HEAD):
                 common.check_model_name("runs", draft)
     if not config.tasks or any(t not in corpora.TASKS for t in config.tasks):
         raise ValueError(
@@ -253,10 +262,14 @@ def measure(config) -> list[dict]:
         for name in draft_names:
             if name == LOOKUP:
                 drafts[name] = dict.fromkeys(config.tasks, api.make_draft(LOOKUP, target))
+            elif name == HEAD:
+                from experiments import heads
+
+                drafts[name] = dict.fromkeys(config.tasks, heads.load_drafter(target))
             elif name.startswith(HYBRID_PREFIX):
                 model = common.load_model(name[len(HYBRID_PREFIX) :])
                 drafts[name] = dict.fromkeys(config.tasks, api.make_draft("hybrid", target, draft=model))
-            elif name not in NGRAM_DRAFTS and name != SUFFIX:
+            elif name not in NGRAM_DRAFTS and name not in (SUFFIX, HEAD):
                 model = common.load_model(name)
                 drafts[name] = dict.fromkeys(config.tasks, model)
         grid = [(n, t, task) for n in draft_names for t in config.temperatures for task in config.tasks]
@@ -281,7 +294,7 @@ def ordering_checks(cells, config) -> list[dict]:
     checks = []
     for run in config.runs:
         target, drafts = parse_run(run)
-        drafts = tuple(d for d in drafts if not is_lookup(d))
+        drafts = tuple(d for d in drafts if not unordered(d))
         if len(drafts) < 2:
             continue
         for task in config.tasks:

@@ -13,6 +13,9 @@
      Theorem 3.8       E / (gamma c + 1)         (a verify call costs one step)
      verify-corrected  E / (gamma c + v(gamma))  (the measured verify cost)
      cost-corrected    E / (d(gamma) + v(gamma)) (the measured draft round as well)
+With drafter = "head" the draft is the target's trained draft head (experiments.heads) instead
+of a draft model: c is its drafting step (the head's layer and its output head), and a round's
+drafter cost d(gamma) is its observe call over gamma + 1 pairs and gamma - 1 steps.
 4. Measured: spec_jax.generate, autoregressive and speculative at each gamma on the same
    prompts, `repeats` times with the variants interleaved; speedup = median speculative loop
    throughput / median autoregressive loop throughput (tokens committed by the decode loop
@@ -61,6 +64,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
+    config.drafter = (
+        "model"  # or "head": the target's trained draft head (experiments.heads) instead of `draft`
+    )
     config.target_dtype = "float32"  # models.precision.PRECISIONS
     config.draft_dtype = "float32"
     config.gammas = (1,) if quick else tuple(range(1, 9))
@@ -90,6 +96,8 @@ TUPLE_RANGES = {"gammas": (int, 1, 64)}
 
 def validate(config) -> None:
     """Raises ValueError starting with the offending key."""
+    if config.drafter not in ("model", "head"):
+        raise ValueError(f"drafter: must be 'model' or 'head', got {config.drafter!r}")
     if not config.temperature >= 0.0:
         raise ValueError(f"temperature: must be a number >= 0, got {config.temperature}")
     if config.num_prompts % config.batch_size:
@@ -107,6 +115,11 @@ def step_costs(target, draft, config, prompt_len: int) -> dict:
     cache_slots = 2 * (prompt_len + config.max_new_tokens + max(gammas))
 
     def call(model, widths):
+        if isinstance(model, tuple):  # a draft head: (HeadDrafter, HeadParams)
+            drafter, params = model
+            return timing.head_call(
+                drafter, params, batch=batch, widths=widths, cache_slots=cache_slots, sampling=sampling
+            )
         return timing.model_call(
             model, batch=batch, widths=widths, cache_slots=cache_slots, sampling=sampling
         )
@@ -114,7 +127,10 @@ def step_costs(target, draft, config, prompt_len: int) -> dict:
     fns = {"target": call(target, [1]), "draft": call(draft, [1])}
     for g in gammas:
         fns[f"verify_{g}"] = call(target, [g + 1])
-        fns[f"propose_{g}"] = call(draft, [2] + [1] * (g - 1))
+        # a model drafter's round: a 2-token call, then gamma - 1 steps; a head's: the observe
+        # call over the round's gamma + 1 pairs, then gamma - 1 steps (each call with its logits)
+        first = 2 if not isinstance(draft, tuple) else g + 1
+        fns[f"propose_{g}"] = call(draft, [first] + [1] * (g - 1))
     return {name: t["median"] for name, t in timing.timed_interleaved(fns, config.step_repeats).items()}
 
 
@@ -376,7 +392,12 @@ def figure(rows, summary):
 
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
-    draft = common.load_model(config.draft, config.draft_dtype)
+    if config.drafter == "head":
+        from experiments import heads
+
+        draft = heads.load_drafter(target, dtype=config.draft_dtype)
+    else:
+        draft = common.load_model(config.draft, config.draft_dtype)
     prompts = prompts_for(target.tokenizer, config)
     print("walltime: timing the model calls (compiles each first) ...", file=sys.stderr, flush=True)
     costs = step_costs(target, draft, config, max(len(p) for p in prompts))

@@ -52,6 +52,12 @@ flags.DEFINE_string(
     "--drafter=head: the training workdir of the head (default $SPEC_JAX_CACHE/heads/TARGET/); its "
     "best checkpoint is used, at --draft_dtype.",
 )
+flags.DEFINE_bool(
+    "acceptance_head",
+    False,
+    "--drafter=head: also its acceptance head (trained with launch/configs/acceptance_head.py), which "
+    "stops each row's draft where a rejection becomes likely; --gamma is then the most it drafts.",
+)
 flags.DEFINE_integer(
     "max_ngram",
     3,
@@ -307,7 +313,9 @@ def make_draft(target, draft):
         from experiments import heads
 
         try:
-            draft = heads.load_drafter(target, FLAGS.head_dir, dtype=FLAGS.draft_dtype)
+            draft = heads.load_drafter(
+                target, FLAGS.head_dir, dtype=FLAGS.draft_dtype, acceptance=FLAGS.acceptance_head
+            )
         except ValueError as e:
             raise common.UsageError(f"--drafter=head: {e}") from None
     sequences = tables = None
@@ -390,6 +398,8 @@ def main(argv):
     precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
     gamma_from_flag()
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
+    if FLAGS.acceptance_head and FLAGS.drafter != "head":
+        raise common.UsageError("--acceptance_head needs --drafter=head")
     uses_model = FLAGS.drafter in ("model", "hybrid")
     if FLAGS.drafter == "hybrid" and FLAGS.draft == "none":
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")

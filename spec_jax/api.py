@@ -232,6 +232,8 @@ def run(
     row_ids = np.arange(num_rows) if row_ids is None else np.asarray(row_ids)
     if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
         raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
+    if gamma == "auto" and getattr(drafter, "stop_rejection", 0) > 0:
+        gamma = autogamma.GAMMA_MAX  # an acceptance head decides each round's length: gamma is its cap
     auto = gamma == "auto" and drafter is not None
     if drafter is None:
         drafter, gamma = NoDrafter(target.config.vocab_size), 0
@@ -373,7 +375,8 @@ def generate(
       prompts: list of token-id lists (ragged lengths are fine).
       draft: None (plain autoregressive decoding), a models.Model, or a (drafter, params) pair
         such as spec_jax.ngram.fit_bigram returns (see as_drafter).
-      gamma: draft tokens per round (static: a new gamma compiles a new loop).
+      gamma: draft tokens per round (static: a new gamma compiles a new loop), or "auto"
+        (spec_jax.autogamma; with a draft head's acceptance head, the most it may draft, 8).
       temperature, top_k, top_p: the warp, applied identically to target and draft; any
         positive temperature samples (0 is greedy).
       seed, row_ids: row b draws its randomness from fold_in(key(seed), row_ids[b]) alone

@@ -186,7 +186,9 @@ def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_p
     from experiments import common, framework, heads
 
     workdir = str(tmp_path / "head")
-    framework.run_experiment("train_head", quick=True, overrides={"workdir": workdir}, output_dir=str(tmp_path / "o"))
+    framework.run_experiment(
+        "train_head", quick=True, overrides={"workdir": workdir}, output_dir=str(tmp_path / "o")
+    )
     result, paths = framework.run_experiment(
         "train_acceptance", quick=True, overrides={"head_workdir": workdir}, output_dir=str(tmp_path / "o")
     )
