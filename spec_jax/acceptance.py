@@ -138,8 +138,6 @@ def log_rounds(
     recorder = RecordingDrafter(drafter.config, drafter.trimmed, gamma=gamma)
     xs, labels, round_ids, accepted_all, prompt_ids = [], [], [], [], []
     stop = jnp.asarray(api.stop_id_list(eos_id, target.config.vocab_size) or [-1], jnp.int32)
-    prefill_fn = jax.jit(speculative.spec_prefill, static_argnums=0)
-    round_fn = jax.jit(speculative.spec_round, static_argnums=0)
     bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="log rounds", disable=not progress)
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
@@ -150,10 +148,10 @@ def log_rounds(
         tokens, lens = pad_prompts(batch, width)
         keys = row_keys(jax.random.key(0), np.arange(start, start + len(batch)))
         inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), stop, keys)
-        state = prefill_fn(static, target.params, params, inputs)
+        state, step = speculative.stepper(static, target.params, params, inputs)
         while not bool(jnp.all(state.out.done)):
             before = np.asarray(state.length)
-            state = round_fn(static, target.params, params, state, stop)
+            state = step(state)
             rec = jax.device_get(state.draft_state)
             after, done = np.asarray(state.length), np.asarray(state.out.done)
             x = np.asarray(

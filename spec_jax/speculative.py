@@ -199,3 +199,12 @@ def spec_loop(
         lambda c: ~jnp.all(c[0].out.done) & (c[1] < limit), body, (state, jnp.zeros((), jnp.int32))
     )
     return state
+
+
+def stepper(static: SpecStatic, params, draft_params, inputs: PrefillInputs):
+    """(state after prefill, step): the loop one round at a time, each round a compiled call
+    (step(state) -> state), for what inspects the state between rounds (tests, logging rounds:
+    spec_jax.acceptance). generate runs the same rounds inside one while_loop."""
+    state = jax.jit(spec_prefill, static_argnums=0)(static, params, draft_params, inputs)
+    round_fn = jax.jit(spec_round, static_argnums=0)
+    return state, lambda state: round_fn(static, params, draft_params, state, inputs.stop_ids)

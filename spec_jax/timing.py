@@ -78,21 +78,53 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
         repeat=repeat,
         head=head,
     )
+    return _runner(calls, model.params, lambda: init_cache(model.config, batch, cache_slots))
+
+
+def _runner(calls, params, new_cache):
+    """Compiles calls(params, cache) -> (cache, logits) with the cache donated; returns the
+    zero-argument run() that carries the cache from call to call (run.compile_seconds)."""
     start_compile = time.perf_counter()
-    executable = (
-        jax.jit(calls, donate_argnums=1)
-        .lower(model.params, init_cache(model.config, batch, cache_slots))
-        .compile()
-    )
+    executable = jax.jit(calls, donate_argnums=1).lower(params, new_cache()).compile()
     compile_seconds = time.perf_counter() - start_compile
-    box = {"cache": init_cache(model.config, batch, cache_slots)}
+    box = {"cache": new_cache()}
 
     def run():
-        box["cache"], logits = executable(model.params, box["cache"])
+        box["cache"], logits = executable(params, box["cache"])
         return logits
 
     run.compile_seconds = compile_seconds
     return run
+
+
+def _repeated(one_call, *, batch: int, widths, cache_slots: int, out_width: int, sampling, repeat: int):
+    """calls(params, cache) -> (cache, logits [B, out_width] of the last call): `repeat` times,
+    each width in turn at the next positions from half the cache; one_call(params, cache,
+    width, positions [B, width]) -> (logits [B, width or 1, out_width], cache)."""
+    import jax.numpy as jnp
+
+    from spec_jax.sampling import warp
+
+    widths = tuple(int(w) for w in widths)
+    start = cache_slots // 2
+    if start + sum(widths) > cache_slots:
+        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
+
+    def calls(params, cache):
+        def body(_, carry):
+            cache, _ = carry
+            position = start
+            for width in widths:
+                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
+                logits, cache = one_call(params, cache, width, positions)
+                logits = logits if sampling is None else warp(logits, sampling)
+                position += width
+            return cache, logits[:, -1]
+
+        logits0 = jnp.zeros((batch, out_width), jnp.float32)
+        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
+
+    return calls
 
 
 def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
@@ -101,83 +133,49 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
     import jax.numpy as jnp
 
     from models.transformer import forward
-    from spec_jax.sampling import warp
 
-    widths = tuple(int(w) for w in widths)
-    start = cache_slots // 2
-    if start + sum(widths) > cache_slots:
-        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
+    def one_call(params, cache, width, positions):
+        return forward(config, params, jnp.ones((batch, width), jnp.int32), positions, cache, head=head)
 
-    def calls(params, cache):
-        def body(_, carry):
-            cache, _ = carry
-            position = start
-            for width in widths:
-                tokens = jnp.ones((batch, width), jnp.int32)
-                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
-                logits, cache = forward(config, params, tokens, positions, cache, head=head)
-                logits = logits if sampling is None else warp(logits, sampling)
-                position += width
-            return cache, logits[:, -1]
-
-        vocab = config.vocab_size if head is None else head.shape[0]
-        logits0 = jnp.zeros((batch, vocab), jnp.float32)
-        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
-
-    return calls
+    vocab = config.vocab_size if head is None else head.shape[0]
+    return _repeated(
+        one_call,
+        batch=batch,
+        widths=widths,
+        cache_slots=cache_slots,
+        out_width=vocab,
+        sampling=sampling,
+        repeat=repeat,
+    )
 
 
 def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
     """model_call for a draft head (spec_jax.head_drafter.HeadDrafter with its HeadParams): each
-    call feeds widths[i] (feature, token) pairs per row through the head and its output head
-    (trimmed as the drafter's), warped with `sampling` when given: [1] a drafting step, [g + 1]
-    the observe call of a round. Same contract as model_call."""
+    call feeds widths[i] (feature, token) pairs per row through the head, and its last output
+    through the (trimmed) output head: [1] a drafting step, [g + 1] the observe call of a round
+    and its first draft. Same contract as model_call."""
     import jax.numpy as jnp
 
     from models import draft_head
 
     cfg = drafter.config
-    widths = tuple(int(w) for w in widths)
-    start = cache_slots // 2
-    if start + sum(widths) > cache_slots:
-        raise ValueError(f"cache_slots={cache_slots} cannot hold half a cache plus {sum(widths)} new tokens")
 
-    def calls(params, cache):
-        def body(_, carry):
-            cache, _ = carry
-            position = start
-            for width in widths:
-                feats = jnp.ones((batch, width, cfg.d_model), cfg.jnp_dtype)
-                tokens = jnp.ones((batch, width), jnp.int32)
-                positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
-                hidden, cache = draft_head.forward(
-                    cfg, params.head, feats, tokens, positions, cache, params.embed
-                )
-                logits = draft_head.logits(hidden[:, -1:], params.out.weight, cfg.matmul_impl)
-                logits = logits if sampling is None else warp(logits, sampling)
-                position += width
-            return cache, logits[:, -1]
+    def one_call(params, cache, width, positions):
+        feats = jnp.ones((batch, width, cfg.d_model), cfg.jnp_dtype)
+        tokens = jnp.ones((batch, width), jnp.int32)
+        hidden, cache = draft_head.forward(cfg, params.head, feats, tokens, positions, cache, params.embed)
+        return draft_head.logits(hidden[:, -1:], params.out.weight, cfg.matmul_impl), cache
 
-        logits0 = jnp.zeros((batch, params.out.weight.shape[0]), jnp.float32)
-        return jax.lax.fori_loop(0, repeat, body, (cache, logits0))
-
-    from spec_jax.sampling import warp
-
-    start_compile = time.perf_counter()
-    executable = (
-        jax.jit(calls, donate_argnums=1)
-        .lower(params, draft_head.new_cache(cfg, batch, cache_slots))
-        .compile()
+    calls = _repeated(
+        one_call,
+        batch=batch,
+        widths=widths,
+        cache_slots=cache_slots,
+        out_width=params.out.weight.shape[0],
+        sampling=sampling,
+        repeat=repeat,
     )
-    compile_seconds = time.perf_counter() - start_compile
-    box = {"cache": draft_head.new_cache(cfg, batch, cache_slots)}
-
-    def run():
-        box["cache"], logits = executable(params, box["cache"])
-        return logits
-
-    run.compile_seconds = compile_seconds
-    return run
+    return _runner(calls, params, lambda: draft_head.new_cache(cfg, batch, cache_slots))
 
 
 def measure_bandwidth(megabytes: int, repeats: int) -> list[dict]:

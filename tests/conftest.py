@@ -65,3 +65,19 @@ def tiny_target():
 def tiny_draft(tiny_target):
     """Agrees with the target often but not always, so rounds accept partially."""
     return perturbed(tiny_target, 0.1, seed=7)
+
+
+def loop_by_hand(target, drafter, draft_params, prompts, gamma: int, max_new: int, width: int = 16):
+    """(state after prefill, step) of the greedy loop over prompts padded to `width`, one round per
+    step(state) (spec_jax.speculative.stepper), for tests that inspect the state between rounds."""
+    from spec_jax import speculative
+    from spec_jax.decode import PrefillInputs, pad_prompts
+    from spec_jax.sampling import SamplingParams, row_keys
+
+    static = speculative.SpecStatic(
+        target.config, drafter, SamplingParams(0.0), gamma, max_new, width + max_new + gamma
+    )
+    tokens, lens = pad_prompts(prompts, width)
+    keys = row_keys(jax.random.key(0), list(range(len(prompts))))
+    inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), keys)
+    return speculative.stepper(static, target.params, draft_params, inputs)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import loop_by_hand
 from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 from test_ngram import cycle_following_target
 
@@ -15,10 +16,7 @@ import models
 import spec_jax
 from models import draft_head
 from models.transformer import init_params
-from spec_jax import speculative
-from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.head_drafter import HeadDrafter, head_params
-from spec_jax.sampling import SamplingParams, row_keys
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 MAX_NEW = 13
@@ -122,15 +120,8 @@ def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_eve
     head = cycle_head(target, {5: 9, 12: 2})
     drafter, params = HeadDrafter(head.config), head_params(target, head)
     prompt = [2, 3, 4]
-    width = 16
-    slots = width + max_new + gamma
-    static = speculative.SpecStatic(target.config, drafter, SamplingParams(0.0), gamma, max_new, slots)
-    tokens, lens = pad_prompts([prompt], width)
-    inputs = PrefillInputs(
-        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), row_keys(jax.random.key(0), [0])
-    )
-    state = jax.jit(speculative.spec_prefill, static_argnums=0)(static, target.params, params, inputs)
-    step = jax.jit(speculative.spec_round, static_argnums=0)
+    slots = 16 + max_new + gamma
+    state, step = loop_by_hand(target, drafter, params, [prompt], gamma, max_new)
     seq = prompt + [(prompt[-1] + 1 + i) % vocab for i in range(max_new)]
     fresh_forward = jax.jit(draft_head.forward, static_argnums=0)
     accepted = set()
@@ -166,7 +157,7 @@ def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_eve
         if bool(state.out.done[0]):
             break
         before = state.metrics.num_accepted_tokens
-        state = step(static, target.params, params, state, jnp.asarray([-1]))
+        state = step(state)
         accepted.add(int(state.metrics.num_accepted_tokens - before))
     assert checks > 5 and {0, gamma} <= accepted and len(accepted) >= 3, accepted
 

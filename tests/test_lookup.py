@@ -5,15 +5,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import apply, perturbed
+from conftest import apply, loop_by_hand, perturbed
 from test_ngram import cycle_following_target
 from test_speculative import MAX_NEW, PROMPTS
 
 import models
 import spec_jax
-from spec_jax import api, lookup, speculative
-from spec_jax.decode import PrefillInputs, pad_prompts
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax import api, lookup
+from spec_jax.sampling import SamplingParams
 
 GAMMA = 4
 THRESHOLD = 0.08  # the tiny draft's top probability is around this: rows stop at mixed lengths
@@ -175,20 +174,13 @@ def test_the_buffer_and_the_hybrid_models_cache_hold_the_committed_prefix_after_
     model, _ = api.make_draft("model", target, draft=draft)
     drafter = lookup.HybridDrafter(lookup.PromptLookupDrafter(vocab, 2), model, catch_up=2)
     prompt = list(range(10)) + [0, 1]
-    width = 16
-    slots = width + max_new + gamma
-    static = speculative.SpecStatic(target.config, drafter, SamplingParams(0.0), gamma, max_new, slots)
-    tokens, lens = pad_prompts([prompt], width)
-    inputs = PrefillInputs(
-        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), row_keys(jax.random.key(0), [0])
-    )
-    state = jax.jit(speculative.spec_prefill, static_argnums=0)(static, target.params, draft.params, inputs)
-    step = jax.jit(speculative.spec_round, static_argnums=0)
+    slots = 16 + max_new + gamma
+    state, step = loop_by_hand(target, drafter, draft.params, [prompt], gamma, max_new)
     rounds, largest_gap = [], 0
     while not bool(jnp.all(state.out.done)):
         before, length = state.draft_state, np.asarray(state.length)
         cached = np.where(before.model_drafted, np.maximum(before.cached, length - 2), before.cached)
-        state = step(static, target.params, draft.params, state, jnp.asarray([-1]))
+        state = step(state)
         if np.asarray(state.draft_state.model_drafted).any():  # the model ran: the row caught up
             largest_gap = max(largest_gap, int(np.max(length - 2 - cached)))
         rounds.append((int(state.length[0]), jax.tree.map(np.asarray, state.draft_state)))

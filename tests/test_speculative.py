@@ -1,10 +1,9 @@
 """The speculative loop: exact greedy equivalence, per-row progress, metrics, errors."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import apply
+from conftest import apply, loop_by_hand
 
 import models
 import spec_jax
@@ -166,28 +165,12 @@ def test_drafter_cache_holds_the_committed_prefix_after_every_round(tiny_target,
     )
     seq = PROMPTS[0] + gen.tokens[0]  # row 0 of the batch: rows do not depend on each other
     # Re-run the loop by hand for a few rounds and compare caches.
-    from spec_jax.decode import PrefillInputs, pad_prompts
     from spec_jax.drafters import ModelDrafter
-    from spec_jax.sampling import SamplingParams, row_keys
 
-    static = speculative.SpecStatic(
-        tiny_target.config,
-        ModelDrafter(tiny_draft.config),
-        SamplingParams(0.0),
-        GAMMA,
-        MAX_NEW,
-        16 + MAX_NEW + GAMMA,
-    )
-    tokens, lens = pad_prompts(PROMPTS[:1], 16)
-    inputs = PrefillInputs(
-        jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), row_keys(jax.random.key(0), [0])
-    )
-    state = jax.jit(speculative.spec_prefill, static_argnums=0)(
-        static, tiny_target.params, tiny_draft.params, inputs
-    )
-    step = jax.jit(speculative.spec_round, static_argnums=0)
+    drafter = ModelDrafter(tiny_draft.config)
+    state, step = loop_by_hand(tiny_target, drafter, tiny_draft.params, PROMPTS[:1], GAMMA, MAX_NEW)
     for _ in range(3):
-        state = step(static, tiny_target.params, tiny_draft.params, state, jnp.asarray([-1]))
+        state = step(state)
         n = int(state.length[0])
         assert seq[n - 1] == int(state.last_token[0]) and seq[n - 2] == int(state.prev_token[0])
         fresh_tokens = jnp.array([seq[: n - 2] + [0] * (32 - (n - 2))])
