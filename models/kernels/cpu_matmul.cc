@@ -33,6 +33,236 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// ---------------------------------------------------------------------------------------------
+// AVX-512: 16 lanes, 32 zmm registers.
+//
+// x is first packed, once per call, pass by pass: the rows of one pass interleaved by 16-float
+// chunk of k ([k / 16][row][16], the k tail zero-filled), so that a pass reads its MB x vectors
+// at one pointer, one stream. A tile of MB rows of x and NB weight rows keeps MB x NB
+// accumulators, NB widened weight vectors and one x vector in registers; each weight is loaded
+// and widened once per pass, for all MB rows. k is taken in slices short enough that a pass's
+// x slice stays in L1 while every tile of a block of weight rows reads it; between slices a
+// tile's accumulators wait in memory (stored and reloaded exactly). The k tail is one more step
+// with the weights' load masked (x is zero there). Each (row, column) has one accumulator:
+// 16 lanes over k = 0, 16, 32, ..., the tail, then the lanes added in a fixed tree, then the
+// scale: the same order whatever tile or slice computed it, so whatever M.
+
+#ifndef SPEC_JAX_MAX_PASS_ROWS
+#define SPEC_JAX_MAX_PASS_ROWS 9
+#endif
+#ifndef SPEC_JAX_ROW_BLOCK
+#define SPEC_JAX_ROW_BLOCK 24
+#endif
+#ifndef SPEC_JAX_NB_TABLE  // weight rows per tile, by the pass's rows of x (index 1..14)
+#define SPEC_JAX_NB_TABLE {0, 8, 8, 6, 6, 4, 4, 3, 3, 3, 2, 2, 2, 2, 2}
+#endif
+#ifndef SPEC_JAX_X_SLICE_BYTES  // a pass's slice of x: at most this (L1: 48 KB here)
+#define SPEC_JAX_X_SLICE_BYTES 32768
+#endif
+#ifndef SPEC_JAX_PREFETCH
+#define SPEC_JAX_PREFETCH 1
+#endif
+#ifndef SPEC_JAX_PREFETCH_HINT
+#define SPEC_JAX_PREFETCH_HINT _MM_HINT_T0
+#endif
+
+constexpr int kMaxPassRows512 = SPEC_JAX_MAX_PASS_ROWS;
+constexpr int64_t kRowBlock512 = SPEC_JAX_ROW_BLOCK;
+constexpr int kNbTable[] = SPEC_JAX_NB_TABLE;
+constexpr int NbFor(int mb) { return kNbTable[mb]; }
+static_assert(kMaxPassRows512 >= 1 && kMaxPassRows512 <= 14, "pass rows: 1 to 14");
+
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const uint16_t* p) {  // bfloat16: the high half of a float32
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// The same, lanes past the mask zero (not read).
+inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(const uint16_t* p, __mmask16 m) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 Load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+inline float ReduceAdd(__m512 v) {  // a fixed tree: 8 + 8, 4 + 4, 2 + 2, 1 + 1
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One call's shape and how its rows of x are split: pass p takes `rows` rows, the passes sized
+// alike (at most kMaxPassRows512; 11 rows: 5 + 6), and k is taken in slices of k_slice.
+struct Plan {
+  int64_t m_rows, k_dim, n_dim, passes, k_pad, k_slice;
+  Plan(int64_t m, int64_t k, int64_t n)
+      : m_rows(m), k_dim(k), n_dim(n), passes((m + kMaxPassRows512 - 1) / kMaxPassRows512),
+        k_pad((k + 15) & ~int64_t{15}) {
+    const int64_t widest = (m + passes - 1) / passes;  // rows of the widest pass
+    const int64_t slices = (widest * k_pad * 4 + SPEC_JAX_X_SLICE_BYTES - 1) / SPEC_JAX_X_SLICE_BYTES;
+    k_slice = ((k_pad / 16 + slices - 1) / slices) * 16;  // slices alike, whole steps of 16
+  }
+};
+
+// One tile over the slice [k0, k1) of k: MB rows of x (xp: their slice, packed) and the NB
+// weight rows from w (nb of them valid). next: where the tile that runs next starts reading (its
+// rows are prefetched at the same offsets); saved: the accumulators between slices. first /
+// last: the slice is the first / last of k (the last one adds the k tail and stores y).
+template <int MB, int NB, typename W>
+inline void Tile(const float* xp, const W* w, const W* next, const Plan& plan, int64_t k0, int64_t k1,
+                 int64_t nb, __m512* saved, bool first, bool last, const float* scale, float* y) {
+  const int64_t k_dim = plan.k_dim;
+  const W* row[NB];
+  for (int j = 0; j < NB; ++j) row[j] = w + std::min<int64_t>(j, nb - 1) * k_dim;  // none past the end
+  __m512 acc[MB][NB];
+  for (int a = 0; a < MB; ++a) {
+    for (int j = 0; j < NB; ++j) acc[a][j] = first ? _mm512_setzero_ps() : saved[a * NB + j];
+  }
+  const int64_t k16 = std::min(k1, k_dim & ~int64_t{15});
+  int64_t k = k0;
+  for (; k < k16; k += 16, xp += MB * 16) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      if (SPEC_JAX_PREFETCH && (sizeof(W) == 4 || (k & (64 / sizeof(W) - 1)) == 0)) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + j * k_dim + (k - k0)), SPEC_JAX_PREFETCH_HINT);
+      }
+      wv[j] = Load16(row[j] + k);
+    }
+    for (int a = 0; a < MB; ++a) {
+      __m512 xv = _mm512_loadu_ps(xp + a * 16);
+      asm("" : "+v"(xv));  // one load of x per row, not one folded into each of the NB FMAs
+      for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_fmadd_ps(xv, wv[j], acc[a][j]);
+    }
+  }
+  if (!last) {
+    for (int a = 0; a < MB; ++a) {
+      for (int j = 0; j < NB; ++j) saved[a * NB + j] = acc[a][j];
+    }
+    return;
+  }
+  if (k < k_dim) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (k_dim - k)) - 1);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = Load16(row[j] + k, mask);
+    for (int a = 0; a < MB; ++a) {
+      const __m512 xv = _mm512_loadu_ps(xp + a * 16);
+      for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_fmadd_ps(xv, wv[j], acc[a][j]);
+    }
+  }
+  for (int a = 0; a < MB; ++a) {
+    for (int j = 0; j < NB; ++j) {
+      if (j < nb) {
+        const float sum = ReduceAdd(acc[a][j]);
+        y[a * plan.n_dim + j] = scale == nullptr ? sum : sum * scale[j];
+      }
+    }
+  }
+}
+
+// One pass of MB packed rows of x (xp: the pass's rows) over the weight rows [n, n_end): slice
+// by slice of k, every tile of NB rows within a slice.
+template <int MB, typename W>
+void Pass512(const float* xp, const W* w, const float* scale, float* y, const Plan& plan, int64_t n,
+             int64_t n_end) {
+  constexpr int NB = NbFor(MB);
+  static_assert(NB > 0 && kRowBlock512 % NB == 0, "a block of weight rows is a whole number of tiles");
+  alignas(64) __m512 saved[kRowBlock512 / NB][MB * NB];
+  const int64_t k_dim = plan.k_dim;
+  for (int64_t k0 = 0; k0 < k_dim; k0 += plan.k_slice) {
+    const int64_t k1 = std::min(k_dim, k0 + plan.k_slice);
+    const bool first = k0 == 0, last = k1 == k_dim;
+    for (int64_t t = 0, m = n; m < n_end; ++t, m += NB) {
+      // Prefetch: the next tile of this slice, after the last one the first tile of the next
+      // slice (or of the next block of weight rows).
+      const W* next = m + NB < n_end ? w + (m + NB) * k_dim + k0
+                      : last         ? w + n_end * k_dim
+                                     : w + n * k_dim + k1;
+      Tile<MB, NB>(xp + (k0 / 16) * MB * 16, w + m * k_dim, next, plan, k0, k1,
+                   std::min<int64_t>(NB, n_end - m), saved[t], first, last, scale == nullptr ? nullptr : scale + m,
+                   y + m);
+    }
+  }
+}
+
+template <typename W>
+void PassAny(int64_t rows, const float* xp, const W* w, const float* scale, float* y, const Plan& plan,
+             int64_t n, int64_t n_end) {
+  switch (rows) {
+#define SPEC_JAX_CASE(R) \
+  case R:                \
+    if constexpr (R <= kMaxPassRows512) return Pass512<R>(xp, w, scale, y, plan, n, n_end);
+    SPEC_JAX_CASE(1)
+    SPEC_JAX_CASE(2)
+    SPEC_JAX_CASE(3)
+    SPEC_JAX_CASE(4)
+    SPEC_JAX_CASE(5)
+    SPEC_JAX_CASE(6)
+    SPEC_JAX_CASE(7)
+    SPEC_JAX_CASE(8)
+    SPEC_JAX_CASE(9)
+    SPEC_JAX_CASE(10)
+    SPEC_JAX_CASE(11)
+    SPEC_JAX_CASE(12)
+    SPEC_JAX_CASE(13)
+    SPEC_JAX_CASE(14)
+#undef SPEC_JAX_CASE
+    default: break;
+  }
+}
+
+constexpr int64_t kColumnBlock = kRowBlock512;  // columns per chunk: a multiple of this
+
+// One call's product, split into column ranges: x packed once, then any [n0, n1) from any thread.
+template <typename W>
+class Product {
+ public:
+  Product(const float* x, const W* w, const float* scale, float* y, int64_t m_rows, int64_t k_dim,
+          int64_t n_dim)
+      : plan_(m_rows, k_dim, n_dim), xp_(m_rows * plan_.k_pad, 0.0f), w_(w), scale_(scale), y_(y) {
+    for (int64_t p = 0, m = 0; p < plan_.passes; ++p) {  // pass p's rows: [k / 16][row][16]
+      const int64_t rows = (m_rows - m) / (plan_.passes - p);
+      float* out = xp_.data() + m * plan_.k_pad;
+      for (int64_t a = 0; a < rows; ++a) {
+        for (int64_t k = 0; k < k_dim; ++k) out[(k / 16) * rows * 16 + a * 16 + k % 16] = x[(m + a) * k_dim + k];
+      }
+      m += rows;
+    }
+  }
+
+  // Output columns [n0, n1) for every row of x, a block of kRowBlock512 weight rows at a time
+  // (every pass over a block before the next: for M > kMaxPassRows512, the later passes read
+  // the block from cache).
+  void operator()(int64_t n0, int64_t n1) const {
+    for (int64_t n = n0; n < n1; n += kRowBlock512) {
+      const int64_t n_end = std::min(n1, n + kRowBlock512);
+      for (int64_t p = 0, m = 0; p < plan_.passes; ++p) {
+        const int64_t rows = (plan_.m_rows - m) / (plan_.passes - p);
+        PassAny(rows, xp_.data() + m * plan_.k_pad, w_, scale_, y_ + m * plan_.n_dim, plan_, n, n_end);
+        m += rows;
+      }
+    }
+  }
+
+ private:
+  Plan plan_;
+  std::vector<float> xp_;
+  const W* w_;
+  const float* scale_;
+  float* y_;
+};
+
+#else
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA: 8 lanes, 16 ymm registers.
+
 constexpr int64_t kRowBlock = 8;  // weight rows per block: a pass over x rows takes them in
                                   // turn from cache (8 x K bytes of int8: L1 / L2)
 
@@ -155,6 +385,28 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t m
   }
 }
 
+
+constexpr int64_t kColumnBlock = kRowBlock;  // columns per chunk: a multiple of this
+
+template <typename W>
+class Product {
+ public:
+  Product(const float* x, const W* w, const float* scale, float* y, int64_t m_rows, int64_t k_dim,
+          int64_t n_dim)
+      : x_(x), w_(w), scale_(scale), y_(y), m_rows_(m_rows), k_dim_(k_dim), n_dim_(n_dim) {}
+  void operator()(int64_t n0, int64_t n1) const {
+    Columns(x_, w_, scale_, y_, m_rows_, k_dim_, n_dim_, n0, n1);
+  }
+
+ private:
+  const float* x_;
+  const W* w_;
+  const float* scale_;
+  float* y_;
+  int64_t m_rows_, k_dim_, n_dim_;
+};
+#endif  // AVX-512 or AVX2
+
 // Splits the columns into chunks that the calling thread and XLA's intra-op thread pool take in
 // turn from a shared counter. The caller never waits for a task that has not started: XLA may
 // run several products at once (q, k and v are independent), each from a pool thread, so a task
@@ -170,11 +422,13 @@ template <typename W>
 ffi::Error Matmul(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y,
                   int64_t m_rows, int64_t k_dim, int64_t n_dim) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (n_dim + kRowBlock - 1) / kRowBlock;
-  const int64_t chunk = std::max<int64_t>(1, blocks / (4 * threads)) * kRowBlock;  // columns
+  const int64_t blocks = (n_dim + kColumnBlock - 1) / kColumnBlock;
+  const int64_t chunk = std::max<int64_t>(1, blocks / (4 * threads)) * kColumnBlock;  // columns
+  const Product<W> product(x, w, scale, y, m_rows, k_dim, n_dim);
+  const Product<W>* columns = &product;  // late tasks find no chunk and never touch it
   const int64_t chunks = (n_dim + chunk - 1) / chunk;
   auto work = std::make_shared<Work>();
-  auto drain = [=]() {
+  auto drain = [work, columns, chunk, chunks, n_dim]() {
     for (;;) {
       work->active.fetch_add(1, std::memory_order_acq_rel);
       const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
@@ -182,7 +436,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, const float* x, const W* w, const float*
         work->active.fetch_sub(1, std::memory_order_acq_rel);
         return;
       }
-      Columns(x, w, scale, y, m_rows, k_dim, n_dim, c * chunk, std::min(n_dim, (c + 1) * chunk));
+      (*columns)(c * chunk, std::min(n_dim, (c + 1) * chunk));
       work->active.fetch_sub(1, std::memory_order_acq_rel);
     }
   };
