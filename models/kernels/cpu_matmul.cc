@@ -37,41 +37,21 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // AVX-512: 16 lanes, 32 zmm registers.
 //
-// x is first packed, once per call, pass by pass: the rows of one pass interleaved by 16-float
-// chunk of k ([k / 16][row][16], the k tail zero-filled), so that a pass reads its MB x vectors
-// at one pointer, one stream. A tile of MB rows of x and NB weight rows keeps MB x NB
-// accumulators, NB widened weight vectors and one x vector in registers; each weight is loaded
-// and widened once per pass, for all MB rows. k is taken in slices short enough that a pass's
-// x slice stays in L1 while every tile of a block of weight rows reads it; between slices a
-// tile's accumulators wait in memory (stored and reloaded exactly). The k tail is one more step
-// with the weights' load masked (x is zero there). Each (row, column) has one accumulator:
-// 16 lanes over k = 0, 16, 32, ..., the tail, then the lanes added in a fixed tree, then the
-// scale: the same order whatever tile or slice computed it, so whatever M.
+// x is first packed, once per call, pass by pass: the rows of one pass interleaved by chunk of
+// 16 k ([k / 16][row][16], the k tail zero-filled), so that a pass reads its MB x vectors of a
+// step at one pointer, one stream. A tile of MB rows of x and NB weight rows keeps MB x NB
+// accumulators, NB widened weight vectors and one x vector in registers (at most 31 of the 32):
+// each weight is loaded and widened once per pass, for all MB rows, and each x vector serves NB
+// FMAs. The k tail is one more step with the weights' load masked (x is zero there). Each
+// (row, column) has one accumulator: 16 lanes over k = 0, 16, 32, ..., the tail, then the
+// lanes added in a fixed tree, then the scale; the same order whatever tile computed it, so
+// whatever M. Every weight row is prefetched kPrefetchBytes ahead of its loads, on into the
+// rows of the tile that runs next.
 
-#ifndef SPEC_JAX_MAX_PASS_ROWS
-#define SPEC_JAX_MAX_PASS_ROWS 9
-#endif
-#ifndef SPEC_JAX_ROW_BLOCK
-#define SPEC_JAX_ROW_BLOCK 24
-#endif
-#ifndef SPEC_JAX_NB_TABLE  // weight rows per tile, by the pass's rows of x (index 1..14)
-#define SPEC_JAX_NB_TABLE {0, 8, 8, 6, 6, 4, 4, 3, 3, 3, 2, 2, 2, 2, 2}
-#endif
-#ifndef SPEC_JAX_X_SLICE_BYTES  // a pass's slice of x: at most this (L1: 48 KB here)
-#define SPEC_JAX_X_SLICE_BYTES 32768
-#endif
-#ifndef SPEC_JAX_PREFETCH
-#define SPEC_JAX_PREFETCH 1
-#endif
-#ifndef SPEC_JAX_PREFETCH_HINT
-#define SPEC_JAX_PREFETCH_HINT _MM_HINT_T0
-#endif
-
-constexpr int kMaxPassRows512 = SPEC_JAX_MAX_PASS_ROWS;
-constexpr int64_t kRowBlock512 = SPEC_JAX_ROW_BLOCK;
-constexpr int kNbTable[] = SPEC_JAX_NB_TABLE;
-constexpr int NbFor(int mb) { return kNbTable[mb]; }
-static_assert(kMaxPassRows512 >= 1 && kMaxPassRows512 <= 14, "pass rows: 1 to 14");
+constexpr int kMaxPassRows512 = 9;  // rows of x per pass: gamma + 1 for gamma up to 8
+constexpr int64_t kRowBlock512 = 24;  // weight rows per block: a whole number of tiles of each NB
+constexpr int kNb[kMaxPassRows512 + 1] = {0, 8, 8, 6, 6, 4, 4, 3, 3, 3};  // NB by the pass's MB
+constexpr int64_t kPrefetchBytes = 1024;
 
 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 Load16(const uint16_t* p) {  // bfloat16: the high half of a float32
@@ -99,40 +79,28 @@ inline float ReduceAdd(__m512 v) {  // a fixed tree: 8 + 8, 4 + 4, 2 + 2, 1 + 1
   return _mm_cvtss_f32(s);
 }
 
-// One call's shape and how its rows of x are split: pass p takes `rows` rows, the passes sized
-// alike (at most kMaxPassRows512; 11 rows: 5 + 6), and k is taken in slices of k_slice.
-struct Plan {
-  int64_t m_rows, k_dim, n_dim, passes, k_pad, k_slice;
-  Plan(int64_t m, int64_t k, int64_t n)
-      : m_rows(m), k_dim(k), n_dim(n), passes((m + kMaxPassRows512 - 1) / kMaxPassRows512),
-        k_pad((k + 15) & ~int64_t{15}) {
-    const int64_t widest = (m + passes - 1) / passes;  // rows of the widest pass
-    const int64_t slices = (widest * k_pad * 4 + SPEC_JAX_X_SLICE_BYTES - 1) / SPEC_JAX_X_SLICE_BYTES;
-    k_slice = ((k_pad / 16 + slices - 1) / slices) * 16;  // slices alike, whole steps of 16
-  }
-};
-
-// One tile over the slice [k0, k1) of k: MB rows of x (xp: their slice, packed) and the NB
-// weight rows from w (nb of them valid). next: where the tile that runs next starts reading (its
-// rows are prefetched at the same offsets); saved: the accumulators between slices. first /
-// last: the slice is the first / last of k (the last one adds the k tail and stores y).
+// One tile: MB packed rows of x (xp) times the NB weight rows from w, nb of them valid (the
+// others repeat the last valid row: nothing is read past the weights' end), into y (row stride
+// n_dim), scaled when scale is not null. next: the first row of the tile that runs next.
 template <int MB, int NB, typename W>
-inline void Tile(const float* xp, const W* w, const W* next, const Plan& plan, int64_t k0, int64_t k1,
-                 int64_t nb, __m512* saved, bool first, bool last, const float* scale, float* y) {
-  const int64_t k_dim = plan.k_dim;
+inline void Tile(const float* xp, const W* w, const W* next, int64_t k_dim, int64_t nb, const float* scale,
+                 float* y, int64_t n_dim) {
   const W* row[NB];
-  for (int j = 0; j < NB; ++j) row[j] = w + std::min<int64_t>(j, nb - 1) * k_dim;  // none past the end
+  for (int j = 0; j < NB; ++j) row[j] = w + std::min<int64_t>(j, nb - 1) * k_dim;
   __m512 acc[MB][NB];
   for (int a = 0; a < MB; ++a) {
-    for (int j = 0; j < NB; ++j) acc[a][j] = first ? _mm512_setzero_ps() : saved[a * NB + j];
+    for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_setzero_ps();
   }
-  const int64_t k16 = std::min(k1, k_dim & ~int64_t{15});
-  int64_t k = k0;
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(W);  // weights ahead, in each row
+  constexpr int64_t line = 64 / sizeof(W);               // weights per cache line
+  const int64_t k16 = k_dim & ~int64_t{15};
+  int64_t k = 0;
   for (; k < k16; k += 16, xp += MB * 16) {
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) {
-      if (SPEC_JAX_PREFETCH && (sizeof(W) == 4 || (k & (64 / sizeof(W) - 1)) == 0)) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + j * k_dim + (k - k0)), SPEC_JAX_PREFETCH_HINT);
+      if (line <= 16 || (k & (line - 1)) == 0) {  // once per line
+        const W* p = k + ahead < k_dim ? w + j * k_dim + k + ahead : next + j * k_dim + (k + ahead - k_dim);
+        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
       }
       wv[j] = Load16(row[j] + k);
     }
@@ -141,12 +109,6 @@ inline void Tile(const float* xp, const W* w, const W* next, const Plan& plan, i
       asm("" : "+v"(xv));  // one load of x per row, not one folded into each of the NB FMAs
       for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_fmadd_ps(xv, wv[j], acc[a][j]);
     }
-  }
-  if (!last) {
-    for (int a = 0; a < MB; ++a) {
-      for (int j = 0; j < NB; ++j) saved[a * NB + j] = acc[a][j];
-    }
-    return;
   }
   if (k < k_dim) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (k_dim - k)) - 1);
@@ -161,98 +123,85 @@ inline void Tile(const float* xp, const W* w, const W* next, const Plan& plan, i
     for (int j = 0; j < NB; ++j) {
       if (j < nb) {
         const float sum = ReduceAdd(acc[a][j]);
-        y[a * plan.n_dim + j] = scale == nullptr ? sum : sum * scale[j];
+        y[a * n_dim + j] = scale == nullptr ? sum : sum * scale[j];
       }
     }
   }
 }
 
-// One pass of MB packed rows of x (xp: the pass's rows) over the weight rows [n, n_end): slice
-// by slice of k, every tile of NB rows within a slice.
+// One pass of MB packed rows of x over the weight rows [n, n_end), a tile of NB rows at a time.
 template <int MB, typename W>
-void Pass512(const float* xp, const W* w, const float* scale, float* y, const Plan& plan, int64_t n,
-             int64_t n_end) {
-  constexpr int NB = NbFor(MB);
+void Pass512(const float* xp, const W* w, const float* scale, float* y, int64_t k_dim, int64_t n_dim,
+             int64_t n, int64_t n_end) {
+  constexpr int NB = kNb[MB];
   static_assert(NB > 0 && kRowBlock512 % NB == 0, "a block of weight rows is a whole number of tiles");
-  alignas(64) __m512 saved[kRowBlock512 / NB][MB * NB];
-  const int64_t k_dim = plan.k_dim;
-  for (int64_t k0 = 0; k0 < k_dim; k0 += plan.k_slice) {
-    const int64_t k1 = std::min(k_dim, k0 + plan.k_slice);
-    const bool first = k0 == 0, last = k1 == k_dim;
-    for (int64_t t = 0, m = n; m < n_end; ++t, m += NB) {
-      // Prefetch: the next tile of this slice, after the last one the first tile of the next
-      // slice (or of the next block of weight rows).
-      const W* next = m + NB < n_end ? w + (m + NB) * k_dim + k0
-                      : last         ? w + n_end * k_dim
-                                     : w + n * k_dim + k1;
-      Tile<MB, NB>(xp + (k0 / 16) * MB * 16, w + m * k_dim, next, plan, k0, k1,
-                   std::min<int64_t>(NB, n_end - m), saved[t], first, last, scale == nullptr ? nullptr : scale + m,
-                   y + m);
-    }
+  static_assert(MB * NB + NB + 1 <= 32, "accumulators, weights and x fit in the 32 zmm registers");
+  for (int64_t m = n; m < n_end; m += NB) {
+    const W* next = w + std::min(m + NB, n_end) * k_dim;
+    Tile<MB, NB>(xp, w + m * k_dim, next, k_dim, std::min<int64_t>(NB, n_end - m),
+                 scale == nullptr ? nullptr : scale + m, y + m, n_dim);
   }
 }
 
 template <typename W>
-void PassAny(int64_t rows, const float* xp, const W* w, const float* scale, float* y, const Plan& plan,
-             int64_t n, int64_t n_end) {
+void PassAny(int64_t rows, const float* xp, const W* w, const float* scale, float* y, int64_t k_dim,
+             int64_t n_dim, int64_t n, int64_t n_end) {
   switch (rows) {
-#define SPEC_JAX_CASE(R) \
-  case R:                \
-    if constexpr (R <= kMaxPassRows512) return Pass512<R>(xp, w, scale, y, plan, n, n_end);
-    SPEC_JAX_CASE(1)
-    SPEC_JAX_CASE(2)
-    SPEC_JAX_CASE(3)
-    SPEC_JAX_CASE(4)
-    SPEC_JAX_CASE(5)
-    SPEC_JAX_CASE(6)
-    SPEC_JAX_CASE(7)
-    SPEC_JAX_CASE(8)
-    SPEC_JAX_CASE(9)
-    SPEC_JAX_CASE(10)
-    SPEC_JAX_CASE(11)
-    SPEC_JAX_CASE(12)
-    SPEC_JAX_CASE(13)
-    SPEC_JAX_CASE(14)
-#undef SPEC_JAX_CASE
-    default: break;
+    case 1: return Pass512<1>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 2: return Pass512<2>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 3: return Pass512<3>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 4: return Pass512<4>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 5: return Pass512<5>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 6: return Pass512<6>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 7: return Pass512<7>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 8: return Pass512<8>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    default: return Pass512<9>(xp, w, scale, y, k_dim, n_dim, n, n_end);
   }
 }
+static_assert(kMaxPassRows512 == 9, "PassAny has a case per pass size");
 
 constexpr int64_t kColumnBlock = kRowBlock512;  // columns per chunk: a multiple of this
 
 // One call's product, split into column ranges: x packed once, then any [n0, n1) from any thread.
+// The rows of x are taken in passes of at most kMaxPassRows512, sized alike (11 rows: 5 + 6).
 template <typename W>
 class Product {
  public:
   Product(const float* x, const W* w, const float* scale, float* y, int64_t m_rows, int64_t k_dim,
           int64_t n_dim)
-      : plan_(m_rows, k_dim, n_dim), xp_(m_rows * plan_.k_pad, 0.0f), w_(w), scale_(scale), y_(y) {
-    for (int64_t p = 0, m = 0; p < plan_.passes; ++p) {  // pass p's rows: [k / 16][row][16]
-      const int64_t rows = (m_rows - m) / (plan_.passes - p);
-      float* out = xp_.data() + m * plan_.k_pad;
+      : m_rows_(m_rows), k_dim_(k_dim), n_dim_(n_dim), k_pad_((k_dim + 15) & ~int64_t{15}),
+        passes_((m_rows + kMaxPassRows512 - 1) / kMaxPassRows512), xp_(m_rows * k_pad_, 0.0f), w_(w),
+        scale_(scale), y_(y) {
+    for (int64_t p = 0, m = 0; p < passes_; ++p) {  // pass p's rows: [k / 16][row][16]
+      const int64_t rows = Rows(p, m);
+      float* out = xp_.data() + m * k_pad_;
       for (int64_t a = 0; a < rows; ++a) {
-        for (int64_t k = 0; k < k_dim; ++k) out[(k / 16) * rows * 16 + a * 16 + k % 16] = x[(m + a) * k_dim + k];
+        for (int64_t k = 0; k < k_dim; ++k) {
+          out[(k / 16) * rows * 16 + a * 16 + k % 16] = x[(m + a) * k_dim + k];
+        }
       }
       m += rows;
     }
   }
 
-  // Output columns [n0, n1) for every row of x, a block of kRowBlock512 weight rows at a time
-  // (every pass over a block before the next: for M > kMaxPassRows512, the later passes read
-  // the block from cache).
+  // Output columns [n0, n1) for every row of x, a block of kRowBlock512 weight rows at a time:
+  // every pass over a block before the next, so for M > kMaxPassRows512 the later passes read
+  // the block from cache.
   void operator()(int64_t n0, int64_t n1) const {
     for (int64_t n = n0; n < n1; n += kRowBlock512) {
       const int64_t n_end = std::min(n1, n + kRowBlock512);
-      for (int64_t p = 0, m = 0; p < plan_.passes; ++p) {
-        const int64_t rows = (plan_.m_rows - m) / (plan_.passes - p);
-        PassAny(rows, xp_.data() + m * plan_.k_pad, w_, scale_, y_ + m * plan_.n_dim, plan_, n, n_end);
+      for (int64_t p = 0, m = 0; p < passes_; ++p) {
+        const int64_t rows = Rows(p, m);
+        PassAny(rows, xp_.data() + m * k_pad_, w_, scale_, y_ + m * n_dim_, k_dim_, n_dim_, n, n_end);
         m += rows;
       }
     }
   }
 
  private:
-  Plan plan_;
+  int64_t Rows(int64_t p, int64_t m) const { return (m_rows_ - m) / (passes_ - p); }  // of pass p at row m
+
+  int64_t m_rows_, k_dim_, n_dim_, k_pad_, passes_;
   std::vector<float> xp_;
   const W* w_;
   const float* scale_;
