@@ -7,16 +7,29 @@
 // every product of 2 or more activation rows to YNNPACK, which on an AVX2 CPU costs 2.6-4.7x a
 // 1-row mat-vec (docs/design.md), so a speculative verification call over gamma + 1 rows cost
 // several decode steps. This kernel loads each weight once per call and multiplies it, in
-// registers, with up to 5 rows of x (more rows: several passes over a block of weight rows held
-// in cache), so a call over a few rows costs little more than one row (the weights' bytes), and
-// int8 / bfloat16 weights are widened to float32 in registers, once for all those rows.
+// registers, with several rows of x at once (more rows: several passes over a block of weight
+// rows held in cache), so a call over a few rows costs little more than one row (the weights'
+// bytes), and int8 / bfloat16 weights are widened to float32 in registers, once for all those
+// rows.
+//
+// Two builds of this one source (the Python side picks one from the CPU's flags, or
+// $SPEC_JAX_CPU_ISA): -mavx2 -mfma (8 lanes, 16 ymm registers, up to 5 rows of x per pass) and,
+// with -mavx512f -mavx512bw -mavx512vl -mavx512dq, AVX-512 (16 lanes, 32 zmm registers, up to 9
+// rows per pass, x packed per call, each weight row prefetched 1 KB ahead). Measured on a
+// 2-vCPU Intel Xeon (model 207, one core's two hyperthreads), interleaved, under another job's
+// load: AVX2 -> AVX-512, the 1.5B target's int8 step 225-232 -> 135-137 ms, a verify call over 5
+// positions 1.85 -> 1.33 steps (bfloat16 1.87 -> 1.25, float32 1.59 -> 1.26); one int8 product
+// of N 8960 x K 1536 over 1 / 5 / 9 rows 1.99 / 3.92 / 6.81 -> 1.19 / 1.64 / 2.51 ms
+// (docs/design.md, scripts/matmul_kernel_bench.py).
 //
 // Numerics: row m of y depends on row m of x alone, summed in the same order whatever M is
-// (8 lanes over k = 0, 8, 16, ..., then the lanes added, then the k tail), so a row's result
-// is bit-identical between a decode call (M = 1) and a verification call (M = gamma + 1).
-// Built with -mavx2 -mfma -ffp-contract=off: no fused multiply-add but the explicit ones, so
-// every instantiation rounds the k tail alike. The Python side checks the CPU first; AVX2 + FMA
-// is every x86-64 server and laptop since 2013-2015.
+// (AVX2: 8 lanes over k = 0, 8, 16, ..., then the lanes added, then the k tail; AVX-512: 16
+// lanes over k = 0, 16, ..., the tail as one masked step, then the lanes added), so within a
+// build a row's result is bit-identical between a decode call (M = 1) and a verification call
+// (M = gamma + 1); the two builds differ from each other in the last bits. Built with
+// -ffp-contract=off: no fused multiply-add but the explicit ones, so every instantiation rounds
+// alike. The Python side checks the CPU first; AVX2 + FMA is every x86-64 server and laptop
+// since 2013-2015.
 
 #include <immintrin.h>
 
@@ -210,7 +223,7 @@ class Product {
 
 #else
 // ---------------------------------------------------------------------------------------------
-// AVX2 + FMA: 8 lanes, 16 ymm registers.
+// AVX2 + FMA: 8 lanes, 16 ymm registers (the build for CPUs without AVX-512).
 
 constexpr int64_t kRowBlock = 8;  // weight rows per block: a pass over x rows takes them in
                                   // turn from cache (8 x K bytes of int8: L1 / L2)
