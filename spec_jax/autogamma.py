@@ -67,7 +67,8 @@ MEASURE_METHOD = "min of interleaved repeats"
 
 def machine_key() -> dict:
     """What the costs depend on besides the models: the device, the core count, jax, and the
-    source of the CPU matmul kernel (a faster kernel makes the cached costs stale)."""
+    CPU matmul kernel's build: its source and the instruction set it is built for
+    ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale)."""
     from models.kernels import cpu_matmul
 
     device = jax.devices()[0]

@@ -20,6 +20,17 @@ def costs(draft, verify_slope=0.1, gamma_max=8):
     )
 
 
+def test_the_cached_costs_are_keyed_by_the_kernel_build(monkeypatch):
+    from models.kernels import cpu_matmul
+
+    keys = {}
+    for isa in cpu_matmul.ISAS:  # the key names the build; nothing is built or run
+        monkeypatch.setenv(cpu_matmul.ISA_ENV, isa)
+        keys[isa] = autogamma.machine_key()
+        assert f"-{isa}-" in keys[isa]["cpu_matmul"]
+    assert autogamma.cache_path(keys["avx2"]) != autogamma.cache_path(keys["avx512"])
+
+
 def test_an_expensive_draft_is_never_worth_drafting_with():
     expensive = costs(draft=1.5)
     assert all(expensive.best_gamma(a) == 0 for a in (0.0, 0.5, 0.9, 0.99, 1.0))

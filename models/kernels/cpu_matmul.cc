@@ -7,16 +7,29 @@
 // every product of 2 or more activation rows to YNNPACK, which on an AVX2 CPU costs 2.6-4.7x a
 // 1-row mat-vec (docs/design.md), so a speculative verification call over gamma + 1 rows cost
 // several decode steps. This kernel loads each weight once per call and multiplies it, in
-// registers, with up to 5 rows of x (more rows: several passes over a block of weight rows held
-// in cache), so a call over a few rows costs little more than one row (the weights' bytes), and
-// int8 / bfloat16 weights are widened to float32 in registers, once for all those rows.
+// registers, with several rows of x at once (more rows: several passes over a block of weight
+// rows held in cache), so a call over a few rows costs little more than one row (the weights'
+// bytes), and int8 / bfloat16 weights are widened to float32 in registers, once for all those
+// rows.
+//
+// Two builds of this one source (the Python side picks one from the CPU's flags, or
+// $SPEC_JAX_CPU_ISA): -mavx2 -mfma (8 lanes, 16 ymm registers, up to 5 rows of x per pass) and,
+// with -mavx512f -mavx512bw -mavx512vl -mavx512dq, AVX-512 (16 lanes, 32 zmm registers, up to 9
+// rows per pass, x packed per call, each weight row prefetched 1 KB ahead). Measured on a
+// 2-vCPU Intel Xeon (model 207, one core's two hyperthreads), interleaved, under another job's
+// load: AVX2 -> AVX-512, the 1.5B target's int8 step 225-232 -> 135-137 ms, a verify call over 5
+// positions 1.85 -> 1.33 steps (bfloat16 1.87 -> 1.25, float32 1.59 -> 1.26); one int8 product
+// of N 8960 x K 1536 over 1 / 5 / 9 rows 1.99 / 3.92 / 6.81 -> 1.19 / 1.64 / 2.51 ms
+// (docs/design.md, scripts/matmul_kernel_bench.py).
 //
 // Numerics: row m of y depends on row m of x alone, summed in the same order whatever M is
-// (8 lanes over k = 0, 8, 16, ..., then the lanes added, then the k tail), so a row's result
-// is bit-identical between a decode call (M = 1) and a verification call (M = gamma + 1).
-// Built with -mavx2 -mfma -ffp-contract=off: no fused multiply-add but the explicit ones, so
-// every instantiation rounds the k tail alike. The Python side checks the CPU first; AVX2 + FMA
-// is every x86-64 server and laptop since 2013-2015.
+// (AVX2: 8 lanes over k = 0, 8, 16, ..., then the lanes added, then the k tail; AVX-512: 16
+// lanes over k = 0, 16, ..., the tail as one masked step, then the lanes added), so within a
+// build a row's result is bit-identical between a decode call (M = 1) and a verification call
+// (M = gamma + 1); the two builds differ from each other in the last bits. Built with
+// -ffp-contract=off: no fused multiply-add but the explicit ones, so every instantiation rounds
+// alike. The Python side checks the CPU first; AVX2 + FMA is every x86-64 server and laptop
+// since 2013-2015.
 
 #include <immintrin.h>
 
@@ -32,6 +45,185 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// ---------------------------------------------------------------------------------------------
+// AVX-512: 16 lanes, 32 zmm registers.
+//
+// x is first packed, once per call, pass by pass: the rows of one pass interleaved by chunk of
+// 16 k ([k / 16][row][16], the k tail zero-filled), so that a pass reads its MB x vectors of a
+// step at one pointer, one stream. A tile of MB rows of x and NB weight rows keeps MB x NB
+// accumulators, NB widened weight vectors and one x vector in registers (at most 31 of the 32):
+// each weight is loaded and widened once per pass, for all MB rows, and each x vector serves NB
+// FMAs. The k tail is one more step with the weights' load masked (x is zero there). Each
+// (row, column) has one accumulator: 16 lanes over k = 0, 16, 32, ..., the tail, then the
+// lanes added in a fixed tree, then the scale; the same order whatever tile computed it, so
+// whatever M. Every weight row is prefetched kPrefetchBytes ahead of its loads, on into the
+// rows of the tile that runs next.
+
+constexpr int kMaxPassRows512 = 9;  // rows of x per pass: gamma + 1 for gamma up to 8
+constexpr int64_t kRowBlock512 = 24;  // weight rows per block: a whole number of tiles of each NB
+constexpr int kNb[kMaxPassRows512 + 1] = {0, 8, 8, 6, 6, 4, 4, 3, 3, 3};  // NB by the pass's MB
+constexpr int64_t kPrefetchBytes = 1024;
+
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const uint16_t* p) {  // bfloat16: the high half of a float32
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// The same, lanes past the mask zero (not read).
+inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(const uint16_t* p, __mmask16 m) {
+  __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 Load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+inline float ReduceAdd(__m512 v) {  // a fixed tree: 8 + 8, 4 + 4, 2 + 2, 1 + 1
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One tile: MB packed rows of x (xp) times the NB weight rows from w, nb of them valid (the
+// others repeat the last valid row: nothing is read past the weights' end), into y (row stride
+// n_dim), scaled when scale is not null. next: the first row of the tile that runs next.
+template <int MB, int NB, typename W>
+inline void Tile(const float* xp, const W* w, const W* next, int64_t k_dim, int64_t nb, const float* scale,
+                 float* y, int64_t n_dim) {
+  const W* row[NB];
+  for (int j = 0; j < NB; ++j) row[j] = w + std::min<int64_t>(j, nb - 1) * k_dim;
+  __m512 acc[MB][NB];
+  for (int a = 0; a < MB; ++a) {
+    for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_setzero_ps();
+  }
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(W);  // weights ahead, in each row
+  constexpr int64_t line = 64 / sizeof(W);               // weights per cache line
+  const int64_t k16 = k_dim & ~int64_t{15};
+  int64_t k = 0;
+  for (; k < k16; k += 16, xp += MB * 16) {
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      if (line <= 16 || (k & (line - 1)) == 0) {  // once per line
+        const W* p = k + ahead < k_dim ? w + j * k_dim + k + ahead : next + j * k_dim + (k + ahead - k_dim);
+        _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+      }
+      wv[j] = Load16(row[j] + k);
+    }
+    for (int a = 0; a < MB; ++a) {
+      __m512 xv = _mm512_loadu_ps(xp + a * 16);
+      asm("" : "+v"(xv));  // one load of x per row, not one folded into each of the NB FMAs
+      for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_fmadd_ps(xv, wv[j], acc[a][j]);
+    }
+  }
+  if (k < k_dim) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (k_dim - k)) - 1);
+    __m512 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = Load16(row[j] + k, mask);
+    for (int a = 0; a < MB; ++a) {
+      const __m512 xv = _mm512_loadu_ps(xp + a * 16);
+      for (int j = 0; j < NB; ++j) acc[a][j] = _mm512_fmadd_ps(xv, wv[j], acc[a][j]);
+    }
+  }
+  for (int a = 0; a < MB; ++a) {
+    for (int j = 0; j < NB; ++j) {
+      if (j < nb) {
+        const float sum = ReduceAdd(acc[a][j]);
+        y[a * n_dim + j] = scale == nullptr ? sum : sum * scale[j];
+      }
+    }
+  }
+}
+
+// One pass of MB packed rows of x over the weight rows [n, n_end), a tile of NB rows at a time.
+template <int MB, typename W>
+void Pass512(const float* xp, const W* w, const float* scale, float* y, int64_t k_dim, int64_t n_dim,
+             int64_t n, int64_t n_end) {
+  constexpr int NB = kNb[MB];
+  static_assert(NB > 0 && kRowBlock512 % NB == 0, "a block of weight rows is a whole number of tiles");
+  static_assert(MB * NB + NB + 1 <= 32, "accumulators, weights and x fit in the 32 zmm registers");
+  for (int64_t m = n; m < n_end; m += NB) {
+    const W* next = w + std::min(m + NB, n_end) * k_dim;
+    Tile<MB, NB>(xp, w + m * k_dim, next, k_dim, std::min<int64_t>(NB, n_end - m),
+                 scale == nullptr ? nullptr : scale + m, y + m, n_dim);
+  }
+}
+
+template <typename W>
+void PassAny(int64_t rows, const float* xp, const W* w, const float* scale, float* y, int64_t k_dim,
+             int64_t n_dim, int64_t n, int64_t n_end) {
+  switch (rows) {
+    case 1: return Pass512<1>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 2: return Pass512<2>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 3: return Pass512<3>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 4: return Pass512<4>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 5: return Pass512<5>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 6: return Pass512<6>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 7: return Pass512<7>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    case 8: return Pass512<8>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+    default: return Pass512<9>(xp, w, scale, y, k_dim, n_dim, n, n_end);
+  }
+}
+static_assert(kMaxPassRows512 == 9, "PassAny has a case per pass size");
+
+constexpr int64_t kColumnBlock = kRowBlock512;  // columns per chunk: a multiple of this
+
+// One call's product, split into column ranges: x packed once, then any [n0, n1) from any thread.
+// The rows of x are taken in passes of at most kMaxPassRows512, sized alike (11 rows: 5 + 6).
+template <typename W>
+class Product {
+ public:
+  Product(const float* x, const W* w, const float* scale, float* y, int64_t m_rows, int64_t k_dim,
+          int64_t n_dim)
+      : m_rows_(m_rows), k_dim_(k_dim), n_dim_(n_dim), k_pad_((k_dim + 15) & ~int64_t{15}),
+        passes_((m_rows + kMaxPassRows512 - 1) / kMaxPassRows512), xp_(m_rows * k_pad_, 0.0f), w_(w),
+        scale_(scale), y_(y) {
+    for (int64_t p = 0, m = 0; p < passes_; ++p) {  // pass p's rows: [k / 16][row][16]
+      const int64_t rows = Rows(p, m);
+      float* out = xp_.data() + m * k_pad_;
+      for (int64_t a = 0; a < rows; ++a) {
+        for (int64_t k = 0; k < k_dim; ++k) {
+          out[(k / 16) * rows * 16 + a * 16 + k % 16] = x[(m + a) * k_dim + k];
+        }
+      }
+      m += rows;
+    }
+  }
+
+  // Output columns [n0, n1) for every row of x, a block of kRowBlock512 weight rows at a time:
+  // every pass over a block before the next, so for M > kMaxPassRows512 the later passes read
+  // the block from cache.
+  void operator()(int64_t n0, int64_t n1) const {
+    for (int64_t n = n0; n < n1; n += kRowBlock512) {
+      const int64_t n_end = std::min(n1, n + kRowBlock512);
+      for (int64_t p = 0, m = 0; p < passes_; ++p) {
+        const int64_t rows = Rows(p, m);
+        PassAny(rows, xp_.data() + m * k_pad_, w_, scale_, y_ + m * n_dim_, k_dim_, n_dim_, n, n_end);
+        m += rows;
+      }
+    }
+  }
+
+ private:
+  int64_t Rows(int64_t p, int64_t m) const { return (m_rows_ - m) / (passes_ - p); }  // of pass p at row m
+
+  int64_t m_rows_, k_dim_, n_dim_, k_pad_, passes_;
+  std::vector<float> xp_;
+  const W* w_;
+  const float* scale_;
+  float* y_;
+};
+
+#else
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA: 8 lanes, 16 ymm registers (the build for CPUs without AVX-512).
 
 constexpr int64_t kRowBlock = 8;  // weight rows per block: a pass over x rows takes them in
                                   // turn from cache (8 x K bytes of int8: L1 / L2)
@@ -155,6 +347,28 @@ void Columns(const float* x, const W* w, const float* scale, float* y, int64_t m
   }
 }
 
+
+constexpr int64_t kColumnBlock = kRowBlock;  // columns per chunk: a multiple of this
+
+template <typename W>
+class Product {
+ public:
+  Product(const float* x, const W* w, const float* scale, float* y, int64_t m_rows, int64_t k_dim,
+          int64_t n_dim)
+      : x_(x), w_(w), scale_(scale), y_(y), m_rows_(m_rows), k_dim_(k_dim), n_dim_(n_dim) {}
+  void operator()(int64_t n0, int64_t n1) const {
+    Columns(x_, w_, scale_, y_, m_rows_, k_dim_, n_dim_, n0, n1);
+  }
+
+ private:
+  const float* x_;
+  const W* w_;
+  const float* scale_;
+  float* y_;
+  int64_t m_rows_, k_dim_, n_dim_;
+};
+#endif  // AVX-512 or AVX2
+
 // Splits the columns into chunks that the calling thread and XLA's intra-op thread pool take in
 // turn from a shared counter. The caller never waits for a task that has not started: XLA may
 // run several products at once (q, k and v are independent), each from a pool thread, so a task
@@ -170,11 +384,13 @@ template <typename W>
 ffi::Error Matmul(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y,
                   int64_t m_rows, int64_t k_dim, int64_t n_dim) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (n_dim + kRowBlock - 1) / kRowBlock;
-  const int64_t chunk = std::max<int64_t>(1, blocks / (4 * threads)) * kRowBlock;  // columns
+  const int64_t blocks = (n_dim + kColumnBlock - 1) / kColumnBlock;
+  const int64_t chunk = std::max<int64_t>(1, blocks / (4 * threads)) * kColumnBlock;  // columns
+  const Product<W> product(x, w, scale, y, m_rows, k_dim, n_dim);
+  const Product<W>* columns = &product;  // late tasks find no chunk and never touch it
   const int64_t chunks = (n_dim + chunk - 1) / chunk;
   auto work = std::make_shared<Work>();
-  auto drain = [=]() {
+  auto drain = [work, columns, chunk, chunks, n_dim]() {
     for (;;) {
       work->active.fetch_add(1, std::memory_order_acq_rel);
       const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
@@ -182,7 +398,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, const float* x, const W* w, const float*
         work->active.fetch_sub(1, std::memory_order_acq_rel);
         return;
       }
-      Columns(x, w, scale, y, m_rows, k_dim, n_dim, c * chunk, std::min(n_dim, (c + 1) * chunk));
+      (*columns)(c * chunk, std::min(n_dim, (c + 1) * chunk));
       work->active.fetch_sub(1, std::memory_order_acq_rel);
     }
   };

@@ -1,10 +1,19 @@
 """The CPU matrix-product kernel (cpu_matmul.cc), built on first use and called through jax.ffi.
 
-`available()` builds the shared library with the system's C++ compiler (once per source and
-jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/`), loads it and registers its three
-targets with XLA; it returns False, with one warning, where it cannot (not x86-64, no AVX2 or
-FMA, no compiler), and the models then use XLA's own products. `matmul(x, w, scale)` is
-y[M, N] = x[M, K] . w[N, K]^T (* scale[N] for int8 weights), float32 out.
+One source, two builds: `avx512` (16 lanes, 32 zmm registers, more activation rows per pass)
+and `avx2` (8 lanes, 16 ymm registers). `isa()` picks the build for this process: the one named
+by $SPEC_JAX_CPU_ISA (`avx2` or `avx512`; anything else is an error), else the widest this CPU
+runs (/proc/cpuinfo flags). Each build registers its own ffi targets, so both can be loaded in
+one process (the tests and scripts/matmul_kernel_bench.py compare them); a model uses the
+build isa() names when its products are traced. The two builds sum in different orders (8 or
+16 lanes), so they differ in the last bits from each other, but within one build a row's result
+is bit-identical whatever the number of rows in the call.
+
+`available()` builds the shared library with the system's C++ compiler (once per source, ISA
+and jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/`), loads it and registers its three
+targets with XLA; it returns False, with one warning, where it cannot (not x86-64, a CPU without
+the ISA's instructions, no compiler), and the models then use XLA's own products.
+`matmul(x, w, scale)` is y[M, N] = x[M, K] . w[N, K]^T (* scale[N] for int8 weights), float32 out.
 """
 
 import ctypes
@@ -22,11 +31,21 @@ import jax
 import jax.numpy as jnp
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGETS = {  # weight dtype -> (ffi target name, exported symbol)
-    "float32": ("spec_jax_matmul_f32", "SpecJaxMatmulF32"),
-    "bfloat16": ("spec_jax_matmul_bf16", "SpecJaxMatmulBF16"),
-    "int8": ("spec_jax_matmul_int8", "SpecJaxMatmulInt8"),
+ISA_ENV = "SPEC_JAX_CPU_ISA"
+# ISA -> (the /proc/cpuinfo flags it needs, the compiler flags that enable them). The source
+# picks its code path from the compiler's __AVX512F__ etc.
+ISAS = {
+    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
+    "avx512": (
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+        ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    ),
+}
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+DTYPES = {  # weight dtype -> exported symbol (its ffi target: spec_jax_matmul_<dtype>_<isa>)
+    "float32": "SpecJaxMatmulF32",
+    "bfloat16": "SpecJaxMatmulBF16",
+    "int8": "SpecJaxMatmulInt8",
 }
 
 
@@ -34,29 +53,61 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded on this machine."""
 
 
-def cpu_supported() -> str | None:
-    """None when this CPU can run the kernel, else why not."""
+@functools.cache
+def _cpu_flags() -> frozenset | str:
+    """The CPU's feature flags, or why they cannot be read."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2 + FMA)"
+        return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2 + FMA or AVX-512)"
     try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text().split()
+        text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "cannot read /proc/cpuinfo to check for AVX2 and FMA"
-    missing = [f for f in ("avx2", "fma") if f not in flags]
-    return f"the CPU lacks {' and '.join(missing)}" if missing else None
+        return "cannot read /proc/cpuinfo to check the CPU's instruction sets"
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
-def library_path(cache_dir=None) -> pathlib.Path:
-    """Where the built library for this source, these flags and this jaxlib is cached."""
+def isa() -> str:
+    """The build this process uses: $SPEC_JAX_CPU_ISA when set (ValueError unless it names one
+    of ISAS), else "avx512" where the CPU has AVX-512 F/BW/VL/DQ, else "avx2". Read when a
+    product is traced: set it before the first model call (tests that switch it also clear the
+    compiled loops, spec_jax.executables.clear_compiled)."""
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"${ISA_ENV} must be one of {', '.join(ISAS)} (or unset), got {forced!r}")
+        return forced
+    flags = _cpu_flags()
+    return "avx512" if not isinstance(flags, str) and flags.issuperset(ISAS["avx512"][0]) else "avx2"
+
+
+def cpu_supported(isa_name: str | None = None) -> str | None:
+    """None when this CPU can run the build of isa_name (default: isa()), else why not."""
+    isa_name = isa_name or isa()
+    flags = _cpu_flags()
+    if isinstance(flags, str):
+        return flags
+    missing = [f for f in ISAS[isa_name][0] if f not in flags]
+    return f"the CPU lacks {', '.join(missing)} for the {isa_name} build" if missing else None
+
+
+def compiler_flags(isa_name: str | None = None) -> tuple:
+    return COMMON_FLAGS + ISAS[isa_name or isa()][1]
+
+
+def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
+    """Where the built library for this source, ISA, these flags and this jaxlib is cached."""
     from models.registry import cache_root
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jax.__version__.encode())
-    return cache_root(cache_dir) / "kernels" / f"cpu_matmul-{digest.hexdigest()[:16]}.so"
+    isa_name = isa_name or isa()
+    flags = " ".join(compiler_flags(isa_name))
+    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + jax.__version__.encode())
+    return cache_root(cache_dir) / "kernels" / f"cpu_matmul-{isa_name}-{digest.hexdigest()[:16]}.so"
 
 
-def build(cache_dir=None) -> pathlib.Path:
-    """Compiles cpu_matmul.cc (if not cached) and returns the library's path."""
-    path = library_path(cache_dir)
+def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
+    """Compiles cpu_matmul.cc for isa_name (default: isa()), if not cached; the library's path."""
+    isa_name = isa_name or isa()
+    path = library_path(cache_dir, isa_name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError:  # a cache folder that cannot be written: the user's temporary folder instead
@@ -70,7 +121,7 @@ def build(cache_dir=None) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [compiler, *compiler_flags(isa_name), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise KernelUnavailable(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
@@ -81,29 +132,40 @@ def build(cache_dir=None) -> pathlib.Path:
     return path
 
 
+def target_name(dtype: str, isa_name: str) -> str:
+    return f"spec_jax_matmul_{dtype}_{isa_name}"
+
+
+def available(isa_name: str | None = None) -> bool:
+    """Builds, loads and registers the build of isa_name (default: isa()) once per process;
+    False (one warning) if it cannot. ValueError for an unknown $SPEC_JAX_CPU_ISA."""
+    return _load(isa_name or isa())
+
+
 @functools.cache
-def available() -> bool:
-    """Builds, loads and registers the kernel once per process; False (one warning) if it cannot."""
-    reason = cpu_supported()
+def _load(isa_name: str) -> bool:
+    reason = cpu_supported(isa_name)
     if reason is None:
         try:
-            library = ctypes.cdll.LoadLibrary(str(build()))
-            for target, symbol in TARGETS.values():
+            library = ctypes.cdll.LoadLibrary(str(build(isa_name=isa_name)))
+            for dtype, symbol in DTYPES.items():
                 jax.ffi.register_ffi_target(
-                    target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+                    target_name(dtype, isa_name), jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
                 )
             return True
         except (KernelUnavailable, OSError) as e:
             reason = str(e)
     warnings.warn(
-        f"spec_jax: the CPU matmul kernel is unavailable ({reason}); using XLA's products", stacklevel=2
+        f"spec_jax: the CPU matmul kernel ({isa_name}) is unavailable ({reason}); using XLA's products",
+        stacklevel=3,
     )
     return False
 
 
-def matmul(x_mk, w_nk, scale_n=None):
-    """y [M, N] float32 = x [M, K] . w [N, K]^T (* scale [N] when w is int8), on the CPU kernel."""
-    target, _ = TARGETS[jnp.dtype(w_nk.dtype).name]
+def matmul(x_mk, w_nk, scale_n=None, isa_name: str | None = None):
+    """y [M, N] float32 = x [M, K] . w [N, K]^T (* scale [N] when w is int8), on the CPU kernel
+    built for isa_name (default: isa()); that build must be available()."""
+    target = target_name(jnp.dtype(w_nk.dtype).name, isa_name or isa())
     out = jax.ShapeDtypeStruct((x_mk.shape[0], w_nk.shape[0]), jnp.float32)
     args = (x_mk.astype(jnp.float32), w_nk) + (() if scale_n is None else (scale_n.astype(jnp.float32),))
     # Under vmap (per-prompt decoding) the kernel runs once per batch element.
