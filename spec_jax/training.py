@@ -69,7 +69,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.head_mlp_dim = 0
     c.init_from_target = True  # start the head's layers from the target's last layers where shapes allow
     c.batch_size = 8
-    c.steps = 1000
+    c.steps = 600
     c.learning_rate = 1e-3
     c.warmup_steps = 50
     c.end_learning_rate_factor = 0.05
@@ -81,8 +81,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.token_loss_stride = (
         4  # the cross-entropy at every k-th position (its output head dominates a step's cost)
     )
-    c.eval_every = 100
-    c.checkpoint_every = 100
+    c.eval_every = 50
+    c.checkpoint_every = 50
     c.eval_windows = 32
     c.seed = 0
     return c
