@@ -47,11 +47,13 @@ def run_cli(*args, module="launch.generate", env=None):
         (["--stop_ids=600"], "--stop_ids"),
         (
             ["--drafter=lookahead"],
-            "--drafter=lookahead: value should be one of <model|prompt_lookup|suffix|hybrid",
+            "--drafter=lookahead: value should be one of <model|head|prompt_lookup|suffix|hybrid",
         ),
         (["--max_ngram=0"], "--max_ngram=0: 0 is not an integer in the range [1, 16]"),
         (["--draft_threshold=1"], "--draft_threshold must be in [0, 1)"),
         (["--drafter=hybrid", "--draft=none"], "--drafter=hybrid needs a draft model"),
+        (["--acceptance_head"], "--acceptance_head needs --drafter=head"),
+        (["--drafter=head", "--head_dir=/nonexistent"], "--drafter=head: no trained head in /nonexistent"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):
@@ -181,3 +183,30 @@ def test_cache_folder_that_cannot_be_written_is_one_line_exit_1(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "is not writable" in lines[0] and "SPEC_JAX_CACHE" in lines[0], lines
+
+
+def test_a_head_trained_with_launch_train_drafts_for_launch_generate(tmp_path):
+    """The newcomer's path: train a (tiny) draft head for the random target, then decode with it;
+    greedy output equals plain decoding."""
+    head_dir = tmp_path / "head"
+    train = run_cli(
+        "--config=launch/configs/draft_head.py:quick",
+        "--config.target=random",
+        f"--workdir={head_dir}",
+        f"--output_dir={tmp_path / 'out'}",
+        module="launch.train",
+    )
+    assert train.returncode == 0, train.stderr[-2000:]
+    out = tmp_path / "gen.json"
+    gen = run_cli(
+        "--drafter=head",
+        f"--head_dir={head_dir}",
+        "--compare_autoregressive",
+        "--max_new_tokens=12",
+        "--prompt=def f(x):",
+        f"--output_json={out}",
+    )
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["drafter"] == "head" and report["identical_to_autoregressive"] is True
+    assert report["stats"]["fraction_of_rounds_by_drafter"] == {"head": 1.0}
