@@ -238,8 +238,16 @@ def initial_params(config, hcfg: ModelConfig, target) -> Any:
     return params
 
 
-def _batch_features(features: np.ndarray, index: np.ndarray) -> jax.Array:
-    return jnp.asarray(np.asarray(features[np.sort(index)], np.float32))
+def training_batch(data: FeatureSet, index: np.ndarray):
+    """(tokens [B, T], mask [B, T], features float32 [B, T, D]) of the windows `index`, each
+    window's tokens with its own features (read in ascending order: the features are
+    memory-mapped)."""
+    index = np.sort(index)
+    return (
+        jnp.asarray(data.windows.tokens[index]),
+        jnp.asarray(data.windows.mask[index]),
+        jnp.asarray(np.asarray(data.features[index], np.float32)),
+    )
 
 
 def training_pairs(tokens_bt, features_btd):
@@ -473,12 +481,7 @@ def train(
         total=config.steps, initial=start_step, unit="step", desc="train head", disable=not progress
     ) as bar:
         for s in range(start_step, end):
-            idx = batch_indices(config, len(train_set), s)
-            batch = (
-                jnp.asarray(train_set.windows.tokens[idx]),
-                jnp.asarray(train_set.windows.mask[idx]),
-                _batch_features(train_set.features, idx),
-            )
+            batch = training_batch(train_set, batch_indices(config, len(train_set), s))
             state, metrics = step_fn(state, frozen, *batch, jax.random.fold_in(key, s))
             done = s + 1
             record = {"step": done, **{k: float(v) for k, v in metrics.items()}}

@@ -23,11 +23,12 @@ VOCAB = 16
 
 
 def cycle_sets(seq_len=16):
-    """(train, eval) FeatureSets of the cycle target (next token = token + 1 mod 16) over runs of
-    the cycle from different starts, computed by the target itself."""
+    """(train, eval) FeatureSets of the cycle target (its next token is always token + 1 mod 16)
+    over random text: the target's feature at j says which token is at j, not which comes next,
+    so the head can only predict f_{j+1} by reading the token t_{j+1} it is given."""
     target = cycle_following_target(VOCAB)
     rng = np.random.default_rng(0)
-    seqs = [list((int(s) + np.arange(40)) % VOCAB) for s in rng.integers(0, VOCAB, 24)]
+    seqs = [list(rng.integers(0, VOCAB, 40)) for _ in range(24)]
     sets = []
     for part in (seqs[:20], seqs[20:]):
         w = features.windows(part, seq_len, 10**6, seed=0)
@@ -63,19 +64,31 @@ def run(cycle, workdir, stop_at=None, **changes):
 
 def test_a_head_trained_on_the_cycle_drafts_it_and_a_misaligned_loss_does_not(cycle, tmp_path, monkeypatch):
     """The cycle target's features are one-hot: the head must learn to map (f_j, e(t_{j+1})) to
-    f_{j+1}. Trained, its first draft always agrees and a chain of 4 mostly does; with the
-    regression target shifted by one position (predicting f_j, a classic misalignment) the
-    first draft does not."""
-    result = run(cycle, tmp_path / "ok")
-    assert result.best["acc_1"] == 1.0 and result.best["eval_length"] > 3.5
+    f_{j+1} from the token it is given. Trained, its drafts agree (a chain of 4 mostly all);
+    with the regression target shifted by one position (predicting f_j, a classic
+    misalignment) the first draft does not."""
+    result = run(cycle, tmp_path / "ok", steps=200)
+    assert result.best["acc_1"] > 0.9 and result.best["eval_length"] > 4.0
     assert result.history[-1]["loss"] < 0.2 * result.history[0]["loss"]
 
     def misaligned(tokens, feats):  # the goal one position early: f_j where f_{j+1} belongs
         return feats[:, :-1], tokens[:, 1:], feats[:, :-1]
 
     monkeypatch.setattr(training, "training_pairs", misaligned)
-    broken = run(cycle, tmp_path / "broken")
+    broken = run(cycle, tmp_path / "broken", steps=200)
     assert broken.best["acc_1"] < 0.3
+
+
+def test_a_training_batch_pairs_each_windows_tokens_with_its_own_features():
+    """Windows whose every token and feature is the window's index: the batch must keep them
+    together, whatever order the indices come in."""
+    n, t = 6, 4
+    tokens = np.repeat(np.arange(n, dtype=np.int32)[:, None], t, axis=1)
+    feats = np.broadcast_to(np.arange(n, dtype=np.float16)[:, None, None], (n, t, 3)).copy()
+    data = features.FeatureSet(features.Windows(tokens, np.ones((n, t), bool)), feats, tokens)
+    tok, mask, f = training.training_batch(data, np.array([4, 1, 3]))
+    np.testing.assert_array_equal(np.asarray(f)[:, :, 0], np.asarray(tok))
+    assert bool(np.all(mask))
 
 
 def test_the_same_config_and_seed_give_the_same_parameters_and_another_seed_does_not(cycle, tmp_path):
