@@ -68,15 +68,16 @@ def default_config() -> ml_collections.ConfigDict:
     c.head_kv_heads = 0
     c.head_mlp_dim = 0
     c.init_from_target = True  # start the head's layers from the target's last layers where shapes allow
+    c.identity_init = True  # start the head as h_j = f_j (fc = [I, 0], output projections zero)
     c.batch_size = 8
-    c.steps = 600
-    c.learning_rate = 1e-3
-    c.warmup_steps = 50
+    c.steps = 300
+    c.learning_rate = 5e-4
+    c.warmup_steps = 30
     c.end_learning_rate_factor = 0.05
     c.weight_decay = 0.01
     c.clip_norm = 0.5
     c.regression_weight = 1.0
-    c.token_weight = 0.1
+    c.token_weight = 1.0
     c.feature_noise = 0.1  # Gaussian noise on input features, relative to their RMS
     c.token_loss_stride = (
         4  # the cross-entropy at every k-th position (its output head dominates a step's cost)
@@ -222,8 +223,12 @@ def initial_params(config, hcfg: ModelConfig, target) -> Any:
     """Random head parameters (seeded), with the layers copied from the target's last layers
     where init_from_target and the shapes allow (a head of the target's own layer shape)."""
     params = init_params(hcfg, config.seed)
-    if not config.init_from_target:
-        return params
+    if config.init_from_target:
+        params = _copy_target_layers(params, hcfg, target)
+    return identity_start(params, hcfg) if config.identity_init else params
+
+
+def _copy_target_layers(params, hcfg: ModelConfig, target):
     _, tparams = float32_twin(target.config, target.params)
     tcfg = target.config
     for i in range(hcfg.num_layers):
@@ -235,6 +240,21 @@ def initial_params(config, hcfg: ModelConfig, target) -> Any:
         )
         if jax.tree.map(jnp.shape, layer) == jax.tree.map(jnp.shape, params[f"layers_{i}"]):
             params[f"layers_{i}"] = jax.tree.map(jnp.asarray, layer)
+    return params
+
+
+def identity_start(params, hcfg: ModelConfig):
+    """The head started as the identity on the feature: fc = [I, 0] and every layer's output
+    projections (attention `wo`, MLP `w_down`) zero, so that h_j = f_j before training and the
+    head learns the change from one feature to the next (Medusa's zero-initialized residual)."""
+    params = dict(params)
+    d = hcfg.d_model
+    params["fc"] = {"weight": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=1)}
+    for i in range(hcfg.num_layers):
+        layer = jax.tree.map(lambda x: x, params[f"layers_{i}"])
+        layer["attn"]["wo"] = jnp.zeros_like(layer["attn"]["wo"])
+        layer["mlp"]["w_down"] = jnp.zeros_like(layer["mlp"]["w_down"])
+        params[f"layers_{i}"] = layer
     return params
 
 

@@ -48,7 +48,8 @@ def config(**changes):
     c.batch_size, c.steps, c.warmup_steps, c.learning_rate = 4, 60, 5, 1e-2
     c.eval_every = c.checkpoint_every = 20
     c.eval_windows = 8
-    c.init_from_target = False
+    c.init_from_target = c.identity_init = False
+    c.token_weight = 0.1
     for k, v in changes.items():
         c[k] = v
     return c
@@ -208,3 +209,27 @@ def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_p
     )
     with pytest.raises(ValueError, match="trained for another draft head"):
         heads.load_drafter(target, workdir, acceptance=True)
+
+
+def test_an_identity_started_head_outputs_the_feature_it_reads(cycle):
+    """identity_init: before training h_j = f_j exactly, whatever the token and layer weights."""
+    from models import draft_head
+
+    target, (train_set, _) = cycle
+    c = config(identity_init=True, init_from_target=True)
+    hcfg = training.head_config(c, target.config)
+    params = training.initial_params(c, hcfg, target)
+    tokens, _, feats = training.training_batch(train_set, np.arange(2))
+    positions = np.broadcast_to(np.arange(feats.shape[1]), tokens.shape)
+    cache = draft_head.new_cache(hcfg, 2, feats.shape[1])
+    hidden, _ = draft_head.forward(
+        hcfg, params, feats, tokens, positions, cache, target.params["embed"]["embedding"]
+    )
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(feats), rtol=0, atol=1e-6)
+    plain = training.initial_params(config(init_from_target=True), hcfg, target)
+    hidden, _ = draft_head.forward(
+        hcfg, plain, feats, tokens, positions, cache, target.params["embed"]["embedding"]
+    )
+    assert not np.allclose(np.asarray(hidden), np.asarray(feats), atol=1e-3), (
+        "without it the head is not the identity"
+    )
