@@ -55,6 +55,20 @@ def training_config(config):
     return out
 
 
+def figure(config, history):
+    """The loss curve and the held-out accepted length of a run's history (training.train)."""
+    evals = [h for h in history if "eval_length" in h]
+    fig, (ax_loss, ax_len) = framework.new_figure(9, 3.2, 2)
+    ax_loss.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8)
+    title = f"loss ({config.regression_weight:g} x smooth L1 + {config.token_weight:g} x CE)"
+    ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title=title)
+    ax_len.plot([h["step"] for h in evals], [h["eval_length"] for h in evals], marker="o")
+    ax_len.set(
+        xlabel="step", ylabel="held-out accepted length (gamma 4)", title="held-out, greedy, teacher-forced"
+    )
+    return fig
+
+
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
     hcfg = training.head_config(config, target.config)  # a bad head shape fails before any work
@@ -84,13 +98,7 @@ def run(config) -> framework.Result:
         }
         for h in evals
     ]
-    fig, (ax_loss, ax_len) = framework.new_figure(9, 3.2, 2)
-    ax_loss.plot([h["step"] for h in result.history], [h["loss"] for h in result.history], lw=0.8)
-    ax_loss.set(xlabel="step", ylabel="training loss", yscale="log", title="loss (smooth L1 + 0.1 CE)")
-    ax_len.plot([h["step"] for h in evals], [h["eval_length"] for h in evals], marker="o")
-    ax_len.set(
-        xlabel="step", ylabel="held-out accepted length (gamma 4)", title="held-out, greedy, teacher-forced"
-    )
+    fig = figure(config, result.history)
     scale = training.scale_note(config, hcfg, tokens_per_s)
     summary = {
         "workdir": workdir,
