@@ -265,7 +265,9 @@ def run(config) -> framework.Result:
                 for s, a, g in zip(stats, ar_stats, gens, strict=True)
             )
             if gamma == "auto":
-                chunks = [c for s in stats for c in s["gamma_schedule"]]
+                # An acceptance head runs gamma auto at a fixed cap (no schedule): it decides each
+                # round's length itself, so gammas_used stays empty and drafted_per_round tells.
+                chunks = [c for s in stats for c in s.get("gamma_schedule", ())]
                 row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=int))
             if gamma:
                 pooled = metrics.pool(stats)

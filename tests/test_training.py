@@ -186,7 +186,7 @@ def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted
     assert history == list(range(1, 25)), "the history continues where the checkpoint was"
 
 
-def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_path):
+def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_path, monkeypatch):
     """The quick experiments end to end: a draft head, then its acceptance head (logged rounds,
     classifier, threshold), loaded as one drafter; retraining the draft head invalidates it."""
     from experiments import common, framework, heads
@@ -202,6 +202,17 @@ def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_p
     target = common.load_model("tiny")
     drafter, params = heads.load_drafter(target, workdir, acceptance=True)
     assert drafter.stop_rejection == result.summary["threshold"] and params.acceptance is not None
+    # The decode benchmark runs it, gamma auto included (a fixed cap, no gamma schedule).
+    monkeypatch.setattr(heads, "default_workdir", lambda name: workdir)
+    bench, _ = framework.run_experiment(
+        "decode",
+        quick=True,
+        overrides={"drafters": ("head_acceptance",), "batch_sizes": (1,), "repeats": 1},
+        output_dir=str(tmp_path / "bench"),
+    )
+    rows = [dict(zip(bench.columns, r, strict=True)) for r in bench.rows]
+    assert {r["gamma"] for r in rows if r["drafter"] == "head_acceptance"} == {2, "auto"}
+    assert all(r["identical_to_ar"] == "1/1" for r in rows if r["drafter"] == "head_acceptance")
     for part in ("checkpoints", "best"):  # a new draft head in the same folder; acceptance/ stays
         shutil.rmtree(pathlib.Path(workdir) / part)
     framework.run_experiment(
