@@ -534,15 +534,18 @@ def train(
 
 
 def _save_latest(latest, best, step, state, meta, history, history_path):
-    """The resumable state at `step`, after every best/ save before it is complete."""
+    """The resumable state at `step`, after every best/ save before it is complete. The history
+    is written first: a run killed after the checkpoint is complete has every step's line up to
+    it, and one killed before has lines past the last complete checkpoint, which a resumed run
+    trims to the restored step."""
+    tmp = history_path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(h) + "\n" for h in history))
+    tmp.replace(history_path)
     latest.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     )
     latest.wait_until_finished()
     best.wait_until_finished()
-    tmp = history_path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(h) + "\n" for h in history))
-    tmp.replace(history_path)  # after the checkpoint: a resumed run trims it to the restored step
 
 
 def load_head(workdir, target, dtype: str = "float32", step: int | None = None):

@@ -21,10 +21,6 @@ if _missing:
     )
 
 
-# The tests reading quick_run share one worker under -n, so the quick experiment runs once.
-pytestmark = pytest.mark.xdist_group("predicted_speed")
-
-
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predicted_speed")

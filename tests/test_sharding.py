@@ -3,8 +3,8 @@
 jax must see 8 host devices before it initialises, and this pytest process already has
 one, so the sharded runs happen in subprocesses (tests/sharding_worker.py), started together
 by one fixture so their compiles overlap on the 2 cores; the tests then read their results.
-The tests that read them are one xdist group, so one pytest worker runs them while the
-other goes on (a file lock still keeps them from running twice under any other scheduling). The Qwen-shaped pair (head counts the model
+Under pytest-xdist the first worker that needs them runs them and the others wait for its
+results (a file lock), so they never run twice. The Qwen-shaped pair (head counts the model
 axis does not divide) runs only in `make test-slow`; its placement rule is checked in-process
 below (test_qwen_head_counts_replicate_in_the_rule_table).
 """
@@ -119,7 +119,6 @@ def pair_results(request):
 PAIRS = ["divisible", pytest.param("qwen", marks=pytest.mark.slow)]
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker runs the workers fixture; none waits
 @pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
 def test_sharded_speculative_tokens_equal_unsharded(pair_results):
     result = pair_results
@@ -132,7 +131,6 @@ def test_sharded_speculative_tokens_equal_unsharded(pair_results):
         assert all(len(t) == 10 for t in case["tokens"])
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker runs the workers fixture; none waits
 @pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
 def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(pair_results):
     result = pair_results
@@ -185,7 +183,6 @@ def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(qwen_wor
         assert specs[path] == spec, path
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker runs the workers fixture; none waits
 def test_arrays_are_sharded_inside_the_compiled_loop(workers):
     result = _result(workers, "divisible")
     case = [c for c in result["cases"] if c["mesh"] == "data:2,model:4"][-1]
@@ -219,7 +216,6 @@ def test_qwen_kv_cache_is_replicated_over_model_inside_the_loop(qwen_worker):
     )
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker runs the workers fixture; none waits
 def test_params_are_placed_once(workers):
     result = _result(workers, "divisible")
     assert result["is_placed"]
@@ -229,14 +225,12 @@ def test_params_are_placed_once(workers):
     assert result["draft_cached_params_reused"]
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker runs the workers fixture; none waits
 def test_sharded_autoregressive_tokens_equal_unsharded(workers):
     ar = _result(workers, "divisible")["ar"]
     assert ar["tokens"] == ar["ref_tokens"]
     assert ar["cache"] == "(None, 'data', None, 'model', None)"
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker runs the workers fixture; none waits
 def test_two_processes_produce_the_single_process_tokens(workers):
     hosts = [_result(workers, f"host{i}") for i in range(2)]
     single = _result(workers, "divisible")
