@@ -129,11 +129,7 @@ def load_acceptance(workdir, head_sha256: str, width: int):
     from spec_jax import acceptance
 
     folder = pathlib.Path(workdir) / "acceptance"
-    mngr = (
-        ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(read_only=True))
-        if folder.is_dir()
-        else None
-    )
+    mngr = training.checkpoint_reader(folder) if folder.is_dir() else None
     step = mngr.latest_step() if mngr is not None else None
     if step is None:
         raise ValueError(

@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 from tqdm.auto import tqdm
 
 import models
@@ -548,6 +549,17 @@ def _save_latest(latest, best, step, state, meta, history, history_path):
     best.wait_until_finished()
 
 
+def checkpoint_reader(folder) -> ocp.CheckpointManager:
+    """A read-only orbax CheckpointManager of `folder`, opened without orbax's warnings about
+    being read-only (three lines on stderr, before any error a CLI prints as its one line)."""
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    try:
+        return ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(read_only=True))
+    finally:
+        absl_logging.set_verbosity(verbosity)
+
+
 def load_head(workdir, target, dtype: str = "float32", step: int | None = None):
     """(head models.Model at `dtype`, token ids, meta) from a training workdir's best checkpoint
     (or `step`), for `target` (a models.Model). ValueError if there is none, or if it was trained
@@ -557,7 +569,7 @@ def load_head(workdir, target, dtype: str = "float32", step: int | None = None):
         raise ValueError(
             f"no trained head in {workdir} (no best/ checkpoint; train one with python -m launch.train)"
         )
-    mngr = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(read_only=True))
+    mngr = checkpoint_reader(folder)
     step = mngr.best_step() if step is None else step
     if step is None:
         step = mngr.latest_step()

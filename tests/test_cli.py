@@ -210,3 +210,7 @@ def test_a_head_trained_with_launch_train_drafts_for_launch_generate(tmp_path):
     report = json.loads(out.read_text())
     assert report["drafter"] == "head" and report["identical_to_autoregressive"] is True
     assert report["stats"]["fraction_of_rounds_by_drafter"] == {"head": 1.0}
+    other = run_cli("--target=random-draft", "--drafter=head", f"--head_dir={head_dir}", "--prompt=x")
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and len(lines) == 1, other.stderr  # no orbax warnings before it
+    assert "was trained for target 'random'" in lines[0] and "not for 'random-draft'" in lines[0], lines[0]
