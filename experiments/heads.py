@@ -13,6 +13,7 @@ import pathlib
 
 import numpy as np
 
+import models
 from experiments import common, corpora
 from models import registry
 from spec_jax import features, training
@@ -104,12 +105,14 @@ def load_drafter(
 
     cfg = target.config
     workdir = pathlib.Path(workdir or default_workdir(cfg.name))
-    head, ids, _ = training.load_head(workdir, target, dtype=dtype or cfg.dtype)
+    trained, ids, _ = training.load_head(workdir, target)  # float32: what the hash is of
+    dtype = dtype or cfg.dtype
+    head = trained if dtype == "float32" else models.cast(trained, dtype)
     trimmed = len(ids) < cfg.vocab_size
     drafter = HeadDrafter(head.config, trimmed=trimmed, threshold=float(threshold))
     params = head_params(target, head, ids if trimmed else None)
     if acceptance:
-        stop, meta = load_acceptance(workdir, head_hash(workdir, target), cfg.d_model)
+        stop, meta = load_acceptance(workdir, training.params_hash(trained.params), cfg.d_model)
         drafter = dataclasses.replace(drafter, stop_rejection=float(meta["threshold"]))
         params = params.replace(acceptance=stop)
     return drafter, params
