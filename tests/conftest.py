@@ -11,10 +11,13 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles hundreds of small programs and runs each a few times: LLVM's optimizations
-# cost more CPU than they save (tests/test_decode.py: 104 -> 60 CPU-seconds without them). The
-# subprocesses the tests start inherit the flag. Numerics do not depend on it: every comparison
-# in the suite is between programs compiled alike, or to a tolerance.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# cost more CPU than they save (tests/test_decode.py: 104 -> 60 CPU-seconds without them), and
+# so do XLA:CPU's MLIR fusion emitters against its older elemental emitters (the tiny pair's
+# speculative loops: 13.4 -> 9.0 s of compilation; tests/test_decode.py 28 -> 17 s). The
+# subprocesses the tests start inherit the flags. Numerics do not depend on them: every
+# comparison in the suite is between programs compiled alike, or to a tolerance.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 # The compile-only backends live outside the venv (`make test` installs them with pip --target):
 # on the venv's path the CUDA plugin logs three lines at every jax start-up, even on
 # JAX_PLATFORMS=cpu, which breaks the one-line-stderr checks of the CLI tests. Only this process

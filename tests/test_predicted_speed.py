@@ -20,6 +20,9 @@ if _missing:
         allow_module_level=True,
     )
 
+# One xdist worker runs the module, so the quick run below is computed once.
+pytestmark = pytest.mark.xdist_group("predicted_speed")
+
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):

@@ -119,6 +119,7 @@ def pair_results(request):
 PAIRS = ["divisible", pytest.param("qwen", marks=pytest.mark.slow)]
 
 
+@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
 @pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
 def test_sharded_speculative_tokens_equal_unsharded(pair_results):
     result = pair_results
@@ -131,6 +132,7 @@ def test_sharded_speculative_tokens_equal_unsharded(pair_results):
         assert all(len(t) == 10 for t in case["tokens"])
 
 
+@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
 @pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
 def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(pair_results):
     result = pair_results
@@ -183,6 +185,7 @@ def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(qwen_wor
         assert specs[path] == spec, path
 
 
+@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
 def test_arrays_are_sharded_inside_the_compiled_loop(workers):
     result = _result(workers, "divisible")
     case = [c for c in result["cases"] if c["mesh"] == "data:2,model:4"][-1]
@@ -216,6 +219,7 @@ def test_qwen_kv_cache_is_replicated_over_model_inside_the_loop(qwen_worker):
     )
 
 
+@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
 def test_params_are_placed_once(workers):
     result = _result(workers, "divisible")
     assert result["is_placed"]
@@ -225,12 +229,14 @@ def test_params_are_placed_once(workers):
     assert result["draft_cached_params_reused"]
 
 
+@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
 def test_sharded_autoregressive_tokens_equal_unsharded(workers):
     ar = _result(workers, "divisible")["ar"]
     assert ar["tokens"] == ar["ref_tokens"]
     assert ar["cache"] == "(None, 'data', None, 'model', None)"
 
 
+@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
 def test_two_processes_produce_the_single_process_tokens(workers):
     hosts = [_result(workers, f"host{i}") for i in range(2)]
     single = _result(workers, "divisible")
