@@ -178,3 +178,14 @@ def test_drafter_cache_holds_the_committed_prefix_after_every_round(tiny_target,
             tiny_draft, fresh_tokens, jnp.arange(32)[None], models.init_cache(tiny_draft.config, 1, 32)
         )
         np.testing.assert_allclose(state.draft_state.k[:, 0, : n - 2], fresh.k[:, 0, : n - 2], atol=1e-5)
+
+
+def test_the_xdist_group_holds_under_make_test(request):
+    """Under `make test` (-n 2, --dist=loadgroup) xdist schedules the tests of one xdist_group
+    on one worker by the group suffix it puts on their node ids, so the loops compiled here are
+    shared with tests/test_decode.py and the drafters' tests. pytest 9.2 with xdist 3.8 dropped
+    the suffix without a word and the suite ran 10% longer (constraints.txt pins pytest 9.1.1)."""
+    # In an xdist worker, "loadgroup" is the option xdist itself reads to add the suffix.
+    if not hasattr(request.config, "workerinput") or not request.config.getoption("loadgroup", False):
+        pytest.skip("checks `make test`'s scheduling: runs under pytest -n N --dist=loadgroup only")
+    assert request.node.nodeid.endswith("@tiny_target"), request.node.nodeid
