@@ -252,10 +252,12 @@ def identity_start(params, hcfg: ModelConfig):
     d = hcfg.d_model
     params["fc"] = {"weight": jnp.concatenate([jnp.eye(d), jnp.zeros((d, d))], axis=1)}
     for i in range(hcfg.num_layers):
-        layer = jax.tree.map(lambda x: x, params[f"layers_{i}"])
-        layer["attn"]["wo"] = jnp.zeros_like(layer["attn"]["wo"])
-        layer["mlp"]["w_down"] = jnp.zeros_like(layer["mlp"]["w_down"])
-        params[f"layers_{i}"] = layer
+        layer = params[f"layers_{i}"]
+        params[f"layers_{i}"] = {
+            **layer,
+            "attn": {**layer["attn"], "wo": jnp.zeros_like(layer["attn"]["wo"])},
+            "mlp": {**layer["mlp"], "w_down": jnp.zeros_like(layer["mlp"]["w_down"])},
+        }
     return params
 
 
@@ -560,10 +562,10 @@ def checkpoint_reader(folder) -> ocp.CheckpointManager:
         absl_logging.set_verbosity(verbosity)
 
 
-def load_head(workdir, target, dtype: str = "float32", step: int | None = None):
-    """(head models.Model at `dtype`, token ids, meta) from a training workdir's best checkpoint
-    (or `step`), for `target` (a models.Model). ValueError if there is none, or if it was trained
-    for another target."""
+def load_head(workdir, target, step: int | None = None):
+    """(head models.Model in float32, as trained, token ids, meta) from a training workdir's best
+    checkpoint (or `step`), for `target` (a models.Model); models.cast makes it another precision.
+    ValueError if there is none, or if it was trained for another target."""
     folder = pathlib.Path(workdir).expanduser() / "best"
     if not folder.is_dir():
         raise ValueError(
@@ -586,8 +588,6 @@ def load_head(workdir, target, dtype: str = "float32", step: int | None = None):
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, init_params(hcfg, 0))
     params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
     head = models.Model(config=hcfg.replace(matmul_impl="auto"), params=params)
-    if dtype != "float32":
-        head = models.cast(head, dtype)
     return head, np.asarray(meta["token_ids"], np.int32), meta
 
 

@@ -117,9 +117,11 @@ def pair_results(request):
 
 
 PAIRS = ["divisible", pytest.param("qwen", marks=pytest.mark.slow)]
+# The tests that read the `workers` fixture: one xdist group, so one pytest worker computes it.
+on_the_workers_worker = pytest.mark.xdist_group("sharding_workers")
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
+@on_the_workers_worker
 @pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
 def test_sharded_speculative_tokens_equal_unsharded(pair_results):
     result = pair_results
@@ -132,7 +134,7 @@ def test_sharded_speculative_tokens_equal_unsharded(pair_results):
         assert all(len(t) == 10 for t in case["tokens"])
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
+@on_the_workers_worker
 @pytest.mark.parametrize("pair_results", PAIRS, indirect=True)
 def test_sampling_at_temperature_1_same_seed_same_tokens_sharded(pair_results):
     result = pair_results
@@ -185,7 +187,7 @@ def test_qwen_head_counts_replicate_what_the_model_axis_does_not_divide(qwen_wor
         assert specs[path] == spec, path
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
+@on_the_workers_worker
 def test_arrays_are_sharded_inside_the_compiled_loop(workers):
     result = _result(workers, "divisible")
     case = [c for c in result["cases"] if c["mesh"] == "data:2,model:4"][-1]
@@ -219,7 +221,7 @@ def test_qwen_kv_cache_is_replicated_over_model_inside_the_loop(qwen_worker):
     )
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
+@on_the_workers_worker
 def test_params_are_placed_once(workers):
     result = _result(workers, "divisible")
     assert result["is_placed"]
@@ -229,14 +231,14 @@ def test_params_are_placed_once(workers):
     assert result["draft_cached_params_reused"]
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
+@on_the_workers_worker
 def test_sharded_autoregressive_tokens_equal_unsharded(workers):
     ar = _result(workers, "divisible")["ar"]
     assert ar["tokens"] == ar["ref_tokens"]
     assert ar["cache"] == "(None, 'data', None, 'model', None)"
 
 
-@pytest.mark.xdist_group("sharding_workers")  # one worker computes the `workers` fixture for all
+@on_the_workers_worker
 def test_two_processes_produce_the_single_process_tokens(workers):
     hosts = [_result(workers, f"host{i}") for i in range(2)]
     single = _result(workers, "divisible")
