@@ -47,7 +47,7 @@ BENCH_PROMPTS = (
     "def is_prime(n: int) -> bool:\n    ",
 )
 
-PROMPT_SETS = ("open", "grounded")
+PROMPT_SETS = ("open", "grounded", "heldout")
 GROUNDED_SOURCE_CHARS = 900  # the most source or article text one grounded prompt carries
 
 
@@ -121,6 +121,51 @@ def grounded_prompts(count: int = 8) -> list[str]:
     return prompts
 
 
+HELDOUT_PROMPTS = 8  # the size of the held-out set: checks of figures measured on the bench prompts
+
+
+def heldout_prompts(count: int = HELDOUT_PROMPTS) -> list[str]:
+    """Open-ended prompts of the bench prompts' kind that nothing was tuned on, alternating: the
+    header of a held-out standard-library function (its `def` line and the body's indent) and
+    the opening line of a held-out BBC News article (its title and first sentence). Taken from
+    the END of the corpora's test split (the grounded prompts take from its start), so the three
+    sets are disjoint; no n-gram table or trimmed head counted their text."""
+    import ast
+
+    from experiments import corpora
+
+    functions, articles = [], []
+    _, code = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)
+    for _, text in reversed(code):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        header = next(
+            (
+                ast.get_source_segment(text, n).split("\n", 1)[0]
+                for n in tree.body
+                if isinstance(n, ast.FunctionDef) and n.args.args and len(n.body) > 2
+            ),
+            None,
+        )
+        if header and header.endswith(":") and len(header) <= 80:
+            functions.append(header + "\n    ")
+        if len(functions) == (count + 1) // 2:
+            break
+    _, news = corpora.split(corpora.documents("news"), corpora.TRIM_TEST_FRACTION)
+    for _, text in reversed(news):
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if len(lines) >= 2:
+            sentence = lines[1].split(". ")[0]
+            articles.append(f"{lines[0]}\n\n{sentence}")
+        if len(articles) == count // 2:
+            break
+    if len(functions) < (count + 1) // 2 or len(articles) < count // 2:
+        raise ValueError(f"num_prompts: the held-out split holds fewer than {count} prompts")
+    return [functions[i // 2] if i % 2 == 0 else articles[i // 2] for i in range(count)]
+
+
 def prompt_set(name: str, count: int) -> list[str]:
     """The first `count` prompts of a set: "open" (BENCH_PROMPTS, open-ended) or "grounded"
     (grounded_prompts). ValueError("prompt_set: ...") for another name."""
@@ -128,6 +173,8 @@ def prompt_set(name: str, count: int) -> list[str]:
         return list(BENCH_PROMPTS[:count])
     if name == "grounded":
         return grounded_prompts(count)
+    if name == "heldout":
+        return heldout_prompts(count)
     raise ValueError(f"prompt_set: must be one of {', '.join(PROMPT_SETS)}, got {name!r}")
 
 
