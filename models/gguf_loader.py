@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
@@ -214,3 +214,58 @@ def load_params(
                 read_into(w, w.gguf.format(i=i), target if i is None else target[i])
                 bar.update(1)
     return params
+
+
+def load_block_params(path_or_reader: PathOrReader, config: ModelConfig, progress: bool = True) -> dict:
+    """Parameters at a GGUF precision (config.dtype "gguf" or "gguf_q8"), one subtree per layer
+    (layers_0, ...): every matrix as the file ships it, a models.precision.BlockWeight over the
+    tensor's own rows of blocks (no dequantization; for arch "llama" the q / k rows un-permuted,
+    whole rows of blocks); norms and biases dequantized to float32. A matrix stored as F32 is
+    kept as a float32 array."""
+    from models.precision import GGUF_PRECISIONS, BlockWeight
+
+    if config.dtype not in GGUF_PRECISIONS:
+        raise ValueError(
+            f"load_block_params: config.dtype must be one of {GGUF_PRECISIONS}, got {config.dtype!r}"
+        )
+    reader = open_gguf(path_or_reader)
+    permute = _require(reader, "general.architecture") == "llama"
+    tensors = _tensors(reader)
+    cfg = dataclasses.asdict(config)
+    unstacked = dataclasses.replace(config, scan_layers=False, dtype="float32")
+    shapes = weights.param_shapes(unstacked)
+
+    def read(path, spec):
+        w, _, _ = weights.entry(path)
+        keys = [str(getattr(k, "key", k)) for k in path]
+        i = int(keys[0].rsplit("_", 1)[1]) if w.per_layer else None
+        name = w.gguf.format(i=i)
+        if name not in tensors:
+            raise ValueError(f"GGUF file has no tensor {name!r}")
+        tensor = tensors[name]
+        file_shape = tuple(int(d) for d in reversed(tensor.shape))
+        out_shape = spec.shape[: len(spec.shape) - w.contract]
+        rows = int(np.prod(out_shape)) if w.contract else 1
+        if int(np.prod(file_shape)) != int(np.prod(spec.shape)) or (w.contract and file_shape[0] != rows):
+            raise ValueError(f"tensor {name!r} has shape {file_shape}, expected {spec.shape} ({w.name})")
+        blocks = w.contract and tensor.tensor_type != GGMLQuantizationType.F32
+        if blocks:
+            value = np.asarray(tensor.data).view(np.uint8).reshape(rows, -1)
+        else:
+            value = dequantize_tensor(tensor).reshape(rows, -1)
+        if permute and w.llama_permuted_heads:
+            value = unpermute_llama_rows(value, cfg[w.llama_permuted_heads])
+        if not blocks:
+            return np.ascontiguousarray(value.reshape(spec.shape), np.float32)
+        return BlockWeight(
+            data=np.ascontiguousarray(value).reshape(*out_shape, -1),
+            ggml_type=int(tensor.tensor_type),
+            in_shape=tuple(spec.shape[len(spec.shape) - w.contract :]),
+            quantize_x=config.dtype == "gguf_q8",
+        )
+
+    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    out = []
+    for path, spec in tqdm(leaves, unit="tensor", desc="read gguf blocks", disable=not progress):
+        out.append(read(path, spec))
+    return jax.tree.unflatten(jax.tree.structure(shapes), out)

@@ -6,6 +6,13 @@ A model's precision is `ModelConfig.dtype`:
   int8      int8 matrices (every weight of the table with `contract` > 0: projections, MLP,
             embedding and head) with one float32 scale per output unit (symmetric, absmax / 127,
             round half to even), float32 activations; norms and biases stay float32.
+  gguf      the checkpoint's own GGUF blocks (Q4_K, Q5_0, Q6_K, Q8_0, ... as the file ships each
+            matrix; a BlockWeight), dequantized in the product with ggml's reference
+            dequantization and multiplied with float32 activations: the numbers HF and
+            llama.cpp's reference dequantization give, at the file's size.
+  gguf_q8   the same blocks, with each row of activations quantized to 8 bits per block (ggml's
+            Q8_K / Q8_0, the weight type's vec_dot_type) and integer dot products: how llama.cpp
+            runs a GGUF on a CPU. The fastest on a CPU.
 `cast_params` turns float32 parameters into a precision (once, when a model is loaded or
 made). `linear` is the product of activations with a weight of any precision; on a CPU it runs
 the kernel of models/kernels/cpu_matmul.cc (one pass over the weight for all the rows of a
@@ -20,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PRECISIONS = ("float32", "bfloat16", "int8")
+PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
+GGUF_PRECISIONS = ("gguf", "gguf_q8")
 MATMUL_IMPLS = ("auto", "xla", "cpu_kernel")
 
 
@@ -40,6 +48,58 @@ class Int8Weight:
         return self.value.dtype
 
 
+@flax.struct.dataclass
+class BlockWeight:
+    """A weight [out..., in...] kept as GGUF blocks: each output unit's row of `in` values is a
+    row of blocks of ggml type `ggml_type` (gguf.GGMLQuantizationType), row_bytes bytes.
+    quantize_x: products quantize the activations to 8 bits (precision gguf_q8) or not (gguf)."""
+
+    data: jax.Array  # uint8 [out..., row_bytes]
+    ggml_type: int = flax.struct.field(pytree_node=False)
+    in_shape: tuple = flax.struct.field(pytree_node=False)  # the contracted (input) axes
+    quantize_x: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def shape(self):
+        return tuple(self.data.shape[:-1]) + tuple(self.in_shape)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+
+def default_block_type(k: int) -> int:
+    """The block format `cast_params` gives a matrix with k inputs: Q4_K (256-value blocks, as
+    the pair's files hold most matrices) where k allows it, else Q5_0 (32-value blocks)."""
+    from gguf import GGMLQuantizationType as T
+
+    if k % 256 == 0:
+        return T.Q4_K.value
+    if k % 32 == 0:
+        return T.Q5_0.value
+    raise ValueError(f"a GGUF precision needs matrices whose inputs are a multiple of 32, got {k}")
+
+
+def quantize_blocks(
+    w: np.ndarray, contract: int, ggml_type: int | None = None, quantize_x: bool = False
+) -> BlockWeight:
+    """A float weight [out..., in...] (last `contract` axes its input) in a GGUF block format
+    (default: default_block_type), quantized with ggml's own quantizer."""
+    from models.kernels import gguf_matmul
+
+    w = np.asarray(w, np.float32)
+    out_shape, in_shape = w.shape[: w.ndim - contract], w.shape[w.ndim - contract :]
+    k = math.prod(in_shape)
+    ggml_type = default_block_type(k) if ggml_type is None else ggml_type
+    data = gguf_matmul.quantize(w.reshape(-1, k), ggml_type)
+    return BlockWeight(
+        data=data.reshape(*out_shape, -1),
+        ggml_type=int(ggml_type),
+        in_shape=tuple(in_shape),
+        quantize_x=quantize_x,
+    )
+
+
 def quantize_int8(w: np.ndarray, contract: int) -> Int8Weight:
     """Symmetric per-output-unit int8 of a float weight whose last `contract` axes are its input."""
     w = np.asarray(w, np.float32)
@@ -51,7 +111,12 @@ def quantize_int8(w: np.ndarray, contract: int) -> Int8Weight:
 
 
 def dequantize(w) -> jax.Array:
-    """A float32 copy of an Int8Weight (tests and reports); other weights as they are."""
+    """A float32 copy of an Int8Weight or a BlockWeight (tests and reports); other weights as they are."""
+    if isinstance(w, BlockWeight):
+        from models.kernels import gguf_blocks
+
+        k = math.prod(w.in_shape)
+        return gguf_blocks.dequantize(w.data, w.ggml_type, k).reshape(w.shape)
     if not isinstance(w, Int8Weight):
         return w
     scale = w.scale.reshape(w.scale.shape + (1,) * (w.value.ndim - w.scale.ndim))
@@ -61,7 +126,8 @@ def dequantize(w) -> jax.Array:
 def cast_params(params, config, to_device=None):
     """float32 parameters (host or device arrays) in the precision `config.dtype`.
 
-    Matrices become Int8Weight for int8; everything else float32 (bfloat16 for bfloat16). One
+    Matrices become Int8Weight for int8, BlockWeight (default_block_type, quantized by ggml) for
+    the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
     leaf at a time, each passed through `to_device` (e.g. jax.device_put) when given, so a host
     copy of the whole model is never held twice.
     """
@@ -76,6 +142,9 @@ def cast_params(params, config, to_device=None):
         if config.dtype == "int8" and w.contract:
             q = quantize_int8(np.asarray(leaf), w.contract)
             return Int8Weight(value=put(q.value), scale=put(q.scale))
+        if config.dtype in GGUF_PRECISIONS and w.contract:
+            q = quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
+            return q.replace(data=put(q.data))
         dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
         return put(np.asarray(leaf).astype(dtype, copy=False))
 
@@ -107,6 +176,9 @@ def linear(x, w, contract: int, impl: str = "auto"):
         raise ValueError(f"linear: x {x.shape} does not end with the weight's input axes {in_shape}")
     lead = x.shape[: x.ndim - contract]
     x_mk = x.reshape(math.prod(lead), math.prod(in_shape))
+    if isinstance(w, BlockWeight):
+        y = _block_product(x_mk, w, impl)
+        return y.reshape(*lead, *out_shape).astype(x.dtype)
     value = w.value if isinstance(w, Int8Weight) else w
     w_nk = value.reshape(math.prod(out_shape), math.prod(in_shape))
     scale = w.scale.reshape(-1) if isinstance(w, Int8Weight) else None
@@ -124,8 +196,33 @@ def linear(x, w, contract: int, impl: str = "auto"):
     return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
+def _block_product(x_mk, w: BlockWeight, impl: str):
+    """x [M, K] . W^T -> [M, N] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
+    activations, as the weight's precision says) where the CPU kernels run, else XLA's dot on
+    the blocks dequantized in the graph (float32 activations)."""
+    data_nb = w.data.reshape(-1, w.data.shape[-1])
+    if resolve_matmul_impl(impl) == "cpu_kernel":
+        from models.kernels import gguf_matmul
+
+        if gguf_matmul.available():
+            return gguf_matmul.matmul(x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x)
+    from models.kernels import gguf_blocks
+
+    w_nk = gguf_blocks.dequantize(data_nb, w.ggml_type, x_mk.shape[1])
+    return jnp.einsum("mk,nk->mn", x_mk.astype(jnp.float32), w_nk, preferred_element_type=jnp.float32)
+
+
 def lookup(table, tokens):
     """Rows of an embedding table [V, D] (any precision) at integer tokens [...]: [..., D]."""
+    if isinstance(table, BlockWeight):
+        from models.kernels import gguf_matmul, target
+
+        k = math.prod(table.in_shape)
+        if target.current().platform == "cpu" and gguf_matmul.available():
+            return gguf_matmul.rows(tokens, table.data, table.ggml_type, k)
+        from models.kernels import gguf_blocks
+
+        return gguf_blocks.dequantize(table.data[tokens], table.ggml_type, k)
     if isinstance(table, Int8Weight):
         return table.value[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
     return jnp.take(table, tokens, axis=0)

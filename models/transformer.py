@@ -30,6 +30,12 @@ def param(module: nn.Module, *path: str):
         "embedding": nn.initializers.normal(stddev=1.0),
         "bias": nn.initializers.normal(stddev=0.1),
     }[w.init]
+    if module.has_variable("params", path[-1]):
+        value = module.get_variable("params", path[-1])
+        if isinstance(value, precision.BlockWeight):  # its leaf holds bytes, not the table's shape
+            if value.shape != w.shape(cfg):
+                raise ValueError(f"parameter {w.name}: shape {value.shape}, expected {w.shape(cfg)}")
+            return value
     return module.param(path[-1], init, w.shape(cfg), cfg.jnp_dtype)
 
 

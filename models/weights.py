@@ -201,12 +201,12 @@ def _keys(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-QUANTIZED_FIELDS = ("value", "scale")  # the leaves of a models.precision.Int8Weight
+QUANTIZED_FIELDS = ("value", "scale", "data")  # the leaves of models.precision.Int8Weight / BlockWeight
 
 
 def entry(path) -> tuple[Weight, bool, str | None]:
     """(the table entry of a parameter leaf, whether the leaf is stacked over layers, which part
-    of an int8 weight it is: "value", "scale" or None) from its pytree path (jax key path or
+    of a quantized weight it is: "value", "scale", "data" or None) from its pytree path (jax key path or
     strings): layers/..., layers_N/... or a top-level path. KeyError for a leaf the table does
     not declare."""
     keys = _keys(path)
@@ -228,8 +228,9 @@ def entry(path) -> tuple[Weight, bool, str | None]:
 
 def param_shapes(config: ModelConfig):
     """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout and precision
-    (int8: a models.precision.Int8Weight of an int8 value and float32 scales per matrix)."""
-    from models.precision import Int8Weight
+    (int8: a models.precision.Int8Weight of an int8 value and float32 scales per matrix; the GGUF
+    precisions: a BlockWeight of each matrix in models.precision.default_block_type)."""
+    from models.precision import GGUF_PRECISIONS, BlockWeight, Int8Weight, default_block_type
 
     dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
     tree: dict = {}
@@ -241,6 +242,14 @@ def param_shapes(config: ModelConfig):
         if config.dtype == "int8" and w.contract:
             out = shape[: len(shape) - w.contract]
             leaf = Int8Weight(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32))
+        elif config.dtype in GGUF_PRECISIONS and w.contract:
+            from models.kernels import gguf_matmul
+
+            out, inputs = shape[: len(shape) - w.contract], shape[len(shape) - w.contract :]
+            k = math.prod(inputs)
+            kind = default_block_type(k)
+            data = jax.ShapeDtypeStruct((*out, gguf_matmul.row_bytes(kind, k)), jnp.uint8)
+            leaf = BlockWeight(data, kind, tuple(inputs), config.dtype == "gguf_q8")
         else:
             leaf = jax.ShapeDtypeStruct(shape, dtype)
         node[w.path[-1]] = leaf
@@ -263,7 +272,12 @@ def logical_axes(params):
 
     def axes(path, leaf):
         w, stacked, field = entry(path)
-        own = w.axes[: len(w.axes) - w.contract] if field == "scale" else w.axes
+        if field == "scale":
+            own = w.axes[: len(w.axes) - w.contract]
+        elif field == "data":  # a BlockWeight's rows of blocks: the input axes are bytes here
+            own = w.axes[: len(w.axes) - w.contract] + ("blocks",)
+        else:
+            own = w.axes
         names = (("layers",) if stacked else ()) + own
         if len(names) != len(jnp.shape(leaf)):
             raise ValueError(f"parameter {w.name} has shape {jnp.shape(leaf)}, expected axes {names}")

@@ -54,6 +54,7 @@ RULES = {
     "head_dim": None,
     "layers": None,
     "seq": None,
+    "blocks": None,  # a GGUF BlockWeight's bytes per row: its input axes, never split
 }
 
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v [L, B, S, KVH, Dh]

@@ -1,0 +1,388 @@
+// Products with a weight kept in its GGUF block format (Q4_K, Q5_0, Q6_K, Q8_0, ...), for
+// XLA:CPU through jax.ffi (models/kernels/gguf_matmul.py). The block formats' arithmetic is
+// ggml's own (llama.cpp's CPU backend, built from the registry's llama-cpp-python sdist with
+// GGML_NATIVE): this file only lays the calls out over rows and threads.
+//
+//   y[M, N] = x[M, K] . W[N, K]^T, each row of W the GGUF row of blocks (row_bytes bytes)
+//
+// Two ways to multiply, an attribute of the call:
+//   quantize_x = 0 (precision "gguf", faithful): each weight row is dequantized with ggml's
+//     reference to_float (the numbers gguf-py's and llama.cpp's dequantization give) into float32,
+//     then dotted with each float32 row of x (ggml's f32 vec_dot). The checkpoint's numbers.
+//   quantize_x = 1 (precision "gguf_q8"): each row of x is quantized once per call to the weight
+//     type's vec_dot_type (Q8_K for the K-quants, Q8_0 for Q4_0 / Q5_0 / Q8_0: 8-bit values with
+//     a scale per block of 256 / 32) and multiplied with integer dot products, as llama.cpp
+//     decodes: Q4_K and Q6_K by this file's multi-row kernel (AVX-512BW, below), the other
+//     types (and every type with ggml_dot = 1, the reference the tests compare with) by ggml's
+//     own vec_dot, one call per (row of x, row of W).
+//
+// One pass over the weights: a chunk of weight rows is read once for every row of x (the
+// rows of x taken in blocks that stay in cache), so a verification call over gamma + 1 positions
+// reads the weights' bytes once, like a decode step. Numerics: y[m, n] is one vec_dot of row m
+// of x with row n of W, whatever M and whichever thread computes it, so a row's result is
+// bit-identical between a decode call (M = 1) and a verification call (M = gamma + 1).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ggml-cpu.h"
+#include "ggml.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowsPerChunk = 32;  // weight rows per task
+constexpr int64_t kXBlock = 64;        // rows of x per pass over a chunk (their bytes stay in L2)
+
+void InitOnce() {
+  static std::once_flag once;
+  std::call_once(once, [] { ggml_cpu_init(); });
+}
+
+struct Work {  // as in cpu_matmul.cc: the caller never waits for a task that has not started
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+// Runs fn(c) for c in [0, chunks) on the calling thread and XLA's pool.
+template <typename F>
+void ParallelChunks(ffi::ThreadPool& pool, int64_t chunks, const F& fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  auto work = std::make_shared<Work>();
+  const F* body = &fn;  // late tasks find no chunk and never touch it
+  auto drain = [work, body, chunks]() {
+    for (;;) {
+      work->active.fetch_add(1, std::memory_order_acq_rel);
+      const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
+      if (c >= chunks) {
+        work->active.fetch_sub(1, std::memory_order_acq_rel);
+        return;
+      }
+      (*body)(c);
+      work->active.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  };
+  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([drain]() { drain(); });
+  drain();
+  while (work->active.load(std::memory_order_acquire) > 0) _mm_pause();
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+// ---------------------------------------------------------------------------------------------
+// Multi-row Q4_K / Q6_K x Q8_K (precision gguf_q8), AVX-512 VNNI. ggml's vec_dot unpacks a
+// weight block for each row of x it meets; here a block is unpacked once per group of up to
+// kGroup rows of x (its 256 values as unsigned bytes in order, 4 zmm, and the float scale
+// d * sc of each lane) and multiplied with each row of the group: vpdpbusd (unsigned weight x
+// signed activation, 4 products summed to an exact int32 a lane), converted and scaled in
+// float. The math is ggml's (its _q8_K dot products), with the scales applied in float:
+//   Q4_K: w = d * sc_j * q - dmin * m_j (q in 0..15, 6-bit sc / m per 32 values)
+//         row . x = sum_blocks dx * (sum_lanes d sc * sum q x)  -  dx * dmin * sum_j m_j sum x
+//   Q6_K: w = d * sc_g * (u - 32) (u in 0..63, int8 sc per 16 values)
+//         row . x = sum_blocks dx * (sum_lanes d sc * sum u x)  -  dx * d * 32 sum_g sc_g sum x
+// where sum x over 16 values is the Q8_K block's bsums. Each (row m, column n) runs the same
+// float steps in the same order (chunks, blocks, then one reduction), whatever M and whichever
+// group or thread computes it: a row's result is the same bits in a decode step and a
+// verification call.
+#define SPEC_JAX_MULTIROW 1
+
+struct BlockQ8K {
+  float d;
+  int8_t qs[256];
+  int16_t bsums[16];
+};
+struct BlockQ4K {
+  uint16_t d, dmin;  // float16
+  uint8_t scales[12];
+  uint8_t qs[128];
+};
+struct BlockQ6K {
+  uint8_t ql[128];
+  uint8_t qh[64];
+  int8_t scales[16];
+  uint16_t d;  // float16
+};
+static_assert(sizeof(BlockQ8K) == 292 && sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210, "ggml's layouts");
+
+constexpr int kGroup = 8;  // rows of x per unpacked block: u, scales, kGroup x 2 accumulators in 32 zmm
+
+// One weight block unpacked: 256 unsigned values in order (4 x 64 bytes), the float scale of
+// each int32 lane of each chunk's vpdpbusd, and the correction of the x block's bsums.
+struct Unpacked {
+  __m512i u[4];
+  __m512 scale[4];
+  __m256i bsum_factor;  // Q4_K: m_j of the 16-value group's sub-block; Q6_K: 32 * sc_g
+  float corr;           // Q4_K: dmin; Q6_K: d
+};
+
+struct Lanes {  // which scale each int32 lane of each chunk takes (Q4_K: 8 scales, Q6_K: 16)
+  alignas(64) int32_t q4[4][16];
+  alignas(64) int32_t q6[4][16];
+  constexpr Lanes() : q4{}, q6{} {
+    for (int c = 0; c < 4; ++c) {
+      for (int l = 0; l < 16; ++l) {
+        q4[c][l] = 2 * c + l / 8;  // lanes 0..7: values 64c .. 64c + 31, sub-block 2c
+        q6[c][l] = 4 * c + l / 4;  // lane l: values 64c + 4l .. + 3, group 4c + l / 4
+      }
+    }
+  }
+};
+constexpr Lanes kLanes;
+
+inline void UnpackQ4K(const BlockQ4K& b, Unpacked& out) {
+  uint32_t t[4];
+  std::memcpy(t, b.scales, 12);  // ggml's unpacking of the eight 6-bit scales and mins
+  t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
+  const uint32_t aux = t[1] & 0x3f3f3f3f;
+  t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
+  t[2] = aux;
+  t[0] &= 0x3f3f3f3f;  // bytes of t[0], t[1]: sc_0..7; of t[2], t[3]: m_0..7
+  const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(b.d)),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32(0, 0, t[1], t[0]))));
+  const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  // low nibbles, then high
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {  // values 64c .. 64c + 63: qs[32c .. 32c + 31], low then high nibbles
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * c));
+    out.u[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(q), shift), nibble);
+    out.scale[c] = _mm512_permutexvar_ps(_mm512_load_si512(kLanes.q4[c]), dsc);
+  }
+  const __m128i mins = _mm_set_epi32(0, 0, t[3], t[2]);
+  out.bsum_factor = _mm256_cvtepu8_epi16(
+      _mm_shuffle_epi8(mins, _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+  out.corr = _cvtsh_ss(b.dmin);
+}
+
+inline void UnpackQ6K(const BlockQ6K& b, Unpacked& out) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  const __m512i shift_lo = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i shift_hi = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
+  for (int half = 0; half < 2; ++half) {  // values 128 h .. 128 h + 127
+    const __m512i ql = _mm512_loadu_si512(b.ql + 64 * half);
+    const __m512i qh =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * half)));
+    const __m512i h_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, shift_lo), two), 4);
+    const __m512i h_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, shift_hi), two), 4);
+    out.u[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, nibble), h_lo);
+    out.u[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), h_hi);
+  }
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales));
+  const float d = _cvtsh_ss(b.d);
+  const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+  for (int c = 0; c < 4; ++c) out.scale[c] = _mm512_permutexvar_ps(_mm512_load_si512(kLanes.q6[c]), dsc);
+  out.bsum_factor = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);
+  out.corr = d;
+}
+
+inline float Reduce256(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// Columns [n0, n1) of rows [m0, m0 + R) of y.
+template <bool Q4, int R>
+void Group(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t n0,
+           int64_t n1, float* y, int64_t n_dim) {
+  Unpacked un;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    __m256 acc_corr[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      acc_corr[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      if constexpr (Q4) {
+        UnpackQ4K(reinterpret_cast<const BlockQ4K*>(row)[b], un);
+      } else {
+        UnpackQ6K(reinterpret_cast<const BlockQ6K*>(row)[b], un);
+      }
+      for (int r = 0; r < R; ++r) {
+        const BlockQ8K& xb = xq[(m0 + r) * blocks + b];
+        __m512 blk = _mm512_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+          const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), un.u[c], _mm512_loadu_si512(xb.qs + 64 * c));
+          blk = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), un.scale[c], blk);
+        }
+        acc[r] = _mm512_fmadd_ps(blk, _mm512_set1_ps(xb.d), acc[r]);
+        const __m256i bs = _mm256_madd_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums)),
+                                             un.bsum_factor);  // 8 int32, exact
+        acc_corr[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(bs), _mm256_set1_ps(un.corr * xb.d), acc_corr[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[(m0 + r) * n_dim + n] = _mm512_reduce_add_ps(acc[r]) - Reduce256(acc_corr[r]);
+  }
+}
+
+template <bool Q4>
+void MultiRow(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0,
+              int64_t m1, int64_t n0, int64_t n1, float* y, int64_t n_dim) {
+  for (int64_t m = m0; m < m1;) {
+    switch (std::min<int64_t>(kGroup, m1 - m)) {
+      case 1: Group<Q4, 1>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 1; break;
+      case 2: Group<Q4, 2>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 2; break;
+      case 3: Group<Q4, 3>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 3; break;
+      case 4: Group<Q4, 4>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 4; break;
+      case 5: Group<Q4, 5>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 5; break;
+      case 6: Group<Q4, 6>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 6; break;
+      case 7: Group<Q4, 7>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 7; break;
+      default: Group<Q4, 8>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 8; break;
+    }
+  }
+}
+static_assert(kGroup == 8, "MultiRow has a case per group size");
+#endif  // AVX-512 VNNI
+
+ffi::Error Check(ggml_type type, int64_t k_dim, int64_t row_bytes) {
+  if (type < 0 || type >= GGML_TYPE_COUNT || ggml_get_type_traits(type)->blck_size == 0 ||
+      ggml_get_type_traits(type)->to_float == nullptr || ggml_get_type_traits_cpu(type)->vec_dot == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "spec_jax gguf_matmul: unsupported ggml type");
+  }
+  if (k_dim % ggml_blck_size(type) != 0 || static_cast<int64_t>(ggml_row_size(type, k_dim)) != row_bytes) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "spec_jax gguf_matmul: a weight row's bytes do not hold K values of its type");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Buffer<ffi::U8> w_buf,
+                      ffi::ResultBuffer<ffi::F32> y_buf, int64_t type_id, bool quantize_x, bool ggml_dot) {
+  InitOnce();
+  const auto xd = x_buf.dimensions(), wd = w_buf.dimensions(), yd = y_buf->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0]) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "spec_jax gguf_matmul expects x [M, K], w [N, row_bytes], y [M, N]");
+  }
+  const auto type = static_cast<ggml_type>(type_id);
+  const int64_t m_rows = xd[0], k_dim = xd[1], n_dim = wd[0], row_bytes = wd[1];
+  if (auto e = Check(type, k_dim, row_bytes); e.failure()) return e;
+  const float* x = x_buf.typed_data();
+  const uint8_t* w = w_buf.typed_data();
+  float* y = y_buf->typed_data();
+  const int64_t chunks = (n_dim + kRowsPerChunk - 1) / kRowsPerChunk;
+
+  if (quantize_x) {
+    const auto* traits = ggml_get_type_traits_cpu(type);
+    const ggml_type xt = traits->vec_dot_type;
+    const int64_t x_bytes = static_cast<int64_t>(ggml_row_size(xt, k_dim));
+    std::vector<uint8_t> xq(m_rows * x_bytes);
+    for (int64_t m = 0; m < m_rows; ++m) {
+      if (xt == GGML_TYPE_F32) {
+        std::memcpy(xq.data() + m * x_bytes, x + m * k_dim, x_bytes);
+      } else {
+        ggml_get_type_traits_cpu(xt)->from_float(x + m * k_dim, xq.data() + m * x_bytes, k_dim);
+      }
+    }
+    const uint8_t* xs = xq.data();
+#ifdef SPEC_JAX_MULTIROW
+    if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
+      const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
+      const int64_t blocks = k_dim / 256;
+      ParallelChunks(pool, chunks, [&](int64_t c) {
+        const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
+        for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
+          const int64_t m1 = std::min(m_rows, m0 + kXBlock);
+          if (type == GGML_TYPE_Q4_K) {
+            MultiRow<true>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
+          } else {
+            MultiRow<false>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
+          }
+        }
+      });
+      return ffi::Error::Success();
+    }
+#endif
+    const ggml_vec_dot_t dot = traits->vec_dot;
+    ParallelChunks(pool, chunks, [&](int64_t c) {
+      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
+        const int64_t m1 = std::min(m_rows, m0 + kXBlock);
+        for (int64_t n = n0; n < n1; ++n) {
+          const uint8_t* row = w + n * row_bytes;
+          for (int64_t m = m0; m < m1; ++m) {
+            float s;
+            dot(static_cast<int>(k_dim), &s, 0, row, 0, xs + m * x_bytes, 0, 1);
+            y[m * n_dim + n] = s;
+          }
+        }
+      }
+    });
+  } else {
+    const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+    const ggml_vec_dot_t dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
+    ParallelChunks(pool, chunks, [&](int64_t c) {
+      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
+      std::vector<float> rows((n1 - n0) * k_dim);  // the chunk's weight rows, dequantized once
+      for (int64_t n = n0; n < n1; ++n) to_float(w + n * row_bytes, rows.data() + (n - n0) * k_dim, k_dim);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
+        const int64_t m1 = std::min(m_rows, m0 + kXBlock);
+        for (int64_t n = n0; n < n1; ++n) {
+          const float* row = rows.data() + (n - n0) * k_dim;
+          for (int64_t m = m0; m < m1; ++m) {
+            float s;
+            dot(static_cast<int>(k_dim), &s, 0, row, 0, x + m * k_dim, 0, 1);
+            y[m * n_dim + n] = s;
+          }
+        }
+      }
+    });
+  }
+  return ffi::Error::Success();
+}
+
+// Rows of a block-format table (an embedding) at integer indices, dequantized: out[R, K].
+ffi::Error GgufRows(ffi::Buffer<ffi::S32> idx_buf, ffi::Buffer<ffi::U8> w_buf, ffi::ResultBuffer<ffi::F32> out_buf,
+                    int64_t type_id) {
+  InitOnce();
+  const auto wd = w_buf.dimensions(), od = out_buf->dimensions();
+  const int64_t rows = idx_buf.element_count();
+  if (wd.size() != 2 || od.size() != 2 || od[0] != rows) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "spec_jax gguf_rows expects idx [R], w [V, row_bytes], out [R, K]");
+  }
+  const auto type = static_cast<ggml_type>(type_id);
+  const int64_t k_dim = od[1], row_bytes = wd[1];
+  if (auto e = Check(type, k_dim, row_bytes); e.failure()) return e;
+  const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
+  const int32_t* idx = idx_buf.typed_data();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = std::clamp<int64_t>(idx[r], 0, wd[0] - 1);
+    to_float(w_buf.typed_data() + i * row_bytes, out_buf->typed_data() + r * k_dim, k_dim);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufMatmul, GgufMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("ggml_type")
+                                  .Attr<bool>("quantize_x")
+                                  .Attr<bool>("ggml_dot"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufRows, GgufRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("ggml_type"));
+
+// For tests and the loader: ggml's quantization of float rows into a block format.
+extern "C" size_t SpecJaxGgufQuantize(int type_id, const float* src, void* dst, int64_t rows, int64_t k_dim) {
+  InitOnce();
+  return ggml_quantize_chunk(static_cast<ggml_type>(type_id), src, dst, 0, rows, k_dim, nullptr);
+}

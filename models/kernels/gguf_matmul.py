@@ -1,0 +1,154 @@
+"""Products with weights in their GGUF block formats (gguf_matmul.cc), through jax.ffi.
+
+The block arithmetic is ggml's (llama.cpp's CPU backend), built from the registry's
+llama-cpp-python sdist by models.kernels.llama_cpp; this module builds the small FFI library
+that lays ggml's calls out over rows and XLA's threads, links it against that ggml, and registers
+its targets. `available()` is False, with one warning, where it cannot (no cmake or compiler, no
+registry to fetch the source from, not x86-64 Linux): the GGUF precisions then need XLA's path
+(models.precision), which dequantizes in the graph.
+
+`matmul(x, data, ggml_type, quantize_x)` is y[M, N] float32 = x[M, K] . W[N, K]^T for a weight
+whose N rows of blocks are data [N, row_bytes] (uint8); `rows(indices, data, ggml_type, k)`
+dequantizes rows of a table (an embedding); `quantize(w, ggml_type)` quantizes float rows with
+ggml (tests, and models cast to a GGUF precision).
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = pathlib.Path(__file__).with_name("gguf_matmul.cc")
+FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+MATMUL_TARGET, ROWS_TARGET = "spec_jax_gguf_matmul", "spec_jax_gguf_rows"
+
+
+class KernelUnavailable(RuntimeError):
+    """The GGUF kernel cannot be built or loaded on this machine."""
+
+
+def library_path(cache_dir=None) -> pathlib.Path:
+    """Where the library for this source, ggml build and jaxlib is cached (inside the ggml build
+    folder, whose name already keys the compiler, the CPU and the llama.cpp version)."""
+    from models.kernels import llama_cpp
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jax.__version__.encode())
+    return llama_cpp.build_dir(cache_dir) / "spec_jax" / f"gguf_matmul-{digest.hexdigest()[:16]}.so"
+
+
+def build(cache_dir=None) -> pathlib.Path:
+    """Builds ggml (models.kernels.llama_cpp) and this kernel against it, if not cached."""
+    from models.kernels import llama_cpp
+
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        raise KernelUnavailable(f"built for x86-64 Linux, this is {platform.system()} {platform.machine()}")
+    try:
+        folder = llama_cpp.build(llama_cpp.LIBRARIES, cache_dir)
+    except llama_cpp.Unavailable as e:
+        raise KernelUnavailable(str(e)) from None
+    path = library_path(cache_dir)
+    if path.exists():
+        return path
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    src = llama_cpp.source(cache_dir)
+    lib = folder / "bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        cmd = [
+            compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{src / 'ggml' / 'include'}", str(SOURCE),
+            f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", tmp,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise KernelUnavailable(f"{compiler} gguf_matmul.cc failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded library with its targets registered, or why it cannot be."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+    except (KernelUnavailable, OSError) as e:
+        return str(e)
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufRows), platform="cpu")
+    library.SpecJaxGgufQuantize.restype = ctypes.c_size_t
+    library.SpecJaxGgufQuantize.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+    ]  # fmt: skip
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Builds, loads and registers the kernel once per process; False (one warning) if it cannot."""
+    reason = _library()
+    if isinstance(reason, str):
+        warnings.warn(f"spec_jax: the GGUF block kernel is unavailable ({reason})", stacklevel=3)
+        return False
+    return True
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    """Bytes of one row of k values in a GGUF block format."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if k % block:
+        raise ValueError(f"a row of {k} values is not a whole number of {block}-value blocks")
+    return k // block * size
+
+
+def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
+    """float rows w [N, K] in block format ggml_type with ggml's quantizer: uint8 [N, row_bytes]."""
+    library = _library()
+    if isinstance(library, str):
+        raise KernelUnavailable(library)
+    w = np.ascontiguousarray(w, np.float32)
+    out = np.empty((w.shape[0], row_bytes(ggml_type, w.shape[1])), np.uint8)
+    written = library.SpecJaxGgufQuantize(ggml_type, w.ctypes.data, out.ctypes.data, w.shape[0], w.shape[1])
+    if written != out.size:
+        raise KernelUnavailable(f"ggml quantized {written} bytes, expected {out.size}")
+    return out
+
+
+def matmul(x_mk, data_nb, ggml_type: int, quantize_x: bool, ggml_dot: bool = False):
+    """y [M, N] float32 = x [M, K] . W^T for W's rows of blocks data [N, row_bytes]. ggml_dot:
+    with quantize_x, every (row, column) by ggml's own vec_dot, not this project's multi-row
+    kernel (tests and benchmarks compare the two)."""
+    out = jax.ShapeDtypeStruct((x_mk.shape[0], data_nb.shape[0]), jnp.float32)
+    call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
+    return call(
+        x_mk.astype(jnp.float32),
+        data_nb,
+        ggml_type=np.int64(ggml_type),
+        quantize_x=bool(quantize_x),
+        ggml_dot=bool(ggml_dot),
+    )
+
+
+def rows(indices, data_vb, ggml_type: int, k: int):
+    """Rows [..., K] float32 of a block-format table data [V, row_bytes] at integer indices [...]."""
+    flat = indices.reshape(-1).astype(jnp.int32)
+    out = jax.ShapeDtypeStruct((flat.shape[0], k), jnp.float32)
+    call = jax.ffi.ffi_call(ROWS_TARGET, out, vmap_method="sequential")
+    return call(flat, data_vb, ggml_type=np.int64(ggml_type)).reshape(*indices.shape, k)
