@@ -48,6 +48,10 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = param(self, self.name, "scale")
+        if attention_impl(self.config) == "cpu":  # the CPU kernels: each row alone, fixed order
+            from models.kernels import cpu_matmul
+
+            return cpu_matmul.rms_norm(x, scale, self.config.rms_eps).astype(self.config.jnp_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_eps)
         return (x32 * scale.astype(jnp.float32)).astype(self.config.jnp_dtype)
@@ -79,6 +83,17 @@ def rotary(x_bthe, positions_bt, theta):
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_bthe.dtype)
+
+
+def attention_impl(cfg: ModelConfig) -> str:
+    """The attention a model call uses: cfg.attention_impl, where "auto" on a CPU whose products
+    run in the CPU kernels (models.precision.resolve_matmul_impl) is the CPU attention kernel
+    too, so that a verification call's rows equal decode steps' bit for bit. With "cpu" the
+    RMSNorms run in the CPU kernel library too (the other reduction of a layer)."""
+    if cfg.attention_impl == "auto" and kernels.resolve_impl("auto") == "xla":
+        if precision.resolve_matmul_impl(cfg.matmul_impl) == "cpu_kernel":
+            return "cpu"
+    return cfg.attention_impl
 
 
 class Attention(nn.Module):
@@ -115,7 +130,7 @@ class Attention(nn.Module):
                 cache.v[layer],
                 positions_bt,
                 kv_lengths_b,
-                impl=cfg.attention_impl,
+                impl=attention_impl(cfg),
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):

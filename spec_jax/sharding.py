@@ -116,8 +116,15 @@ def check_mesh(mesh: Mesh) -> None:
 def for_mesh(config, mesh: Mesh):
     """The model config as run on this mesh. The CPU matmul kernel (models.precision) is an XLA
     custom call the partitioner cannot split, so it runs on one-device meshes only: there
-    "auto" keeps it, elsewhere "auto" means XLA's dot and "cpu_kernel" is a ValueError."""
-    if mesh.devices.size == 1 or config.matmul_impl == "xla":
+    "auto" keeps it, elsewhere "auto" means XLA's dot and "cpu_kernel" is a ValueError (and so
+    is attention_impl "cpu"; "auto" attention follows the products, models.transformer)."""
+    if mesh.devices.size == 1:
+        return config
+    if config.attention_impl == "cpu":
+        raise ValueError(
+            f"attention_impl: cpu runs on one device, not a {mesh.devices.size}-device mesh; use auto or xla"
+        )
+    if config.matmul_impl == "xla":
         return config
     if config.matmul_impl == "cpu_kernel":
         raise ValueError(

@@ -8,6 +8,11 @@ returns zeros.
 
 Implementations (`impl`):
   "xla"         the dense reference (reference.py); any backend.
+  "cpu"         this project's CPU kernel (cpu_attention.cc, in the CPU kernel library of
+                cpu_matmul.py): each query computed alone in one fixed order, so a query's result
+                does not depend on how many queries share the call (XLA's fusions of the reference
+                do, in the last bits). "auto" on a CPU resolves to it where the model's products
+                run in the CPU kernels (models.transformer), else to "xla".
   "pallas_tpu"  Mosaic kernels; "pallas_gpu" Triton kernels. Both route on T (static):
                 T <= DECODE_MAX_QUERIES -> flash_decoding (split-K over the cache, the T * H/KVH
                 query rows of a kv head folded into one tile), otherwise flash_attention (query x
@@ -25,7 +30,7 @@ from models.kernels import flash_attention, flash_decoding
 from models.kernels import target as target_lib
 from models.kernels.reference import DEFAULT_MASK_VALUE, attention_mask, attention_reference
 
-IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+IMPLS = ("auto", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 
 # Largest T sent to flash_decoding. Decode (T=1) and verification (T=gamma+1 <= 9) fold T * G query
 # rows into one tile and get their parallelism from splitting the cache; from 17 queries on
@@ -64,6 +69,14 @@ def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths)
+    if impl == "cpu":
+        from models.kernels import cpu_matmul
+
+        if not cpu_matmul.available():
+            raise ValueError(
+                "attention impl cpu: the CPU kernel library is unavailable here (see the warning)"
+            )
+        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths)
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
     # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
     # goes to flash_attention, which tiles the queries.

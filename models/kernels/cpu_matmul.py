@@ -1,4 +1,4 @@
-"""The CPU matrix-product kernel (cpu_matmul.cc), built on first use and called through jax.ffi.
+"""The CPU kernels (cpu_matmul.cc, cpu_rowwise.cc), built on first use and called through jax.ffi.
 
 One source, two builds: `avx512` (16 lanes, 32 zmm registers, more activation rows per pass)
 and `avx2` (8 lanes, 16 ymm registers). `isa()` picks the build for this process: the one named
@@ -13,7 +13,9 @@ is bit-identical whatever the number of rows in the call.
 and jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/`), loads it and registers its three
 targets with XLA; it returns False, with one warning, where it cannot (not x86-64, a CPU without
 the ISA's instructions, no compiler), and the models then use XLA's own products.
-`matmul(x, w, scale)` is y[M, N] = x[M, K] . w[N, K]^T (* scale[N] for int8 weights), float32 out.
+`matmul(x, w, scale)` is y[M, N] = x[M, K] . w[N, K]^T (* scale[N] for int8 weights), float32 out;
+`attention(q, k, v, q_positions, kv_lengths)` is models.kernels' attention contract, each query
+computed alone (so a verification call's rows equal decode steps' bit for bit).
 """
 
 import ctypes
@@ -29,8 +31,10 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_rowwise.cc"))  # one library: products, attention, RMSNorm
 ISA_ENV = "SPEC_JAX_CPU_ISA"
 # ISA -> (the /proc/cpuinfo flags it needs, the compiler flags that enable them). The source
 # picks its code path from the compiler's __AVX512F__ etc.
@@ -100,7 +104,9 @@ def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
 
     isa_name = isa_name or isa()
     flags = " ".join(compiler_flags(isa_name))
-    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + jax.__version__.encode())
+    digest = hashlib.sha256(
+        b"".join(p.read_bytes() for p in SOURCES) + flags.encode() + jax.__version__.encode()
+    )
     return cache_root(cache_dir) / "kernels" / f"cpu_matmul-{isa_name}-{digest.hexdigest()[:16]}.so"
 
 
@@ -121,7 +127,14 @@ def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".so")
     os.close(fd)
     try:
-        cmd = [compiler, *compiler_flags(isa_name), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [
+            compiler,
+            *compiler_flags(isa_name),
+            f"-I{jax.ffi.include_dir()}",
+            *map(str, SOURCES),
+            "-o",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise KernelUnavailable(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
@@ -134,6 +147,10 @@ def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
 
 def target_name(dtype: str, isa_name: str) -> str:
     return f"spec_jax_matmul_{dtype}_{isa_name}"
+
+
+def rowwise_target(op: str, isa_name: str) -> str:
+    return f"spec_jax_{op}_{isa_name}"
 
 
 def available(isa_name: str | None = None) -> bool:
@@ -151,6 +168,12 @@ def _load(isa_name: str) -> bool:
             for dtype, symbol in DTYPES.items():
                 jax.ffi.register_ffi_target(
                     target_name(dtype, isa_name), jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+                )
+            for name, symbol in (("attention", "SpecJaxAttention"), ("rms_norm", "SpecJaxRmsNorm")):
+                jax.ffi.register_ffi_target(
+                    rowwise_target(name, isa_name),
+                    jax.ffi.pycapsule(getattr(library, symbol)),
+                    platform="cpu",
                 )
             return True
         except (KernelUnavailable, OSError) as e:
@@ -170,3 +193,24 @@ def matmul(x_mk, w_nk, scale_n=None, isa_name: str | None = None):
     args = (x_mk.astype(jnp.float32), w_nk) + (() if scale_n is None else (scale_n.astype(jnp.float32),))
     # Under vmap (per-prompt decoding) the kernel runs once per batch element.
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
+
+
+def attention(q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str | None = None):
+    """The attention contract of models.kernels (float32 inside; out in q's dtype), each query
+    computed alone in one fixed order (cpu_rowwise.cc): a query's result is the same bits
+    whatever the number of queries in the call. The build of isa_name must be available()."""
+    out = jax.ShapeDtypeStruct(q_bthd.shape, jnp.float32)
+    call = jax.ffi.ffi_call(rowwise_target("attention", isa_name or isa()), out, vmap_method="sequential")
+    f32 = (x.astype(jnp.float32) for x in (q_bthd, k_bskd, v_bskd))
+    ints = (q_positions_bt.astype(jnp.int32), kv_lengths_b.astype(jnp.int32))
+    return call(*f32, *ints).astype(q_bthd.dtype)
+
+
+def rms_norm(x, scale, eps: float, isa_name: str | None = None):
+    """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D], float32, each row alone in one fixed order
+    (cpu_rowwise.cc); the build of isa_name must be available()."""
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call = jax.ffi.ffi_call(
+        rowwise_target("rms_norm", isa_name or isa()), jax.ShapeDtypeStruct(x2.shape, jnp.float32)
+    )
+    return call(x2, scale.astype(jnp.float32), eps=np.float32(eps)).reshape(x.shape)

@@ -1,0 +1,212 @@
+// The row-wise operations of a model call for XLA:CPU, each row computed alone in one fixed
+// order: attention and RMSNorm, called through jax.ffi (models/kernels/cpu_matmul.py builds this
+// file into the CPU kernel library with the products).
+//
+// Attention, under the contract of models/kernels/__init__.py:
+//
+//   out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h / G] / sqrt(D)) . v[b, s, h / G]
+//   over s <= q_positions[b, t] and s < kv_lengths[b]; zeros where no key is visible.
+//
+// Why: XLA fuses and vectorizes the reference's einsums and softmax differently for different
+// numbers of queries, so a query's result in a verification call (T = gamma + 1) differed from
+// the same query's decode step (T = 1) in the last bits (about 1e-6 on the Qwen pair's logits at
+// float32), which 8-bit activations (precision gguf_q8) and bfloat16 magnify into flipped
+// near-ties. Here each query is computed alone, in one fixed order: the dot products over D in
+// 8 lanes then a fixed tree, the scores' maximum, exp in 8 lanes then a fixed tree for their
+// sum, and the weighted values in order of s. Nothing depends on T, the batch or the thread, so
+// a query's result is the same bits in any call. AVX2 + FMA intrinsics, the same code in both
+// builds of the library (both builds give the same bits).
+//
+// RMSNorm: y[m] = x[m] * (1 / sqrt(mean(x[m]^2) + eps)) * scale, the sum of squares in 8 lanes
+// then a fixed tree then the tail, for the same reason (XLA's reduction of a [T, D] array is not
+// the same bits as of a [1, D] one inside the model's fusions).
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float Sum8(__m256 v) {  // a fixed tree: 4 + 4, 2 + 2, 1 + 1
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for x <= 0 in 8 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial, then 2^n; relative error about 2e-7). Lanes below -87.3 give 0.
+inline __m256 Exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// q . k over d values: 8 lanes over d = 0, 8, ..., the lanes by Sum8, then the tail in order.
+inline float Dot(const float* q, const float* k, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+  float s = Sum8(acc);
+  for (; i < d; ++i) s += q[i] * k[i];
+  return s;
+}
+
+// One query: q [D] against keys / values [n, KVH, D] (row stride kv_stride), into out [D].
+void OneQuery(const float* q, const float* k, const float* v, int64_t n, int64_t kv_stride, int64_t d,
+              float scale, float* scores, float* out) {
+  if (n <= 0) {
+    std::fill(out, out + d, 0.0f);
+    return;
+  }
+  float top = -INFINITY;
+  for (int64_t s = 0; s < n; ++s) {
+    scores[s] = Dot(q, k + s * kv_stride, d) * scale;
+    top = std::max(top, scores[s]);
+  }
+  const __m256 top8 = _mm256_set1_ps(top);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t s = 0;
+  for (; s + 8 <= n; s += 8) {
+    const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s), top8));
+    _mm256_storeu_ps(scores + s, e);
+    sum8 = _mm256_add_ps(sum8, e);
+  }
+  float total = Sum8(sum8);
+  if (s < n) {  // the tail as one masked step: the same exp as the lanes'
+    alignas(32) float tail[8];
+    for (int i = 0; i < 8; ++i) tail[i] = s + i < n ? scores[s + i] - top : -INFINITY;
+    _mm256_store_ps(tail, Exp8(_mm256_load_ps(tail)));
+    for (int64_t i = 0; s + i < n; ++i) {
+      scores[s + i] = tail[i];
+      total += tail[i];
+    }
+  }
+  const float inv = 1.0f / total;
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + j * kv_stride + c), acc);
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+  }
+  for (; c < d; ++c) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; ++j) acc += scores[j] * v[j * kv_stride + c];
+    out[c] = acc * inv;
+  }
+}
+
+bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+struct Work {  // as in cpu_matmul.cc: the caller never waits for a task that has not started
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buffer<ffi::F32> k_buf,
+                     ffi::Buffer<ffi::F32> v_buf, ffi::Buffer<ffi::S32> qpos_buf, ffi::Buffer<ffi::S32> kvlen_buf,
+                     ffi::ResultBuffer<ffi::F32> out_buf) {
+  const auto qd = q_buf.dimensions(), kd = k_buf.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || !SameDims(v_buf.dimensions(), kd) || qd[0] != kd[0] || qd[3] != kd[3] ||
+      kd[2] == 0 || qd[2] % kd[2] != 0 || qpos_buf.element_count() != qd[0] * qd[1] ||
+      kvlen_buf.element_count() != qd[0] || !SameDims(out_buf->dimensions(), qd)) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "spec_jax attention expects q [B, T, H, D], k and v [B, S, KVH, D] with KVH dividing H, "
+                      "q_positions [B, T], kv_lengths [B], out [B, T, H, D]");
+  }
+  const int64_t batch = qd[0], t_dim = qd[1], heads = qd[2], d = qd[3], keys = kd[1], kv_heads = kd[2];
+  const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
+  const float scale = static_cast<float>(std::pow(static_cast<double>(d), -0.5));
+  const float *q = q_buf.typed_data(), *k = k_buf.typed_data(), *v = v_buf.typed_data();
+  const int32_t *qpos = qpos_buf.typed_data(), *kvlen = kvlen_buf.typed_data();
+  float* out = out_buf->typed_data();
+  const int64_t items = batch * t_dim * heads;  // one query head of one position of one row each
+  auto body = [=](int64_t item) {
+    thread_local std::vector<float> scores;
+    scores.resize(std::max<int64_t>(keys, 1));
+    const int64_t h = item % heads, bt = item / heads, b = bt / t_dim;
+    const int64_t n = std::min<int64_t>({static_cast<int64_t>(qpos[bt]) + 1, kvlen[b], keys});
+    const int64_t kv = b * keys * kv_stride + (h / group) * d;
+    OneQuery(q + item * d, k + kv, v + kv, n, kv_stride, d, scale, scores.data(), out + item * d);
+  };
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunk = std::max<int64_t>(1, items / (4 * threads));
+  const int64_t chunks = (items + chunk - 1) / chunk;
+  auto work = std::make_shared<Work>();
+  auto drain = [work, body, chunk, chunks, items]() {
+    for (;;) {
+      work->active.fetch_add(1, std::memory_order_acq_rel);
+      const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
+      if (c >= chunks) {
+        work->active.fetch_sub(1, std::memory_order_acq_rel);
+        return;
+      }
+      for (int64_t i = c * chunk; i < std::min(items, (c + 1) * chunk); ++i) body(i);
+      work->active.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  };
+  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([drain]() { drain(); });
+  drain();
+  while (work->active.load(std::memory_order_acquire) > 0) _mm_pause();
+  return ffi::Error::Success();
+}
+
+ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x_buf, ffi::Buffer<ffi::F32> scale_buf, ffi::ResultBuffer<ffi::F32> y_buf,
+                   float eps) {
+  const auto xd = x_buf.dimensions();
+  if (xd.size() != 2 || scale_buf.element_count() != xd[1] || !SameDims(y_buf->dimensions(), xd)) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "spec_jax rms_norm expects x [M, D], scale [D], y [M, D]");
+  }
+  const int64_t rows = xd[0], d = xd[1];
+  const float *x = x_buf.typed_data(), *scale = scale_buf.typed_data();
+  float* y = y_buf->typed_data();
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = x + m * d;
+    const float inv = 1.0f / std::sqrt(Dot(row, row, d) / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) y[m * d + i] = row[i] * inv * scale[i];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxRmsNorm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
