@@ -90,10 +90,11 @@ def attention_impl(cfg: ModelConfig) -> str:
     run in the CPU kernels (models.precision.resolve_matmul_impl) is the CPU attention kernel
     too, so that a verification call's rows equal decode steps' bit for bit. With "cpu" the
     RMSNorms run in the CPU kernel library too (the other reduction of a layer)."""
-    if cfg.attention_impl == "auto" and kernels.resolve_impl("auto") == "xla":
-        if precision.resolve_matmul_impl(cfg.matmul_impl) == "cpu_kernel":
-            return "cpu"
-    return cfg.attention_impl
+    cpu = (
+        kernels.resolve_impl("auto") == "xla"
+        and precision.resolve_matmul_impl(cfg.matmul_impl) == "cpu_kernel"
+    )
+    return "cpu" if cfg.attention_impl == "auto" and cpu else cfg.attention_impl
 
 
 class Attention(nn.Module):
