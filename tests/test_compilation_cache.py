@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from models.kernels import cpu_matmul, libraries
+from models.kernels import compile_targets, cpu_matmul, libraries
 from spec_jax import executables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,3 +113,46 @@ def test_a_rebuilt_kernel_library_gets_a_folder_of_its_own(tmp_path, monkeypatch
     monkeypatch.setattr(cpu_matmul, "COMMON_FLAGS", (*cpu_matmul.COMMON_FLAGS, "-O2"))
     folders.add(executables.persistent_cache_dir(tmp_path))
     assert len(folders) == 3
+
+
+COMPILE_ONLY_PROGRAM = """
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import executables
+
+executables.enable_persistent_cache(sys.argv[1])
+from models.kernels import compile_targets as ct  # noqa: E402
+
+ct.add_compile_deps()
+jnp.ones(3).sum().block_until_ready()  # a CPU program first: JAX decides then that the cache is used
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ct.compile_for(lambda x: jnp.sin(x) @ x.T, (jax.ShapeDtypeStruct((128, 128), jnp.float32),), ct.device("tpu-v5e"))
+print("warnings:", [str(w.message) for w in caught])
+"""
+
+
+@pytest.mark.skipif(
+    "libtpu" in compile_targets.missing_packages(), reason="libtpu (compile-only TPU) not installed"
+)
+def test_compile_only_programs_are_not_written(tmp_path):
+    """A compile-only TPU executable can be written but not read back (a warning per program on
+    every later run): compile_targets.compile_for keeps it out of the persistent cache."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-c", COMPILE_ONLY_PROGRAM, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "warnings: []" in result.stdout, result.stdout
+    written = [p.name.partition("-")[0] for p in tmp_path.iterdir()]
+    assert written and "jit__lambda" not in written, written
