@@ -78,16 +78,18 @@ def enable_compilation_cache():
     return folder
 
 
-def run(main):
+def run(main, compilation_cache: bool = True):
     """app.run(main) where a ValueError from main is bad input (one line on stderr, exit code
-    2) and data that cannot be fetched or cached is one line on stderr with exit code 1. The
-    persistent compilation cache is enabled before main (enable_compilation_cache)."""
+    2) and data that cannot be fetched or cached is one line on stderr with exit code 1. With
+    compilation_cache (entry points that compile), the persistent compilation cache is enabled
+    before main (enable_compilation_cache)."""
 
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
         try:
-            enable_compilation_cache()
+            if compilation_cache:
+                enable_compilation_cache()
             return main(argv)
         except ValueError as e:  # includes UsageError
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
