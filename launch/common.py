@@ -1,4 +1,6 @@
-"""Shared plumbing for the absl entry points: one-line errors with exit code 2, atomic writes."""
+"""Shared plumbing for the absl entry points: one-line errors with exit code 2, atomic writes,
+and JAX's persistent compilation cache (on unless --nocompilation_cache or
+$SPEC_JAX_COMPILATION_CACHE=0)."""
 
 import json
 import os
@@ -6,6 +8,19 @@ import sys
 import tempfile
 
 from absl import app, flags, logging
+
+COMPILATION_CACHE_ENV = "SPEC_JAX_COMPILATION_CACHE"
+_OFF = ("0", "off", "false", "no")
+_ON = ("", "1", "on", "true", "yes")
+
+flags.DEFINE_bool(
+    "compilation_cache",
+    True,
+    "Keep compiled programs on disk (JAX's persistent compilation cache, in "
+    "$SPEC_JAX_CACHE/compilation/<kernel builds' digest>/), so a second run loads them instead of "
+    f"compiling. --nocompilation_cache, or ${COMPILATION_CACHE_ENV}=0, turns it off; "
+    f"${COMPILATION_CACHE_ENV}=PATH puts it in PATH/<digest>/ instead.",
+)
 
 
 class UsageError(ValueError):
@@ -43,14 +58,38 @@ def parse_flags(argv):
         _fail(str(e).splitlines()[0])
 
 
-def run(main):
+def enable_compilation_cache():
+    """Turns on JAX's persistent compilation cache for this process (spec_jax.executables) unless
+    --nocompilation_cache or $SPEC_JAX_COMPILATION_CACHE is 0/off/false/no; the env variable may
+    also name the folder that holds the per-build folders (default $SPEC_JAX_CACHE/compilation).
+    Returns the cache folder, or None when off (also when the folder cannot be created: the run
+    goes on compiling everything, as without the cache)."""
+    from spec_jax import executables
+
+    setting = os.environ.get(COMPILATION_CACHE_ENV, "").strip()
+    folder = None
+    if flags.FLAGS.compilation_cache and setting.lower() not in _OFF:
+        folder = executables.persistent_cache_dir(None if setting.lower() in _ON else setting)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            folder = None
+    executables.enable_persistent_cache(folder)
+    return folder
+
+
+def run(main, compilation_cache: bool = True):
     """app.run(main) where a ValueError from main is bad input (one line on stderr, exit code
-    2) and data that cannot be fetched or cached is one line on stderr with exit code 1."""
+    2) and data that cannot be fetched or cached is one line on stderr with exit code 1. With
+    compilation_cache (entry points that compile), the persistent compilation cache is enabled
+    before main (enable_compilation_cache)."""
 
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:
             logging.set_verbosity(logging.WARNING)  # absl's INFO lines (backend probing) are noise here
         try:
+            if compilation_cache:
+                enable_compilation_cache()
             return main(argv)
         except ValueError as e:  # includes UsageError
             _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -14,6 +14,10 @@ Multi-host: every process runs the same command (only --process_id differs, or n
 Cloud TPU VM, where jax.distributed.initialize() finds its peers); only process 0 prints and
 writes --output_json.
 
+Compiled programs are kept in $SPEC_JAX_CACHE/compilation/ and loaded by later runs instead of
+compiled again; --nocompilation_cache (see --helpfull) or SPEC_JAX_COMPILATION_CACHE=0 turns
+that off.
+
 Bad flags and bad input exit with code 2 and one line on stderr.
 """
 

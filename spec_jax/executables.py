@@ -4,10 +4,19 @@
 (name, static settings, argument shapes/dtypes/shardings) and returns the executable with the
 seconds its compilation took (0 when it came from the cache). TRACE_COUNTS counts how often
 each loop body was traced (a retrace means a recompile); tests read it.
+
+Across processes: `enable_persistent_cache(folder)` turns on JAX's persistent compilation
+cache for every program this process compiles from then on (the loops here, and every other
+jitted call); `persistent_cache_dir()` is the project's folder for it,
+`$SPEC_JAX_CACHE/compilation/<digest of the kernel libraries' builds>/`. The entry points in
+launch/ call both once, before anything compiles (launch.common.enable_compilation_cache); a
+library import never does.
 """
 
 import collections
 import functools
+import os
+import pathlib
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -65,3 +74,42 @@ def compiled(
 def clear_compiled() -> None:
     """Forgets every compiled loop (tests that patch a rule use it so nothing stale is reused)."""
     _EXECUTABLES.clear()
+
+
+PERSISTENT_CACHE_FOLDER = "compilation"
+
+
+def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
+    """The folder for JAX's persistent compilation cache: `root` (default
+    `$SPEC_JAX_CACHE/compilation`) / models.kernels.libraries.build_digest().
+
+    JAX keys each program by its HLO, compile options, XLA flags, devices and jax/jaxlib
+    versions; a program calling this project's CPU kernel holds only the kernel's target name,
+    so the folder is named by the builds of the kernel libraries (and the CPU): an executable
+    is never paired with another build of a library that registers the same names. A rebuilt
+    library starts a new folder; the old one is left for `rm -rf` (docs/design.md).
+    """
+    from models.kernels import libraries
+    from models.registry import cache_root
+
+    base = cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
+    return base / libraries.build_digest()
+
+
+def enable_persistent_cache(folder: str | os.PathLike | None) -> None:
+    """Points JAX's persistent compilation cache at `folder` for every program this process
+    compiles from now on, whatever its compile time or size (JAX's defaults skip programs that
+    compile in under a second: most of this project's small ones). None turns the cache off
+    (also one that $JAX_COMPILATION_CACHE_DIR names; JAX then stops hashing each program for a
+    key). Call it before the first compilation: JAX decides at its first compile whether this
+    process uses the cache. Never written: programs with host callbacks (jax.debug.print; JAX's
+    rule) and compile-only TPU / GPU programs (models.kernels.compile_targets.compile_for: they
+    cannot be read back).
+    """
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size limit

@@ -18,6 +18,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # comparison in the suite is between programs compiled alike, or to a tolerance.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# JAX's persistent compilation cache, which the entry points turn on (launch.common), stays off
+# for the CLI subprocesses the tests start: they would write into the user's $SPEC_JAX_CACHE, and
+# a compilation cache shared by the workers was tried and did not pay (542 s against 552 s for
+# the suite). tests/test_compilation_cache.py turns it on for its own subprocesses.
+os.environ["SPEC_JAX_COMPILATION_CACHE"] = "0"
 # The compile-only backends live outside the venv (`make test` installs them with pip --target):
 # on the venv's path the CUDA plugin logs three lines at every jax start-up, even on
 # JAX_PLATFORMS=cpu, which breaks the one-line-stderr checks of the CLI tests. Only this process

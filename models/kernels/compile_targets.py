@@ -26,10 +26,12 @@ does the same for any function of ShapeDtypeStructs. Used by
 tests/test_compile_targets.py (a few cases in `make test`) and scripts/compile_sweep.py (all).
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -212,11 +214,27 @@ def lower_for(fn, args, dev, donate_argnums=()):
         return jax.jit(fn, donate_argnums=donate_argnums).trace(*place(args, dev)).lower()
 
 
+@contextlib.contextmanager
+def _not_written_to_persistent_cache():
+    """JAX's persistent compilation cache (spec_jax.executables.enable_persistent_cache) writes
+    nothing inside: a compile-only executable is written, but reading it back fails ("PjRtCompiler
+    must be constructed with a Client to call DeserializeLoadedExecutable", a warning per program)
+    and it is compiled again. JAX checks this threshold when it writes, after each compile."""
+    key = "jax_persistent_cache_min_compile_time_secs"
+    previous = getattr(jax.config, key)
+    jax.config.update(key, math.inf)
+    try:
+        yield
+    finally:
+        jax.config.update(key, previous)
+
+
 def compile_for(fn, args, dev, donate_argnums=()):
     """Runs the device compiler on fn(*args) for `dev`; its errors propagate. Returns the
-    jax.stages.Compiled (its cost_analysis() is what experiments/predicted_speed.py reads)."""
+    jax.stages.Compiled (its cost_analysis() is what experiments/predicted_speed.py reads).
+    Never written to JAX's persistent compilation cache (it could not be read back)."""
     lowered = lower_for(fn, args, dev, donate_argnums)
-    with jax.default_device(dev):
+    with jax.default_device(dev), _not_written_to_persistent_cache():
         return lowered.compile()
 
 
