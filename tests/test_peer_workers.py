@@ -30,7 +30,8 @@ def test_protocol_answers_each_request_and_survives_a_bad_one():
     peer_protocol.serve(peer_protocol.FakeBackend(), out, [line + "\n" for line in requests])
     replies = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(replies) == 3  # nothing after quit
-    assert replies[0]["tokens"] == [7, 8, 9] and replies[0]["seconds"] >= 0 and replies[0]["peak_rss_mb"] > 0
+    assert replies[0]["tokens"] == [7, 8, 9] and replies[0]["num_tokens"] == 3
+    assert replies[0]["seconds"] >= 0 and replies[0]["peak_rss_mb"] > 0
     assert "unknown op" in replies[1]["error"]
     assert replies[2]["error"].startswith("IndexError")  # an empty prompt: the fake backend's error
 
