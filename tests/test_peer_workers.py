@@ -1,10 +1,13 @@
 """The peer suite's parts that need no peer library: the workers' JSON-lines protocol, the
-draft GGUF's requantization for OpenVINO GenAI, and skipping a library whose packages are
-missing while the others still run. (tests/test_bench.py runs the whole suite on fake workers.)"""
+draft GGUF's requantization for OpenVINO GenAI, reading llama.cpp's programs' output (captured
+from the real programs in tests/fixtures/llama_cpp/), comparing a peer's text with our tokens,
+and skipping a library whose packages or tools are missing while the others still run.
+(tests/test_bench.py runs the whole suite on fake workers.)"""
 
 import io
 import json
 import os
+import pathlib
 import stat
 import sys
 
@@ -14,7 +17,9 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from experiments import bench_peer
-from launch import ov_peer_worker, peer_protocol
+from launch import llama_peer_worker, ov_peer_worker, peer_protocol
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "llama_cpp"
 
 
 def test_protocol_answers_each_request_and_survives_a_bad_one():
@@ -129,6 +134,7 @@ def stub_interpreter(tmp_path, modules):
 
 def test_a_missing_peer_library_is_skipped_with_one_line_and_the_other_runs(tmp_path, capsys):
     config = bench_peer.get_config(quick=False)
+    config.peers = ("hf", "ov")
     no_openvino = stub_interpreter(tmp_path / "hf", ["torch", "transformers", "accelerate", "gguf"])
     assert [p.key for p in bench_peer.available_peers(no_openvino, config)] == ["hf"]
     (line,) = capsys.readouterr().out.splitlines()
@@ -138,3 +144,57 @@ def test_a_missing_peer_library_is_skipped_with_one_line_and_the_other_runs(tmp_
     assert [p.key for p in bench_peer.available_peers(no_torch, config)] == ["ov"]
     (line,) = capsys.readouterr().out.splitlines()
     assert "HF transformers skipped" in line and "pip install torch==2.13.0" in line
+
+
+def test_a_text_peer_answers_text_with_its_token_count_and_timings():
+    requests = [
+        json.dumps(
+            {"op": "generate", "prompt": [5, 6], "text": "ab", "max_new_tokens": 3, "speculative": True}
+        ),
+        json.dumps({"op": "generate", "prompt": [5], "max_new_tokens": 2, "speculative": False}),
+    ]
+    out = io.StringIO()
+    peer_protocol.serve(llama_peer_worker.FakeTextBackend(), out, [line + "\n" for line in requests])
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert first["text"] == "hij" and first["num_tokens"] == 3 and "tokens" not in first  # 7, 8, 9 as letters
+    assert first["num_drafted"] == 3 and first["decode_seconds"] > 0
+    assert "no text" in second["error"]  # llama.cpp's programs take text
+
+
+def test_llama_completion_output_parsed_into_text_tokens_and_phase_timings():
+    stdout = (FIXTURES / "completion.stdout").read_bytes()
+    stderr = (FIXTURES / "completion.stderr").read_text()
+    result = llama_peer_worker.parse_completion(stdout, stderr)
+    assert result == {
+        "text": " if len(arr) <= 1:\n",  # -n 8; the program ends its output with two newlines
+        "num_tokens": 8,  # 7 eval runs: the last token is sampled, never evaluated
+        "seconds": pytest.approx(0.42199),
+        "prefill_seconds": pytest.approx(0.14943),
+        "decode_seconds": pytest.approx(0.26926),
+        "decode_tokens": 7,
+        "prompt_ids": [750, 3974, 6860, 10939, 982, 257],  # a piece with a newline spans two lines
+    }
+    with pytest.raises(ValueError, match="no total time"):
+        llama_peer_worker.parse_completion(stdout, stderr.replace("total time", "sum"))
+
+
+def test_llama_speculative_output_parsed_without_the_echoed_prompt():
+    stdout = (FIXTURES / "speculative.stdout").read_bytes()
+    stderr = (FIXTURES / "speculative.stderr").read_text()
+    prompt = "def quicksort(arr):\n    "
+    result = llama_peer_worker.parse_speculative(stdout, stderr, prompt)
+    assert result == {
+        # -n 7 made 11 tokens: the last round drafts without the length cap (n_max 3, all accepted)
+        "text": " if len(arr) <= 1:\n         return arr",
+        "num_tokens": 11,
+        "seconds": pytest.approx(0.322 + 1.033),
+        "prefill_seconds": pytest.approx(0.322),
+        "decode_seconds": pytest.approx(1.033),
+        "decode_tokens": 11,
+        "num_drafted": 8,
+        "num_accepted": 8,
+    }
+    with pytest.raises(ValueError, match="not the prompt"):
+        llama_peer_worker.parse_speculative(stdout, stderr, "def mergesort")
+    with pytest.raises(ValueError, match="no decoded"):
+        llama_peer_worker.parse_speculative(stdout, stderr.replace("decoded", "made"), prompt)
