@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, quants
 
 from experiments import bench_peer
 from launch import llama_peer_worker, ov_peer_worker, peer_protocol
+from models.kernels import llama_cpp
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "llama_cpp"
 
@@ -198,3 +199,94 @@ def test_llama_speculative_output_parsed_without_the_echoed_prompt():
         llama_peer_worker.parse_speculative(stdout, stderr, "def mergesort")
     with pytest.raises(ValueError, match="no decoded"):
         llama_peer_worker.parse_speculative(stdout, stderr.replace("decoded", "made"), prompt)
+
+
+def byte_decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("abc", None),
+        ("abcdef", None),  # a text peer may make a few tokens more
+        ("abx", 2),
+        ("", 0),
+        ("ab", 2),  # shorter
+    ],
+)
+def test_text_compared_with_our_tokens_token_by_token(text, expected):
+    assert bench_peer.first_text_difference(text, list(b"abc"), byte_decode) == expected
+
+
+def test_text_comparison_waits_for_a_character_split_over_tokens():
+    tokens = list("aé!".encode())  # é is two bytes: two tokens here
+    assert bench_peer.first_text_difference("aé!", tokens, byte_decode) is None
+    assert bench_peer.first_text_difference("aé?", tokens, byte_decode) == 3
+    assert bench_peer.first_text_difference("aè!", tokens, byte_decode) == 2  # è shares é's first byte
+    assert bench_peer.first_text_difference("aé", tokens[:2], byte_decode) is None  # ends inside é
+
+
+def tools_path(tmp_path, tools):
+    """A PATH holding only stand-ins for `tools` (each does nothing)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for tool in tools:
+        (folder / tool).write_text("#!/bin/sh\nexit 0\n")
+        (folder / tool).chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "tools, cxx, message",
+    [
+        ((), None, "cmake is not installed"),
+        (("cmake",), "no-such-c++", "no C++ compiler found"),
+    ],
+)
+def test_llama_cpp_without_cmake_or_compiler_is_skipped_with_one_line(
+    tmp_path, monkeypatch, capsys, tools, cxx, message
+):
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path / "cache"))  # nothing built there
+    monkeypatch.setenv("PATH", tools_path(tmp_path, tools))
+    if cxx:
+        monkeypatch.setenv("CXX", cxx)
+    config = bench_peer.get_config(quick=False)
+    config.peers = ("llama",)
+    assert bench_peer.available_peers("/nonexistent/python", config) == []
+    (line,) = capsys.readouterr().out.splitlines()
+    assert (
+        line.startswith("peer suite: llama.cpp skipped: llama.cpp cannot be built here: ") and message in line
+    )
+    assert not (tmp_path / "cache").exists() or not any(
+        (tmp_path / "cache").rglob("*.tar.gz")
+    )  # nothing fetched
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not llama_cpp.built(bench_peer.LLAMA_PROGRAMS),
+    reason="llama.cpp's programs are not built (a few minutes)",
+)
+def test_llama_worker_runs_the_real_programs_greedy_on_the_qwen_pair():
+    from models import registry
+    from models.tokenizer import Tokenizer
+
+    paths = [str(registry.fetch_gguf(name)) for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
+    tokenizer = Tokenizer.from_gguf(paths[0])
+    backend = llama_peer_worker.LlamaCppBackend(
+        str(llama_cpp.build_dir() / "bin"), *paths, threads=os.cpu_count()
+    )
+    assert backend.info()["models"]["target"]["file_type"]
+    text = "def quicksort(arr):\n    "
+    ids = tokenizer.encode(text)  # llama-completion checks that it tokenizes the text the same
+    plain = backend.generate(peer_protocol.Request(ids, 6, False, text=text))
+    spec = backend.generate(peer_protocol.Request(ids, 6, True, text=text, draft_max=2))
+    assert plain["num_tokens"] == 6 and 6 <= spec["num_tokens"] <= 8
+    assert spec["text"].startswith(plain["text"])  # greedy: speculative repeats plain decoding
+    assert (
+        bench_peer.first_text_difference(plain["text"], tokenizer.encode(plain["text"]), tokenizer.decode)
+        is None
+    )
+    with pytest.raises(ValueError, match="tokenized the prompt"):
+        backend.generate(peer_protocol.Request(ids[:-1], 2, False, text=text))
