@@ -1,13 +1,17 @@
-"""Benchmark: this project against HF transformers and OpenVINO GenAI on the same pair, prompts
-and machine, greedy, the systems alternating.
+"""Benchmark: this project against HF transformers, OpenVINO GenAI and llama.cpp on the same pair,
+prompts and machine, greedy, the systems alternating.
 
-Each peer library runs in `peer_python` in a worker process of its own (launch/hf_peer_worker.py,
-launch/ov_peer_worker.py; one protocol, launch/peer_protocol.py) that loads both models once;
-repeat r runs prompt r (cycling) through every system (plain and speculative of each library),
-the starting system rotating. Each system's time is the wall time of its generate call alone
-(the peers': measured inside the worker). A peer library whose packages `peer_python` cannot
-import is skipped with one line saying how to install them; with neither, or without the
-interpreter, the suite prints why and writes nothing.
+Each peer runs in a worker process of its own (launch/hf_peer_worker.py, launch/ov_peer_worker.py,
+launch/llama_peer_worker.py; one protocol, launch/peer_protocol.py): HF's and OpenVINO's in
+`peer_python`, loading both models once; llama.cpp's in this interpreter (it needs only the
+standard library), running llama.cpp's own programs, built once from the registry's
+llama-cpp-python sdist (models.kernels.llama_cpp), one process per request. Repeat r runs prompt
+r (cycling) through every system (plain and speculative of each library; llama.cpp's speculative
+program at each `llama_draft_n_max`), the starting system rotating. Each system's time is the
+wall time of its generate call alone (the peers': measured inside the worker, llama.cpp's by the
+program itself). A peer that cannot run here (packages `peer_python` cannot import; no cmake or
+compiler for llama.cpp) is skipped with one line saying why and how to fix it; with none left the
+suite prints why and writes nothing.
 """
 
 import contextlib
@@ -15,6 +19,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -24,7 +29,10 @@ import ml_collections
 from experiments import bench_decode, common, framework
 from spec_jax import timing
 
-TITLE = "Benchmark peer: spec-jax against HF transformers and OpenVINO GenAI (plain and speculative), side by side"
+TITLE = (
+    "Benchmark peer: spec-jax against HF transformers, OpenVINO GenAI and llama.cpp "
+    "(plain and speculative), side by side"
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_INSTALL = (
@@ -32,20 +40,40 @@ PEER_INSTALL = (
     "openvino-genai==2026.4.1.0"
 )
 HF_DTYPES = ("float32", "bfloat16")
+LLAMA_PROGRAMS = ("llama-completion", "llama-speculative-simple", "llama-bench")
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    """One row of the table: a peer's plain or speculative generate."""
+
+    name: str
+    speculative: bool
+    draft_max: int | None = None  # drafts per round asked of the worker (None: the worker's setting)
 
 
 @dataclasses.dataclass(frozen=True)
 class Peer:
-    """A peer library: its worker module, what the worker imports, and its two systems."""
+    """A peer library: its worker module, what the worker needs, and its systems."""
 
     key: str  # its value in config.peers
     library: str
-    module: str  # run as `peer_python -m module` from the repository root
-    requires: tuple[str, ...]  # modules the real (not --fake) worker imports
-    install: str  # the pip line that gives .venv-ref those modules
-    plain: str  # row names; {gamma} is the suite's gamma
-    speculative: str
+    module: str  # run as `python -m module` from the repository root
+    # Modules the real (not --fake) worker imports, in peer_python; () for a worker that needs
+    # only the standard library, which runs in this interpreter.
+    requires: tuple[str, ...]
+    systems: Callable[[ml_collections.ConfigDict], list[System]]  # the plain system first
     worker_args: Callable[[ml_collections.ConfigDict], list[str]]  # beyond --target/--draft/--threads
+    install: str = ""  # the pip line that gives peer_python the modules of `requires`
+    # llama.cpp programs its worker runs, built here once (models.kernels.llama_cpp, whose error
+    # says what is missing)
+    programs: tuple[str, ...] = ()
+
+
+def _llama_bin_dir() -> str:
+    from models.kernels import llama_cpp
+
+    return str(llama_cpp.build_dir() / "bin")
 
 
 PEERS = {
@@ -57,8 +85,10 @@ PEERS = {
             module="launch.hf_peer_worker",
             requires=("torch", "transformers", "accelerate", "gguf"),
             install=".venv-ref/bin/pip install torch==2.13.0 transformers accelerate gguf numpy",
-            plain="HF transformers, plain",
-            speculative="HF transformers, assisted",
+            systems=lambda config: [
+                System("HF transformers, plain", False),
+                System("HF transformers, assisted", True),
+            ],
             worker_args=lambda config: [f"--dtype={config.hf_dtype}"],
         ),
         Peer(
@@ -67,9 +97,23 @@ PEERS = {
             module="launch.ov_peer_worker",
             requires=("openvino_genai", "gguf", "numpy"),
             install=".venv-ref/bin/pip install openvino-genai==2026.4.1.0 gguf numpy",
-            plain="OpenVINO GenAI, plain",
-            speculative="OpenVINO GenAI, speculative gamma {gamma}",
+            systems=lambda config: [
+                System("OpenVINO GenAI, plain", False),
+                System(f"OpenVINO GenAI, speculative gamma {config.gamma}", True),
+            ],
             worker_args=lambda config: [f"--num_assistant_tokens={config.gamma}"],
+        ),
+        Peer(
+            key="llama",
+            library="llama.cpp",
+            module="launch.llama_peer_worker",
+            requires=(),
+            systems=lambda config: [
+                System("llama.cpp, plain", False),
+                *(System(f"llama.cpp, speculative gamma {k}", True, k) for k in config.llama_draft_n_max),
+            ],
+            worker_args=lambda config: [f"--bin_dir={_llama_bin_dir()}"],
+            programs=LLAMA_PROGRAMS,
         ),
     )
 }
@@ -77,6 +121,7 @@ PEERS = {
 MODEL_KEYS = bench_decode.MODEL_KEYS
 DTYPE_KEYS = bench_decode.DTYPE_KEYS
 INT_RANGES = bench_decode.INT_RANGES
+TUPLE_RANGES = {"llama_draft_n_max": (int, 1, 16)}
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -84,12 +129,15 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
     config.gamma = 2 if quick else 4
+    config.prompt_set = "open"  # experiments.common.PROMPT_SETS
     config.num_prompts = 2 if quick else len(common.BENCH_PROMPTS)
     config.repeats = 2 if quick else 6
     config.max_new_tokens = 8 if quick else 32
     config.peer_python = ".venv-ref/bin/python"
     config.peers = tuple(PEERS)  # the peer libraries to run, from PEERS
     config.hf_dtype = "float32"  # torch dtype of HF's models (HF_DTYPES)
+    # llama.cpp's speculative systems: one per --spec-draft-n-max (drafts per round)
+    config.llama_draft_n_max = (2,) if quick else (2, 3, 4)
     config.target_dtype = "float32"  # this project's precisions (models.precision.PRECISIONS)
     config.draft_dtype = "float32"
     # quick: the workers' --fake backend (deterministic tokens, no library) over the real protocol
@@ -103,6 +151,12 @@ def validate(config) -> None:
     peers = tuple(config.peers)
     if not peers or any(p not in PEERS for p in peers) or len(set(peers)) != len(peers):
         raise ValueError(f"peers: must be distinct values from {', '.join(PEERS)}, got {','.join(peers)!r}")
+    if config.prompt_set not in common.PROMPT_SETS:
+        raise ValueError(
+            f"prompt_set: must be one of {', '.join(common.PROMPT_SETS)}, got {config.prompt_set!r}"
+        )
+    if len(set(config.llama_draft_n_max)) != len(config.llama_draft_n_max):
+        raise ValueError(f"llama_draft_n_max: values must be distinct, got {tuple(config.llama_draft_n_max)}")
 
 
 def resolve_python(path: str) -> str:
@@ -111,22 +165,46 @@ def resolve_python(path: str) -> str:
     return os.path.join(ROOT, path)
 
 
+def worker_python(peer: Peer, python: str) -> str:
+    """The interpreter `peer`'s worker runs in: `python` (peer_python) for a worker that imports
+    a library, this interpreter for one that needs only the standard library."""
+    return python if peer.requires else sys.executable
+
+
 def peer_unavailable(python: str, peer: Peer, fake: bool = False) -> str | None:
-    """Why `peer`'s worker cannot run in `python`, or None when it can (the fake worker needs
-    nothing but the standard library)."""
+    """Why `peer`'s worker cannot run with `python` as peer_python (what is missing and how to
+    get it), or None when it can. The fake worker needs nothing but the standard library and its
+    interpreter; llama.cpp's programs are built here (once, cached) when they can be."""
+    if peer.requires and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return f"peer_python={python}: no such interpreter. Install it with: {PEER_INSTALL}"
     if fake:
         return None
-    probe = subprocess.run(
-        [python, "-c", f"import {', '.join(peer.requires)}"], capture_output=True, text=True, timeout=300
-    )
-    if probe.returncode:
-        missing = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
-        return f"{python} cannot import {'/'.join(peer.requires)} ({missing})"
+    if peer.requires:
+        probe = subprocess.run(
+            [python, "-c", f"import {', '.join(peer.requires)}"], capture_output=True, text=True, timeout=300
+        )
+        if probe.returncode:
+            missing = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
+            return f"{python} cannot import {'/'.join(peer.requires)} ({missing}). Install it with: {peer.install}"
+    if peer.programs:
+        from models.kernels import llama_cpp
+
+        try:
+            if not llama_cpp.built(peer.programs):
+                llama_cpp.check_tools()
+                print(
+                    f"peer: building {', '.join(peer.programs)} from {llama_cpp.PACKAGE}=={llama_cpp.VERSION}'s "
+                    "llama.cpp source (once, cached; a few minutes) ...",
+                    flush=True,
+                )
+            llama_cpp.build(peer.programs)
+        except llama_cpp.Unavailable as e:
+            return f"{peer.library} cannot be built here: {e}"
     return None
 
 
 class PeerWorker:
-    """A peer worker (launch/peer_protocol.py) in the reference interpreter, spoken to in JSON lines."""
+    """A peer worker (launch/peer_protocol.py) in its interpreter, spoken to in JSON lines."""
 
     def __init__(self, python: str, module: str, args: list[str]):
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
@@ -149,12 +227,14 @@ class PeerWorker:
             raise RuntimeError(f"peer worker: {message['error']}")
         return message
 
-    def generate(self, prompt, max_new_tokens: int, speculative: bool) -> dict:
+    def generate(self, prompt, text: str, max_new_tokens: int, system: System) -> dict:
         request = {
             "op": "generate",
             "prompt": prompt,
+            "text": text,
             "max_new_tokens": max_new_tokens,
-            "speculative": speculative,
+            "speculative": system.speculative,
+            "draft_max": system.draft_max,
         }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
@@ -178,19 +258,32 @@ def first_difference(a: list, b: list) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def first_text_difference(text: str, tokens: list[int], decode: Callable) -> int | None:
+    """How many of `tokens` `text` reproduces: None when it starts with all of them (a peer that
+    reports text may make a few tokens more), else the index of the first token whose text is
+    not where `text` has it. A token that ends inside a UTF-8 character counts with the next."""
+    if text.startswith(decode(tokens).rstrip("\ufffd")):
+        return None
+    for i in range(len(tokens)):
+        if not text.startswith(decode(tokens[: i + 1]).rstrip("\ufffd")):
+            return i
+    return len(tokens)
+
+
 def params_precision(model) -> str:
     """The dtypes of a model's weight matrices, e.g. "float32"."""
     return "/".join(sorted({str(leaf.dtype) for leaf in jax.tree.leaves(model.params) if leaf.ndim >= 2}))
 
 
 def available_peers(python: str, config) -> list[Peer]:
-    """The peers of config.peers that can run in `python`; prints one line for each that cannot."""
+    """The peers of config.peers that can run (`python`: peer_python); prints one line for each
+    that cannot."""
     peers = []
     for key in config.peers:
         peer = PEERS[key]
         reason = peer_unavailable(python, peer, config.fake_peer)
         if reason:
-            print(f"peer suite: {peer.library} skipped: {reason}. Install it with: {peer.install}")
+            print(f"peer suite: {peer.library} skipped: {reason}")
         else:
             peers.append(peer)
     return peers
@@ -198,7 +291,8 @@ def available_peers(python: str, config) -> list[Peer]:
 
 def run(config) -> framework.Result | None:
     python = resolve_python(config.peer_python)
-    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+    needs_python = [PEERS[k] for k in config.peers if PEERS[k].requires]
+    if len(needs_python) == len(config.peers) and not (os.path.isfile(python) and os.access(python, os.X_OK)):
         print(
             f"peer suite skipped: peer_python={config.peer_python}: no such interpreter. "
             f"Install the reference stack with: {PEER_INSTALL}"
@@ -219,65 +313,99 @@ def run(config) -> framework.Result | None:
         model_args = [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
 
     ar, spec = "spec-jax, autoregressive", f"spec-jax, speculative gamma {gamma}"
-    families = {"spec-jax": (ar, spec)}  # library -> (plain system, speculative system)
+    families = {"spec-jax": [ar, spec]}  # library -> its systems, the plain one first
     with contextlib.ExitStack() as stack:
-        workers = {}
+        workers, peer_systems = {}, {}
         for peer in peers:  # one at a time, all before ours: the loads' peaks never overlap
-            print(f"peer: loading {peer.library} in {python} ({threads} threads = CPU cores) ...", flush=True)
-            workers[peer.key] = PeerWorker(python, peer.module, model_args + peer.worker_args(config))
+            python_for_peer = worker_python(peer, python)
+            print(
+                f"peer: loading {peer.library} in {python_for_peer} ({threads} threads = CPU cores) ...",
+                flush=True,
+            )
+            workers[peer.key] = PeerWorker(
+                python_for_peer, peer.module, model_args + peer.worker_args(config)
+            )
             stack.callback(workers[peer.key].close)
-            families[peer.library] = (peer.plain, peer.speculative.format(gamma=gamma))
+            peer_systems[peer.key] = peer.systems(config)
+            families[peer.library] = [s.name for s in peer_systems[peer.key]]
         target = common.load_model(config.target, config.target_dtype)
         draft = common.load_model(config.draft, config.draft_dtype)
-        prompts = bench_decode.bench_prompts(target.tokenizer, config.num_prompts)
+        texts = common.prompt_set(config.prompt_set, config.num_prompts)
+        prompts = [target.tokenizer.encode(t) for t in texts]
 
-        def ours(prompt, draft_model):  # the wall time of the whole generate call
+        def ours(i, draft_model):  # the wall time of the whole generate call
             start = time.perf_counter()
-            gen = bench_decode.run_generate(target, [prompt], draft_model, gamma, 0.0, n)
+            gen = bench_decode.run_generate(target, [prompts[i]], draft_model, gamma, 0.0, n)
             seconds = time.perf_counter() - start
+            stats = gen.stats
             return {
                 "tokens": gen.tokens[0],
+                "num_tokens": len(gen.tokens[0]),
                 "seconds": seconds,
-                "compile_seconds": gen.stats["first_compile_seconds"],
+                "compile_seconds": stats["first_compile_seconds"],
+                "prefill_seconds": stats["prefill_seconds"],  # prefill + the first token
+                "decode_seconds": stats["decode_seconds"],
+                "decode_tokens": len(gen.tokens[0]) - 1,
+                "num_drafted": stats.get("num_draft_tokens", 0),
+                "num_accepted": stats.get("num_accepted_tokens", 0),
             }
 
-        def peer_system(worker, speculative):
-            return lambda p: worker.generate(p, n, speculative)
+        def peer_system(worker, system):
+            return lambda i: worker.generate(prompts[i], texts[i], n, system)
 
-        systems = {ar: lambda p: ours(p, None), spec: lambda p: ours(p, draft)}
+        systems = {ar: lambda i: ours(i, None), spec: lambda i: ours(i, draft)}
+        speculative = {spec}
         for peer in peers:
-            plain_name, spec_name = families[peer.library]
-            systems[plain_name] = peer_system(workers[peer.key], False)
-            systems[spec_name] = peer_system(workers[peer.key], True)
-        repeat_prompts = [prompts[r % len(prompts)] for r in range(config.repeats)]
-        warmup = [b[0] for b in bench_decode.warmup_batches([[p] for p in repeat_prompts])]
+            for system in peer_systems[peer.key]:
+                systems[system.name] = peer_system(workers[peer.key], system)
+                if system.speculative:
+                    speculative.add(system.name)
+        repeat_prompts = [r % len(prompts) for r in range(config.repeats)]
+        warmup = [
+            prompts.index(b[0]) for b in bench_decode.warmup_batches([[prompts[i]] for i in repeat_prompts])
+        ]
         runs = timing.interleaved(systems, repeat_prompts, warmup)
 
     precision = dict.fromkeys((ar, spec), params_precision(target))
     for peer in peers:
         precision.update(dict.fromkeys(families[peer.library], workers[peer.key].info["precision"]))
     first_run = {}  # each distinct prompt -> the first repeat that ran it
-    for r, prompt in enumerate(repeat_prompts):
-        first_run.setdefault(tuple(prompt), r)
-    differences = {  # system -> per distinct prompt, where its tokens first differ from spec-jax AR's
+    for r, i in enumerate(repeat_prompts):
+        first_run.setdefault(i, r)
+
+    def difference(result, ar_tokens):
+        if "tokens" in result:
+            return first_difference(result["tokens"], ar_tokens)
+        return first_text_difference(result["text"], ar_tokens, target.tokenizer.decode)
+
+    differences = {  # system -> per distinct prompt, where its output first differs from spec-jax AR's
         name: [
-            first_difference(runs[name]["results"][r]["tokens"], runs[ar]["results"][r]["tokens"])
-            for r in first_run.values()
+            difference(runs[name]["results"][r], runs[ar]["results"][r]["tokens"]) for r in first_run.values()
         ]
         for name in systems
     }
 
     def per_second(result):
-        return len(result["tokens"]) / result["seconds"]
+        return result["num_tokens"] / result["seconds"]
 
     rows = {}
     for name in systems:
         results = runs[name]["results"]
+        counts = sorted({r["num_tokens"] for r in results})
         row = {
             "system": name,
             "precision": precision[name],
-            **bench_decode.throughput([r["seconds"] for r in results], [len(r["tokens"]) for r in results]),
+            **bench_decode.throughput([r["seconds"] for r in results], [r["num_tokens"] for r in results]),
+            "new_tokens": str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}",
         }
+        if all("prefill_seconds" in r for r in results):
+            row["prefill_ms"] = timing.spread(1e3 * r["prefill_seconds"] for r in results)["median"]
+            row["decode_tokens_per_s"] = sum(r["decode_tokens"] for r in results) / sum(
+                r["decode_seconds"] for r in results
+            )
+        if name in speculative and all("num_drafted" in r for r in results):
+            drafted = sum(r["num_drafted"] for r in results)
+            row["acceptance_rate"] = sum(r["num_accepted"] for r in results) / drafted if drafted else 0.0
         if name != ar:
             paired = timing.spread(
                 per_second(a) / per_second(b) for a, b in zip(results, runs[ar]["results"], strict=True)
@@ -292,11 +420,12 @@ def run(config) -> framework.Result | None:
         if name in (ar, spec):
             row["compile_s"] = sum(r["compile_seconds"] for r in runs[name]["warmup"])
         rows[name] = row
-    for baseline, other in families.values():
+    for baseline, *others in families.values():
         rows[baseline]["speedup_over_own_baseline"] = 1.0
-        rows[other]["speedup_over_own_baseline"] = (
-            rows[other]["tokens_per_s"] / rows[baseline]["tokens_per_s"]
-        )
+        for other in others:
+            rows[other]["speedup_over_own_baseline"] = (
+                rows[other]["tokens_per_s"] / rows[baseline]["tokens_per_s"]
+            )
     for row in rows.values():
         row["over_spec_jax_ar"] = row["tokens_per_s"] / rows[ar]["tokens_per_s"]
 
@@ -311,21 +440,27 @@ def run(config) -> framework.Result | None:
     if "OpenVINO GenAI" in families:
         ov_spec = families["OpenVINO GenAI"][1]
         summary_row["fastest_spec_jax_over_openvino_speculative"] = speed(fastest) / speed(ov_spec)
+    if "llama.cpp" in families:
+        best_llama = max(families["llama.cpp"], key=speed)
+        summary_row.update(
+            best_llama_cpp=best_llama, fastest_spec_jax_over_best_llama_cpp=speed(fastest) / speed(best_llama)
+        )
 
     agreement = []
-    for i, prompt in enumerate(first_run):
-        entry = {"prompt": common.BENCH_PROMPTS[prompts.index(list(prompt))]}
+    for k, i in enumerate(first_run):
+        entry = {"prompt": texts[i]}
         for name in systems:
             if name != ar:
-                entry[name] = "same" if differences[name][i] is None else f"differs at {differences[name][i]}"
+                entry[name] = "same" if differences[name][k] is None else f"differs at {differences[name][k]}"
         agreement.append(entry)
-    summary = {}
+    summary = {"prompt_set": config.prompt_set}
     for peer in peers:
         summary[f"{peer.key}_worker"] = {k: v for k, v in workers[peer.key].info.items() if k != "ready"}
         rss = max(r.get("peak_rss_mb", 0) for name in families[peer.library] for r in runs[name]["results"])
         summary[f"{peer.key}_worker_peak_rss_mb"] = round(rss)
     summary["threads"] = (
-        f"{threads} = os.cpu_count() (XLA:CPU; torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS)"
+        f"{threads} = os.cpu_count() (XLA:CPU; torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS; "
+        "llama.cpp -t and -tb)"
     )
     return framework.Result.from_dicts(
         [*rows.values(), summary_row],

@@ -3,7 +3,7 @@
   python -m launch.bench --suite=loop       # compiled while_loop vs a Python loop of jitted rounds
   python -m launch.bench --suite=overhead   # a round's bookkeeping beyond its model calls
   python -m launch.bench --suite=decode     # the Qwen pair: tokens/s over batch, temperature, gamma
-  python -m launch.bench --suite=peer       # the same pair through HF transformers and OpenVINO GenAI
+  python -m launch.bench --suite=peer       # the same pair through HF transformers, OpenVINO GenAI, llama.cpp
   python -m launch.bench --suite=roofline   # bytes per step vs measured memory bandwidth
   python -m launch.bench --suite=attention  # the attention kernels vs the XLA reference
   python -m launch.bench --suite=peer,decode,roofline   # together: the models load once

@@ -69,22 +69,22 @@ class HFBackend:
             },
         }
 
-    def generate(self, prompt, max_new_tokens, speculative):
+    def generate(self, request: peer_protocol.Request) -> dict:
         torch = self.torch
-        ids = torch.tensor([prompt], dtype=torch.long)
+        ids = torch.tensor([request.prompt], dtype=torch.long)
         kwargs = dict(
             attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=request.max_new_tokens,
             do_sample=False,
             temperature=None,
             top_k=None,
             top_p=None,
         )
-        if speculative:
+        if request.speculative:  # HF's own assistant settings; request.draft_max is not used
             kwargs["assistant_model"] = self.draft
         with torch.inference_mode():
             out = self.target.generate(ids, **kwargs)
-        return out[0, len(prompt) :].tolist()
+        return {"tokens": out[0, len(request.prompt) :].tolist()}
 
 
 def add_arguments(parser) -> None:

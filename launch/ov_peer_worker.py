@@ -175,22 +175,22 @@ class OpenVINOBackend:
             "kv_cache_precision": core.get_property("CPU", "KV_CACHE_PRECISION").to_string(),
         }
 
-    def generate(self, prompt, max_new_tokens, speculative):
+    def generate(self, request: peer_protocol.Request) -> dict:
         import numpy as np
         import openvino
 
         config = self.ov_genai.GenerationConfig()
-        config.max_new_tokens = max_new_tokens
+        config.max_new_tokens = request.max_new_tokens
         config.do_sample = False
         config.ignore_eos = True  # never stop early: exactly max_new_tokens
         config.apply_chat_template = False
         pipe = self.plain
-        if speculative:
+        if request.speculative:  # --num_assistant_tokens; request.draft_max is not used
             config.num_assistant_tokens = self.num_assistant_tokens
             pipe = self.speculative
-        ids = np.asarray([prompt], dtype=np.int64)
+        ids = np.asarray([request.prompt], dtype=np.int64)
         inputs = self.ov_genai.TokenizedInputs(openvino.Tensor(ids), openvino.Tensor(np.ones_like(ids)))
-        return list(pipe.generate(inputs, config).tokens[0])
+        return {"tokens": list(pipe.generate(inputs, config).tokens[0])}
 
 
 def add_arguments(parser) -> None:

@@ -47,8 +47,9 @@ def test_bench_suite_runs_and_writes_results(tmp_path, suite):
 
 
 def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
-    # One process, so the loops compiled for the peer suite are reused by decode. The HF side
-    # is the worker's fake backend (no torch), driven over the real JSON-lines protocol.
+    # One process, so the loops compiled for the peer suite are reused by decode. The peers are
+    # their workers' fake backends (no torch, no openvino, no llama.cpp build), driven over the
+    # real JSON-lines protocol.
     result = bench(
         "--suite=roofline,decode,peer",  # run in the registry's order: peer, decode, roofline
         "--quick",
@@ -68,14 +69,21 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
         "HF transformers, assisted",
         "OpenVINO GenAI, plain",
         "OpenVINO GenAI, speculative gamma 2",
+        "llama.cpp, plain",
+        "llama.cpp, speculative gamma 2",  # llama_draft_n_max: (2,) in quick mode
         "summary",
     ]
-    assert all(float(r["tokens_per_s"]) > 0 for r in peer["rows"][:6])
-    # The fake workers answer other tokens than the tiny model: only spec-jax agrees with itself.
-    agree = [r["greedy_same_as_spec_jax_ar"] for r in peer["rows"][1:6]]
-    assert agree == ["2/2 prompts"] + ["0/2 prompts"] * 4
-    for key in ("hf", "ov"):
+    assert all(float(r["tokens_per_s"]) > 0 for r in peer["rows"][:8])
+    # The fake workers answer other tokens (llama.cpp's: other text) than the tiny model: only
+    # spec-jax agrees with itself.
+    agree = [r["greedy_same_as_spec_jax_ar"] for r in peer["rows"][1:8]]
+    assert agree == ["2/2 prompts"] + ["0/2 prompts"] * 6
+    for key in ("hf", "ov", "llama"):
         assert peer["summary"][f"{key}_worker"]["versions"]["backend"] == "fake"
+    # Prefill and decode per phase where a system reports them: spec-jax's and llama.cpp's rows.
+    phases = [r["system"] for r in peer["rows"] if r["prefill_ms"] and float(r["decode_tokens_per_s"]) > 0]
+    assert phases == [systems[i] for i in (0, 1, 6, 7)]
+    assert float(peer["rows"][7]["acceptance_rate"]) == 0.5 and peer["rows"][-1]["best_llama_cpp"]
     assert len(peer["summary"]["sections"]["greedy agreement with spec-jax autoregressive, per prompt"]) == 2
 
     decode = read_report(tmp_path, "decode")
@@ -113,7 +121,11 @@ def test_attention_suite_runs_the_kernels_in_interpret_mode(tmp_path):
 
 def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(tmp_path):
     result = bench(
-        "--suite=peer", "--quick", f"--output_dir={tmp_path}", "--set=peer_python=/nonexistent/python"
+        "--suite=peer",
+        "--quick",
+        f"--output_dir={tmp_path}",
+        "--set=peer_python=/nonexistent/python",
+        "--set=peers=hf,ov",
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -129,7 +141,11 @@ def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(tmp
 def test_peer_suite_without_any_peer_library_skips_before_loading_any_model(tmp_path):
     # Not --quick: the real path probes the interpreter for each library's packages first.
     result = bench(
-        "--suite=peer", f"--output_dir={tmp_path}", f"--set=peer_python={sys.executable}", timeout=120
+        "--suite=peer",
+        f"--output_dir={tmp_path}",
+        f"--set=peer_python={sys.executable}",
+        "--set=peers=hf,ov",
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     hf, ov, last = result.stdout.strip().splitlines()
@@ -158,6 +174,31 @@ def test_peer_suite_runs_one_peer_library_alone(tmp_path):
     assert "hf_worker" not in peer["summary"] and "best_hf" not in peer["rows"][-1]
 
 
+def test_llama_cpp_peer_needs_no_reference_interpreter(tmp_path):
+    # Its worker needs only the standard library: it runs in this interpreter, at every
+    # llama_draft_n_max, while the peers that need peer_python are skipped in one line.
+    result = bench(
+        "--suite=peer",
+        "--quick",
+        f"--output_dir={tmp_path}",
+        "--set=peer_python=/nonexistent/python",
+        "--set=peers=llama,hf",
+        "--set=llama_draft_n_max=1,3",
+        "--set=repeats=1",
+    )
+    assert result.returncode == 0, result.stderr
+    (skipped,) = [line for line in result.stdout.splitlines() if "skipped" in line]
+    assert "HF transformers skipped" in skipped and "no such interpreter" in skipped
+    peer = read_report(tmp_path, "peer")
+    assert [r["system"] for r in peer["rows"]][2:] == [
+        "llama.cpp, plain",
+        "llama.cpp, speculative gamma 1",
+        "llama.cpp, speculative gamma 3",
+        "summary",
+    ]
+    assert peer["summary"]["llama_worker"]["versions"]["backend"] == "fake"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -175,6 +216,9 @@ def test_peer_suite_runs_one_peer_library_alone(tmp_path):
         (["--suite=loop", "--set=no_such=1"], "--set no_such"),
         (["--suite=peer", "--set=hf_dtype=float16"], "--set hf_dtype"),
         (["--suite=peer", "--set=peers=hf,vllm"], "--set peers"),
+        (["--suite=peer", "--set=llama_draft_n_max=0"], "--set llama_draft_n_max"),
+        (["--suite=peer", "--set=llama_draft_n_max=2,2"], "--set llama_draft_n_max"),
+        (["--suite=peer", "--set=prompt_set=closed"], "--set prompt_set"),
     ],
 )
 def test_bench_rejects_bad_flags_in_one_line(args, message):

@@ -1,10 +1,13 @@
 """The peer suite's parts that need no peer library: the workers' JSON-lines protocol, the
-draft GGUF's requantization for OpenVINO GenAI, and skipping a library whose packages are
-missing while the others still run. (tests/test_bench.py runs the whole suite on fake workers.)"""
+draft GGUF's requantization for OpenVINO GenAI, reading llama.cpp's programs' output (captured
+from the real programs in tests/fixtures/llama_cpp/), comparing a peer's text with our tokens,
+and skipping a library whose packages or tools are missing while the others still run.
+(tests/test_bench.py runs the whole suite on fake workers.)"""
 
 import io
 import json
 import os
+import pathlib
 import stat
 import sys
 
@@ -14,7 +17,10 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from experiments import bench_peer
-from launch import ov_peer_worker, peer_protocol
+from launch import llama_peer_worker, ov_peer_worker, peer_protocol
+from models.kernels import llama_cpp
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "llama_cpp"
 
 
 def test_protocol_answers_each_request_and_survives_a_bad_one():
@@ -30,7 +36,8 @@ def test_protocol_answers_each_request_and_survives_a_bad_one():
     peer_protocol.serve(peer_protocol.FakeBackend(), out, [line + "\n" for line in requests])
     replies = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(replies) == 3  # nothing after quit
-    assert replies[0]["tokens"] == [7, 8, 9] and replies[0]["seconds"] >= 0 and replies[0]["peak_rss_mb"] > 0
+    assert replies[0]["tokens"] == [7, 8, 9] and replies[0]["num_tokens"] == 3
+    assert replies[0]["seconds"] >= 0 and replies[0]["peak_rss_mb"] > 0
     assert "unknown op" in replies[1]["error"]
     assert replies[2]["error"].startswith("IndexError")  # an empty prompt: the fake backend's error
 
@@ -128,6 +135,7 @@ def stub_interpreter(tmp_path, modules):
 
 def test_a_missing_peer_library_is_skipped_with_one_line_and_the_other_runs(tmp_path, capsys):
     config = bench_peer.get_config(quick=False)
+    config.peers = ("hf", "ov")
     no_openvino = stub_interpreter(tmp_path / "hf", ["torch", "transformers", "accelerate", "gguf"])
     assert [p.key for p in bench_peer.available_peers(no_openvino, config)] == ["hf"]
     (line,) = capsys.readouterr().out.splitlines()
@@ -137,3 +145,148 @@ def test_a_missing_peer_library_is_skipped_with_one_line_and_the_other_runs(tmp_
     assert [p.key for p in bench_peer.available_peers(no_torch, config)] == ["ov"]
     (line,) = capsys.readouterr().out.splitlines()
     assert "HF transformers skipped" in line and "pip install torch==2.13.0" in line
+
+
+def test_a_text_peer_answers_text_with_its_token_count_and_timings():
+    requests = [
+        json.dumps(
+            {"op": "generate", "prompt": [5, 6], "text": "ab", "max_new_tokens": 3, "speculative": True}
+        ),
+        json.dumps({"op": "generate", "prompt": [5], "max_new_tokens": 2, "speculative": False}),
+    ]
+    out = io.StringIO()
+    peer_protocol.serve(llama_peer_worker.FakeTextBackend(), out, [line + "\n" for line in requests])
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert first["text"] == "hij" and first["num_tokens"] == 3 and "tokens" not in first  # 7, 8, 9 as letters
+    assert first["num_drafted"] == 3 and first["decode_seconds"] > 0
+    assert "no text" in second["error"]  # llama.cpp's programs take text
+
+
+def test_llama_completion_output_parsed_into_text_tokens_and_phase_timings():
+    stdout = (FIXTURES / "completion.stdout").read_bytes()
+    stderr = (FIXTURES / "completion.stderr").read_text()
+    result = llama_peer_worker.parse_completion(stdout, stderr)
+    assert result == {
+        "text": " if len(arr) <= 1:\n",  # -n 8; the program ends its output with two newlines
+        "num_tokens": 8,  # 7 eval runs: the last token is sampled, never evaluated
+        "seconds": pytest.approx(0.42199),
+        "prefill_seconds": pytest.approx(0.14943),
+        "decode_seconds": pytest.approx(0.26926),
+        "decode_tokens": 7,
+        "prompt_ids": [750, 3974, 6860, 10939, 982, 257],  # a piece with a newline spans two lines
+    }
+    with pytest.raises(ValueError, match="no total time"):
+        llama_peer_worker.parse_completion(stdout, stderr.replace("total time", "sum"))
+
+
+def test_llama_speculative_output_parsed_without_the_echoed_prompt():
+    stdout = (FIXTURES / "speculative.stdout").read_bytes()
+    stderr = (FIXTURES / "speculative.stderr").read_text()
+    prompt = "def quicksort(arr):\n    "
+    result = llama_peer_worker.parse_speculative(stdout, stderr, prompt)
+    assert result == {
+        # -n 7 made 11 tokens: the last round drafts without the length cap (n_max 3, all accepted)
+        "text": " if len(arr) <= 1:\n         return arr",
+        "num_tokens": 11,
+        "seconds": pytest.approx(0.322 + 1.033),
+        "prefill_seconds": pytest.approx(0.322),
+        "decode_seconds": pytest.approx(1.033),
+        "decode_tokens": 11,
+        "num_drafted": 8,
+        "num_accepted": 8,
+    }
+    with pytest.raises(ValueError, match="not the prompt"):
+        llama_peer_worker.parse_speculative(stdout, stderr, "def mergesort")
+    with pytest.raises(ValueError, match="no decoded"):
+        llama_peer_worker.parse_speculative(stdout, stderr.replace("decoded", "made"), prompt)
+
+
+def byte_decode(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("abc", None),
+        ("abcdef", None),  # a text peer may make a few tokens more
+        ("abx", 2),
+        ("", 0),
+        ("ab", 2),  # shorter
+    ],
+)
+def test_text_compared_with_our_tokens_token_by_token(text, expected):
+    assert bench_peer.first_text_difference(text, list(b"abc"), byte_decode) == expected
+
+
+def test_text_comparison_waits_for_a_character_split_over_tokens():
+    tokens = list("aé!".encode())  # é is two bytes: two tokens here
+    assert bench_peer.first_text_difference("aé!", tokens, byte_decode) is None
+    assert bench_peer.first_text_difference("aé?", tokens, byte_decode) == 3
+    assert bench_peer.first_text_difference("aè!", tokens, byte_decode) == 2  # è shares é's first byte
+    assert bench_peer.first_text_difference("aé", tokens[:2], byte_decode) is None  # ends inside é
+
+
+def tools_path(tmp_path, tools):
+    """A PATH holding only stand-ins for `tools` (each does nothing)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for tool in tools:
+        (folder / tool).write_text("#!/bin/sh\nexit 0\n")
+        (folder / tool).chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "tools, cxx, message",
+    [
+        ((), None, "cmake is not installed"),
+        (("cmake",), "no-such-c++", "no C++ compiler found"),
+    ],
+)
+def test_llama_cpp_without_cmake_or_compiler_is_skipped_with_one_line(
+    tmp_path, monkeypatch, capsys, tools, cxx, message
+):
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path / "cache"))  # nothing built there
+    monkeypatch.setenv("PATH", tools_path(tmp_path, tools))
+    if cxx:
+        monkeypatch.setenv("CXX", cxx)
+    config = bench_peer.get_config(quick=False)
+    config.peers = ("llama",)
+    assert bench_peer.available_peers("/nonexistent/python", config) == []
+    (line,) = capsys.readouterr().out.splitlines()
+    assert (
+        line.startswith("peer suite: llama.cpp skipped: llama.cpp cannot be built here: ") and message in line
+    )
+    assert not (tmp_path / "cache").exists() or not any(
+        (tmp_path / "cache").rglob("*.tar.gz")
+    )  # nothing fetched
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not llama_cpp.built(bench_peer.LLAMA_PROGRAMS),
+    reason="llama.cpp's programs are not built (a few minutes)",
+)
+def test_llama_worker_runs_the_real_programs_greedy_on_the_qwen_pair():
+    from models import registry
+    from models.tokenizer import Tokenizer
+
+    paths = [str(registry.fetch_gguf(name)) for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")]
+    tokenizer = Tokenizer.from_gguf(paths[0])
+    backend = llama_peer_worker.LlamaCppBackend(
+        str(llama_cpp.build_dir() / "bin"), *paths, threads=os.cpu_count()
+    )
+    assert backend.info()["models"]["target"]["file_type"]
+    text = "def quicksort(arr):\n    "
+    ids = tokenizer.encode(text)  # llama-completion checks that it tokenizes the text the same
+    plain = backend.generate(peer_protocol.Request(ids, 6, False, text=text))
+    spec = backend.generate(peer_protocol.Request(ids, 6, True, text=text, draft_max=2))
+    assert plain["num_tokens"] == 6 and 6 <= spec["num_tokens"] <= 8
+    assert spec["text"].startswith(plain["text"])  # greedy: speculative repeats plain decoding
+    assert (
+        bench_peer.first_text_difference(plain["text"], tokenizer.encode(plain["text"]), tokenizer.decode)
+        is None
+    )
+    with pytest.raises(ValueError, match="tokenized the prompt"):
+        backend.generate(peer_protocol.Request(ids[:-1], 2, False, text=text))

@@ -123,18 +123,29 @@ def build_dir(cache_dir=None) -> pathlib.Path:
     return root(cache_dir) / f"build-{VERSION}-{_compiler_key()}"
 
 
-def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
-    """Builds the cmake targets (once each; cached) and returns the folder holding their outputs
-    (`bin/`: the programs and the shared libraries)."""
+def built(targets=LIBRARIES, cache_dir=None) -> bool:
+    """Whether every one of the cmake targets is already built (build() will not compile)."""
+    return all((build_dir(cache_dir) / f".built-{t}").exists() for t in targets)
+
+
+def check_tools() -> str:
+    """The cmake executable, once it and a C++ compiler are found; Unavailable (one line: what
+    is missing, how to get it) otherwise."""
     cmake = shutil.which("cmake")
     if cmake is None:
         raise Unavailable("cmake is not installed (apt-get install cmake, or pip install cmake)")
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         raise Unavailable("no C++ compiler found (set CXX, or install g++)")
+    return cmake
+
+
+def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
+    """Builds the cmake targets (once each; cached) and returns the folder holding their outputs
+    (`bin/`: the programs and the shared libraries). Targets already built need no cmake."""
     folder = build_dir(cache_dir)
-    missing = [t for t in targets if not (folder / f".built-{t}").exists()]
-    if not missing:
+    if built(targets, cache_dir):
         return folder
+    cmake = check_tools()
     src = source(cache_dir)
     with _locked(root(cache_dir) / ".lock-build"):
         missing = [t for t in targets if not (folder / f".built-{t}").exists()]
