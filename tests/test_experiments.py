@@ -225,10 +225,11 @@ def test_overrides_are_validated_by_the_experiment():
 
 def test_precision_drift_quick_compares_each_precision_with_float32(tmp_path):
     from experiments import precision_drift
+    from models import precision
 
     result = precision_drift.run(framework.make_config("precision_drift", quick=True))
     rows = [dict(zip(result.columns, r, strict=True)) for r in result.rows]
-    assert [r["precision"] for r in rows] == ["float32", "bfloat16", "int8"]
+    assert [r["precision"] for r in rows] == list(precision.PRECISIONS)
     assert rows[0]["greedy_rows_identical_to_float32"] == "2/2"  # float32 against itself
 
 

@@ -358,7 +358,7 @@ def test_auto_resolves_to_xla_on_cpu():
 
 def test_bad_impl_name_lists_the_allowed_ones():
     with pytest.raises(
-        ValueError, match=r"one of \('auto', 'xla', 'pallas_tpu', 'pallas_gpu'\), got 'triton'"
+        ValueError, match=r"one of \('auto', 'xla', 'cpu', 'pallas_tpu', 'pallas_gpu'\), got 'triton'"
     ):
         kernels.resolve_impl("triton")
     with pytest.raises(ValueError, match=r"got 'cuda'"):

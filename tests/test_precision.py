@@ -174,3 +174,48 @@ def test_the_cpu_kernel_is_refused_on_a_multi_device_mesh_and_auto_means_xla_the
     assert sharding.for_mesh(config, TwoDevices()).matmul_impl == "xla"
     with pytest.raises(ValueError, match="matmul_impl: cpu_kernel runs on one device"):
         sharding.for_mesh(config.replace(matmul_impl="cpu_kernel"), TwoDevices())
+
+
+def _verify_minus_steps(model) -> float:
+    """max |logits of one call over 3 positions - logits of 3 one-position calls| after a prefill."""
+    f = jax.jit(models.forward, static_argnums=0)
+    tokens, prefix = [5, 17, 33, 2, 9, 41, 7], 4
+    cache = models.init_cache(model.config, 1, 32)
+    _, cache = f(model.config, model.params, jnp.asarray([tokens[:prefix]]), jnp.arange(prefix)[None], cache)
+    steps, step_cache = [], cache
+    for i in range(3):
+        pos = prefix + i
+        logits, step_cache = f(
+            model.config, model.params, jnp.asarray([[tokens[pos]]]), jnp.asarray([[pos]]), step_cache
+        )
+        steps.append(logits[0, 0])
+    verify, _ = f(
+        model.config,
+        model.params,
+        jnp.asarray([tokens[prefix : prefix + 3]]),
+        jnp.arange(prefix, prefix + 3)[None],
+        cache,
+    )
+    return float(jnp.abs(verify[0] - jnp.stack(steps)).max())
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_a_verify_call_equals_decode_steps_bit_for_bit_on_the_cpu_kernels(dtype):
+    """With the products in the CPU kernel, attention and RMSNorm run there too (each row alone),
+    so a call over several positions gives each position the bits of its decode step. XLA's
+    reference attention and norm (the broken case) do not, with heads 128 wide."""
+    f32 = models.random_model(
+        vocab_size=128,
+        num_layers=2,
+        d_model=256,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=128,
+        scan_layers=False,
+    )
+    model = models.cast(f32, dtype)
+    assert models.transformer.attention_impl(model.config) == "cpu"
+    assert _verify_minus_steps(model) == 0.0
+    if dtype == "int8":  # (at bfloat16 the suite's XLA flags happen to compile XLA's path alike)
+        xla = model.replace(config=model.config.replace(attention_impl="xla"))
+        assert _verify_minus_steps(xla) > 0.0

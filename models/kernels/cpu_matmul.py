@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_rowwise.cc"))  # one library: products, attention, RMSNorm
+ROWWISE_SOURCE = SOURCE.with_name("cpu_rowwise.cc")  # in the same library: attention, RMSNorm
 ISA_ENV = "SPEC_JAX_CPU_ISA"
 # ISA -> (the /proc/cpuinfo flags it needs, the compiler flags that enable them). The source
 # picks its code path from the compiler's __AVX512F__ etc.
@@ -104,9 +104,8 @@ def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
 
     isa_name = isa_name or isa()
     flags = " ".join(compiler_flags(isa_name))
-    digest = hashlib.sha256(
-        b"".join(p.read_bytes() for p in SOURCES) + flags.encode() + jax.__version__.encode()
-    )
+    sources = SOURCE.read_bytes() + ROWWISE_SOURCE.read_bytes()
+    digest = hashlib.sha256(sources + flags.encode() + jax.__version__.encode())
     return cache_root(cache_dir) / "kernels" / f"cpu_matmul-{isa_name}-{digest.hexdigest()[:16]}.so"
 
 
@@ -131,7 +130,8 @@ def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
             compiler,
             *compiler_flags(isa_name),
             f"-I{jax.ffi.include_dir()}",
-            *map(str, SOURCES),
+            str(SOURCE),
+            str(ROWWISE_SOURCE),
             "-o",
             tmp,
         ]
@@ -210,7 +210,6 @@ def rms_norm(x, scale, eps: float, isa_name: str | None = None):
     """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D], float32, each row alone in one fixed order
     (cpu_rowwise.cc); the build of isa_name must be available()."""
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    call = jax.ffi.ffi_call(
-        rowwise_target("rms_norm", isa_name or isa()), jax.ShapeDtypeStruct(x2.shape, jnp.float32)
-    )
+    out = jax.ShapeDtypeStruct(x2.shape, jnp.float32)
+    call = jax.ffi.ffi_call(rowwise_target("rms_norm", isa_name or isa()), out, vmap_method="sequential")
     return call(x2, scale.astype(jnp.float32), eps=np.float32(eps)).reshape(x.shape)

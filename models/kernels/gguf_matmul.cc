@@ -241,6 +241,84 @@ void MultiRow(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t b
   }
 }
 static_assert(kGroup == 8, "MultiRow has a case per group size");
+
+// Faithful (precision gguf) multi-row Q4_K / Q6_K: a block is dequantized once per group of
+// rows, 16 values at a time in registers, to the very floats of ggml's to_float (every
+// d * sc * q and dmin * m is exact in float32, so w = d sc q - dmin m rounds once, as there),
+// and each row of the group adds w * x in 16 lanes, blocks in turn, then one reduction: the
+// same fixed order for (row m, column n) whatever M.
+template <bool Q4, int R>
+void FaithfulGroup(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k_dim, int64_t blocks, int64_t m0,
+                   int64_t n0, int64_t n1, float* y, int64_t n_dim) {
+  Unpacked un;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      float scale[16], offset[16];  // each 16 values: w = scale * u - offset
+      if constexpr (Q4) {
+        const BlockQ4K& blk = reinterpret_cast<const BlockQ4K*>(row)[b];
+        UnpackQ4K(blk, un);
+        uint32_t t[4];
+        std::memcpy(t, blk.scales, 12);
+        t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
+        const uint32_t aux = t[1] & 0x3f3f3f3f;
+        t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
+        t[2] = aux;
+        t[0] &= 0x3f3f3f3f;
+        uint8_t sm[16];
+        std::memcpy(sm, t, 16);  // sc_0..7, m_0..7
+        const float d = _cvtsh_ss(blk.d), dmin = _cvtsh_ss(blk.dmin);
+        for (int f = 0; f < 16; ++f) {
+          scale[f] = d * static_cast<float>(sm[f / 2]);
+          offset[f] = dmin * static_cast<float>(sm[8 + f / 2]);
+        }
+      } else {
+        const BlockQ6K& blk = reinterpret_cast<const BlockQ6K*>(row)[b];
+        UnpackQ6K(blk, un);
+        const float d = _cvtsh_ss(blk.d);
+        for (int f = 0; f < 16; ++f) {
+          scale[f] = d * static_cast<float>(blk.scales[f]);
+          offset[f] = scale[f] * 32.0f;  // w = d sc (u - 32) = d sc u - 32 d sc, both exact
+        }
+      }
+      for (int f = 0; f < 16; ++f) {  // values 16f .. 16f + 15
+        __m128i part;
+        switch (f % 4) {
+          case 0: part = _mm512_extracti32x4_epi32(un.u[f / 4], 0); break;
+          case 1: part = _mm512_extracti32x4_epi32(un.u[f / 4], 1); break;
+          case 2: part = _mm512_extracti32x4_epi32(un.u[f / 4], 2); break;
+          default: part = _mm512_extracti32x4_epi32(un.u[f / 4], 3); break;
+        }
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part));
+        const __m512 wv = _mm512_fmsub_ps(_mm512_set1_ps(scale[f]), q, _mm512_set1_ps(offset[f]));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + (m0 + r) * k_dim + 256 * b + 16 * f), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[(m0 + r) * n_dim + n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <bool Q4>
+void FaithfulRows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k_dim, int64_t m0, int64_t m1,
+                  int64_t n0, int64_t n1, float* y, int64_t n_dim) {
+  const int64_t blocks = k_dim / 256;
+  for (int64_t m = m0; m < m1;) {
+    switch (std::min<int64_t>(kGroup, m1 - m)) {
+      case 1: FaithfulGroup<Q4, 1>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 1; break;
+      case 2: FaithfulGroup<Q4, 2>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 2; break;
+      case 3: FaithfulGroup<Q4, 3>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 3; break;
+      case 4: FaithfulGroup<Q4, 4>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 4; break;
+      case 5: FaithfulGroup<Q4, 5>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 5; break;
+      case 6: FaithfulGroup<Q4, 6>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 6; break;
+      case 7: FaithfulGroup<Q4, 7>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 7; break;
+      default: FaithfulGroup<Q4, 8>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 8; break;
+    }
+  }
+}
 #endif  // AVX-512 VNNI
 
 ffi::Error Check(ggml_type type, int64_t k_dim, int64_t row_bytes) {
@@ -318,6 +396,22 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       }
     });
   } else {
+#ifdef SPEC_JAX_MULTIROW
+    if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
+      ParallelChunks(pool, chunks, [&](int64_t c) {
+        const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
+        for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
+          const int64_t m1 = std::min(m_rows, m0 + kXBlock);
+          if (type == GGML_TYPE_Q4_K) {
+            FaithfulRows<true>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
+          } else {
+            FaithfulRows<false>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
+          }
+        }
+      });
+      return ffi::Error::Success();
+    }
+#endif
     const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
     const ggml_vec_dot_t dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
     ParallelChunks(pool, chunks, [&](int64_t c) {

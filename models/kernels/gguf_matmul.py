@@ -133,8 +133,8 @@ def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
 
 def matmul(x_mk, data_nb, ggml_type: int, quantize_x: bool, ggml_dot: bool = False):
     """y [M, N] float32 = x [M, K] . W^T for W's rows of blocks data [N, row_bytes]. ggml_dot:
-    with quantize_x, every (row, column) by ggml's own vec_dot, not this project's multi-row
-    kernel (tests and benchmarks compare the two)."""
+    every (row, column) by ggml's own calls (to_float + its f32 vec_dot, or its quantized
+    vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare)."""
     out = jax.ShapeDtypeStruct((x_mk.shape[0], data_nb.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
     return call(
