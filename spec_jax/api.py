@@ -323,13 +323,13 @@ def run(
             in_shardings=in_shardings,
             out_shardings=in_shardings[2],
         )
-        start = time.perf_counter()
+        start, work = time.perf_counter(), autogamma.work_clock()
         state = jax.block_until_ready(loop_fn(*loop_args))
-        return state, compile_s, time.perf_counter() - start
+        return state, compile_s, time.perf_counter() - start, autogamma.work_clock() - work
 
     def resume(draft_params, draft_state, state, synced_b, width):
         """(the drafter's state caught up on the text committed without it, compile seconds,
-        run seconds)."""
+        autogamma.work_clock seconds of the run)."""
         synced = sharding.put(np.asarray(synced_b, np.int32), sharding.batch_sharding(mesh, 1))
         args = (draft_params, draft_state, inputs.tokens, inputs.prompt_lens, state.out.tokens, state.length)
         args += (synced,)
@@ -342,12 +342,12 @@ def run(
             in_shardings=in_shardings,
             out_shardings=in_shardings[1],
         )
-        start = time.perf_counter()
+        start = autogamma.work_clock()
         draft_state = jax.block_until_ready(fn(*args))
-        return draft_state, compile_s, time.perf_counter() - start
+        return draft_state, compile_s, autogamma.work_clock() - start
 
     if controller is None:
-        state, loop_compile_s, decode_s = run_loop(static, draft_params, state, np.iinfo(np.int32).max)
+        state, loop_compile_s, decode_s, _ = run_loop(static, draft_params, state, np.iinfo(np.int32).max)
         timings = {}
     else:
         state, loop_compile_s, decode_s, timings = _decode_auto(
@@ -378,7 +378,8 @@ def _decode_auto(controller, static, draft_params, state, inputs, run_loop, resu
 
     Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
     the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged), "resume_seconds"}).
+    ...] (consecutive chunks of one gamma merged), "resume_seconds": what the catch-ups took by
+    autogamma.work_clock}). The controller sees each chunk's time by work_clock.
     """
     drafter, plain = static.drafter, NoDrafter(static.config.vocab_size)
     stash = None  # the drafter's state while plain chunks run without it
@@ -416,7 +417,7 @@ def _decode_auto(controller, static, draft_params, state, inputs, run_loop, resu
                 controller.observe_resume(seconds, -(-gap // width))
             state, stash = state.replace(draft_state=stash), None
         chunk_static = dataclasses.replace(static, drafter=drafter if gamma else plain, gamma=gamma)
-        state, c, seconds = run_loop(chunk_static, draft_params if gamma else None, state, rounds)
+        state, c, _, seconds = run_loop(chunk_static, draft_params if gamma else None, state, rounds)
         compile_s += c
         after = observed(state)
         controller.observe(

@@ -8,10 +8,11 @@ chunks of rounds (spec_jax.api), and before each chunk the Controller picks the 
 0..gamma_max with the most expected tokens per second for the batch: the sum over the rows still
 running of each row's E (capped at what the row may still commit) over the seconds of one round.
 
-What a round costs. Each chunk's wall time over its rounds is a measured round of that gamma:
-the drafter's and the target's calls and the loop's own work (sampling and the rejection rule
-over [gamma + 1, V], the commit, the drafter's state), at the machine's load of the moment. A
-gamma is timed as the fastest of its last chunks. A gamma not yet run is predicted from the
+What a round costs. Each chunk's time over its rounds is a measured round of that gamma: the
+drafter's and the target's calls and the loop's own work (sampling and the rejection rule over
+[gamma + 1, V], the commit, the drafter's state). Chunks are timed by work_clock: the process's
+CPU time on a CPU backend, so that other jobs on a shared machine do not sway the choice, wall
+time on an accelerator. A gamma is timed as the fastest of its last chunks. A gamma not yet run is predicted from the
 model calls measured offline (`Costs`, once per machine, pair, batch and cache size, cached
 under `$SPEC_JAX_CACHE/costs/`) at the measured plain round's rate, plus the round's own work as
 the nearest measured drafting gamma showed it (what its calls do not explain, taken to grow
@@ -42,6 +43,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 
 import jax
 import numpy as np
@@ -252,13 +254,21 @@ def costs_for(
     return costs
 
 
+def work_clock() -> float:
+    """The clock gamma=auto times chunks with, in seconds: this process's CPU time on a CPU
+    backend (the work of all its threads, not the time other jobs on a shared machine take from
+    it, so that the choice does not follow their load), wall time on an accelerator (whose work
+    the host does not see)."""
+    return time.process_time() if jax.default_backend() == "cpu" else time.perf_counter()
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """What one chunk of rounds did, as gamma=auto's host loop saw it (arrays are [B])."""
 
     gamma: int
     rounds: int  # rounds run (batched: one round is one step of every row)
-    seconds: float  # its wall time: the model calls and the loop's own work, not compilation
+    seconds: float  # work_clock seconds: the model calls and the loop's own work, not compilation
     active_b: np.ndarray  # bool: rows not done when the chunk began
     committed_b: np.ndarray  # tokens each row committed
     overlap_b: np.ndarray  # each row's sum of sum_x min(p, q) over the positions it had scored
