@@ -82,9 +82,10 @@ flags.DEFINE_float(
 flags.DEFINE_string(
     "gamma",
     "auto",
-    "Draft tokens per round: an integer >= 1, or 'auto' (chosen per chunk of rounds from the measured "
-    "cost of the draft and verify calls and the acceptance rate so far, 0..8; 0 = plain decoding "
-    "when drafting does not pay; the costs are measured once per machine and pair, and cached).",
+    "Draft tokens per round: an integer >= 1, or 'auto' (chosen per chunk of rounds, 0..8, from the "
+    "measured time of whole rounds and each row's running acceptance; 0 = plain decoding where "
+    "drafting does not pay, tried again later; the draft and verify calls are measured once per "
+    "machine and pair, and cached).",
 )
 flags.DEFINE_float(
     "temperature",

@@ -16,11 +16,11 @@ import numpy as np
 
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
-from spec_jax.drafters import ModelDrafter, NoDrafter, sources_of
+from spec_jax.drafters import ModelDrafter, NoDrafter, resumable, sources_of
 from spec_jax.executables import compiled
 from spec_jax.head_drafter import HeadDrafter
 from spec_jax.sampling import SamplingParams, row_keys
-from spec_jax.speculative import SpecState, SpecStatic, spec_loop, spec_prefill
+from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
 
 @dataclasses.dataclass
@@ -250,8 +250,8 @@ def run(
     controller = None
     if auto:
         costs = autogamma.costs_for(target, drafter, draft_params, batch=batch, cache_slots=cache_len)
-        controller = autogamma.Controller(costs, gamma)
-        if controller.gamma == 0:  # drafting would not pay even with a good draft: never run it
+        controller = autogamma.Controller(costs, gamma, batch=batch, resumable=resumable(drafter))
+        if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
             drafter, draft_params = NoDrafter(target.config.vocab_size), None
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
@@ -323,33 +323,124 @@ def run(
             in_shardings=in_shardings,
             out_shardings=in_shardings[2],
         )
-        start = time.perf_counter()
+        start, work = time.perf_counter(), autogamma.work_clock()
         state = jax.block_until_ready(loop_fn(*loop_args))
-        return state, compile_s, time.perf_counter() - start
+        return state, compile_s, time.perf_counter() - start, autogamma.work_clock() - work
+
+    def resume(draft_params, draft_state, state, synced_b, width):
+        """(the drafter's state caught up on the text committed without it, compile seconds,
+        autogamma.work_clock seconds of the run)."""
+        synced = sharding.put(np.asarray(synced_b, np.int32), sharding.batch_sharding(mesh, 1))
+        args = (draft_params, draft_state, inputs.tokens, inputs.prompt_lens, state.out.tokens, state.length)
+        args += (synced,)
+        in_shardings = _shardings_of(args)
+        fn, compile_s = compiled(
+            "drafter_resume",
+            _resume_drafter,
+            (static.drafter, cache_len, width),
+            args,
+            in_shardings=in_shardings,
+            out_shardings=in_shardings[1],
+        )
+        start = autogamma.work_clock()
+        draft_state = jax.block_until_ready(fn(*args))
+        return draft_state, compile_s, autogamma.work_clock() - start
 
     if controller is None:
-        state, loop_compile_s, decode_s = run_loop(static, draft_params, state, np.iinfo(np.int32).max)
+        state, loop_compile_s, decode_s, _ = run_loop(static, draft_params, state, np.iinfo(np.int32).max)
+        timings = {}
     else:
-        loop_compile_s = decode_s = 0.0
-        while not bool(np.all(sharding.fetch(state.out.done))):
-            chunk_gamma, rounds = controller.next_chunk()
-            if chunk_gamma == 0 or isinstance(static.drafter, NoDrafter):  # plain decoding to the end
-                if not isinstance(static.drafter, NoDrafter):
-                    state = state.replace(draft_state=())
-                static = dataclasses.replace(static, drafter=NoDrafter(config.vocab_size))
-                chunk_gamma, draft_params, rounds = 0, None, np.iinfo(np.int32).max
-                controller.schedule[-1] = (0, rounds)
-            chunk_static = dataclasses.replace(static, gamma=chunk_gamma)
-            state, compile_s, seconds = run_loop(chunk_static, draft_params, state, rounds)
-            loop_compile_s, decode_s = loop_compile_s + compile_s, decode_s + seconds
-            overlap_sum, scored = sharding.fetch((state.metrics.overlap_sum, state.metrics.overlap_count))
-            controller.observe(float(overlap_sum), int(scored))
+        state, loop_compile_s, decode_s, timings = _decode_auto(
+            controller, static, draft_params, state, inputs, run_loop, resume
+        )
     timings = dict(
-        compile_seconds=prefill_compile_s + loop_compile_s, prefill_seconds=prefill_s, decode_seconds=decode_s
+        compile_seconds=prefill_compile_s + loop_compile_s,
+        prefill_seconds=prefill_s,
+        decode_seconds=decode_s,
+        **timings,
     )
-    if controller is not None:
-        timings["gamma_schedule"] = [[g, int(min(r, np.iinfo(np.int32).max))] for g, r in controller.schedule]
     return state, timings
+
+
+def _resume_drafter(
+    static, draft_params, draft_state, tokens_bp, prompt_lens_b, out_tokens_bn, length_b, synced_b
+):
+    """The drafter's `resume` on the committed text. static: (drafter, cache length, width)."""
+    drafter, cache_len, width = static
+    text_bs = committed_text(tokens_bp, prompt_lens_b, out_tokens_bn, length_b, cache_len)
+    return drafter.resume(draft_params, draft_state, text_bs, synced_b, length_b, width)
+
+
+def _decode_auto(controller, static, draft_params, state, inputs, run_loop, resume):
+    """gamma=auto's host loop: chunks of rounds, each gamma chosen by the controller
+    (spec_jax.autogamma) from the chunks before it. Plain chunks run without the drafter, whose
+    state waits aside; before it drafts again it catches up on the text committed meanwhile.
+
+    Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
+    the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
+    ...] (consecutive chunks of one gamma merged), "resume_seconds": what the catch-ups took by
+    autogamma.work_clock}). The controller sees each chunk's time by work_clock.
+    """
+    drafter, plain = static.drafter, NoDrafter(static.config.vocab_size)
+    stash = None  # the drafter's state while plain chunks run without it
+    fetch = sharding.fetch
+    # The drafter's state follows the text below `synced` (prefill: the prompt).
+    synced = np.asarray(fetch(inputs.prompt_lens)).astype(np.int64)
+    compile_s = resume_s = 0.0
+    schedule: list[list[int]] = []
+
+    def observed(state):
+        m = state.metrics
+        return fetch(
+            (state.out.done, state.out.num_generated, state.length)
+            + (m.row_overlap_sum, m.row_overlap_count, m.target_calls)
+        )
+
+    start = time.perf_counter()
+    before = observed(state)
+    while not bool(np.all(before[0])):
+        done, generated, length = before[:3]
+        remaining = np.where(done, 0, static.max_new_tokens - generated)
+        gamma, rounds = controller.next_chunk(remaining)
+        if gamma == 0 and stash is None and drafter is not plain:
+            stash, state = state.draft_state, state.replace(draft_state=())
+        if gamma and stash is not None:
+            # The drafter catches up on the last RESUME_WINDOW positions at most: a model
+            # drafter's cache then holds stale entries before them, which changes its drafts
+            # and acceptance but never the output (the rule is exact for any draft).
+            synced = np.maximum(synced, length - 2 - autogamma.RESUME_WINDOW)
+            gap = int(np.max(np.where(done, 0, length - 2 - synced), initial=0))
+            if gap > 0:
+                width = min(autogamma.RESUME_WIDTH, 1 << (gap - 1).bit_length())
+                stash, c, seconds = resume(draft_params, stash, state, synced, width)
+                compile_s, resume_s = compile_s + c, resume_s + seconds
+                controller.observe_resume(seconds, -(-gap // width))
+            state, stash = state.replace(draft_state=stash), None
+        chunk_static = dataclasses.replace(static, drafter=drafter if gamma else plain, gamma=gamma)
+        state, c, _, seconds = run_loop(chunk_static, draft_params if gamma else None, state, rounds)
+        compile_s += c
+        after = observed(state)
+        controller.observe(
+            autogamma.Chunk(
+                gamma=gamma,
+                rounds=int(after[5] - before[5]),
+                seconds=seconds,
+                active_b=~done,
+                committed_b=after[1] - generated,
+                overlap_b=after[3] - before[3],
+                scored_b=after[4] - before[4],
+                remaining_b=np.where(after[0], 0, static.max_new_tokens - after[1]),
+            )
+        )
+        if gamma:  # its last round began at most gamma + 1 tokens back
+            synced = np.maximum(synced, after[2] - gamma - 1)
+        if schedule and schedule[-1][0] == gamma:
+            schedule[-1][1] += int(after[5] - before[5])
+        else:
+            schedule.append([gamma, int(after[5] - before[5])])
+        before = after
+    decode_s = time.perf_counter() - start - compile_s
+    return state, compile_s, decode_s, {"gamma_schedule": schedule, "resume_seconds": resume_s}
 
 
 def generate(

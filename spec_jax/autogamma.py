@@ -1,17 +1,41 @@
-"""gamma=auto: the number of draft tokens per round chosen from measured costs and the running
-acceptance rate (Leviathan et al. 2023, Theorem 3.8, with the verify cost measured instead of
-assumed to be one target step).
+"""gamma=auto: the number of draft tokens per round chosen, chunk by chunk, from the measured time
+of whole rounds and each row's running acceptance (Leviathan et al. 2023, Theorem 3.8, with
+costs measured instead of assumed).
 
-With acceptance rate alpha, a round of gamma drafts commits E(alpha, gamma) = (1 -
-alpha^(gamma+1)) / (1 - alpha) tokens on average and costs d(gamma) + v(gamma) target decode
-steps: d is the drafter's round (a 2-token draft call, then gamma - 1 one-token calls), v the
-target's call over gamma + 1 positions. Plain decoding (gamma = 0) commits 1 token per step. The
-choice maximizes E / (d + v) over 0..gamma_max.
+With acceptance alpha, a round of gamma drafts commits E(alpha, gamma) = (1 - alpha^(gamma+1)) /
+(1 - alpha) tokens per row on average; plain decoding (gamma = 0) commits 1. The loop runs in
+chunks of rounds (spec_jax.api), and before each chunk the Controller picks the gamma in
+0..gamma_max with the most expected tokens per second for the batch: the sum over the rows still
+running of each row's E (capped at what the row may still commit) over the seconds of one round.
 
-Costs are measured once per machine, model pair, precision, batch size and cache size (about a
-minute for the Qwen pair on a 2-core CPU) and cached as JSON under `$SPEC_JAX_CACHE/costs/`.
-alpha is not remembered: each generate call starts from a weak prior and learns it from its own
-rounds (the mean overlap sum_x min(p, q) over scored positions, the metrics' alpha_hat).
+What a round costs. Each chunk's time over its rounds is a measured round of that gamma: the
+drafter's and the target's calls and the loop's own work (sampling and the rejection rule over
+[gamma + 1, V], the commit, the drafter's state). Chunks are timed by work_clock: the process's
+CPU time on a CPU backend, so that other jobs on a shared machine do not sway the choice, wall
+time on an accelerator. A gamma is timed as the fastest of its last chunks. A gamma not yet run is predicted from the
+model calls measured offline (`Costs`, once per machine, pair, batch and cache size, cached
+under `$SPEC_JAX_CACHE/costs/`) at the measured plain round's rate, plus the round's own work as
+the nearest measured drafting gamma showed it (what its calls do not explain, taken to grow
+with gamma), or EXTRA_STEPS per draft before any drafting round ran. A call starts with
+PLAIN_FIRST plain round(s), which time the plain round without costing anything against plain
+decoding; then it tries the drafting gamma that pays best at EXPLORE_ALPHA (a short draft), in
+chunks of 2, then 4 rounds.
+
+What a row accepts. Each row keeps the overlap sum_x min(p, q) of its scored positions (the
+metrics' alpha_hat, per row), weighted by recency (half weight HALF_LIFE positions back) after
+a weak prior; a chunk far outside what a row's estimate predicts (CHANGE_Z errors) drops the
+row's history, so a draft that turns always wrong is seen within a chunk or two.
+
+Falling back and trying again. Drafting stops when plain decoding wins even at an optimistic
+acceptance (FALLBACK_Z errors up). A drafter that can catch up (spec_jax.drafters.resumable)
+is tried again later with a short chunk (PROBE_ROUNDS rounds after catching up on the last
+RESUME_WINDOW positions): after at least PROBE_SPACING plain rounds (doubled after each try that
+lost time) and only when what the try may lose is covered by what drafting saved so far plus
+PROBE_SHARE of the time spent. A draft that would not pay even at GOOD_ALPHA never runs.
+
+Exactness is untouched: the schedule only chooses each chunk's gamma; greedy output equals
+plain decoding whatever it chooses, and a sampled output is an exact sample (which sample
+depends on the chunks: the random stream is consumed per round).
 """
 
 import dataclasses
@@ -19,6 +43,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 
 import jax
 import numpy as np
@@ -26,22 +51,37 @@ import numpy as np
 from spec_jax import theory, timing
 
 GAMMA_MAX = 8  # the largest gamma auto considers
-PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 4.0  # the running estimate starts as 4 positions at alpha 0.5
-EXPLORE_ALPHA = 0.8  # the first chunk drafts as if alpha were this (a good draft's), to measure it
-SWITCH_GAIN = 1.03  # change gamma only for a predicted 3% more tokens per unit time
-FIRST_CHUNK, MAX_CHUNK = 2, 16  # rounds between decisions: 2, 4, 8, 16, 16, ...
+PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 2.0  # a row's estimate starts as 2 positions at alpha 0.5
+HALF_LIFE = 6.0  # scored positions: a row's acceptance weighs a position half as much 6 later
+FALLBACK_Z = 0.5  # back to plain decoding when drafting loses even at alpha this many errors up
+CHANGE_Z = 3.0  # a chunk this many errors from a row's estimate drops the row's history
+GOOD_ALPHA = 0.8  # a draft that would not pay even at this acceptance (a good draft's) never runs
+EXPLORE_ALPHA = 0.5  # a first (or renewed) try drafts the gamma that pays best at this alpha
+SWITCH_GAIN = 1.03  # change between drafting gammas only for a predicted 3% more tokens per second
+EXTRA_STEPS = 0.05  # a drafting round's own work per draft, in target steps, until measured
+PLAIN_FIRST = 1  # rounds of plain decoding that time the plain round before any drafting
+FIRST_CHUNK, MAX_CHUNK = 2, 4  # drafting rounds between decisions: 2, then 4
+TIMES_KEPT = 8  # a gamma's round time: the fastest of its last 8 chunks
+PROBE_ROUNDS = 2  # a renewed try after plain decoding drafts this many rounds, then decides
+PROBE_SPACING = 16  # plain rounds before a renewed try, at least (doubled after each that failed)
+PROBE_SHARE = 0.02  # renewed tries may lose this share of the time so far, plus what drafting saved
+PROBE_MIN_REMAINING = 8  # no renewed try for a row with fewer tokens left than this
+RESUME_WIDTH = 32  # a drafter catches up on at most this many positions per call
+RESUME_WINDOW = 64  # and on the last this many positions only (see Controller)
 
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
     """Measured costs in target decode steps: draft1 / draft2 a drafter call over 1 / 2 tokens
-    per row, verify[g] the target's call over g + 1 tokens per row (verify[0] = 1 by definition).
-    step_seconds is the target decode step they are relative to."""
+    per row, verify[g] the target's call over g + 1 tokens per row (verify[0] = 1 by definition),
+    resume a drafter call over RESUME_WIDTH tokens per row (catching up after plain decoding; 0
+    for drafters without a model). step_seconds is the target decode step they are relative to."""
 
     step_seconds: float
     draft1: float
     draft2: float
     verify: tuple[float, ...]
+    resume: float = 0.0  # a drafter call catching up on RESUME_WIDTH positions per row
 
     def round_cost(self, gamma: int) -> float:
         """A round of gamma drafts, in target steps (gamma 0: one decode step)."""
@@ -62,7 +102,7 @@ class Costs:
 
 
 # How measure() turns repeats into a cost; part of the cache key, so a change re-measures.
-MEASURE_METHOD = "min of interleaved repeats"
+MEASURE_METHOD = "min of interleaved repeats; resume call"
 
 
 def machine_key() -> dict:
@@ -124,7 +164,7 @@ def measure(
 
     drafter = getattr(drafter, "model", drafter)  # spec_jax.lookup.HybridDrafter: its model
 
-    slots = max(cache_slots, 2 * (gamma_max + 2))
+    slots = max(cache_slots, 2 * (gamma_max + 2), 2 * RESUME_WIDTH)
     repeat = 4  # calls per timed program, so that dispatch is not counted
     fns = {
         ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
@@ -134,7 +174,7 @@ def measure(
         model_params, head = (
             (draft_params.model, draft_params.head.weight) if drafter.trimmed else (draft_params, None)
         )
-        for w in (1, 2):
+        for w in (1, 2, RESUME_WIDTH):
             fns[("draft", w)] = timing.model_call(
                 Model(config=drafter.config, params=model_params),
                 batch=batch,
@@ -158,7 +198,11 @@ def measure(
 
     verify = (1.0,) + tuple(rel(("target", g + 1)) for g in range(1, gamma_max + 1))
     return Costs(
-        step_seconds=step / repeat, draft1=rel(("draft", 1)), draft2=rel(("draft", 2)), verify=verify
+        step_seconds=step / repeat,
+        draft1=rel(("draft", 1)),
+        draft2=rel(("draft", 2)),
+        verify=verify,
+        resume=rel(("draft", RESUME_WIDTH)),
     )
 
 
@@ -210,38 +254,217 @@ def costs_for(
     return costs
 
 
-class Controller:
-    """Chooses gamma for the next chunk of rounds from the costs and the acceptance so far.
+def work_clock() -> float:
+    """The clock gamma=auto times chunks with, in seconds: this process's CPU time on a CPU
+    backend (the work of all its threads, not the time other jobs on a shared machine take from
+    it, so that the choice does not follow their load), wall time on an accelerator (whose work
+    the host does not see)."""
+    return time.process_time() if jax.default_backend() == "cpu" else time.perf_counter()
 
-    The first chunk (2 rounds) drafts with the gamma that would be best at EXPLORE_ALPHA, so that
-    a draft that pays only when it is good gets measured; a draft that does not pay even then
-    is never run. Afterwards alpha is estimated as (PRIOR_WEIGHT * PRIOR_ALPHA + overlap sum) / (PRIOR_WEIGHT + scored
-    positions). gamma changes only when the new choice is predicted SWITCH_GAIN better than the
-    current one; plain decoding (gamma 0) is absorbing, since the drafter's state stops following
-    the text once it is off. Chunks double from FIRST_CHUNK rounds to MAX_CHUNK.
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """What one chunk of rounds did, as gamma=auto's host loop saw it (arrays are [B])."""
+
+    gamma: int
+    rounds: int  # rounds run (batched: one round is one step of every row)
+    seconds: float  # work_clock seconds: the model calls and the loop's own work, not compilation
+    active_b: np.ndarray  # bool: rows not done when the chunk began
+    committed_b: np.ndarray  # tokens each row committed
+    overlap_b: np.ndarray  # each row's sum of sum_x min(p, q) over the positions it had scored
+    scored_b: np.ndarray  # how many positions of each row the target scored (spec_jax.metrics)
+    remaining_b: np.ndarray  # tokens each row may still commit (0: done)
+
+
+END = 2**31 - 1  # rounds of a chunk that runs to the end
+
+
+class Controller:
+    """Chooses gamma for each chunk of rounds from measured round times and each row's running
+    acceptance (module docstring: what it measures and how it decides).
+
+    The host loop (spec_jax.api.run) asks next_chunk(remaining) for (gamma, rounds), runs them,
+    and reports the chunk with observe(Chunk); catching a drafter up after plain chunks is
+    reported with observe_resume(seconds, calls).
     """
 
-    def __init__(self, costs: Costs, gamma_max: int):
-        self.costs, self.gamma_max = costs, gamma_max
-        self.gamma = costs.best_gamma(EXPLORE_ALPHA, gamma_max)
+    def __init__(self, costs: Costs, gamma_max: int, batch: int = 1, resumable: bool = True):
+        self.costs, self.gamma_max, self.resumable = costs, min(gamma_max, len(costs.verify) - 1), resumable
+        self.times: dict[int, list[float]] = {}  # gamma -> seconds per round of its last chunks
+        # Each row's overlap sum and scored positions, decayed (HALF_LIFE), from a prior.
+        self.overlap = np.full(batch, PRIOR_WEIGHT * PRIOR_ALPHA)
+        self.weight = np.full(batch, PRIOR_WEIGHT)
+        self.gamma = self.probe_gamma()
+        if self.best_at(GOOD_ALPHA) == 0:  # not even a good draft's acceptance would pay
+            self.phase = "never"
+        else:  # resumable: a plain round is timed first
+            self.phase = "plain_first" if resumable else "draft"
         self.chunk = FIRST_CHUNK
-        self.schedule: list[tuple[int, int]] = []  # (gamma, rounds asked for) per chunk
+        self.plain_rounds = 0  # plain rounds since the drafter last ran
+        self.spacing = PROBE_SPACING  # plain rounds before the next probe, at least
+        self.bank_at_try = 0.0  # the bank when drafting last began
+        self.bank = 0.0  # seconds drafting saved against plain decoding, less what probes cost
+        self.elapsed = 0.0  # seconds of all chunks and resumes
+        self.resume_call = None  # seconds of one catch-up call, as last measured
 
-    def alpha(self, overlap_sum: float, scored: int) -> float:
-        return (PRIOR_WEIGHT * PRIOR_ALPHA + overlap_sum) / (PRIOR_WEIGHT + scored)
+    # --- estimates -------------------------------------------------------------------------
+    def round_seconds(self, gamma: int) -> float:
+        """Seconds per round of gamma: the fastest of its recent chunks where it has run.
+        Otherwise its model calls (offline, in target steps) at the rate of a plain round as
+        timed, plus the round's own work: as the nearest drafting gamma measured it (the time
+        its calls do not explain), taken to grow with gamma and never to shrink, or, before any
+        drafting round ran, EXTRA_STEPS per draft."""
+        drafted = [h for h in self.times if h]
+        if gamma == 0:
+            # A drafting round's own work is at least a plain round's in proportion to its
+            # calls, so a plain round costs no more than the drafting rounds imply: a plain
+            # chunk timed under a passing load must not make drafting look better.
+            implied = [min(self.times[h]) / self.costs.round_cost(h) for h in drafted]
+            if 0 in self.times:
+                return min([min(self.times[0])] + implied)
+            if drafted:  # a drafter that cannot resume never times a plain round
+                return min(min(self.times[h]) / (self.costs.round_cost(h) + EXTRA_STEPS * h) for h in drafted)
+            return self.costs.step_seconds
+        if gamma in self.times:
+            return min(self.times[gamma])
+        step = self.round_seconds(0)
+        calls = step * self.costs.round_cost(gamma)
+        if not drafted:
+            return calls + step * EXTRA_STEPS * gamma
+        h = min(drafted, key=lambda h: (abs(h - gamma), h))
+        extra = max(min(self.times[h]) - step * self.costs.round_cost(h), 0.0)
+        return calls + extra * max(1.0, gamma / h)
 
-    def next_chunk(self) -> tuple[int, int]:
-        """(gamma, rounds) for the next chunk."""
-        rounds = self.chunk
-        self.schedule.append((self.gamma, rounds))
-        self.chunk = min(2 * self.chunk, MAX_CHUNK)
-        return self.gamma, rounds
+    def alphas(self, z: float = 0.0) -> np.ndarray:
+        """Each row's acceptance: the overlap of its scored positions, each weighted by recency
+        (half as much HALF_LIFE positions back), after a prior of PRIOR_WEIGHT positions at
+        PRIOR_ALPHA (decayed alike); with z, z standard errors above that (an optimistic
+        bound). [B]"""
+        alpha = self.overlap / self.weight
+        return np.clip(alpha + z * np.sqrt(alpha * (1.0 - alpha) / self.weight), 0.0, 1.0)
 
-    def observe(self, overlap_sum: float, scored: int) -> None:
-        """Updates gamma from the cumulative overlap sum and scored positions of this call."""
-        if self.gamma == 0:
+    def forget(self, rows) -> None:
+        """Drops the history of the rows (a bool mask [B]): back to the prior."""
+        self.overlap = np.where(rows, PRIOR_WEIGHT * PRIOR_ALPHA, self.overlap)
+        self.weight = np.where(rows, PRIOR_WEIGHT, self.weight)
+
+    def rates(self, alphas, remaining_b) -> np.ndarray:
+        """Expected tokens per second of the batch for gamma = 0..gamma_max: the active rows'
+        expected committed tokens per round (capped at what each may still commit) over the
+        round's seconds. [gamma_max + 1]"""
+        alphas, remaining = np.asarray(alphas, float), np.asarray(remaining_b)
+        active = remaining > 0
+        powers = alphas[active, None] ** np.arange(self.gamma_max + 1)[None, :]  # [rows, G + 1]
+        out = np.zeros(self.gamma_max + 1)
+        for g in range(self.gamma_max + 1):
+            upto = np.minimum(g, remaining[active] - 1)  # E[min(1 + accepted, remaining)]
+            tokens = np.sum(np.where(np.arange(self.gamma_max + 1)[None, :] <= upto[:, None], powers, 0.0))
+            out[g] = tokens / self.round_seconds(g)
+        return out
+
+    def best_at(self, alpha: float) -> int:
+        """The gamma with the most tokens per second at acceptance alpha (0: plain decoding)."""
+        return int(np.argmax(self.rates(np.full(1, alpha), np.full(1, END))))
+
+    def probe_gamma(self) -> int:
+        """What a first or a renewed try drafts with: the drafting gamma that pays best at
+        EXPLORE_ALPHA (a short draft, cheap to try with a draft that turns out poor); 0 when not
+        even a good draft's acceptance would pay."""
+        if self.best_at(GOOD_ALPHA) == 0:
+            return 0
+        return 1 + int(np.argmax(self.rates(np.full(1, EXPLORE_ALPHA), np.full(1, END))[1:]))
+
+    # --- the schedule ----------------------------------------------------------------------
+    def next_chunk(self, remaining_b) -> tuple[int, int]:
+        """(gamma, rounds) for the next chunk; remaining_b: tokens each row may still commit."""
+        remaining_b = np.asarray(remaining_b)
+        if self.phase == "never":
+            return 0, END
+        if self.phase == "plain_first":
+            return 0, PLAIN_FIRST
+        if self.phase == "draft":
+            rounds, self.chunk = self.chunk, min(2 * self.chunk, MAX_CHUNK)
+            return self.gamma, rounds
+        wait = self.rounds_until_probe(remaining_b)
+        if wait:
+            return 0, wait
+        self.gamma, self.phase, self.bank_at_try = self.probe_gamma(), "draft", self.bank
+        self.forget(np.ones_like(self.weight, bool))  # the probe asks what the acceptance is now
+        self.chunk = 2 * PROBE_ROUNDS
+        return self.gamma, PROBE_ROUNDS
+
+    def resume_seconds(self, gap: int) -> float:
+        """Seconds to catch the drafter up on `gap` positions (at most RESUME_WINDOW of them,
+        RESUME_WIDTH per call): as the last catch-up took per call, or as measured offline."""
+        calls = -(-min(gap, RESUME_WINDOW) // RESUME_WIDTH)
+        per_call = self.resume_call
+        if per_call is None:
+            per_call = self.costs.resume * self.round_seconds(0)
+        return calls * per_call
+
+    def probe_cost(self, gamma: int, gap: int) -> float:
+        """Seconds a probe may lose against plain decoding: catching the drafter up on `gap`
+        positions and PROBE_ROUNDS rounds of gamma that accept nothing."""
+        loss = PROBE_ROUNDS * max(self.round_seconds(gamma) - self.round_seconds(0), 0.0)
+        return loss + self.resume_seconds(gap)
+
+    def rounds_until_probe(self, remaining_b) -> int:
+        """Plain rounds before drafting is tried again (0: now; END: not in this call). A probe
+        waits at least `spacing` plain rounds (doubled after each try that lost time) and
+        until what it may lose is covered by the budget: what drafting saved so far, plus
+        PROBE_SHARE of the time spent."""
+        gamma = self.probe_gamma()
+        left = int(np.max(remaining_b, initial=0))
+        if not self.resumable or gamma == 0 or left < PROBE_MIN_REMAINING:
+            return END
+        # Each further plain round adds PROBE_SHARE of its time to the budget; the catch-up
+        # costs at most RESUME_WINDOW positions' worth.
+        short = self.probe_cost(gamma, RESUME_WINDOW) - self.bank - PROBE_SHARE * self.elapsed
+        wait = max(self.spacing - self.plain_rounds, 0)
+        if short > 0:
+            wait = max(wait, int(np.ceil(short / (PROBE_SHARE * self.round_seconds(0)))))
+        return END if wait > left - PROBE_MIN_REMAINING else wait
+
+    # --- what happened ---------------------------------------------------------------------
+    def observe_resume(self, seconds: float, calls: int) -> None:
+        """The drafter caught up in `seconds`, with `calls` calls of its model (or none)."""
+        self.elapsed += seconds
+        self.bank -= seconds
+        self.resume_call = seconds / max(calls, 1)
+
+    def observe(self, chunk: Chunk) -> None:
+        """Takes in a chunk's time and acceptance and decides what the next chunk does."""
+        self.elapsed += chunk.seconds
+        if chunk.rounds > 0:
+            kept = self.times.setdefault(chunk.gamma, [])
+            kept.append(chunk.seconds / chunk.rounds)
+            del kept[:-TIMES_KEPT]
+        if chunk.gamma == 0:
+            self.plain_rounds += chunk.rounds
+            if self.phase == "plain_first":
+                self.phase = "draft" if (gamma := self.probe_gamma()) else "never"
+                self.gamma = gamma or self.gamma
             return
-        alpha = self.alpha(overlap_sum, scored)
-        best = self.costs.best_gamma(alpha, self.gamma_max)
-        if self.costs.rate(alpha, best) > SWITCH_GAIN * self.costs.rate(alpha, self.gamma):
-            self.gamma = best
+        self.plain_rounds = 0
+        scored = np.asarray(chunk.scored_b, float)
+        # A row whose chunk is far from what its estimate predicts has changed (a draft that was
+        # right turned wrong, or the text turned predictable): its history is dropped.
+        alpha = self.alphas()
+        spread = np.sqrt(scored * alpha * (1.0 - alpha) + 0.25)
+        self.forget(np.abs(chunk.overlap_b - scored * alpha) > CHANGE_Z * spread)
+        decay = 0.5 ** (scored / HALF_LIFE)
+        self.overlap = decay * self.overlap + chunk.overlap_b
+        self.weight = decay * self.weight + scored
+        active = max(int(np.sum(chunk.active_b)), 1)
+        self.bank += float(np.sum(chunk.committed_b)) / active * self.round_seconds(0) - chunk.seconds
+        rates = self.rates(self.alphas(), chunk.remaining_b)
+        # Plain decoding only when even an optimistic acceptance says drafting loses: a noisy
+        # stretch of a good draft should not end drafting (coming back costs a catch-up).
+        optimistic = self.rates(self.alphas(FALLBACK_Z), chunk.remaining_b)
+        if np.argmax(optimistic) == 0:  # a try that lost time makes the next one wait twice as long
+            self.spacing = 2 * self.spacing if self.bank < self.bank_at_try else PROBE_SPACING
+            self.phase, self.chunk, self.plain_rounds = "plain", FIRST_CHUNK, 0
+        else:
+            best = 1 + int(np.argmax(rates[1:]))
+            if rates[best] > SWITCH_GAIN * rates[self.gamma]:
+                self.gamma = best

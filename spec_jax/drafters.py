@@ -18,6 +18,10 @@ q = 0 (spec_jax.verify), and then `variable_length` is True, so that the loop ch
 round where no row proposed anything (the target then scores one position, not gamma + 1).
 `sources` names what served a row's round (a HybridDrafter has two and says which served each
 row with `served(state)`); the metrics count rounds, drafts and acceptances per source.
+
+gamma=auto runs plain chunks (gamma 0, no drafter) between drafting chunks; a drafter that has
+`resume` then catches up on the text committed without it (`resumable`); one without (a draft
+head, which reads the target's features) makes plain decoding final for the call.
 """
 
 import dataclasses
@@ -53,12 +57,27 @@ class Drafter(Protocol):
         each token was sampled from, all zero from the first position not proposed, new state).
         """
 
+    def resume(self, params: Any, state: Any, text_bs, synced_b, length_b, width: int) -> Any:
+        """Optional (`resumable`): the state after the loop committed text without the drafter.
+
+        text_bs: int32 [B, S] every row's committed tokens at their positions (below length_b,
+        padding past it); synced_b: the state followed the text below this position; width: a
+        static size for catching up (the longest gap length - 2 - synced, rounded up to a power
+        of two and capped). The result must be a state `propose` can continue from at length_b.
+        """
+
 
 def reads_features(drafter) -> bool:
     """Whether a drafter reads the target's features (spec_jax.head_drafter.HeadDrafter): its
     `init` then takes the prompt's features [B, P, D] too, and the loop calls its `observe`
     with each round's features and committed tokens."""
     return bool(getattr(drafter, "reads_features", False))
+
+
+def resumable(drafter) -> bool:
+    """Whether a drafter can catch up on text committed without it (it has `resume`), so that
+    gamma=auto may decode plainly for a while and then draft again."""
+    return hasattr(drafter, "resume")
 
 
 def sources_of(drafter) -> tuple[str, ...]:
@@ -91,6 +110,9 @@ class NoDrafter:
             raise ValueError(f"NoDrafter proposes nothing: gamma must be 0, got {gamma}")
         batch = context_b2.shape[0]
         return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0, self.vocab_size), jnp.float32), state
+
+    def resume(self, params, state, text_bs, synced_b, length_b, width):
+        return state
 
 
 @flax.struct.dataclass
@@ -183,6 +205,28 @@ class ModelDrafter:
             q = q * keep[..., None].astype(q.dtype)
         return tokens, q, cache
 
+    def feed(self, params, cache, text_bs, start_b, stop_b, width: int):
+        """The cache after reading the committed tokens text[start .. stop-1] of each row (a row
+        whose start >= stop reads nothing it needs), `width` positions per call, as many calls
+        as the longest gap needs (positions past stop get text padding, written past the
+        length and overwritten before they are read)."""
+        model_params, head = (params.model, params.head.weight) if self.trimmed else (params, None)
+        first = jnp.zeros((start_b.shape[0], 1), jnp.int32)  # logits of one position (unused)
+
+        def body(carry):
+            start, cache = carry
+            positions = start[:, None] + jnp.arange(width)[None, :]
+            tokens = jnp.take_along_axis(text_bs, jnp.clip(positions, 0, text_bs.shape[1] - 1), axis=1)
+            _, cache = forward(self.config, model_params, tokens, positions, cache, first, head=head)
+            return jnp.where(start < stop_b, jnp.minimum(start + width, stop_b), start), cache
+
+        _, cache = jax.lax.while_loop(lambda c: jnp.any(c[0] < stop_b), body, (start_b, cache))
+        return cache
+
+    def resume(self, params, cache, text_bs, synced_b, length_b, width):
+        # propose feeds length-2 and length-1 itself.
+        return self.feed(params, cache, text_bs, synced_b, length_b - 2, width)
+
 
 def top_probability(logits_bv):
     """The top probability of softmax(logits), [B] float32."""
@@ -232,6 +276,9 @@ class UnigramDrafter:
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()
 
+    def resume(self, params, state, text_bs, synced_b, length_b, width):
+        return state
+
     def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, keys_b):
         batch = context_b2.shape[0]
         q_bv = jnp.broadcast_to(warp(params.log_probs, sampling), (batch, self.vocab_size))  # one warp
@@ -275,6 +322,9 @@ class BigramDrafter:
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return ()
+
+    def resume(self, params, state, text_bs, synced_b, length_b, width):
+        return state
 
     def probs(self, params: BigramTables, context_b):
         """p(. | c) for each context token c [B]: float32 [B, V]."""

@@ -28,7 +28,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models.transformer import forward
 from spec_jax.drafters import UNBOUNDED_CONTEXT, ModelDrafter
 
 MAX_NGRAM_LIMIT = 16  # the largest max_ngram accepted (the match is max_ngram shifted compares)
@@ -103,6 +102,10 @@ class PromptLookupDrafter:
         """The token buffer [B, cache_len]: the padded prompts (padding past each length is garbage)."""
         return jnp.pad(tokens_bp.astype(jnp.int32), ((0, 0), (0, cache_len - tokens_bp.shape[1])))
 
+    def resume(self, params, buffer_bs, text_bs, synced_b, length_b, width):
+        """The buffer is the committed text (below each row's length; garbage past it)."""
+        return text_bs.astype(jnp.int32)
+
     def lookup(self, buffer_bs, context_b2, length_b, gamma: int):
         """(buffer with the context written, found [B], drafts int32 [B, G]): the match."""
         buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
@@ -166,22 +169,16 @@ class HybridDrafter:
     def served(self, state: HybridState):
         return state.model_drafted.astype(jnp.int32)
 
-    def feed(self, params, cache, buffer_bs, start_b, stop_b):
-        """The cache after reading the committed tokens at start .. stop-1 of each row (a row
-        whose start >= stop reads nothing it needs), `catch_up` positions per call."""
-        model_params, head = (params.model, params.head.weight) if self.model.trimmed else (params, None)
-        width = self.catch_up
-        first = jnp.zeros((start_b.shape[0], 1), jnp.int32)  # logits of one position (unused)
-
-        def body(carry):
-            start, cache = carry
-            positions = start[:, None] + jnp.arange(width)[None, :]
-            tokens = jnp.take_along_axis(buffer_bs, jnp.clip(positions, 0, buffer_bs.shape[1] - 1), axis=1)
-            _, cache = forward(self.model.config, model_params, tokens, positions, cache, first, head=head)
-            return jnp.where(start < stop_b, jnp.minimum(start + width, stop_b), start), cache
-
-        _, cache = jax.lax.while_loop(lambda c: jnp.any(c[0] < stop_b), body, (start_b, cache))
-        return cache
+    def resume(self, params, state: HybridState, text_bs, synced_b, length_b, width):
+        """The buffer becomes the committed text; the model's cache stays as it is, exact below
+        `cached` (and below the last round's length where the model served it), and catches
+        up the next time a row needs it."""
+        cached = jnp.where(state.model_drafted, jnp.maximum(state.cached, state.last_length), state.cached)
+        return state.replace(
+            buffer=text_bs.astype(jnp.int32),
+            cached=cached,
+            model_drafted=jnp.zeros_like(state.model_drafted),
+        )
 
     def propose(self, params, state: HybridState, context_b2, length_b, gamma, sampling, keys_b):
         buffer, found, drafts = self.lookup.lookup(state.buffer, context_b2, length_b, gamma)
@@ -190,7 +187,7 @@ class HybridDrafter:
         need = ~found & (length_b != state.last_length)  # a done row keeps its length: never needs it
 
         def with_model(cache, cached):
-            cache = self.feed(params, cache, buffer, cached, length_b - 2)
+            cache = self.model.feed(params, cache, buffer, cached, length_b - 2, self.catch_up)
             tokens, q, cache = self.model.propose(
                 params, cache, context_b2, length_b, gamma, sampling, keys_b
             )

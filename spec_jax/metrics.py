@@ -30,9 +30,12 @@ class SpecMetrics:
     source_rounds: jax.Array  # int32 [S]: rounds each of the drafter's sources served
     source_draft_tokens: jax.Array  # int32 [S]
     source_accepted_tokens: jax.Array  # int32 [S]
+    # overlap_sum and overlap_count of each row: gamma=auto's per-row acceptance (not in to_dict)
+    row_overlap_sum: jax.Array  # float32 [B]
+    row_overlap_count: jax.Array  # int32 [B]
 
     @classmethod
-    def zeros(cls, gamma: int, num_sources: int = 1) -> "SpecMetrics":
+    def zeros(cls, gamma: int, num_sources: int = 1, batch: int = 1) -> "SpecMetrics":
         i = jnp.zeros((), jnp.int32)
         per_source = jnp.zeros((num_sources,), jnp.int32)
         return cls(
@@ -49,6 +52,8 @@ class SpecMetrics:
             per_source,
             per_source,
             per_source,
+            jnp.zeros((batch,), jnp.float32),
+            jnp.zeros((batch,), jnp.int32),
         )
 
     def update(
@@ -71,6 +76,8 @@ class SpecMetrics:
         pos = jnp.arange(size)[None, :]
         scored = (pos <= num_accepted_b[:, None]) & (pos < num_drafted_b[:, None]) & active_b[:, None]
         by_source = jax.nn.one_hot(source_b, self.source_rounds.shape[0], dtype=jnp.int32)  # [B, S]
+        row_overlap_b = jnp.sum(jnp.where(scored, overlap_bg, 0.0), axis=1)
+        row_scored_b = jnp.sum(scored, axis=1).astype(jnp.int32)
         return SpecMetrics(
             num_rounds=self.num_rounds + jnp.sum(act),
             num_draft_tokens=self.num_draft_tokens + jnp.sum(drafted),
@@ -79,14 +86,16 @@ class SpecMetrics:
             + jnp.sum((pos < num_accepted_b[:, None]) & active_b[:, None], axis=0).astype(jnp.int32),
             accepted_histogram=self.accepted_histogram
             + jnp.sum(jax.nn.one_hot(num_accepted_b, size + 1, dtype=jnp.int32) * act[:, None], axis=0),
-            overlap_sum=self.overlap_sum + jnp.sum(jnp.where(scored, overlap_bg, 0.0)),
-            overlap_count=self.overlap_count + jnp.sum(scored).astype(jnp.int32),
+            overlap_sum=self.overlap_sum + jnp.sum(row_overlap_b),
+            overlap_count=self.overlap_count + jnp.sum(row_scored_b),
             num_committed_tokens=self.num_committed_tokens + jnp.sum(committed_b),
             target_calls=self.target_calls + 1,
             draft_calls=self.draft_calls + draft_steps,
             source_rounds=self.source_rounds + act @ by_source,
             source_draft_tokens=self.source_draft_tokens + drafted @ by_source,
             source_accepted_tokens=self.source_accepted_tokens + acc @ by_source,
+            row_overlap_sum=self.row_overlap_sum + row_overlap_b,
+            row_overlap_count=self.row_overlap_count + row_scored_b,
         )
 
     def to_dict(self, sources: tuple[str, ...] = ()) -> dict:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
-from spec_jax.decode import Output, PrefillInputs, commit, first_token, prefill
+from spec_jax.decode import PAD_ID, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafters import Drafter, reads_features, served, sources_of
 from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
@@ -88,7 +88,8 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
         ones = jnp.ones_like(inputs.prompt_lens)
         draft_state = drafter.observe(draft_params, draft_state, f_last, token[:, None], last[:, 0], ones)
     prev = jnp.take_along_axis(inputs.tokens, (inputs.prompt_lens - 1)[:, None], axis=1)[:, 0]
-    metrics = SpecMetrics.zeros(static.gamma, len(sources_of(static.drafter))).replace(
+    batch = inputs.tokens.shape[0]
+    metrics = SpecMetrics.zeros(static.gamma, len(sources_of(static.drafter)), batch).replace(
         target_calls=jnp.ones((), jnp.int32),
         draft_calls=jnp.asarray(static.drafter.prefill_calls, jnp.int32),
     )
@@ -102,6 +103,18 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
         keys=keys,
         metrics=metrics,
     )
+
+
+def committed_text(tokens_bp, prompt_lens_b, out_tokens_bn, length_b, slots: int):
+    """int32 [B, slots]: each row's committed tokens at their positions, the prompt (tokens_bp
+    [B, P], right-padded) then the generated tokens (Output.tokens [B, N]), PAD_ID from the
+    row's length on."""
+    j = jnp.arange(slots)[None, :]
+    start = prompt_lens_b[:, None]
+    prompt = jnp.take_along_axis(tokens_bp, jnp.clip(j, 0, tokens_bp.shape[1] - 1), axis=1)
+    generated = jnp.take_along_axis(out_tokens_bn, jnp.clip(j - start, 0, out_tokens_bn.shape[1] - 1), axis=1)
+    text = jnp.where(j < start, prompt, generated)
+    return jnp.where(j < length_b[:, None], text, PAD_ID).astype(jnp.int32)
 
 
 def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:

@@ -217,6 +217,10 @@ class SuffixDrafter:
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         return PromptLookupDrafter(self.vocab_size).init(None, tokens_bp, prompt_lens_b, cache_len)
 
+    def resume(self, params, buffer_bs, text_bs, synced_b, length_b, width):
+        """The buffer is the committed text (PromptLookupDrafter's)."""
+        return text_bs.astype(jnp.int32)
+
     def counts(self, params, buffer_bs, length_b):
         """float32 [B, V]: the successor counts of the longest match (all 0: no match)."""
         n_own, own = own_counts(buffer_bs, length_b, self.max_ngram, self.vocab_size)
