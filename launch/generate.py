@@ -120,7 +120,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_enum(
     "target_dtype",
-    "gguf_q8",
+    "int8",
     list(PRECISIONS),
     "Target weight precision (models.precision): float32; bfloat16 weights and activations; int8 "
     "weights with a float32 scale per output unit; gguf: the GGUF file's own blocks (Q4_K, Q6_K, "
@@ -130,7 +130,7 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_enum(
     "draft_dtype",
-    "gguf_q8",
+    "int8",
     list(PRECISIONS),
     "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
 )
