@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -369,17 +370,7 @@ class Product {
 };
 #endif  // AVX-512 or AVX2
 
-// Splits the columns into chunks that the calling thread and XLA's intra-op thread pool take in
-// turn from a shared counter. The caller never waits for a task that has not started: XLA may
-// run several products at once (q, k and v are independent), each from a pool thread, so a task
-// scheduled here can stay queued until this call returns; the caller takes every chunk left
-// and waits only for chunks another thread is computing. The shared state lives on the heap,
-// owned by every task, so a task that starts late finds no chunk and touches nothing else.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-};
-
+// The columns in chunks over the calling thread and XLA's pool (cpu_parallel.h).
 template <typename W>
 ffi::Error Matmul(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y,
                   int64_t m_rows, int64_t k_dim, int64_t n_dim) {
@@ -387,24 +378,8 @@ ffi::Error Matmul(ffi::ThreadPool pool, const float* x, const W* w, const float*
   const int64_t blocks = (n_dim + kColumnBlock - 1) / kColumnBlock;
   const int64_t chunk = std::max<int64_t>(1, blocks / (4 * threads)) * kColumnBlock;  // columns
   const Product<W> product(x, w, scale, y, m_rows, k_dim, n_dim);
-  const Product<W>* columns = &product;  // late tasks find no chunk and never touch it
-  const int64_t chunks = (n_dim + chunk - 1) / chunk;
-  auto work = std::make_shared<Work>();
-  auto drain = [work, columns, chunk, chunks, n_dim]() {
-    for (;;) {
-      work->active.fetch_add(1, std::memory_order_acq_rel);
-      const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
-      if (c >= chunks) {
-        work->active.fetch_sub(1, std::memory_order_acq_rel);
-        return;
-      }
-      (*columns)(c * chunk, std::min(n_dim, (c + 1) * chunk));
-      work->active.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (work->active.load(std::memory_order_acquire) > 0) _mm_pause();
+  spec_jax::ParallelChunks(pool, (n_dim + chunk - 1) / chunk,
+                           [&](int64_t c) { product(c * chunk, std::min(n_dim, (c + 1) * chunk)); });
   return ffi::Error::Success();
 }
 

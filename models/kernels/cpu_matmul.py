@@ -35,6 +35,7 @@ import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 ROWWISE_SOURCE = SOURCE.with_name("cpu_rowwise.cc")  # in the same library: attention, RMSNorm
+PARALLEL_HEADER = SOURCE.with_name("cpu_parallel.h")  # included by both (and by gguf_matmul.cc)
 ISA_ENV = "SPEC_JAX_CPU_ISA"
 # ISA -> (the /proc/cpuinfo flags it needs, the compiler flags that enable them). The source
 # picks its code path from the compiler's __AVX512F__ etc.
@@ -104,7 +105,7 @@ def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
 
     isa_name = isa_name or isa()
     flags = " ".join(compiler_flags(isa_name))
-    sources = SOURCE.read_bytes() + ROWWISE_SOURCE.read_bytes()
+    sources = SOURCE.read_bytes() + ROWWISE_SOURCE.read_bytes() + PARALLEL_HEADER.read_bytes()
     digest = hashlib.sha256(sources + flags.encode() + jax.__version__.encode())
     return cache_root(cache_dir) / "kernels" / f"cpu_matmul-{isa_name}-{digest.hexdigest()[:16]}.so"
 

@@ -30,6 +30,7 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -122,11 +123,6 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
 }
 
-struct Work {  // as in cpu_matmul.cc: the caller never waits for a task that has not started
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-};
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buffer<ffi::F32> k_buf,
                      ffi::Buffer<ffi::F32> v_buf, ffi::Buffer<ffi::S32> qpos_buf, ffi::Buffer<ffi::S32> kvlen_buf,
                      ffi::ResultBuffer<ffi::F32> out_buf) {
@@ -155,23 +151,9 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buf
   };
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, items / (4 * threads));
-  const int64_t chunks = (items + chunk - 1) / chunk;
-  auto work = std::make_shared<Work>();
-  auto drain = [work, body, chunk, chunks, items]() {
-    for (;;) {
-      work->active.fetch_add(1, std::memory_order_acq_rel);
-      const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
-      if (c >= chunks) {
-        work->active.fetch_sub(1, std::memory_order_acq_rel);
-        return;
-      }
-      for (int64_t i = c * chunk; i < std::min(items, (c + 1) * chunk); ++i) body(i);
-      work->active.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (work->active.load(std::memory_order_acquire) > 0) _mm_pause();
+  spec_jax::ParallelChunks(pool, (items + chunk - 1) / chunk, [&](int64_t c) {
+    for (int64_t i = c * chunk; i < std::min(items, (c + 1) * chunk); ++i) body(i);
+  });
   return ffi::Error::Success();
 }
 

@@ -32,6 +32,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "ggml-cpu.h"
 #include "ggml.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,34 +47,6 @@ constexpr int64_t kXBlock = 64;        // rows of x per pass over a chunk (their
 void InitOnce() {
   static std::once_flag once;
   std::call_once(once, [] { ggml_cpu_init(); });
-}
-
-struct Work {  // as in cpu_matmul.cc: the caller never waits for a task that has not started
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};
-};
-
-// Runs fn(c) for c in [0, chunks) on the calling thread and XLA's pool.
-template <typename F>
-void ParallelChunks(ffi::ThreadPool& pool, int64_t chunks, const F& fn) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto work = std::make_shared<Work>();
-  const F* body = &fn;  // late tasks find no chunk and never touch it
-  auto drain = [work, body, chunks]() {
-    for (;;) {
-      work->active.fetch_add(1, std::memory_order_acq_rel);
-      const int64_t c = work->next.fetch_add(1, std::memory_order_acq_rel);
-      if (c >= chunks) {
-        work->active.fetch_sub(1, std::memory_order_acq_rel);
-        return;
-      }
-      (*body)(c);
-      work->active.fetch_sub(1, std::memory_order_acq_rel);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (work->active.load(std::memory_order_acquire) > 0) _mm_pause();
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
@@ -366,7 +339,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       const int64_t blocks = k_dim / 256;
-      ParallelChunks(pool, chunks, [&](int64_t c) {
+      spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
         const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
         for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
           const int64_t m1 = std::min(m_rows, m0 + kXBlock);
@@ -381,7 +354,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     }
 #endif
     const ggml_vec_dot_t dot = traits->vec_dot;
-    ParallelChunks(pool, chunks, [&](int64_t c) {
+    spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
       const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
       for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
         const int64_t m1 = std::min(m_rows, m0 + kXBlock);
@@ -398,7 +371,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
   } else {
 #ifdef SPEC_JAX_MULTIROW
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
-      ParallelChunks(pool, chunks, [&](int64_t c) {
+      spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
         const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
         for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
           const int64_t m1 = std::min(m_rows, m0 + kXBlock);
@@ -414,7 +387,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
 #endif
     const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
     const ggml_vec_dot_t dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
-    ParallelChunks(pool, chunks, [&](int64_t c) {
+    spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
       const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
       std::vector<float> rows((n1 - n0) * k_dim);  // the chunk's weight rows, dequantized once
       for (int64_t n = n0; n < n1; ++n) to_float(w + n * row_bytes, rows.data() + (n - n0) * k_dim, k_dim);

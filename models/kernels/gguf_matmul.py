@@ -42,7 +42,8 @@ def library_path(cache_dir=None) -> pathlib.Path:
     folder, whose name already keys the compiler, the CPU and the llama.cpp version)."""
     from models.kernels import llama_cpp
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jax.__version__.encode())
+    sources = SOURCE.read_bytes() + SOURCE.with_name("cpu_parallel.h").read_bytes()
+    digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + jax.__version__.encode())
     return llama_cpp.build_dir(cache_dir) / "spec_jax" / f"gguf_matmul-{digest.hexdigest()[:16]}.so"
 
 
