@@ -1,6 +1,6 @@
 """Each weight precision's drift from float32, for one model.
 
-Per precision (models.precision: float32, bfloat16, int8):
+Per precision (models.precision.PRECISIONS: float32, bfloat16, int8, gguf, gguf_q8):
   - logits against HF transformers' float32 logits recorded in tests/fixtures/MODEL.json
     (scripts/record_fixtures.py): the largest |difference| at the recorded top-32 ids and at
     256 fixed vocabulary ids, and top-1 agreement, over every position of the fixture prompts;
@@ -25,7 +25,7 @@ from experiments import common, framework
 from models import transformer
 from models.precision import PRECISIONS
 
-TITLE = "Precision drift: bfloat16 and int8 weights against float32 and HF transformers"
+TITLE = "Precision drift: each weight precision against float32 and HF transformers"
 FIXTURES = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 
 MODEL_KEYS = ("model",)
