@@ -154,9 +154,8 @@ def test_renewed_drafting_brings_the_draft_back_when_acceptance_recovers():
         run_chunk(controller, 1.0, remaining=1000)
     while controller.phase == "draft":
         run_chunk(controller, 0.0, remaining=1000)
-    plain = 0
     while (gamma := run_chunk(controller, 0.0, remaining=1000)[0]) == 0:
-        plain += 1
+        pass
     assert gamma == controller.probe_gamma()  # a renewed try
     tried = autogamma.PROBE_ROUNDS
     while controller.phase == "draft":  # that fails: the draft is still always wrong
@@ -185,6 +184,14 @@ def test_renewed_tries_spend_only_savings_and_a_small_share_of_the_time():
     assert worst > 5 * 0.01 * 2
     spent = controller.elapsed + wait * controller.round_seconds(0)
     assert spent * autogamma.PROBE_SHARE + controller.bank >= worst
+
+
+def test_each_row_keeps_its_own_acceptance():
+    controller = autogamma.Controller(costs(draft=0.05), gamma_max=8, batch=2)
+    seconds = 4 * 0.01 * controller.costs.round_cost(1)
+    controller.observe(chunk(1, 4, seconds, accepted=[4, 0], scored=[4, 4], batch=2))
+    alphas = controller.alphas()
+    assert alphas[0] > 0.8 and alphas[1] < 0.2
 
 
 def test_the_batch_drafts_for_its_throughput_summed_over_the_rows_still_running():
