@@ -3,6 +3,7 @@ and JAX's persistent compilation cache (on unless --nocompilation_cache or
 $SPEC_JAX_COMPILATION_CACHE=0)."""
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -101,15 +102,32 @@ def run(main, compilation_cache: bool = True):
     app.run(guarded, flags_parser=parse_flags)
 
 
+def finite_json(value):
+    """value with every non-finite float (NaN, inf) replaced by None, recursively: strict JSON
+    parsers reject the bare NaN that json.dump writes (e.g. acceptance_rate with --draft=none)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def write_json_atomic(path: str, payload) -> None:
-    """Writes JSON to path via a temporary file and a rename, so no half-written file is left."""
+    """Writes JSON to path via a temporary file and a rename, so no half-written file is left:
+    strict JSON (non-finite numbers as null), with the permissions a new file of the user's gets
+    (mkstemp's temporary file is 0600; the umask decides instead)."""
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"--output_json: directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
+            json.dump(finite_json(payload), f, indent=2, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:

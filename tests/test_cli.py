@@ -84,6 +84,23 @@ def test_generate_runs_and_writes_json(tmp_path):
     assert "acceptance rate" in result.stdout and "speedup" in result.stdout
 
 
+def test_output_json_is_strict_json_with_the_users_permissions(tmp_path):
+    """--draft=none has no acceptance rate: the file says null, not a bare NaN that strict JSON
+    parsers reject; and the file gets the umask's permissions, not mkstemp's 0600."""
+    out = tmp_path / "out.json"
+    result = run_cli("--draft=none", "--prompt=abc", "--max_new_tokens=3", f"--output_json={out}")
+    assert result.returncode == 0, result.stderr
+
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    report = json.loads(out.read_text(), parse_constant=reject)
+    assert report["stats"]["acceptance_rate"] is None
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
 def test_draft_with_another_tokenizer_is_refused():
     """SmolLM2 (49k vocabulary) cannot draft for a random 512-token model, nor Qwen for SmolLM2."""
     result = run_cli("--target=random", "--draft=smollm2-135m")
