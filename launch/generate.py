@@ -98,7 +98,11 @@ flags.DEFINE_integer("top_k", 0, "Keep the k most probable tokens (0 = off).", l
 flags.DEFINE_float("top_p", 1.0, "Keep the smallest set of tokens reaching this mass, in (0, 1].")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.", lower_bound=1)
 flags.DEFINE_integer(
-    "seed", 0, "Random seed: prompt i of the file draws from (seed, i) alone, whatever --batch_size is."
+    "seed",
+    0,
+    "Random seed: prompt i of the file draws from (seed, i) alone, whatever --batch_size is.",
+    lower_bound=-(2**63),
+    upper_bound=2**63 - 1,  # jax.random.key takes a 64-bit seed
 )
 flags.DEFINE_string("prompt", None, "A prompt text.")
 flags.DEFINE_string("prompts_file", None, 'JSON Lines file, one {"prompt": TEXT} object per line.')

@@ -37,6 +37,10 @@ def run_cli(*args, module="launch.generate", env=None):
         (["--top_k=-1"], "--top_k"),
         (["--temperature=-1"], "--temperature"),
         (["--max_new_tokens=0"], "--max_new_tokens"),
+        (
+            ["--seed=99999999999999999999999"],
+            "99999999999999999999999 is not an integer in the range",
+        ),
         (["--target=nope"], "known models"),
         (["--no_such_flag"], "no_such_flag"),
         (["--prompt="], "empty"),
