@@ -189,8 +189,15 @@ def read_prompts() -> list[str]:
     if not os.path.exists(FLAGS.prompts_file) or os.path.isdir(FLAGS.prompts_file):
         raise common.UsageError(f"--prompts_file: no such file: {FLAGS.prompts_file}")
     prompts = []
-    with open(FLAGS.prompts_file) as f:
-        for number, line in enumerate(f, 1):
+    with open(FLAGS.prompts_file, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise common.UsageError(
+                    f"--prompts_file {FLAGS.prompts_file} line {number}: not UTF-8 "
+                    f"(byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -203,6 +210,18 @@ def read_prompts() -> list[str]:
     if not prompts:
         raise common.UsageError(f"--prompts_file: {FLAGS.prompts_file} has no prompts")
     return prompts
+
+
+def check_output_path() -> None:
+    """--output_json must name a file in an existing folder: checked before anything is loaded
+    (the write itself comes after the whole decode)."""
+    if FLAGS.output_json is None:
+        return
+    path = os.path.abspath(FLAGS.output_json)
+    if os.path.isdir(path):
+        raise common.UsageError(f"--output_json: {FLAGS.output_json} is a folder; name a file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise common.UsageError(f"--output_json: directory {os.path.dirname(path)} does not exist")
 
 
 def _parse_address(address: str) -> tuple[str, int]:
@@ -420,6 +439,7 @@ def main(argv):
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     prompts = read_prompts()
+    check_output_path()
     target = load_model(FLAGS.target, FLAGS.target_dtype)
     draft = None if FLAGS.draft == "none" or not uses_model else load_model(FLAGS.draft, FLAGS.draft_dtype)
     if mesh is not None:  # placed once here; generate then uses the arrays as they are

@@ -105,6 +105,23 @@ def test_output_json_is_strict_json_with_the_users_permissions(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_a_prompts_file_that_is_not_utf8_names_the_flag_file_and_line(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xff"}\n')
+    result = run_cli(f"--prompts_file={prompts}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"generate.py: error: --prompts_file {prompts} line 2: not UTF-8 (byte 0xff at column 16)"
+    ]
+
+
+@pytest.mark.parametrize("target", ["missing/out.json", "."])
+def test_a_bad_output_path_is_refused_before_any_model_is_loaded(tmp_path, target):
+    result = run_cli("--target=no-such-model", f"--output_json={tmp_path / target}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "--output_json" in result.stderr and "no-such-model" not in result.stderr
+
+
 def test_draft_with_another_tokenizer_is_refused():
     """SmolLM2 (49k vocabulary) cannot draft for a random 512-token model, nor Qwen for SmolLM2."""
     result = run_cli("--target=random", "--draft=smollm2-135m")
