@@ -110,30 +110,28 @@ struct Lanes {  // which scale each int32 lane of each chunk takes (Q4_K: 8 scal
 };
 constexpr Lanes kLanes;
 
-inline void UnpackQ4K(const BlockQ4K& b, Unpacked& out) {
-  uint32_t t[4];
-  std::memcpy(t, b.scales, 12);  // ggml's unpacking of the eight 6-bit scales and mins
+// ggml's unpacking of a Q4_K block's twelve bytes: the bytes of t[0], t[1] are sc_0..7, of t[2],
+// t[3] m_0..7 (6 bits each, one per 32 values).
+inline void ScalesMinsQ4K(const BlockQ4K& b, uint32_t t[4]) {
+  std::memcpy(t, b.scales, 12);
   t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
   const uint32_t aux = t[1] & 0x3f3f3f3f;
   t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
   t[2] = aux;
-  t[0] &= 0x3f3f3f3f;  // bytes of t[0], t[1]: sc_0..7; of t[2], t[3]: m_0..7
-  const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(b.d)),
-                                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32(0, 0, t[1], t[0]))));
+  t[0] &= 0x3f3f3f3f;
+}
+
+// A block's 256 unsigned values in order, 64 a zmm.
+inline void ValuesQ4K(const BlockQ4K& b, __m512i u[4]) {
   const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  // low nibbles, then high
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {  // values 64c .. 64c + 63: qs[32c .. 32c + 31], low then high nibbles
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * c));
-    out.u[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(q), shift), nibble);
-    out.scale[c] = _mm512_permutexvar_ps(_mm512_load_si512(kLanes.q4[c]), dsc);
+    u[c] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(q), shift), nibble);
   }
-  const __m128i mins = _mm_set_epi32(0, 0, t[3], t[2]);
-  out.bsum_factor = _mm256_cvtepu8_epi16(
-      _mm_shuffle_epi8(mins, _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
-  out.corr = _cvtsh_ss(b.dmin);
 }
 
-inline void UnpackQ6K(const BlockQ6K& b, Unpacked& out) {
+inline void ValuesQ6K(const BlockQ6K& b, __m512i u[4]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
   const __m512i shift_lo = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
   const __m512i shift_hi = _mm512_set_epi64(6, 6, 6, 6, 4, 4, 4, 4);
@@ -143,9 +141,26 @@ inline void UnpackQ6K(const BlockQ6K& b, Unpacked& out) {
         _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * half)));
     const __m512i h_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, shift_lo), two), 4);
     const __m512i h_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, shift_hi), two), 4);
-    out.u[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, nibble), h_lo);
-    out.u[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), h_hi);
+    u[2 * half] = _mm512_or_si512(_mm512_and_si512(ql, nibble), h_lo);
+    u[2 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), nibble), h_hi);
   }
+}
+
+inline void UnpackQ4K(const BlockQ4K& b, Unpacked& out) {
+  uint32_t t[4];
+  ScalesMinsQ4K(b, t);
+  const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(b.d)),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi32(0, 0, t[1], t[0]))));
+  ValuesQ4K(b, out.u);
+  for (int c = 0; c < 4; ++c) out.scale[c] = _mm512_permutexvar_ps(_mm512_load_si512(kLanes.q4[c]), dsc);
+  const __m128i mins = _mm_set_epi32(0, 0, t[3], t[2]);
+  out.bsum_factor = _mm256_cvtepu8_epi16(
+      _mm_shuffle_epi8(mins, _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)));
+  out.corr = _cvtsh_ss(b.dmin);
+}
+
+inline void UnpackQ6K(const BlockQ6K& b, Unpacked& out) {
+  ValuesQ6K(b, out.u);
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales));
   const float d = _cvtsh_ss(b.d);
   const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
@@ -223,7 +238,7 @@ static_assert(kGroup == 8, "MultiRow has a case per group size");
 template <bool Q4, int R>
 void FaithfulGroup(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k_dim, int64_t blocks, int64_t m0,
                    int64_t n0, int64_t n1, float* y, int64_t n_dim) {
-  Unpacked un;
+  __m512i u[4];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     __m512 acc[R];
@@ -232,14 +247,9 @@ void FaithfulGroup(const uint8_t* w, int64_t row_bytes, const float* x, int64_t 
       float scale[16], offset[16];  // each 16 values: w = scale * u - offset
       if constexpr (Q4) {
         const BlockQ4K& blk = reinterpret_cast<const BlockQ4K*>(row)[b];
-        UnpackQ4K(blk, un);
+        ValuesQ4K(blk, u);
         uint32_t t[4];
-        std::memcpy(t, blk.scales, 12);
-        t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
-        const uint32_t aux = t[1] & 0x3f3f3f3f;
-        t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
-        t[2] = aux;
-        t[0] &= 0x3f3f3f3f;
+        ScalesMinsQ4K(blk, t);
         uint8_t sm[16];
         std::memcpy(sm, t, 16);  // sc_0..7, m_0..7
         const float d = _cvtsh_ss(blk.d), dmin = _cvtsh_ss(blk.dmin);
@@ -249,7 +259,7 @@ void FaithfulGroup(const uint8_t* w, int64_t row_bytes, const float* x, int64_t 
         }
       } else {
         const BlockQ6K& blk = reinterpret_cast<const BlockQ6K*>(row)[b];
-        UnpackQ6K(blk, un);
+        ValuesQ6K(blk, u);
         const float d = _cvtsh_ss(blk.d);
         for (int f = 0; f < 16; ++f) {
           scale[f] = d * static_cast<float>(blk.scales[f]);
@@ -259,10 +269,10 @@ void FaithfulGroup(const uint8_t* w, int64_t row_bytes, const float* x, int64_t 
       for (int f = 0; f < 16; ++f) {  // values 16f .. 16f + 15
         __m128i part;
         switch (f % 4) {
-          case 0: part = _mm512_extracti32x4_epi32(un.u[f / 4], 0); break;
-          case 1: part = _mm512_extracti32x4_epi32(un.u[f / 4], 1); break;
-          case 2: part = _mm512_extracti32x4_epi32(un.u[f / 4], 2); break;
-          default: part = _mm512_extracti32x4_epi32(un.u[f / 4], 3); break;
+          case 0: part = _mm512_extracti32x4_epi32(u[f / 4], 0); break;
+          case 1: part = _mm512_extracti32x4_epi32(u[f / 4], 1); break;
+          case 2: part = _mm512_extracti32x4_epi32(u[f / 4], 2); break;
+          default: part = _mm512_extracti32x4_epi32(u[f / 4], 3); break;
         }
         const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part));
         const __m512 wv = _mm512_fmsub_ps(_mm512_set1_ps(scale[f]), q, _mm512_set1_ps(offset[f]));
@@ -293,6 +303,16 @@ void FaithfulRows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k
   }
 }
 #endif  // AVX-512 VNNI
+
+// fn(m0, m1, n0, n1) over chunks of kRowsPerChunk weight rows (on XLA's threads), each taking the
+// rows of x in passes of kXBlock.
+template <typename F>
+void EachTile(ffi::ThreadPool& pool, int64_t chunks, int64_t m_rows, int64_t n_dim, const F& fn) {
+  spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
+    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) fn(m0, std::min(m_rows, m0 + kXBlock), n0, n1);
+  });
+}
 
 ffi::Error Check(ggml_type type, int64_t k_dim, int64_t row_bytes) {
   if (type < 0 || type >= GGML_TYPE_COUNT || ggml_get_type_traits(type)->blck_size == 0 ||
@@ -339,47 +359,35 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       const int64_t blocks = k_dim / 256;
-      spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
-        const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
-        for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
-          const int64_t m1 = std::min(m_rows, m0 + kXBlock);
-          if (type == GGML_TYPE_Q4_K) {
-            MultiRow<true>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
-          } else {
-            MultiRow<false>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
-          }
+      EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+        if (type == GGML_TYPE_Q4_K) {
+          MultiRow<true>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
+        } else {
+          MultiRow<false>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
         }
       });
       return ffi::Error::Success();
     }
 #endif
     const ggml_vec_dot_t dot = traits->vec_dot;
-    spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
-      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
-      for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
-        const int64_t m1 = std::min(m_rows, m0 + kXBlock);
-        for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* row = w + n * row_bytes;
-          for (int64_t m = m0; m < m1; ++m) {
-            float s;
-            dot(static_cast<int>(k_dim), &s, 0, row, 0, xs + m * x_bytes, 0, 1);
-            y[m * n_dim + n] = s;
-          }
+    EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * row_bytes;
+        for (int64_t m = m0; m < m1; ++m) {
+          float s;
+          dot(static_cast<int>(k_dim), &s, 0, row, 0, xs + m * x_bytes, 0, 1);
+          y[m * n_dim + n] = s;
         }
       }
     });
   } else {
 #ifdef SPEC_JAX_MULTIROW
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
-      spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
-        const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
-        for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) {
-          const int64_t m1 = std::min(m_rows, m0 + kXBlock);
-          if (type == GGML_TYPE_Q4_K) {
-            FaithfulRows<true>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
-          } else {
-            FaithfulRows<false>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
-          }
+      EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+        if (type == GGML_TYPE_Q4_K) {
+          FaithfulRows<true>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
+        } else {
+          FaithfulRows<false>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
         }
       });
       return ffi::Error::Success();
