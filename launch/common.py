@@ -114,13 +114,22 @@ def finite_json(value):
     return value
 
 
+def check_output_json(path: str) -> None:
+    """UsageError unless --output_json names a file in an existing folder (checked before any
+    model is loaded, and again when writing)."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise UsageError(f"--output_json: {path} is a folder; name a file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise UsageError(f"--output_json: directory {os.path.dirname(path)} does not exist")
+
+
 def write_json_atomic(path: str, payload) -> None:
     """Writes JSON to path via a temporary file and a rename, so no half-written file is left:
     strict JSON (non-finite numbers as null), with the permissions a new file of the user's gets
     (mkstemp's temporary file is 0600; the umask decides instead)."""
+    check_output_json(path)
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"--output_json: directory {directory} does not exist")
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
     try:
         umask = os.umask(0)

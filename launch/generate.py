@@ -212,18 +212,6 @@ def read_prompts() -> list[str]:
     return prompts
 
 
-def check_output_path() -> None:
-    """--output_json must name a file in an existing folder: checked before anything is loaded
-    (the write itself comes after the whole decode)."""
-    if FLAGS.output_json is None:
-        return
-    path = os.path.abspath(FLAGS.output_json)
-    if os.path.isdir(path):
-        raise common.UsageError(f"--output_json: {FLAGS.output_json} is a folder; name a file")
-    if not os.path.isdir(os.path.dirname(path)):
-        raise common.UsageError(f"--output_json: directory {os.path.dirname(path)} does not exist")
-
-
 def _parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -439,7 +427,8 @@ def main(argv):
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
     prompts = read_prompts()
-    check_output_path()
+    if FLAGS.output_json is not None:
+        common.check_output_json(FLAGS.output_json)
     target = load_model(FLAGS.target, FLAGS.target_dtype)
     draft = None if FLAGS.draft == "none" or not uses_model else load_model(FLAGS.draft, FLAGS.draft_dtype)
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
