@@ -40,12 +40,13 @@ def _unavailable_errors() -> tuple:
     the environment, not the flags."""
     from experiments.corpora import CorpusUnavailableError
     from models.convert import ConversionError
-    from models.registry import CacheNotWritableError, ChecksumMismatchError, DownloadError
+    from models.registry import CacheNotWritableError, ChecksumMismatchError, DamagedCacheError, DownloadError
 
     return (
         DownloadError,
         ChecksumMismatchError,
         CacheNotWritableError,
+        DamagedCacheError,
         CorpusUnavailableError,
         ConversionError,
     )

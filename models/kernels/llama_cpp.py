@@ -15,7 +15,6 @@ to the registry, no cmake, no C++ compiler.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import pathlib
@@ -50,18 +49,6 @@ def root(cache_dir=None) -> pathlib.Path:
     return cache_root(cache_dir) / "llama.cpp"
 
 
-@contextlib.contextmanager
-def _locked(path: pathlib.Path):
-    """An exclusive lock on `path` (created), held for the with block: one builder at a time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def source(cache_dir=None) -> pathlib.Path:
     """The vendored llama.cpp source folder of the pinned sdist (downloaded and extracted once)."""
     from models import registry
@@ -71,7 +58,7 @@ def source(cache_dir=None) -> pathlib.Path:
     done = folder / ".complete"
     if done.exists():
         return folder / "vendor" / "llama.cpp"
-    with _locked(base / ".lock-source"):
+    with registry.file_lock(base / ".lock-source"):
         if done.exists():
             return folder / "vendor" / "llama.cpp"
         shutil.rmtree(folder, ignore_errors=True)
@@ -145,9 +132,11 @@ def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
     folder = build_dir(cache_dir)
     if built(targets, cache_dir):
         return folder
+    from models.registry import file_lock
+
     cmake = check_tools()
     src = source(cache_dir)
-    with _locked(root(cache_dir) / ".lock-build"):
+    with file_lock(root(cache_dir) / ".lock-build"):
         missing = [t for t in targets if not (folder / f".built-{t}").exists()]
         if not missing:
             return folder
