@@ -18,6 +18,7 @@ from models.transformer import forward, init_cache
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 MIN_BUCKET = 16
+PREFILL_CHUNK = 16  # positions per model call of a row-wise prefill (prefill_rows)
 PAD_ID = 0
 
 
@@ -39,10 +40,20 @@ def prefill(config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: in
 
     Returns (logits at each row's last prompt token [B, V], cache), and with_features the
     features at every prompt position [B, P, D] third (models.transformer.forward).
+
+    Where the model runs on the CPU kernels (models.transformer.attention_impl "cpu": one CPU
+    device), the prompts are read row by row in chunks of PREFILL_CHUNK positions
+    (prefill_rows): a product of 16 or more rows already runs at the kernel's compute rate, so
+    one call over the whole padded batch only adds the padding's work (every row padded to the
+    longest prompt's bucket). Elsewhere (TPU, GPU, a mesh) one call over the batch.
     """
+    from models.transformer import attention_impl
+
     batch, width = tokens_bp.shape
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     cache = init_cache(config, batch, cache_len)
+    if attention_impl(config) == "cpu":
+        return prefill_rows(config, params, tokens_bp, prompt_lens_b, cache, PREFILL_CHUNK, with_features)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
     out = forward(
         config,
         params,
@@ -53,6 +64,68 @@ def prefill(config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: in
         with_features=with_features,
     )
     return (out[0][:, 0],) + tuple(out[1:])
+
+
+def prefill_rows(
+    config: ModelConfig, params, tokens_bp, prompt_lens_b, cache, chunk: int, with_features=False
+):
+    """prefill's result, computed one row and `chunk` positions per model call, in one
+    lax.while_loop over (row, chunk) that stops at each row's own length: a row of n tokens
+    costs ceil(n / chunk) calls whatever the batch's longest prompt. The last chunk of a row
+    is moved back to end at the padded width when it would run past it (its overlap is
+    recomputed: the same tokens at the same positions write the same entries), so that every
+    call has the one shape [1, chunk]. Cache slots past a row's prompt hold the padding's
+    entries, as with one call (never read: decoding overwrites them first)."""
+    batch, width = tokens_bp.shape
+    c = min(chunk, width)
+    logits_shape = jax.eval_shape(
+        lambda: forward(config, params, tokens_bp[:1, :c], jnp.zeros((1, c), jnp.int32), _row(cache, 0),
+                        logits_at=jnp.zeros((1, 1), jnp.int32), with_features=with_features)
+    )  # fmt: skip
+    logits = jnp.zeros((batch, logits_shape[0].shape[-1]), logits_shape[0].dtype)
+    features = None
+    if with_features:
+        f = logits_shape[2]
+        features = jnp.zeros((batch, width, f.shape[-1]), f.dtype)
+
+    def body(carry):
+        r, s, cache, logits, features = carry
+        start = jnp.minimum(s, width - c)
+        last = prompt_lens_b[r] - 1
+        out = forward(
+            config,
+            params,
+            jax.lax.dynamic_slice(tokens_bp, (r, start), (1, c)),
+            (start + jnp.arange(c, dtype=jnp.int32))[None, :],
+            _row(cache, r),
+            logits_at=jnp.clip(last - start, 0, c - 1).reshape(1, 1),
+            with_features=with_features,
+        )
+        row_cache = out[1]
+        cache = cache.replace(
+            k=jax.lax.dynamic_update_slice_in_dim(cache.k, row_cache.k, r, axis=1),
+            v=jax.lax.dynamic_update_slice_in_dim(cache.v, row_cache.v, r, axis=1),
+        )
+        holds_last = (last >= start) & (last < start + c)
+        logits = logits.at[r].set(jnp.where(holds_last, out[0][0, 0], logits[r]))
+        if with_features:
+            features = jax.lax.dynamic_update_slice(features, out[2], (r, start, 0))
+        row_done = s + c >= prompt_lens_b[r]
+        return r + row_done, jnp.where(row_done, 0, s + c), cache, logits, features
+
+    zero = jnp.zeros((), jnp.int32)
+    _, _, cache, logits, features = jax.lax.while_loop(
+        lambda carry: carry[0] < batch, body, (zero, zero, cache, logits, features)
+    )
+    return (logits, cache, features) if with_features else (logits, cache)
+
+
+def _row(cache, r):
+    """Row r of a [L, B, S, K, E] cache as a batch of one."""
+    return cache.replace(
+        k=jax.lax.dynamic_slice_in_dim(cache.k, r, 1, axis=1),
+        v=jax.lax.dynamic_slice_in_dim(cache.v, r, 1, axis=1),
+    )
 
 
 @flax.struct.dataclass

@@ -1,0 +1,84 @@
+"""Row-wise chunked prefill (spec_jax.decode.prefill_rows): the same logits, cache entries and
+features as one call over the padded batch, for every row length and chunk size."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models.transformer import attention_impl, forward, init_cache
+from spec_jax import decode
+
+
+@pytest.fixture(scope="module")
+def model():
+    f32 = models.random_model(
+        vocab_size=96, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, scan_layers=False, seed=3
+    )
+    m = models.cast(f32, "int8")
+    assert attention_impl(m.config) == "cpu"  # the path prefill reads row by row
+    return m
+
+
+def _prompts(lengths, width, seed=0):
+    rng = np.random.default_rng(seed)
+    return decode.pad_prompts([list(rng.integers(1, 96, n)) for n in lengths], width)
+
+
+def _one_call(config, params, tokens, lens, cache_len):
+    batch, width = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+    logits, cache, features = forward(
+        config,
+        params,
+        tokens,
+        positions,
+        init_cache(config, batch, cache_len),
+        logits_at=(lens - 1)[:, None],
+        with_features=True,
+    )
+    return logits[:, 0], cache, features
+
+
+@pytest.mark.parametrize("chunk", [16, 5, 64])
+def test_rows_in_chunks_equal_one_call_bit_for_bit(model, chunk):
+    """Lengths around the chunk's multiples (1, chunk - 1, chunk, chunk + 1, the width) and a chunk
+    that does not divide the width (its last chunk is moved back, overlapping): logits at each
+    row's last token, the cache below each row's length and the features there are the same
+    bits. An off-by-one in the positions, the chunk's move back or the last-token pick fails."""
+    width, cache_len = 40, 48
+    lengths = [1, 15, 16, 17, 40, 23]
+    tokens, lens = _prompts(lengths, width)
+    run = jax.jit(
+        lambda t, n: decode.prefill_rows(
+            model.config, model.params, t, n, init_cache(model.config, len(lengths), cache_len), chunk, True
+        )
+    )
+    logits, cache, features = run(jnp.asarray(tokens), jnp.asarray(lens))
+    ref_logits, ref_cache, ref_features = jax.jit(_one_call, static_argnums=(0, 4))(
+        model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), cache_len
+    )
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref_logits))
+    for r, n in enumerate(lengths):
+        for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+            np.testing.assert_array_equal(np.asarray(got[:, r, :n]), np.asarray(want[:, r, :n]))
+        np.testing.assert_array_equal(np.asarray(features[r, :n]), np.asarray(ref_features[r, :n]))
+
+
+def test_prefill_reads_rows_by_length_on_the_cpu_kernels(model, monkeypatch):
+    """decode.prefill takes the row-wise path on the CPU kernels, and a row is read in
+    ceil(length / chunk) calls, not the padded width's: counted by the calls of forward traced
+    inside the loop (one) and the loop's trip count, seen through a counting callback."""
+    calls = []
+    real = decode.forward
+
+    def counting(*args, **kwargs):
+        jax.debug.callback(lambda: calls.append(1))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "forward", counting)
+    tokens, lens = _prompts([3, 33, 17], 64)
+    logits, cache = decode.prefill(model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), 80)
+    jax.block_until_ready(logits)
+    assert len(calls) == 1 + 3 + 2  # ceil(3/16) + ceil(33/16) + ceil(17/16), not 3 x 64/16
