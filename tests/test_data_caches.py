@@ -90,6 +90,16 @@ def test_two_builders_of_one_entry_build_it_once(tmp_path, builds):
     assert not list((tmp_path / "vocab_trim").glob(".tmp-*"))
 
 
+def test_a_killed_writers_temporary_files_are_removed_at_the_next_build(tmp_path, builds):
+    folder = tmp_path / "vocab_trim"
+    folder.mkdir()
+    leftover = folder / ".tmp-tiny-6-0.npy-k1ll3d"  # what atomic_write leaves on a SIGKILL
+    leftover.write_bytes(b"half an array")
+    trim_ids(tmp_path)
+    assert not leftover.exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["tiny-6-0.npy", "tiny-6-0.npy.lock"]
+
+
 def suffix(tmp_path):
     return corpora.suffix_tables("tiny", None, VOCAB, 2, cache_dir=tmp_path)
 
