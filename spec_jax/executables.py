@@ -2,8 +2,11 @@
 
 `compiled(name, fn, static, args, ...)` lowers and compiles `fn(static, *args)` once per
 (name, static settings, argument shapes/dtypes/shardings) and returns the executable with the
-seconds its compilation took (0 when it came from the cache). TRACE_COUNTS counts how often
-each loop body was traced (a retrace means a recompile); tests read it.
+seconds its compilation took (0 when it came from the cache). Threads share the cache: a
+second thread asking for a loop that is compiling waits for it instead of compiling it again.
+The cache holds the MAX_EXECUTABLES most recently used loops (`set_max_executables(n)` changes
+the bound; the least recently used are dropped). TRACE_COUNTS counts how often each loop body
+was traced (a retrace means a recompile); tests read it.
 
 Across processes: `enable_persistent_cache(folder)` turns on JAX's persistent compilation
 cache for every program this process compiles from then on (the loops here, and every other
@@ -17,6 +20,7 @@ import collections
 import functools
 import os
 import pathlib
+import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -24,7 +28,10 @@ from typing import Any
 import jax
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
-_EXECUTABLES: dict = {}
+MAX_EXECUTABLES = 256  # compiled loops kept per process (least recently used evicted): set_max_executables
+_EXECUTABLES: dict = {}  # key -> executable, least recently used first (a plain dict keeps order)
+_LOCK = threading.Lock()  # guards _EXECUTABLES and _KEY_LOCKS
+_KEY_LOCKS: dict = {}  # key -> a lock held while that key compiles
 
 
 def compiled(
@@ -43,6 +50,10 @@ def compiled(
     jax.sharding.Sharding matching args / the result) are passed to jax.jit when given;
     out_shardings may also be a function from the result's shape tree to them, called (after
     tracing the function once for its shapes) only when there is no executable yet.
+
+    Thread-safe: threads asking for one key while it compiles wait for it (one lock per key)
+    and reuse it; different keys compile in parallel. The cache keeps the MAX_EXECUTABLES
+    most recently used executables.
     """
     leaves, treedef = jax.tree.flatten(args)
     out_key = None if out_shardings is None or callable(out_shardings) else jax.tree.flatten(out_shardings)
@@ -54,26 +65,70 @@ def compiled(
         tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves),
         out_key,
     )
-    if key in _EXECUTABLES:
-        return _EXECUTABLES[key], 0.0
-    start = time.perf_counter()
-    fn_static = functools.partial(fn, static)
-    if callable(out_shardings):
-        out_shardings = out_shardings(jax.eval_shape(fn_static, *args))
-    shardings = {}
-    if in_shardings is not None:
-        shardings["in_shardings"] = tuple(in_shardings)
-    if out_shardings is not None:
-        shardings["out_shardings"] = out_shardings
-    jitted = jax.jit(fn_static, donate_argnums=donate_argnums, **shardings)
-    executable = jitted.lower(*args).compile()
-    _EXECUTABLES[key] = executable
-    return executable, time.perf_counter() - start
+    executable = _lookup(key)
+    if executable is not None:
+        return executable, 0.0
+    with _LOCK:
+        key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    try:
+        with key_lock:
+            executable = _lookup(key)  # compiled by the thread this one waited for
+            if executable is not None:
+                return executable, 0.0
+            start = time.perf_counter()
+            fn_static = functools.partial(fn, static)
+            if callable(out_shardings):
+                out_shardings = out_shardings(jax.eval_shape(fn_static, *args))
+            shardings = {}
+            if in_shardings is not None:
+                shardings["in_shardings"] = tuple(in_shardings)
+            if out_shardings is not None:
+                shardings["out_shardings"] = out_shardings
+            jitted = jax.jit(fn_static, donate_argnums=donate_argnums, **shardings)
+            executable = jitted.lower(*args).compile()
+            with _LOCK:
+                _EXECUTABLES[key] = executable
+                _evict()
+            return executable, time.perf_counter() - start
+    finally:
+        with _LOCK:
+            if _KEY_LOCKS.get(key) is key_lock:
+                del _KEY_LOCKS[key]
+
+
+def _lookup(key):
+    """The executable for key (now the most recently used), or None."""
+    with _LOCK:
+        executable = _EXECUTABLES.pop(key, None)
+        if executable is not None:
+            _EXECUTABLES[key] = executable
+        return executable
+
+
+def _evict() -> None:
+    """Drops the least recently used executables beyond MAX_EXECUTABLES (_LOCK held)."""
+    while len(_EXECUTABLES) > MAX_EXECUTABLES:
+        del _EXECUTABLES[next(iter(_EXECUTABLES))]
+
+
+def set_max_executables(count: int) -> int:
+    """Sets how many compiled loops this process keeps (MAX_EXECUTABLES; the least recently
+    used beyond it are dropped at once, and recompiled if asked for again); returns the old
+    bound. Each kept executable holds its compiled code (not the weights: they are
+    arguments); a long-lived process that decodes many shapes bounds its memory with this."""
+    global MAX_EXECUTABLES
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an integer >= 1, got {count!r}")
+    with _LOCK:
+        old, MAX_EXECUTABLES = MAX_EXECUTABLES, count
+        _evict()
+    return old
 
 
 def clear_compiled() -> None:
     """Forgets every compiled loop (tests that patch a rule use it so nothing stale is reused)."""
-    _EXECUTABLES.clear()
+    with _LOCK:
+        _EXECUTABLES.clear()
 
 
 PERSISTENT_CACHE_FOLDER = "compilation"

@@ -4,7 +4,7 @@
 them and keeps its last hidden state after the final norm at every position (float16 on the
 host); `cached(...)` does both once per (target, precision, data settings) and keeps the result
 under `$SPEC_JAX_CACHE/features/` as .npy files, written to temporary names and renamed into
-place when complete.
+place when complete (models.registry.cached_entry: locked, checked when read, rebuilt once).
 
 Speed: the target runs with XLA's products and float32 weights (an int8 target's weights are
 dequantized to the very values its int8 products use; a bfloat16 target's are widened), because
@@ -15,7 +15,6 @@ its precision up to float32 rounding (bfloat16 targets: up to bfloat16 activatio
 
 import hashlib
 import json
-import os
 import pathlib
 from collections.abc import Sequence
 
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from models import precision
+from models import precision, registry
 from models.config import ModelConfig
 from models.transformer import forward, init_cache
 
@@ -111,13 +110,6 @@ def cache_key(model_key: dict, data_key: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _save_npy(path: pathlib.Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
-
-
 @flax.struct.dataclass
 class FeatureSet:
     windows: Windows
@@ -128,27 +120,49 @@ class FeatureSet:
         return self.windows.tokens.shape[0]
 
 
+FEATURE_FILES = {"tokens": np.int32, "mask": np.bool_, "greedy": np.int32, "features": FEATURE_DTYPE}
+
+
 def cached(
     folder, make_windows, config: ModelConfig, params, batch_size: int = 4, progress=True
 ) -> FeatureSet:
     """The FeatureSet in `folder`, computed on first use (make_windows() -> Windows, then
-    extract) and written there, each file under a temporary name renamed into place, the
-    features last (their presence marks a complete set)."""
+    extract) and written there (models.registry.cached_entry: two processes never compute the
+    same set at once; a damaged set is computed again once). Each file is written atomically,
+    the features last: their presence marks a complete set, and a rebuild removes them first.
+    A set is damaged when a file does not load or the four disagree in shape or type."""
     folder = pathlib.Path(folder)
-    files = {name: folder / f"{name}.npy" for name in ("tokens", "mask", "greedy", "features")}
-    if all(p.exists() for p in files.values()):
-        tokens, mask, greedy = (np.load(files[k]) for k in ("tokens", "mask", "greedy"))
-        features = np.load(files["features"], mmap_mode="r")
-        if features.shape[:2] == tokens.shape == mask.shape == greedy.shape:
-            return FeatureSet(Windows(tokens=tokens, mask=mask), features, greedy)
-    data = make_windows()
-    features, greedy = extract(config, params, data, batch_size, progress)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, array in (
-        ("tokens", data.tokens),
-        ("mask", data.mask),
-        ("greedy", greedy),
-        ("features", features),
-    ):
-        _save_npy(files[name], array)
-    return FeatureSet(data, np.load(files["features"], mmap_mode="r"), greedy)
+    files = {name: folder / f"{name}.npy" for name in FEATURE_FILES}
+
+    def load(folder):
+        if not files["features"].exists():
+            raise FileNotFoundError(f"no {files['features'].name}: an incomplete set")
+        arrays = {
+            name: np.load(path, mmap_mode="r" if name == "features" else None, allow_pickle=False)
+            for name, path in files.items()
+        }
+        tokens, features = arrays["tokens"], arrays["features"]
+        if (
+            any(arrays[k].dtype != dtype for k, dtype in FEATURE_FILES.items())
+            or tokens.ndim != 2
+            or any(arrays[k].shape != tokens.shape for k in ("mask", "greedy"))
+            or features.shape != (*tokens.shape, config.d_model)
+        ):
+            raise ValueError("files whose shapes or types disagree")
+        return FeatureSet(Windows(tokens=arrays["tokens"], mask=arrays["mask"]), features, arrays["greedy"])
+
+    def write(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        files["features"].unlink(missing_ok=True)  # the set is incomplete until they are back
+        data = make_windows()
+        features, greedy = extract(config, params, data, batch_size, progress)
+        for name, array in (
+            ("tokens", data.tokens),
+            ("mask", data.mask),
+            ("greedy", greedy),
+            ("features", features),
+        ):
+            array = np.asarray(array, FEATURE_FILES[name])
+            registry.atomic_write(files[name], lambda f, a=array: np.save(f, a))
+
+    return registry.cached_entry(folder, load, write)

@@ -77,6 +77,87 @@ def test_the_cached_costs_are_keyed_by_the_kernel_build(monkeypatch):
     assert autogamma.cache_path(keys["avx2"]) != autogamma.cache_path(keys["avx512"])
 
 
+@pytest.fixture
+def measured(monkeypatch):
+    """costs_for with measure() replaced by fixed costs; returns the list of measure calls."""
+    calls = []
+
+    def measure(*args, gamma_max, **kwargs):
+        calls.append(gamma_max)
+        return costs(draft=0.05, gamma_max=gamma_max)
+
+    monkeypatch.setattr(autogamma, "measure", measure)
+    return calls
+
+
+def cached_costs(target, cache_dir):
+    return autogamma.costs_for(target, None, None, batch=1, cache_slots=64, gamma_max=8, cache_dir=cache_dir)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"verify": [1.0]},  # one entry: would turn drafting off forever
+        {"verify": [1.0, 1.1, 1.2]},
+        {"step_seconds": float("nan")},
+        {"draft1": float("inf")},
+        {"verify": [1.0] + [-1.0] * 8},
+        {"step_seconds": 0.0},
+    ],
+)
+def test_cached_costs_of_the_wrong_shape_or_not_finite_positive_are_measured_again(
+    pair, tmp_path, measured, edit
+):
+    import json
+
+    first = cached_costs(pair[0], tmp_path)
+    (path,) = (tmp_path / "costs").glob("*.json")
+    saved = json.loads(path.read_text())
+    saved["costs"].update(edit)
+    path.write_text(json.dumps(saved))  # valid JSON (NaN as JSON allows it), wrong content
+    with pytest.warns(UserWarning, match="not usable"):
+        assert cached_costs(pair[0], tmp_path) == first
+    assert len(measured) == 2
+    assert cached_costs(pair[0], tmp_path) == first and len(measured) == 2  # the file was rewritten
+
+
+def test_a_cost_cache_that_cannot_be_written_is_a_warning_and_the_costs_are_used(pair, tmp_path, measured):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")  # the cache root is a file: nothing can be written under it
+    with pytest.warns(UserWarning, match="could not cache the measured costs"):
+        got = cached_costs(pair[0], blocker)
+    assert len(got.verify) == 9 and len(measured) == 1
+
+
+def test_two_threads_write_the_cost_cache_through_their_own_temporary_files(
+    pair, tmp_path, measured, monkeypatch
+):
+    import os
+    import threading
+
+    barrier = threading.Barrier(2)
+    measure = autogamma.measure
+    monkeypatch.setattr(autogamma, "measure", lambda *a, **k: barrier.wait(5) * 0 or measure(*a, **k))
+    sources, errors = [], []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: sources.append(str(src)) or replace(src, dst))
+
+    def run():
+        try:
+            cached_costs(pair[0], tmp_path)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(measured) == 2
+    assert len(set(sources)) == 2, sources
+    assert [p.name for p in (tmp_path / "costs").iterdir() if p.name.startswith(".tmp")] == []
+
+
 def test_an_expensive_draft_is_never_worth_drafting_with():
     expensive = costs(draft=1.5)
     assert all(expensive.best_gamma(a) == 0 for a in (0.0, 0.5, 0.9, 0.99, 1.0))

