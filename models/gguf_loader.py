@@ -222,7 +222,7 @@ def load_block_params(path_or_reader: PathOrReader, config: ModelConfig, progres
     tensor's own rows of blocks (no dequantization; for arch "llama" the q / k rows un-permuted,
     whole rows of blocks); norms and biases dequantized to float32. A matrix stored as F32 is
     kept as a float32 array."""
-    from models.precision import GGUF_PRECISIONS, BlockWeight
+    from models.precision import GGUF_PRECISIONS, BlockWeight, for_cpu_kernel
 
     if config.dtype not in GGUF_PRECISIONS:
         raise ValueError(
@@ -257,12 +257,13 @@ def load_block_params(path_or_reader: PathOrReader, config: ModelConfig, progres
             value = unpermute_llama_rows(value, cfg[w.llama_permuted_heads])
         if not blocks:
             return np.ascontiguousarray(value.reshape(spec.shape), np.float32)
-        return BlockWeight(
+        block = BlockWeight(
             data=np.ascontiguousarray(value).reshape(*out_shape, -1),
             ggml_type=int(tensor.tensor_type),
             in_shape=tuple(spec.shape[len(spec.shape) - w.contract :]),
             quantize_x=config.dtype == "gguf_q8",
         )
+        return for_cpu_kernel(block, table=w.init == "embedding")
 
     leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
     out = []

@@ -52,12 +52,15 @@ class Int8Weight:
 class BlockWeight:
     """A weight [out..., in...] kept as GGUF blocks: each output unit's row of `in` values is a
     row of blocks of ggml type `ggml_type` (gguf.GGMLQuantizationType), row_bytes bytes.
-    quantize_x: products quantize the activations to 8 bits (precision gguf_q8) or not (gguf)."""
+    quantize_x: products quantize the activations to 8 bits (precision gguf_q8) or not (gguf).
+    interleaved: Q4_K rows in groups of 8 with their blocks interleaved (llama.cpp's CPU repack;
+    for_cpu_kernel): only the CPU kernel reads them."""
 
     data: jax.Array  # uint8 [out..., row_bytes]
     ggml_type: int = flax.struct.field(pytree_node=False)
     in_shape: tuple = flax.struct.field(pytree_node=False)  # the contracted (input) axes
     quantize_x: bool = flax.struct.field(pytree_node=False, default=False)
+    interleaved: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def shape(self):
@@ -100,6 +103,26 @@ def quantize_blocks(
     )
 
 
+def for_cpu_kernel(w: BlockWeight, table: bool = False) -> BlockWeight:
+    """w as the CPU kernel multiplies it fastest: a Q4_K matrix at gguf_q8 (8-bit activations)
+    with a multiple of 8 output rows gets its blocks interleaved in groups of 8 rows
+    (gguf_matmul.interleave_q4k, the layout llama.cpp's CPU backend repacks Q4_K into), read by
+    ggml's repacked product: measured 1.3-1.8x this project's own Q4_K kernel at 1-16 rows on an
+    AVX-512 CPU (docs/design.md). Everything else, an embedding table (table: its rows are
+    looked up), or where the products do not run on this CPU's kernel: w unchanged. Host arrays."""
+    from gguf import GGMLQuantizationType as T
+
+    from models.kernels import gguf_matmul, target
+
+    rows = math.prod(w.data.shape[:-1])
+    if table or w.interleaved or not w.quantize_x or w.ggml_type != T.Q4_K.value or rows % 8:
+        return w
+    if target.current().platform != "cpu" or not gguf_matmul.available():
+        return w
+    data = gguf_matmul.interleave_q4k(np.asarray(w.data).reshape(rows, -1))
+    return w.replace(data=data.reshape(w.data.shape), interleaved=True)
+
+
 def quantize_int8(w: np.ndarray, contract: int) -> Int8Weight:
     """Symmetric per-output-unit int8 of a float weight whose last `contract` axes are its input."""
     w = np.asarray(w, np.float32)
@@ -115,6 +138,7 @@ def dequantize(w) -> jax.Array:
     if isinstance(w, BlockWeight):
         from models.kernels import gguf_blocks
 
+        _no_interleaved(w)
         k = math.prod(w.in_shape)
         return gguf_blocks.dequantize(w.data, w.ggml_type, k).reshape(w.shape)
     if not isinstance(w, Int8Weight):
@@ -144,6 +168,7 @@ def cast_params(params, config, to_device=None):
             return Int8Weight(value=put(q.value), scale=put(q.scale))
         if config.dtype in GGUF_PRECISIONS and w.contract:
             q = quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
+            q = for_cpu_kernel(q, table=w.init == "embedding")
             return q.replace(data=put(q.data))
         dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
         return put(np.asarray(leaf).astype(dtype, copy=False))
@@ -205,16 +230,28 @@ def _block_product(x_mk, w: BlockWeight, impl: str):
         from models.kernels import gguf_matmul
 
         if gguf_matmul.available():
-            return gguf_matmul.matmul(x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x)
+            return gguf_matmul.matmul(
+                x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved
+            )
+    _no_interleaved(w)
     from models.kernels import gguf_blocks
 
     w_nk = gguf_blocks.dequantize(data_nb, w.ggml_type, x_mk.shape[1])
     return jnp.einsum("mk,nk->mn", x_mk.astype(jnp.float32), w_nk, preferred_element_type=jnp.float32)
 
 
+def _no_interleaved(w: BlockWeight):
+    if w.interleaved:
+        raise ValueError(
+            "a Q4_K weight interleaved for the CPU kernel (precision.for_cpu_kernel) is read by that "
+            "kernel only: load the model for this device (models.load on it) instead"
+        )
+
+
 def lookup(table, tokens):
     """Rows of an embedding table [V, D] (any precision) at integer tokens [...]: [..., D]."""
     if isinstance(table, BlockWeight):
+        _no_interleaved(table)
         from models.kernels import gguf_matmul, target
 
         k = math.prod(table.in_shape)

@@ -134,6 +134,43 @@ def test_each_output_row_is_bit_identical_whatever_the_row_count(ggml_type, k, q
         )
 
 
+def test_interleaved_q4k_agrees_with_ggml_vec_dot_and_each_row_is_bit_identical_whatever_the_row_count():
+    """Q4_K at gguf_q8 in llama.cpp's repacked layout (groups of 8 rows, ggml_gemv_q4_K_8x8_q8_K):
+    the same integer products as ggml's vec_dot on the file's own layout (a wrong interleave of
+    the values or of the 6-bit scales is far off), and row m's bits do not depend on M. 264
+    weight rows: a partial chunk of the kernel's 256."""
+    rows = 16
+    data, _ = blocks(T.Q4_K, 264, 512, seed=8)
+    packed = kernel().interleave_q4k(data)
+    assert packed.shape == data.shape and not np.array_equal(packed, data)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((rows, 512)), jnp.float32)
+    call = jax.jit(lambda x: kernel().matmul(x, jnp.asarray(packed), T.Q4_K.value, True, interleaved=True))
+    ggml = matmul(np.asarray(x), data, T.Q4_K, quantize_x=True, ggml_dot=True)
+    np.testing.assert_allclose(np.asarray(call(x)), ggml, rtol=1e-5, atol=1e-5 * np.abs(ggml).max())
+    single = np.stack([np.asarray(call(x[i : i + 1]))[0] for i in range(rows)])
+    for m in range(1, rows + 1):
+        np.testing.assert_array_equal(np.asarray(call(x[:m])), single[:m], err_msg=f"first {m} rows")
+        np.testing.assert_array_equal(
+            np.asarray(call(x[rows - m :])), single[rows - m :], err_msg=f"last {m}"
+        )
+
+
+def test_casting_to_gguf_q8_interleaves_q4k_matrices_but_not_the_embedding_table():
+    """models.cast on a CPU: every Q4_K layer matrix interleaved for the kernel, the embedding
+    (whose rows are looked up) as the file lays it out; the XLA path refuses an interleaved
+    weight in one clear error rather than reading its bytes as rows."""
+    model = models.cast(
+        models.random_model(vocab_size=64, num_layers=1, d_model=256, num_heads=4, num_kv_heads=2), "gguf_q8"
+    )
+    layer = [w for w in jax.tree.leaves(model.params["layers"], is_leaf=is_block) if is_block(w)]
+    assert layer and all(w.interleaved for w in layer if w.ggml_type == T.Q4_K.value)
+    assert not model.params["embed"]["embedding"].interleaved
+    with pytest.raises(ValueError, match="interleaved"):
+        precision.dequantize(layer[0])
+    with pytest.raises(ValueError, match="interleaved"):
+        precision.linear(jnp.ones((1, 256)), layer[0], 1, impl="xla")
+
+
 # -- 4. The XLA path (gguf_blocks) against the kernel -----------------------------------------
 
 

@@ -15,6 +15,11 @@
 //     decodes: Q4_K and Q6_K by this file's multi-row kernel (AVX-512BW, below), the other
 //     types (and every type with ggml_dot = 1, the reference the tests compare with) by ggml's
 //     own vec_dot, one call per (row of x, row of W).
+//   interleaved = 1 (Q4_K at gguf_q8, on a CPU): the weight's rows in groups of 8 with their blocks
+//     interleaved (ggml's block_q4_Kx8, what llama.cpp's CPU backend repacks Q4_K into;
+//     SpecJaxGgufInterleaveQ4K below writes it), multiplied by ggml's ggml_gemv_q4_K_8x8_q8_K,
+//     one call per row of x over a chunk of kInterleavedChunk weight rows (its bytes stay in L2
+//     for the other rows of x).
 //
 // One pass over the weights: a chunk of weight rows is read once for every row of x (the
 // rows of x taken in blocks that stay in cache), so a verification call over gamma + 1 positions
@@ -39,10 +44,15 @@
 
 namespace ffi = xla::ffi;
 
+// ggml's repacked Q4_K x Q8_K product (ggml-cpu/repack.h; exported by libggml-cpu): y[0, nc) of
+// one row of x (vy, block_q8_K) against nc weight rows in groups of 8 (vx, block_q4_Kx8).
+extern "C" void ggml_gemv_q4_K_8x8_q8_K(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
+
 namespace {
 
 constexpr int64_t kRowsPerChunk = 32;  // weight rows per task
 constexpr int64_t kXBlock = 64;        // rows of x per pass over a chunk (their bytes stay in L2)
+constexpr int64_t kInterleavedChunk = 256;  // weight rows per task on the interleaved path (~220 KB at K 1536)
 
 void InitOnce() {
   static std::once_flag once;
@@ -327,7 +337,8 @@ ffi::Error Check(ggml_type type, int64_t k_dim, int64_t row_bytes) {
 }
 
 ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Buffer<ffi::U8> w_buf,
-                      ffi::ResultBuffer<ffi::F32> y_buf, int64_t type_id, bool quantize_x, bool ggml_dot) {
+                      ffi::ResultBuffer<ffi::F32> y_buf, int64_t type_id, bool quantize_x, bool ggml_dot,
+                      bool interleaved) {
   InitOnce();
   const auto xd = x_buf.dimensions(), wd = w_buf.dimensions(), yd = y_buf->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0]) {
@@ -337,6 +348,9 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
   const auto type = static_cast<ggml_type>(type_id);
   const int64_t m_rows = xd[0], k_dim = xd[1], n_dim = wd[0], row_bytes = wd[1];
   if (auto e = Check(type, k_dim, row_bytes); e.failure()) return e;
+  if (interleaved && !quantize_x) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "spec_jax gguf_matmul: interleaved weights need quantize_x");
+  }
   const float* x = x_buf.typed_data();
   const uint8_t* w = w_buf.typed_data();
   float* y = y_buf->typed_data();
@@ -355,6 +369,21 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       }
     }
     const uint8_t* xs = xq.data();
+    if (interleaved) {
+      if (type != GGML_TYPE_Q4_K || n_dim % 8 != 0 || k_dim % 256 != 0) {
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                          "spec_jax gguf_matmul: interleaved weights are Q4_K with rows a multiple of 8");
+      }
+      const int64_t tasks = (n_dim + kInterleavedChunk - 1) / kInterleavedChunk;
+      spec_jax::ParallelChunks(pool, tasks, [&](int64_t c) {
+        const int64_t n0 = c * kInterleavedChunk, n1 = std::min(n_dim, n0 + kInterleavedChunk);
+        for (int64_t m = 0; m < m_rows; ++m) {
+          ggml_gemv_q4_K_8x8_q8_K(static_cast<int>(k_dim), y + m * n_dim + n0, 0, w + n0 * row_bytes,
+                                  xs + m * x_bytes, 1, static_cast<int>(n1 - n0));
+        }
+      });
+      return ffi::Error::Success();
+    }
 #ifdef SPEC_JAX_MULTIROW
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
@@ -447,7 +476,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufMatmul, GgufMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("ggml_type")
                                   .Attr<bool>("quantize_x")
-                                  .Attr<bool>("ggml_dot"));
+                                  .Attr<bool>("ggml_dot")
+                                  .Attr<bool>("interleaved"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufRows, GgufRows,
                               ffi::Ffi::Bind()
@@ -460,4 +490,45 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufRows, GgufRows,
 extern "C" size_t SpecJaxGgufQuantize(int type_id, const float* src, void* dst, int64_t rows, int64_t k_dim) {
   InitOnce();
   return ggml_quantize_chunk(static_cast<ggml_type>(type_id), src, dst, 0, rows, k_dim, nullptr);
+}
+
+// Q4_K rows [N, K] (N a multiple of 8) -> the same bytes as groups of 8 rows with their blocks
+// interleaved: for each group and each block column, one block_q4_Kx8 (ggml-cpu/repack.h): the 8
+// blocks' d, then dmin, their scales and mins regrouped per sub-block (96 bytes), their 4-bit
+// values 8 bytes at a time round-robin (1024 bytes). The layout llama.cpp's CPU backend repacks
+// Q4_K into, which ggml_gemv_q4_K_8x8_q8_K reads. Returns the bytes written (0: bad shape).
+extern "C" size_t SpecJaxGgufInterleaveQ4K(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k_dim) {
+  if (rows % 8 != 0 || k_dim % 256 != 0) return 0;
+  const int64_t blocks = k_dim / 256;
+  struct Q4K { uint16_t d, dmin; uint8_t scales[12], qs[128]; };
+  struct Q4Kx8 { uint16_t d[8], dmin[8]; uint8_t scales[96], qs[1024]; };
+  static_assert(sizeof(Q4K) == 144 && sizeof(Q4Kx8) == 8 * 144, "ggml's layouts");
+  const auto* in = reinterpret_cast<const Q4K*>(src);
+  auto* out = reinterpret_cast<Q4Kx8*>(dst);
+  for (int64_t g = 0; g < rows / 8; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Q4K* r[8];
+      for (int i = 0; i < 8; ++i) r[i] = &in[(g * 8 + i) * blocks + b];
+      Q4Kx8& o = out[g * blocks + b];
+      for (int i = 0; i < 8; ++i) o.d[i] = r[i]->d, o.dmin[i] = r[i]->dmin;
+      for (int i = 0; i < 128; ++i) std::memcpy(&o.qs[i * 8], &r[i % 8]->qs[(i / 8) * 8], 8);
+      for (int half = 0; half < 2; ++half) {  // sub-blocks 0-3 (6-bit scales in one byte), then 4-7
+        for (int i = 0; i < 4; ++i) {
+          uint8_t sc[8], mn[8];
+          for (int j = 0; j < 8; ++j) {
+            const uint8_t* s = r[j]->scales;
+            sc[j] = half == 0 ? s[i] & 63 : ((s[i] & 192) >> 2) | (s[i + 8] & 15);
+            mn[j] = half == 0 ? s[i + 4] & 63 : ((s[i + 4] & 192) >> 2) | ((s[i + 8] & 240) >> 4);
+          }
+          uint8_t* t = &o.scales[half * 48 + i * 12];
+          for (int j = 0; j < 4; ++j) {
+            t[j] = (sc[j] & 63) + ((sc[j + 4] & 48) << 2);
+            t[j + 4] = (mn[j] & 63) + ((mn[j + 4] & 48) << 2);
+            t[j + 8] = (sc[j + 4] & 15) + ((mn[j + 4] & 15) << 4);
+          }
+        }
+      }
+    }
+  }
+  return static_cast<size_t>(rows * blocks * 144);
 }

@@ -96,6 +96,13 @@ def _library() -> ctypes.CDLL | str:
     library.SpecJaxGgufQuantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
     ]  # fmt: skip
+    library.SpecJaxGgufInterleaveQ4K.restype = ctypes.c_size_t
+    library.SpecJaxGgufInterleaveQ4K.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+    ]
     return library
 
 
@@ -132,10 +139,38 @@ def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
     return out
 
 
-def matmul(x_mk, data_nb, ggml_type: int, quantize_x: bool, ggml_dot: bool = False):
+def interleave_q4k(data_nb: np.ndarray) -> np.ndarray:
+    """Q4_K rows [N, row_bytes] (N a multiple of 8) -> the same bytes with each group of 8 rows'
+    blocks interleaved (ggml's block_q4_Kx8, as llama.cpp's CPU backend repacks Q4_K): what
+    matmul(..., interleaved=True) reads."""
+    from gguf import GGMLQuantizationType as T
+
+    library = _library()
+    if isinstance(library, str):
+        raise KernelUnavailable(library)
+    data_nb = np.ascontiguousarray(data_nb, np.uint8)
+    k = data_nb.shape[1] // 144 * 256
+    if data_nb.ndim != 2 or data_nb.shape[0] % 8 or row_bytes(T.Q4_K.value, k) != data_nb.shape[1]:
+        raise ValueError(
+            f"interleave_q4k: Q4_K rows [N, row_bytes] with N a multiple of 8, got {data_nb.shape}"
+        )
+    out = np.empty_like(data_nb)
+    if (
+        library.SpecJaxGgufInterleaveQ4K(data_nb.ctypes.data, out.ctypes.data, data_nb.shape[0], k)
+        != out.size
+    ):
+        raise KernelUnavailable("ggml Q4_K interleave wrote the wrong number of bytes")
+    return out
+
+
+def matmul(
+    x_mk, data_nb, ggml_type: int, quantize_x: bool, ggml_dot: bool = False, interleaved: bool = False
+):
     """y [M, N] float32 = x [M, K] . W^T for W's rows of blocks data [N, row_bytes]. ggml_dot:
     every (row, column) by ggml's own calls (to_float + its f32 vec_dot, or its quantized
-    vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare)."""
+    vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare).
+    interleaved: data is Q4_K in interleave_q4k's layout (quantize_x only), multiplied by ggml's
+    repacked product (ggml_gemv_q4_K_8x8_q8_K), one call per row of x."""
     out = jax.ShapeDtypeStruct((x_mk.shape[0], data_nb.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
     return call(
@@ -144,6 +179,7 @@ def matmul(x_mk, data_nb, ggml_type: int, quantize_x: bool, ggml_dot: bool = Fal
         ggml_type=np.int64(ggml_type),
         quantize_x=bool(quantize_x),
         ggml_dot=bool(ggml_dot),
+        interleaved=bool(interleaved),
     )
 
 
