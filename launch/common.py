@@ -6,7 +6,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 
 from absl import app, flags, logging
 
@@ -126,21 +125,10 @@ def check_output_json(path: str) -> None:
 
 
 def write_json_atomic(path: str, payload) -> None:
-    """Writes JSON to path via a temporary file and a rename, so no half-written file is left:
-    strict JSON (non-finite numbers as null), with the permissions a new file of the user's gets
-    (mkstemp's temporary file is 0600; the umask decides instead)."""
+    """Writes JSON to path all at once (models.registry.atomic_write: no half-written file, the
+    user's usual permissions): strict JSON, non-finite numbers as null."""
+    from models.registry import atomic_write
+
     check_output_json(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            json.dump(finite_json(payload), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    text = json.dumps(finite_json(payload), indent=2, allow_nan=False) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))

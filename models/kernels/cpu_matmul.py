@@ -10,7 +10,8 @@ build isa() names when its products are traced. The two builds sum in different 
 is bit-identical whatever the number of rows in the call.
 
 `available()` builds the shared library with the system's C++ compiler (once per source, ISA
-and jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/`), loads it and registers its three
+and jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/` with its sha256 beside it, checked
+before each load: models.kernels.libraries.verified_build), loads it and registers its three
 targets with XLA; it returns False, with one warning, where it cannot (not x86-64, a CPU without
 the ISA's instructions, no compiler), and the models then use XLA's own products.
 `matmul(x, w, scale)` is y[M, N] = x[M, K] . w[N, K]^T (* scale[N] for int8 weights), float32 out;
@@ -26,7 +27,6 @@ import pathlib
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 
 import jax
@@ -111,22 +111,17 @@ def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
 
 
 def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
-    """Compiles cpu_matmul.cc for isa_name (default: isa()), if not cached; the library's path."""
+    """Compiles cpu_matmul.cc for isa_name (default: isa()), if not cached; the library's path
+    (libraries.verified_build: checked against its stored sha256; a private temporary folder
+    where the cache folder cannot be used)."""
+    from models.kernels import libraries
+
     isa_name = isa_name or isa()
-    path = library_path(cache_dir, isa_name)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a cache folder that cannot be written: the user's temporary folder instead
-        path = pathlib.Path(tempfile.gettempdir()) / f"spec_jax-{os.getuid()}" / "kernels" / path.name
-    if path.exists():
-        return path
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
+
+    def compile_to(out: str) -> None:
+        if compiler is None:
+            raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
         cmd = [
             compiler,
             *compiler_flags(isa_name),
@@ -134,16 +129,13 @@ def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
             str(SOURCE),
             str(ROWWISE_SOURCE),
             "-o",
-            tmp,
+            out,
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise KernelUnavailable(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, path)  # atomic: a concurrent build of the same source is harmless
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+
+    return libraries.verified_build(library_path(cache_dir, isa_name), compile_to)
 
 
 def target_name(dtype: str, isa_name: str) -> str:

@@ -21,7 +21,6 @@ import pathlib
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 
 import jax
@@ -48,8 +47,9 @@ def library_path(cache_dir=None) -> pathlib.Path:
 
 
 def build(cache_dir=None) -> pathlib.Path:
-    """Builds ggml (models.kernels.llama_cpp) and this kernel against it, if not cached."""
-    from models.kernels import llama_cpp
+    """Builds ggml (models.kernels.llama_cpp) and this kernel against it, if not cached
+    (libraries.verified_build: checked against its stored sha256 before each load)."""
+    from models.kernels import libraries, llama_cpp
 
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelUnavailable(f"built for x86-64 Linux, this is {platform.system()} {platform.machine()}")
@@ -57,30 +57,22 @@ def build(cache_dir=None) -> pathlib.Path:
         folder = llama_cpp.build(llama_cpp.LIBRARIES, cache_dir)
     except llama_cpp.Unavailable as e:
         raise KernelUnavailable(str(e)) from None
-    path = library_path(cache_dir)
-    if path.exists():
-        return path
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     src = llama_cpp.source(cache_dir)
     lib = folder / "bin"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".so")
-    os.close(fd)
-    try:
+
+    def compile_to(out: str) -> None:
+        if compiler is None:
+            raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
         cmd = [
             compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{src / 'ggml' / 'include'}", str(SOURCE),
-            f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", tmp,
+            f"-L{lib}", "-lggml-cpu", "-lggml-base", f"-Wl,-rpath,{lib}", "-o", out,
         ]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise KernelUnavailable(f"{compiler} gguf_matmul.cc failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+
+    return libraries.verified_build(library_path(cache_dir), compile_to)
 
 
 @functools.cache

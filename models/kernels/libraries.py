@@ -11,10 +11,23 @@ and spec_jax.executables keeps its store of compiled programs in a folder per di
 Each library of FFI targets adds its build's key to `build_digest`'s parts: cpu_matmul's
 (products, attention, RMSNorm) and gguf_matmul's (the GGUF block products, linked against
 llama_cpp's build of ggml).
+
+`verified_build` is the one way a library is built and found again: in its cache folder only
+when that folder is this user's own (owned by them, writable by no one else), else in a private
+temporary folder of this process (never a shared, predictable path another user could plant a
+library in); the library's sha256 is stored beside it (`NAME.so.sha256`, written after it) and
+checked before every load, and a library that does not match is built again.
 """
 
+import atexit
+import functools
 import hashlib
+import os
+import pathlib
 import platform
+import shutil
+import tempfile
+from collections.abc import Callable
 
 
 def build_digest() -> str:
@@ -33,3 +46,74 @@ def build_digest() -> str:
         flags if isinstance(flags, str) else " ".join(sorted(flags)),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+class LibraryMismatch(OSError):
+    """A library's bytes do not match the sha256 stored beside it, even after building it again."""
+
+
+def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pathlib.Path:
+    """The path of a library named path.name whose sha256 matches the one stored beside it,
+    built with compile_to(output path) where there is none (or it does not match).
+
+    It lives in path's folder when that folder is usable (_own_folder), else in a private
+    temporary folder of this process. The build holds the library's file_lock (a second process
+    waits, then finds it built) and removes what killed builds left. LibraryMismatch if the
+    library still does not match after one build; compile_to's errors propagate."""
+    from models import registry
+
+    folder = path.parent if _own_folder(path.parent) else _private_folder()
+    path = folder / path.name
+    if _matches(path):
+        return path
+    label = path.stem
+    with registry.file_lock(folder / f".lock-{label}"):
+        if _matches(path):  # built by another process meanwhile
+            return path
+        registry.remove_dead_tmp(folder, label)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=registry.tmp_prefix(label), suffix=path.suffix)
+        os.close(fd)
+        try:
+            compile_to(tmp)
+            digest = registry.sha256_file(tmp)
+            os.replace(tmp, path)
+            registry.write_text_atomic(_digest_path(path), digest + "\n")  # after the library
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    if not _matches(path):
+        raise LibraryMismatch(f"{path}: its sha256 does not match {_digest_path(path)} after building it")
+    return path
+
+
+def _digest_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _matches(path: pathlib.Path) -> bool:
+    from models import registry
+
+    try:
+        return _digest_path(path).read_text().strip() == registry.sha256_file(path)
+    except OSError:
+        return False
+
+
+def _own_folder(folder: pathlib.Path) -> bool:
+    """Whether folder can be created and is safe to load libraries from: owned by this user and
+    writable by no one else (so no one else can put a library, or its digest, there)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        st = folder.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.access(folder, os.W_OK)
+
+
+@functools.cache
+def _private_folder() -> pathlib.Path:
+    """A temporary folder only this process uses (mkdtemp: mode 0700, an unpredictable name),
+    removed at exit; libraries built there are built again by the next process."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="spec_jax-kernels-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
