@@ -23,6 +23,7 @@ Greedy (do_sample=False), ignore_eos=True so every run generates exactly max_new
 Requests are token ids (the same ids every system gets), fed as an input_ids tensor.
 """
 
+import fcntl
 import os
 import pathlib
 import shutil
@@ -91,6 +92,16 @@ def requantize_gguf(src, dst, keep=OPENVINO_GGUF_TYPES) -> int:
     return sum(requantized)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
     """A folder `openvino_genai.draft_model` can load, holding the draft GGUF `path`'s weights.
 
@@ -104,21 +115,28 @@ def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
     final = draft_folder(path)
     if (final / "openvino_model.xml").exists():
         return final
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-    try:
-        converted = tmp / (path.name.removesuffix(".gguf") + ".q8_0.gguf")
-        count = requantize_gguf(path, converted)
-        (export or _export_openvino_ir)(converted)
-        if not (tmp / "openvino_model.xml").exists():
-            raise RuntimeError(f"exporting {converted.name} wrote no openvino_model.xml")
-        tmp.chmod(0o755)
+    # One exporter at a time (an flock beside the folder, as models.registry.file_lock: this
+    # worker runs in the peers' environment, without spec-jax's packages); leftovers of a killed
+    # export (their pid in the name, as models.registry.tmp_prefix) are removed under it.
+    with open(final.parent / f".lock-{final.name}", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "openvino_model.xml").exists():
+            return final
+        for old in final.parent.glob(f".tmp-{final.name}-*"):
+            pid = old.name.removeprefix(f".tmp-{final.name}-").split("-")[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
         try:
+            converted = tmp / (path.name.removesuffix(".gguf") + ".q8_0.gguf")
+            count = requantize_gguf(path, converted)
+            (export or _export_openvino_ir)(converted)
+            if not (tmp / "openvino_model.xml").exists():
+                raise RuntimeError(f"exporting {converted.name} wrote no openvino_model.xml")
+            tmp.chmod(0o755)
             os.replace(tmp, final)
-        except OSError:
-            if not (final / "openvino_model.xml").exists():  # else another worker won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"ov_peer_worker: {path.name} ({count} tensors requantized to Q8_0) exported to {final}",
         file=sys.stderr,

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import stat
+import subprocess
 import sys
 
 import gguf
@@ -106,7 +107,7 @@ def test_draft_for_openvino_is_made_once_and_never_left_half_made(tmp_path):
 
     with pytest.raises(RuntimeError, match="no model"):
         ov_peer_worker.draft_for_openvino(src, export=broken_export)
-    assert len(exported) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf"]
+    assert len(exported) == 1 and _files(tmp_path) == ["draft.gguf"]
 
     def export(gguf_path):  # what enable_save_ov_model does: the IR beside the GGUF it read
         exported.append(gguf_path)
@@ -114,11 +115,37 @@ def test_draft_for_openvino_is_made_once_and_never_left_half_made(tmp_path):
 
     folder = ov_peer_worker.draft_for_openvino(src, export=export)
     assert folder == tmp_path / "draft.openvino" == ov_peer_worker.draft_folder(src)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf", "draft.openvino"]  # no temporary left
+    assert _files(tmp_path) == ["draft.gguf", "draft.openvino"]  # no temporary left
     assert sorted(p.name for p in folder.iterdir()) == ["draft.q8_0.gguf", "openvino_model.xml"]
     assert exported[-1].name == "draft.q8_0.gguf"
     assert [t.tensor_type.name for t in gguf.GGUFReader(folder / "draft.q8_0.gguf").tensors] == ["Q8_0"]
     assert ov_peer_worker.draft_for_openvino(src, export=export) == folder and len(exported) == 2  # cached
+
+
+def _files(folder):
+    """The names in folder but the (empty) lock file of the export."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".lock-"))
+
+
+def test_a_killed_exports_leftover_is_removed_by_the_next_export(tmp_path):
+    src = tmp_path / "draft.gguf"
+    write_gguf(
+        src,
+        {"token_embd.weight": np.ones((4, 32), np.float32)},
+        {"token_embd.weight": GGMLQuantizationType.Q5_0},
+    )
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    leftover = tmp_path / f".tmp-draft.openvino-{int(dead.stdout)}-abc"
+    leftover.mkdir()
+    (leftover / "draft.q8_0.gguf").write_bytes(b"half")
+
+    def export(gguf_path):
+        (gguf_path.parent / "openvino_model.xml").write_text("<net/>")
+
+    ov_peer_worker.draft_for_openvino(src, export=export)
+    assert _files(tmp_path) == ["draft.gguf", "draft.openvino"]
 
 
 def stub_interpreter(tmp_path, modules):

@@ -62,7 +62,8 @@ def source(cache_dir=None) -> pathlib.Path:
         if done.exists():
             return folder / "vendor" / "llama.cpp"
         shutil.rmtree(folder, ignore_errors=True)
-        with tempfile.TemporaryDirectory(dir=base, prefix=".tmp-sdist-") as tmp:
+        registry.remove_dead_tmp(base, "sdist")  # a killed download's or extraction's leftovers
+        with tempfile.TemporaryDirectory(dir=base, prefix=registry.tmp_prefix("sdist")) as tmp:
             try:
                 registry.pip_download([f"{PACKAGE}=={VERSION}"], pathlib.Path(tmp), sdist=True)
             except registry.DownloadError as e:
