@@ -129,6 +129,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
     config.gamma = 2 if quick else 4
+    config.auto = True  # also spec-jax with gamma=auto (launch.generate's default)
     config.prompt_set = "open"  # experiments.common.PROMPT_SETS
     config.num_prompts = 2 if quick else len(common.BENCH_PROMPTS)
     config.repeats = 2 if quick else 6
@@ -313,7 +314,9 @@ def run(config) -> framework.Result | None:
         model_args = [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
 
     ar, spec = "spec-jax, autoregressive", f"spec-jax, speculative gamma {gamma}"
-    families = {"spec-jax": [ar, spec]}  # library -> its systems, the plain one first
+    auto = "spec-jax, speculative gamma auto" if config.auto else None
+    ours_systems = [ar, spec] + ([auto] if auto else [])
+    families = {"spec-jax": ours_systems}  # library -> its systems, the plain one first
     with contextlib.ExitStack() as stack:
         workers, peer_systems = {}, {}
         for peer in peers:  # one at a time, all before ours: the loads' peaks never overlap
@@ -333,7 +336,7 @@ def run(config) -> framework.Result | None:
         texts = common.prompt_set(config.prompt_set, config.num_prompts)
         prompts = [target.tokenizer.encode(t) for t in texts]
 
-        def ours(i, draft_model):  # the wall time of the whole generate call
+        def ours(i, draft_model, gamma=gamma):  # the wall time of the whole generate call
             start = time.perf_counter()
             gen = bench_decode.run_generate(target, [prompts[i]], draft_model, gamma, 0.0, n)
             seconds = time.perf_counter() - start
@@ -355,6 +358,9 @@ def run(config) -> framework.Result | None:
 
         systems = {ar: lambda i: ours(i, None), spec: lambda i: ours(i, draft)}
         speculative = {spec}
+        if auto:
+            systems[auto] = lambda i: ours(i, draft, "auto")
+            speculative.add(auto)
         for peer in peers:
             for system in peer_systems[peer.key]:
                 systems[system.name] = peer_system(workers[peer.key], system)
@@ -366,7 +372,7 @@ def run(config) -> framework.Result | None:
         ]
         runs = timing.interleaved(systems, repeat_prompts, warmup)
 
-    precision = dict.fromkeys((ar, spec), params_precision(target))
+    precision = dict.fromkeys(ours_systems, params_precision(target))
     for peer in peers:
         precision.update(dict.fromkeys(families[peer.library], workers[peer.key].info["precision"]))
     first_run = {}  # each distinct prompt -> the first repeat that ran it
@@ -417,7 +423,7 @@ def run(config) -> framework.Result | None:
                 ratio_per_repeat_max=paired["max"],
                 greedy_same_as_spec_jax_ar=f"{same}/{len(first_run)} prompts",
             )
-        if name in (ar, spec):
+        if name in ours_systems:
             row["compile_s"] = sum(r["compile_seconds"] for r in runs[name]["warmup"])
         rows[name] = row
     for baseline, *others in families.values():

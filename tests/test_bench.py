@@ -65,6 +65,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     assert systems == [
         "spec-jax, autoregressive",
         "spec-jax, speculative gamma 2",
+        "spec-jax, speculative gamma auto",  # the main job's default
         "HF transformers, plain",
         "HF transformers, assisted",
         "OpenVINO GenAI, plain",
@@ -73,17 +74,17 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
         "llama.cpp, speculative gamma 2",  # llama_draft_n_max: (2,) in quick mode
         "summary",
     ]
-    assert all(float(r["tokens_per_s"]) > 0 for r in peer["rows"][:8])
+    assert all(float(r["tokens_per_s"]) > 0 for r in peer["rows"][:9])
     # The fake workers answer other tokens (llama.cpp's: other text) than the tiny model: only
     # spec-jax agrees with itself.
-    agree = [r["greedy_same_as_spec_jax_ar"] for r in peer["rows"][1:8]]
-    assert agree == ["2/2 prompts"] + ["0/2 prompts"] * 6
+    agree = [r["greedy_same_as_spec_jax_ar"] for r in peer["rows"][1:9]]
+    assert agree == ["2/2 prompts"] * 2 + ["0/2 prompts"] * 6
     for key in ("hf", "ov", "llama"):
         assert peer["summary"][f"{key}_worker"]["versions"]["backend"] == "fake"
     # Prefill and decode per phase where a system reports them: spec-jax's and llama.cpp's rows.
     phases = [r["system"] for r in peer["rows"] if r["prefill_ms"] and float(r["decode_tokens_per_s"]) > 0]
-    assert phases == [systems[i] for i in (0, 1, 6, 7)]
-    assert float(peer["rows"][7]["acceptance_rate"]) == 0.5 and peer["rows"][-1]["best_llama_cpp"]
+    assert phases == [systems[i] for i in (0, 1, 2, 7, 8)]
+    assert float(peer["rows"][8]["acceptance_rate"]) == 0.5 and peer["rows"][-1]["best_llama_cpp"]
     assert len(peer["summary"]["sections"]["greedy agreement with spec-jax autoregressive, per prompt"]) == 2
 
     decode = read_report(tmp_path, "decode")
@@ -166,7 +167,7 @@ def test_peer_suite_runs_one_peer_library_alone(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     peer = read_report(tmp_path, "peer")
-    assert [r["system"] for r in peer["rows"]][2:] == [
+    assert [r["system"] for r in peer["rows"]][3:] == [
         "OpenVINO GenAI, plain",
         "OpenVINO GenAI, speculative gamma 2",
         "summary",
@@ -190,7 +191,7 @@ def test_llama_cpp_peer_needs_no_reference_interpreter(tmp_path):
     (skipped,) = [line for line in result.stdout.splitlines() if "skipped" in line]
     assert "HF transformers skipped" in skipped and "no such interpreter" in skipped
     peer = read_report(tmp_path, "peer")
-    assert [r["system"] for r in peer["rows"]][2:] == [
+    assert [r["system"] for r in peer["rows"]][3:] == [
         "llama.cpp, plain",
         "llama.cpp, speculative gamma 1",
         "llama.cpp, speculative gamma 3",
