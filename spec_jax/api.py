@@ -16,7 +16,7 @@ import numpy as np
 
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
-from spec_jax.drafters import ModelDrafter, NoDrafter, resumable, sources_of
+from spec_jax.drafters import ModelDrafter, NoDrafter, check_gamma, resumable, sources_of
 from spec_jax.executables import compiled
 from spec_jax.head_drafter import HeadDrafter
 from spec_jax.metrics import NONFINITE, nonfinite_rows
@@ -80,8 +80,9 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
     stop_id_list(eos_id, vocab)
     if drafter is None:
         return
+    shown = gamma
     if gamma == "auto":
-        gamma = autogamma.GAMMA_MAX
+        gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
     elif not _is_int(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
     if drafter.vocab_size != vocab:
@@ -89,11 +90,8 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
             f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
             "speculative decoding needs one shared vocabulary"
         )
-    if longest + max_new_tokens + gamma > drafter.max_seq_len:
-        raise ValueError(
-            f"the draft's context ({drafter.max_seq_len} tokens) is shorter than needed: "
-            f"prompt {longest} + max_new_tokens {max_new_tokens} + gamma {gamma}"
-        )
+    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
+    check_gamma(gamma, longest, max_new_tokens, contexts, shown=shown)
 
 
 def layout(config, prompts, max_new_tokens: int, gamma: int) -> tuple[int, int]:
