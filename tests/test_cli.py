@@ -334,3 +334,20 @@ def test_a_prompt_whose_logits_turn_nan_is_named_in_one_warning_line_and_in_the_
     assert [o["nonfinite_logits"] for o in report["outputs"]] == [False, True]
     assert report["stats"]["nonfinite_logits"] == [False, True]
     assert len(report["outputs"][0]["tokens"]) == 4 and report["outputs"][1]["tokens"] == []
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (None, "flag --config={path}: no such config file: {path}"),
+        ("def get_config(:\n", "flag --config={path}: {path} line 1: SyntaxError: invalid syntax"),
+    ],
+    ids=["missing", "syntax_error"],
+)
+def test_a_train_config_that_is_missing_or_not_python_is_one_line_exit_2(tmp_path, source, message):
+    path = tmp_path / "config.py"
+    if source is not None:
+        path.write_text(source)
+    result = run_cli(f"--config={path}", module="launch.train")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == ["train.py: error: " + message.format(path=path)]
