@@ -18,7 +18,11 @@ Compiled programs are kept in $SPEC_JAX_CACHE/compilation/ and loaded by later r
 compiled again; --nocompilation_cache (see --helpfull) or SPEC_JAX_COMPILATION_CACHE=0 turns
 that off.
 
-Bad flags and bad input exit with code 2 and one line on stderr.
+Bad flags and bad input exit with code 2 and one line on stderr; the flags (model names, the
+warp, --gamma against the context, the prompts file, --output_json) are checked before any model
+is loaded or downloaded, --gamma's bound once the target's context is known. A prompt whose target
+logits become NaN or infinite stops there: one warning line on stderr names it, and its entry in
+--output_json says "nonfinite_logits": true (the other prompts' outputs are unaffected).
 """
 
 import builtins
@@ -26,6 +30,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 
 from absl import flags
@@ -361,6 +366,60 @@ def make_draft(target, draft):
     )
 
 
+def check_model_names() -> None:
+    """--target and --draft name models that exist (before anything is loaded or downloaded)."""
+    import models
+
+    known = models.known_models()
+    for flag, name in (("--target", FLAGS.target), ("--draft", FLAGS.draft)):
+        if name not in known and not (flag == "--draft" and name == "none"):
+            allowed = ", ".join(known) + (", or none" if flag == "--draft" else "")
+            raise common.UsageError(f"{flag}: unknown model {name!r}; known models: {allowed}")
+
+
+def check_sampling_flags() -> None:
+    """--temperature, --top_k and --top_p by the warp's own rule (spec_jax.sampling), before
+    anything is loaded: the flags' bounds let nan and inf through."""
+    from spec_jax import sampling
+
+    try:
+        sampling.validate_sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    except ValueError as e:
+        raise common.UsageError(f"--{e}") from None
+
+
+def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
+    """--gamma within the one bound every drafter has (spec_jax.drafters.check_gamma): prompt +
+    --max_new_tokens + gamma within each context of `contexts` (the target's, and a draft
+    model's once loaded), checked before the draft model and the drafters' tables are loaded."""
+    from spec_jax import autogamma, drafters
+
+    gamma, shown = gamma_from_flag(), FLAGS.gamma
+    if gamma == "auto":
+        gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
+    longest = max(len(p) for p in token_prompts)
+    try:
+        drafters.check_gamma(gamma, longest, FLAGS.max_new_tokens, contexts, name="--gamma", shown=shown)
+    except ValueError as e:
+        raise common.UsageError(str(e)) from None
+
+
+def report_nonfinite(stats, prompts) -> str | None:
+    """The one-line warning naming the prompts whose target logits became NaN or infinite (each
+    stopped there: its output is cut short), or None when there are none."""
+    from spec_jax import metrics
+
+    rows = metrics.nonfinite_rows(stats)
+    if not rows:
+        return None
+    shown = ", ".join(f"{i} ({prompts[i][:30]!r})" for i in rows[:5]) + (", ..." if len(rows) > 5 else "")
+    return (
+        f"warning: the target's logits became NaN or infinite for {len(rows)} of {len(prompts)} "
+        f"prompts (by index from 0: {shown}); each stopped there and its output is cut short "
+        f"(check the --target weights and --target_dtype)"
+    )
+
+
 def gamma_from_flag():
     """--gamma as an int >= 1 or "auto"; UsageError naming the flag otherwise."""
     text = FLAGS.gamma.strip()
@@ -414,7 +473,7 @@ def main(argv):
     import jax
 
     from models import kernels, precision
-    from spec_jax import sharding
+    from spec_jax import api, metrics, sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
@@ -429,8 +488,21 @@ def main(argv):
     prompts = read_prompts()
     if FLAGS.output_json is not None:
         common.check_output_json(FLAGS.output_json)
+    check_model_names()
+    check_sampling_flags()
     target = load_model(FLAGS.target, FLAGS.target_dtype)
+    tokenizer = target.tokenizer
+    token_prompts = [tokenizer.encode(p) for p in prompts]
+    # generate's checks of the prompts against the target (empty, too long for its context),
+    # before a draft model or a drafter's tables are loaded
+    api.validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)
+    drafts = FLAGS.drafter != "model" or FLAGS.draft != "none"
+    contexts = {"the target's": target.config.max_seq_len}
+    if drafts:
+        check_gamma_fits(token_prompts, contexts)
     draft = None if FLAGS.draft == "none" or not uses_model else load_model(FLAGS.draft, FLAGS.draft_dtype)
+    if draft is not None:
+        check_gamma_fits(token_prompts, {**contexts, "the draft's": draft.config.max_seq_len})
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
         target = sharding.place(target, mesh)
         draft = None if draft is None else sharding.place(draft, mesh)
@@ -440,7 +512,6 @@ def main(argv):
         if main_process:
             builtins.print(*args, **kwargs)
 
-    tokenizer = target.tokenizer
     if draft is not None and draft.tokenizer is not None and tokenizer is not None:
         probe = "def main():\n    return 'héllo'  # 123"
         if draft.config.vocab_size != target.config.vocab_size or draft.tokenizer.encode(
@@ -450,7 +521,6 @@ def main(argv):
                 f"--draft={FLAGS.draft} and --target={FLAGS.target} do not share a "
                 "tokenizer and vocabulary; speculative decoding needs one"
             )
-    token_prompts = [tokenizer.encode(p) for p in prompts]
     stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
     draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
     if draft_vocab:
@@ -475,9 +545,11 @@ def main(argv):
         "stats": stats,
         "outputs": [],
     }
-    for prompt, new in zip(prompts, tokens, strict=True):
+    for prompt, new, nonfinite in zip(prompts, tokens, stats[metrics.NONFINITE], strict=True):
         text = tokenizer.decode(new, skip_special_tokens=FLAGS.skip_special_tokens)
-        report["outputs"].append({"prompt": prompt, "tokens": new, "text": text})
+        report["outputs"].append(
+            {"prompt": prompt, "tokens": new, "text": text, "nonfinite_logits": nonfinite}
+        )
         print(f"--- prompt: {prompt!r}\n{text}\n")
 
     def show(label, s):
@@ -504,6 +576,9 @@ def main(argv):
         print(line)
 
     show(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats)
+    warning = report_nonfinite(stats, prompts)
+    if warning:
+        print(warning, file=sys.stderr)
     if FLAGS.compare_autoregressive and draft is not None:
         ar_tokens, ar_stats = run_batches(target, None, token_prompts, stop_ids, mesh)
         speedup = stats["tokens_per_second"] / ar_stats["tokens_per_second"]

@@ -28,7 +28,34 @@ FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "draft_head.py")
 KINDS = {"draft_head": "train_head", "acceptance_head": "train_acceptance"}  # config kind -> experiment
 
+
+class OneLineConfigErrors(flags.ArgumentParser):
+    """ml_collections' config-file parser (inner), with what can go wrong in the file as one line
+    (a ValueError, which absl reports as `flag --config=...: <line>`, exit 2): a missing file
+    (inner deferred it to the first use of the config, an OSError traceback), a Python syntax
+    error (a traceback), and an error from get_config (its first line was only 'Error whilst
+    parsing config file:')."""
+
+    def __init__(self, inner: flags.ArgumentParser):
+        self.inner = inner
+
+    def parse(self, path):
+        file = path.split(":", 1)[0]
+        if not os.path.isfile(file):
+            raise ValueError(f"no such config file: {file}")
+        try:
+            return self.inner.parse(path)
+        except SyntaxError as e:
+            raise ValueError(f"{e.filename} line {e.lineno}: {type(e).__name__}: {e.msg}") from None
+        except (TypeError, ValueError) as e:  # inner put the traceback first; its last line says what
+            raise ValueError(f"{file}: {str(e).strip().splitlines()[-1]}") from None
+
+    def flag_type(self):
+        return self.inner.flag_type()
+
+
 _CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (PATH[:variant]).")
+FLAGS["config"].parser = OneLineConfigErrors(FLAGS["config"].parser)  # the default is parsed already
 flags.DEFINE_string("workdir", None, "Checkpoint folder (default: $SPEC_JAX_CACHE/heads/TARGET/).")
 flags.DEFINE_string("output_dir", None, "Where the results go (default: experiments/results/).")
 

@@ -16,9 +16,10 @@ import numpy as np
 
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
-from spec_jax.drafters import ModelDrafter, NoDrafter, resumable, sources_of
+from spec_jax.drafters import ModelDrafter, NoDrafter, check_gamma, resumable, sources_of
 from spec_jax.executables import compiled
 from spec_jax.head_drafter import HeadDrafter
+from spec_jax.metrics import NONFINITE, nonfinite_rows
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
@@ -30,6 +31,12 @@ class Generation:
 
     tokens: list[list[int]]
     stats: dict[str, Any]
+
+    @property
+    def nonfinite_rows(self) -> list[int]:
+        """The prompts whose target logits became non-finite (NaN or inf): each stopped there,
+        its tokens are those before (spec_jax.metrics.NONFINITE)."""
+        return nonfinite_rows(self.stats)
 
 
 def _is_int(x) -> bool:
@@ -73,8 +80,9 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
     stop_id_list(eos_id, vocab)
     if drafter is None:
         return
+    shown = gamma
     if gamma == "auto":
-        gamma = autogamma.GAMMA_MAX
+        gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
     elif not _is_int(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
     if drafter.vocab_size != vocab:
@@ -82,11 +90,8 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
             f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
             "speculative decoding needs one shared vocabulary"
         )
-    if longest + max_new_tokens + gamma > drafter.max_seq_len:
-        raise ValueError(
-            f"the draft's context ({drafter.max_seq_len} tokens) is shorter than needed: "
-            f"prompt {longest} + max_new_tokens {max_new_tokens} + gamma {gamma}"
-        )
+    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
+    check_gamma(gamma, longest, max_new_tokens, contexts, shown=shown)
 
 
 def layout(config, prompts, max_new_tokens: int, gamma: int) -> tuple[int, int]:
@@ -488,7 +493,9 @@ def generate(
     Returns:
       Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the
       timings compile_seconds, prefill_seconds, decode_seconds, tokens_per_second (new tokens
-      over prefill + decode), and num_new_tokens.
+      over prefill + decode), and num_new_tokens; stats["nonfinite_logits"] flags, per prompt,
+      a row that stopped early because the target's logits became NaN or infinite
+      (Generation.nonfinite_rows lists them).
     """
     state, timings = run(
         target,
@@ -506,7 +513,9 @@ def generate(
         verify_widths=verify_widths,
     )
     num_rows = len(prompts)
-    out, counts, metrics = sharding.fetch((state.out.tokens, state.out.num_generated, state.metrics))
+    out, counts, nonfinite, metrics = sharding.fetch(
+        (state.out.tokens, state.out.num_generated, state.out.nonfinite, state.metrics)
+    )
     new_tokens = [out[i, : counts[i]].tolist() for i in range(num_rows)]
     total = int(counts[:num_rows].sum())
     stats = metrics.to_dict(() if draft is None else sources_of(as_drafter(draft)[0]))
@@ -515,4 +524,5 @@ def generate(
         num_new_tokens=total,
         tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
+    stats[NONFINITE] = nonfinite[:num_rows].tolist()
     return Generation(tokens=new_tokens, stats=stats)

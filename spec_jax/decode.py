@@ -135,6 +135,9 @@ class Output:
     tokens: jax.Array  # int32 [B, N + slack]
     num_generated: jax.Array  # int32 [B]
     done: jax.Array  # bool [B]
+    # bool [B]: the row stopped because the target's logits it drew from were NaN or infinite
+    # (commit's nonfinite_b); its tokens are those committed before.
+    nonfinite: jax.Array
 
 
 def new_output(batch: int, max_new_tokens: int, slack: int) -> Output:
@@ -142,15 +145,21 @@ def new_output(batch: int, max_new_tokens: int, slack: int) -> Output:
         tokens=jnp.full((batch, max_new_tokens + slack), PAD_ID, jnp.int32),
         num_generated=jnp.zeros((batch,), jnp.int32),
         done=jnp.zeros((batch,), jnp.bool_),
+        nonfinite=jnp.zeros((batch,), jnp.bool_),
     )
 
 
-def commit(out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_e) -> tuple[Output, jax.Array]:
+def commit(
+    out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_e, nonfinite_b=None
+) -> tuple[Output, jax.Array]:
     """Appends the first counts[b] of the new tokens [B, C] to each row that is not done.
 
     A row stops at max_new_tokens and after the first of its new tokens that is in stop_ids
-    [E] (entries < 0 are padding; an empty or all-negative set disables stopping). Returns
-    (output, committed [B]): how many tokens each row really committed.
+    [E] (entries < 0 are padding; an empty or all-negative set disables stopping). Where
+    nonfinite_b [B] (bool, optional) is set, the row's next token after its counts[b] would
+    come from non-finite target logits: unless it stops first for the reasons above, it stops
+    there, flagged in Output.nonfinite. Returns (output, committed [B]): how many tokens each
+    row really committed.
     """
     c = new_bc.shape[1]
     idx = jnp.arange(c)[None, :]
@@ -165,7 +174,11 @@ def commit(out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_e) -> tu
     tokens = out.tokens.at[b_idx, dest].set(new_bc, mode="drop")
     num_generated = out.num_generated + counts
     done = out.done | hit_stop | (num_generated >= max_new_tokens)
-    return Output(tokens=tokens, num_generated=num_generated, done=done), counts
+    bad = jnp.zeros_like(done) if nonfinite_b is None else nonfinite_b & ~done
+    output = Output(
+        tokens=tokens, num_generated=num_generated, done=done | bad, nonfinite=out.nonfinite | bad
+    )
+    return output, counts
 
 
 @flax.struct.dataclass
@@ -177,14 +190,17 @@ class PrefillInputs:
 
 
 def first_token(logits_bv, inputs: PrefillInputs, sampling: SamplingParams, max_new_tokens: int):
-    """Draws the first new token from the prefill logits; returns (Output, token [B], keys [B])."""
+    """Draws the first new token from the prefill logits; returns (Output, token [B], keys [B]).
+    A row whose logits are not all finite commits nothing and is done (Output.nonfinite)."""
     keys, draw_keys = split_rows(inputs.keys, 2)
     token = draw_rows(draw_keys, warp(logits_bv, sampling))
+    nonfinite = ~jnp.all(jnp.isfinite(logits_bv), axis=-1)
     out, _ = commit(
         new_output(token.shape[0], max_new_tokens, 0),
         token[:, None],
-        jnp.ones_like(token),
+        jnp.where(nonfinite, 0, 1),
         max_new_tokens,
         inputs.stop_ids,
+        nonfinite,
     )
     return out, token, keys

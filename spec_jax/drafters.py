@@ -93,6 +93,38 @@ def served(drafter, state, batch: int):
     return jnp.zeros((batch,), jnp.int32)
 
 
+def check_gamma(
+    gamma: int,
+    longest_prompt: int,
+    max_new_tokens: int,
+    contexts: dict[str, int],
+    *,
+    name="gamma",
+    shown=None,
+) -> None:
+    """The one upper bound on gamma, for every drafter: ValueError naming `name` and the allowed
+    range unless 1 <= gamma <= the largest gamma that fits.
+
+    A round writes up to gamma drafts past the committed text, into the target's KV cache (and
+    a draft model's), at positions up to prompt + max_new_tokens + gamma; so that must fit
+    every context in `contexts` ({"the target's": its max_seq_len, "the draft's": the
+    drafter's max_seq_len}). A drafter without a model (prompt lookup, suffix, n-gram tables)
+    has no context of its own (UNBOUNDED_CONTEXT): the target's bounds its gamma. shown: what
+    the message says was asked for (default gamma itself)."""
+    owner, context = min(contexts.items(), key=lambda item: item[1])
+    limit = context - longest_prompt - max_new_tokens
+    if 1 <= gamma <= limit:
+        return
+    need = (
+        f"the longest prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) + {name} "
+        f"must fit {owner} context of {context} tokens"
+    )
+    shown = gamma if shown is None else shown
+    if limit < 1:
+        raise ValueError(f"no {name} fits: {need}, which leaves no room for drafts; got {shown}")
+    raise ValueError(f"{name} must be in [1, {limit}] here ({need}), got {shown}")
+
+
 @dataclasses.dataclass(frozen=True)
 class NoDrafter:
     """Proposes nothing: with gamma = 0 the loop is plain autoregressive decoding."""

@@ -162,6 +162,17 @@ COUNTS = (
     "draft_calls",
 )
 TIMINGS = ("compile_seconds", "prefill_seconds", "decode_seconds", "num_new_tokens")
+# Per-row stats: one entry per prompt of a run, in prompt order (pool concatenates them).
+# nonfinite_logits[b]: the target's logits that row b's next tokens would have come from were
+# NaN or infinite, so the row stopped there (spec_jax.decode.Output.nonfinite); its tokens are
+# those committed before. A row that stopped so counts no round for the round it stopped in.
+NONFINITE = "nonfinite_logits"
+PER_ROW = (NONFINITE,)
+
+
+def nonfinite_rows(stats: dict) -> list[int]:
+    """The indices of the rows (prompts) whose target logits became non-finite."""
+    return [b for b, flag in enumerate(stats.get(NONFINITE, ())) if flag]
 
 
 def pool(stats: list[dict]) -> dict:
@@ -171,7 +182,7 @@ def pool(stats: list[dict]) -> dict:
     alpha_hat weighted by its num_scored_positions, so a run with no rounds adds nothing);
     per_position_acceptance weighted by rounds; histograms add; tokens_per_second = new tokens
     over prefill + decode seconds; the per-drafter counts add name by name and their rates are
-    recomputed from them. Keys a run does not have are left out (plain decoding has no
+    recomputed from them; per-row stats (PER_ROW) are concatenated in the order of `stats`. Keys a run does not have are left out (plain decoding has no
     acceptance), as are per-position lists of different lengths. The one place this is done:
     the CLI, the benchmarks and the experiments all pool with it.
     """
@@ -181,6 +192,9 @@ def pool(stats: list[dict]) -> dict:
     for key in COUNTS + TIMINGS:
         if all(key in s for s in stats):
             out[key] = sum(s[key] for s in stats)
+    for key in PER_ROW:
+        if all(key in s for s in stats):
+            out[key] = [value for s in stats for value in s[key]]
     if "num_new_tokens" in out and "prefill_seconds" in out:
         seconds = out["prefill_seconds"] + out["decode_seconds"]
         out["tokens_per_second"] = out["num_new_tokens"] / seconds if seconds > 0 else float("nan")

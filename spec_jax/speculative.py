@@ -10,6 +10,11 @@ Each round, per row with n committed tokens (the last one, t_{n-1}, not yet in a
      that, independently of the other rows.
 Plain autoregressive decoding is this loop with gamma = 0 and spec_jax.drafters.NoDrafter: the
 target scores [t_{n-1}] and the rule draws the next token from p (there is nothing to reject).
+
+A row that reaches non-finite target logits (NaN or inf at a position the rule reads; at
+prefill, the first token's) commits the tokens drawn before them (spec_jax.verify.finite_prefix)
+and stops, flagged in Output.nonfinite: plain decoding stops at the same token. The other rows
+go on unchanged.
 """
 
 import dataclasses
@@ -27,7 +32,7 @@ from spec_jax.drafters import Drafter, reads_features, served, sources_of
 from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import SamplingParams, split_rows, warp
-from spec_jax.verify import draft_lengths, overlap, verify
+from spec_jax.verify import draft_lengths, finite_prefix, overlap, verify
 
 
 @flax.struct.dataclass
@@ -135,17 +140,19 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     features = reads_features(static.drafter)
 
     def score(width, cache):
-        """(p [B, G + 1, V], cache, features [B, G + 1, D] or None) from a target call over the
-        first `width` positions, the last one repeated up to G + 1: every active row proposed
-        at most width - 1 drafts, so the rule reads nothing past position width - 1 and the
-        row commits at most width tokens."""
+        """(p [B, G + 1, V], finite [B, G + 1] (the logits at the position were all finite),
+        cache, features [B, G + 1, D] or None) from a target call over the first `width`
+        positions, the last one repeated up to G + 1: every active row proposed at most
+        width - 1 drafts, so the rule reads nothing past position width - 1 and the row
+        commits at most width tokens."""
         out = forward(
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
         pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
         p = jnp.pad(warp(out[0], static.sampling), pad, mode="edge")
+        finite = jnp.pad(jnp.all(jnp.isfinite(out[0]), axis=-1), pad[:2], mode="edge")
         f = jnp.pad(out[2], pad, mode="edge") if features else None
-        return p, out[1], f
+        return p, finite, out[1], f
 
     if gamma and getattr(static.drafter, "variable_length", False):
         # The narrowest target call that covers every active row's drafts (a round where no
@@ -153,17 +160,20 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         widths = static.widths()
         needed = jnp.max(jnp.where(active, num_drafted, 0)) + 1
         branch = jnp.searchsorted(jnp.asarray(widths), needed)
-        p, target_cache, target_features = jax.lax.switch(
+        p, finite, target_cache, target_features = jax.lax.switch(
             branch, [lambda cache, w=w: score(w, cache) for w in widths], state.target_cache
         )
     else:
-        p, target_cache, target_features = score(gamma + 1, state.target_cache)  # [B, G + 1, V]
+        p, finite, target_cache, target_features = score(gamma + 1, state.target_cache)  # [B, G + 1, V]
     num_accepted, next_token = verify(drafts, q, p, verify_keys)
+    # A row that reached non-finite logits commits the tokens drawn before them and stops.
+    usable = finite_prefix(finite, num_accepted)
+    nonfinite = active & (usable <= num_accepted)
 
     idx = jnp.arange(gamma + 1)[None, :]
     drafts_ext = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G + 1]
     new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
-    out, committed = commit(state.out, new, num_accepted + 1, static.max_new_tokens, stop_ids)
+    out, committed = commit(state.out, new, usable, static.max_new_tokens, stop_ids, nonfinite)
     if features:  # the pairs (feature at n-1+i, committed token at n+i), i < committed, are real
         draft_state = static.drafter.observe(
             draft_params, draft_state, target_features, new, state.length - 1, jnp.maximum(committed, 1)
@@ -175,7 +185,7 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     prev = jnp.where(committed >= 2, before_last, state.last_token)
     moved = committed > 0
     metrics = state.metrics.update(
-        active,
+        active & ~nonfinite,  # a row's round that met non-finite logits counts no acceptance
         num_drafted,
         num_accepted,
         overlap(p[:, :gamma], q),

@@ -57,6 +57,21 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
     return num_accepted, next_token
 
 
+def finite_prefix(finite_bg1, num_accepted_b):
+    """int32 [B] in [0, num_accepted + 1]: how many of the row's num_accepted + 1 tokens were
+    drawn from finite target logits.
+
+    finite_bg1: bool [B, G + 1], whether the target's logits at each position were all finite.
+    Token i of the round (a draft accepted by p_i, or the last token drawn from p_i at
+    i = num_accepted) depends on p_0 .. p_i only, so the tokens before the first non-finite
+    position stand; a count below num_accepted + 1 means the row reached non-finite logits.
+    A non-finite position past num_accepted (after a rejected draft) changes nothing the row
+    commits.
+    """
+    leading = jnp.sum(jnp.cumprod(finite_bg1, axis=1), axis=1).astype(jnp.int32)
+    return jnp.minimum(leading, num_accepted_b + 1)
+
+
 def draft_lengths(q_bgv):
     """int32 [B]: how many leading positions of each row were proposed (q not all zero)."""
     proposed = jnp.sum(q_bgv, axis=-1) > 0  # [B, G]

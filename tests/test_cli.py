@@ -259,3 +259,102 @@ def test_a_head_trained_with_launch_train_drafts_for_launch_generate(tmp_path):
     lines = other.stderr.strip().splitlines()
     assert other.returncode == 2 and len(lines) == 1, other.stderr  # no orbax warnings before it
     assert "was trained for target 'random'" in lines[0] and "not for 'random-draft'" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--draft=nosuch"], "--draft: unknown model 'nosuch'; known models: "),
+        (["--draft=none", "--temperature=nan"], "--temperature must be a finite number >= 0"),
+        (["--draft=none", "--temperature=inf"], "--temperature must be a finite number >= 0"),
+    ],
+)
+def test_bad_names_and_warps_are_refused_before_anything_is_downloaded(tmp_path, args, message):
+    """A real target into an empty cache, with the registry unreachable: the usage error comes
+    first (it used to come after a download attempt, or instead of it as exit 1)."""
+    env = {
+        "SPEC_JAX_CACHE": str(tmp_path / "cache"),
+        "SPEC_JAX_PIP_INDEX": "http://127.0.0.1:9/simple",
+        "SPEC_JAX_PIP_ARGS": "--retries=0 --timeout=2",
+    }
+    result = run_cli("--target=smollm2-135m", *args, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    cache = tmp_path / "cache"
+    # Nothing fetched: only the CPU matmul kernel and compiled programs may be there.
+    fetched = [p for p in cache.rglob("*") if p.is_file() and p.relative_to(cache).parts[0] not in KEPT]
+    assert not fetched, fetched
+
+
+KEPT = ("kernels", "compilation")
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "unigram"])
+def test_gamma_beyond_the_targets_context_is_refused_for_model_free_drafters(drafter):
+    result = run_cli(f"--drafter={drafter}", "--gamma=2042", "--prompt=abc", "--max_new_tokens=4")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "generate.py: error: --gamma must be in [1, 2041] here (the longest prompt (3 tokens) + "
+        "max_new_tokens (4) + --gamma must fit the target's context of 2048 tokens), got 2042"
+    ]
+
+
+# launch.generate with the random target's embedding row of "Z" set to NaN: a prompt holding a Z
+# gives NaN logits from its prefill on.
+POISONED_RUN = """
+import sys
+import jax.numpy as jnp
+from launch import common, generate
+load = generate.load_model
+def poisoned(name, dtype):
+    model = load(name, dtype)
+    table = model.params["embed"]["embedding"]
+    return model.replace(params={**model.params, "embed": {"embedding": table.at[ord("Z")].set(jnp.nan)}})
+generate.load_model = poisoned
+common.run(generate.main)
+"""
+
+
+def test_a_prompt_whose_logits_turn_nan_is_named_in_one_warning_line_and_in_the_json(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "aZc"}\n')
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    args = ["--target=random", "--target_dtype=float32", "--draft=none", "--temperature=0"]
+    args += [f"--prompts_file={prompts}", "--max_new_tokens=4", "--batch_size=2", f"--output_json={out}"]
+    result = subprocess.run(
+        [sys.executable, "-c", POISONED_RUN, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "warning: the target's logits became NaN or infinite for 1 of 2 prompts (by index from 0: "
+        "1 ('aZc')); each stopped there and its output is cut short (check the --target weights and "
+        "--target_dtype)"
+    ]
+    report = json.loads(out.read_text())
+    assert [o["nonfinite_logits"] for o in report["outputs"]] == [False, True]
+    assert report["stats"]["nonfinite_logits"] == [False, True]
+    assert len(report["outputs"][0]["tokens"]) == 4 and report["outputs"][1]["tokens"] == []
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (None, "flag --config={path}: no such config file: {path}"),
+        ("def get_config(:\n", "flag --config={path}: {path} line 1: SyntaxError: invalid syntax"),
+    ],
+    ids=["missing", "syntax_error"],
+)
+def test_a_train_config_that_is_missing_or_not_python_is_one_line_exit_2(tmp_path, source, message):
+    path = tmp_path / "config.py"
+    if source is not None:
+        path.write_text(source)
+    result = run_cli(f"--config={path}", module="launch.train")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == ["train.py: error: " + message.format(path=path)]

@@ -7,7 +7,7 @@ from conftest import apply, loop_by_hand
 
 import models
 import spec_jax
-from spec_jax import executables, speculative
+from spec_jax import api, executables, speculative
 
 # Ragged rows: lengths 3, 1, 10 and 6. The same batch, length and gamma as tests/test_decode.py and
 # tests/test_ngram.py (one xdist group): compiling a loop costs ~10 s of CPU, so the tests share
@@ -147,7 +147,13 @@ def test_no_retrace_for_new_prompts_in_the_same_bucket(tiny_target, tiny_draft):
         ({}, dict(gamma=0), "gamma must be an integer >= 1"),
         ({}, dict(gamma=-2), "gamma"),
         (dict(vocab_size=65), {}, r"draft vocabulary size \(65\) differs from the target's \(64\)"),
-        (dict(max_seq_len=20), dict(max_new_tokens=16), "draft's context"),  # 3 + 16 + 2 > 20
+        # 3 + 16 + 2 > 20
+        (
+            dict(max_seq_len=20),
+            dict(max_new_tokens=16),
+            r"gamma must be in \[1, 1\] .*the draft's context of 20",
+        ),
+        (dict(max_seq_len=19), dict(max_new_tokens=16), r"no gamma fits: .*the draft's context of 19"),
     ],
 )
 def test_bad_speculative_input_gets_a_clear_error(tiny_target, draft_kwargs, kwargs, message):
@@ -189,3 +195,16 @@ def test_the_xdist_group_holds_under_make_test(request):
     if not hasattr(request.config, "workerinput") or not request.config.getoption("loadgroup", False):
         pytest.skip("checks `make test`'s scheduling: runs under pytest -n N --dist=loadgroup only")
     assert request.node.nodeid.endswith("@tiny_target"), request.node.nodeid
+
+
+@pytest.mark.parametrize("kind", ["prompt_lookup", "suffix", "unigram", "bigram", "model"])
+def test_every_drafter_bounds_gamma_by_the_context(tiny_draft, kind):
+    """Drafters without a model used to take any gamma (the target's cache grew with it, past its
+    context): one rule for all, prompt + max_new_tokens + gamma within the target's context."""
+    target = models.random_model(
+        vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, max_seq_len=32
+    )
+    draft = api.make_draft(kind, target, draft=tiny_draft, sequences=[[1, 2, 3, 4, 5, 6]] * 3)
+    limit = 32 - 3 - 4
+    with pytest.raises(ValueError, match=rf"^gamma must be in \[1, {limit}\] .*the target's context of 32"):
+        spec_jax.generate(target, [[1, 2, 3]], draft=draft, gamma=limit + 1, max_new_tokens=4)
