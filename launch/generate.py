@@ -129,19 +129,21 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_enum(
     "target_dtype",
-    "int8",
-    list(PRECISIONS),
+    "auto",
+    ["auto", *PRECISIONS],
     "Target weight precision (models.precision): float32; bfloat16 weights and activations; int8 "
     "weights with a float32 scale per output unit; gguf: the GGUF file's own blocks (Q4_K, Q6_K, "
     "...) with float32 activations (the file's numbers); gguf_q8: the same blocks with 8-bit "
-    "activations and integer dot products (as llama.cpp runs them). Output is exact for the target "
-    "at this precision.",
+    "activations and integer dot products (as llama.cpp runs them). auto: the fastest here "
+    "(models.fastest_precision: gguf_q8 for a registry model on a CPU whose GGUF kernel builds, "
+    "else int8). Output is exact for the target at this precision.",
 )
 flags.DEFINE_enum(
     "draft_dtype",
-    "int8",
-    list(PRECISIONS),
-    "Draft weight precision (as --target_dtype); it changes speed and acceptance, never the output.",
+    "auto",
+    ["auto", *PRECISIONS],
+    "Draft weight precision (as --target_dtype; auto: int8 for a trained head); it changes speed "
+    "and acceptance, never the output.",
 )
 AUTO_DRAFT_VOCAB = 32768
 flags.DEFINE_string(
@@ -275,7 +277,7 @@ def init_distributed() -> None:
 def load_model(name: str, dtype: str):
     import models
 
-    model = models.load(name, dtype=dtype)
+    model = models.load(name, dtype=models.fastest_precision(name) if dtype == "auto" else dtype)
     config = dataclasses.replace(
         model.config, attention_impl=FLAGS.attention_impl, matmul_impl=FLAGS.matmul_impl
     )
@@ -341,7 +343,10 @@ def make_draft(target, draft):
 
         try:
             draft = heads.load_drafter(
-                target, FLAGS.head_dir, dtype=FLAGS.draft_dtype, acceptance=FLAGS.acceptance_head
+                target,
+                FLAGS.head_dir,
+                dtype="int8" if FLAGS.draft_dtype == "auto" else FLAGS.draft_dtype,
+                acceptance=FLAGS.acceptance_head,
             )
         except ValueError as e:
             raise common.UsageError(f"--drafter=head: {e}") from None
@@ -522,6 +527,7 @@ def main(argv):
                 "tokenizer and vocabulary; speculative decoding needs one"
             )
     stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
+    draft_dtype = draft.config.dtype if draft is not None else FLAGS.draft_dtype  # auto resolved
     draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
     if draft_vocab:
         draft = trimmed_draft(draft, stop_ids, draft_vocab)
@@ -534,8 +540,8 @@ def main(argv):
         "drafter": FLAGS.drafter,
         "max_ngram": FLAGS.max_ngram,
         "draft_threshold": FLAGS.draft_threshold,
-        "target_dtype": FLAGS.target_dtype,
-        "draft_dtype": FLAGS.draft_dtype,
+        "target_dtype": target.config.dtype,
+        "draft_dtype": draft_dtype,
         "draft_vocab": draft_vocab,
         "matmul_impl": FLAGS.matmul_impl,
         "gamma": gamma_from_flag(),

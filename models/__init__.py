@@ -152,6 +152,21 @@ def load(
     return Model(config=config, params=to_device(leaves, treedef), tokenizer=tokenizer)
 
 
+def fastest_precision(name: str) -> str:
+    """The precision a model runs fastest at here, what the entry points' `auto` means: the
+    GGUF file's own blocks with 8-bit activations (gguf_q8) for a registry model on a CPU whose
+    GGUF kernel builds (models.kernels.gguf_matmul; measured on the 2-core EPYC: target step
+    39 ms against 73 ms at int8, draft step 24 against 28, experiments/results/gguf/roofline.md),
+    else int8 (a random preset; TPU and GPU, where the GGUF precisions dequantize in XLA; a
+    CPU without cmake or a compiler)."""
+    from models import registry
+    from models.kernels import gguf_matmul, target
+
+    if name in registry.MODELS and target.current().platform == "cpu" and gguf_matmul.available():
+        return "gguf_q8"
+    return "int8"
+
+
 def to_device(leaves: list, treedef):
     """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
     as it goes: a bulk tree_map keeps every source alive until the copies finish."""
@@ -163,6 +178,7 @@ def to_device(leaves: list, treedef):
 __all__ = [
     "ByteTokenizer",
     "cast",
+    "fastest_precision",
     "RANDOM_PRESETS",
     "known_models",
     "load",

@@ -420,3 +420,14 @@ def test_real_gguf_q8_drafting_for_itself_decodes_greedily_like_plain_decoding(s
     plain = spec_jax.generate(model, [smollm_prompt], **kw)
     assert spec.tokens == plain.tokens
     assert spec.stats["acceptance_rate"] == 1.0  # the same model: every draft is the target's token
+
+
+def test_the_fastest_precision_is_gguf_q8_for_registry_models_where_the_gguf_kernel_runs(monkeypatch):
+    """What --target_dtype=auto (launch.generate's default) means: the file's own blocks at 8-bit
+    activations for a registry model on a CPU with the GGUF kernel; int8 for a random preset, and
+    where the kernel cannot be built (products would dequantize in XLA: many times slower)."""
+    kernel()
+    assert models.fastest_precision("qwen2.5-coder-1.5b") == "gguf_q8"
+    assert models.fastest_precision("random") == "int8"
+    monkeypatch.setattr(gguf_matmul, "available", lambda: False)
+    assert models.fastest_precision("qwen2.5-coder-1.5b") == "int8"
