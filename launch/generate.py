@@ -135,8 +135,8 @@ flags.DEFINE_enum(
     "weights with a float32 scale per output unit; gguf: the GGUF file's own blocks (Q4_K, Q6_K, "
     "...) with float32 activations (the file's numbers); gguf_q8: the same blocks with 8-bit "
     "activations and integer dot products (as llama.cpp runs them). auto: the fastest here "
-    "(models.fastest_precision: gguf_q8 for a registry model on a CPU whose GGUF kernel builds, "
-    "else int8). Output is exact for the target at this precision.",
+    "(models.fastest_precision: gguf_q8 for a registry model at batch 1 on one CPU whose GGUF "
+    "kernel builds, else int8). Output is exact for the target at this precision.",
 )
 flags.DEFINE_enum(
     "draft_dtype",
@@ -274,10 +274,14 @@ def init_distributed() -> None:
     )
 
 
-def load_model(name: str, dtype: str):
+def load_model(name: str, dtype: str, batch: int = 1, devices: int = 1):
+    """models.load at dtype (auto: models.fastest_precision for this batch and device count),
+    with the --attention_impl and --matmul_impl flags."""
     import models
 
-    model = models.load(name, dtype=models.fastest_precision(name) if dtype == "auto" else dtype)
+    if dtype == "auto":
+        dtype = models.fastest_precision(name, batch, devices)
+    model = models.load(name, dtype=dtype)
     config = dataclasses.replace(
         model.config, attention_impl=FLAGS.attention_impl, matmul_impl=FLAGS.matmul_impl
     )
@@ -495,7 +499,9 @@ def main(argv):
         common.check_output_json(FLAGS.output_json)
     check_model_names()
     check_sampling_flags()
-    target = load_model(FLAGS.target, FLAGS.target_dtype)
+    batch = min(FLAGS.batch_size, len(prompts))
+    devices = 1 if mesh is None else mesh.devices.size
+    target = load_model(FLAGS.target, FLAGS.target_dtype, batch, devices)
     tokenizer = target.tokenizer
     token_prompts = [tokenizer.encode(p) for p in prompts]
     # generate's checks of the prompts against the target (empty, too long for its context),
@@ -505,7 +511,9 @@ def main(argv):
     contexts = {"the target's": target.config.max_seq_len}
     if drafts:
         check_gamma_fits(token_prompts, contexts)
-    draft = None if FLAGS.draft == "none" or not uses_model else load_model(FLAGS.draft, FLAGS.draft_dtype)
+    draft = None
+    if FLAGS.draft != "none" and uses_model:
+        draft = load_model(FLAGS.draft, FLAGS.draft_dtype, batch, devices)
     if draft is not None:
         check_gamma_fits(token_prompts, {**contexts, "the draft's": draft.config.max_seq_len})
     if mesh is not None:  # placed once here; generate then uses the arrays as they are

@@ -152,19 +152,23 @@ def load(
     return Model(config=config, params=to_device(leaves, treedef), tokenizer=tokenizer)
 
 
-def fastest_precision(name: str) -> str:
-    """The precision a model runs fastest at here, what the entry points' `auto` means: the
-    GGUF file's own blocks with 8-bit activations (gguf_q8) for a registry model on a CPU whose
-    GGUF kernel builds (models.kernels.gguf_matmul; measured on the 2-core EPYC: target step
-    39 ms against 73 ms at int8, draft step 24 against 28, experiments/results/gguf/roofline.md),
-    else int8 (a random preset; TPU and GPU, where the GGUF precisions dequantize in XLA; a
-    CPU without cmake or a compiler)."""
+def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
+    """The precision a model runs fastest at here, what the entry points' `auto` means.
+
+    gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a registry model decoding one
+    row at a time on one CPU whose GGUF kernel builds (models.kernels.gguf_matmul), else int8.
+    Why the batch: gguf_q8's Q4_K product is ggml's one-row gemv, called once per row, so its
+    cost grows with the rows where int8's kernel reads each weight once for all of them.
+    Measured on the 2-core EPYC (held-out prompts, 48 tokens, end to end): batch 1 plain decoding
+    18.5 tokens/s at gguf_q8 against int8's best 13.8 (speculative, gamma 2); batch 4 22.6
+    against int8's 29.8 (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also
+    for a random preset, a mesh of several devices, TPU and GPU (where the GGUF precisions
+    dequantize in XLA) and a CPU without cmake or a compiler."""
     from models import registry
     from models.kernels import gguf_matmul, target
 
-    if name in registry.MODELS and target.current().platform == "cpu" and gguf_matmul.available():
-        return "gguf_q8"
-    return "int8"
+    one_cpu_row = batch == 1 and devices == 1 and target.current().platform == "cpu"
+    return "gguf_q8" if one_cpu_row and name in registry.MODELS and gguf_matmul.available() else "int8"
 
 
 def to_device(leaves: list, treedef):
