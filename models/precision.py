@@ -192,9 +192,11 @@ def resolve_matmul_impl(impl: str) -> str:
     return impl
 
 
-def linear(x, w, contract: int, impl: str = "auto"):
+def linear(x, w, contract: int, impl: str = "auto", bulk: bool = False):
     """x [..., in...] times a weight [out..., in...] (the last `contract` axes of w, matching the
-    last `contract` axes of x) -> [..., out...], in x's dtype (float32 accumulation)."""
+    last `contract` axes of x) -> [..., out...], in x's dtype (float32 accumulation). bulk: a
+    many-row path may be taken whose rows differ in the last bits from a one-row call's
+    (ModelConfig.bulk_products; prefill only)."""
     w_shape = w.shape
     out_shape, in_shape = w_shape[: len(w_shape) - contract], w_shape[len(w_shape) - contract :]
     if tuple(x.shape[x.ndim - contract :]) != tuple(in_shape):
@@ -202,7 +204,7 @@ def linear(x, w, contract: int, impl: str = "auto"):
     lead = x.shape[: x.ndim - contract]
     x_mk = x.reshape(math.prod(lead), math.prod(in_shape))
     if isinstance(w, BlockWeight):
-        y = _block_product(x_mk, w, impl)
+        y = _block_product(x_mk, w, impl, bulk)
         return y.reshape(*lead, *out_shape).astype(x.dtype)
     value = w.value if isinstance(w, Int8Weight) else w
     w_nk = value.reshape(math.prod(out_shape), math.prod(in_shape))
@@ -221,7 +223,7 @@ def linear(x, w, contract: int, impl: str = "auto"):
     return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def _block_product(x_mk, w: BlockWeight, impl: str):
+def _block_product(x_mk, w: BlockWeight, impl: str, bulk: bool = False):
     """x [M, K] . W^T -> [M, N] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
     activations, as the weight's precision says) where the CPU kernels run, else XLA's dot on
     the blocks dequantized in the graph (float32 activations)."""
@@ -231,7 +233,7 @@ def _block_product(x_mk, w: BlockWeight, impl: str):
 
         if gguf_matmul.available():
             return gguf_matmul.matmul(
-                x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved
+                x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved, bulk=bulk
             )
     _no_interleaved(w)
     from models.kernels import gguf_blocks

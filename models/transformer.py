@@ -70,7 +70,7 @@ class Embedding(nn.Module):
         return precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
 
     def attend(self, x_btd):
-        return precision.linear(x_btd, self.embedding, 1, self.config.matmul_impl)
+        return precision.linear(x_btd, self.embedding, 1, self.config.matmul_impl, self.config.bulk_products)
 
 
 def rotary(x_bthe, positions_bt, theta):
@@ -110,9 +110,9 @@ class Attention(nn.Module):
             # precision.linear contracts [heads * E, D] views (free reshapes of row-major
             # weights): with the head axes kept apart, XLA:CPU copied each weight into
             # [D, heads * E] order before its dot, every call (docs/design.md, "Weight layout").
-            q_bthe = precision.linear(x_btd, wq, 1, impl)
-            k_btke = precision.linear(x_btd, wk, 1, impl)
-            v_btke = precision.linear(x_btd, wv, 1, impl)
+            q_bthe = precision.linear(x_btd, wq, 1, impl, cfg.bulk_products)
+            k_btke = precision.linear(x_btd, wk, 1, impl, cfg.bulk_products)
+            v_btke = precision.linear(x_btd, wv, 1, impl, cfg.bulk_products)
             if cfg.qkv_bias:
                 q_bthe = q_bthe + param(self, "attn", "bq")
                 k_btke = k_btke + param(self, "attn", "bk")
@@ -135,7 +135,7 @@ class Attention(nn.Module):
                 interpret=cfg.attention_interpret,
             )
         with jax.named_scope("out_proj"):
-            return precision.linear(out_bthe, wo, 2, impl), cache
+            return precision.linear(out_bthe, wo, 2, impl, cfg.bulk_products), cache
 
 
 class MLP(nn.Module):
@@ -144,9 +144,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_btd):
         w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
-        impl = self.config.matmul_impl
-        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, impl)) * precision.linear(x_btd, w_up, 1, impl)
-        return precision.linear(hidden, w_down, 1, impl)
+        impl, bulk = self.config.matmul_impl, self.config.bulk_products
+        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, impl, bulk)) * precision.linear(
+            x_btd, w_up, 1, impl, bulk
+        )
+        return precision.linear(hidden, w_down, 1, impl, bulk)
 
 
 class DecoderLayer(nn.Module):
@@ -209,7 +211,7 @@ class Transformer(nn.Module):
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
             if head is not None:
-                logits = precision.linear(x, head, 1, cfg.matmul_impl)
+                logits = precision.linear(x, head, 1, cfg.matmul_impl, cfg.bulk_products)
             else:  # an untied head is a second [V, D] table, read the way a tied one is
                 logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
         if with_features:

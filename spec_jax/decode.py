@@ -78,6 +78,7 @@ def prefill_rows(
     entries, as with one call (never read: decoding overwrites them first)."""
     batch, width = tokens_bp.shape
     c = min(chunk, width)
+    config = config.replace(bulk_products=True)  # nothing compares a prefill row with a decode step's
     logits_shape = jax.eval_shape(
         lambda: forward(config, params, tokens_bp[:1, :c], jnp.zeros((1, c), jnp.int32), _row(cache, 0),
                         logits_at=jnp.zeros((1, 1), jnp.int32), with_features=with_features)

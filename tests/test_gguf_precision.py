@@ -155,6 +155,58 @@ def test_interleaved_q4k_agrees_with_ggml_vec_dot_and_each_row_is_bit_identical_
         )
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])  # gemm's groups of 4 and gemv's remainder
+def test_bulk_interleaved_q4k_agrees_with_ggml_vec_dot(rows):
+    """The prefill's path (bulk: rows in groups of 4 through ggml's gemm, the rest through gemv):
+    the same products as vec_dot up to float order, whatever the row count."""
+    data, _ = blocks(T.Q4_K, 264, 512, seed=10)
+    packed = jnp.asarray(kernel().interleave_q4k(data))
+    x = np.random.default_rng(11).standard_normal((rows, 512)).astype(np.float32)
+    y = np.asarray(kernel().matmul(jnp.asarray(x), packed, T.Q4_K.value, True, interleaved=True, bulk=True))
+    ggml = matmul(x, data, T.Q4_K, quantize_x=True, ggml_dot=True)
+    np.testing.assert_allclose(y, ggml, rtol=1e-5, atol=1e-5 * np.abs(ggml).max())
+
+
+def test_the_row_wise_prefill_takes_the_bulk_path_and_agrees_with_one_call():
+    """prefill_rows at gguf_q8 runs its products with bulk on (and only it: a decode step's
+    forward has it off), and its logits equal one bulk call's over the padded batch up to float
+    order (against one-row gemv products they differ by about 1e-2: 8-bit activations turn
+    last-bit differences into rounding steps, which is why decode and verify never take it)."""
+    from models.transformer import attention_impl
+    from spec_jax import decode
+
+    model = models.cast(
+        models.random_model(
+            vocab_size=64, num_layers=1, d_model=256, num_heads=4, num_kv_heads=2, scan_layers=False
+        ),
+        "gguf_q8",
+    )
+    assert attention_impl(model.config) == "cpu"
+    tokens, lens = decode.pad_prompts([[3, 5, 7, 9, 11], list(range(1, 21))], 32)
+
+    def rows(t, n):
+        return decode.prefill(model.config, model.params, t, n, 40)[0]
+
+    lowered = jax.jit(rows).lower(jnp.asarray(tokens), jnp.asarray(lens)).as_text()
+    assert "bulk = true" in lowered
+    step = jax.jit(models.forward, static_argnums=0).lower(
+        model.config,
+        model.params,
+        jnp.asarray(tokens[:, :1]),
+        jnp.zeros((2, 1), jnp.int32),
+        models.init_cache(model.config, 2, 40),
+    )
+    assert "bulk = true" not in step.as_text() and "bulk = false" in step.as_text()
+    got = np.asarray(jax.jit(rows)(jnp.asarray(tokens), jnp.asarray(lens)))
+    positions = jnp.broadcast_to(jnp.arange(32), (2, 32))
+    bulk = model.config.replace(bulk_products=True)
+    want = models.forward(
+        bulk, model.params, jnp.asarray(tokens), positions, models.init_cache(bulk, 2, 40),
+        logits_at=jnp.asarray(lens - 1)[:, None],
+    )[0][:, 0]  # fmt: skip
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_casting_to_gguf_q8_interleaves_q4k_matrices_but_not_the_embedding_table():
     """models.cast on a CPU: every Q4_K layer matrix interleaved for the kernel, the embedding
     (whose rows are looked up) as the file lays it out; the XLA path refuses an interleaved

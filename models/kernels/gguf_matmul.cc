@@ -19,7 +19,9 @@
 //     interleaved (ggml's block_q4_Kx8, what llama.cpp's CPU backend repacks Q4_K into;
 //     SpecJaxGgufInterleaveQ4K below writes it), multiplied by ggml's ggml_gemv_q4_K_8x8_q8_K,
 //     one call per row of x over a chunk of kInterleavedChunk weight rows (its bytes stay in L2
-//     for the other rows of x).
+//     for the other rows of x). With bulk = 1 (a prefill, whose rows nothing compares with a
+//     decode step's), rows of x in groups of 4 go through ggml's ggml_gemm_q4_K_8x8_q8_K instead,
+//     the rest through gemv: how llama.cpp reads a prompt.
 //
 // One pass over the weights: a chunk of weight rows is read once for every row of x (the
 // rows of x taken in blocks that stay in cache), so a verification call over gamma + 1 positions
@@ -47,6 +49,11 @@ namespace ffi = xla::ffi;
 // ggml's repacked Q4_K x Q8_K product (ggml-cpu/repack.h; exported by libggml-cpu): y[0, nc) of
 // one row of x (vy, block_q8_K) against nc weight rows in groups of 8 (vx, block_q4_Kx8).
 extern "C" void ggml_gemv_q4_K_8x8_q8_K(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
+// The same for nr rows of x at once (nr a multiple of 4; vy: block_q8_Kx4, 4 rows interleaved,
+// as ggml_quantize_mat_q8_K_4x8 writes them): what ggml's CPU backend runs over 4 or more rows.
+// Its rows differ from gemv's in the last bits, so only calls that allow it use it (bulk).
+extern "C" void ggml_gemm_q4_K_8x8_q8_K(int n, float* s, size_t bs, const void* vx, const void* vy, int nr, int nc);
+extern "C" void ggml_quantize_mat_q8_K_4x8(const float* x, void* vy, int64_t k);
 
 namespace {
 
@@ -338,7 +345,7 @@ ffi::Error Check(ggml_type type, int64_t k_dim, int64_t row_bytes) {
 
 ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Buffer<ffi::U8> w_buf,
                       ffi::ResultBuffer<ffi::F32> y_buf, int64_t type_id, bool quantize_x, bool ggml_dot,
-                      bool interleaved) {
+                      bool interleaved, bool bulk) {
   InitOnce();
   const auto xd = x_buf.dimensions(), wd = w_buf.dimensions(), yd = y_buf->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0]) {
@@ -375,9 +382,16 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
                           "spec_jax gguf_matmul: interleaved weights are Q4_K with rows a multiple of 8");
       }
       const int64_t tasks = (n_dim + kInterleavedChunk - 1) / kInterleavedChunk;
+      const int64_t grouped = bulk ? m_rows / 4 * 4 : 0;  // rows through gemm
+      std::vector<uint8_t> x4(grouped * x_bytes);
+      for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
       spec_jax::ParallelChunks(pool, tasks, [&](int64_t c) {
         const int64_t n0 = c * kInterleavedChunk, n1 = std::min(n_dim, n0 + kInterleavedChunk);
-        for (int64_t m = 0; m < m_rows; ++m) {
+        if (grouped > 0) {
+          ggml_gemm_q4_K_8x8_q8_K(static_cast<int>(k_dim), y + n0, static_cast<size_t>(n_dim), w + n0 * row_bytes,
+                                  x4.data(), static_cast<int>(grouped), static_cast<int>(n1 - n0));
+        }
+        for (int64_t m = grouped; m < m_rows; ++m) {
           ggml_gemv_q4_K_8x8_q8_K(static_cast<int>(k_dim), y + m * n_dim + n0, 0, w + n0 * row_bytes,
                                   xs + m * x_bytes, 1, static_cast<int>(n1 - n0));
         }
@@ -477,7 +491,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufMatmul, GgufMatmul,
                                   .Attr<int64_t>("ggml_type")
                                   .Attr<bool>("quantize_x")
                                   .Attr<bool>("ggml_dot")
-                                  .Attr<bool>("interleaved"));
+                                  .Attr<bool>("interleaved")
+                                  .Attr<bool>("bulk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufRows, GgufRows,
                               ffi::Ffi::Bind()
