@@ -280,7 +280,7 @@ def load_model(name: str, dtype: str, batch: int = 1, devices: int = 1):
     import models
 
     if dtype == "auto":
-        if name not in models.RANDOM_PRESETS:  # the weights first: their download's error is the one to report
+        if name not in models.RANDOM_PRESETS:  # the weights first: their download's error is reported
             from models import registry
 
             registry.fetch_gguf(name)
