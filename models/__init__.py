@@ -160,7 +160,7 @@ def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
     Why the batch: gguf_q8's Q4_K product is ggml's one-row gemv, called once per row, so its
     cost grows with the rows where int8's kernel reads each weight once for all of them.
     Measured on the 2-core EPYC (held-out prompts, 48 tokens, end to end): batch 1 plain decoding
-    18.5 tokens/s at gguf_q8 against int8's best 13.8 (speculative, gamma 2); batch 4 22.6
+    19.3 tokens/s at gguf_q8 against int8's best 13.8 (speculative, gamma 2); batch 4 28.4
     against int8's 29.8 (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also
     for a random preset, a mesh of several devices, TPU and GPU (where the GGUF precisions
     dequantize in XLA) and a CPU without cmake or a compiler."""
