@@ -10,6 +10,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def run_python(code: str, *args):
+    """`python -c code args...` in the repository, on the CPU (a script that patches an entry point)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+
+
 def run_cli(*args, module="launch.generate", env=None):
     """Runs the CLI on the random presets (later flags override), so no download is needed."""
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **(env or {})}
@@ -169,15 +177,7 @@ def test_a_prompts_sample_depends_on_the_seed_and_its_index_not_the_batch_size(t
         ]
         for batch_size in (1, 2, 3)
     ]
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(
-        [sys.executable, "-c", MANY_RUNS, json.dumps(runs)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
+    result = run_python(MANY_RUNS, json.dumps(runs))
     assert result.returncode == 0, result.stderr
     outputs = {
         b: [o["tokens"] for o in json.loads((tmp_path / f"out{b}.json").read_text())["outputs"]]
@@ -320,17 +320,9 @@ def test_a_prompt_whose_logits_turn_nan_is_named_in_one_warning_line_and_in_the_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "abc"}\n{"prompt": "aZc"}\n')
     out = tmp_path / "out.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     args = ["--target=random", "--target_dtype=float32", "--draft=none", "--temperature=0"]
     args += [f"--prompts_file={prompts}", "--max_new_tokens=4", "--batch_size=2", f"--output_json={out}"]
-    result = subprocess.run(
-        [sys.executable, "-c", POISONED_RUN, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
+    result = run_python(POISONED_RUN, *args)
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines() == [
         "warning: the target's logits became NaN or infinite for 1 of 2 prompts (by index from 0: "

@@ -9,8 +9,6 @@ axis does not divide) runs only in `make test-slow`; its placement rule is check
 below (test_qwen_head_counts_replicate_in_the_rule_table).
 """
 
-import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -23,6 +21,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 import models
+from models import registry
 from spec_jax import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,16 +39,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _exclusive(path):
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _run_workers(tmp_path_factory, group: str, specs: dict) -> dict:
     """Runs `python sharding_worker.py ARGS OUT.json` for every spec at once, once per test
     session (across xdist workers: their base temp folders share one parent); returns {name:
@@ -58,7 +47,7 @@ def _run_workers(tmp_path_factory, group: str, specs: dict) -> dict:
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     out = shared / f"sharding-{group}"
     out.mkdir(exist_ok=True)
-    with _exclusive(out / ".lock"):
+    with registry.file_lock(out / ".lock"):
         status = out / "status.json"
         if not status.exists():
             procs = {}

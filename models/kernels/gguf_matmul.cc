@@ -367,8 +367,11 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     const auto* traits = ggml_get_type_traits_cpu(type);
     const ggml_type xt = traits->vec_dot_type;
     const int64_t x_bytes = static_cast<int64_t>(ggml_row_size(xt, k_dim));
+    // Rows of x in groups of 4 for ggml's gemm (interleaved Q4_K, bulk): quantized 4 at a time
+    // below, so the one-row quantization here skips them.
+    const int64_t grouped = interleaved && bulk ? m_rows / 4 * 4 : 0;
     std::vector<uint8_t> xq(m_rows * x_bytes);
-    for (int64_t m = 0; m < m_rows; ++m) {
+    for (int64_t m = grouped; m < m_rows; ++m) {
       if (xt == GGML_TYPE_F32) {
         std::memcpy(xq.data() + m * x_bytes, x + m * k_dim, x_bytes);
       } else {
@@ -382,7 +385,6 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
                           "spec_jax gguf_matmul: interleaved weights are Q4_K with rows a multiple of 8");
       }
       const int64_t tasks = (n_dim + kInterleavedChunk - 1) / kInterleavedChunk;
-      const int64_t grouped = bulk ? m_rows / 4 * 4 : 0;  // rows through gemm
       std::vector<uint8_t> x4(grouped * x_bytes);
       for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
       spec_jax::ParallelChunks(pool, tasks, [&](int64_t c) {
