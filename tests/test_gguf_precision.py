@@ -155,6 +155,21 @@ def test_interleaved_q4k_agrees_with_ggml_vec_dot_and_each_row_is_bit_identical_
         )
 
 
+@pytest.mark.parametrize("k", [256, 1536])
+def test_interleaved_q4k_rows_are_ggml_gemvs_bits_whatever_the_row_count(k):
+    """The multi-row kernel on the interleaved layout (one unpacking of a block for up to 8 rows
+    of x) gives each row exactly the bits of ggml's own ggml_gemv_q4_K_8x8_q8_K (ggml_dot=True
+    runs that gemv, one call per row), for every row count 1..16 (groups of 8 and remainders)."""
+    data, _ = blocks(T.Q4_K, 264, k, seed=12)
+    packed = jnp.asarray(kernel().interleave_q4k(data))
+    x = np.random.default_rng(13).standard_normal((16, k)).astype(np.float32) * 3
+    own = jax.jit(lambda x: kernel().matmul(x, packed, T.Q4_K.value, True, interleaved=True))
+    gemv = jax.jit(lambda x: kernel().matmul(x, packed, T.Q4_K.value, True, ggml_dot=True, interleaved=True))
+    reference = np.asarray(gemv(jnp.asarray(x)))
+    for m in range(1, 17):
+        np.testing.assert_array_equal(np.asarray(own(jnp.asarray(x[:m]))), reference[:m], err_msg=f"{m} rows")
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])  # gemm's groups of 4 and gemv's remainder
 def test_bulk_interleaved_q4k_agrees_with_ggml_vec_dot(rows):
     """The prefill's path (bulk: rows in groups of 4 through ggml's gemm, the rest through gemv):

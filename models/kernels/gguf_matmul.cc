@@ -17,11 +17,13 @@
 //     own vec_dot, one call per (row of x, row of W).
 //   interleaved = 1 (Q4_K at gguf_q8, on a CPU): the weight's rows in groups of 8 with their blocks
 //     interleaved (ggml's block_q4_Kx8, what llama.cpp's CPU backend repacks Q4_K into;
-//     SpecJaxGgufInterleaveQ4K below writes it), multiplied by ggml's ggml_gemv_q4_K_8x8_q8_K,
-//     one call per row of x over a chunk of kInterleavedChunk weight rows (its bytes stay in L2
-//     for the other rows of x). With bulk = 1 (a prefill, whose rows nothing compares with a
-//     decode step's), rows of x in groups of 4 go through ggml's ggml_gemm_q4_K_8x8_q8_K instead,
-//     the rest through gemv: how llama.cpp reads a prompt.
+//     SpecJaxGgufInterleaveQ4K below writes it), over chunks of kInterleavedChunk weight rows,
+//     multiplied by this file's multi-row kernel (Q4Kx8Group: each block unpacked once for up to
+//     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which
+//     ggml_dot = 1 calls instead, one call per row, for the tests). With bulk = 1 (a prefill,
+//     whose rows nothing compares with a decode step's), rows of x in groups of 4 go through
+//     ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from gemv's in the last places),
+//     the rest as above: how llama.cpp reads a prompt.
 //
 // One pass over the weights: a chunk of weight rows is read once for every row of x (the
 // rows of x taken in blocks that stay in cache), so a verification call over gamma + 1 positions
@@ -129,14 +131,15 @@ constexpr Lanes kLanes;
 
 // ggml's unpacking of a Q4_K block's twelve bytes: the bytes of t[0], t[1] are sc_0..7, of t[2],
 // t[3] m_0..7 (6 bits each, one per 32 values).
-inline void ScalesMinsQ4K(const BlockQ4K& b, uint32_t t[4]) {
-  std::memcpy(t, b.scales, 12);
+inline void ScalesMins12(const uint8_t* scales, uint32_t t[4]) {
+  std::memcpy(t, scales, 12);
   t[3] = ((t[2] >> 4) & 0x0f0f0f0f) | (((t[1] >> 6) & 0x03030303) << 4);
   const uint32_t aux = t[1] & 0x3f3f3f3f;
   t[1] = (t[2] & 0x0f0f0f0f) | (((t[0] >> 6) & 0x03030303) << 4);
   t[2] = aux;
   t[0] &= 0x3f3f3f3f;
 }
+inline void ScalesMinsQ4K(const BlockQ4K& b, uint32_t t[4]) { ScalesMins12(b.scales, t); }
 
 // A block's 256 unsigned values in order, 64 a zmm.
 inline void ValuesQ4K(const BlockQ4K& b, __m512i u[4]) {
@@ -319,6 +322,108 @@ void FaithfulRows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Multi-row Q4_K x Q8_K on the interleaved layout (block_q4_Kx8: 8 weight rows per group), giving
+// each row of x the very bits of ggml's ggml_gemv_q4_K_8x8_q8_K. That gemv keeps everything exact
+// in int32 within a block: for each of the 8 columns (weight rows) c and block b,
+//   i_b(c)   = sum_j sc_j(c) * sum_{v in sub-block j} q_v(c) x_v      (j = 0..7, 32 values each)
+//   imin_b(c) = sum_j m_j(c) * bsum32_j(x)
+// and then, in float, block after block: acc(c) = fma(float(i_b(c)), d(c) * dx, acc(c)), likewise
+// acc_min(c) with dmin(c), and y(c) = acc(c) - acc_min(c). Here the same integers come from
+// vpdpbusd (each 64-byte load of a group's quants is 8 columns x 8 consecutive values; the 8
+// values of x they meet are broadcast to every column), the 4-bit values are unpacked once per
+// block for up to kGroup rows of x, and the float steps are gemv's, in its order. So a row's
+// result is the same bits as gemv's, whatever M, which the tests check against ggml's gemv.
+struct BlockQ4Kx8 {
+  uint16_t d[8], dmin[8];  // float16, one per column
+  uint8_t scales[96];      // sub-block j's 6-bit scales and mins of the 8 columns at 12 j
+  uint8_t qs[1024];        // 8 bytes of column 0, of column 1, ... of column 7, then the next 8
+};
+static_assert(sizeof(BlockQ4Kx8) == 8 * 144, "ggml's block_q4_Kx8");
+
+inline __m512i Broadcast8(const void* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+
+// Sums the int32 lane pairs (2c, 2c + 1) of v: column c's total, in lane c of the result.
+inline __m256i ColumnSums(__m512i v) { return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32))); }
+
+// Rows [m0, m0 + R) of x against `groups` groups of 8 weight rows starting at w; y's column n0
+// is the first group's first row. bs32: per row of x and block, the 8 sums of its 32-value
+// sub-blocks (from the Q8_K block's bsums, summed in pairs as gemv does).
+template <int R>
+void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K* xq, const int16_t* bs32,
+                int64_t m0, float* y, int64_t n_dim, int64_t n0) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m128i pairs = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto* wg = reinterpret_cast<const BlockQ4Kx8*>(w) + g * blocks;
+    __m256 acc[R], acc_min[R];
+    for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const BlockQ4Kx8& blk = wg[b];
+      __m512i iacc[R];   // lanes 2c, 2c + 1: column c's sum of sc_j * (q . x) so far
+      __m256i imin[R];   // lane c: column c's sum of m_j * bsum32_j so far
+      for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512(), imin[r] = _mm256_setzero_si256();
+      for (int sb = 0; sb < 4; ++sb) {  // sub-blocks 2 sb (low nibbles) and 2 sb + 1 (high)
+        uint32_t t0[4], t1[4];
+        ScalesMins12(blk.scales + 24 * sb, t0);
+        ScalesMins12(blk.scales + 24 * sb + 12, t1);
+        const __m512i sc_lo = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_set_epi32(0, 0, t0[1], t0[0]), pairs));
+        const __m512i sc_hi = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_set_epi32(0, 0, t1[1], t1[0]), pairs));
+        // int16 lanes 2c, 2c + 1: m_{2 sb}(c), m_{2 sb + 1}(c), for vpmaddwd with (bsum32_{2 sb}, bsum32_{2 sb + 1})
+        const __m256i mins = _mm256_cvtepu8_epi16(
+            _mm_unpacklo_epi8(_mm_set_epi32(0, 0, t0[3], t0[2]), _mm_set_epi32(0, 0, t1[3], t1[2])));
+        __m512i lo[4], hi[4];  // 8 columns x 8 values: 64 sb + 8 q + i (lo), 64 sb + 32 + 8 q + i (hi)
+        for (int q = 0; q < 4; ++q) {
+          const __m512i raw = _mm512_loadu_si512(blk.qs + 256 * sb + 64 * q);
+          lo[q] = _mm512_and_si512(raw, nibble);
+          hi[q] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = xq[(m0 + r) * blocks + b].qs + 64 * sb;
+          __m512i s_lo = _mm512_setzero_si512(), s_hi = _mm512_setzero_si512();
+          for (int q = 0; q < 4; ++q) {
+            s_lo = _mm512_dpbusd_epi32(s_lo, lo[q], Broadcast8(a + 8 * q));
+            s_hi = _mm512_dpbusd_epi32(s_hi, hi[q], Broadcast8(a + 32 + 8 * q));
+          }
+          iacc[r] = _mm512_add_epi32(iacc[r], _mm512_add_epi32(_mm512_mullo_epi32(s_lo, sc_lo),
+                                                               _mm512_mullo_epi32(s_hi, sc_hi)));
+          int32_t bs;
+          std::memcpy(&bs, bs32 + ((m0 + r) * blocks + b) * 8 + 2 * sb, 4);
+          imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mins, _mm256_set1_epi32(bs)));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.d)));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.dmin)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xq[(m0 + r) * blocks + b].d);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ColumnSums(iacc[r])), _mm256_mul_ps(d, dx), acc[r]);
+        acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dmin, dx), acc_min[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * n_dim + n0 + 8 * g, _mm256_sub_ps(acc[r], acc_min[r]));
+  }
+}
+
+void Q4Kx8Rows(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K* xq, const int16_t* bs32, int64_t m0,
+               int64_t m1, float* y, int64_t n_dim, int64_t n0) {
+  for (int64_t m = m0; m < m1;) {
+    switch (std::min<int64_t>(kGroup, m1 - m)) {
+      case 1: Q4Kx8Group<1>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 1; break;
+      case 2: Q4Kx8Group<2>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 2; break;
+      case 3: Q4Kx8Group<3>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 3; break;
+      case 4: Q4Kx8Group<4>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 4; break;
+      case 5: Q4Kx8Group<5>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 5; break;
+      case 6: Q4Kx8Group<6>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 6; break;
+      case 7: Q4Kx8Group<7>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 7; break;
+      default: Q4Kx8Group<8>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 8; break;
+    }
+  }
+}
 #endif  // AVX-512 VNNI
 
 // fn(m0, m1, n0, n1) over chunks of kRowsPerChunk weight rows (on XLA's threads), each taking the
@@ -387,12 +492,34 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       const int64_t tasks = (n_dim + kInterleavedChunk - 1) / kInterleavedChunk;
       std::vector<uint8_t> x4(grouped * x_bytes);
       for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
+      const int64_t blocks = k_dim / 256;
+#ifdef SPEC_JAX_MULTIROW
+      const bool own = !ggml_dot;  // this file's multi-row kernel, gemv's bits
+      std::vector<int16_t> bs32(own ? m_rows * blocks * 8 : 0);
+      const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
+      for (int64_t m = own ? grouped : m_rows; m < m_rows; ++m) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          for (int j = 0; j < 8; ++j) {
+            bs32[(m * blocks + b) * 8 + j] =
+                static_cast<int16_t>(xb[m * blocks + b].bsums[2 * j] + xb[m * blocks + b].bsums[2 * j + 1]);
+          }
+        }
+      }
+#else
+      const bool own = false;
+#endif
       spec_jax::ParallelChunks(pool, tasks, [&](int64_t c) {
         const int64_t n0 = c * kInterleavedChunk, n1 = std::min(n_dim, n0 + kInterleavedChunk);
         if (grouped > 0) {
           ggml_gemm_q4_K_8x8_q8_K(static_cast<int>(k_dim), y + n0, static_cast<size_t>(n_dim), w + n0 * row_bytes,
                                   x4.data(), static_cast<int>(grouped), static_cast<int>(n1 - n0));
         }
+#ifdef SPEC_JAX_MULTIROW
+        if (own) {
+          Q4Kx8Rows(w + n0 * row_bytes, (n1 - n0) / 8, blocks, xb, bs32.data(), grouped, m_rows, y, n_dim, n0);
+          return;
+        }
+#endif
         for (int64_t m = grouped; m < m_rows; ++m) {
           ggml_gemv_q4_K_8x8_q8_K(static_cast<int>(k_dim), y + m * n_dim + n0, 0, w + n0 * row_bytes,
                                   xs + m * x_bytes, 1, static_cast<int>(n1 - n0));

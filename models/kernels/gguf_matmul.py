@@ -167,10 +167,11 @@ def matmul(
     """y [M, N] float32 = x [M, K] . W^T for W's rows of blocks data [N, row_bytes]. ggml_dot:
     every (row, column) by ggml's own calls (to_float + its f32 vec_dot, or its quantized
     vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare).
-    interleaved: data is Q4_K in interleave_q4k's layout (quantize_x only), multiplied by ggml's
-    repacked product (ggml_gemv_q4_K_8x8_q8_K), one call per row of x; with bulk, rows in groups
-    of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K (faster, but a row's bits then depend on the call's
-    row count: for a prefill only)."""
+    interleaved: data is Q4_K in interleave_q4k's layout (quantize_x only), multiplied by the
+    multi-row kernel that gives each row the bits of ggml's repacked product
+    (ggml_gemv_q4_K_8x8_q8_K; ggml_dot calls that gemv, one call per row of x); with bulk, rows
+    in groups of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K (faster, but a row's bits then depend on
+    the call's row count: for a prefill only)."""
     out = jax.ShapeDtypeStruct((x_mk.shape[0], data_nb.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
     return call(
