@@ -501,3 +501,18 @@ def test_the_fastest_precision_is_gguf_q8_for_registry_models_where_the_gguf_ker
     assert models.fastest_precision("qwen2.5-coder-1.5b", devices=8) == "int8"  # XLA's path on a mesh
     monkeypatch.setattr(gguf_matmul, "available", lambda: False)
     assert models.fastest_precision("qwen2.5-coder-1.5b") == "int8"
+
+
+def test_multirow_q6k_rows_are_ggml_vec_dots_bits_whatever_the_row_count():
+    """The multi-row Q6_K kernel gives each row exactly the bits of ggml's own vec_dot (so a
+    one-row call may run vec_dot and a verification call the multi-row kernel), for every row
+    count 1..16 (groups of 8 and remainders) and rows of 1 and 6 blocks."""
+    for k in (256, 1536):
+        data, _ = blocks(T.Q6_K, 40, k, seed=16)
+        x = np.random.default_rng(17).standard_normal((16, k)).astype(np.float32) * 3
+        reference = matmul(x, data, T.Q6_K, quantize_x=True, ggml_dot=True)
+        own = jax.jit(lambda x, data=data: kernel().matmul(x, jnp.asarray(data), T.Q6_K.value, True))
+        for m in range(1, 17):
+            np.testing.assert_array_equal(
+                np.asarray(own(jnp.asarray(x[:m]))), reference[:m], err_msg=f"K {k}, {m} rows"
+            )

@@ -12,7 +12,8 @@
 //   quantize_x = 1 (precision "gguf_q8"): each row of x is quantized once per call to the weight
 //     type's vec_dot_type (Q8_K for the K-quants, Q8_0 for Q4_0 / Q5_0 / Q8_0: 8-bit values with
 //     a scale per block of 256 / 32) and multiplied with integer dot products, as llama.cpp
-//     decodes: Q4_K and Q6_K by this file's multi-row kernel (AVX-512BW, below), the other
+//     decodes: Q4_K and Q6_K (more than one row of x: one row runs vec_dot, whose bits the
+//     Q6_K kernel reproduces) by this file's multi-row kernels (AVX-512 VNNI, below), the other
 //     types (and every type with ggml_dot = 1, the reference the tests compare with) by ggml's
 //     own vec_dot, one call per (row of x, row of W).
 //   interleaved = 1 (Q4_K at gguf_q8, on a CPU): the weight's rows in groups of 8 with their blocks
@@ -70,16 +71,16 @@ void InitOnce() {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
 // ---------------------------------------------------------------------------------------------
-// Multi-row Q4_K / Q6_K x Q8_K (precision gguf_q8), AVX-512 VNNI. ggml's vec_dot unpacks a
-// weight block for each row of x it meets; here a block is unpacked once per group of up to
-// kGroup rows of x (its 256 values as unsigned bytes in order, 4 zmm, and the float scale
-// d * sc of each lane) and multiplied with each row of the group: vpdpbusd (unsigned weight x
-// signed activation, 4 products summed to an exact int32 a lane), converted and scaled in
-// float. The math is ggml's (its _q8_K dot products), with the scales applied in float:
-//   Q4_K: w = d * sc_j * q - dmin * m_j (q in 0..15, 6-bit sc / m per 32 values)
-//         row . x = sum_blocks dx * (sum_lanes d sc * sum q x)  -  dx * dmin * sum_j m_j sum x
-//   Q6_K: w = d * sc_g * (u - 32) (u in 0..63, int8 sc per 16 values)
-//         row . x = sum_blocks dx * (sum_lanes d sc * sum u x)  -  dx * d * 32 sum_g sc_g sum x
+// Multi-row Q4_K x Q8_K (precision gguf_q8), AVX-512 VNNI, on the file's own layout (a Q4_K
+// matrix whose rows are not a multiple of 8; the others are interleaved, Q4Kx8Group below).
+// ggml's vec_dot unpacks a weight block for each row of x it meets; here a block is unpacked
+// once per group of up to kGroup rows of x (its 256 values as unsigned bytes in order, 4 zmm,
+// and the float scale d * sc of each lane) and multiplied with each row of the group: vpdpbusd
+// (unsigned weight x signed activation, 4 products summed to an exact int32 a lane), converted
+// and scaled in float. The math is ggml's (its _q8_K dot products), with the scales applied in
+// float:
+//   w = d * sc_j * q - dmin * m_j (q in 0..15, 6-bit sc / m per 32 values)
+//   row . x = sum_blocks dx * (sum_lanes d sc * sum q x)  -  dx * dmin * sum_j m_j sum x
 // where sum x over 16 values is the Q8_K block's bsums. Each (row m, column n) runs the same
 // float steps in the same order (chunks, blocks, then one reduction), whatever M and whichever
 // group or thread computes it: a row's result is the same bits in a decode step and a
@@ -111,18 +112,16 @@ constexpr int kGroup = 8;  // rows of x per unpacked block: u, scales, kGroup x 
 struct Unpacked {
   __m512i u[4];
   __m512 scale[4];
-  __m256i bsum_factor;  // Q4_K: m_j of the 16-value group's sub-block; Q6_K: 32 * sc_g
-  float corr;           // Q4_K: dmin; Q6_K: d
+  __m256i bsum_factor;  // m_j of the 16-value group's sub-block
+  float corr;           // dmin
 };
 
-struct Lanes {  // which scale each int32 lane of each chunk takes (Q4_K: 8 scales, Q6_K: 16)
+struct Lanes {  // which of the 8 scales each int32 lane of each chunk takes
   alignas(64) int32_t q4[4][16];
-  alignas(64) int32_t q6[4][16];
-  constexpr Lanes() : q4{}, q6{} {
+  constexpr Lanes() : q4{} {
     for (int c = 0; c < 4; ++c) {
       for (int l = 0; l < 16; ++l) {
         q4[c][l] = 2 * c + l / 8;  // lanes 0..7: values 64c .. 64c + 31, sub-block 2c
-        q6[c][l] = 4 * c + l / 4;  // lane l: values 64c + 4l .. + 3, group 4c + l / 4
       }
     }
   }
@@ -179,16 +178,6 @@ inline void UnpackQ4K(const BlockQ4K& b, Unpacked& out) {
   out.corr = _cvtsh_ss(b.dmin);
 }
 
-inline void UnpackQ6K(const BlockQ6K& b, Unpacked& out) {
-  ValuesQ6K(b, out.u);
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales));
-  const float d = _cvtsh_ss(b.d);
-  const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-  for (int c = 0; c < 4; ++c) out.scale[c] = _mm512_permutexvar_ps(_mm512_load_si512(kLanes.q6[c]), dsc);
-  out.bsum_factor = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);
-  out.corr = d;
-}
-
 inline float Reduce256(__m256 a) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -197,7 +186,7 @@ inline float Reduce256(__m256 a) {
 }
 
 // Columns [n0, n1) of rows [m0, m0 + R) of y.
-template <bool Q4, int R>
+template <int R>
 void Group(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t n0,
            int64_t n1, float* y, int64_t n_dim) {
   Unpacked un;
@@ -210,11 +199,7 @@ void Group(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bloc
       acc_corr[r] = _mm256_setzero_ps();
     }
     for (int64_t b = 0; b < blocks; ++b) {
-      if constexpr (Q4) {
-        UnpackQ4K(reinterpret_cast<const BlockQ4K*>(row)[b], un);
-      } else {
-        UnpackQ6K(reinterpret_cast<const BlockQ6K*>(row)[b], un);
-      }
+      UnpackQ4K(reinterpret_cast<const BlockQ4K*>(row)[b], un);
       for (int r = 0; r < R; ++r) {
         const BlockQ8K& xb = xq[(m0 + r) * blocks + b];
         __m512 blk = _mm512_setzero_ps();
@@ -232,19 +217,18 @@ void Group(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bloc
   }
 }
 
-template <bool Q4>
 void MultiRow(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0,
               int64_t m1, int64_t n0, int64_t n1, float* y, int64_t n_dim) {
   for (int64_t m = m0; m < m1;) {
     switch (std::min<int64_t>(kGroup, m1 - m)) {
-      case 1: Group<Q4, 1>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 1; break;
-      case 2: Group<Q4, 2>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 2; break;
-      case 3: Group<Q4, 3>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 3; break;
-      case 4: Group<Q4, 4>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 4; break;
-      case 5: Group<Q4, 5>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 5; break;
-      case 6: Group<Q4, 6>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 6; break;
-      case 7: Group<Q4, 7>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 7; break;
-      default: Group<Q4, 8>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 8; break;
+      case 1: Group<1>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 1; break;
+      case 2: Group<2>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 2; break;
+      case 3: Group<3>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 3; break;
+      case 4: Group<4>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 4; break;
+      case 5: Group<5>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 5; break;
+      case 6: Group<6>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 6; break;
+      case 7: Group<7>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 7; break;
+      default: Group<8>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 8; break;
     }
   }
 }
@@ -424,6 +408,79 @@ void Q4Kx8Rows(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K*
     }
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Multi-row Q6_K x Q8_K giving each row exactly the bits of ggml's own vec_dot (its AVX2 path,
+// ggml_vec_dot_q6_K_q8_K), so that a one-row call can run that vec_dot (faster for one row) and
+// a call of more rows this kernel (each block unpacked once for up to kGroup rows of x). vec_dot
+// keeps, per block, 8 int32 lanes: lane L sums sc_g(v) * u_v * x_v over the values v with
+// v % 32 in [4L, 4L + 4) (u in 0..63), minus 32 * (sc_2L bsum16_2L + sc_2L+1 bsum16_2L+1); then
+// acc_L = fma(dx * d, float(lane L), acc_L) block after block, and the result is
+// ((acc_4 + acc_0) + (acc_6 + acc_2)) + ((acc_5 + acc_1) + (acc_7 + acc_3)). Here lane l of a
+// 64-value chunk's vpmaddubsw + vpmaddwd (values 4l .. 4l + 3, one group's scale) goes to lane
+// l % 8: the same integers, the same float steps.
+inline float HsumLikeGgml(__m256 acc) {
+  __m128 res = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+  res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+  res = _mm_add_ss(res, _mm_movehdup_ps(res));
+  return _mm_cvtss_f32(res);
+}
+
+template <int R>
+void Q6KGroup(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t n0,
+              int64_t n1, float* y, int64_t n_dim) {
+  // int16 lane i of chunk c's vpmaddwd takes the scale of value 64 c + 2 i: group 4 c + i / 8.
+  const __m256i group_of_lane = _mm256_set_epi8(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,  //
+                                                1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto* row = reinterpret_cast<const BlockQ6K*>(w + n * row_bytes);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const BlockQ6K& blk = row[b];
+      __m512i u[4], sc16[4];
+      ValuesQ6K(blk, u);
+      const __m128i scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+      for (int c = 0; c < 4; ++c) {  // the 4 scales of chunk c, each over 8 int16 lanes
+        int32_t four;
+        std::memcpy(&four, blk.scales + 4 * c, 4);
+        sc16[c] = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(_mm256_set1_epi32(four), group_of_lane));
+      }
+      const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+      const float dw = _cvtsh_ss(blk.d);
+      for (int r = 0; r < R; ++r) {
+        const BlockQ8K& xb = xq[(m0 + r) * blocks + b];
+        __m512i sum16 = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          const __m512i p = _mm512_maddubs_epi16(u[c], _mm512_loadu_si512(xb.qs + 64 * c));
+          sum16 = _mm512_add_epi32(sum16, _mm512_madd_epi16(p, sc16[c]));
+        }
+        __m256i sumi = _mm256_add_epi32(_mm512_castsi512_si256(sum16), _mm512_extracti64x4_epi64(sum16, 1));
+        const __m256i q8sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.bsums));
+        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
+        const float d = xb.d * dw;
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[(m0 + r) * n_dim + n] = HsumLikeGgml(acc[r]);
+  }
+}
+
+void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t m1,
+             int64_t n0, int64_t n1, float* y, int64_t n_dim) {
+  for (int64_t m = m0; m < m1;) {
+    switch (std::min<int64_t>(kGroup, m1 - m)) {
+      case 1: Q6KGroup<1>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 1; break;
+      case 2: Q6KGroup<2>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 2; break;
+      case 3: Q6KGroup<3>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 3; break;
+      case 4: Q6KGroup<4>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 4; break;
+      case 5: Q6KGroup<5>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 5; break;
+      case 6: Q6KGroup<6>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 6; break;
+      case 7: Q6KGroup<7>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 7; break;
+      default: Q6KGroup<8>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 8; break;
+    }
+  }
+}
 #endif  // AVX-512 VNNI
 
 // fn(m0, m1, n0, n1) over chunks of kRowsPerChunk weight rows (on XLA's threads), each taking the
@@ -528,14 +585,15 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       return ffi::Error::Success();
     }
 #ifdef SPEC_JAX_MULTIROW
-    if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
+    // Q6_K: one row by ggml's vec_dot (faster for one row), more by Q6KRows (the same bits).
+    if (!ggml_dot && (type == GGML_TYPE_Q4_K || (type == GGML_TYPE_Q6_K && m_rows > 1))) {
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       const int64_t blocks = k_dim / 256;
       EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
         if (type == GGML_TYPE_Q4_K) {
-          MultiRow<true>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
+          MultiRow(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
         } else {
-          MultiRow<false>(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
+          Q6KRows(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
         }
       });
       return ffi::Error::Success();

@@ -1,0 +1,98 @@
+"""Time the GGUF block kernel's paths side by side at precision gguf_q8: y[M, N] = x[M, K] . W^T.
+
+For each block type and shape, every path the kernel (models/kernels/gguf_matmul.cc) has for it
+runs on the same weights, timed interleaved (spec_jax.timing.timed_interleaved: one warm-up call
+each, then round-robin) for each row count M, medians reported in ms with each path's cost
+relative to its own one-row call. Every call reads a different copy of the weight, cycling over
+--rotate_mb of copies, so the weight comes from memory as in a model's step.
+
+Paths: Q4_K `interleaved` (the multi-row kernel on ggml's block_q4_Kx8 layout, what models use
+on an AVX-512 VNNI CPU), `gemv` (ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per
+row of x: whose bits `interleaved` reproduces), `multirow` (the multi-row kernel on the file's
+own layout) and `vec_dot` (ggml's vec_dot per (row, column)); Q6_K `multirow` and `vec_dot`.
+Shapes are the Qwen2.5-Coder-1.5B matrices. Run it alone: the machine's other load shows in
+the figures (read the ratios).
+
+    python scripts/gguf_kernel_bench.py [--rows=1,2,5,9] [--shapes=8960x1536,1536x8960] [--repeats=15]
+"""
+
+import argparse
+import itertools
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from models.kernels import gguf_matmul  # noqa: E402
+from spec_jax import timing  # noqa: E402
+
+
+def paths(ggml_type: int) -> dict:
+    """name -> (ggml_dot, interleaved) for the kernel's paths of ggml_type."""
+    from gguf import GGMLQuantizationType as T
+
+    if ggml_type == T.Q4_K.value:
+        return {
+            "interleaved": (False, True),
+            "gemv": (True, True),
+            "multirow": (False, False),
+            "vec_dot": (True, False),
+        }
+    return {"multirow": (False, False), "vec_dot": (True, False)}
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", default="1,2,5,9", help="comma-separated M values")
+    parser.add_argument("--types", default="Q4_K,Q6_K", help="GGUF block types")
+    parser.add_argument("--shapes", default="8960x1536,1536x8960", help="N x K, comma-separated")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rotate_mb", type=int, default=256, help="weight copies cycled per shape (MB)")
+    args = parser.parse_args()
+    from gguf import GGMLQuantizationType as T
+
+    if not gguf_matmul.available():
+        parser.error("the GGUF kernel is unavailable here (see the warning above)")
+    rows = [int(m) for m in args.rows.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"{jax.local_device_count()} device(s), jax {jax.__version__}; median ms of {args.repeats}")
+    print()
+    print("| type | N x K | path | " + " | ".join(f"M={m} ms (x M={rows[0]})" for m in rows) + " |")
+    print("|---|---|---|" + "---|" * len(rows))
+    for type_name, shape in itertools.product(args.types.split(","), args.shapes.split(",")):
+        ggml_type = T[type_name].value
+        n, k = (int(v) for v in shape.split("x"))
+        data = gguf_matmul.quantize(rng.standard_normal((n, k), dtype=np.float32), ggml_type)
+        copies = max(1, args.rotate_mb * 2**20 // data.nbytes)
+        layouts = {False: data}
+        if any(il for _, il in paths(ggml_type).values()):
+            layouts[True] = gguf_matmul.interleave_q4k(data)
+        stored = {il: [jnp.asarray(d.copy()) for _ in range(copies)] for il, d in layouts.items()}
+        fns = {}
+        for name, (ggml_dot, il) in paths(ggml_type).items():
+            call = jax.jit(
+                lambda x, w, t=ggml_type, d=ggml_dot, il=il: gguf_matmul.matmul(
+                    x, w, t, True, ggml_dot=d, interleaved=il
+                )
+            )
+            for m in rows:
+                x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+                turn = itertools.count()
+                fns[(name, m)] = lambda c=call, x=x, ws=stored[il], t=turn: c(x, ws[next(t) % len(ws)])
+        times = timing.timed_interleaved(
+            {key: (lambda f=f: f().block_until_ready()) for key, f in fns.items()}, args.repeats
+        )
+        for name in paths(ggml_type):
+            ms = [times[(name, m)]["median"] * 1e3 for m in rows]
+            cells = " | ".join(f"{v:.3f} ({v / ms[0]:.2f})" for v in ms)
+            print(f"| {type_name} | {n} x {k} | {name} | {cells} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
