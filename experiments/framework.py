@@ -188,6 +188,7 @@ def validate(module, config) -> None:
       TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those
     ValueError("<key>: ...") on the first bad value."""
     from experiments import common
+    from models import settings
     from models.precision import PRECISIONS
 
     for key in getattr(module, "MODEL_KEYS", ()):
@@ -196,7 +197,7 @@ def validate(module, config) -> None:
         values = config[key] if isinstance(config[key], tuple) else (config[key],)
         if not values or any(v not in PRECISIONS for v in values):
             raise ValueError(f"{key}: each value must be one of {', '.join(PRECISIONS)}, got {config[key]!r}")
-    common.check_int_settings(config, getattr(module, "INT_RANGES", {}))
+    settings.check_int_settings(config, getattr(module, "INT_RANGES", {}))
     for key, (kind, low, high) in getattr(module, "TUPLE_RANGES", {}).items():
         common.check_tuple(config, key, kind, low, high)
     if hasattr(module, "validate"):

@@ -27,6 +27,8 @@ from typing import Any
 
 import jax
 
+from models.settings import is_int
+
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MAX_EXECUTABLES = 256  # compiled loops kept per process (least recently used evicted): set_max_executables
 _EXECUTABLES: dict = {}  # key -> executable, least recently used first (a plain dict keeps order)
@@ -117,7 +119,7 @@ def set_max_executables(count: int) -> int:
     bound. Each kept executable holds its compiled code (not the weights: they are
     arguments); a long-lived process that decodes many shapes bounds its memory with this."""
     global MAX_EXECUTABLES
-    if not isinstance(count, int) or count < 1:
+    if not is_int(count) or count < 1:
         raise ValueError(f"count must be an integer >= 1, got {count!r}")
     with _LOCK:
         old, MAX_EXECUTABLES = MAX_EXECUTABLES, count
