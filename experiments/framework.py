@@ -12,6 +12,7 @@ All files are first written to temporary names in the same directory and only re
 place once every one of them is complete, so a failure leaves no half-written output.
 """
 
+import contextlib
 import csv
 import dataclasses
 import datetime
@@ -23,7 +24,6 @@ import resource
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -310,28 +310,20 @@ def _markdown_text(name, title, prov, config, seconds, result, has_plot) -> str:
 
 
 def write_files_atomic(directory: str, writers: dict[str, Callable[[str], None]]) -> dict[str, str]:
-    """Calls writers[filename](temporary path) for each file, then renames all into directory.
+    """Calls writers[filename](temporary path) for each file, then renames all into directory
+    (models.registry.atomic_path, one per file).
 
     Nothing is renamed until every writer has succeeded; on failure the temporaries are
     removed and earlier outputs stay as they were. Returns {filename: final path}.
     """
-    temporaries = {}
-    try:
+    from models import registry
+
+    paths = {filename: os.path.join(directory, filename) for filename in writers}
+    with contextlib.ExitStack() as stack:
+        temporaries = {name: stack.enter_context(registry.atomic_path(paths[name])) for name in writers}
         for filename, write in writers.items():
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".tmp-{filename}-")
-            os.close(fd)
-            temporaries[filename] = tmp
-            write(tmp)
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would survive the rename
-        paths = {}
-        for filename, tmp in temporaries.items():
-            paths[filename] = os.path.join(directory, filename)
-            os.replace(tmp, paths[filename])
-        return paths
-    finally:
-        for tmp in temporaries.values():
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            write(str(temporaries[filename]))
+    return paths
 
 
 def _text_writer(text: str) -> Callable[[str], None]:

@@ -71,16 +71,10 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
         if _matches(path):  # built by another process meanwhile
             return path
         registry.remove_dead_tmp(folder, label)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=registry.tmp_prefix(label), suffix=path.suffix)
-        os.close(fd)
-        try:
-            compile_to(tmp)
+        with registry.atomic_path(path, label=label, suffix=path.suffix) as tmp:
+            compile_to(str(tmp))
             digest = registry.sha256_file(tmp)
-            os.replace(tmp, path)
-            registry.write_text_atomic(_digest_path(path), digest + "\n")  # after the library
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        registry.write_text_atomic(_digest_path(path), digest + "\n")  # after the library
     if not _matches(path):
         raise LibraryMismatch(f"{path}: its sha256 does not match {_digest_path(path)} after building it")
     return path
