@@ -107,17 +107,6 @@ def git_revision(repo_root: str = REPO_ROOT) -> tuple[str, bool | None]:
         return "unknown", None
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def machine_description() -> dict:
     """Platform, CPU model and count, memory, Python, jax/jaxlib/flax/numpy versions, backend
     and devices."""
@@ -126,10 +115,12 @@ def machine_description() -> dict:
     import jaxlib
     import numpy as np
 
+    from models import machine
+
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": machine.cpu_model() or None,
         "cpu_count": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "python": platform.python_version(),

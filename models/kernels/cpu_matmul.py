@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import machine
+
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 ROWWISE_SOURCE = SOURCE.with_name("cpu_rowwise.cc")  # in the same library: attention, RMSNorm
 PARALLEL_HEADER = SOURCE.with_name("cpu_parallel.h")  # included by both (and by gguf_matmul.cc)
@@ -63,12 +65,8 @@ def _cpu_flags() -> frozenset | str:
     """The CPU's feature flags, or why they cannot be read."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2 + FMA or AVX-512)"
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "cannot read /proc/cpuinfo to check the CPU's instruction sets"
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    flags = machine.cpu_flags()
+    return "cannot read /proc/cpuinfo to check the CPU's instruction sets" if flags is None else flags
 
 
 def isa() -> str:
