@@ -13,8 +13,8 @@ A model's precision is `ModelConfig.dtype`:
   gguf_q8   the same blocks, with each row of activations quantized to 8 bits per block (ggml's
             Q8_K / Q8_0, the weight type's vec_dot_type) and integer dot products: how llama.cpp
             runs a GGUF on a CPU. The fastest on a CPU.
-`cast_params` turns float32 parameters into a precision (once, when a model is loaded or
-made). `linear` is the product of activations with a weight of any precision; on a CPU it runs
+models.weights.cast_params turns float32 parameters into a precision (once, when a model is
+loaded or made), with this module's quantizers. `linear` is the product of activations with a weight of any precision; on a CPU it runs
 the kernel of models/kernels/cpu_matmul.cc (one pass over the weight for all the rows of a
 call, int8 / bfloat16 widened in registers), elsewhere XLA's dot (an int8 weight is widened
 in the graph, which a TPU or GPU compiler fuses into the product).
@@ -72,7 +72,7 @@ class BlockWeight:
 
 
 def default_block_type(k: int) -> int:
-    """The block format `cast_params` gives a matrix with k inputs: Q4_K (256-value blocks, as
+    """The block format models.weights.cast_params gives a matrix with k inputs: Q4_K (256-value blocks, as
     the pair's files hold most matrices) where k allows it, else Q5_0 (32-value blocks)."""
     from gguf import GGMLQuantizationType as T
 
@@ -145,35 +145,6 @@ def dequantize(w) -> jax.Array:
         return w
     scale = w.scale.reshape(w.scale.shape + (1,) * (w.value.ndim - w.scale.ndim))
     return w.value.astype(jnp.float32) * scale
-
-
-def cast_params(params, config, to_device=None):
-    """float32 parameters (host or device arrays) in the precision `config.dtype`.
-
-    Matrices become Int8Weight for int8, BlockWeight (default_block_type, quantized by ggml) for
-    the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
-    leaf at a time, each passed through `to_device` (e.g. jax.device_put) when given, so a host
-    copy of the whole model is never held twice.
-    """
-    from models import weights
-
-    if config.dtype not in PRECISIONS:
-        raise ValueError(f"dtype must be one of {PRECISIONS}, got {config.dtype!r}")
-    put = to_device or (lambda x: x)
-
-    def one(path, leaf):
-        w, _, _ = weights.entry(path)
-        if config.dtype == "int8" and w.contract:
-            q = quantize_int8(np.asarray(leaf), w.contract)
-            return Int8Weight(value=put(q.value), scale=put(q.scale))
-        if config.dtype in GGUF_PRECISIONS and w.contract:
-            q = quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
-            q = for_cpu_kernel(q, table=w.init == "embedding")
-            return q.replace(data=put(q.data))
-        dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-        return put(np.asarray(leaf).astype(dtype, copy=False))
-
-    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def resolve_matmul_impl(impl: str) -> str:

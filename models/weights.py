@@ -4,7 +4,7 @@ Each `Weight` says where the parameter lives in the pytree, its shape in terms o
 its logical axes (for spec_jax.sharding's rule table), the GGUF tensor it is read from, how it
 is initialised for random models, and how a model call reads it. Everything else is derived
 from WEIGHTS: the Flax modules' `self.param` calls (models.transformer.param), the parameter
-shapes (param_shapes), random parameters (models.transformer.init_params), the GGUF loader
+shapes (param_shapes) and the parameters in a precision (cast_params), random parameters (models.transformer.init_params), the GGUF loader
 (models.gguf_loader.load_params), the sharding axes (spec_jax.sharding.param_logical_axes) and
 the bytes a call reads (read_bytes).
 
@@ -25,7 +25,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from models import precision
 from models.config import ModelConfig
 
 
@@ -230,9 +232,7 @@ def param_shapes(config: ModelConfig):
     """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout and precision
     (int8: a models.precision.Int8Weight of an int8 value and float32 scales per matrix; the GGUF
     precisions: a BlockWeight of each matrix in models.precision.default_block_type)."""
-    from models.precision import GGUF_PRECISIONS, BlockWeight, Int8Weight, default_block_type
-
-    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    dtype = config.jnp_dtype
     tree: dict = {}
 
     def put(prefix: tuple[str, ...], w: Weight, shape):
@@ -241,15 +241,17 @@ def param_shapes(config: ModelConfig):
             node = node.setdefault(key, {})
         if config.dtype == "int8" and w.contract:
             out = shape[: len(shape) - w.contract]
-            leaf = Int8Weight(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32))
-        elif config.dtype in GGUF_PRECISIONS and w.contract:
+            leaf = precision.Int8Weight(
+                jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32)
+            )
+        elif config.dtype in precision.GGUF_PRECISIONS and w.contract:
             from models.kernels import gguf_matmul
 
             out, inputs = shape[: len(shape) - w.contract], shape[len(shape) - w.contract :]
             k = math.prod(inputs)
-            kind = default_block_type(k)
+            kind = precision.default_block_type(k)
             data = jax.ShapeDtypeStruct((*out, gguf_matmul.row_bytes(kind, k)), jnp.uint8)
-            leaf = BlockWeight(data, kind, tuple(inputs), config.dtype == "gguf_q8")
+            leaf = precision.BlockWeight(data, kind, tuple(inputs), config.dtype == "gguf_q8")
         else:
             leaf = jax.ShapeDtypeStruct(shape, dtype)
         node[w.path[-1]] = leaf
@@ -263,6 +265,32 @@ def param_shapes(config: ModelConfig):
             for i in range(config.num_layers):
                 put((f"{LAYER_PREFIX}_{i}",), w, w.shape(config))
     return tree
+
+
+def cast_params(params, config, to_device=None):
+    """float32 parameters (host or device arrays) in the precision `config.dtype`.
+
+    The concrete counterpart of param_shapes. Matrices become Int8Weight for int8, BlockWeight (precision.default_block_type, quantized by ggml) for
+    the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
+    leaf at a time, each passed through `to_device` (e.g. jax.device_put) when given, so a host
+    copy of the whole model is never held twice.
+    """
+    if config.dtype not in precision.PRECISIONS:
+        raise ValueError(f"dtype must be one of {precision.PRECISIONS}, got {config.dtype!r}")
+    put = to_device or (lambda x: x)
+
+    def one(path, leaf):
+        w, _, _ = entry(path)
+        if config.dtype == "int8" and w.contract:
+            q = precision.quantize_int8(np.asarray(leaf), w.contract)
+            return precision.Int8Weight(value=put(q.value), scale=put(q.scale))
+        if config.dtype in precision.GGUF_PRECISIONS and w.contract:
+            q = precision.quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
+            q = precision.for_cpu_kernel(q, table=w.init == "embedding")
+            return q.replace(data=put(q.data))
+        return put(np.asarray(leaf).astype(config.jnp_dtype, copy=False))
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def logical_axes(params):
