@@ -18,7 +18,6 @@ setup(
         "gguf",
         "tokenizers",
         "tqdm",
-        "psutil",
         "matplotlib",
         "scipy",
     ],

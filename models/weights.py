@@ -199,7 +199,8 @@ def weights_of(config: ModelConfig) -> tuple[Weight, ...]:
     return tuple(w for w in WEIGHTS if w.present(config))
 
 
-def _keys(path) -> tuple[str, ...]:
+def path_keys(path) -> tuple[str, ...]:
+    """A pytree path (jax key path, or strings) as its names: ("layers", "attn", "wq")."""
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
@@ -211,7 +212,7 @@ def entry(path) -> tuple[Weight, bool, str | None]:
     of a quantized weight it is: "value", "scale", "data" or None) from its pytree path (jax key path or
     strings): layers/..., layers_N/... or a top-level path. KeyError for a leaf the table does
     not declare."""
-    keys = _keys(path)
+    keys = path_keys(path)
     field = None
     if keys[-1] in QUANTIZED_FIELDS and (keys[-2], keys[-1]) not in BY_PATH:  # not a norm's scale
         keys, field = keys[:-1], keys[-1]
