@@ -173,44 +173,44 @@ def linear(x, w, contract: int, impl: str = "auto", bulk: bool = False):
     if tuple(x.shape[x.ndim - contract :]) != tuple(in_shape):
         raise ValueError(f"linear: x {x.shape} does not end with the weight's input axes {in_shape}")
     lead = x.shape[: x.ndim - contract]
-    x_mk = x.reshape(math.prod(lead), math.prod(in_shape))
+    x_mi = x.reshape(math.prod(lead), math.prod(in_shape))
     if isinstance(w, BlockWeight):
-        y = _block_product(x_mk, w, impl, bulk)
+        y = _block_product(x_mi, w, impl, bulk)
         return y.reshape(*lead, *out_shape).astype(x.dtype)
     value = w.value if isinstance(w, Int8Weight) else w
-    w_nk = value.reshape(math.prod(out_shape), math.prod(in_shape))
+    w_oi = value.reshape(math.prod(out_shape), math.prod(in_shape))
     scale = w.scale.reshape(-1) if isinstance(w, Int8Weight) else None
     if resolve_matmul_impl(impl) == "cpu_kernel":
         from models.kernels import cpu_matmul
 
-        y = cpu_matmul.matmul(x_mk, w_nk, scale)
+        y = cpu_matmul.matmul(x_mi, w_oi, scale)
     else:
-        compute = jnp.bfloat16 if w_nk.dtype == jnp.bfloat16 else jnp.float32
+        compute = jnp.bfloat16 if w_oi.dtype == jnp.bfloat16 else jnp.float32
         y = jnp.einsum(
-            "mk,nk->mn", x_mk.astype(compute), w_nk.astype(compute), preferred_element_type=jnp.float32
+            "mi,oi->mo", x_mi.astype(compute), w_oi.astype(compute), preferred_element_type=jnp.float32
         )
         if scale is not None:
             y = y * scale
     return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def _block_product(x_mk, w: BlockWeight, impl: str, bulk: bool = False):
-    """x [M, K] . W^T -> [M, N] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
+def _block_product(x_mi, w: BlockWeight, impl: str, bulk: bool = False):
+    """x [M, I] . W^T -> [M, O] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
     activations, as the weight's precision says) where the CPU kernels run, else XLA's dot on
     the blocks dequantized in the graph (float32 activations)."""
-    data_nb = w.data.reshape(-1, w.data.shape[-1])
+    data_oy = w.data.reshape(-1, w.data.shape[-1])
     if resolve_matmul_impl(impl) == "cpu_kernel":
         from models.kernels import gguf_matmul
 
         if gguf_matmul.available():
             return gguf_matmul.matmul(
-                x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved, bulk=bulk
+                x_mi, data_oy, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved, bulk=bulk
             )
     _no_interleaved(w)
     from models.kernels import gguf_blocks
 
-    w_nk = gguf_blocks.dequantize(data_nb, w.ggml_type, x_mk.shape[1])
-    return jnp.einsum("mk,nk->mn", x_mk.astype(jnp.float32), w_nk, preferred_element_type=jnp.float32)
+    w_oi = gguf_blocks.dequantize(data_oy, w.ggml_type, x_mi.shape[1])
+    return jnp.einsum("mi,oi->mo", x_mi.astype(jnp.float32), w_oi, preferred_element_type=jnp.float32)
 
 
 def _no_interleaved(w: BlockWeight):
