@@ -155,6 +155,7 @@ def test_the_cli_refuses_bad_settings_with_one_line(tmp_path):
     for args, message in [
         (["--config.corpora=poetry"], "corpora: unknown corpus poetry"),
         (["--config.head_mlp_dim=100000"], "head_mlp_dim: must be an integer in [1, 96]"),
+        (["--config.nosuch=3"], "--config.nosuch: not a setting of this config (settings: batch_size,"),
     ]:
         proc = cli(*args, workdir=tmp_path / "w", output_dir=tmp_path / "out")
         out, err = proc.communicate(timeout=300)
