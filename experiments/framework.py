@@ -12,6 +12,7 @@ All files are first written to temporary names in the same directory and only re
 place once every one of them is complete, so a failure leaves no half-written output.
 """
 
+import contextlib
 import csv
 import dataclasses
 import datetime
@@ -23,7 +24,6 @@ import resource
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,17 +107,6 @@ def git_revision(repo_root: str = REPO_ROOT) -> tuple[str, bool | None]:
         return "unknown", None
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def machine_description() -> dict:
     """Platform, CPU model and count, memory, Python, jax/jaxlib/flax/numpy versions, backend
     and devices."""
@@ -126,10 +115,12 @@ def machine_description() -> dict:
     import jaxlib
     import numpy as np
 
+    from models import machine
+
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": machine.cpu_model() or None,
         "cpu_count": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "python": platform.python_version(),
@@ -188,6 +179,7 @@ def validate(module, config) -> None:
       TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those
     ValueError("<key>: ...") on the first bad value."""
     from experiments import common
+    from models import settings
     from models.precision import PRECISIONS
 
     for key in getattr(module, "MODEL_KEYS", ()):
@@ -196,7 +188,7 @@ def validate(module, config) -> None:
         values = config[key] if isinstance(config[key], tuple) else (config[key],)
         if not values or any(v not in PRECISIONS for v in values):
             raise ValueError(f"{key}: each value must be one of {', '.join(PRECISIONS)}, got {config[key]!r}")
-    common.check_int_settings(config, getattr(module, "INT_RANGES", {}))
+    settings.check_int_settings(config, getattr(module, "INT_RANGES", {}))
     for key, (kind, low, high) in getattr(module, "TUPLE_RANGES", {}).items():
         common.check_tuple(config, key, kind, low, high)
     if hasattr(module, "validate"):
@@ -309,28 +301,20 @@ def _markdown_text(name, title, prov, config, seconds, result, has_plot) -> str:
 
 
 def write_files_atomic(directory: str, writers: dict[str, Callable[[str], None]]) -> dict[str, str]:
-    """Calls writers[filename](temporary path) for each file, then renames all into directory.
+    """Calls writers[filename](temporary path) for each file, then renames all into directory
+    (models.registry.atomic_path, one per file).
 
     Nothing is renamed until every writer has succeeded; on failure the temporaries are
     removed and earlier outputs stay as they were. Returns {filename: final path}.
     """
-    temporaries = {}
-    try:
+    from models import registry
+
+    paths = {filename: os.path.join(directory, filename) for filename in writers}
+    with contextlib.ExitStack() as stack:
+        temporaries = {name: stack.enter_context(registry.atomic_path(paths[name])) for name in writers}
         for filename, write in writers.items():
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".tmp-{filename}-")
-            os.close(fd)
-            temporaries[filename] = tmp
-            write(tmp)
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 would survive the rename
-        paths = {}
-        for filename, tmp in temporaries.items():
-            paths[filename] = os.path.join(directory, filename)
-            os.replace(tmp, paths[filename])
-        return paths
-    finally:
-        for tmp in temporaries.values():
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            write(str(temporaries[filename]))
+    return paths
 
 
 def _text_writer(text: str) -> Callable[[str], None]:

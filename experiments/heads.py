@@ -1,5 +1,5 @@
 """Trained drafters and the data they train on: the corpora's training split through the target
-(spec_jax.features), the drafted token set, where a trained head lives, and loading it as a
+(training.features), the drafted token set, where a trained head lives, and loading it as a
 drafter for spec_jax.generate.
 
 A head for target T trains into `$SPEC_JAX_CACHE/heads/T/` by default (its orbax checkpoints,
@@ -16,7 +16,8 @@ import numpy as np
 import models
 from experiments import common, corpora
 from models import registry
-from spec_jax import features, training
+from spec_jax import head_checkpoint
+from training import features
 
 
 def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
@@ -54,7 +55,7 @@ def _sequences(config, target, split_index: int) -> list[list[int]]:
 
 
 def feature_sets(config, target, progress: bool = True, cache_dir=None):
-    """(train, eval) spec_jax.features.FeatureSet for a training config: windows of the corpora's
+    """(train, eval) training.features.FeatureSet for a training config: windows of the corpora's
     training split (config.train_tokens) and of the held-out split (config.eval_tokens) through
     the target, computed once and cached under `$SPEC_JAX_CACHE/features/`."""
     from experiments.common import TINY_MODELS
@@ -105,14 +106,14 @@ def load_drafter(
 
     cfg = target.config
     workdir = pathlib.Path(workdir or default_workdir(cfg.name))
-    trained, ids, _ = training.load_head(workdir, target)  # float32: what the hash is of
+    trained, ids, _ = head_checkpoint.load_head(workdir, target)  # float32: what the hash is of
     dtype = dtype or cfg.dtype
     head = trained if dtype == "float32" else models.cast(trained, dtype)
     trimmed = len(ids) < cfg.vocab_size
     drafter = HeadDrafter(head.config, trimmed=trimmed, threshold=float(threshold))
     params = head_params(target, head, ids if trimmed else None)
     if acceptance:
-        stop, meta = load_acceptance(workdir, training.params_hash(trained.params), cfg.d_model)
+        stop, meta = load_acceptance(workdir, head_checkpoint.params_hash(trained.params), cfg.d_model)
         drafter = dataclasses.replace(drafter, stop_rejection=float(meta["threshold"]))
         params = params.replace(acceptance=stop)
     return drafter, params
@@ -120,7 +121,7 @@ def load_drafter(
 
 def head_hash(workdir, target) -> str:
     """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
-    return training.params_hash(training.load_head(workdir, target)[0].params)
+    return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
 
 
 def load_acceptance(workdir, head_sha256: str, width: int):
@@ -132,7 +133,7 @@ def load_acceptance(workdir, head_sha256: str, width: int):
     from spec_jax import acceptance
 
     folder = pathlib.Path(workdir) / "acceptance"
-    mngr = training.checkpoint_reader(folder) if folder.is_dir() else None
+    mngr = head_checkpoint.checkpoint_reader(folder) if folder.is_dir() else None
     step = mngr.latest_step() if mngr is not None else None
     if step is None:
         raise ValueError(

@@ -13,7 +13,7 @@ training documents tokenized with the target's tokenizer; "prompt_lookup" copies
 prompt and output (spec_jax.lookup), "suffix" samples the continuation of the longest earlier
 suffix in the prompt + output or in the task's training documents (spec_jax.suffix, max_ngram 3),
 "hybrid@MODEL" is prompt lookup with MODEL where it finds nothing; "head" is the target's draft
-head trained on its features (spec_jax.training, `python -m launch.train`; read from its default
+head trained on its features (the training package, `python -m launch.train`; read from its default
 workdir); any other name is a draft model. The lookup drafts and the head are left out of the
 ordering check (the lookups' alpha is over the positions they chose to propose; the head is
 not one of the paper's drafts).

@@ -25,6 +25,7 @@ import scipy.stats
 from matplotlib.figure import Figure
 
 from experiments import framework
+from models import settings
 from spec_jax import theory
 from spec_jax import verify as verify_lib  # looked up at call time, so a patched rule is what runs
 from spec_jax.sampling import draw, row_keys
@@ -71,15 +72,15 @@ def validate(config) -> None:
     if not alphas:
         raise ValueError("alphas: give at least one alpha")
     for a in alphas:
-        if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
+        if not settings.is_number(a) or not 0.0 <= a <= 1.0:
             raise ValueError(f"alphas: each alpha must be in [0, 1], got {a}")
     if not gammas:
         raise ValueError("gammas: give at least one gamma")
     for g in gammas:
-        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GAMMA:
+        if not settings.is_int(g) or not 1 <= g <= MAX_GAMMA:
             raise ValueError(f"gammas: each gamma must be an integer in [1, {MAX_GAMMA}], got {g}")
     for key, low in (("num_rounds", 2), ("chunk_size", 1), ("vocab_size", 4)):
-        if not isinstance(config[key], int) or config[key] < low:
+        if not settings.is_int(config[key]) or config[key] < low:
             raise ValueError(f"{key}: must be an integer >= {low}, got {config[key]}")
     if not 0.0 < config.tolerance < 1.0:
         raise ValueError(f"tolerance: must be in (0, 1), got {config.tolerance}")

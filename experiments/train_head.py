@@ -2,7 +2,7 @@
 
 `python -m launch.train --config=launch/configs/draft_head.py` runs this experiment (so does
 `python -m launch.experiment --experiment=train_head`): the target's features over the
-training split of the corpora (computed once, cached), then spec_jax.training.train into the
+training split of the corpora (computed once, cached), then training.train into the
 workdir (default `$SPEC_JAX_CACHE/heads/TARGET/`; a second run with the same settings resumes
 there), evaluated on the held-out split. The table lists every evaluation: the head's
 held-out accepted length at gamma 4 (teacher-forced; the decode benchmarks measure the real
@@ -14,8 +14,8 @@ import time
 
 import jax
 
+import training
 from experiments import common, corpora, framework, heads
-from spec_jax import training
 
 TITLE = "Training a draft head on the target's features (EAGLE-1 loss, AdamW, orbax checkpoints)"
 

@@ -27,7 +27,8 @@ class UsageError(ValueError):
     """Bad input from the command line; reported as one line with exit code 2."""
 
 
-def _fail(message: str, code: int = 2):
+def fail(message: str, code: int = 2):
+    """One line on stderr (`PROG: error: MESSAGE`) and exit `code` (2: bad input)."""
     prog = os.path.basename(sys.argv[0]) if sys.argv else "spec-jax"
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -56,7 +57,7 @@ def parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:
-        _fail(str(e).splitlines()[0])
+        fail(str(e).splitlines()[0])
 
 
 def enable_compilation_cache():
@@ -93,11 +94,11 @@ def run(main, compilation_cache: bool = True):
                 enable_compilation_cache()
             return main(argv)
         except ValueError as e:  # includes UsageError
-            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         except Exception as e:
             if not isinstance(e, _unavailable_errors()):
                 raise
-            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__, code=1)
+            fail(str(e).splitlines()[0] if str(e) else type(e).__name__, code=1)
 
     app.run(guarded, flags_parser=parse_flags)
 

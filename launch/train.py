@@ -18,6 +18,7 @@ import os
 import shlex
 import sys
 
+import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
@@ -27,6 +28,21 @@ from launch import common
 FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "draft_head.py")
 KINDS = {"draft_head": "train_head", "acceptance_head": "train_acceptance"}  # config kind -> experiment
+
+
+def check_override_keys(config, argv) -> None:
+    """ValueError("--config.KEY: not a setting ...") naming the settings, for an override of a
+    key the config does not have (ml_collections would raise AttributeError: a traceback)."""
+    for arg in argv:
+        if not arg.startswith(("--config.", "-config.", "--noconfig.", "-noconfig.")):
+            continue
+        key = arg.split("=", 1)[0].split(".", 1)[1]
+        node = config
+        for part in key.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                known = ", ".join(sorted(config.keys()))
+                raise ValueError(f"--config.{key}: not a setting of this config (settings: {known})")
+            node = node[part]
 
 
 class OneLineConfigErrors(flags.ArgumentParser):
@@ -44,18 +60,24 @@ class OneLineConfigErrors(flags.ArgumentParser):
         if not os.path.isfile(file):
             raise ValueError(f"no such config file: {file}")
         try:
-            return self.inner.parse(path)
+            config = self.inner.parse(path)
         except SyntaxError as e:
             raise ValueError(f"{e.filename} line {e.lineno}: {type(e).__name__}: {e.msg}") from None
         except (TypeError, ValueError) as e:  # inner put the traceback first; its last line says what
             raise ValueError(f"{file}: {str(e).strip().splitlines()[-1]}") from None
+        check_override_keys(config, sys.argv[1:])
+        return config
 
     def flag_type(self):
         return self.inner.flag_type()
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Training config file (PATH[:variant]).")
-FLAGS["config"].parser = OneLineConfigErrors(FLAGS["config"].parser)  # the default is parsed already
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file (PATH[:variant]).")
+FLAGS["config"].parser = OneLineConfigErrors(FLAGS["config"].parser)
+try:  # the default is parsed here, with the command line's --config.KEY overrides
+    FLAGS["config"]._set_default(DEFAULT_CONFIG)
+except flags.Error as e:
+    common.fail(str(e).splitlines()[0])
 flags.DEFINE_string("workdir", None, "Checkpoint folder (default: $SPEC_JAX_CACHE/heads/TARGET/).")
 flags.DEFINE_string("output_dir", None, "Where the results go (default: experiments/results/).")
 

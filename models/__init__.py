@@ -4,7 +4,6 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from models.config import ModelConfig
 from models.transformer import forward, init_cache, init_params, stack_layers, unstack_layers
@@ -61,14 +60,14 @@ def random_model(
 def cast(model: Model, dtype: str) -> Model:
     """A float32 model at another precision (models.precision.PRECISIONS): its weights cast or
     quantized the way `load(name, dtype=...)` does it. ValueError unless the model is float32."""
-    from models import precision
+    from models import weights
 
     if model.config.dtype != "float32":
         raise ValueError(
             f"cast: the model must be float32 (it is {model.config.dtype}); load it again instead"
         )
     config = model.config.replace(dtype=dtype)
-    return model.replace(config=config, params=precision.cast_params(model.params, config, jax.device_put))
+    return model.replace(config=config, params=weights.cast_params(model.params, config, jax.device_put))
 
 
 class ByteTokenizer:
@@ -149,7 +148,7 @@ def load(
         host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array
-    return Model(config=config, params=to_device(leaves, treedef), tokenizer=tokenizer)
+    return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)
 
 
 def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
@@ -169,14 +168,6 @@ def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
 
     one_cpu_row = batch == 1 and devices == 1 and target.current().platform == "cpu"
     return "gguf_q8" if one_cpu_row and name in registry.MODELS and gguf_matmul.available() else "int8"
-
-
-def to_device(leaves: list, treedef):
-    """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
-    as it goes: a bulk tree_map keeps every source alive until the copies finish."""
-    for i in range(len(leaves)):
-        leaves[i] = jax.device_put(np.asarray(leaves[i])).block_until_ready()
-    return jax.tree.unflatten(treedef, leaves)
 
 
 __all__ = [

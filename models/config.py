@@ -77,7 +77,7 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        """The activation (and KV cache) dtype: bfloat16 for bfloat16, else float32."""
+        """The activation, KV cache and unquantized weight dtype: bfloat16 for bfloat16, else float32."""
         return jnp.dtype(jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32)
 
     @property

@@ -47,9 +47,9 @@ import tempfile
 import uuid
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-import models
 from models import gguf_loader, registry
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
@@ -58,6 +58,14 @@ FORMAT_VERSION = 2  # 2: matrices [out, in]
 MANIFEST = "spec_jax_manifest.json"  # in each entry and each params-{dtype}/, written last
 ENTRY_PARTS = ("config.json", "tokenizer.json", "params")  # what an entry's manifest covers
 _HASHED_BYTES = 16 << 20  # files up to this size are hashed in the manifest (all are sized)
+
+
+def to_device(leaves: list, treedef):
+    """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
+    as it goes: a bulk tree_map keeps every source alive until the copies finish."""
+    for i in range(len(leaves)):
+        leaves[i] = jax.device_put(np.asarray(leaves[i])).block_until_ready()
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:
@@ -163,7 +171,7 @@ def convert(name: str, cache_dir=None, progress: bool = True, replace: str | Non
             # place of its numpy source, so the peak stays near one copy (measured: 0.5B 7.3 -> 3.6 GB).
             leaves, treedef = jax.tree.flatten(params)
             del params
-            params = models.to_device(leaves, treedef)
+            params = to_device(leaves, treedef)
             del leaves
             checkpointer = ocp.StandardCheckpointer()
             checkpointer.save(tmp / "params", params)
@@ -267,7 +275,7 @@ _REBUILD_ERRORS = (
 def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str = "float32"):
     """Returns (ModelConfig, params as numpy arrays in precision `dtype`, Tokenizer), converting
     on first use (in a child process: convert_in_child) and deriving a precision's checkpoint
-    from the float32 one on its first use (models.precision.cast_params, cached beside it).
+    from the float32 one on its first use (models.weights.cast_params, cached beside it).
 
     A damaged entry (a file that does not match the manifest written with it, or one that
     cannot be read back) is rebuilt once; DamagedCacheError (naming the path) if it is still
@@ -342,10 +350,10 @@ def _restore(path: pathlib.Path, rebuild):
 def _derive(
     folder: pathlib.Path, config: ModelConfig, dtype: str, name: str, cache_dir, reconvert, replace=None
 ):
-    """Writes folder/params-{dtype} from folder/params (models.precision.cast_params), holding the
+    """Writes folder/params-{dtype} from folder/params (models.weights.cast_params), holding the
     model's lock; nothing to do if another process wrote it meanwhile (unless it is the entry
     `replace`, found damaged). _Damaged with `reconvert` if folder/params cannot be read."""
-    from models import precision
+    from models import weights
 
     derived = folder / f"params-{dtype}"
     with registry.file_lock(_lock(name, cache_dir)):
@@ -355,7 +363,7 @@ def _derive(
         label = f"params-{dtype}"
         registry.remove_dead_tmp(folder, label)
         source = _restore(folder / "params", reconvert)
-        params = precision.cast_params(source, config)
+        params = weights.cast_params(source, config)
         del source
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(label), dir=folder))
         try:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from models import precision
 from models.cache import KVCache
 from models.config import ModelConfig
+from models.settings import is_int
 from models.transformer import DecoderLayer, init_cache, param
 
 
@@ -51,7 +52,7 @@ def config_for(
         "mlp_dim": (mlp_dim, target.mlp_dim),
     }
     for name, (value, most) in limits.items():
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+        if not is_int(value) or not 1 <= value <= most:
             raise ValueError(
                 f"{name} must be an integer in [1, {most}] (a head no wider or deeper than its "
                 f"target {target.name!r}), got {value!r}"

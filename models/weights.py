@@ -4,7 +4,7 @@ Each `Weight` says where the parameter lives in the pytree, its shape in terms o
 its logical axes (for spec_jax.sharding's rule table), the GGUF tensor it is read from, how it
 is initialised for random models, and how a model call reads it. Everything else is derived
 from WEIGHTS: the Flax modules' `self.param` calls (models.transformer.param), the parameter
-shapes (param_shapes), random parameters (models.transformer.init_params), the GGUF loader
+shapes (param_shapes) and the parameters in a precision (cast_params), random parameters (models.transformer.init_params), the GGUF loader
 (models.gguf_loader.load_params), the sharding axes (spec_jax.sharding.param_logical_axes) and
 the bytes a call reads (read_bytes).
 
@@ -25,7 +25,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from models import precision
 from models.config import ModelConfig
 
 
@@ -197,7 +199,8 @@ def weights_of(config: ModelConfig) -> tuple[Weight, ...]:
     return tuple(w for w in WEIGHTS if w.present(config))
 
 
-def _keys(path) -> tuple[str, ...]:
+def path_keys(path) -> tuple[str, ...]:
+    """A pytree path (jax key path, or strings) as its names: ("layers", "attn", "wq")."""
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
@@ -209,7 +212,7 @@ def entry(path) -> tuple[Weight, bool, str | None]:
     of a quantized weight it is: "value", "scale", "data" or None) from its pytree path (jax key path or
     strings): layers/..., layers_N/... or a top-level path. KeyError for a leaf the table does
     not declare."""
-    keys = _keys(path)
+    keys = path_keys(path)
     field = None
     if keys[-1] in QUANTIZED_FIELDS and (keys[-2], keys[-1]) not in BY_PATH:  # not a norm's scale
         keys, field = keys[:-1], keys[-1]
@@ -230,9 +233,7 @@ def param_shapes(config: ModelConfig):
     """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout and precision
     (int8: a models.precision.Int8Weight of an int8 value and float32 scales per matrix; the GGUF
     precisions: a BlockWeight of each matrix in models.precision.default_block_type)."""
-    from models.precision import GGUF_PRECISIONS, BlockWeight, Int8Weight, default_block_type
-
-    dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+    dtype = config.jnp_dtype
     tree: dict = {}
 
     def put(prefix: tuple[str, ...], w: Weight, shape):
@@ -241,15 +242,17 @@ def param_shapes(config: ModelConfig):
             node = node.setdefault(key, {})
         if config.dtype == "int8" and w.contract:
             out = shape[: len(shape) - w.contract]
-            leaf = Int8Weight(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32))
-        elif config.dtype in GGUF_PRECISIONS and w.contract:
+            leaf = precision.Int8Weight(
+                jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32)
+            )
+        elif config.dtype in precision.GGUF_PRECISIONS and w.contract:
             from models.kernels import gguf_matmul
 
             out, inputs = shape[: len(shape) - w.contract], shape[len(shape) - w.contract :]
             k = math.prod(inputs)
-            kind = default_block_type(k)
+            kind = precision.default_block_type(k)
             data = jax.ShapeDtypeStruct((*out, gguf_matmul.row_bytes(kind, k)), jnp.uint8)
-            leaf = BlockWeight(data, kind, tuple(inputs), config.dtype == "gguf_q8")
+            leaf = precision.BlockWeight(data, kind, tuple(inputs), config.dtype == "gguf_q8")
         else:
             leaf = jax.ShapeDtypeStruct(shape, dtype)
         node[w.path[-1]] = leaf
@@ -263,6 +266,32 @@ def param_shapes(config: ModelConfig):
             for i in range(config.num_layers):
                 put((f"{LAYER_PREFIX}_{i}",), w, w.shape(config))
     return tree
+
+
+def cast_params(params, config, to_device=None):
+    """float32 parameters (host or device arrays) in the precision `config.dtype`.
+
+    The concrete counterpart of param_shapes. Matrices become Int8Weight for int8, BlockWeight (precision.default_block_type, quantized by ggml) for
+    the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
+    leaf at a time, each passed through `to_device` (e.g. jax.device_put) when given, so a host
+    copy of the whole model is never held twice.
+    """
+    if config.dtype not in precision.PRECISIONS:
+        raise ValueError(f"dtype must be one of {precision.PRECISIONS}, got {config.dtype!r}")
+    put = to_device or (lambda x: x)
+
+    def one(path, leaf):
+        w, _, _ = entry(path)
+        if config.dtype == "int8" and w.contract:
+            q = precision.quantize_int8(np.asarray(leaf), w.contract)
+            return precision.Int8Weight(value=put(q.value), scale=put(q.scale))
+        if config.dtype in precision.GGUF_PRECISIONS and w.contract:
+            q = precision.quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
+            q = precision.for_cpu_kernel(q, table=w.init == "embedding")
+            return q.replace(data=put(q.data))
+        return put(np.asarray(leaf).astype(config.jnp_dtype, copy=False))
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def logical_axes(params):

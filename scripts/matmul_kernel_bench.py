@@ -24,7 +24,6 @@ import argparse
 import itertools
 import os
 import pathlib
-import platform
 import sys
 
 import jax
@@ -33,19 +32,9 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from models import precision  # noqa: E402
+from models import machine, precision  # noqa: E402
 from models.kernels import cpu_matmul  # noqa: E402
 from spec_jax import timing  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def weights(n: int, k: int, dtype: str, copies: int, rng):
@@ -132,7 +121,7 @@ def main():
         if not cpu_matmul.available(isa):
             parser.error(f"the {isa} build is unavailable here: {cpu_matmul.cpu_supported(isa)}")
     print(
-        f"{cpu_name()}, {jax.local_device_count()} device(s), jax {jax.__version__}; median ms of {args.repeats}"
+        f"{machine.cpu_model()}, {jax.local_device_count()} device(s), jax {jax.__version__}; median ms of {args.repeats}"
     )
     print()
     if args.model:
@@ -142,7 +131,7 @@ def main():
     shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
     rng = np.random.default_rng(0)
     print(
-        f"{cpu_name()}, {jax.local_device_count()} device(s), jax {jax.__version__}; median ms of {args.repeats}"
+        f"{machine.cpu_model()}, {jax.local_device_count()} device(s), jax {jax.__version__}; median ms of {args.repeats}"
     )
     print()
     print(

@@ -1,4 +1,4 @@
-"""Time x[M, K] times a weight stored [K, N] ("in, out") vs stored [N, K] ("out, in").
+"""Time x[M, I] times a weight stored [I, O] ("in, out") vs stored [O, I] ("out, in").
 
 The evidence for the model's weight layout (models/config.py, docs/design.md): on XLA:CPU
 the small-M products of decode (M = 1) and verification (M = gamma + 1) run faster with
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SHAPES = {  # name: (in K, out N)
+SHAPES = {  # name: (in I, out O)
     "wq / wo 1536x1536": (1536, 1536),
     "wk / wv 1536x256": (1536, 256),
     "w_gate / w_up 1536x8960": (1536, 8960),
@@ -35,21 +35,21 @@ def main():
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     rng = np.random.default_rng(0)
-    in_out = jax.jit(lambda x, w_kn: jnp.einsum("mk,kn->mn", x, w_kn))
-    out_in = jax.jit(lambda x, w_nk: jnp.einsum("mk,nk->mn", x, w_nk))
+    in_out = jax.jit(lambda x, w_io: jnp.einsum("mi,io->mo", x, w_io))
+    out_in = jax.jit(lambda x, w_oi: jnp.einsum("mi,oi->mo", x, w_oi))
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}")
     print("| matrix | M | [in, out] ms | [out, in] ms | ratio |")
     print("|---|---|---|---|---|")
     for name, (k, n) in SHAPES.items():
-        w_nk = rng.standard_normal((n, k), dtype=np.float32)
-        w_kn = jnp.asarray(np.ascontiguousarray(w_nk.T))
-        w_nk = jnp.asarray(w_nk)
+        w_oi = rng.standard_normal((n, k), dtype=np.float32)
+        w_io = jnp.asarray(np.ascontiguousarray(w_oi.T))
+        w_oi = jnp.asarray(w_oi)
         for m in (int(r) for r in args.rows.split(",")):
             x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
-            np.testing.assert_allclose(in_out(x, w_kn), out_in(x, w_nk), rtol=1e-4, atol=1e-3)
+            np.testing.assert_allclose(in_out(x, w_io), out_in(x, w_oi), rtol=1e-4, atol=1e-3)
             times = {"in_out": [], "out_in": []}
             for _ in range(args.repeats):
-                for label, f, w in (("in_out", in_out, w_kn), ("out_in", out_in, w_nk)):
+                for label, f, w in (("in_out", in_out, w_io), ("out_in", out_in, w_oi)):
                     t0 = time.perf_counter()
                     f(x, w).block_until_ready()
                     times[label].append(time.perf_counter() - t0)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int, is_number
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, bucket_length, pad_prompts
 from spec_jax.drafters import ModelDrafter, NoDrafter, check_gamma, resumable, sources_of
@@ -39,16 +40,12 @@ class Generation:
         return nonfinite_rows(self.stats)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
 def stop_id_list(eos_id, vocab: int) -> list[int]:
     """eos_id (None, one token id, or a sequence of them) as a list; ValueError naming eos_id
     unless every id is an integer in [0, vocab)."""
     ids = [] if eos_id is None else [eos_id] if not isinstance(eos_id, Sequence) else list(eos_id)
     for i in ids:
-        if not _is_int(i) or not 0 <= i < vocab:
+        if not is_int(i) or not 0 <= i < vocab:
             raise ValueError(f"eos_id must be None or integer token ids in [0, {vocab}), got {eos_id!r}")
     return ids
 
@@ -69,7 +66,7 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
                 f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
                 f"min {arr.min()}, max {arr.max()}"
             )
-    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
+    if not is_int(max_new_tokens) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > target.config.max_seq_len:
@@ -83,7 +80,7 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
     shown = gamma
     if gamma == "auto":
         gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
-    elif not _is_int(gamma) or gamma < 1:
+    elif not is_int(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
     if drafter.vocab_size != vocab:
         raise ValueError(
@@ -145,9 +142,9 @@ def make_draft(
 
     if kind not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
-    if not _is_int(max_ngram) or not 1 <= max_ngram <= lookup.MAX_NGRAM_LIMIT:
+    if not is_int(max_ngram) or not 1 <= max_ngram <= lookup.MAX_NGRAM_LIMIT:
         raise ValueError(f"max_ngram must be an integer in [1, {lookup.MAX_NGRAM_LIMIT}], got {max_ngram!r}")
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0.0 <= threshold < 1.0:
+    if not is_number(threshold) or not 0.0 <= threshold < 1.0:
         raise ValueError(
             f"threshold must be a number in [0, 1) (0: drafts never stop early), got {threshold!r}"
         )

@@ -43,14 +43,13 @@ import hashlib
 import json
 import math
 import os
-import platform
 import time
 import warnings
 
 import jax
 import numpy as np
 
-from models import registry
+from models import machine, registry
 from spec_jax import theory, timing
 
 GAMMA_MAX = 8  # the largest gamma auto considers
@@ -115,16 +114,10 @@ def machine_key() -> dict:
     from models.kernels import cpu_matmul
 
     device = jax.devices()[0]
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
         "backend": jax.default_backend(),
         "device_kind": device.device_kind,
-        "cpu": cpu,
+        "cpu": machine.cpu_model(),
         "cores": os.cpu_count(),
         "jax": jax.__version__,
         "cpu_matmul": cpu_matmul.library_path().stem if jax.default_backend() == "cpu" else None,

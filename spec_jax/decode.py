@@ -151,12 +151,12 @@ def new_output(batch: int, max_new_tokens: int, slack: int) -> Output:
 
 
 def commit(
-    out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_e, nonfinite_b=None
+    out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_z, nonfinite_b=None
 ) -> tuple[Output, jax.Array]:
     """Appends the first counts[b] of the new tokens [B, C] to each row that is not done.
 
     A row stops at max_new_tokens and after the first of its new tokens that is in stop_ids
-    [E] (entries < 0 are padding; an empty or all-negative set disables stopping). Where
+    [Z] (entries < 0 are padding; an empty or all-negative set disables stopping). Where
     nonfinite_b [B] (bool, optional) is set, the row's next token after its counts[b] would
     come from non-finite target logits: unless it stops first for the reasons above, it stops
     there, flagged in Output.nonfinite. Returns (output, committed [B]): how many tokens each
@@ -165,7 +165,7 @@ def commit(
     c = new_bc.shape[1]
     idx = jnp.arange(c)[None, :]
     counts = jnp.where(out.done, 0, jnp.minimum(counts_b, max_new_tokens - out.num_generated))
-    is_stop = jnp.any((new_bc[..., None] == stop_ids_e) & (stop_ids_e >= 0), axis=-1)  # [B, C]
+    is_stop = jnp.any((new_bc[..., None] == stop_ids_z) & (stop_ids_z >= 0), axis=-1)  # [B, C]
     is_stop = is_stop & (idx < counts[:, None])
     first_stop = jnp.argmax(is_stop, axis=1)
     hit_stop = jnp.any(is_stop, axis=1)

@@ -27,6 +27,8 @@ from typing import Any
 
 import jax
 
+from models.settings import is_int
+
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MAX_EXECUTABLES = 256  # compiled loops kept per process (least recently used evicted): set_max_executables
 _EXECUTABLES: dict = {}  # key -> executable, least recently used first (a plain dict keeps order)
@@ -117,7 +119,7 @@ def set_max_executables(count: int) -> int:
     bound. Each kept executable holds its compiled code (not the weights: they are
     arguments); a long-lived process that decodes many shapes bounds its memory with this."""
     global MAX_EXECUTABLES
-    if not isinstance(count, int) or count < 1:
+    if not is_int(count) or count < 1:
         raise ValueError(f"count must be an integer >= 1, got {count!r}")
     with _LOCK:
         old, MAX_EXECUTABLES = MAX_EXECUTABLES, count
@@ -136,7 +138,7 @@ PERSISTENT_CACHE_FOLDER = "compilation"
 
 def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder for JAX's persistent compilation cache: `root` (default
-    `$SPEC_JAX_CACHE/compilation`) / models.kernels.libraries.build_digest().
+    `$SPEC_JAX_CACHE/compilation`) / models.kernels.builds.build_digest().
 
     JAX keys each program by its HLO, compile options, XLA flags, devices and jax/jaxlib
     versions; a program calling this project's CPU kernel holds only the kernel's target name,
@@ -144,11 +146,11 @@ def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
     is never paired with another build of a library that registers the same names. A rebuilt
     library starts a new folder; the old one is left for `rm -rf` (docs/design.md).
     """
-    from models.kernels import libraries
+    from models.kernels import builds
     from models.registry import cache_root
 
     base = cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
-    return base / libraries.build_digest()
+    return base / builds.build_digest()
 
 
 def enable_persistent_cache(folder: str | os.PathLike | None) -> None:

@@ -28,6 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from models.settings import is_int
 from spec_jax.drafters import UNBOUNDED_CONTEXT, ModelDrafter
 
 MAX_NGRAM_LIMIT = 16  # the largest max_ngram accepted (the match is max_ngram shifted compares)
@@ -93,7 +94,7 @@ class PromptLookupDrafter:
     sources: ClassVar[tuple[str, ...]] = ("prompt_lookup",)
 
     def __post_init__(self):
-        if not (isinstance(self.max_ngram, int) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
+        if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
             raise ValueError(
                 f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
             )

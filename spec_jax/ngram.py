@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int
 from spec_jax.drafters import BigramDrafter, BigramTables, UnigramDrafter, UnigramTables
 
 DEFAULT_ADD_K = 0.01
@@ -36,7 +37,7 @@ def _as_arrays(sequences: Iterable[Sequence[int]], vocab_size: int) -> list[np.n
 
 
 def _check(vocab_size, add_k, prior):
-    if not isinstance(vocab_size, int) or vocab_size < 2:
+    if not is_int(vocab_size) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
     if not add_k > 0:
         raise ValueError(f"add_k must be > 0, got {add_k}")
@@ -115,7 +116,7 @@ def most_frequent(sequences, vocab_size: int, count: int, always: Sequence[int] 
     """The `count` most frequent token ids of the sequences (ties: the smaller id first), plus
     every id of `always` (e.g. the stop tokens) in place of the least frequent: int64 [count],
     sorted. The token set of a vocabulary-trimmed draft (spec_jax.drafters.trim_vocabulary)."""
-    if not isinstance(count, int) or not 1 <= count <= vocab_size:
+    if not is_int(count) or not 1 <= count <= vocab_size:
         raise ValueError(f"count must be an integer in [1, {vocab_size}], got {count!r}")
     always = np.unique(np.asarray(always, np.int64))
     if always.size > count or (always.size and (always.min() < 0 or always.max() >= vocab_size)):

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -38,7 +40,7 @@ def validate_sampling(temperature, top_k, top_p):
     """Raises ValueError naming the argument and its allowed range."""
     if not 0.0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature}")
-    if not (isinstance(top_k, int) and top_k >= 0):
+    if not (is_int(top_k) and top_k >= 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")

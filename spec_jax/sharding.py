@@ -133,10 +133,6 @@ def for_mesh(config, mesh: Mesh):
     return config.replace(matmul_impl="xla")
 
 
-def _keys(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
 def param_logical_axes(params):
     """The logical axis names of every parameter leaf (models.weights.logical_axes): a pytree of
     tuples matching params, in either layer layout. KeyError on a leaf the table does not know."""
@@ -191,7 +187,7 @@ def state_shardings(state, mesh: Mesh, batch: int):
     def one(path, leaf):
         if isinstance(leaf, KVCache):
             return KVCache(k=cache_sharding(leaf.k.shape, mesh), v=cache_sharding(leaf.v.shape, mesh))
-        keys = _keys(path)
+        keys = weights.path_keys(path)
         shape = np.shape(leaf)
         if "metrics" in keys or not shape or shape[0] != batch or batch % mesh.shape[DATA]:
             return replicated(mesh)
@@ -278,4 +274,4 @@ def describe(config, mesh: Mesh) -> dict[str, str]:
     shapes = weights.param_shapes(config)
     specs = jax.tree.map(lambda s: str(s.spec), param_shardings(shapes, mesh))
     flat, _ = jax.tree_util.tree_flatten_with_path(specs)
-    return {"/".join(_keys(path)): spec for path, spec in flat}
+    return {"/".join(weights.path_keys(path)): spec for path, spec in flat}

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int
 from spec_jax.drafters import UNBOUNDED_CONTEXT
 from spec_jax.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter, occurrences, write_tokens
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
@@ -79,13 +80,13 @@ def fit_suffix_tables(
     most frequent successors (ties: the lower id). num_buckets: a power of two (default: the
     smallest one at least twice the kept n-grams, at most 2^24).
     """
-    if not isinstance(vocab_size, int) or vocab_size < 2:
+    if not is_int(vocab_size) or vocab_size < 2:
         raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
-    if not isinstance(max_ngram, int) or not 1 <= max_ngram <= MAX_NGRAM_LIMIT:
+    if not is_int(max_ngram) or not 1 <= max_ngram <= MAX_NGRAM_LIMIT:
         raise ValueError(f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {max_ngram!r}")
-    if not isinstance(slots, int) or slots < 1:
+    if not is_int(slots) or slots < 1:
         raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-    if not isinstance(min_count, int) or min_count < 1:
+    if not is_int(min_count) or min_count < 1:
         raise ValueError(f"min_count must be an integer >= 1, got {min_count!r}")
     arrays = [np.asarray(s, np.int64) for s in sequences]
     for i, a in enumerate(arrays):
@@ -130,7 +131,7 @@ def fit_suffix_tables(
     kept = np.flatnonzero(keep_key)
     if num_buckets is None:
         num_buckets = int(min(MAX_BUCKETS, max(2, 1 << int(np.ceil(np.log2(max(2 * kept.size, 2)))))))
-    if not isinstance(num_buckets, int) or num_buckets < 2 or num_buckets & (num_buckets - 1):
+    if not is_int(num_buckets) or num_buckets < 2 or num_buckets & (num_buckets - 1):
         raise ValueError(f"num_buckets must be a power of two >= 2, got {num_buckets!r}")
     h1 = (unique_keys >> np.uint64(32)).astype(np.uint32)
     h2 = (unique_keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
@@ -207,7 +208,7 @@ class SuffixDrafter:
     sources: ClassVar[tuple[str, ...]] = ("suffix",)
 
     def __post_init__(self):
-        if not (isinstance(self.max_ngram, int) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
+        if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
             raise ValueError(
                 f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
             )

@@ -16,6 +16,8 @@ raises ValueError naming the argument and its allowed range.
 
 import numpy as np
 
+from models.settings import is_int
+
 DEFAULT_MAX_GAMMA = 128
 TIE_TOLERANCE = 1e-12  # optimal_gamma: relative speedup differences below this are ties
 
@@ -116,7 +118,7 @@ def optimal_gamma(alpha, c, max_gamma: int = DEFAULT_MAX_GAMMA):
     broadcast shape otherwise.
     """
     a, c = _check_alpha(alpha), _check_cost(c, "c")
-    if isinstance(max_gamma, bool) or not isinstance(max_gamma, int | np.integer) or max_gamma < 1:
+    if not is_int(max_gamma) or max_gamma < 1:
         raise ValueError(f"max_gamma must be an integer >= 1, got {max_gamma}")
     a, c = np.broadcast_arrays(a, c)
     gammas = np.arange(1, max_gamma + 1)  # [G]

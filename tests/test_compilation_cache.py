@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 
-from models.kernels import compile_targets, cpu_matmul, libraries
+from models.kernels import builds, compile_targets, cpu_matmul
 from spec_jax import executables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +65,7 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache(tmp_path
     env = {"SPEC_JAX_COMPILATION_CACHE": str(tmp_path / "compiled")}
     first = run_generate(*ARGS, f"--output_json={tmp_path / 'first.json'}", env=env)
     (folder,) = (tmp_path / "compiled").iterdir()
-    assert folder.name == libraries.build_digest()
+    assert folder.name == builds.build_digest()
     written = sorted(p.name for p in folder.iterdir())
     assert not hits(first.stderr)
     assert misses(first.stderr).count("jit_spec_loop") == 2  # gamma 2 and plain decoding
@@ -98,8 +98,8 @@ def test_the_off_switches_turn_the_cache_off(tmp_path, switch, setting):
 
 def test_the_default_folder_is_under_spec_jax_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
-    assert executables.persistent_cache_dir() == tmp_path / "compilation" / libraries.build_digest()
-    assert executables.persistent_cache_dir(tmp_path / "x") == tmp_path / "x" / libraries.build_digest()
+    assert executables.persistent_cache_dir() == tmp_path / "compilation" / builds.build_digest()
+    assert executables.persistent_cache_dir(tmp_path / "x") == tmp_path / "x" / builds.build_digest()
 
 
 def test_a_rebuilt_kernel_library_gets_a_folder_of_its_own(tmp_path, monkeypatch):

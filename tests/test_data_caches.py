@@ -1,5 +1,5 @@
 """The data caches built from the corpora (experiments.corpora: the vocabulary-trim ids, the
-suffix tables, the news wheel; spec_jax.features: a draft head's training features): a damaged
+suffix tables, the news wheel; training.features: a draft head's training features): a damaged
 entry is detected, named and rebuilt once, two builders of one entry build it once, and the news
 wheel's sha256 is checked on every use.
 
@@ -18,7 +18,8 @@ import pytest
 
 from experiments import corpora
 from models import registry
-from spec_jax import features, ngram
+from spec_jax import ngram
+from training import features
 
 VOCAB = 50
 SEQUENCES = [[1, 2, 3, 4, 1, 2, 3, 5] * 4, [7, 8, 9, 1, 2, 3] * 3]

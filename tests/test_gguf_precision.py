@@ -54,9 +54,9 @@ def is_block(x) -> bool:
     return isinstance(x, BlockWeight)
 
 
-def summation_bound(x, w_nk):
+def summation_bound(x, w_oi):
     """|y - x . w^T| for float32 products and sums of K terms, at most (K + 1) u |x| . |w|^T."""
-    return (x.shape[1] + 1) * EPS32 * (np.abs(x).astype(np.float64) @ np.abs(w_nk).T)
+    return (x.shape[1] + 1) * EPS32 * (np.abs(x).astype(np.float64) @ np.abs(w_oi).T)
 
 
 def matmul(x, data, ggml_type, quantize_x, ggml_dot=False):
@@ -263,10 +263,10 @@ def test_xla_path_agrees_with_the_kernel_at_gguf(w_shape, contract):
     got, want = np.asarray(by_xla(x)), np.asarray(by_kernel(x))
     assert got.shape == want.shape == (2, 3, *w_shape[: len(w_shape) - contract])
     k = math.prod(in_shape)
-    x_mk = np.asarray(x).reshape(-1, k)
-    w_nk = np.asarray(precision.dequantize(weight), np.float64).reshape(-1, k)
-    bound = 2 * summation_bound(x_mk, w_nk)  # each side's rounding
-    assert (np.abs(got - want).reshape(x_mk.shape[0], -1) <= bound).all()
+    x_mi = np.asarray(x).reshape(-1, k)
+    w_oi = np.asarray(precision.dequantize(weight), np.float64).reshape(-1, k)
+    bound = 2 * summation_bound(x_mi, w_oi)  # each side's rounding
+    assert (np.abs(got - want).reshape(x_mi.shape[0], -1) <= bound).all()
 
 
 @pytest.mark.parametrize("d", [64, 256], ids=["Q5_0", "Q4_K"])

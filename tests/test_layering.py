@@ -1,5 +1,7 @@
-"""The package layering: `models` (the model, its cache and its attention) imports nothing from
-`spec_jax` (the decoding algorithms built on it), so there is no cycle to work around."""
+"""The package layering, one way down: `models` (the model, its cache and its attention) imports
+no other package of the project; `spec_jax` (the decoding algorithms built on it) imports only
+`models`; `training` (the trained drafters' training) imports `models` and `spec_jax`, and neither
+imports it. So there is no cycle between packages to work around."""
 
 import ast
 import pathlib
@@ -20,31 +22,58 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return names
 
 
-def test_models_imports_nothing_from_spec_jax():
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(
-            m for m in imported_modules(path) if m.split(".")[0] == "spec_jax"
-        )
-        for path in sorted((ROOT / "models").rglob("*.py"))
+# package -> the project's packages it may import (besides itself)
+MAY_IMPORT = {"models": set(), "spec_jax": {"models"}, "training": {"models", "spec_jax"}}
+PROJECT = {"models", "spec_jax", "training", "experiments", "launch", "scripts", "tests"}
+
+
+def layering_offenders(root: pathlib.Path) -> dict[str, list[str]]:
+    """{file: the project modules it imports that its package may not} over MAY_IMPORT's packages."""
+    offenders = {}
+    for package, allowed in MAY_IMPORT.items():
+        for path in sorted((root / package).rglob("*.py")):
+            bad = sorted(
+                m for m in imported_modules(path) if m.split(".")[0] in PROJECT - allowed - {package}
+            )
+            if bad:
+                offenders[str(path.relative_to(root))] = bad
+    return offenders
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    offenders = layering_offenders(ROOT)
+    assert not offenders, f"imports against the layering {MAY_IMPORT}: {offenders}"
+
+
+def test_the_layering_check_finds_an_upward_import(tmp_path):
+    for package in MAY_IMPORT:
+        (tmp_path / package).mkdir()
+    (tmp_path / "spec_jax" / "x.py").write_text("def f():\n    from training import head\n")
+    (tmp_path / "models" / "y.py").write_text("import spec_jax.api\n")
+    assert layering_offenders(tmp_path) == {
+        "models/y.py": ["spec_jax.api"],
+        "spec_jax/x.py": ["training"],
     }
-    offenders = {path: mods for path, mods in offenders.items() if mods}
-    assert not offenders, f"models/ must not import spec_jax: {offenders}"
 
 
-def test_importing_every_model_module_loads_no_spec_jax_module():
-    modules = [
-        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for path in sorted((ROOT / "models").rglob("*.py"))
-    ]
-    code = (
-        "import importlib, sys\n"
-        f"for m in {modules!r}: importlib.import_module(m)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'spec_jax'))\n"
-    )
+def test_importing_every_model_and_spec_jax_module_loads_no_module_above_it():
+    """What the imports do when run (not only what the files say): importing all of models/
+    loads no spec_jax or training module, and importing all of spec_jax/ loads no training one."""
+    code = "import importlib, pathlib, sys\n"
+    for package in ("models", "spec_jax"):
+        modules = [
+            ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            for path in sorted((ROOT / package).rglob("*.py"))
+        ]
+        above = sorted(PROJECT - MAY_IMPORT[package] - {package})
+        code += (
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {above!r}))\n"
+        )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True, timeout=300
     )
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.stdout.split() == ["[]", "[]"], out.stdout
 
 
 def test_spec_jax_has_no_lazy_import_workaround():

@@ -264,3 +264,44 @@ def test_a_killed_download_leaves_nothing_after_the_next_one(tmp_path, fake_mode
     in_flight.mkdir()
     registry.fetch_gguf(spec.name, cache_dir=tmp_path, downloader=FakeIndex(spec, payloads), progress=False)
     assert _leftovers(tmp_path) == ["gguf", str(in_flight.relative_to(tmp_path))]
+
+
+def test_atomic_path_renames_when_the_block_ends_and_leaves_the_old_file_when_it_fails(tmp_path):
+    """The one atomic write (registry.atomic_path; atomic_write is its file-object form): a
+    writer that takes a path fills a temporary beside the file, which replaces the file only
+    when the writer is done; a failure leaves the old file and no temporary."""
+    path = tmp_path / "lib.so"
+    with registry.atomic_path(path, label="lib", suffix=".so") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(registry.tmp_prefix("lib"))
+        tmp.write_text("built")
+        assert not path.exists()
+    assert path.read_text() == "built" and oct(path.stat().st_mode & 0o777) != oct(0o600)
+    with pytest.raises(RuntimeError), registry.atomic_path(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("the compiler died")
+    assert path.read_text() == "built" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_no_module_renames_a_written_file_into_place_but_the_registry():
+    """os.replace / os.rename / Path.rename appear only in models/registry.py's atomic_path, and
+    where a finished folder is published (not a file: atomic_path does not apply)."""
+    import ast
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    folders = {"models/convert.py", "models/kernels/llama_cpp.py", "launch/ov_peer_worker.py"}
+    found = []
+    for package in ("models", "spec_jax", "training", "experiments", "launch", "scripts"):
+        for path in sorted((root / package).rglob("*.py")):
+            rel = str(path.relative_to(root))
+            if rel == "models/registry.py" or rel in folders:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                func = getattr(node, "func", None)
+                if not isinstance(node, ast.Call) or not isinstance(func, ast.Attribute):
+                    continue
+                owner = getattr(func.value, "id", None)
+                if (owner == "os" and func.attr in ("replace", "rename")) or func.attr == "rename":
+                    found.append(f"{rel}:{node.lineno}")
+                elif func.attr == "replace" and len(node.args) == 1 and not node.keywords:
+                    found.append(f"{rel}:{node.lineno}")  # Path.replace(target)
+    assert not found, f"write files with models.registry.atomic_write / atomic_path: {found}"

@@ -1,4 +1,4 @@
-"""Draft-head training (spec_jax.training, launch.train): it learns what it should, the same config
+"""Draft-head training (the training package, launch.train): it learns what it should, the same config
 and seed give the same parameters, a resumed run equals an uninterrupted one (also after a
 SIGKILL), and bad settings get one clear error."""
 
@@ -16,7 +16,10 @@ import pytest
 from test_ngram import cycle_following_target
 
 import models
-from spec_jax import features, training
+import training
+from spec_jax import head_checkpoint
+from training import features, loss
+from training.head import initial_params
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VOCAB = 16
@@ -75,7 +78,7 @@ def test_a_head_trained_on_the_cycle_drafts_it_and_a_misaligned_loss_does_not(cy
     def misaligned(tokens, feats):  # the goal one position early: f_j where f_{j+1} belongs
         return feats[:, :-1], tokens[:, 1:], feats[:, :-1]
 
-    monkeypatch.setattr(training, "training_pairs", misaligned)
+    monkeypatch.setattr(loss, "training_pairs", misaligned)
     broken = run(cycle, tmp_path / "broken", steps=200)
     assert broken.best["acc_1"] < 0.3
 
@@ -87,7 +90,7 @@ def test_a_training_batch_pairs_each_windows_tokens_with_its_own_features():
     tokens = np.repeat(np.arange(n, dtype=np.int32)[:, None], t, axis=1)
     feats = np.broadcast_to(np.arange(n, dtype=np.float16)[:, None, None], (n, t, 3)).copy()
     data = features.FeatureSet(features.Windows(tokens, np.ones((n, t), bool)), feats, tokens)
-    tok, mask, f = training.training_batch(data, np.array([4, 1, 3]))
+    tok, mask, f = loss.training_batch(data, np.array([4, 1, 3]))
     np.testing.assert_array_equal(np.asarray(f)[:, :, 0], np.asarray(tok))
     assert bool(np.all(mask))
 
@@ -108,7 +111,7 @@ def test_resuming_with_other_settings_is_refused(cycle, tmp_path):
 def test_a_trained_head_loads_for_its_target_only(cycle, tmp_path):
     target, _ = cycle
     run(cycle, tmp_path / "w", steps=20)
-    head, ids, meta = training.load_head(tmp_path / "w", target)
+    head, ids, meta = head_checkpoint.load_head(tmp_path / "w", target)
     assert head.config.kind == "draft_head" and ids.tolist() == list(range(VOCAB))
     assert meta["target"]["name"] == target.config.name
     other = models.random_model(
@@ -119,9 +122,9 @@ def test_a_trained_head_loads_for_its_target_only(cycle, tmp_path):
     )
     for wrong in (other, wider):
         with pytest.raises(ValueError, match="was trained for target"):
-            training.load_head(tmp_path / "w", wrong)
+            head_checkpoint.load_head(tmp_path / "w", wrong)
     with pytest.raises(ValueError, match="no trained head"):
-        training.load_head(tmp_path / "empty", target)
+        head_checkpoint.load_head(tmp_path / "empty", target)
 
 
 @pytest.mark.parametrize(
@@ -152,6 +155,7 @@ def test_the_cli_refuses_bad_settings_with_one_line(tmp_path):
     for args, message in [
         (["--config.corpora=poetry"], "corpora: unknown corpus poetry"),
         (["--config.head_mlp_dim=100000"], "head_mlp_dim: must be an integer in [1, 96]"),
+        (["--config.nosuch=3"], "--config.nosuch: not a setting of this config (settings: batch_size,"),
     ]:
         proc = cli(*args, workdir=tmp_path / "w", output_dir=tmp_path / "out")
         out, err = proc.communicate(timeout=300)
@@ -229,15 +233,15 @@ def test_an_identity_started_head_outputs_the_feature_it_reads(cycle):
     target, (train_set, _) = cycle
     c = config(identity_init=True, init_from_target=True)
     hcfg = training.head_config(c, target.config)
-    params = training.initial_params(c, hcfg, target)
-    tokens, _, feats = training.training_batch(train_set, np.arange(2))
+    params = initial_params(c, hcfg, target)
+    tokens, _, feats = loss.training_batch(train_set, np.arange(2))
     positions = np.broadcast_to(np.arange(feats.shape[1]), tokens.shape)
     cache = draft_head.new_cache(hcfg, 2, feats.shape[1])
     hidden, _ = draft_head.forward(
         hcfg, params, feats, tokens, positions, cache, target.params["embed"]["embedding"]
     )
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(feats), rtol=0, atol=1e-6)
-    plain = training.initial_params(config(init_from_target=True), hcfg, target)
+    plain = initial_params(config(init_from_target=True), hcfg, target)
     hidden, _ = draft_head.forward(
         hcfg, plain, feats, tokens, positions, cache, target.params["embed"]["embedding"]
     )

@@ -2,7 +2,7 @@
 
 `--config=launch/configs/draft_head.py:quick` is the tiny variant the tests run (a random
 target, seconds). Override any setting on the command line, e.g. `--config.steps=2000
---config.head_mlp_dim=2048`; the settings are documented in spec_jax/training.py
+--config.head_mlp_dim=2048`; the settings are documented in training/config.py
 (default_config) and docs/training.md.
 """
 

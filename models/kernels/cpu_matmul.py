@@ -14,7 +14,7 @@ and jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/` with its sha256 besi
 before each load: models.kernels.libraries.verified_build), loads it and registers its three
 targets with XLA; it returns False, with one warning, where it cannot (not x86-64, a CPU without
 the ISA's instructions, no compiler), and the models then use XLA's own products.
-`matmul(x, w, scale)` is y[M, N] = x[M, K] . w[N, K]^T (* scale[N] for int8 weights), float32 out;
+`matmul(x, w, scale)` is y[M, O] = x[M, I] . w[O, I]^T (* scale[O] for int8 weights), float32 out;
 `attention(q, k, v, q_positions, kv_lengths)` is models.kernels' attention contract, each query
 computed alone (so a verification call's rows equal decode steps' bit for bit).
 """
@@ -32,6 +32,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from models import machine
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 ROWWISE_SOURCE = SOURCE.with_name("cpu_rowwise.cc")  # in the same library: attention, RMSNorm
@@ -63,12 +65,8 @@ def _cpu_flags() -> frozenset | str:
     """The CPU's feature flags, or why they cannot be read."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}, the kernel is written for x86-64 (AVX2 + FMA or AVX-512)"
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "cannot read /proc/cpuinfo to check the CPU's instruction sets"
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    flags = machine.cpu_flags()
+    return "cannot read /proc/cpuinfo to check the CPU's instruction sets" if flags is None else flags
 
 
 def isa() -> str:
@@ -178,12 +176,12 @@ def _load(isa_name: str) -> bool:
     return False
 
 
-def matmul(x_mk, w_nk, scale_n=None, isa_name: str | None = None):
-    """y [M, N] float32 = x [M, K] . w [N, K]^T (* scale [N] when w is int8), on the CPU kernel
+def matmul(x_mi, w_oi, scale_o=None, isa_name: str | None = None):
+    """y [M, O] float32 = x [M, I] . w [O, I]^T (* scale [O] when w is int8), on the CPU kernel
     built for isa_name (default: isa()); that build must be available()."""
-    target = target_name(jnp.dtype(w_nk.dtype).name, isa_name or isa())
-    out = jax.ShapeDtypeStruct((x_mk.shape[0], w_nk.shape[0]), jnp.float32)
-    args = (x_mk.astype(jnp.float32), w_nk) + (() if scale_n is None else (scale_n.astype(jnp.float32),))
+    target = target_name(jnp.dtype(w_oi.dtype).name, isa_name or isa())
+    out = jax.ShapeDtypeStruct((x_mi.shape[0], w_oi.shape[0]), jnp.float32)
+    args = (x_mi.astype(jnp.float32), w_oi) + (() if scale_o is None else (scale_o.astype(jnp.float32),))
     # Under vmap (per-prompt decoding) the kernel runs once per batch element.
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 

@@ -7,8 +7,8 @@ its targets. `available()` is False, with one warning, where it cannot (no cmake
 registry to fetch the source from, not x86-64 Linux): the GGUF precisions then need XLA's path
 (models.precision), which dequantizes in the graph.
 
-`matmul(x, data, ggml_type, quantize_x)` is y[M, N] float32 = x[M, K] . W[N, K]^T for a weight
-whose N rows of blocks are data [N, row_bytes] (uint8); `rows(indices, data, ggml_type, k)`
+`matmul(x, data, ggml_type, quantize_x)` is y[M, O] float32 = x[M, I] . W[O, I]^T for a weight
+whose O rows of blocks are data [O, Y] (uint8); `rows(indices, data, ggml_type, k)`
 dequantizes rows of a table (an embedding); `quantize(w, ggml_type)` quantizes float rows with
 ggml (tests, and models cast to a GGUF precision).
 """
@@ -119,7 +119,7 @@ def row_bytes(ggml_type: int, k: int) -> int:
 
 
 def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
-    """float rows w [N, K] in block format ggml_type with ggml's quantizer: uint8 [N, row_bytes]."""
+    """float rows w [O, I] in block format ggml_type with ggml's quantizer: uint8 [O, Y]."""
     library = _library()
     if isinstance(library, str):
         raise KernelUnavailable(library)
@@ -131,8 +131,8 @@ def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
     return out
 
 
-def interleave_q4k(data_nb: np.ndarray) -> np.ndarray:
-    """Q4_K rows [N, row_bytes] (N a multiple of 8) -> the same bytes with each group of 8 rows'
+def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
+    """Q4_K rows [O, Y] (O a multiple of 8) -> the same bytes with each group of 8 rows'
     blocks interleaved (ggml's block_q4_Kx8, as llama.cpp's CPU backend repacks Q4_K): what
     matmul(..., interleaved=True) reads."""
     from gguf import GGMLQuantizationType as T
@@ -140,15 +140,15 @@ def interleave_q4k(data_nb: np.ndarray) -> np.ndarray:
     library = _library()
     if isinstance(library, str):
         raise KernelUnavailable(library)
-    data_nb = np.ascontiguousarray(data_nb, np.uint8)
-    k = data_nb.shape[1] // 144 * 256
-    if data_nb.ndim != 2 or data_nb.shape[0] % 8 or row_bytes(T.Q4_K.value, k) != data_nb.shape[1]:
+    data_oy = np.ascontiguousarray(data_oy, np.uint8)
+    k = data_oy.shape[1] // 144 * 256
+    if data_oy.ndim != 2 or data_oy.shape[0] % 8 or row_bytes(T.Q4_K.value, k) != data_oy.shape[1]:
         raise ValueError(
-            f"interleave_q4k: Q4_K rows [N, row_bytes] with N a multiple of 8, got {data_nb.shape}"
+            f"interleave_q4k: Q4_K rows [N, row_bytes] with N a multiple of 8, got {data_oy.shape}"
         )
-    out = np.empty_like(data_nb)
+    out = np.empty_like(data_oy)
     if (
-        library.SpecJaxGgufInterleaveQ4K(data_nb.ctypes.data, out.ctypes.data, data_nb.shape[0], k)
+        library.SpecJaxGgufInterleaveQ4K(data_oy.ctypes.data, out.ctypes.data, data_oy.shape[0], k)
         != out.size
     ):
         raise KernelUnavailable("ggml Q4_K interleave wrote the wrong number of bytes")
@@ -156,15 +156,15 @@ def interleave_q4k(data_nb: np.ndarray) -> np.ndarray:
 
 
 def matmul(
-    x_mk,
-    data_nb,
+    x_mi,
+    data_oy,
     ggml_type: int,
     quantize_x: bool,
     ggml_dot: bool = False,
     interleaved: bool = False,
     bulk: bool = False,
 ):
-    """y [M, N] float32 = x [M, K] . W^T for W's rows of blocks data [N, row_bytes]. ggml_dot:
+    """y [M, O] float32 = x [M, I] . W^T for W's rows of blocks data [O, Y]. ggml_dot:
     every (row, column) by ggml's own calls (to_float + its f32 vec_dot, or its quantized
     vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare).
     interleaved: data is Q4_K in interleave_q4k's layout (quantize_x only), multiplied by the
@@ -172,11 +172,11 @@ def matmul(
     (ggml_gemv_q4_K_8x8_q8_K; ggml_dot calls that gemv, one call per row of x); with bulk, rows
     in groups of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K (faster, but a row's bits then depend on
     the call's row count: for a prefill only)."""
-    out = jax.ShapeDtypeStruct((x_mk.shape[0], data_nb.shape[0]), jnp.float32)
+    out = jax.ShapeDtypeStruct((x_mi.shape[0], data_oy.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
     return call(
-        x_mk.astype(jnp.float32),
-        data_nb,
+        x_mi.astype(jnp.float32),
+        data_oy,
         ggml_type=np.int64(ggml_type),
         quantize_x=bool(quantize_x),
         ggml_dot=bool(ggml_dot),
@@ -185,9 +185,9 @@ def matmul(
     )
 
 
-def rows(indices, data_vb, ggml_type: int, k: int):
-    """Rows [..., K] float32 of a block-format table data [V, row_bytes] at integer indices [...]."""
+def rows(indices, data_vy, ggml_type: int, k: int):
+    """Rows [..., I] float32 of a block-format table data [V, Y] at integer indices [...]."""
     flat = indices.reshape(-1).astype(jnp.int32)
     out = jax.ShapeDtypeStruct((flat.shape[0], k), jnp.float32)
     call = jax.ffi.ffi_call(ROWS_TARGET, out, vmap_method="sequential")
-    return call(flat, data_vb, ggml_type=np.int64(ggml_type)).reshape(*indices.shape, k)
+    return call(flat, data_vy, ggml_type=np.int64(ggml_type)).reshape(*indices.shape, k)

@@ -1,16 +1,5 @@
-"""The native libraries that compiled programs call by name, and one digest of their builds.
-
-A program that uses this project's CPU kernel holds an XLA FFI custom call to a target name
-(`spec_jax_matmul_int8_avx512`, ...), not the kernel's code: the name is looked up in the
-targets registered in the process (cpu_matmul.available()) when the program is loaded. JAX's
-persistent compilation cache keys a program by its HLO, which holds the name, so an executable
-compiled while one build of a library was registered would be found again after the library is
-rebuilt from another source under the same names. `build_digest()` names the builds instead,
-and spec_jax.executables keeps its store of compiled programs in a folder per digest.
-
-Each library of FFI targets adds its build's key to `build_digest`'s parts: cpu_matmul's
-(products, attention, RMSNorm) and gguf_matmul's (the GGUF block products, linked against
-llama_cpp's build of ggml).
+"""Building the native libraries that compiled programs call by name (models.kernels.builds
+names their builds).
 
 `verified_build` is the one way a library is built and found again: in its cache folder only
 when that folder is this user's own (owned by them, writable by no one else), else in a private
@@ -21,31 +10,11 @@ checked before every load, and a library that does not match is built again.
 
 import atexit
 import functools
-import hashlib
 import os
 import pathlib
-import platform
 import shutil
 import tempfile
 from collections.abc import Callable
-
-
-def build_digest() -> str:
-    """16 hex digits naming the builds of every kernel library programs may call, and the CPU
-    they and XLA's code are built for: cpu_matmul's library names for each ISA (source, compiler
-    flags and jax version), gguf_matmul's library name (likewise), llama.cpp's build folder name (its version, compilers, CPU flags and
-    cmake options), the machine and its /proc/cpuinfo flags. Nothing is built or loaded."""
-    from models.kernels import cpu_matmul, gguf_matmul, llama_cpp
-
-    flags = cpu_matmul._cpu_flags()
-    parts = [
-        *(cpu_matmul.library_path(isa_name=name).name for name in sorted(cpu_matmul.ISAS)),
-        llama_cpp.build_dir().name,
-        gguf_matmul.library_path().name,
-        platform.machine(),
-        flags if isinstance(flags, str) else " ".join(sorted(flags)),
-    ]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 class LibraryMismatch(OSError):
@@ -71,16 +40,10 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
         if _matches(path):  # built by another process meanwhile
             return path
         registry.remove_dead_tmp(folder, label)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=registry.tmp_prefix(label), suffix=path.suffix)
-        os.close(fd)
-        try:
-            compile_to(tmp)
+        with registry.atomic_path(path, label=label, suffix=path.suffix) as tmp:
+            compile_to(str(tmp))
             digest = registry.sha256_file(tmp)
-            os.replace(tmp, path)
-            registry.write_text_atomic(_digest_path(path), digest + "\n")  # after the library
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        registry.write_text_atomic(_digest_path(path), digest + "\n")  # after the library
     if not _matches(path):
         raise LibraryMismatch(f"{path}: its sha256 does not match {_digest_path(path)} after building it")
     return path

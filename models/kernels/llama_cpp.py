@@ -14,7 +14,6 @@ to the registry, no cmake, no C++ compiler.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import pathlib
@@ -22,6 +21,8 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+
+from models import machine
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -93,16 +94,9 @@ def _compiler_key() -> str:
     for tool in ("cc", "c++"):
         exe = shutil.which(os.environ.get(tool.upper().replace("+", "X"), tool)) or ""
         parts.append(exe)
-    with contextlib.suppress(OSError):
-        flags = next(
-            (
-                line
-                for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("flags")
-            ),
-            "",
-        )
-        parts.append(flags)
+    info = machine.cpuinfo()
+    if info is not None:  # the line as /proc/cpuinfo writes it (the key of existing builds)
+        parts.append(f"flags\t\t: {info['flags']}" if "flags" in info else "")
     parts.extend(CMAKE_OPTIONS)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
