@@ -7,10 +7,10 @@
   python -m launch.bench --suite=roofline   # bytes per step vs measured memory bandwidth
   python -m launch.bench --suite=attention  # the attention kernels vs the XLA reference
   python -m launch.bench --suite=peer,decode,roofline   # together: the models load once
-  python -m launch.bench --suite=decode --set=gammas=3,4 --set=repeats=5
+  python -m launch.bench --suite=decode --config.gammas=3,4 --config.repeats=5
 
 Each suite is an experiment (experiments/bench_*.py) and `--suite=X` is `python -m
-launch.experiment --experiment=X`: the same --quick, --output_dir, --set=KEY=VALUE and
+launch.experiment --experiment=X`: the same --quick, --output_dir, --config.KEY=VALUE and
 --gammas / --seed flags, the same outputs (X.md, X.csv, X.json in experiments/results/, with
 the command, git revision, machine and peak RSS). Suites given together run in the order
 above (peer before decode, so that the peer libraries load before this project's models are resident).
@@ -45,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    common.run(main, config_overrides=True)

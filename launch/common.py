@@ -3,6 +3,7 @@ and JAX's persistent compilation cache (on unless --nocompilation_cache or
 $SPEC_JAX_COMPILATION_CACHE=0)."""
 
 import json
+import functools
 import math
 import os
 import sys
@@ -52,11 +53,35 @@ def _unavailable_errors() -> tuple:
     )
 
 
-def parse_flags(argv):
-    """absl flag parsing that reports a bad flag in one line and exits 2 (no usage dump, no traceback)."""
+CONFIG_PREFIX = "--config."
+
+
+def config_overrides_as_set(argv: list[str]) -> list[str]:
+    """argv with each `--config.KEY=VALUE` (ml_collections' override syntax, which launch.train's
+    config flag takes) handed to the repeatable `--set` flag as KEY=VALUE, so that the entry
+    points whose configs are chosen by another flag (launch.experiment's --experiment,
+    launch.bench's --suite) take the same syntax and one parser reads both. ValueError for
+    `--config.KEY` without `=VALUE`."""
+    out = []
+    for arg in argv:
+        if arg.startswith((CONFIG_PREFIX, "-config.")):
+            key, sep, value = arg.lstrip("-")[len("config.") :].partition("=")
+            if not sep or not key:
+                raise ValueError(f"--config.{key}: expected --config.KEY=VALUE, got {arg!r}")
+            out.append(f"--set={key}={value}")
+        else:
+            out.append(arg)
+    return out
+
+
+def parse_flags(argv, config_overrides: bool = False):
+    """absl flag parsing that reports a bad flag in one line and exits 2 (no usage dump, no
+    traceback); with config_overrides, `--config.KEY=VALUE` is read as `--set=KEY=VALUE`."""
     try:
+        if config_overrides:
+            argv = [argv[0], *config_overrides_as_set(argv[1:])]
         return flags.FLAGS(argv)
-    except flags.Error as e:
+    except (flags.Error, ValueError) as e:
         fail(str(e).splitlines()[0])
 
 
@@ -80,11 +105,11 @@ def enable_compilation_cache():
     return folder
 
 
-def run(main, compilation_cache: bool = True):
+def run(main, compilation_cache: bool = True, config_overrides: bool = False):
     """app.run(main) where a ValueError from main is bad input (one line on stderr, exit code
     2) and data that cannot be fetched or cached is one line on stderr with exit code 1. With
     compilation_cache (entry points that compile), the persistent compilation cache is enabled
-    before main (enable_compilation_cache)."""
+    before main (enable_compilation_cache); config_overrides: see parse_flags."""
 
     def guarded(argv):
         if not flags.FLAGS["verbosity"].present:
@@ -100,7 +125,7 @@ def run(main, compilation_cache: bool = True):
                 raise
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__, code=1)
 
-    app.run(guarded, flags_parser=parse_flags)
+    app.run(guarded, flags_parser=functools.partial(parse_flags, config_overrides=config_overrides))
 
 
 def finite_json(value):

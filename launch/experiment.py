@@ -7,8 +7,9 @@ Examples:
   python -m launch.experiment --experiment=peer,decode,roofline   # one process: models load once
 
 --alphas, --gammas, --num_rounds and --seed override the config of each experiment that has
-that setting; --set=KEY=VALUE overrides any other setting (e.g. --set=vocab_size=16), in every
-named experiment that has it (it is an error if none has). Bad flags and bad input exit with
+that setting; --config.KEY=VALUE overrides any other setting (e.g. --config.vocab_size=16), in
+every named experiment that has it (it is an error if none has): the override syntax of
+launch.train's configs (--set=KEY=VALUE is the same thing, read by the same parser). Bad flags and bad input exit with
 code 2 and one line on stderr; an experiment whose own check fails (e.g. simulation off
 theory) still writes its outputs, then exits 1; data that cannot be fetched (a corpus or model
 download) is one line on stderr and exit code 1.
@@ -36,7 +37,10 @@ flags.DEFINE_list(
 flags.DEFINE_integer("num_rounds", None, "Simulated rounds per cell, overriding the config.")
 flags.DEFINE_integer("seed", None, "Random seed, overriding the config.")
 flags.DEFINE_multi_string(
-    "set", [], "KEY=VALUE: override any config setting (repeatable; tuples as comma-separated items)."
+    "set",
+    [],
+    "KEY=VALUE: the same as --config.KEY=VALUE, which overrides any config setting (repeatable; "
+    "tuples as comma-separated items).",
 )
 
 
@@ -74,20 +78,20 @@ def overrides_from_flags(name: str) -> dict:
     for item in FLAGS.set:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise common.UsageError(f"--set: expected KEY=VALUE, got {item!r}")
+            raise common.UsageError(f"--config.KEY=VALUE expected, got --set={item!r}")
         if key in config:
             try:
                 overrides[key] = framework.parse_setting(config, key, text)
             except ValueError as e:
-                raise common.UsageError(f"--set {e}") from None
+                raise common.UsageError(f"--config.{e}") from None
     return {k: v for k, v in overrides.items() if k in config}
 
 
 def check_every_setting_applies(names: list[str]) -> None:
-    """UsageError for a --set key or dedicated flag that none of the named experiments has."""
+    """UsageError for a --config.KEY or dedicated flag that none of the named experiments has."""
     configs = [experiments.load(n).get_config(FLAGS.quick) for n in names]
     given = [(f"--{k}", k) for k in ("alphas", "gammas", "num_rounds", "seed") if FLAGS[k].value is not None]
-    given += [(f"--set {item.partition('=')[0]}", item.partition("=")[0]) for item in FLAGS.set]
+    given += [(f"--config.{item.partition('=')[0]}", item.partition("=")[0]) for item in FLAGS.set]
     for flag, key in given:
         if key and not any(key in c for c in configs):
             known = sorted({k for c in configs for k in c.to_dict()})
@@ -110,9 +114,9 @@ def run_named(names: list[str], flag: str = "experiment") -> int:
         try:
             framework.make_config(name, quick=FLAGS.quick, overrides=overrides[name])
             framework.prepare_output_dir(FLAGS.output_dir)
-        except ValueError as e:  # the message starts with the config key, a flag's name or a --set key
+        except ValueError as e:  # the message starts with the config key or a flag's name
             key = str(e).split(":", 1)[0]
-            raise common.UsageError(f"--{e}" if key in FLAGS else f"--set {e}") from None
+            raise common.UsageError(f"--{e}" if key in FLAGS else f"--config.{e}") from None
 
     module = "launch." + os.path.basename(sys.argv[0]).removesuffix(".py")
     command = shlex.join(["python", "-m", module, *sys.argv[1:]])
@@ -141,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    common.run(main, config_overrides=True)

@@ -54,7 +54,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
         "--suite=roofline,decode,peer",  # run in the registry's order: peer, decode, roofline
         "--quick",
         f"--output_dir={tmp_path}",
-        f"--set=peer_python={sys.executable}",
+        f"--config.peer_python={sys.executable}",
     )
     assert result.returncode == 0, result.stderr
     written = [line.rsplit("/", 1)[-1] for line in result.stdout.splitlines() if line.endswith(".json")]
@@ -125,8 +125,8 @@ def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(tmp
         "--suite=peer",
         "--quick",
         f"--output_dir={tmp_path}",
-        "--set=peer_python=/nonexistent/python",
-        "--set=peers=hf,ov",
+        "--config.peer_python=/nonexistent/python",
+        "--config.peers=hf,ov",
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -144,8 +144,8 @@ def test_peer_suite_without_any_peer_library_skips_before_loading_any_model(tmp_
     result = bench(
         "--suite=peer",
         f"--output_dir={tmp_path}",
-        f"--set=peer_python={sys.executable}",
-        "--set=peers=hf,ov",
+        f"--config.peer_python={sys.executable}",
+        "--config.peers=hf,ov",
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
@@ -161,9 +161,9 @@ def test_peer_suite_runs_one_peer_library_alone(tmp_path):
         "--suite=peer",
         "--quick",
         f"--output_dir={tmp_path}",
-        f"--set=peer_python={sys.executable}",
-        "--set=peers=ov",
-        "--set=repeats=1",
+        f"--config.peer_python={sys.executable}",
+        "--config.peers=ov",
+        "--config.repeats=1",
     )
     assert result.returncode == 0, result.stderr
     peer = read_report(tmp_path, "peer")
@@ -182,10 +182,10 @@ def test_llama_cpp_peer_needs_no_reference_interpreter(tmp_path):
         "--suite=peer",
         "--quick",
         f"--output_dir={tmp_path}",
-        "--set=peer_python=/nonexistent/python",
-        "--set=peers=llama,hf",
-        "--set=llama_draft_n_max=1,3",
-        "--set=repeats=1",
+        "--config.peer_python=/nonexistent/python",
+        "--config.peers=llama,hf",
+        "--config.llama_draft_n_max=1,3",
+        "--config.repeats=1",
     )
     assert result.returncode == 0, result.stderr
     (skipped,) = [line for line in result.stdout.splitlines() if "skipped" in line]
@@ -206,20 +206,20 @@ def test_llama_cpp_peer_needs_no_reference_interpreter(tmp_path):
         (["--suite=nope"], "--suite"),
         (["--suite=table1"], "--suite"),
         (["--suite=decode", "--gammas=0"], "--gammas"),
-        (["--suite=decode", "--set=batch_sizes=x"], "--set batch_sizes"),
-        (["--suite=decode", "--set=temperatures=-1"], "--set temperatures"),
-        (["--suite=decode", "--set=num_prompts=9"], "--set num_prompts"),
-        (["--suite=decode", "--set=drafters=model,lookahead"], "--set drafters"),
-        (["--suite=decode", "--set=suffix_threshold=-0.1"], "--set suffix_threshold"),
-        (["--suite=decode", "--set=prompt_set=closed"], "--set prompt_set"),
-        (["--suite=decode", "--set=max_ngram=0"], "--set max_ngram"),
-        (["--suite=decode", "--set=draft_threshold=1.0"], "--set draft_threshold"),
-        (["--suite=loop", "--set=no_such=1"], "--set no_such"),
-        (["--suite=peer", "--set=hf_dtype=float16"], "--set hf_dtype"),
-        (["--suite=peer", "--set=peers=hf,vllm"], "--set peers"),
-        (["--suite=peer", "--set=llama_draft_n_max=0"], "--set llama_draft_n_max"),
-        (["--suite=peer", "--set=llama_draft_n_max=2,2"], "--set llama_draft_n_max"),
-        (["--suite=peer", "--set=prompt_set=closed"], "--set prompt_set"),
+        (["--suite=decode", "--config.batch_sizes=x"], "--config.batch_sizes"),
+        (["--suite=decode", "--config.temperatures=-1"], "--config.temperatures"),
+        (["--suite=decode", "--config.num_prompts=9"], "--config.num_prompts"),
+        (["--suite=decode", "--config.drafters=model,lookahead"], "--config.drafters"),
+        (["--suite=decode", "--config.suffix_threshold=-0.1"], "--config.suffix_threshold"),
+        (["--suite=decode", "--config.prompt_set=closed"], "--config.prompt_set"),
+        (["--suite=decode", "--config.max_ngram=0"], "--config.max_ngram"),
+        (["--suite=decode", "--config.draft_threshold=1.0"], "--config.draft_threshold"),
+        (["--suite=loop", "--config.no_such=1"], "--config.no_such"),
+        (["--suite=peer", "--config.hf_dtype=float16"], "--config.hf_dtype"),
+        (["--suite=peer", "--config.peers=hf,vllm"], "--config.peers"),
+        (["--suite=peer", "--config.llama_draft_n_max=0"], "--config.llama_draft_n_max"),
+        (["--suite=peer", "--config.llama_draft_n_max=2,2"], "--config.llama_draft_n_max"),
+        (["--suite=peer", "--config.prompt_set=closed"], "--config.prompt_set"),
     ],
 )
 def test_bench_rejects_bad_flags_in_one_line(args, message):

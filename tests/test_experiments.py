@@ -248,14 +248,16 @@ def test_precision_drift_quick_compares_each_precision_with_float32(tmp_path):
         (["--experiment=theory_vs_simulation", "--gammas=1,2.5"], "--gammas: '2.5' is not an integer"),
         (["--experiment=table1", "--gammas=3"], "--gammas: not a setting of table1"),
         (["--experiment=table1", "--output_dir=/dev/null/x"], "--output_dir"),
-        (["--experiment=table1", "--set=c=-1"], "--set c: must be a number >= 0"),
-        (["--experiment=table1", "--set=c=abc"], "--set c: 'abc' is not a valid float"),
-        (["--experiment=theory_vs_simulation", "--set=no_such_key=1"], "--set no_such_key: not a setting"),
+        (["--experiment=table1", "--config.c=-1"], "--config.c: must be a number >= 0"),
+        (["--experiment=table1", "--config.c=abc"], "--config.c: 'abc' is not a valid float"),
+        (["--experiment=theory_vs_simulation", "--config.no_such_key=1"], "--config.no_such_key: not a setting"),
         (
-            ["--experiment=table3", "--set=tasks=code,poetry"],
-            "--set tasks: each task must be one of code, news",
+            ["--experiment=table3", "--config.tasks=code,poetry"],
+            "--config.tasks: each task must be one of code, news",
         ),
         (["--experiment=walltime", "--gammas=1,0"], "--gammas: each gamma must be an integer >= 1, got 0"),
+        (["--experiment=table1", "--set=c=-1"], "--config.c: must be a number >= 0"),  # the alias
+        (["--experiment=table1", "--config.c"], "--config.c: expected --config.KEY=VALUE"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(args, message):
@@ -265,6 +267,15 @@ def test_cli_bad_input_exits_2_with_one_line(args, message):
     assert len(lines) == 1, result.stderr
     assert message in lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("override", ["--config.c=0.25", "--set=c=0.25"])
+def test_config_overrides_and_their_set_alias_reach_the_experiments_config(tmp_path, override):
+    """--config.KEY=VALUE (launch.train's syntax) sets an experiment's setting; --set=KEY=VALUE
+    is the same thing through the same parser."""
+    result = run_cli("--experiment=table1", "--quick", override, f"--output_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "table1.json").read_text())["config"]["c"] == 0.25
 
 
 def test_cli_runs_an_experiment_into_output_dir(tmp_path):
