@@ -2,8 +2,8 @@
 and JAX's persistent compilation cache (on unless --nocompilation_cache or
 $SPEC_JAX_COMPILATION_CACHE=0)."""
 
-import json
 import functools
+import json
 import math
 import os
 import sys

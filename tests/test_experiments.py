@@ -250,7 +250,10 @@ def test_precision_drift_quick_compares_each_precision_with_float32(tmp_path):
         (["--experiment=table1", "--output_dir=/dev/null/x"], "--output_dir"),
         (["--experiment=table1", "--config.c=-1"], "--config.c: must be a number >= 0"),
         (["--experiment=table1", "--config.c=abc"], "--config.c: 'abc' is not a valid float"),
-        (["--experiment=theory_vs_simulation", "--config.no_such_key=1"], "--config.no_such_key: not a setting"),
+        (
+            ["--experiment=theory_vs_simulation", "--config.no_such_key=1"],
+            "--config.no_such_key: not a setting",
+        ),
         (
             ["--experiment=table3", "--config.tasks=code,poetry"],
             "--config.tasks: each task must be one of code, news",
