@@ -145,7 +145,7 @@ def trimmed(draft, config):
     """The draft, vocabulary-trimmed to config.draft_vocab tokens when that is set."""
     if not config.draft_vocab:
         return draft
-    from experiments import corpora
+    from spec_jax import corpora
     from spec_jax import drafters
 
     stop = getattr(draft.tokenizer, "stop_ids", ())
@@ -167,7 +167,7 @@ def drafts_for(target, config) -> dict:
     out = {}
     tables = None
     if "suffix" in drafters:
-        from experiments import corpora
+        from spec_jax import corpora
 
         vocab = target.config.vocab_size
         if config.target in common.TINY_MODELS:  # tiny models have no tokenizer: their own text only

@@ -20,7 +20,8 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from experiments import common, corpora, framework, heads
+from experiments import common, framework, heads
+from spec_jax import corpora
 from spec_jax import acceptance, autogamma
 
 TITLE = "Training an acceptance head (SpecDec++) that decides the draft length"

@@ -14,7 +14,8 @@ import time
 
 import jax
 
-from experiments import common, corpora, framework, heads
+from experiments import common, framework, heads
+from spec_jax import corpora
 from spec_jax import training
 
 TITLE = "Training a draft head on the target's features (EAGLE-1 loss, AdamW, orbax checkpoints)"

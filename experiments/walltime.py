@@ -30,7 +30,8 @@ import ml_collections
 import tqdm
 
 import spec_jax
-from experiments import common, corpora, framework
+from experiments import common, framework
+from spec_jax import corpora
 from spec_jax import metrics, theory, timing
 from spec_jax.sampling import SamplingParams
 

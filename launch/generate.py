@@ -328,7 +328,7 @@ def draft_vocab_from_flag(vocab: int) -> int:
 
 def trimmed_draft(draft, stop_ids, count: int):
     """The draft as a (drafter, params) pair proposing `count` tokens (VocabTrim)."""
-    from experiments import corpora
+    from spec_jax import corpora
     from spec_jax import drafters
 
     vocab = draft.config.vocab_size
@@ -361,11 +361,11 @@ def make_draft(target, draft):
             raise common.UsageError(f"--drafter=head: {e}") from None
     sequences = tables = None
     if FLAGS.drafter in ("unigram", "bigram"):
-        from experiments import corpora
+        from spec_jax import corpora
 
         sequences = corpora.training_sequences(target.tokenizer)
     if FLAGS.drafter == "suffix":
-        from experiments import corpora
+        from spec_jax import corpora
 
         vocab = target.config.vocab_size
         tables = corpora.suffix_tables(FLAGS.target, target.tokenizer, vocab, FLAGS.max_ngram)

@@ -16,9 +16,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from experiments import corpora
+from spec_jax import corpora
 from models import registry
-from spec_jax import features, ngram
+from spec_jax import features
+from spec_jax.drafting import ngram
 
 VOCAB = 50
 SEQUENCES = [[1, 2, 3, 4, 1, 2, 3, 5] * 4, [7, 8, 9, 1, 2, 3] * 3]

@@ -229,12 +229,12 @@ def training_sequences(tokenizer, cache_dir=None) -> list[list[int]]:
 
 
 def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, always=(), cache_dir=None):
-    """The token set of a vocabulary-trimmed draft head (spec_jax.drafters.trim_vocabulary):
+    """The token set of a vocabulary-trimmed draft head (spec_jax.drafting.model.trim_vocabulary):
     the `count` most frequent tokens of the training documents of both tasks, with `always`
     (the stop tokens) included: sorted, distinct ids in [0, vocab_size), int64 [count].
     Counted once per model and count, cached as `$SPEC_JAX_CACHE/vocab_trim/MODEL-COUNT-ALWAYS.npy`
     (registry.cached_entry: locked, written atomically, a damaged file rebuilt once)."""
-    from spec_jax import ngram
+    from spec_jax.drafting import ngram
 
     always = sorted({int(i) for i in always})
     path = (
@@ -266,11 +266,11 @@ SUFFIX_TABLE_FIELDS = ("keys", "next_ids", "next_counts")
 
 
 def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, cache_dir=None):
-    """The suffix drafter's n-gram table (spec_jax.suffix.fit_suffix_tables) of the training
+    """The suffix drafter's n-gram table (spec_jax.drafting.suffix.fit_suffix_tables) of the training
     documents of both tasks, fitted once per model and max_ngram and cached as
     `$SPEC_JAX_CACHE/suffix/MODEL-N.npz` (registry.cached_entry: locked, written atomically, a
     damaged file (a zip or CRC error, a missing table, shapes that do not fit) rebuilt once)."""
-    from spec_jax import suffix
+    from spec_jax.drafting import suffix
 
     path = registry.cache_root(cache_dir) / "suffix" / f"{model_name}-{max_ngram}.npz"
 
