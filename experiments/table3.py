@@ -39,7 +39,7 @@ LOOKUP = "prompt_lookup"
 SUFFIX = "suffix"
 SUFFIX_NGRAM = 3
 HYBRID_PREFIX = "hybrid@"
-HEAD = "head"  # the target's trained draft head (experiments.heads.load_drafter, default workdir)
+HEAD = "head"  # the target's trained draft head (spec_jax.drafting.head.load_drafter, default workdir)
 
 
 def is_lookup(draft: str) -> bool:
@@ -264,9 +264,7 @@ def measure(config) -> list[dict]:
             if name == LOOKUP:
                 drafts[name] = dict.fromkeys(config.tasks, drafting.build(LOOKUP, target))
             elif name == HEAD:
-                from experiments import heads
-
-                drafts[name] = dict.fromkeys(config.tasks, heads.load_drafter(target))
+                drafts[name] = dict.fromkeys(config.tasks, drafting.build(HEAD, target))
             elif name.startswith(HYBRID_PREFIX):
                 model = common.load_model(name[len(HYBRID_PREFIX) :])
                 drafts[name] = dict.fromkeys(

@@ -16,9 +16,9 @@ import numpy as np
 
 from spec_jax import api
 from spec_jax.decode import PrefillInputs, layout, pad_prompts
+from spec_jax.drafting import as_drafter
 from spec_jax.executables import compiled
 from spec_jax.sampling import SamplingParams, row_keys
-from spec_jax.drafting import as_drafter
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
 

@@ -16,9 +16,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from spec_jax import corpora
 from models import registry
-from spec_jax import features
+from spec_jax import corpora, features
 from spec_jax.drafting import ngram
 
 VOCAB = 50
