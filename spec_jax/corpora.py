@@ -234,7 +234,7 @@ def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, alw
     (the stop tokens) included: sorted, distinct ids in [0, vocab_size), int64 [count].
     Counted once per model and count, cached as `$SPEC_JAX_CACHE/vocab_trim/MODEL-COUNT-ALWAYS.npy`
     (registry.cached_entry: locked, written atomically, a damaged file rebuilt once)."""
-    from spec_jax.drafting import ngram
+    from spec_jax.drafting.ngram import most_frequent
 
     always = sorted({int(i) for i in always})
     path = (
@@ -256,7 +256,7 @@ def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, alw
         return ids
 
     def write(path):
-        ids = ngram.most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
+        ids = most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
         registry.atomic_write(path, lambda f: np.save(f, ids))
 
     return registry.cached_entry(path, load, write)
@@ -270,7 +270,7 @@ def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, c
     documents of both tasks, fitted once per model and max_ngram and cached as
     `$SPEC_JAX_CACHE/suffix/MODEL-N.npz` (registry.cached_entry: locked, written atomically, a
     damaged file (a zip or CRC error, a missing table, shapes that do not fit) rebuilt once)."""
-    from spec_jax.drafting import suffix
+    from spec_jax.drafting.suffix import SuffixTables, fit_suffix_tables
 
     path = registry.cache_root(cache_dir) / "suffix" / f"{model_name}-{max_ngram}.npz"
 
@@ -289,10 +289,10 @@ def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, c
             or not np.isfinite(counts).all()
         ):
             raise ValueError("not tables of the shapes, types and token ids suffix.SuffixTables holds")
-        return suffix.SuffixTables(**{k: jnp.asarray(a) for k, a in arrays.items()})
+        return SuffixTables(**{k: jnp.asarray(a) for k, a in arrays.items()})
 
     def write(path):
-        tables = suffix.fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
+        tables = fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
         arrays = {k: np.asarray(getattr(tables, k)) for k in SUFFIX_TABLE_FIELDS}
         registry.atomic_write(path, lambda f: np.savez(f, **arrays))
 

@@ -12,10 +12,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spec_jax.decode import is_int
-from spec_jax.drafting import hybrid, lookup, ngram, suffix
 from spec_jax.drafting.base import Drafter
 from spec_jax.drafting.head import HeadDrafter, load_drafter
+from spec_jax.drafting.hybrid import HybridDrafter
+from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter
 from spec_jax.drafting.model import ModelDrafter, trim_vocabulary
+from spec_jax.drafting.ngram import fit_bigram, fit_unigram
+from spec_jax.drafting.suffix import SuffixDrafter, SuffixTables, fit_suffix_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +56,9 @@ class Settings:
 
     def validate(self) -> None:
         """ValueError naming the setting and its allowed values."""
-        if not is_int(self.max_ngram) or not 1 <= self.max_ngram <= lookup.MAX_NGRAM_LIMIT:
+        if not is_int(self.max_ngram) or not 1 <= self.max_ngram <= MAX_NGRAM_LIMIT:
             raise ValueError(
-                f"max_ngram must be an integer in [1, {lookup.MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
+                f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
             )
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t < 1.0:
@@ -66,7 +69,7 @@ class Settings:
 
 def as_drafter(draft) -> tuple[Drafter, Any]:
     """(drafter, params): a Model becomes (ModelDrafter(config), its params); a (drafter,
-    params) pair (e.g. from build or spec_jax.drafting.ngram.fit_bigram) is used as it is."""
+    params) pair (e.g. from build or spec_jax.drafting.fit_bigram) is used as it is."""
     if hasattr(draft, "config") and hasattr(draft, "params"):
         draft = ModelDrafter(draft.config), draft.params
     if not (isinstance(draft, tuple) and len(draft) == 2):
@@ -118,16 +121,16 @@ def _sequences(target, settings: Settings, kind: str):
 def _suffix(target, settings: Settings):
     vocab, tables = target.config.vocab_size, settings.tables
     if tables is None and settings.sequences is not None:
-        tables = suffix.fit_suffix_tables(settings.sequences, vocab, settings.max_ngram)
+        tables = fit_suffix_tables(settings.sequences, vocab, settings.max_ngram)
     elif tables is None and settings.corpus:
         from spec_jax import corpora
 
         tables = corpora.suffix_tables(target.config.name, target.tokenizer, vocab, settings.max_ngram)
-    if tables is not None and not isinstance(tables, suffix.SuffixTables):
+    if tables is not None and not isinstance(tables, SuffixTables):
         raise ValueError(
             f"tables must be a spec_jax.drafting.suffix.SuffixTables, got {type(tables).__name__}"
         )
-    drafter = suffix.SuffixDrafter(vocab, settings.max_ngram, float(settings.threshold))
+    drafter = SuffixDrafter(vocab, settings.max_ngram, float(settings.threshold))
     return drafter, (() if tables is None else tables)
 
 
@@ -147,20 +150,20 @@ def _head(target, settings: Settings):
 
 
 def _hybrid(target, settings: Settings):
-    prompt_lookup = lookup.PromptLookupDrafter(target.config.vocab_size, settings.max_ngram)
+    prompt_lookup = PromptLookupDrafter(target.config.vocab_size, settings.max_ngram)
     model, params = _model(target, settings, "hybrid")
-    return hybrid.HybridDrafter(prompt_lookup, model), params
+    return HybridDrafter(prompt_lookup, model), params
 
 
 # The registry: kind -> builder(target, settings) -> (drafter, params). One line per drafter.
 BUILDERS: dict[str, Callable[[Any, Settings], tuple[Drafter, Any]]] = {
     "model": _model,
     "head": _head,
-    "prompt_lookup": lambda t, s: (lookup.PromptLookupDrafter(t.config.vocab_size, s.max_ngram), ()),
+    "prompt_lookup": lambda t, s: (PromptLookupDrafter(t.config.vocab_size, s.max_ngram), ()),
     "suffix": _suffix,
     "hybrid": _hybrid,
-    "unigram": lambda t, s: ngram.fit_unigram(_sequences(t, s, "unigram"), t.config.vocab_size),
-    "bigram": lambda t, s: ngram.fit_bigram(_sequences(t, s, "bigram"), t.config.vocab_size),
+    "unigram": lambda t, s: fit_unigram(_sequences(t, s, "unigram"), t.config.vocab_size),
+    "bigram": lambda t, s: fit_bigram(_sequences(t, s, "bigram"), t.config.vocab_size),
 }
 DRAFTERS = tuple(BUILDERS)
 
@@ -172,8 +175,8 @@ def build(kind: str, target, settings: Settings = Settings()) -> tuple[Drafter, 
                      each row below settings.threshold (0: never)
       head           a draft head on the target's features: settings.draft, or the trained one
                      (load_drafter), stopping each row below the threshold
-      prompt_lookup  spec_jax.drafting.lookup.PromptLookupDrafter(max_ngram): no model
-      suffix         spec_jax.drafting.suffix.SuffixDrafter(max_ngram, threshold): the row's own
+      prompt_lookup  spec_jax.drafting.PromptLookupDrafter(max_ngram): no model
+      suffix         spec_jax.drafting.SuffixDrafter(max_ngram, threshold): the row's own
                      text, and settings.tables (or tables fitted on settings.sequences or the
                      corpora); a row stops where the top successor frequency is below threshold
       hybrid         prompt lookup, and the draft model where it finds nothing

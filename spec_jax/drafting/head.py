@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import spec_jax.drafting.acceptance_head as acceptance_head
 from models import draft_head, registry
 from models.cache import KVCache
 from models.config import ModelConfig
@@ -47,7 +48,6 @@ from models.transformer import output_head
 from spec_jax import sharding
 from spec_jax.autogamma import model_key
 from spec_jax.decode import PAD_ID
-from spec_jax.drafting import acceptance_head
 from spec_jax.drafting.base import Drafter, Proposal
 from spec_jax.drafting.model import TrimmedHead
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
