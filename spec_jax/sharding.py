@@ -165,6 +165,19 @@ def param_shardings(params, mesh: Mesh):
     )
 
 
+def weight_shardings(path: tuple[str, ...], weight, mesh: Mesh):
+    """The shardings of one weight of the table (models.weights, by its path in a model's params,
+    e.g. ("embed", "embedding")) in whatever form it is stored (an array, Int8Weight, a GGUF
+    BlockWeight): as the rule table places it in the model's own params."""
+    tree = weight
+    for key in reversed(path):
+        tree = {key: tree}
+    out = param_shardings(tree, mesh)
+    for key in path:
+        out = out[key]
+    return out
+
+
 def cache_sharding(shape, mesh: Mesh) -> NamedSharding:
     """Sharding of a KV cache array [L, B, S, KVH, Dh]: batch on data, kv heads on model if divisible."""
     return NamedSharding(mesh, partition_spec(CACHE_AXES, tuple(shape), mesh))

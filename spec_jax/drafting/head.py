@@ -246,10 +246,9 @@ class HeadDrafter(Drafter):
         """The head by the rule table, the target's input embedding as the target's; the output
         head's rows and an acceptance head replicated."""
         replicated = sharding.replicated(mesh)
-        embed = sharding.partition_spec(("vocab", "embed"), params.embed.shape, mesh)
         return params.replace(
             head=sharding.param_shardings(params.head, mesh),
-            embed=jax.sharding.NamedSharding(mesh, embed),
+            embed=sharding.weight_shardings(("embed", "embedding"), params.embed, mesh),
             out=jax.tree.map(lambda _: replicated, params.out),
             acceptance=jax.tree.map(lambda _: replicated, params.acceptance),
         )
