@@ -9,14 +9,15 @@ decoding the r-th batch of the bench prompts (cycling through them). At temperat
 speculative row is checked against the AR row of the same repeat: greedy speculative decoding
 must give identical tokens.
 
-`drafters` picks what drafts (spec_jax.api.make_draft): the draft model, prompt lookup, suffix
+`drafters` picks what drafts (spec_jax.drafting.build): the draft model, prompt lookup, suffix
 matching (the row's text and the training corpora's n-gram table), or the hybrid of lookup and
 the model (with `max_ngram` and the adaptive `draft_threshold`), the target's trained draft
-head (`head`, experiments.heads; `head_acceptance`: with its acceptance head deciding each
+head (`head`, spec_jax.drafting.head; `head_acceptance`: with its acceptance head deciding each
 row's draft length, gamma the most it may draft); every drafter runs at every gamma of a cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
 (code editing and reading prompts whose output repeats their input: experiments.common).
 """
 
+import dataclasses
 import functools
 import sys
 
@@ -27,6 +28,7 @@ from experiments import common, framework
 from models import settings
 from spec_jax import metrics, timing
 from spec_jax.decode import bucket_length
+from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
 
 TITLE = "Benchmark decode: autoregressive vs speculative tokens/s over batch, temperature and gamma"
 
@@ -75,7 +77,9 @@ def validate(config) -> None:
         raise ValueError(
             f"prompt_set: must be one of {', '.join(common.PROMPT_SETS)}, got {config.prompt_set!r}"
         )
-    settings.check_int_settings(config, {"max_ngram": (1, 16)})  # (INT_RANGES is shared with bench_peer)
+    settings.check_int_settings(
+        config, {"max_ngram": (1, MAX_NGRAM_LIMIT)}
+    )  # (INT_RANGES is shared with bench_peer)
     for key in ("draft_threshold", "suffix_threshold"):
         if not settings.is_number(config[key]) or not 0.0 <= config[key] < 1.0:
             raise ValueError(f"{key}: must be a number in [0, 1), got {config[key]!r}")
@@ -138,60 +142,32 @@ def run_generate(target, prompts, draft, gamma: int, temperature: float, max_new
     return gen
 
 
-def trimmed(draft, config):
-    """The draft, vocabulary-trimmed to config.draft_vocab tokens when that is set."""
-    if not config.draft_vocab:
-        return draft
-    from experiments import corpora
-    from spec_jax import drafters
-
-    stop = getattr(draft.tokenizer, "stop_ids", ())
-    ids = corpora.frequent_tokens(
-        config.draft, draft.tokenizer, draft.config.vocab_size, config.draft_vocab, stop
-    )
-    return drafters.trim_vocabulary(draft, ids)
-
-
 def drafts_for(target, config) -> dict:
-    """{drafter name: what generate's `draft` gets} for config.drafters (the draft model is
-    loaded only when one of them needs it)."""
-    from spec_jax import api
+    """{drafter name: what generate's `draft` gets} for config.drafters (spec_jax.drafting.build;
+    the draft model is loaded once, only when one of them needs it)."""
+    from spec_jax import drafting
 
     drafters = tuple(config.drafters)
     model = None
     if {"model", "hybrid"} & set(drafters):
-        model = trimmed(common.load_model(config.draft, config.draft_dtype), config)
+        model = common.load_model(config.draft, config.draft_dtype)
+    settings = drafting.Settings(
+        draft=model,
+        draft_vocab=config.draft_vocab,
+        stop_ids=getattr(getattr(model, "tokenizer", None), "stop_ids", ()),
+        max_ngram=config.max_ngram,
+        threshold=config.draft_threshold,
+        corpus=config.target not in common.TINY_MODELS,  # tiny models have no tokenizer: their own text
+        head_dtype=config.draft_dtype,
+    )
     out = {}
-    tables = None
-    if "suffix" in drafters:
-        from experiments import corpora
-
-        vocab = target.config.vocab_size
-        if config.target in common.TINY_MODELS:  # tiny models have no tokenizer: their own text only
-            tables = None
-        else:
-            tables = corpora.suffix_tables(config.target, target.tokenizer, vocab, config.max_ngram)
     for name in drafters:
+        kind, changes = name, {}
         if name.startswith("head"):
-            from experiments import heads
-
-            out[name] = heads.load_drafter(
-                target,
-                dtype=config.draft_dtype,
-                threshold=config.draft_threshold,
-                acceptance=name == "head_acceptance",
-            )
-        elif name == "model" and not config.draft_threshold:
-            out[name] = model  # as before drafters were a setting: the same compiled loops
-        else:
-            out[name] = api.make_draft(
-                name,
-                target,
-                draft=model,
-                max_ngram=config.max_ngram,
-                threshold=config.suffix_threshold if name == "suffix" else config.draft_threshold,
-                tables=tables,
-            )
+            kind, changes = "head", {"acceptance": name == "head_acceptance"}
+        elif name == "suffix":
+            changes = {"threshold": config.suffix_threshold}
+        out[name] = drafting.build(kind, target, dataclasses.replace(settings, **changes))
     return out
 
 

@@ -1,28 +1,14 @@
-"""Trained drafters and the data they train on: the corpora's training split through the target
-(training.features), the drafted token set, where a trained head lives, and loading it as a
-drafter for spec_jax.generate.
-
-A head for target T trains into `$SPEC_JAX_CACHE/heads/T/` by default (its orbax checkpoints,
-history and plot; the precision whose features it learned is in its metadata, and it drafts
-for the target at any precision); `python -m launch.train` writes there, and
-`--drafter=head` of `launch.generate`, table 3 and the walltime experiment read from there.
+"""The data trained drafters train on: the corpora's training split through the target
+(training.features) and the drafted token set. Where a trained head lives and loading it as a
+drafter: spec_jax.drafting.head (default_workdir, load_drafter).
 """
-
-import dataclasses
-import pathlib
 
 import numpy as np
 
-import models
-from experiments import common, corpora
+from experiments import common
 from models import registry
-from spec_jax import head_checkpoint
+from spec_jax import corpora
 from training import features
-
-
-def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
-    """Where a head for this target is trained and found by default."""
-    return registry.cache_root(cache_dir) / "heads" / target
 
 
 def token_ids(config, target) -> np.ndarray:
@@ -92,65 +78,3 @@ def feature_sets(config, target, progress: bool = True, cache_dir=None):
             )
         )
     return tuple(sets)
-
-
-def load_drafter(
-    target, workdir=None, dtype: str | None = None, threshold: float = 0.0, acceptance: bool = False
-):
-    """(HeadDrafter, HeadParams) of the trained head in workdir (default: default_workdir for
-    the target's name), at `dtype` (default the target's), for spec_jax.generate. acceptance:
-    also its acceptance head (WORKDIR/acceptance/, experiments/train_acceptance.py), stopping
-    each row's draft at the threshold chosen in training. ValueError when there is none, it
-    belongs to another target, or the acceptance head belongs to another draft head."""
-    from spec_jax.head_drafter import HeadDrafter, head_params
-
-    cfg = target.config
-    workdir = pathlib.Path(workdir or default_workdir(cfg.name))
-    trained, ids, _ = head_checkpoint.load_head(workdir, target)  # float32: what the hash is of
-    dtype = dtype or cfg.dtype
-    head = trained if dtype == "float32" else models.cast(trained, dtype)
-    trimmed = len(ids) < cfg.vocab_size
-    drafter = HeadDrafter(head.config, trimmed=trimmed, threshold=float(threshold))
-    params = head_params(target, head, ids if trimmed else None)
-    if acceptance:
-        stop, meta = load_acceptance(workdir, head_checkpoint.params_hash(trained.params), cfg.d_model)
-        drafter = dataclasses.replace(drafter, stop_rejection=float(meta["threshold"]))
-        params = params.replace(acceptance=stop)
-    return drafter, params
-
-
-def head_hash(workdir, target) -> str:
-    """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
-    return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
-
-
-def load_acceptance(workdir, head_sha256: str, width: int):
-    """(AcceptanceParams, meta) from WORKDIR/acceptance/; ValueError if there is none or it was
-    trained for another head (head_sha256: head_hash of the draft head in use)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from spec_jax import acceptance
-
-    folder = pathlib.Path(workdir) / "acceptance"
-    mngr = head_checkpoint.checkpoint_reader(folder) if folder.is_dir() else None
-    step = mngr.latest_step() if mngr is not None else None
-    if step is None:
-        raise ValueError(
-            f"no acceptance head in {folder} (train one with python -m launch.train "
-            "--config=launch/configs/acceptance_head.py)"
-        )
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta["head_params_sha256"] != head_sha256:
-        raise ValueError(
-            f"the acceptance head in {folder} was trained for another draft head; train it again"
-        )
-    abstract = jax.tree.map(
-        ocp.utils.to_shape_dtype_struct,
-        acceptance.init(
-            np.zeros((2, width + 2 + acceptance.POSITIONS), np.float32),
-            0,
-        ),
-    )
-    params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
-    return params, meta

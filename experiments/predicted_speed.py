@@ -55,8 +55,9 @@ from experiments import bench_roofline, framework
 from models.kernels import compile_targets as ct
 from models.transformer import init_cache
 from models.weights import param_shapes
-from spec_jax import api, theory
+from spec_jax import theory
 from spec_jax.compile_loop import DEMO
+from spec_jax.decode import layout
 from spec_jax.sampling import SamplingParams
 from spec_jax.timing import model_calls
 
@@ -179,9 +180,9 @@ def model_config(config, name: str):
 
 
 def cache_slots(config, target_cfg) -> int:
-    """The demo's cache length (spec_jax.api.layout) for the largest gamma."""
+    """The demo's cache length (spec_jax.decode.layout) for the largest gamma."""
     prompt = [[0] * config.prompt_tokens]
-    return api.layout(target_cfg, prompt, config.max_new_tokens, max(config.gammas))[1]
+    return layout(target_cfg, prompt, config.max_new_tokens, max(config.gammas))[1]
 
 
 def call_costs(config, target_name: str, batch: int) -> list[dict]:

@@ -8,10 +8,10 @@ up to and including the first rejection; see spec_jax.metrics):
   accepted/scored  the fraction of those drafts the rule accepted (each is accepted with
                  probability sum_x min(p, q), so it estimates the same alpha, with more noise
                  at temperature > 0; at temperature 0 the two are equal)
-Drafts: "unigram" and "bigram" are n-gram drafters (spec_jax.ngram) fitted on the task's
+Drafts: "unigram" and "bigram" are n-gram drafters (spec_jax.drafting.ngram) fitted on the task's
 training documents tokenized with the target's tokenizer; "prompt_lookup" copies from the
-prompt and output (spec_jax.lookup), "suffix" samples the continuation of the longest earlier
-suffix in the prompt + output or in the task's training documents (spec_jax.suffix, max_ngram 3),
+prompt and output (spec_jax.drafting.lookup), "suffix" samples the continuation of the longest earlier
+suffix in the prompt + output or in the task's training documents (spec_jax.drafting.suffix, max_ngram 3),
 "hybrid@MODEL" is prompt lookup with MODEL where it finds nothing; "head" is the target's draft
 head trained on its features (the training package, `python -m launch.train`; read from its default
 workdir); any other name is a draft model. The lookup drafts and the head are left out of the
@@ -29,8 +29,9 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from experiments import common, corpora, framework
-from spec_jax import api, metrics, ngram, per_prompt, suffix
+from experiments import common, framework
+from spec_jax import corpora, drafting, metrics, per_prompt
+from spec_jax.drafting import ngram, suffix
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"
 NGRAM_DRAFTS = ("unigram", "bigram")
@@ -38,7 +39,7 @@ LOOKUP = "prompt_lookup"
 SUFFIX = "suffix"
 SUFFIX_NGRAM = 3
 HYBRID_PREFIX = "hybrid@"
-HEAD = "head"  # the target's trained draft head (experiments.heads.load_drafter, default workdir)
+HEAD = "head"  # the target's trained draft head (spec_jax.drafting.head.load_drafter, default workdir)
 
 
 def is_lookup(draft: str) -> bool:
@@ -239,7 +240,7 @@ def same_width_suffix(target, data, tasks) -> dict:
     for task, tables in fits.items():
         if tables.keys.shape[0] != buckets:
             tables = suffix.fit_suffix_tables(data[task][0], vocab, SUFFIX_NGRAM, num_buckets=buckets)
-        out[task] = api.make_draft(SUFFIX, target, max_ngram=SUFFIX_NGRAM, tables=tables)
+        out[task] = drafting.build(SUFFIX, target, drafting.Settings(max_ngram=SUFFIX_NGRAM, tables=tables))
     return out
 
 
@@ -261,14 +262,14 @@ def measure(config) -> list[dict]:
             drafts[SUFFIX] = same_width_suffix(target, data, config.tasks)
         for name in draft_names:
             if name == LOOKUP:
-                drafts[name] = dict.fromkeys(config.tasks, api.make_draft(LOOKUP, target))
+                drafts[name] = dict.fromkeys(config.tasks, drafting.build(LOOKUP, target))
             elif name == HEAD:
-                from experiments import heads
-
-                drafts[name] = dict.fromkeys(config.tasks, heads.load_drafter(target))
+                drafts[name] = dict.fromkeys(config.tasks, drafting.build(HEAD, target))
             elif name.startswith(HYBRID_PREFIX):
                 model = common.load_model(name[len(HYBRID_PREFIX) :])
-                drafts[name] = dict.fromkeys(config.tasks, api.make_draft("hybrid", target, draft=model))
+                drafts[name] = dict.fromkeys(
+                    config.tasks, drafting.build("hybrid", target, drafting.Settings(draft=model))
+                )
             elif name not in NGRAM_DRAFTS and name not in (SUFFIX, HEAD):
                 model = common.load_model(name)
                 drafts[name] = dict.fromkeys(config.tasks, model)
@@ -396,7 +397,7 @@ def markdown(cells, checks, config, passed) -> str:
     lines += [
         "",
         f"n-gram smoothing: unigram add-k = {config.add_k}; bigram Dirichlet prior = {config.prior} "
-        "pseudo-counts on the unigram (spec_jax/ngram.py). `acceptance_rate` in the CSV is "
+        "pseudo-counts on the unigram (spec_jax/drafting/ngram.py). `acceptance_rate` in the CSV is "
         "accepted / drafted, the serving engines' metric: it counts drafts after a rejection as "
         "rejected, so it is below alpha for gamma > 1.",
     ]

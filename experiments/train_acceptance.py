@@ -20,8 +20,9 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from experiments import common, corpora, framework, heads
-from spec_jax import acceptance, autogamma
+from experiments import common, framework
+from spec_jax import acceptance, autogamma, corpora
+from spec_jax.drafting import head as head_drafting
 
 TITLE = "Training an acceptance head (SpecDec++) that decides the draft length"
 
@@ -43,7 +44,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     c.target_dtype = "float32" if quick else "int8"
-    c.head_workdir = ""  # "": experiments.heads.default_workdir(target)
+    c.head_workdir = ""  # "": spec_jax.drafting.head.default_workdir(target)
     c.corpora = ("code",) if quick else ("code", "news")
     c.gamma_max = 4 if quick else 8
     c.num_prompts = 8 if quick else 48
@@ -96,8 +97,8 @@ def save(folder: pathlib.Path, params, meta: dict) -> None:
 
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
-    workdir = config.head_workdir or str(heads.default_workdir(config.target))
-    drafter, params = heads.load_drafter(target, workdir)
+    workdir = config.head_workdir or str(head_drafting.default_workdir(config.target))
+    drafter, params = head_drafting.load_drafter(target, workdir)
     prompts = training_prompts(config, target.tokenizer)
     stops = list(getattr(target.tokenizer, "stop_ids", ()) or ()) or None
     log = acceptance.log_rounds(
@@ -126,7 +127,7 @@ def run(config) -> framework.Result:
     threshold, curve = acceptance.choose_threshold(trained.params, held_log, costs)
     meta = {
         "threshold": threshold,
-        "head_params_sha256": heads.head_hash(workdir, target),
+        "head_params_sha256": head_drafting.head_hash(workdir, target),
         "gamma_max": config.gamma_max,
         "curve": curve,
         "config": json.loads(config.to_json_best_effort()),

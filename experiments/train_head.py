@@ -15,7 +15,9 @@ import time
 import jax
 
 import training
-from experiments import common, corpora, framework, heads
+from experiments import common, framework, heads
+from spec_jax import corpora
+from spec_jax.drafting import head as head_drafting
 
 TITLE = "Training a draft head on the target's features (EAGLE-1 loss, AdamW, orbax checkpoints)"
 
@@ -25,7 +27,7 @@ DTYPE_KEYS = ("target_dtype",)
 
 def get_config(quick: bool = False):
     config = training.default_config()
-    config.workdir = ""  # "": experiments.heads.default_workdir(target)
+    config.workdir = ""  # "": spec_jax.drafting.head.default_workdir(target)
     if quick:  # a tiny random target on the code corpus: seconds
         config.target = "tiny"
         config.target_dtype = "float32"
@@ -76,7 +78,7 @@ def run(config) -> framework.Result:
     load_start = time.perf_counter()
     train_set, eval_set = heads.feature_sets(config, target)
     features_s = time.perf_counter() - load_start
-    workdir = config.workdir or str(heads.default_workdir(config.target))
+    workdir = config.workdir or str(head_drafting.default_workdir(config.target))
     result = training.train(training_config(config), workdir, target, ids, train_set, eval_set)
     tokens_per_s = result.steps_run * config.batch_size * (config.seq_len - 1) / max(result.seconds, 1e-9)
     evals = [h for h in result.history if "eval_length" in h]

@@ -30,8 +30,8 @@ import ml_collections
 import tqdm
 
 import spec_jax
-from experiments import common, corpora, framework
-from spec_jax import metrics, theory, timing
+from experiments import common, framework
+from spec_jax import corpora, metrics, theory, timing
 from spec_jax.sampling import SamplingParams
 
 TITLE = "Walltime speedup: Theorem 3.8's prediction against measurement, gamma 1..8"
@@ -393,9 +393,9 @@ def figure(rows, summary):
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
     if config.drafter == "head":
-        from experiments import heads
+        from spec_jax import drafting
 
-        draft = heads.load_drafter(target, dtype=config.draft_dtype)
+        draft = drafting.build("head", target, drafting.Settings(head_dtype=config.draft_dtype))
     else:
         draft = common.load_model(config.draft, config.draft_dtype)
     prompts = prompts_for(target.tokenizer, config)

@@ -39,9 +39,9 @@ def _unavailable_errors() -> tuple:
     """Errors meaning data a command needs cannot be had (no registry access, a corrupted
     download, a cache folder that cannot be written, a conversion killed for lack of memory):
     the environment, not the flags."""
-    from experiments.corpora import CorpusUnavailableError
     from models.convert import ConversionError
     from models.registry import CacheNotWritableError, ChecksumMismatchError, DamagedCacheError, DownloadError
+    from spec_jax.corpora import CorpusUnavailableError
 
     return (
         DownloadError,

@@ -36,6 +36,8 @@ import time
 from absl import flags
 
 from launch import common
+from spec_jax.drafting.build import DRAFTERS
+from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
 
 FLAGS = flags.FLAGS
 # models.precision.PRECISIONS, written out so that --help and bad flags answer without importing
@@ -49,7 +51,7 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
     "drafter",
     "model",
-    ["model", "head", "prompt_lookup", "suffix", "hybrid", "unigram", "bigram"],
+    list(DRAFTERS),
     "What drafts: model (--draft), head (a draft head trained on the target's features with "
     "python -m launch.train, from --head_dir; one decoder layer, EAGLE-style), prompt_lookup (copies the continuation of the last --max_ngram "
     "tokens' latest earlier occurrence in the prompt + output; no model), suffix (samples the "
@@ -75,7 +77,7 @@ flags.DEFINE_integer(
     3,
     "prompt_lookup / suffix / hybrid: the longest suffix matched (then shorter, down to 1).",
     lower_bound=1,
-    upper_bound=16,
+    upper_bound=MAX_NGRAM_LIMIT,
 )
 flags.DEFINE_float(
     "draft_threshold",
@@ -326,58 +328,29 @@ def draft_vocab_from_flag(vocab: int) -> int:
     return count
 
 
-def trimmed_draft(draft, stop_ids, count: int):
-    """The draft as a (drafter, params) pair proposing `count` tokens (VocabTrim)."""
-    from experiments import corpora
-    from spec_jax import drafters
-
-    vocab = draft.config.vocab_size
-    if not len(stop_ids) < count <= vocab:
-        raise common.UsageError(
-            f"--draft_vocab must be 0 or in [{len(stop_ids) + 1}, {vocab}] (more than the stop tokens), "
-            f"got {count}"
-        )
-    ids = corpora.frequent_tokens(FLAGS.draft, draft.tokenizer, vocab, count, always=stop_ids)
-    return drafters.trim_vocabulary(draft, ids)
-
-
-def make_draft(target, draft):
-    """What generate's `draft` gets for --drafter (None: plain decoding, --drafter=model --draft=none)."""
-    from spec_jax import api
+def build_draft(target, draft, stop_ids, draft_vocab: int):
+    """What generate's `draft` gets for --drafter (spec_jax.drafting.build; None: plain decoding,
+    --drafter=model --draft=none); UsageError naming the flag on a bad value."""
+    from spec_jax import drafting
 
     if FLAGS.drafter == "model" and draft is None:
         return None
-    if FLAGS.drafter == "head":
-        from experiments import heads
-
-        try:
-            draft = heads.load_drafter(
-                target,
-                FLAGS.head_dir,
-                dtype="int8" if FLAGS.draft_dtype == "auto" else FLAGS.draft_dtype,
-                acceptance=FLAGS.acceptance_head,
-            )
-        except ValueError as e:
-            raise common.UsageError(f"--drafter=head: {e}") from None
-    sequences = tables = None
-    if FLAGS.drafter in ("unigram", "bigram"):
-        from experiments import corpora
-
-        sequences = corpora.training_sequences(target.tokenizer)
-    if FLAGS.drafter == "suffix":
-        from experiments import corpora
-
-        vocab = target.config.vocab_size
-        tables = corpora.suffix_tables(FLAGS.target, target.tokenizer, vocab, FLAGS.max_ngram)
-    return api.make_draft(
-        FLAGS.drafter,
-        target,
+    settings = drafting.Settings(
         draft=draft,
+        draft_vocab=draft_vocab,
+        stop_ids=stop_ids,
         max_ngram=FLAGS.max_ngram,
         threshold=FLAGS.draft_threshold,
-        sequences=sequences,
-        tables=tables,
+        corpus=True,
+        head_dir=FLAGS.head_dir,
+        head_dtype="int8" if FLAGS.draft_dtype == "auto" else FLAGS.draft_dtype,
+        acceptance=FLAGS.acceptance_head,
     )
+    try:
+        return drafting.build(FLAGS.drafter, target, settings)
+    except ValueError as e:  # a setting's own flag, or the drafter's data (a trained head)
+        where = "" if str(e).startswith("draft_vocab") else f"drafter={FLAGS.drafter}: "
+        raise common.UsageError(f"--{where}{e}") from None
 
 
 def check_model_names() -> None:
@@ -403,17 +376,17 @@ def check_sampling_flags() -> None:
 
 
 def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
-    """--gamma within the one bound every drafter has (spec_jax.drafters.check_gamma): prompt +
+    """--gamma within the one bound every drafter has (spec_jax.drafting.check_gamma): prompt +
     --max_new_tokens + gamma within each context of `contexts` (the target's, and a draft
     model's once loaded), checked before the draft model and the drafters' tables are loaded."""
-    from spec_jax import autogamma, drafters
+    from spec_jax import autogamma, drafting
 
     gamma, shown = gamma_from_flag(), FLAGS.gamma
     if gamma == "auto":
         gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
     longest = max(len(p) for p in token_prompts)
     try:
-        drafters.check_gamma(gamma, longest, FLAGS.max_new_tokens, contexts, name="--gamma", shown=shown)
+        drafting.check_gamma(gamma, longest, FLAGS.max_new_tokens, contexts, name="--gamma", shown=shown)
     except ValueError as e:
         raise common.UsageError(str(e)) from None
 
@@ -480,14 +453,10 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
     return outputs, pooled
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    init_distributed()  # before anything touches a jax backend
-    import jax
-
+def check_flags():
+    """(mesh or None, prompt texts): every flag checked before anything is loaded or downloaded."""
     from models import kernels, precision
-    from spec_jax import api, metrics, sharding
+    from spec_jax import sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
@@ -495,7 +464,6 @@ def main(argv):
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
     if FLAGS.acceptance_head and FLAGS.drafter != "head":
         raise common.UsageError("--acceptance_head needs --drafter=head")
-    uses_model = FLAGS.drafter in ("model", "hybrid")
     if FLAGS.drafter == "hybrid" and FLAGS.draft == "none":
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
@@ -504,60 +472,90 @@ def main(argv):
         common.check_output_json(FLAGS.output_json)
     check_model_names()
     check_sampling_flags()
+    return mesh, prompts
+
+
+def load_models(prompts, mesh):
+    """(target, draft model or None, token prompts): the prompts checked against the target (and
+    --gamma against its context) before a draft model or a drafter's tables are loaded; both
+    models placed on the mesh once; the draft's tokenizer checked against the target's."""
+    from spec_jax import api, sharding
+
     batch = min(FLAGS.batch_size, len(prompts))
     devices = 1 if mesh is None else mesh.devices.size
     target = load_model(FLAGS.target, FLAGS.target_dtype, batch, devices)
-    tokenizer = target.tokenizer
-    token_prompts = [tokenizer.encode(p) for p in prompts]
-    # generate's checks of the prompts against the target (empty, too long for its context),
-    # before a draft model or a drafter's tables are loaded
+    token_prompts = [target.tokenizer.encode(p) for p in prompts]
     api.validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)
-    drafts = FLAGS.drafter != "model" or FLAGS.draft != "none"
     contexts = {"the target's": target.config.max_seq_len}
-    if drafts:
+    if FLAGS.drafter != "model" or FLAGS.draft != "none":
         check_gamma_fits(token_prompts, contexts)
     draft = None
-    if FLAGS.draft != "none" and uses_model:
+    if FLAGS.draft != "none" and FLAGS.drafter in ("model", "hybrid"):
         draft = load_model(FLAGS.draft, FLAGS.draft_dtype, batch, devices)
-    if draft is not None:
         check_gamma_fits(token_prompts, {**contexts, "the draft's": draft.config.max_seq_len})
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
         target = sharding.place(target, mesh)
         draft = None if draft is None else sharding.place(draft, mesh)
-    main_process = jax.process_index() == 0
-
-    def print(*args, **kwargs):  # noqa: A001 - only process 0 prints
-        if main_process:
-            builtins.print(*args, **kwargs)
-
-    if draft is not None and draft.tokenizer is not None and tokenizer is not None:
+    if draft is not None and draft.tokenizer is not None and target.tokenizer is not None:
         probe = "def main():\n    return 'héllo'  # 123"
-        if draft.config.vocab_size != target.config.vocab_size or draft.tokenizer.encode(
+        encode = target.tokenizer.encode
+        if draft.config.vocab_size != target.config.vocab_size or draft.tokenizer.encode(probe) != encode(
             probe
-        ) != tokenizer.encode(probe):
+        ):
             raise common.UsageError(
                 f"--draft={FLAGS.draft} and --target={FLAGS.target} do not share a "
                 "tokenizer and vocabulary; speculative decoding needs one"
             )
-    stop_ids = stop_ids_from_flag(tokenizer, target.config.vocab_size)
-    draft_dtype = draft.config.dtype if draft is not None else FLAGS.draft_dtype  # auto resolved
-    draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
-    if draft_vocab:
-        draft = trimmed_draft(draft, stop_ids, draft_vocab)
-    draft = make_draft(target, draft)
+    return target, draft, token_prompts
 
+
+def decode_all(target, draft, token_prompts, stop_ids, mesh):
+    """(tokens, stats, (autoregressive tokens, stats) or None): --compare_autoregressive runs
+    both modes once on the first batch, untimed, before either is timed (the first execution in
+    a process pays start-up costs a later one does not); the compile seconds reported are the
+    warm-up's plus any later batch's."""
+    compare = FLAGS.compare_autoregressive and draft is not None
     warm_compile = {}
-    if FLAGS.compare_autoregressive and draft is not None:
-        # A fair comparison: both modes' programs compiled and run once on the first batch before
-        # either is timed (the first execution in a process pays start-up costs a later one does
-        # not); the compile seconds reported are the warm-up's plus any later batch's.
-        for mode, d in (("speculative", draft), ("autoregressive", None)):
-            warm_compile[mode] = run_batches(target, d, token_prompts[: FLAGS.batch_size], stop_ids, mesh)[1][
-                "compile_seconds"
-            ]
+    for mode, d in (("speculative", draft), ("autoregressive", None)) if compare else ():
+        first = token_prompts[: FLAGS.batch_size]
+        warm_compile[mode] = run_batches(target, d, first, stop_ids, mesh)[1]["compile_seconds"]
     tokens, stats = run_batches(target, draft, token_prompts, stop_ids, mesh)
     stats["compile_seconds"] += warm_compile.get("speculative", 0.0)
-    report = {
+    if not compare:
+        return tokens, stats, None
+    ar_tokens, ar_stats = run_batches(target, None, token_prompts, stop_ids, mesh)
+    ar_stats["compile_seconds"] += warm_compile["autoregressive"]
+    return tokens, stats, (ar_tokens, ar_stats)
+
+
+def summary_line(label: str, s: dict) -> str:
+    """One line of a run's stats: tokens, speed, timings, acceptance, sources, gamma=auto chunks."""
+    line = (
+        f"{label}: {s['num_new_tokens']} tokens, {s['tokens_per_second']:.2f} tokens/s "
+        f"(compile {s['compile_seconds']:.1f} s, prefill {s['prefill_seconds']:.3f} s, "
+        f"decode {s['decode_seconds']:.3f} s)"
+    )
+    if s.get("num_draft_tokens"):
+        line += (
+            f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
+            f"{s['mean_accepted_length']:.2f}, alpha_hat {s['alpha_hat']:.3f}"
+        )
+    if "fraction_of_rounds_by_drafter" in s and len(s["fraction_of_rounds_by_drafter"]) > 1:
+        line += ", rounds served / acceptance rate: " + ", ".join(
+            f"{name} {share:.2f} / {s['acceptance_rate_by_drafter'][name]:.3f}"
+            for name, share in s["fraction_of_rounds_by_drafter"].items()
+        )
+    if "gamma_schedules" in s:
+        chunks = [
+            f"{g}x{r}" if r < 2**31 - 1 else f"{g} to the end" for b in s["gamma_schedules"] for g, r in b
+        ]
+        line += f", gamma=auto chunks (gamma x rounds): {' '.join(chunks)}"
+    return line
+
+
+def make_report(target, draft_dtype, draft_vocab, stop_ids, stats) -> dict:
+    """--output_json's settings and stats (outputs and the comparison are added after)."""
+    return {
         "target": FLAGS.target,
         "draft": FLAGS.draft,
         "drafter": FLAGS.drafter,
@@ -574,46 +572,45 @@ def main(argv):
         "stats": stats,
         "outputs": [],
     }
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    init_distributed()  # before anything touches a jax backend
+    import jax
+
+    from spec_jax import metrics
+
+    mesh, prompts = check_flags()
+    target, draft, token_prompts = load_models(prompts, mesh)
+    main_process = jax.process_index() == 0
+
+    def print(*args, **kwargs):  # noqa: A001 - only process 0 prints
+        if main_process:
+            builtins.print(*args, **kwargs)
+
+    stop_ids = stop_ids_from_flag(target.tokenizer, target.config.vocab_size)
+    draft_dtype = draft.config.dtype if draft is not None else FLAGS.draft_dtype  # auto resolved
+    draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
+    draft = build_draft(target, draft, stop_ids, draft_vocab)
+    tokens, stats, compared = decode_all(target, draft, token_prompts, stop_ids, mesh)
+    report = make_report(target, draft_dtype, draft_vocab, stop_ids, stats)
     for prompt, new, nonfinite in zip(prompts, tokens, stats[metrics.NONFINITE], strict=True):
-        text = tokenizer.decode(new, skip_special_tokens=FLAGS.skip_special_tokens)
+        text = target.tokenizer.decode(new, skip_special_tokens=FLAGS.skip_special_tokens)
         report["outputs"].append(
             {"prompt": prompt, "tokens": new, "text": text, "nonfinite_logits": nonfinite}
         )
         print(f"--- prompt: {prompt!r}\n{text}\n")
-
-    def show(label, s):
-        line = (
-            f"{label}: {s['num_new_tokens']} tokens, {s['tokens_per_second']:.2f} tokens/s "
-            f"(compile {s['compile_seconds']:.1f} s, prefill {s['prefill_seconds']:.3f} s, "
-            f"decode {s['decode_seconds']:.3f} s)"
-        )
-        if s.get("num_draft_tokens"):
-            line += (
-                f", acceptance rate {s['acceptance_rate']:.3f}, mean accepted length "
-                f"{s['mean_accepted_length']:.2f}, alpha_hat {s['alpha_hat']:.3f}"
-            )
-        if "fraction_of_rounds_by_drafter" in s and len(s["fraction_of_rounds_by_drafter"]) > 1:
-            line += ", rounds served / acceptance rate: " + ", ".join(
-                f"{name} {share:.2f} / {s['acceptance_rate_by_drafter'][name]:.3f}"
-                for name, share in s["fraction_of_rounds_by_drafter"].items()
-            )
-        if "gamma_schedules" in s:
-            chunks = [
-                f"{g}x{r}" if r < 2**31 - 1 else f"{g} to the end" for b in s["gamma_schedules"] for g, r in b
-            ]
-            line += f", gamma=auto chunks (gamma x rounds): {' '.join(chunks)}"
-        print(line)
-
-    show(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats)
+    print(summary_line(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats))
     warning = report_nonfinite(stats, prompts)
     if warning:
         print(warning, file=sys.stderr)
-    if FLAGS.compare_autoregressive and draft is not None:
-        ar_tokens, ar_stats = run_batches(target, None, token_prompts, stop_ids, mesh)
-        ar_stats["compile_seconds"] += warm_compile["autoregressive"]
+    if compared is not None:
+        ar_tokens, ar_stats = compared
         speedup = stats["tokens_per_second"] / ar_stats["tokens_per_second"]
         identical = ar_tokens == tokens
-        show("autoregressive", ar_stats)
+        print(summary_line("autoregressive", ar_stats))
         print(
             f"speedup {speedup:.2f}x; outputs identical to autoregressive: {identical}"
             + ("" if FLAGS.temperature == 0 else " (expected only at temperature 0)")

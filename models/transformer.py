@@ -181,7 +181,7 @@ class Transformer(nn.Module):
         logits_at: optional [B, K] indices into T; only those positions get logits (prefill
         needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
         head: optional output weight [R, D] (any precision) used instead of the model's own
-        head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafters).
+        head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafting.model).
         with_features: also return the last hidden state after the final norm at every
         position (what the output head reads; a draft head's input, models.draft_head).
         """

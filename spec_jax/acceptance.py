@@ -6,7 +6,7 @@ head's hidden state that produced the draft, the draft distribution's top probab
 entropy, the position) and predicts the probability r_i that the draft is rejected, given
 that every draft before it was accepted. The drafter stops before the first position where
 the probability that some draft so far is rejected, 1 - prod_k<=i (1 - r_k), exceeds a
-threshold h (spec_jax.head_drafter.HeadDrafter.stop_rejection). Draft-side information only,
+threshold h (spec_jax.drafting.head.HeadDrafter.stop_rejection). Draft-side information only,
 so the output stays exact.
 
 Training data are logged rounds of the real pair (`log_rounds`): the loop runs round by round
@@ -27,57 +27,16 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from spec_jax.head_drafter import HeadDrafter
-
-POSITIONS = 8  # draft positions told apart (later ones share the last)
-HIDDEN = 128  # the classifier's width
-
-
-@flax.struct.dataclass
-class AcceptanceParams:
-    mean: jax.Array  # [F] input standardization
-    scale: jax.Array  # [F]
-    w1: jax.Array  # [F, H]
-    b1: jax.Array  # [H]
-    w2: jax.Array  # [H]
-    b2: jax.Array  # []
-
-
-def signals(hidden_bd, confidence_b, entropy_b, position) -> jax.Array:
-    """[B, F] float32 classifier inputs: the hidden state, log top probability, entropy, and a
-    one-hot of the draft position (position: int or traced int)."""
-    pos = jax.nn.one_hot(jnp.minimum(position, POSITIONS - 1), POSITIONS, dtype=jnp.float32)
-    batch = hidden_bd.shape[0]
-    extra = jnp.stack([jnp.log(jnp.maximum(confidence_b, 1e-30)), entropy_b], axis=-1).astype(jnp.float32)
-    return jnp.concatenate(
-        [hidden_bd.astype(jnp.float32), extra, jnp.broadcast_to(pos, (batch, POSITIONS))], -1
-    )
-
-
-def logit(params: AcceptanceParams, x_bf):
-    h = jax.nn.gelu(((x_bf - params.mean) * params.scale) @ params.w1 + params.b1)
-    return h @ params.w2 + params.b2
-
-
-def reject_probability(params: AcceptanceParams, x_bf):
-    """[B]: the predicted probability that the draft is rejected (given the ones before were not)."""
-    return jax.nn.sigmoid(logit(params, x_bf))
-
-
-def init(x_nf: np.ndarray, seed: int) -> AcceptanceParams:
-    """Random parameters with the input standardized by the training examples' statistics."""
-    rng = np.random.default_rng(seed)
-    features = x_nf.shape[1]
-    mean = x_nf.mean(axis=0)
-    scale = 1.0 / np.maximum(x_nf.std(axis=0), 1e-3)
-    return AcceptanceParams(
-        mean=jnp.asarray(mean, jnp.float32),
-        scale=jnp.asarray(scale, jnp.float32),
-        w1=jnp.asarray(rng.standard_normal((features, HIDDEN)) / np.sqrt(features), jnp.float32),
-        b1=jnp.zeros((HIDDEN,), jnp.float32),
-        w2=jnp.asarray(rng.standard_normal((HIDDEN,)) / np.sqrt(HIDDEN), jnp.float32),
-        b2=jnp.zeros((), jnp.float32),
-    )
+from spec_jax.drafting.acceptance_head import (  # noqa: F401 - the classifier, trained here
+    HIDDEN,
+    POSITIONS,
+    AcceptanceParams,
+    init,
+    logit,
+    reject_probability,
+    signals,
+)
+from spec_jax.drafting.head import HeadDrafter
 
 
 @dataclasses.dataclass
@@ -130,18 +89,18 @@ def log_rounds(
     """Runs the loop round by round (greedy) with `drafter` (a HeadDrafter without stop rules)
     drafting gamma tokens, and logs every draft position reached. A round whose row stopped
     (stop token, max_new_tokens) is not logged: its acceptance was cut."""
-    from spec_jax import api, speculative
-    from spec_jax.decode import PrefillInputs, pad_prompts
+    from spec_jax import speculative
+    from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
     from spec_jax.sampling import SamplingParams, row_keys
 
     drafter = dataclasses.replace(drafter, threshold=0.0, stop_rejection=0.0)
     recorder = RecordingDrafter(drafter.config, drafter.trimmed, gamma=gamma)
     xs, labels, round_ids, accepted_all, prompt_ids = [], [], [], [], []
-    stop = jnp.asarray(api.stop_id_list(eos_id, target.config.vocab_size) or [-1], jnp.int32)
+    stop = jnp.asarray(stop_id_list(eos_id, target.config.vocab_size) or [-1], jnp.int32)
     bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="log rounds", disable=not progress)
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
-        width, cache_len = api.layout(target.config, batch, max_new_tokens, gamma)
+        width, cache_len = layout(target.config, batch, max_new_tokens, gamma)
         static = speculative.SpecStatic(
             target.config, recorder, SamplingParams(0.0), gamma, max_new_tokens, cache_len
         )

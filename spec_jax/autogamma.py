@@ -27,7 +27,7 @@ a weak prior; a chunk far outside what a row's estimate predicts (CHANGE_Z error
 row's history, so a draft that turns always wrong is seen within a chunk or two.
 
 Falling back and trying again. Drafting stops when plain decoding wins even at an optimistic
-acceptance (FALLBACK_Z errors up). A drafter that can catch up (spec_jax.drafters.resumable)
+acceptance (FALLBACK_Z errors up). A drafter that can catch up (Drafter.resumable)
 is tried again later with a short chunk (PROBE_ROUNDS rounds after catching up on the last
 RESUME_WINDOW positions): after at least PROBE_SPACING plain rounds (doubled after each try that
 lost time) and only when what the try may lose is covered by what drafting saved so far plus
@@ -147,41 +147,20 @@ def measure(
     gamma_max: int = GAMMA_MAX,
     repeats: int = 5,
 ) -> Costs:
-    """Times the target's calls over 1..gamma_max + 1 tokens and a model drafter's calls over 1
-    and 2 tokens (the fastest of interleaved repeats after a warm-up; spec_jax.timing.model_call).
-    A draft head (spec_jax.head_drafter) costs its drafting step (draft1) and a 2-pair call (draft2:
-    a round's observe call and first draft). Other drafters (n-gram tables, prompt lookup) count
-    as free; a hybrid costs its model's calls."""
-    from models import Model
-    from spec_jax.drafters import ModelDrafter
-    from spec_jax.head_drafter import HeadDrafter
-
-    drafter = getattr(drafter, "model", drafter)  # spec_jax.lookup.HybridDrafter: its model
-
+    """Times the target's calls over 1..gamma_max + 1 tokens and the drafter's calls over 1, 2
+    and RESUME_WIDTH tokens, those it has (Drafter.cost_calls: a draft model all three, a draft
+    head a drafting step and a 2-pair call, drafters without a model none: they count as free),
+    the fastest of interleaved repeats after a warm-up (spec_jax.timing.model_call)."""
     slots = max(cache_slots, 2 * (gamma_max + 2), 2 * RESUME_WIDTH)
     repeat = 4  # calls per timed program, so that dispatch is not counted
     fns = {
         ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
         for w in range(1, gamma_max + 2)
     }
-    if isinstance(drafter, ModelDrafter):
-        model_params, head = (
-            (draft_params.model, draft_params.head.weight) if drafter.trimmed else (draft_params, None)
-        )
-        for w in (1, 2, RESUME_WIDTH):
-            fns[("draft", w)] = timing.model_call(
-                Model(config=drafter.config, params=model_params),
-                batch=batch,
-                widths=[w],
-                cache_slots=slots,
-                repeat=repeat,
-                head=head,
-            )
-    if isinstance(drafter, HeadDrafter):  # a drafting step, and a 2-pair observe call for the first
-        for w in (1, 2):
-            fns[("draft", w)] = timing.head_call(
-                drafter, draft_params, batch=batch, widths=[w], cache_slots=slots, repeat=repeat
-            )
+    calls = drafter.cost_calls(
+        draft_params, (1, 2, RESUME_WIDTH), batch=batch, cache_slots=slots, repeat=repeat
+    )
+    fns.update({("draft", w): fn for w, fn in calls.items()})
     # The fastest of the interleaved repeats: on a machine shared with other work, each call's
     # least disturbed time, so that the cost ratios do not follow the load of the moment.
     times = timing.timed_interleaved(fns, repeats)
@@ -205,28 +184,15 @@ def costs_for(
 ) -> Costs:
     """Cached costs for this machine, pair, batch and cache size (measured on first use).
 
-    target: a models.Model; drafter, draft_params: as spec_jax.api.as_drafter returns them.
+    target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
     The cache size is rounded up to a power of two, so prompts of similar length share a
     measurement. A cached file is used only when it holds this key and costs that checked_costs
     accepts; otherwise (with a warning) the costs are measured again. The file is written
     atomically (registry.atomic_write: a temporary file of a unique name, renamed into place);
     a cache that cannot be written is a warning, and the measured costs are used all the same.
     """
-    from spec_jax.drafters import ModelDrafter
-    from spec_jax.head_drafter import HeadDrafter
-
     slots = 1 << max(cache_slots - 1, 1).bit_length()
-    draft_key = type(drafter).__name__
-    drafter = getattr(drafter, "model", drafter)  # spec_jax.lookup.HybridDrafter: its model
-    if isinstance(drafter, ModelDrafter):
-        rows = int(draft_params.head.ids.shape[0]) if drafter.trimmed else drafter.config.vocab_size
-        draft_key = {**model_key(drafter.config), "head_rows": rows}
-    elif isinstance(drafter, HeadDrafter):
-        draft_key = {
-            **model_key(drafter.config),
-            "kind": "draft_head",
-            "head_rows": int(draft_params.out.ids.shape[0]),
-        }
+    draft_key = drafter.cost_key(draft_params)
     key = {
         "machine": machine_key(),
         "target": model_key(target.config),
@@ -325,6 +291,7 @@ class Controller:
         self.bank = 0.0  # seconds drafting saved against plain decoding, less what probes cost
         self.elapsed = 0.0  # seconds of all chunks and resumes
         self.resume_call = None  # seconds of one catch-up call, as last measured
+        self.schedule: list[list[int]] = []  # [gamma, rounds] of the chunks run, one gamma merged
 
     # --- estimates -------------------------------------------------------------------------
     def round_seconds(self, gamma: int) -> float:
@@ -451,8 +418,16 @@ class Controller:
         self.bank -= seconds
         self.resume_call = seconds / max(calls, 1)
 
+    def record(self, gamma: int, rounds: int) -> None:
+        """Adds a chunk to the schedule (consecutive chunks of one gamma merged)."""
+        if self.schedule and self.schedule[-1][0] == gamma:
+            self.schedule[-1][1] += rounds
+        else:
+            self.schedule.append([gamma, rounds])
+
     def observe(self, chunk: Chunk) -> None:
         """Takes in a chunk's time and acceptance and decides what the next chunk does."""
+        self.record(chunk.gamma, chunk.rounds)
         self.elapsed += chunk.seconds
         if chunk.rounds > 0:
             kept = self.times.setdefault(chunk.gamma, [])

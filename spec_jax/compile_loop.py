@@ -10,7 +10,7 @@ nothing from `spec_jax`.
 
 DEMO is what `make demo` runs (launch.generate's defaults): the Qwen2.5-Coder pair, gamma 4, 64
 new tokens, greedy, the default prompt "def fibonacci(n):\\n    " (5 Qwen tokens, so the 16-token
-bucket of spec_jax.api.layout and a cache of 16 + 64 + 4 slots), and the Qwen tokenizer's two
+bucket of spec_jax.decode.layout and a cache of 16 + 64 + 4 slots), and the Qwen tokenizer's two
 end-of-generation ids as stop ids. The dtype is left to the case (the demo's default is int8 for
 both models, with --gamma=auto: auto runs this same program at the gammas it tries, with a limit
 on the rounds of each chunk).
@@ -27,7 +27,7 @@ from models.kernels import compile_targets as ct
 from models.weights import param_shapes
 from spec_jax.api import layout
 from spec_jax.decode import PrefillInputs
-from spec_jax.drafters import ModelDrafter
+from spec_jax.drafting.model import ModelDrafter
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 

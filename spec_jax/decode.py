@@ -8,12 +8,15 @@ itself (autoregressive decoding is the speculative loop with a drafter that prop
 nothing) is in spec_jax.speculative.
 """
 
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.settings import is_int
 from models.transformer import forward, init_cache
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
@@ -33,6 +36,25 @@ def pad_prompts(prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.nd
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+def layout(config, prompts, max_new_tokens: int, gamma: int) -> tuple[int, int]:
+    """(prompt width, cache length): prompts are right-padded to their length bucket (capped so
+    the cache fits the model's context), and the cache holds the width, the new tokens and
+    the gamma drafts a last round may write past them (gamma = 0 for plain decoding)."""
+    longest = max(len(p) for p in prompts)
+    width = min(bucket_length(longest), max(longest, config.max_seq_len - max_new_tokens))
+    return width, width + max_new_tokens + gamma
+
+
+def stop_id_list(eos_id, vocab: int) -> list[int]:
+    """eos_id (None, one token id, or a sequence of them) as a list; ValueError naming eos_id
+    unless every id is an integer in [0, vocab)."""
+    ids = [] if eos_id is None else [eos_id] if not isinstance(eos_id, Sequence) else list(eos_id)
+    for i in ids:
+        if not is_int(i) or not 0 <= i < vocab:
+            raise ValueError(f"eos_id must be None or integer token ids in [0, {vocab}), got {eos_id!r}")
+    return ids
 
 
 def prefill(config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int, with_features=False):

@@ -5,7 +5,7 @@ verify step (rows that are already done do not count), acceptance_rate is accept
 and mean_accepted_length is 1 + accepted/rounds (the paper's expected tokens per round,
 before truncation at max_new_tokens or EOS). Rows may draft fewer than gamma tokens (a
 lookup that found nothing, a confidence stop): only proposed positions count as drafted or
-scored. A drafter with several sources (spec_jax.lookup.HybridDrafter: prompt lookup, then
+scored. A drafter with several sources (spec_jax.drafting.hybrid.HybridDrafter: prompt lookup, then
 the model) says which one served each row's round; the counts are also kept per source.
 """
 
@@ -100,7 +100,7 @@ class SpecMetrics:
 
     def to_dict(self, sources: tuple[str, ...] = ()) -> dict:
         """Host-side summary in the metrics schema above (plain Python numbers and lists).
-        sources: the names of the drafter's sources (spec_jax.drafters.sources_of); with them
+        sources: the names of the drafter's sources (Drafter.sources); with them
         the per-source counts come out as {name: count} dicts (see by_drafter)."""
         rounds = int(self.num_rounds)
         drafted = int(self.num_draft_tokens)

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import api
-from spec_jax.decode import PrefillInputs, pad_prompts
-from spec_jax.drafters import sources_of
+from spec_jax.decode import PrefillInputs, layout, pad_prompts
+from spec_jax.drafting import as_drafter
 from spec_jax.executables import compiled
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
@@ -43,9 +43,9 @@ def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature:
     {"compile_seconds", "run_seconds"}).
     """
     sampling = SamplingParams(float(temperature))
-    drafter, draft_params = api.as_drafter(draft)
+    drafter, draft_params = as_drafter(draft)
     api.validate(target, prompts, drafter, gamma, max_new_tokens, None)
-    width, cache_len = api.layout(target.config, prompts, max_new_tokens, gamma)
+    width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
     static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
@@ -61,6 +61,6 @@ def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature:
     run_s = time.perf_counter() - start
     out, counts = np.asarray(out[:, 0]), np.asarray(counts[:, 0])
     new_tokens = [out[b, : counts[b]].tolist() for b in range(len(prompts))]
-    sources = sources_of(drafter)
+    sources = drafter.sources
     per_row = [jax.tree.map(lambda x, b=b: x[b], metrics).to_dict(sources) for b in range(len(prompts))]
     return new_tokens, per_row, {"compile_seconds": compile_s, "run_seconds": run_s}

@@ -161,6 +161,19 @@ def param_shardings(params, mesh: Mesh):
     )
 
 
+def weight_shardings(path: tuple[str, ...], weight, mesh: Mesh):
+    """The shardings of one weight of the table (models.weights, by its path in a model's params,
+    e.g. ("embed", "embedding")) in whatever form it is stored (an array, Int8Weight, a GGUF
+    BlockWeight): as the rule table places it in the model's own params."""
+    tree = weight
+    for key in reversed(path):
+        tree = {key: tree}
+    out = param_shardings(tree, mesh)
+    for key in path:
+        out = out[key]
+    return out
+
+
 def cache_sharding(shape, mesh: Mesh) -> NamedSharding:
     """Sharding of a KV cache array [L, B, S, KVH, Dh]: batch on data, kv heads on model if divisible."""
     return NamedSharding(mesh, partition_spec(CACHE_AXES, tuple(shape), mesh))
@@ -218,8 +231,8 @@ def put(tree, shardings):
     return jax.tree.map(one, tree, shardings)
 
 
-# Placed parameters per (Model object, mesh); weak on the Model so dropping it frees them.
-_PLACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Placed copies of parameter trees, per id of the tree's first leaf (dropped with that leaf).
+_PLACED: dict[int, dict] = {}
 
 
 def place_params(params, mesh: Mesh):
@@ -227,13 +240,37 @@ def place_params(params, mesh: Mesh):
     return put(params, param_shardings(params, mesh))
 
 
+def _has_sharding(x, sharding) -> bool:
+    return isinstance(x, jax.Array) and (
+        x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim)
+    )
+
+
 def is_placed(params, mesh: Mesh) -> bool:
     """True when every leaf already has the sharding the rule table gives it on mesh."""
     wanted = jax.tree.leaves(param_shardings(params, mesh))
-    return all(
-        isinstance(x, jax.Array) and (x.sharding == s or x.sharding.is_equivalent_to(s, x.ndim))
-        for x, s in zip(jax.tree.leaves(params), wanted, strict=True)
-    )
+    return all(_has_sharding(x, s) for x, s in zip(jax.tree.leaves(params), wanted, strict=True))
+
+
+def put_once(tree, shardings):
+    """tree put with shardings (a pytree of them matching it): as it is when every leaf already
+    has its sharding, else placed once and the placed copy kept for as long as the tree's
+    first leaf lives (twice the memory meanwhile), so that a later call reuses it."""
+    leaves, wanted = jax.tree.leaves(tree), jax.tree.leaves(shardings)
+    if all(_has_sharding(x, s) for x, s in zip(leaves, wanted, strict=True)):
+        return tree
+    first = leaves[0]
+    if id(first) not in _PLACED:
+        try:
+            weakref.finalize(first, _PLACED.pop, id(first), None)
+        except TypeError:  # a leaf that cannot be referenced weakly: placed every time
+            return put(tree, shardings)
+        _PLACED[id(first)] = {}
+    per_tree = _PLACED[id(first)]
+    key = (jax.tree.structure(tree), tuple(map(id, leaves)), tuple(wanted))
+    if key not in per_tree:
+        per_tree[key] = put(tree, shardings)
+    return per_tree[key]
 
 
 def place(model, mesh: Mesh):
@@ -241,7 +278,7 @@ def place(model, mesh: Mesh):
 
     `spec_jax.generate(placed, ..., mesh=mesh)` then uses the arrays as they are. Passing an
     unplaced model also works: generate places it once and keeps the placed copy for as long
-    as the Model object lives (twice the parameter memory meanwhile).
+    as the Model's arrays live (twice the parameter memory meanwhile).
     """
     check_mesh(mesh)
     return model.replace(params=place_params(model.params, mesh))
@@ -249,12 +286,7 @@ def place(model, mesh: Mesh):
 
 def placed_params(model, mesh: Mesh):
     """model.params on mesh: as they are when already placed, else placed once and cached."""
-    if is_placed(model.params, mesh):
-        return model.params
-    per_mesh = _PLACED.setdefault(model, {})
-    if mesh not in per_mesh:
-        per_mesh[mesh] = place_params(model.params, mesh)
-    return per_mesh[mesh]
+    return put_once(model.params, param_shardings(model.params, mesh))
 
 
 def fetch(tree):

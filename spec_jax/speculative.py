@@ -8,7 +8,7 @@ Each round, per row with n committed tokens (the last one, t_{n-1}, not yet in a
   3. the rejection rule accepts a prefix of a drafts and draws one more token;
   4. the row commits a + 1 tokens (fewer at a stop token or max_new_tokens) and n advances by
      that, independently of the other rows.
-Plain autoregressive decoding is this loop with gamma = 0 and spec_jax.drafters.NoDrafter: the
+Plain autoregressive decoding is this loop with gamma = 0 and spec_jax.drafting.NoDrafter: the
 target scores [t_{n-1}] and the rule draws the next token from p (there is nothing to reject).
 
 A row that reaches non-finite target logits (NaN or inf at a position the rule reads; at
@@ -28,7 +28,7 @@ from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
 from spec_jax.decode import PAD_ID, Output, PrefillInputs, commit, first_token, prefill
-from spec_jax.drafters import Drafter, reads_features, served, sources_of
+from spec_jax.drafting.base import Drafter
 from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import SamplingParams, split_rows, warp
@@ -74,29 +74,28 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
     """Both models read the prompts; the first new token is drawn from the target's logits."""
     TRACE_COUNTS["spec_prefill"] += 1
     drafter = static.drafter
-    if reads_features(drafter):
-        logits, target_cache, features = prefill(
-            static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len, with_features=True
-        )
-        draft_state = drafter.init(
-            draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len, features
-        )
-    else:
-        logits, target_cache = prefill(
-            static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len
-        )
-        draft_state = drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
+    # The target's features of the prompt for a drafter that reads them (else None).
+    logits, target_cache, *features = prefill(
+        static.config,
+        params,
+        inputs.tokens,
+        inputs.prompt_lens,
+        static.cache_len,
+        with_features=drafter.reads_features,
+    )
+    features = features[0] if features else None
+    draft_state = drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len, features)
     out, token, keys = first_token(logits, inputs, static.sampling, static.max_new_tokens)
-    if reads_features(drafter):  # the last prompt position's pair waited for the first token
+    if features is not None:  # the last prompt position's pair waited for the first token
         last = (inputs.prompt_lens - 1)[:, None]
         f_last = jnp.take_along_axis(features, last[:, :, None], axis=1)  # [B, 1, D]
         ones = jnp.ones_like(inputs.prompt_lens)
         draft_state = drafter.observe(draft_params, draft_state, f_last, token[:, None], last[:, 0], ones)
     prev = jnp.take_along_axis(inputs.tokens, (inputs.prompt_lens - 1)[:, None], axis=1)[:, 0]
     batch = inputs.tokens.shape[0]
-    metrics = SpecMetrics.zeros(static.gamma, len(sources_of(static.drafter)), batch).replace(
+    metrics = SpecMetrics.zeros(static.gamma, len(drafter.sources), batch).replace(
         target_calls=jnp.ones((), jnp.int32),
-        draft_calls=jnp.asarray(static.drafter.prefill_calls, jnp.int32),
+        draft_calls=jnp.asarray(drafter.prefill_calls, jnp.int32),
     )
     return SpecState(
         target_cache=target_cache,
@@ -137,7 +136,7 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
     num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
 
-    features = reads_features(static.drafter)
+    features = static.drafter.reads_features
 
     def score(width, cache):
         """(p [B, G + 1, V], finite [B, G + 1] (the logits at the position were all finite),
@@ -154,7 +153,7 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         f = jnp.pad(out[2], pad, mode="edge") if features else None
         return p, finite, out[1], f
 
-    if gamma and getattr(static.drafter, "variable_length", False):
+    if gamma and static.drafter.variable_length:
         # The narrowest target call that covers every active row's drafts (a round where no
         # row proposed anything is one decode step).
         widths = static.widths()
@@ -192,7 +191,7 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         committed,
         gamma,
         # A plain round (gamma 0, as gamma=auto may end with) is served by no drafter source.
-        served(static.drafter, draft_state, tokens.shape[0]) if gamma else jnp.full_like(state.length, -1),
+        static.drafter.served(draft_state, tokens.shape[0]) if gamma else jnp.full_like(state.length, -1),
     )
     return SpecState(
         target_cache=target_cache,

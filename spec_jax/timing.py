@@ -150,7 +150,7 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
 
 
 def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
-    """model_call for a draft head (spec_jax.head_drafter.HeadDrafter with its HeadParams): each
+    """model_call for a draft head (spec_jax.drafting.head.HeadDrafter with its HeadParams): each
     call feeds widths[i] (feature, token) pairs per row through the head, and its last output
     through the (trimmed) output head: [1] a drafting step, [g + 1] the observe call of a round
     and its first draft. Same contract as model_call."""

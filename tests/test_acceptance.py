@@ -14,7 +14,7 @@ from test_ngram import cycle_following_target
 import spec_jax
 from spec_jax import acceptance
 from spec_jax.autogamma import Costs
-from spec_jax.head_drafter import HeadDrafter, head_params
+from spec_jax.drafting.head import HeadDrafter, head_params
 
 VOCAB, GAMMA = 16, 6
 WRONG = {5: 9, 12: 2}  # the cycle head's draft after reading 5 or 12 is rejected

@@ -16,8 +16,8 @@ from conftest import apply, perturbed
 import models
 import spec_jax
 from spec_jax import autogamma
-from spec_jax.api import as_drafter
-from spec_jax.drafters import ModelDrafter
+from spec_jax.drafting import Drafter, NoDrafter, as_drafter
+from spec_jax.drafting.model import ModelDrafter
 from spec_jax.speculative import committed_text
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
@@ -91,7 +91,10 @@ def measured(monkeypatch):
 
 
 def cached_costs(target, cache_dir):
-    return autogamma.costs_for(target, None, None, batch=1, cache_slots=64, gamma_max=8, cache_dir=cache_dir)
+    drafter = NoDrafter(target.config.vocab_size)
+    return autogamma.costs_for(
+        target, drafter, None, batch=1, cache_slots=64, gamma_max=8, cache_dir=cache_dir
+    )
 
 
 @pytest.mark.parametrize(
@@ -306,7 +309,7 @@ class Scripted(autogamma.Controller):
 
 
 @dataclasses.dataclass(frozen=True)
-class Turning:
+class Turning(Drafter):
     """Drafts as `inner` except at row lengths in [wrong_from, wrong_until), where it proposes
     inner's drafts + 1 (mod V) with one-hot q. With the target itself as inner, greedy drafts
     are always accepted outside that range and never inside it."""
@@ -319,8 +322,9 @@ class Turning:
     max_seq_len = property(lambda self: self.inner.max_seq_len)
     prefill_calls = property(lambda self: self.inner.prefill_calls)
     sources = ("model",)
+    resumable = True
 
-    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
         return self.inner.init(params, tokens_bp, prompt_lens_b, cache_len)
 
     def propose(self, params, state, context_b2, length_b, gamma, sampling, keys_b):

@@ -1,4 +1,4 @@
-"""The data caches built from the corpora (experiments.corpora: the vocabulary-trim ids, the
+"""The data caches built from the corpora (spec_jax.corpora: the vocabulary-trim ids, the
 suffix tables, the news wheel; training.features: a draft head's training features): a damaged
 entry is detected, named and rebuilt once, two builders of one entry build it once, and the news
 wheel's sha256 is checked on every use.
@@ -16,9 +16,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from experiments import corpora
 from models import registry
-from spec_jax import ngram
+from spec_jax import corpora
+from spec_jax.drafting import ngram
 from training import features
 
 VOCAB = 50

@@ -17,7 +17,8 @@ from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import drafters, executables, speculative
+from spec_jax import executables, speculative
+from spec_jax.drafting import model as drafters
 from spec_jax.sampling import SamplingParams, warp
 
 V, HORIZON, N = 8, 3, 20_000

@@ -1,4 +1,4 @@
-"""The draft-head drafter (models.draft_head, spec_jax.head_drafter): greedy output equals plain
+"""The draft-head drafter (models.draft_head, spec_jax.drafting.head): greedy output equals plain
 decoding, the head's cache holds the target's true features of the committed text after every
 round, and sampling with it is exact (chi-square), while an off-by-one q fails."""
 
@@ -16,7 +16,7 @@ import models
 import spec_jax
 from models import draft_head
 from models.transformer import init_params
-from spec_jax.head_drafter import HeadDrafter, head_params
+from spec_jax.drafting.head import HeadDrafter, head_params
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 MAX_NEW = 13

@@ -8,15 +8,6 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("models", "spec_jax", "training")
 
-# Known cycles, each being removed elsewhere; strict for every other one. Remove an entry when
-# its cycle is gone (test_the_known_cycles_still_exist says so).
-KNOWN_CYCLES = {
-    # spec_jax/acceptance.py imports api.py (layout, stop_id_list) for logging rounds, which
-    # imports autogamma.py and head_drafter.py, which import acceptance.py: removed by the
-    # drafter refactor (one drafter interface, issue 26 item 1).
-    frozenset({"spec_jax.acceptance", "spec_jax.api", "spec_jax.autogamma", "spec_jax.head_drafter"}),
-}
-
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
@@ -77,15 +68,8 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 def test_no_module_of_models_spec_jax_or_training_imports_itself_through_others():
-    found = [sorted(c) for c in cycles(import_graph(ROOT)) if c not in KNOWN_CYCLES]
+    found = [sorted(c) for c in cycles(import_graph(ROOT))]
     assert not found, f"import cycles (make the imports point one way): {found}"
-
-
-def test_the_known_cycles_still_exist():
-    """A known cycle that is gone must leave KNOWN_CYCLES, so the test is strict for it again."""
-    present = set(cycles(import_graph(ROOT)))
-    gone = [sorted(c) for c in KNOWN_CYCLES if c not in present]
-    assert not gone, f"remove these from KNOWN_CYCLES: {gone}"
 
 
 def test_the_cycle_check_finds_a_cycle_through_a_function_body_import(tmp_path):

@@ -11,7 +11,8 @@ from test_speculative import MAX_NEW, PROMPTS
 
 import models
 import spec_jax
-from spec_jax import api, lookup
+from spec_jax import drafting
+from spec_jax.drafting import hybrid, lookup
 from spec_jax.sampling import SamplingParams
 
 GAMMA = 4
@@ -19,7 +20,7 @@ THRESHOLD = 0.08  # the tiny draft's top probability is around this: rows stop a
 
 
 def match(rows, lengths, max_ngram, gamma=4):
-    """(found, end, ngram, drafts) of spec_jax.lookup for token rows (padded with 0 to one width)."""
+    """(found, end, ngram, drafts) of spec_jax.drafting.lookup for token rows (padded with 0 to one width)."""
     width = max(len(r) for r in rows)
     buffer = jnp.asarray([r + [0] * (width - len(r)) for r in rows], jnp.int32)
     length = jnp.asarray(lengths, jnp.int32)
@@ -75,14 +76,14 @@ def test_propose_hands_one_hot_q_where_it_matched_and_zero_where_not():
 def test_a_bad_max_ngram_is_refused(tiny_target):
     for bad in (0, 17, 2.0):
         with pytest.raises(ValueError, match=r"max_ngram must be an integer in \[1, 16\]"):
-            api.make_draft("prompt_lookup", tiny_target, max_ngram=bad)
+            drafting.build("prompt_lookup", tiny_target, drafting.Settings(max_ngram=bad))
     with pytest.raises(ValueError, match=r"threshold must be a number in \[0, 1\)"):
-        api.make_draft("model", tiny_target, draft=tiny_target, threshold=1.0)
+        drafting.build("model", tiny_target, drafting.Settings(draft=tiny_target, threshold=1.0))
     with pytest.raises(ValueError, match="drafter must be one of model, .*, got 'lookahead'") as info:
-        api.make_draft("lookahead", tiny_target)
-    assert all(kind in str(info.value) for kind in api.DRAFTERS), "every drafter is named"
+        drafting.build("lookahead", tiny_target)
+    assert all(kind in str(info.value) for kind in drafting.DRAFTERS), "every drafter is named"
     with pytest.raises(ValueError, match="drafter 'hybrid' needs a draft model"):
-        api.make_draft("hybrid", tiny_target)
+        drafting.build("hybrid", tiny_target)
 
 
 def test_lookup_on_a_prompt_that_repeats_itself_drafts_the_continuation_and_it_is_accepted():
@@ -91,7 +92,7 @@ def test_lookup_on_a_prompt_that_repeats_itself_drafts_the_continuation_and_it_i
     vocab = 16
     target = cycle_following_target(vocab)
     prompts = [list(range(16)) + [0, 1, 2], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 5, 6]]
-    draft = api.make_draft("prompt_lookup", target, max_ngram=2)
+    draft = drafting.build("prompt_lookup", target, drafting.Settings(max_ngram=2))
     gen = spec_jax.generate(target, prompts, draft=draft, gamma=3, max_new_tokens=9, temperature=0.0)
     assert gen.tokens == [[(p[-1] + 1 + i) % vocab for i in range(9)] for p in prompts]
     s = gen.stats
@@ -109,7 +110,7 @@ def greedy_ar(tiny_target):
 
 
 def drafts_of(kind, target, draft, threshold=0.0):
-    return api.make_draft(kind, target, draft=draft, threshold=threshold)
+    return drafting.build(kind, target, drafting.Settings(draft=draft, threshold=threshold))
 
 
 @pytest.mark.parametrize("kind, threshold", [("prompt_lookup", 0.0), ("hybrid", 0.0), ("model", THRESHOLD)])
@@ -172,8 +173,8 @@ def test_the_buffer_and_the_hybrid_models_cache_hold_the_committed_prefix_after_
     vocab, gamma, max_new = 16, 3, 16
     target = cycle_following_target(vocab)
     draft = perturbed(target, 0.3, seed=1)
-    model, _ = api.make_draft("model", target, draft=draft)
-    drafter = lookup.HybridDrafter(lookup.PromptLookupDrafter(vocab, 2), model, catch_up=2)
+    model, _ = drafting.build("model", target, drafting.Settings(draft=draft))
+    drafter = hybrid.HybridDrafter(lookup.PromptLookupDrafter(vocab, 2), model, catch_up=2)
     prompt = list(range(10)) + [0, 1]
     slots = 16 + max_new + gamma
     state, step = loop_by_hand(target, drafter, draft.params, [prompt], gamma, max_new)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
-from spec_jax import api, executables, lookup, speculative, suffix, verify
+from spec_jax import drafting, executables, speculative, verify
+from spec_jax.drafting import hybrid, lookup, suffix
 
 THRESHOLD = 0.25  # the V = 8 draft's top probability straddles this: rows draft 0, 1 or 2
 
@@ -22,7 +23,7 @@ def fraction(s, source):
 def test_prompt_lookup_matches_target_distribution_exactly(pair):  # noqa: F811
     target, _ = pair
     sampling = WARPS[0]
-    counts, s = sample_counts(target, api.make_draft("prompt_lookup", target), sampling, gamma=2, seed=0)
+    counts, s = sample_counts(target, drafting.build("prompt_lookup", target), sampling, gamma=2, seed=0)
     assert 0.2 < s["num_draft_tokens"] / (2 * s["num_rounds"]) < 0.8, "rows with and without a match"
     assert s["num_accepted_tokens"] > 100
     assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
@@ -51,7 +52,7 @@ def test_a_lookup_handing_the_rule_a_non_one_hot_q_fails(pair):  # noqa: F811
 def test_hybrid_drafting_matches_target_distribution_exactly(pair):  # noqa: F811
     target, draft = pair
     counts, s = sample_counts(
-        target, api.make_draft("hybrid", target, draft=draft), WARPS[0], gamma=2, seed=0
+        target, drafting.build("hybrid", target, drafting.Settings(draft=draft)), WARPS[0], gamma=2, seed=0
     )
     assert 0.2 < fraction(s, "prompt_lookup") < 0.8, "lookup and the model both serve rounds"
     assert 0.1 < s["acceptance_rate_by_drafter"]["model"] < 0.95
@@ -59,7 +60,7 @@ def test_hybrid_drafting_matches_target_distribution_exactly(pair):  # noqa: F81
 
 
 @dataclasses.dataclass(frozen=True)
-class HybridHandingModelQ(lookup.HybridDrafter):
+class HybridHandingModelQ(hybrid.HybridDrafter):
     """Broken on purpose: where lookup drafted, the rule gets the draft model's q at that position."""
 
     def propose(self, params, state, context_b2, length_b, gamma, sampling, keys_b):
@@ -71,7 +72,7 @@ class HybridHandingModelQ(lookup.HybridDrafter):
 
 def test_a_hybrid_handing_lookup_drafts_the_models_q_fails(pair):  # noqa: F811
     target, draft = pair
-    hybrid, params = api.make_draft("hybrid", target, draft=draft)
+    hybrid, params = drafting.build("hybrid", target, drafting.Settings(draft=draft))
     broken = HybridHandingModelQ(hybrid.lookup, hybrid.model)
     counts, _ = sample_counts(target, (broken, params), WARPS[0], gamma=2, seed=0)
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
@@ -80,7 +81,7 @@ def test_a_hybrid_handing_lookup_drafts_the_models_q_fails(pair):  # noqa: F811
 @pytest.fixture(scope="module")
 def adaptive(pair):  # noqa: F811
     target, draft = pair
-    return api.make_draft("model", target, draft=draft, threshold=THRESHOLD)
+    return drafting.build("model", target, drafting.Settings(draft=draft, threshold=THRESHOLD))
 
 
 def test_per_row_adaptive_draft_lengths_match_target_distribution_exactly(pair, adaptive):  # noqa: F811
@@ -111,7 +112,7 @@ def test_an_adaptive_stop_that_reads_the_targets_p_fails(pair, adaptive, monkeyp
 
 def test_the_draft_confidence_is_the_top_unwarped_probability():
     logits = jnp.asarray([[0.0, jnp.log(3.0)], [1.0, 1.0]])
-    from spec_jax.drafters import top_probability
+    from spec_jax.drafting.model import top_probability
 
     assert jax.device_get(top_probability(logits)).tolist() == pytest.approx([0.75, 0.5])
 
@@ -132,7 +133,7 @@ def suffix_tables():
 
 def test_suffix_drafting_matches_target_distribution_exactly(pair):  # noqa: F811
     target, _ = pair
-    draft = api.make_draft("suffix", target, max_ngram=2, tables=suffix_tables())
+    draft = drafting.build("suffix", target, drafting.Settings(max_ngram=2, tables=suffix_tables()))
     counts, s = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
     assert 0.1 < s["acceptance_rate"] < 0.95
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) > 1e-3
@@ -161,7 +162,9 @@ def test_a_suffix_drafter_handing_the_rule_another_q_fails(pair):  # noqa: F811
 
 def test_suffix_drafting_with_a_confidence_stop_matches_target_distribution_exactly(pair):  # noqa: F811
     target, _ = pair
-    draft = api.make_draft("suffix", target, max_ngram=2, threshold=0.4, tables=suffix_tables())
+    draft = drafting.build(
+        "suffix", target, drafting.Settings(max_ngram=2, threshold=0.4, tables=suffix_tables())
+    )
     counts, s = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
     assert 0.2 < s["num_draft_tokens"] / (2 * s["num_rounds"]) < 0.8, "rows stop at different lengths"
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) > 1e-3

@@ -8,7 +8,8 @@ from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import ngram, per_prompt
+from spec_jax import per_prompt
+from spec_jax.drafting import ngram
 from spec_jax.sampling import SamplingParams, row_keys
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]

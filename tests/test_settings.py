@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from models import settings
-from spec_jax import lookup, ngram, sampling, suffix
+from spec_jax import sampling
+from spec_jax.drafting import lookup, ngram, suffix
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ from conftest import apply, loop_by_hand
 
 import models
 import spec_jax
-from spec_jax import api, executables, speculative
+from spec_jax import drafting, executables, speculative
 
 # Ragged rows: lengths 3, 1, 10 and 6. The same batch, length and gamma as tests/test_decode.py and
 # tests/test_ngram.py (one xdist group): compiling a loop costs ~10 s of CPU, so the tests share
@@ -171,7 +171,7 @@ def test_drafter_cache_holds_the_committed_prefix_after_every_round(tiny_target,
     )
     seq = PROMPTS[0] + gen.tokens[0]  # row 0 of the batch: rows do not depend on each other
     # Re-run the loop by hand for a few rounds and compare caches.
-    from spec_jax.drafters import ModelDrafter
+    from spec_jax.drafting.model import ModelDrafter
 
     drafter = ModelDrafter(tiny_draft.config)
     state, step = loop_by_hand(tiny_target, drafter, tiny_draft.params, PROMPTS[:1], GAMMA, MAX_NEW)
@@ -204,7 +204,9 @@ def test_every_drafter_bounds_gamma_by_the_context(tiny_draft, kind):
     target = models.random_model(
         vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, max_seq_len=32
     )
-    draft = api.make_draft(kind, target, draft=tiny_draft, sequences=[[1, 2, 3, 4, 5, 6]] * 3)
+    draft = drafting.build(
+        kind, target, drafting.Settings(draft=tiny_draft, sequences=[[1, 2, 3, 4, 5, 6]] * 3)
+    )
     limit = 32 - 3 - 4
     with pytest.raises(ValueError, match=rf"^gamma must be in \[1, {limit}\] .*the target's context of 32"):
         spec_jax.generate(target, [[1, 2, 3]], draft=draft, gamma=limit + 1, max_new_tokens=4)

@@ -1,4 +1,4 @@
-"""Suffix drafting (spec_jax.suffix): the hashed n-gram table against counting by hand, the
+"""Suffix drafting (spec_jax.drafting.suffix): the hashed n-gram table against counting by hand, the
 row's own counts, the drafts and their q, and greedy identity to autoregressive decoding."""
 
 import collections
@@ -10,7 +10,8 @@ import pytest
 from test_speculative import MAX_NEW, PROMPTS
 
 import spec_jax
-from spec_jax import api, suffix
+from spec_jax import drafting
+from spec_jax.drafting import suffix
 from spec_jax.sampling import SamplingParams
 
 GAMMA = 4
@@ -115,7 +116,7 @@ def test_bad_settings_are_refused(tiny_target):
     with pytest.raises(ValueError, match="token ids in"):
         suffix.fit_suffix_tables([[1, 2, 64]], 64, 2)
     with pytest.raises(ValueError, match="tables must be"):
-        api.make_draft("suffix", tiny_target, tables={"keys": 1})
+        drafting.build("suffix", tiny_target, drafting.Settings(tables={"keys": 1}))
 
 
 pytestmark = pytest.mark.xdist_group("tiny_target")
@@ -133,7 +134,9 @@ def test_greedy_output_equals_autoregressive_on_a_ragged_batch(
     # a session's earlier outputs: the same prompts decoded before, one token shifted
     earlier = [p + out[:-1] for p, out in zip(PROMPTS, greedy_ar, strict=True)]
     tables = suffix.fit_suffix_tables(earlier, 64, 3, min_count=1) if with_tables else None
-    draft = api.make_draft("suffix", tiny_target, max_ngram=3, threshold=threshold, tables=tables)
+    draft = drafting.build(
+        "suffix", tiny_target, drafting.Settings(max_ngram=3, threshold=threshold, tables=tables)
+    )
     gen = spec_jax.generate(
         tiny_target, PROMPTS, draft=draft, gamma=GAMMA, max_new_tokens=MAX_NEW, temperature=0.0
     )

@@ -193,7 +193,8 @@ def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted
 def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_path, monkeypatch):
     """The quick experiments end to end: a draft head, then its acceptance head (logged rounds,
     classifier, threshold), loaded as one drafter; retraining the draft head invalidates it."""
-    from experiments import common, framework, heads
+    from experiments import common, framework
+    from spec_jax.drafting import head as heads
 
     workdir = str(tmp_path / "head")
     framework.run_experiment(

@@ -8,7 +8,8 @@ from conftest import perturbed
 
 import models
 import spec_jax
-from spec_jax import drafters, ngram
+from spec_jax.drafting import model as drafters
+from spec_jax.drafting import ngram
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 

@@ -1,4 +1,5 @@
-"""Fitting the n-gram drafters (spec_jax.drafters.UnigramDrafter / BigramDrafter) by counting.
+"""The n-gram drafters (UnigramDrafter, BigramDrafter), fitted by counting. They keep no state
+between rounds (the loop carries an empty tuple) and read any context length.
 
 Counting is NumPy on the host. The result of each fit is a `(drafter, params)` pair that
 `spec_jax.generate(target, prompts, draft=pair, ...)` takes as it is.
@@ -12,16 +13,110 @@ sparsely (only the bigrams that occur), which is exact: a dense [V, V] table wou
 151936^2 floats for the Qwen vocabulary.
 """
 
+import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
+import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models.settings import is_int
-from spec_jax.drafters import BigramDrafter, BigramTables, UnigramDrafter, UnigramTables
+from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal
+from spec_jax.sampling import draw_rows, split_rows, warp
 
 DEFAULT_ADD_K = 0.01
 DEFAULT_PRIOR = 1.0
+
+
+@flax.struct.dataclass
+class UnigramTables:
+    log_probs: jax.Array  # float32 [V]: log u(x), smoothed so every token has mass
+
+
+@dataclasses.dataclass(frozen=True)
+class UnigramDrafter(Drafter):
+    """Drafts every token from one fixed distribution u (unigram frequencies), ignoring context.
+
+    Temperature, top-k and top-p warp log u like a model's logits; temperature 0 proposes
+    argmax u (the most frequent token) at every position.
+    """
+
+    vocab_size: int
+    max_seq_len: int = UNBOUNDED_CONTEXT
+    prefill_calls: int = 0
+    sources: ClassVar[tuple[str, ...]] = ("unigram",)
+    resumable: ClassVar[bool] = True
+
+    def resume(self, params, state, text_bs, synced_b, length_b, width):
+        return state
+
+    def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, keys_b):
+        batch = context_b2.shape[0]
+        q_bv = jnp.broadcast_to(warp(params.log_probs, sampling), (batch, self.vocab_size))  # one warp
+        tokens = jnp.stack([draw_rows(k, q_bv) for k in split_rows(keys_b, gamma)], axis=1)  # [B, G]
+        q = jnp.broadcast_to(q_bv[:, None], (batch, gamma, self.vocab_size))
+        return Proposal(tokens, q, state)
+
+
+@flax.struct.dataclass
+class BigramTables:
+    """A smoothed bigram p(x | c) = (n(c, x) + s(x)) / d(c), stored sparsely (exact).
+
+    The nonzero counts n(c, .) of context c are next_ids / next_counts[row_start[c] :
+    row_start[c + 1]] (sorted by context, then padded with max_row_len zeros so a fixed-size
+    slice from any row start stays in bounds). s = prior * u is the backoff mass spread by the
+    unigram u, and d(c) = n(c) + prior, so an unseen context falls back to u exactly.
+    """
+
+    smoothing: jax.Array  # float32 [V]: prior * u(x)
+    denominator: jax.Array  # float32 [V]: n(c) + prior, per context c
+    row_start: jax.Array  # int32 [V + 1]
+    next_ids: jax.Array  # int32 [nnz + max_row_len]
+    next_counts: jax.Array  # float32 [nnz + max_row_len]
+
+
+@dataclasses.dataclass(frozen=True)
+class BigramDrafter(Drafter):
+    """Drafts from p(x | previous token): the first draft conditions on the last committed
+    token (context[:, 1]), each later one on the draft before it.
+
+    max_row_len: the most distinct successors any context has in the tables (a static slice
+    width). Temperature 0 proposes argmax_x p(x | c): the most frequent successor, ties
+    broken by the unigram, then toward the lower id (as warp does).
+    """
+
+    vocab_size: int
+    max_row_len: int
+    max_seq_len: int = UNBOUNDED_CONTEXT
+    prefill_calls: int = 0
+    sources: ClassVar[tuple[str, ...]] = ("bigram",)
+    resumable: ClassVar[bool] = True
+
+    def resume(self, params, state, text_bs, synced_b, length_b, width):
+        return state
+
+    def probs(self, params: BigramTables, context_b):
+        """p(. | c) for each context token c [B]: float32 [B, V]."""
+
+        def row(c):
+            start = params.row_start[c]
+            ids = jax.lax.dynamic_slice(params.next_ids, (start,), (self.max_row_len,))
+            counts = jax.lax.dynamic_slice(params.next_counts, (start,), (self.max_row_len,))
+            counts = jnp.where(jnp.arange(self.max_row_len) < params.row_start[c + 1] - start, counts, 0.0)
+            return params.smoothing.at[ids].add(counts) / params.denominator[c]
+
+        return jax.vmap(row)(context_b)
+
+    def propose(self, params: BigramTables, state, context_b2, length_b, gamma, sampling, keys_b):
+        def step(prev_b, step_keys):
+            q_bv = warp(jnp.log(self.probs(params, prev_b)), sampling)
+            token_b = draw_rows(step_keys, q_bv)
+            return token_b, (token_b, q_bv)
+
+        _, (tokens_gb, q_gbv) = jax.lax.scan(step, context_b2[:, 1], split_rows(keys_b, gamma))
+        return Proposal(tokens_gb.T, jnp.swapaxes(q_gbv, 0, 1), state)
 
 
 def _as_arrays(sequences: Iterable[Sequence[int]], vocab_size: int) -> list[np.ndarray]:
@@ -115,7 +210,7 @@ def dense_bigram(tables: BigramTables, contexts: Sequence[int]) -> np.ndarray:
 def most_frequent(sequences, vocab_size: int, count: int, always: Sequence[int] = ()) -> np.ndarray:
     """The `count` most frequent token ids of the sequences (ties: the smaller id first), plus
     every id of `always` (e.g. the stop tokens) in place of the least frequent: int64 [count],
-    sorted. The token set of a vocabulary-trimmed draft (spec_jax.drafters.trim_vocabulary)."""
+    sorted. The token set of a vocabulary-trimmed draft (spec_jax.drafting.model.trim_vocabulary)."""
     if not is_int(count) or not 1 <= count <= vocab_size:
         raise ValueError(f"count must be an integer in [1, {vocab_size}], got {count!r}")
     always = np.unique(np.asarray(always, np.int64))

@@ -1,4 +1,5 @@
-"""Drafting with a draft head on the target's features (models.draft_head; EAGLE-1).
+"""Drafting with a draft head on the target's features (models.draft_head; EAGLE-1), and loading a
+trained one (load_drafter).
 
 The head needs the target's feature at every committed position, and the target computes them
 anyway: the verification call of each round returns its features beside its logits (one call,
@@ -23,21 +24,32 @@ committed text with the target's true features would hold (tests/test_head.py ch
 against a fresh prefill after every round), whatever was accepted or rejected. The draft
 distribution q is the head's (over the output head's token subset, 0 elsewhere, as a
 vocabulary-trimmed draft), and the drafts are sampled from it, so the rule stays exact.
+
+A head for target T trains into `$SPEC_JAX_CACHE/heads/T/` by default (default_workdir: its orbax
+checkpoints, history and plot; the precision whose features it learned is in its metadata, and
+it drafts for the target at any precision); `python -m launch.train` writes there, and
+load_drafter (`--drafter=head` of `launch.generate`, the benchmarks) reads from there.
 """
 
 import dataclasses
+import pathlib
 from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from models import draft_head
+import spec_jax.drafting.acceptance_head as acceptance_head
+from models import draft_head, registry
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import output_head
+from spec_jax import sharding
+from spec_jax.autogamma import model_key
 from spec_jax.decode import PAD_ID
-from spec_jax.drafters import TrimmedHead
+from spec_jax.drafting.base import Drafter, Proposal
+from spec_jax.drafting.model import TrimmedHead
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 
@@ -46,7 +58,9 @@ class HeadParams:
     head: Any  # the head's parameters (models.draft_head, any precision)
     embed: Any  # the target's input embedding [V, D]
     out: TrimmedHead  # the target's output head, its rows for the drafted tokens (all: ids = 0..V-1)
-    acceptance: Any = None  # spec_jax.acceptance.AcceptanceParams, for HeadDrafter.stop_rejection
+    acceptance: Any = (
+        None  # spec_jax.drafting.acceptance_head.AcceptanceParams, for HeadDrafter.stop_rejection
+    )
 
 
 @flax.struct.dataclass
@@ -58,7 +72,7 @@ class HeadState:
 def head_params(target, head, token_ids=None) -> HeadParams:
     """The drafter's arrays: `head` (a models.Model of kind draft_head) and the target's (a
     models.Model) embedding and output head, restricted to token_ids when given (distinct ids;
-    the drafts then come from those tokens only, as with spec_jax.drafters.trim_vocabulary)."""
+    the drafts then come from those tokens only, as with spec_jax.drafting.model.trim_vocabulary)."""
     if head.config.kind != "draft_head":
         raise ValueError(f"head must be a draft head (models.draft_head), got a {head.config.kind}")
     if head.config.d_model != target.config.d_model or head.config.vocab_size != target.config.vocab_size:
@@ -82,13 +96,13 @@ def head_params(target, head, token_ids=None) -> HeadParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadDrafter:
+class HeadDrafter(Drafter):
     """Drafts with a draft head (models.draft_head) from the target's features.
 
     config: the head's config. trimmed: the output head holds a subset of the vocabulary
     (HeadParams.out.ids) and q is 0 off it. threshold: a row stops drafting at the first
     position whose top probability (before the warp) is below it, as ModelDrafter's.
-    stop_rejection: with an acceptance head (HeadParams.acceptance, spec_jax.acceptance), a row
+    stop_rejection: with an acceptance head (HeadParams.acceptance, spec_jax.drafting.acceptance_head), a row
     stops drafting before the first position where the head's probability that at least one of
     its drafts so far is rejected exceeds this (SpecDec++); 0 = off. Both stops read only the
     drafter's own signals, so the output stays exact.
@@ -114,7 +128,9 @@ class HeadDrafter:
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
-    def init(self, params: HeadParams, tokens_bp, prompt_lens_b, cache_len: int, features_bpd) -> HeadState:
+    def init(
+        self, params: HeadParams, tokens_bp, prompt_lens_b, cache_len: int, features_bpd=None
+    ) -> HeadState:
         """The head over the prompt's pairs (f_j, t_{j+1}); the pair at each row's last prompt
         position holds padding until observe feeds the first new token there."""
         batch, width = tokens_bp.shape
@@ -186,10 +202,8 @@ class HeadDrafter:
             if self.threshold > 0:
                 keep = keep & (conf >= self.threshold)
             if self.stop_rejection > 0:
-                from spec_jax import acceptance
-
-                reject = acceptance.reject_probability(
-                    params.acceptance, acceptance.signals(hidden, conf, entropy, i)
+                reject = acceptance_head.reject_probability(
+                    params.acceptance, acceptance_head.signals(hidden, conf, entropy, i)
                 )
                 survive = survive * (1.0 - reject)
                 keep = keep & (1.0 - survive <= self.stop_rejection)
@@ -223,4 +237,100 @@ class HeadDrafter:
 
     def propose(self, params: HeadParams, state: HeadState, context_b2, length_b, gamma, sampling, keys_b):
         tokens, q, _, cache = self.draft_chain(params, state, length_b, gamma, sampling, keys_b)
-        return tokens, q, state.replace(cache=cache)
+        return Proposal(tokens, q, state.replace(cache=cache))
+
+    def for_mesh(self, mesh):
+        return dataclasses.replace(self, config=sharding.for_mesh(self.config, mesh))
+
+    def param_shardings(self, params: HeadParams, mesh):
+        """The head by the rule table, the target's input embedding as the target's; the output
+        head's rows and an acceptance head replicated."""
+        replicated = sharding.replicated(mesh)
+        return params.replace(
+            head=sharding.param_shardings(params.head, mesh),
+            embed=sharding.weight_shardings(("embed", "embedding"), params.embed, mesh),
+            out=jax.tree.map(lambda _: replicated, params.out),
+            acceptance=jax.tree.map(lambda _: replicated, params.acceptance),
+        )
+
+    def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
+        """A drafting step (width 1) and a 2-pair call (a round's observe call and first draft)."""
+        from spec_jax import timing
+
+        return {
+            w: timing.head_call(self, params, batch=batch, widths=[w], cache_slots=cache_slots, repeat=repeat)
+            for w in widths
+            if w in (1, 2)
+        }
+
+    def cost_key(self, params):
+        return {**model_key(self.config), "kind": "draft_head", "head_rows": int(params.out.ids.shape[0])}
+
+
+def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
+    """Where a head for this target is trained and found by default."""
+    return registry.cache_root(cache_dir) / "heads" / target
+
+
+def load_drafter(
+    target, workdir=None, dtype: str | None = None, threshold: float = 0.0, acceptance: bool = False
+):
+    """(HeadDrafter, HeadParams) of the trained head in workdir (default: default_workdir for
+    the target's name), at `dtype` (default the target's), for spec_jax.generate. acceptance:
+    also its acceptance head (WORKDIR/acceptance/, experiments/train_acceptance.py), stopping
+    each row's draft at the threshold chosen in training. ValueError when there is none, it
+    belongs to another target, or the acceptance head belongs to another draft head."""
+    import models
+    from spec_jax import head_checkpoint
+
+    cfg = target.config
+    workdir = pathlib.Path(workdir or default_workdir(cfg.name))
+    trained, ids, _ = head_checkpoint.load_head(workdir, target)  # float32: what the hash is of
+    dtype = dtype or cfg.dtype
+    head = trained if dtype == "float32" else models.cast(trained, dtype)
+    trimmed = len(ids) < cfg.vocab_size
+    drafter = HeadDrafter(head.config, trimmed=trimmed, threshold=float(threshold))
+    params = head_params(target, head, ids if trimmed else None)
+    if acceptance:
+        stop, meta = load_acceptance(workdir, head_checkpoint.params_hash(trained.params), cfg.d_model)
+        drafter = dataclasses.replace(drafter, stop_rejection=float(meta["threshold"]))
+        params = params.replace(acceptance=stop)
+    return drafter, params
+
+
+def head_hash(workdir, target) -> str:
+    """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
+    from spec_jax import head_checkpoint
+
+    return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
+
+
+def load_acceptance(workdir, head_sha256: str, width: int):
+    """(AcceptanceParams, meta) from WORKDIR/acceptance/; ValueError if there is none or it was
+    trained for another head (head_sha256: head_hash of the draft head in use)."""
+    import orbax.checkpoint as ocp
+
+    from spec_jax import head_checkpoint
+
+    folder = pathlib.Path(workdir) / "acceptance"
+    mngr = head_checkpoint.checkpoint_reader(folder) if folder.is_dir() else None
+    step = mngr.latest_step() if mngr is not None else None
+    if step is None:
+        raise ValueError(
+            f"no acceptance head in {folder} (train one with python -m launch.train "
+            "--config=launch/configs/acceptance_head.py)"
+        )
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if meta["head_params_sha256"] != head_sha256:
+        raise ValueError(
+            f"the acceptance head in {folder} was trained for another draft head; train it again"
+        )
+    abstract = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct,
+        acceptance_head.init(
+            np.zeros((2, width + 2 + acceptance_head.POSITIONS), np.float32),
+            0,
+        ),
+    )
+    params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+    return params, meta

@@ -3,7 +3,7 @@ in the row's own prompt + output or in a corpus, sampled from its empirical freq
 
 At each draft position the drafter takes the row's context (committed tokens and the drafts
 so far) and finds the longest n <= max_ngram such that its last n tokens occurred before:
-  - in the row itself: every earlier occurrence counts (spec_jax.lookup.occurrences), and the
+  - in the row itself: every earlier occurrence counts (spec_jax.drafting.lookup.occurrences), and the
     counts of the tokens that followed them are the distribution;
   - in a corpus: a fixed-size hashed table of n-grams (n = 1 .. max_ngram) -> the top `slots`
     successors with their counts, fitted on the host (`fit_suffix_tables`: the training split,
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.settings import is_int
-from spec_jax.drafters import UNBOUNDED_CONTEXT
-from spec_jax.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter, occurrences, write_tokens
+from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal
+from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter, occurrences, write_tokens
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 # Rolling hashes: h <- (h ^ (token + 1)) * prime mod 2^32 (FNV-1a over token ids), two seeds.
@@ -195,7 +195,7 @@ def own_counts(buffer_bs, length_b, max_ngram: int, vocab_size: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts by suffix matching (module docstring). params: SuffixTables, or () to match the
     row's own text only. State: PromptLookupDrafter's token buffer."""
 
@@ -206,6 +206,7 @@ class SuffixDrafter:
     prefill_calls: int = 0
     variable_length: ClassVar[bool] = True
     sources: ClassVar[tuple[str, ...]] = ("suffix",)
+    resumable: ClassVar[bool] = True
 
     def __post_init__(self):
         if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
@@ -215,7 +216,7 @@ class SuffixDrafter:
         if not 0.0 <= self.threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold!r}")
 
-    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
         return PromptLookupDrafter(self.vocab_size).init(None, tokens_bp, prompt_lens_b, cache_len)
 
     def resume(self, params, buffer_bs, text_bs, synced_b, length_b, width):
@@ -252,4 +253,4 @@ class SuffixDrafter:
         (buffer_bs, _, _), (tokens, q) = jax.lax.scan(
             step, (buffer_bs, length_b, alive), split_rows(keys_b, gamma)
         )
-        return tokens.T, jnp.swapaxes(q, 0, 1), buffer_bs
+        return Proposal(tokens.T, jnp.swapaxes(q, 0, 1), buffer_bs)

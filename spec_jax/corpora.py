@@ -231,12 +231,12 @@ def training_sequences(tokenizer, cache_dir=None) -> list[list[int]]:
 
 
 def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, always=(), cache_dir=None):
-    """The token set of a vocabulary-trimmed draft head (spec_jax.drafters.trim_vocabulary):
+    """The token set of a vocabulary-trimmed draft head (spec_jax.drafting.model.trim_vocabulary):
     the `count` most frequent tokens of the training documents of both tasks, with `always`
     (the stop tokens) included: sorted, distinct ids in [0, vocab_size), int64 [count].
     Counted once per model and count, cached as `$SPEC_JAX_CACHE/vocab_trim/MODEL-COUNT-ALWAYS.npy`
     (registry.cached_entry: locked, written atomically, a damaged file rebuilt once)."""
-    from spec_jax import ngram
+    from spec_jax.drafting.ngram import most_frequent
 
     always = sorted({int(i) for i in always})
     path = (
@@ -258,7 +258,7 @@ def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, alw
         return ids
 
     def write(path):
-        ids = ngram.most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
+        ids = most_frequent(training_sequences(tokenizer, cache_dir), vocab_size, count, always)
         registry.atomic_write(path, lambda f: np.save(f, ids))
 
     return registry.cached_entry(path, load, write)
@@ -268,11 +268,11 @@ SUFFIX_TABLE_FIELDS = ("keys", "next_ids", "next_counts")
 
 
 def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, cache_dir=None):
-    """The suffix drafter's n-gram table (spec_jax.suffix.fit_suffix_tables) of the training
+    """The suffix drafter's n-gram table (spec_jax.drafting.suffix.fit_suffix_tables) of the training
     documents of both tasks, fitted once per model and max_ngram and cached as
     `$SPEC_JAX_CACHE/suffix/MODEL-N.npz` (registry.cached_entry: locked, written atomically, a
     damaged file (a zip or CRC error, a missing table, shapes that do not fit) rebuilt once)."""
-    from spec_jax import suffix
+    from spec_jax.drafting.suffix import SuffixTables, fit_suffix_tables
 
     path = registry.cache_root(cache_dir) / "suffix" / f"{model_name}-{max_ngram}.npz"
 
@@ -291,10 +291,10 @@ def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, c
             or not np.isfinite(counts).all()
         ):
             raise ValueError("not tables of the shapes, types and token ids suffix.SuffixTables holds")
-        return suffix.SuffixTables(**{k: jnp.asarray(a) for k, a in arrays.items()})
+        return SuffixTables(**{k: jnp.asarray(a) for k, a in arrays.items()})
 
     def write(path):
-        tables = suffix.fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
+        tables = fit_suffix_tables(training_sequences(tokenizer, cache_dir), vocab_size, max_ngram)
         arrays = {k: np.asarray(getattr(tables, k)) for k in SUFFIX_TABLE_FIELDS}
         registry.atomic_write(path, lambda f: np.savez(f, **arrays))
 

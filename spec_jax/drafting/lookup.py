@@ -1,5 +1,5 @@
-"""Drafts copied from the row's own text: prompt lookup, and prompt lookup with a draft model
-behind it (HybridDrafter).
+"""Drafts copied from the row's own text: prompt lookup (PromptLookupDrafter; with a draft model
+behind it: spec_jax.drafting.hybrid.HybridDrafter).
 
 Prompt lookup (as HF's `prompt_lookup_num_tokens` and vLLM's `ngram`): find the most recent
 earlier occurrence of the row's last n committed tokens (n from max_ngram down to 1) in its
@@ -22,14 +22,13 @@ ends its row, so a truncated row never proposes again.
 """
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from models.settings import is_int
-from spec_jax.drafters import UNBOUNDED_CONTEXT, ModelDrafter
+from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal
 
 MAX_NGRAM_LIMIT = 16  # the largest max_ngram accepted (the match is max_ngram shifted compares)
 
@@ -83,7 +82,7 @@ def continuation(buffer_bs, length_b, end_b, gamma: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Drafts by prompt lookup (module docstring); no parameters (params: None or ())."""
 
     vocab_size: int
@@ -92,6 +91,7 @@ class PromptLookupDrafter:
     prefill_calls: int = 0
     variable_length: ClassVar[bool] = True
     sources: ClassVar[tuple[str, ...]] = ("prompt_lookup",)
+    resumable: ClassVar[bool] = True
 
     def __post_init__(self):
         if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
@@ -99,7 +99,7 @@ class PromptLookupDrafter:
                 f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
             )
 
-    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
+    def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
         """The token buffer [B, cache_len]: the padded prompts (padding past each length is garbage)."""
         return jnp.pad(tokens_bp.astype(jnp.int32), ((0, 0), (0, cache_len - tokens_bp.shape[1])))
 
@@ -117,99 +117,4 @@ class PromptLookupDrafter:
     def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling, keys_b):
         buffer_bs, found, drafts = self.lookup(buffer_bs, context_b2, length_b, gamma)
         q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32) * found[:, None, None]
-        return drafts, q, write_tokens(buffer_bs, drafts, length_b)
-
-
-@flax.struct.dataclass
-class HybridState:
-    buffer: jax.Array  # int32 [B, S]: prompt + committed tokens (PromptLookupDrafter's state)
-    cache: Any  # the draft model's KVCache
-    cached: jax.Array  # int32 [B]: the model's cache is exact at positions below this
-    model_drafted: jax.Array  # bool [B]: the model served the row's last round
-    last_length: jax.Array  # int32 [B]: the length at the last round (unchanged: the row is done)
-
-
-@dataclasses.dataclass(frozen=True)
-class HybridDrafter:
-    """Prompt lookup first, the draft model for the rows where it finds nothing (per row, per
-    round); params are the model's (a TrimmedDraftParams for a trimmed model).
-
-    The model runs in a round only when some active row needs it. Its cache must then hold the
-    committed prefix, although it skipped the rounds lookup served (each of which committed up
-    to gamma + 1 tokens): it is exact below `cached`, and before drafting it reads the
-    committed tokens from `cached` to n-2 out of the lookup's buffer, `catch_up` tokens per
-    call (as many calls as the longest gap needs), then drafts as ModelDrafter does (which
-    feeds n-2, n-1). After a round it drafted, the cache is exact below n for every row, and
-    for the rows it served also below the next round's n'-2 (its own accepted drafts).
-    """
-
-    lookup: PromptLookupDrafter
-    model: ModelDrafter
-    catch_up: int = 8
-    prefill_calls: int = 1
-    variable_length: ClassVar[bool] = True
-    sources: ClassVar[tuple[str, ...]] = ("prompt_lookup", "model")
-
-    @property
-    def vocab_size(self) -> int:
-        return self.model.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.model.max_seq_len
-
-    def init(self, params, tokens_bp, prompt_lens_b, cache_len):
-        return HybridState(
-            buffer=self.lookup.init(None, tokens_bp, prompt_lens_b, cache_len),
-            cache=self.model.init(params, tokens_bp, prompt_lens_b, cache_len),
-            cached=prompt_lens_b.astype(jnp.int32),
-            model_drafted=jnp.zeros(prompt_lens_b.shape, jnp.bool_),
-            last_length=jnp.zeros(prompt_lens_b.shape, jnp.int32),
-        )
-
-    def served(self, state: HybridState):
-        return state.model_drafted.astype(jnp.int32)
-
-    def resume(self, params, state: HybridState, text_bs, synced_b, length_b, width):
-        """The buffer becomes the committed text; the model's cache stays as it is, exact below
-        `cached` (and below the last round's length where the model served it), and catches
-        up the next time a row needs it."""
-        cached = jnp.where(state.model_drafted, jnp.maximum(state.cached, state.last_length), state.cached)
-        return state.replace(
-            buffer=text_bs.astype(jnp.int32),
-            cached=cached,
-            model_drafted=jnp.zeros_like(state.model_drafted),
-        )
-
-    def propose(self, params, state: HybridState, context_b2, length_b, gamma, sampling, keys_b):
-        buffer, found, drafts = self.lookup.lookup(state.buffer, context_b2, length_b, gamma)
-        # The rows the model served last round have their accepted drafts in its cache.
-        cached = jnp.where(state.model_drafted, jnp.maximum(state.cached, length_b - 2), state.cached)
-        need = ~found & (length_b != state.last_length)  # a done row keeps its length: never needs it
-
-        def with_model(cache, cached):
-            cache = self.model.feed(params, cache, buffer, cached, length_b - 2, self.catch_up)
-            tokens, q, cache = self.model.propose(
-                params, cache, context_b2, length_b, gamma, sampling, keys_b
-            )
-            return tokens, q, cache, length_b
-
-        def without_model(cache, cached):
-            batch = length_b.shape[0]
-            q = jnp.zeros((batch, gamma, self.vocab_size), jnp.float32)
-            return jnp.zeros((batch, gamma), jnp.int32), q, cache, cached
-
-        model_tokens, model_q, cache, cached = jax.lax.cond(
-            jnp.any(need), with_model, without_model, state.cache, cached
-        )
-        tokens = jnp.where(found[:, None], drafts, model_tokens)
-        lookup_q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32)
-        q = jnp.where(found[:, None, None], lookup_q, model_q)
-        new_state = HybridState(
-            buffer=write_tokens(buffer, tokens, length_b),
-            cache=cache,
-            cached=cached,
-            model_drafted=need,
-            last_length=length_b,
-        )
-        return tokens, q, new_state
+        return Proposal(drafts, q, write_tokens(buffer_bs, drafts, length_b))

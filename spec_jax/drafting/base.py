@@ -1,0 +1,155 @@
+"""The drafter interface: every hook the loop (spec_jax.speculative), the API (spec_jax.api),
+sharding and gamma=auto (spec_jax.autogamma) use, with its default.
+
+A drafter is a frozen (hashable) dataclass of static settings subclassing `Drafter`, so it can
+be a static argument of jax.jit; its arrays (model parameters, n-gram tables) and its state (a
+KV cache, a token buffer) are pytrees passed through the loop. A new drafter subclasses
+Drafter, sets `vocab_size` (and what differs from the defaults below) and writes `propose`;
+tests/test_drafting.py defines one in the test file alone and runs it through generate,
+gamma=auto's cost measurement and an 8-device mesh.
+
+The loop calls `init` once after the prompt and `propose` once per round with the last two
+committed tokens. Feeding both, at positions n-2 and n-1, keeps a drafter's cache equal to the
+committed prefix in every case: after a fully accepted round the drafter has not yet seen its
+own last draft (it is token n-2 now), and after a rejection the rejected entries past n-2 are
+overwritten before they can be read. A drafter that `reads_features` gets the target's prompt
+features in `init` and each round's features and committed tokens in `observe`.
+
+A drafter may propose fewer than gamma tokens in a row: the positions it does not propose get
+q = 0 (spec_jax.verify), and then `variable_length` is True, so that the loop checks for a
+round where no row proposed anything (the target then scores one position, not gamma + 1).
+`sources` names what served a row's round (spec_jax.drafting.hybrid.HybridDrafter has two and
+says which served each row with `served`); the metrics count rounds, drafts and acceptances
+per source.
+
+gamma=auto runs plain chunks (gamma 0, no drafter) between drafting chunks; a `resumable`
+drafter then catches up on the text committed without it (`resume`); one that is not (a draft
+head, which reads the target's features) makes plain decoding final for the call. It times
+the calls `cost_calls` returns and caches them under `cost_key`.
+"""
+
+import abc
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax import sharding
+from spec_jax.sampling import SamplingParams
+
+# Drafters without a model (n-gram tables, prompt lookup, suffix) can read any context length.
+UNBOUNDED_CONTEXT = 2**31 - 1
+
+
+class Proposal(NamedTuple):
+    """What `propose` returns: a chain of drafts per row (a tree of candidates adds fields)."""
+
+    tokens: jax.Array  # int32 [B, G]
+    q: jax.Array  # float32 [B, G, V]: the warped distribution each token was sampled from,
+    # all zero from a row's first position not proposed
+    state: Any  # the drafter's new state
+
+
+class Drafter(abc.ABC):
+    """The base of every drafter; the class attributes are the defaults of its settings."""
+
+    vocab_size: int  # the drafted vocabulary: the target's
+    max_seq_len: int = UNBOUNDED_CONTEXT  # the longest context the drafter can read
+    prefill_calls: int = 0  # batched calls `init` makes (counted in the metrics' draft_calls)
+    reads_features: ClassVar[bool] = False  # init takes the prompt's features; observe is called
+    variable_length: bool = False  # rows may propose fewer than gamma drafts (q = 0 past them)
+    resumable: ClassVar[bool] = False  # `resume` can catch up on text committed without it
+    # A learned stop (an acceptance head) decides each round's length: 0 = none. Then gamma is
+    # its cap (gamma="auto" means the largest), and every verification width is compiled.
+    stop_rejection: float = 0.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The names of what can serve the drafter's rounds (one for most drafters)."""
+        return (type(self).__name__,)
+
+    def init(self, params: Any, tokens_bp, prompt_lens_b, cache_len: int, features_bpd=None) -> Any:
+        """The drafter's state after reading the padded prompts [B, P]; features_bpd: the
+        target's features of the prompt [B, P, D] for a drafter that reads_features, else None."""
+        return ()
+
+    @abc.abstractmethod
+    def propose(
+        self, params: Any, state: Any, context_b2, length_b, gamma: int, sampling: SamplingParams, keys_b
+    ) -> Proposal:
+        """Drafts gamma tokens per row (a Proposal, or the (tokens, q, state) tuple it unpacks as).
+
+        context_b2: the last two committed tokens of each row, at positions length-2, length-1.
+        keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
+        """
+
+    def observe(self, params: Any, state: Any, features_bcd, tokens_bc, start_b, count_b) -> Any:
+        """The state after a round (a drafter that reads_features): the target's features of the
+        C positions it scored from start_b and the tokens committed after them, of which count_b
+        [B] (in [1, C]) are real. Default: the state as it is."""
+        return state
+
+    def served(self, state: Any, batch: int):
+        """int32 [B]: the index in `sources` of what served each row's last round."""
+        return jnp.zeros((batch,), jnp.int32)
+
+    def resume(self, params: Any, state: Any, text_bs, synced_b, length_b, width: int) -> Any:
+        """A resumable drafter's state after the loop committed text without it.
+
+        text_bs: int32 [B, S] every row's committed tokens at their positions (below length_b,
+        padding past it); synced_b: the state followed the text below this position; width: a
+        static size for catching up (the longest gap length - 2 - synced, rounded up to a power
+        of two and capped). The result must be a state `propose` can continue from at length_b.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot resume (resumable is False)")
+
+    # --- placement on a mesh (spec_jax.sharding) ---------------------------------------------
+    def for_mesh(self, mesh) -> "Drafter":
+        """The drafter as it runs on mesh (a model's config adapted by sharding.for_mesh)."""
+        return self
+
+    def param_shardings(self, params: Any, mesh):
+        """A pytree of shardings matching params: by default every array replicated (tables)."""
+        return jax.tree.map(lambda _: sharding.replicated(mesh), params)
+
+    # --- what gamma=auto times (spec_jax.autogamma) ------------------------------------------
+    def cost_calls(self, params: Any, widths, *, batch: int, cache_slots: int, repeat: int) -> dict:
+        """{width: a timing.model_call-style runner of the drafter's call over `width` tokens per
+        row} for the widths it has a call of; the rest cost nothing (no model: the default)."""
+        return {}
+
+    def cost_key(self, params: Any):
+        """What the measured costs depend on (part of their cache key)."""
+        return type(self).__name__
+
+
+def check_gamma(
+    gamma: int,
+    longest_prompt: int,
+    max_new_tokens: int,
+    contexts: dict[str, int],
+    *,
+    name="gamma",
+    shown=None,
+) -> None:
+    """The one upper bound on gamma, for every drafter: ValueError naming `name` and the allowed
+    range unless 1 <= gamma <= the largest gamma that fits.
+
+    A round writes up to gamma drafts past the committed text, into the target's KV cache (and
+    a draft model's), at positions up to prompt + max_new_tokens + gamma; so that must fit
+    every context in `contexts` ({"the target's": its max_seq_len, "the draft's": the
+    drafter's max_seq_len}). A drafter without a model (prompt lookup, suffix, n-gram tables)
+    has no context of its own (UNBOUNDED_CONTEXT): the target's bounds its gamma. shown: what
+    the message says was asked for (default gamma itself)."""
+    owner, context = min(contexts.items(), key=lambda item: item[1])
+    limit = context - longest_prompt - max_new_tokens
+    if 1 <= gamma <= limit:
+        return
+    need = (
+        f"the longest prompt ({longest_prompt} tokens) + max_new_tokens ({max_new_tokens}) + {name} "
+        f"must fit {owner} context of {context} tokens"
+    )
+    shown = gamma if shown is None else shown
+    if limit < 1:
+        raise ValueError(f"no {name} fits: {need}, which leaves no room for drafts; got {shown}")
+    raise ValueError(f"{name} must be in [1, {limit}] here ({need}), got {shown}")

@@ -1,0 +1,189 @@
+"""The one place drafters are made: build(kind, target, settings) -> (drafter, params), for the
+CLI, the benchmarks, the experiments and spec_jax.generate.
+
+BUILDERS is the registry of drafter kinds (DRAFTERS their names, which the CLI's --drafter
+lists). Adding a drafter is one new module in spec_jax/drafting/ (a Drafter subclass) and one
+line here; tests/test_drafting.py's toy drafter shows that the rest (the loop, the API,
+sharding, gamma=auto) needs nothing more.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from models.settings import is_int, is_number
+from spec_jax.drafting.base import Drafter
+from spec_jax.drafting.head import HeadDrafter, load_drafter
+from spec_jax.drafting.hybrid import HybridDrafter
+from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter
+from spec_jax.drafting.model import ModelDrafter, trim_vocabulary
+from spec_jax.drafting.ngram import fit_bigram, fit_unigram
+from spec_jax.drafting.suffix import SuffixDrafter, SuffixTables, fit_suffix_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the drafter kinds are built from (each kind reads the fields it needs).
+
+    draft: model / hybrid: the draft model (a models.Model, or a (ModelDrafter, params) pair,
+      e.g. a vocabulary-trimmed one); head: a (HeadDrafter, HeadParams) pair, or None to load
+      the trained head from head_dir.
+    draft_vocab: model / hybrid: VocabTrim, the draft proposes only this many tokens (the most
+      frequent of the training corpora, spec_jax.corpora.frequent_tokens, plus stop_ids); 0: all.
+    stop_ids: the target's stop tokens (kept by VocabTrim).
+    max_ngram: prompt_lookup / suffix / hybrid: the longest suffix matched.
+    threshold: model / head / hybrid / suffix: a row stops drafting below this confidence.
+    sequences: unigram / bigram / suffix: token-id lists to fit the tables on.
+    tables: suffix: a spec_jax.drafting.suffix.SuffixTables.
+    corpus: unigram / bigram / suffix with neither sequences nor tables: fit on the training
+      split of the corpora (spec_jax.corpora; cached), as the CLI does.
+    head_dir, head_dtype, acceptance: head: the trained head's workdir (None: the default for
+      the target), its precision (None: the target's), and whether its acceptance head decides
+      each row's draft length (spec_jax.drafting.head.load_drafter).
+    """
+
+    draft: Any = None
+    draft_vocab: int = 0
+    stop_ids: Sequence[int] = ()
+    max_ngram: int = 3
+    threshold: float = 0.0
+    sequences: Any = None
+    tables: Any = None
+    corpus: bool = False
+    head_dir: str | None = None
+    head_dtype: str | None = None
+    acceptance: bool = False
+
+    def validate(self) -> None:
+        """ValueError naming the setting and its allowed values."""
+        if not is_int(self.max_ngram) or not 1 <= self.max_ngram <= MAX_NGRAM_LIMIT:
+            raise ValueError(
+                f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
+            )
+        t = self.threshold
+        if not is_number(t) or not 0.0 <= t < 1.0:
+            raise ValueError(f"threshold must be a number in [0, 1) (0: drafts never stop early), got {t!r}")
+        if not is_int(self.draft_vocab) or self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be 0 or a positive token count, got {self.draft_vocab!r}")
+
+
+def as_drafter(draft) -> tuple[Drafter, Any]:
+    """(drafter, params): a Model becomes (ModelDrafter(config), its params); a (drafter,
+    params) pair (e.g. from build or spec_jax.drafting.fit_bigram) is used as it is."""
+    if hasattr(draft, "config") and hasattr(draft, "params"):
+        draft = ModelDrafter(draft.config), draft.params
+    if not (isinstance(draft, tuple) and len(draft) == 2):
+        raise ValueError(
+            "draft must be None, a models.Model or a (drafter, params) pair "
+            f"(a spec_jax.drafting.Drafter and its arrays); got {type(draft).__name__}"
+        )
+    if not isinstance(draft[0], Drafter):
+        raise ValueError(
+            f"draft's drafter must be a spec_jax.drafting.Drafter; got {type(draft[0]).__name__}"
+        )
+    return draft
+
+
+def _model(target, settings: Settings, kind: str = "model") -> tuple[ModelDrafter, Any]:
+    """The draft model, vocabulary-trimmed to settings.draft_vocab tokens when that is set."""
+    if settings.draft is None:
+        raise ValueError(f"drafter {kind!r} needs a draft model")
+    draft = settings.draft
+    if settings.draft_vocab and hasattr(draft, "config"):
+        draft = trim_vocabulary(draft, _frequent_tokens(draft, settings))
+    drafter, params = as_drafter(draft)
+    if not isinstance(drafter, ModelDrafter):
+        raise ValueError(f"drafter {kind!r} needs a draft model, got a {type(drafter).__name__}")
+    return dataclasses.replace(drafter, threshold=float(settings.threshold)), params
+
+
+def _frequent_tokens(draft, settings: Settings):
+    from spec_jax import corpora
+
+    vocab, count, stops = draft.config.vocab_size, settings.draft_vocab, list(settings.stop_ids)
+    if not len(stops) < count <= vocab:
+        raise ValueError(
+            f"draft_vocab must be 0 or in [{len(stops) + 1}, {vocab}] (more than the stop tokens), got {count}"
+        )
+    return corpora.frequent_tokens(draft.config.name, draft.tokenizer, vocab, count, always=stops)
+
+
+def _sequences(target, settings: Settings, kind: str):
+    if settings.sequences is None and settings.corpus:
+        from spec_jax import corpora
+
+        return corpora.training_sequences(target.tokenizer)
+    if settings.sequences is None:
+        raise ValueError(f"drafter {kind!r} needs sequences (token-id lists) to fit its table on")
+    return settings.sequences
+
+
+def _suffix(target, settings: Settings):
+    vocab, tables = target.config.vocab_size, settings.tables
+    if tables is None and settings.sequences is not None:
+        tables = fit_suffix_tables(settings.sequences, vocab, settings.max_ngram)
+    elif tables is None and settings.corpus:
+        from spec_jax import corpora
+
+        tables = corpora.suffix_tables(target.config.name, target.tokenizer, vocab, settings.max_ngram)
+    if tables is not None and not isinstance(tables, SuffixTables):
+        raise ValueError(
+            f"tables must be a spec_jax.drafting.suffix.SuffixTables, got {type(tables).__name__}"
+        )
+    drafter = SuffixDrafter(vocab, settings.max_ngram, float(settings.threshold))
+    return drafter, (() if tables is None else tables)
+
+
+def _head(target, settings: Settings):
+    if settings.draft is None:
+        dtype = settings.head_dtype or target.config.dtype
+        return load_drafter(
+            target, settings.head_dir, dtype, float(settings.threshold), acceptance=settings.acceptance
+        )
+    drafter, params = as_drafter(settings.draft)
+    if not isinstance(drafter, HeadDrafter):
+        raise ValueError(
+            "drafter 'head' needs a (HeadDrafter, HeadParams) pair as draft, or none to load the "
+            "trained head (spec_jax.drafting.head.load_drafter)"
+        )
+    return dataclasses.replace(drafter, threshold=float(settings.threshold)), params
+
+
+def _hybrid(target, settings: Settings):
+    prompt_lookup = PromptLookupDrafter(target.config.vocab_size, settings.max_ngram)
+    model, params = _model(target, settings, "hybrid")
+    return HybridDrafter(prompt_lookup, model), params
+
+
+# The registry: kind -> builder(target, settings) -> (drafter, params). One line per drafter.
+BUILDERS: dict[str, Callable[[Any, Settings], tuple[Drafter, Any]]] = {
+    "model": _model,
+    "head": _head,
+    "prompt_lookup": lambda t, s: (PromptLookupDrafter(t.config.vocab_size, s.max_ngram), ()),
+    "suffix": _suffix,
+    "hybrid": _hybrid,
+    "unigram": lambda t, s: fit_unigram(_sequences(t, s, "unigram"), t.config.vocab_size),
+    "bigram": lambda t, s: fit_bigram(_sequences(t, s, "bigram"), t.config.vocab_size),
+}
+DRAFTERS = tuple(BUILDERS)
+
+
+def build(kind: str, target, settings: Settings = Settings()) -> tuple[Drafter, Any]:
+    """The (drafter, params) pair of a drafter kind for `target` (a models.Model), for
+    spec_jax.generate's `draft`:
+      model          the draft model settings.draft (VocabTrim: settings.draft_vocab), stopping
+                     each row below settings.threshold (0: never)
+      head           a draft head on the target's features: settings.draft, or the trained one
+                     (load_drafter), stopping each row below the threshold
+      prompt_lookup  spec_jax.drafting.PromptLookupDrafter(max_ngram): no model
+      suffix         spec_jax.drafting.SuffixDrafter(max_ngram, threshold): the row's own
+                     text, and settings.tables (or tables fitted on settings.sequences or the
+                     corpora); a row stops where the top successor frequency is below threshold
+      hybrid         prompt lookup, and the draft model where it finds nothing
+      unigram, bigram  n-gram tables fitted on settings.sequences (or the corpora)
+    ValueError naming the setting and its allowed values otherwise.
+    """
+    if kind not in BUILDERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {kind!r}")
+    settings.validate()
+    return BUILDERS[kind](target, settings)
