@@ -198,21 +198,20 @@ class ModelDrafter:
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len):
         model_params = params.model if self.trimmed else params
-        _, cache = prefill(self.config, model_params, tokens_bp, prompt_lens_b, cache_len)
-        return cache
+        return prefill(self.config, model_params, tokens_bp, prompt_lens_b, cache_len).cache
 
     def distribution(self, params, tokens_bt, positions_bt, cache, sampling, logits_at=None):
         """(q [B, V] of the last scored position, confidence [B], cache): the warped draft
         distribution and the top probability of the unwarped one."""
         if not self.trimmed:
-            logits, cache = forward(self.config, params, tokens_bt, positions_bt, cache, logits_at)
-            return warp(logits[:, 0], sampling), top_probability(logits[:, 0]), cache
-        logits, cache = forward(
+            out = forward(self.config, params, tokens_bt, positions_bt, cache, logits_at)
+            return warp(out.logits[:, 0], sampling), top_probability(out.logits[:, 0]), out.cache
+        out = forward(
             self.config, params.model, tokens_bt, positions_bt, cache, logits_at, head=params.head.weight
         )
-        q_r = warp(logits[:, 0], sampling)  # [B, R]
+        q_r = warp(out.logits[:, 0], sampling)  # [B, R]
         q = jnp.zeros((q_r.shape[0], self.vocab_size), q_r.dtype)
-        return q.at[:, params.head.ids].set(q_r), top_probability(logits[:, 0]), cache
+        return q.at[:, params.head.ids].set(q_r), top_probability(out.logits[:, 0]), out.cache
 
     def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
@@ -249,7 +248,7 @@ class ModelDrafter:
             start, cache = carry
             positions = start[:, None] + jnp.arange(width)[None, :]
             tokens = jnp.take_along_axis(text_bs, jnp.clip(positions, 0, text_bs.shape[1] - 1), axis=1)
-            _, cache = forward(self.config, model_params, tokens, positions, cache, first, head=head)
+            cache = forward(self.config, model_params, tokens, positions, cache, first, head=head).cache
             return jnp.where(start < stop_b, jnp.minimum(start + width, stop_b), start), cache
 
         _, cache = jax.lax.while_loop(lambda c: jnp.any(c[0] < stop_b), body, (start_b, cache))

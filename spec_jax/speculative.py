@@ -74,19 +74,22 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
     """Both models read the prompts; the first new token is drawn from the target's logits."""
     TRACE_COUNTS["spec_prefill"] += 1
     drafter = static.drafter
+    target = prefill(
+        static.config,
+        params,
+        inputs.tokens,
+        inputs.prompt_lens,
+        static.cache_len,
+        with_features=reads_features(drafter),
+    )
+    target_cache, features = target.cache, target.features
     if reads_features(drafter):
-        logits, target_cache, features = prefill(
-            static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len, with_features=True
-        )
         draft_state = drafter.init(
             draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len, features
         )
     else:
-        logits, target_cache = prefill(
-            static.config, params, inputs.tokens, inputs.prompt_lens, static.cache_len
-        )
         draft_state = drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len)
-    out, token, keys = first_token(logits, inputs, static.sampling, static.max_new_tokens)
+    out, token, keys = first_token(target.logits, inputs, static.sampling, static.max_new_tokens)
     if reads_features(drafter):  # the last prompt position's pair waited for the first token
         last = (inputs.prompt_lens - 1)[:, None]
         f_last = jnp.take_along_axis(features, last[:, :, None], axis=1)  # [B, 1, D]
@@ -149,10 +152,10 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
         pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
-        p = jnp.pad(warp(out[0], static.sampling), pad, mode="edge")
-        finite = jnp.pad(jnp.all(jnp.isfinite(out[0]), axis=-1), pad[:2], mode="edge")
-        f = jnp.pad(out[2], pad, mode="edge") if features else None
-        return p, finite, out[1], f
+        p = jnp.pad(warp(out.logits, static.sampling), pad, mode="edge")
+        finite = jnp.pad(jnp.all(jnp.isfinite(out.logits), axis=-1), pad[:2], mode="edge")
+        f = jnp.pad(out.features, pad, mode="edge") if features else None
+        return p, finite, out.cache, f
 
     if gamma and getattr(static.drafter, "variable_length", False):
         # The narrowest target call that covers every active row's drafts (a round where no
