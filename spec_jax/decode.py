@@ -8,8 +8,6 @@ itself (autoregressive decoding is the speculative loop with a drafter that prop
 nothing) is in spec_jax.speculative.
 """
 
-import functools
-
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -57,7 +55,7 @@ def prefill(
     batch, width = tokens_bp.shape
     cache = init_cache(config, batch, cache_len)
 
-    def one_call(tokens_bp, prompt_lens_b, cache, config=config):
+    def one_call(tokens_bp, prompt_lens_b, cache):
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
         out = forward(
             config,
@@ -76,10 +74,7 @@ def prefill(
     def by_rows(tokens_bp, prompt_lens_b, cache):
         return prefill_rows(config, params, tokens_bp, prompt_lens_b, cache, PREFILL_CHUNK, with_features)
 
-    # Lowered for anything but a CPU every product is XLA's anyway: say so, and the branch holds
-    # no CPU kernel path to trace.
-    xla = functools.partial(one_call, config=config.replace(matmul_impl="xla"))
-    return on_cpu(config, by_rows, xla, tokens_bp, prompt_lens_b, cache)
+    return on_cpu(config, by_rows, one_call, tokens_bp, prompt_lens_b, cache)
 
 
 def prefill_rows(

@@ -10,7 +10,6 @@ when complete, so an interrupted save leaves the previous one intact. The best h
 for decoding by spec_jax.head_checkpoint.load_head (the reading side of this format).
 """
 
-import dataclasses
 import json
 import pathlib
 
