@@ -88,7 +88,7 @@ def precision_rows(config, dtype: str, copy_gbs: float, read_gbs: float) -> list
         rows.append(
             {
                 "precision": dtype,
-                "matmul_impl": precision.resolve_matmul_impl(model.config.matmul_impl),
+                "matmul_impl": "cpu_kernel" if precision.cpu_kernels(model.config) else "xla",
                 "call": name,
                 "model": model.config.name,
                 "batch": batch,

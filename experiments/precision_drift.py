@@ -51,9 +51,9 @@ def fixture_logits(model, fixture) -> list[np.ndarray]:
         tokens[i, : len(p)] = p
     positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
     cache = transformer.init_cache(model.config, len(prompts), width)
-    logits, _ = jax.jit(transformer.forward, static_argnums=0)(
+    logits = jax.jit(transformer.forward, static_argnums=0)(
         model.config, model.params, jnp.asarray(tokens), positions, cache
-    )
+    ).logits
     return [np.asarray(logits[i, : len(p)], np.float32) for i, p in enumerate(prompts)]
 
 

@@ -161,7 +161,8 @@ flags.DEFINE_enum(
     "matmul_impl",
     "auto",
     ["auto", "xla", "cpu_kernel"],
-    "Matrix products: auto (this project's CPU kernel on an x86-64 AVX2 CPU, else XLA), xla, cpu_kernel.",
+    "Matrix products: auto (this project's CPU kernel on an x86-64 AVX2 CPU in programs for a CPU, "
+    "else XLA), xla, cpu_kernel.",
 )
 flags.DEFINE_string("attention_impl", "auto", "Attention implementation (see models.kernels.IMPLS).")
 
@@ -455,11 +456,13 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
 
 def check_flags():
     """(mesh or None, prompt texts): every flag checked before anything is loaded or downloaded."""
+    from models import config as model_config
     from models import kernels, precision
     from spec_jax import sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
-    precision.resolve_matmul_impl(FLAGS.matmul_impl)  # and on a CPU kernel that cannot be built
+    # and on a CPU kernel that cannot be built (the build a config made here names)
+    precision.has_cpu_kernels(FLAGS.matmul_impl, model_config.this_cpu_isa())
     gamma_from_flag()
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
     if FLAGS.acceptance_head and FLAGS.drafter != "head":

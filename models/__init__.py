@@ -6,7 +6,7 @@ from typing import Any
 import jax
 
 from models.config import ModelConfig
-from models.transformer import forward, init_cache, init_params, stack_layers, unstack_layers
+from models.transformer import ForwardOutput, forward, init_cache, init_params, stack_layers, unstack_layers
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,6 +172,7 @@ def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
 
 __all__ = [
     "ByteTokenizer",
+    "ForwardOutput",
     "cast",
     "fastest_precision",
     "RANDOM_PRESETS",

@@ -5,6 +5,15 @@ import dataclasses
 import jax.numpy as jnp
 
 
+def this_cpu_isa() -> str:
+    """The CPU kernels' build a config made here uses (models.kernels.cpu_matmul.isa:
+    $SPEC_JAX_CPU_ISA, else the widest this CPU runs): ModelConfig.cpu_isa's default, read when
+    a config is made, never while a program is traced."""
+    from models.kernels import cpu_matmul
+
+    return cpu_matmul.isa()
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer of the Qwen2/Llama family (its weights: models.weights.WEIGHTS).
@@ -29,7 +38,13 @@ class ModelConfig:
     # file's own blocks with float32 / 8-bit activations).
     dtype: str = "float32"
     attention_impl: str = "auto"  # see models.kernels.IMPLS
-    matmul_impl: str = "auto"  # see models.precision.MATMUL_IMPLS
+    # The products (models.precision.MATMUL_IMPLS): "auto" and "cpu_kernel" run the CPU kernels
+    # where a program is lowered for a CPU (jax.lax.platform_dependent) and XLA's dot where it is
+    # lowered for anything else; "auto" also falls back to XLA where the kernels cannot be built.
+    matmul_impl: str = "auto"
+    # The CPU kernels' build ("avx2" or "avx512", models.kernels.cpu_matmul.ISAS): a static field,
+    # so it is in every compiled program's key; chosen when the config is made (this_cpu_isa).
+    cpu_isa: str = dataclasses.field(default_factory=this_cpu_isa)
     # True: products may take a many-row path whose rows differ in the last bits from a
     # one-row call's (gguf_q8's Q4_K through ggml's 4-row gemm). Set by the row-wise prefill
     # only (spec_jax.decode.prefill_rows): a decode step and a verify call must agree bit for bit.
@@ -74,6 +89,8 @@ class ModelConfig:
             raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):
             raise ValueError(f"matmul_impl must be one of auto, xla, cpu_kernel, got {self.matmul_impl!r}")
+        if self.cpu_isa not in ("avx2", "avx512"):
+            raise ValueError(f"cpu_isa must be one of avx2, avx512, got {self.cpu_isa!r}")
 
     @property
     def jnp_dtype(self):
@@ -83,6 +100,11 @@ class ModelConfig:
     @property
     def is_decoder(self) -> bool:
         return self.kind == "decoder"
+
+    def portable(self) -> dict:
+        """The fields as a dict for a config written to disk, without this machine's choice of
+        CPU kernel build (cpu_isa): a config read back elsewhere takes that machine's."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "cpu_isa"}
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -34,7 +34,6 @@ calls models.load at its top level works; multiprocessing's spawn would re-run i
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -178,7 +177,7 @@ def convert(name: str, cache_dir=None, progress: bool = True, replace: str | Non
             checkpointer.wait_until_finished()
             Tokenizer.from_gguf(reader).save(tmp / "tokenizer.json")
             del params, reader
-            meta = {"format_version": FORMAT_VERSION, "config": dataclasses.asdict(config)}
+            meta = {"format_version": FORMAT_VERSION, "config": config.portable()}
             (tmp / "config.json").write_text(json.dumps(meta, indent=2))
             manifest = _describe(tmp, uuid.uuid4().hex, ENTRY_PARTS)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: the entry is complete

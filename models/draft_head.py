@@ -72,6 +72,7 @@ def config_for(
         dtype=dtype,
         attention_impl=target.attention_impl,
         matmul_impl=matmul_impl,
+        cpu_isa=target.cpu_isa,
         attention_interpret=target.attention_interpret,
         scan_layers=False,
         name=f"{target.name}-head",
@@ -86,7 +87,7 @@ class Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        return precision.linear(x, param(self, self.name, "weight"), 1, self.config.matmul_impl)
+        return precision.linear(x, param(self, self.name, "weight"), 1, self.config)
 
 
 class DraftHead(nn.Module):
@@ -118,10 +119,11 @@ def forward(config: ModelConfig, params, features_btd, tokens_bt, positions_bt, 
     return DraftHead(config).apply({"params": params}, features_btd, embeddings, positions_bt, cache)
 
 
-def logits(hidden_btd, out_head, matmul_impl: str = "auto"):
+def logits(hidden_btd, out_head, config: ModelConfig):
     """float32 [B, T, R] logits of the head's hidden states through an output weight [R, D] (the
-    target's head, or its rows for a token subset)."""
-    return precision.linear(hidden_btd, out_head, 1, matmul_impl).astype(jnp.float32)
+    target's head, or its rows for a token subset), with the products config (the head's) asks
+    for (models.precision.linear)."""
+    return precision.linear(hidden_btd, out_head, 1, config).astype(jnp.float32)
 
 
 def new_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:

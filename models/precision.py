@@ -14,10 +14,11 @@ A model's precision is `ModelConfig.dtype`:
             Q8_K / Q8_0, the weight type's vec_dot_type) and integer dot products: how llama.cpp
             runs a GGUF on a CPU. The fastest on a CPU.
 models.weights.cast_params turns float32 parameters into a precision (once, when a model is
-loaded or made), with this module's quantizers. `linear` is the product of activations with a weight of any precision; on a CPU it runs
-the kernel of models/kernels/cpu_matmul.cc (one pass over the weight for all the rows of a
-call, int8 / bfloat16 widened in registers), elsewhere XLA's dot (an int8 weight is widened
-in the graph, which a TPU or GPU compiler fuses into the product).
+loaded or made), with this module's quantizers. `linear` is the product of activations with a weight of any precision; in a program
+lowered for a CPU it runs the kernel of models/kernels/cpu_matmul.cc (one pass over the weight
+for all the rows of a call, int8 / bfloat16 widened in registers), in one lowered for anything
+else XLA's dot (an int8 weight is widened in the graph, which a TPU or GPU compiler fuses into
+the product): `cpu_kernels(config)` and `on_cpu`.
 """
 
 import math
@@ -147,27 +148,43 @@ def dequantize(w) -> jax.Array:
     return w.value.astype(jnp.float32) * scale
 
 
-def resolve_matmul_impl(impl: str) -> str:
-    """The implementation "auto" means here: the CPU kernel when tracing for a CPU device
-    (models.kernels.target.current(): a compile-only TPU or GPU device traced from a CPU host
-    gets XLA) where the kernel builds, else "xla". ValueError on a bad name, or for
+def cpu_kernels(config) -> bool:
+    """Whether config's products have a CPU kernel path: matmul_impl "cpu_kernel", or "auto" where
+    the CPU kernel library of config.cpu_isa builds on this machine (cpu_matmul.available: built
+    and checked once per process). That path is taken only where a program is lowered for a CPU
+    (on_cpu); lowered for a TPU or GPU the products are XLA's whatever this says. ValueError for
     "cpu_kernel" where the kernel cannot be built (the reason was warned)."""
-    from models.kernels import cpu_matmul, target
+    return has_cpu_kernels(config.matmul_impl, config.cpu_isa)
 
-    if impl not in MATMUL_IMPLS:
-        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "cpu_kernel" if target.current().platform == "cpu" and cpu_matmul.available() else "xla"
-    if impl == "cpu_kernel" and not cpu_matmul.available():
+
+def has_cpu_kernels(matmul_impl: str, cpu_isa: str) -> bool:
+    """cpu_kernels for a matmul_impl and a build of the CPU kernels (cpu_matmul.ISAS), before
+    there is a config (an entry point's flags); ValueError on a bad matmul_impl too."""
+    from models.kernels import cpu_matmul
+
+    if matmul_impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
+    if matmul_impl == "xla":
+        return False
+    available = cpu_matmul.available(cpu_isa)
+    if matmul_impl == "cpu_kernel" and not available:
         raise ValueError("matmul impl cpu_kernel is unavailable here (see the warning); use auto or xla")
-    return impl
+    return available
 
 
-def linear(x, w, contract: int, impl: str = "auto", bulk: bool = False):
+def on_cpu(cpu, default, *args):
+    """cpu(*args) in a program lowered for a CPU, default(*args) in one lowered for anything else
+    (jax.lax.platform_dependent: both are traced, only the lowered platform's is compiled), so a
+    program exported for a TPU or GPU from a CPU host holds no CPU kernel call."""
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
+def linear(x, w, contract: int, config):
     """x [..., in...] times a weight [out..., in...] (the last `contract` axes of w, matching the
-    last `contract` axes of x) -> [..., out...], in x's dtype (float32 accumulation). bulk: a
-    many-row path may be taken whose rows differ in the last bits from a one-row call's
-    (ModelConfig.bulk_products; prefill only)."""
+    last `contract` axes of x) -> [..., out...], in x's dtype (float32 accumulation). config (a
+    models.config.ModelConfig, static) picks the product: its matmul_impl and cpu_isa (cpu_kernels;
+    the CPU kernel only where the program is lowered for a CPU), and bulk_products: a many-row
+    path may be taken whose rows differ in the last bits from a one-row call's (prefill only)."""
     w_shape = w.shape
     out_shape, in_shape = w_shape[: len(w_shape) - contract], w_shape[len(w_shape) - contract :]
     if tuple(x.shape[x.ndim - contract :]) != tuple(in_shape):
@@ -175,42 +192,62 @@ def linear(x, w, contract: int, impl: str = "auto", bulk: bool = False):
     lead = x.shape[: x.ndim - contract]
     x_mi = x.reshape(math.prod(lead), math.prod(in_shape))
     if isinstance(w, BlockWeight):
-        y = _block_product(x_mi, w, impl, bulk)
+        y = _block_product(x_mi, w, config)
         return y.reshape(*lead, *out_shape).astype(x.dtype)
     value = w.value if isinstance(w, Int8Weight) else w
     w_oi = value.reshape(math.prod(out_shape), math.prod(in_shape))
     scale = w.scale.reshape(-1) if isinstance(w, Int8Weight) else None
-    if resolve_matmul_impl(impl) == "cpu_kernel":
-        from models.kernels import cpu_matmul
 
-        y = cpu_matmul.matmul(x_mi, w_oi, scale)
-    else:
+    def by_xla(x_mi, w_oi, scale):
         compute = jnp.bfloat16 if w_oi.dtype == jnp.bfloat16 else jnp.float32
         y = jnp.einsum(
             "mi,oi->mo", x_mi.astype(compute), w_oi.astype(compute), preferred_element_type=jnp.float32
         )
-        if scale is not None:
-            y = y * scale
+        return y if scale is None else y * scale
+
+    if cpu_kernels(config):
+        from models.kernels import cpu_matmul
+
+        def by_kernel(x_mi, w_oi, scale):
+            return cpu_matmul.matmul(x_mi, w_oi, scale, config.cpu_isa)
+
+        y = on_cpu(by_kernel, by_xla, x_mi, w_oi, scale)
+    else:
+        y = by_xla(x_mi, w_oi, scale)
     return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def _block_product(x_mi, w: BlockWeight, impl: str, bulk: bool = False):
+def _block_product(x_mi, w: BlockWeight, config):
     """x [M, I] . W^T -> [M, O] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
     activations, as the weight's precision says) where the CPU kernels run, else XLA's dot on
-    the blocks dequantized in the graph (float32 activations)."""
+    the blocks dequantized in the graph (float32 activations). An interleaved weight is read by
+    the kernel only, whatever the platform (precision.for_cpu_kernel made it for a CPU)."""
     data_oy = w.data.reshape(-1, w.data.shape[-1])
-    if resolve_matmul_impl(impl) == "cpu_kernel":
+
+    def by_xla(x_mi, data_oy):
+        from models.kernels import gguf_blocks
+
+        _no_interleaved(w)
+        w_oi = gguf_blocks.dequantize(data_oy, w.ggml_type, x_mi.shape[1])
+        return jnp.einsum("mi,oi->mo", x_mi.astype(jnp.float32), w_oi, preferred_element_type=jnp.float32)
+
+    if cpu_kernels(config):
         from models.kernels import gguf_matmul
 
         if gguf_matmul.available():
-            return gguf_matmul.matmul(
-                x_mi, data_oy, w.ggml_type, quantize_x=w.quantize_x, interleaved=w.interleaved, bulk=bulk
-            )
-    _no_interleaved(w)
-    from models.kernels import gguf_blocks
 
-    w_oi = gguf_blocks.dequantize(data_oy, w.ggml_type, x_mi.shape[1])
-    return jnp.einsum("mi,oi->mo", x_mi.astype(jnp.float32), w_oi, preferred_element_type=jnp.float32)
+            def by_kernel(x_mi, data_oy):
+                return gguf_matmul.matmul(
+                    x_mi,
+                    data_oy,
+                    w.ggml_type,
+                    quantize_x=w.quantize_x,
+                    interleaved=w.interleaved,
+                    bulk=config.bulk_products,
+                )
+
+            return by_kernel(x_mi, data_oy) if w.interleaved else on_cpu(by_kernel, by_xla, x_mi, data_oy)
+    return by_xla(x_mi, data_oy)
 
 
 def _no_interleaved(w: BlockWeight):
@@ -222,17 +259,25 @@ def _no_interleaved(w: BlockWeight):
 
 
 def lookup(table, tokens):
-    """Rows of an embedding table [V, D] (any precision) at integer tokens [...]: [..., D]."""
+    """Rows of an embedding table [V, D] (any precision) at integer tokens [...]: [..., D]. A block
+    table's rows come from ggml's kernel where the program is lowered for a CPU and the kernel
+    builds (the same numbers as gguf_blocks' dequantization, which XLA runs elsewhere)."""
     if isinstance(table, BlockWeight):
         _no_interleaved(table)
-        from models.kernels import gguf_matmul, target
+        from models.kernels import gguf_blocks, gguf_matmul
 
         k = math.prod(table.in_shape)
-        if target.current().platform == "cpu" and gguf_matmul.available():
-            return gguf_matmul.rows(tokens, table.data, table.ggml_type, k)
-        from models.kernels import gguf_blocks
 
-        return gguf_blocks.dequantize(table.data[tokens], table.ggml_type, k)
+        def by_xla(tokens, data):
+            return gguf_blocks.dequantize(data[tokens], table.ggml_type, k)
+
+        if not gguf_matmul.available():
+            return by_xla(tokens, table.data)
+
+        def by_kernel(tokens, data):
+            return gguf_matmul.rows(tokens, data, table.ggml_type, k)
+
+        return on_cpu(by_kernel, by_xla, tokens, table.data)
     if isinstance(table, Int8Weight):
         return table.value[tokens].astype(jnp.float32) * table.scale[tokens][..., None]
     return jnp.take(table, tokens, axis=0)

@@ -1,13 +1,15 @@
 """A pure-functional Qwen2/Llama decoder in Flax linen, layers stacked and scanned.
 
-`forward(config, params, tokens[B,T], positions[B,T], cache) -> (logits, cache)`: the cache
-goes in and comes out; nothing is mutable. The same call does prefill (T = prompt bucket),
-decode (T = 1), draft steps and verification (T = gamma + 1).
+`forward(config, params, tokens[B,T], positions[B,T], cache) -> ForwardOutput` (logits, the
+cache, features when asked): the cache goes in and comes out; nothing is mutable. The same call
+does prefill (T = prompt bucket), decode (T = 1), draft steps and verification (T = gamma + 1).
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,15 @@ from models import kernels, precision, weights
 from models.cache import KVCache, write_layer
 from models.config import ModelConfig
 from models.weights import param_shapes  # noqa: F401  (part of this module's API)
+
+
+@flax.struct.dataclass
+class ForwardOutput:
+    """What forward returns: a pytree, so it comes out of jax.jit and lax loops as it is."""
+
+    logits: jax.Array  # float32 [B, T or K, V] (K: logits_at's positions; R for a trimmed head)
+    cache: KVCache  # the cache with the T tokens' keys and values written at their positions
+    features: jax.Array | None = None  # [B, T, D] in the model's dtype with with_features, else None
 
 
 def param(module: nn.Module, *path: str):
@@ -47,14 +58,22 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        cfg = self.config
         scale = param(self, self.name, "scale")
-        if attention_impl(self.config) == "cpu":  # the CPU kernels: each row alone, fixed order
+
+        def by_xla(x, scale):
+            x32 = x.astype(jnp.float32)
+            x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_eps)
+            return x32 * scale.astype(jnp.float32)
+
+        if attention_impl(cfg) == "cpu":  # the CPU kernels: each row alone, fixed order
             from models.kernels import cpu_matmul
 
-            return cpu_matmul.rms_norm(x, scale, self.config.rms_eps).astype(self.config.jnp_dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.config.jnp_dtype)
+            def by_kernel(x, scale):
+                return cpu_matmul.rms_norm(x, scale, cfg.rms_eps, cfg.cpu_isa)
+
+            return on_cpu(cfg, by_kernel, by_xla, x, scale).astype(cfg.jnp_dtype)
+        return by_xla(x, scale).astype(cfg.jnp_dtype)
 
 
 class Embedding(nn.Module):
@@ -70,7 +89,7 @@ class Embedding(nn.Module):
         return precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
 
     def attend(self, x_btd):
-        return precision.linear(x_btd, self.embedding, 1, self.config.matmul_impl, self.config.bulk_products)
+        return precision.linear(x_btd, self.embedding, 1, self.config)
 
 
 def rotary(x_bthe, positions_bt, theta):
@@ -86,15 +105,20 @@ def rotary(x_bthe, positions_bt, theta):
 
 
 def attention_impl(cfg: ModelConfig) -> str:
-    """The attention a model call uses: cfg.attention_impl, where "auto" on a CPU whose products
-    run in the CPU kernels (models.precision.resolve_matmul_impl) is the CPU attention kernel
-    too, so that a verification call's rows equal decode steps' bit for bit. With "cpu" the
-    RMSNorms run in the CPU kernel library too (the other reduction of a layer)."""
-    cpu = (
-        kernels.resolve_impl("auto") == "xla"
-        and precision.resolve_matmul_impl(cfg.matmul_impl) == "cpu_kernel"
-    )
-    return "cpu" if cfg.attention_impl == "auto" and cpu else cfg.attention_impl
+    """The attention a model call lowered for a CPU uses: cfg.attention_impl, where "auto" is the
+    CPU attention kernel when the products have their CPU kernel path
+    (models.precision.cpu_kernels), so that a verification call's rows equal decode steps' bit
+    for bit. With "cpu" the RMSNorms run in the CPU kernel library too (the other reduction of a
+    layer). "auto" takes that path only where the program is lowered for a CPU (on_cpu)."""
+    cpu = cfg.attention_impl == "auto" and precision.cpu_kernels(cfg)
+    return "cpu" if cpu else cfg.attention_impl
+
+
+def on_cpu(cfg: ModelConfig, cpu, default, *args):
+    """cpu(*args), the CPU kernels' path of attention_impl(cfg) == "cpu": unconditionally when
+    cfg.attention_impl asks for "cpu" itself, else (auto) only where the program is lowered for
+    a CPU, default(*args) elsewhere (models.precision.on_cpu)."""
+    return cpu(*args) if cfg.attention_impl == "cpu" else precision.on_cpu(cpu, default, *args)
 
 
 class Attention(nn.Module):
@@ -105,14 +129,13 @@ class Attention(nn.Module):
         cfg = self.config
         # Weights are [out, in] (the GGUF / PyTorch layout): see models.weights for why.
         wq, wk, wv, wo = (param(self, "attn", name) for name in ("wq", "wk", "wv", "wo"))
-        impl = cfg.matmul_impl
         with jax.named_scope("qkv_matmul"):
             # precision.linear contracts [heads * E, D] views (free reshapes of row-major
             # weights): with the head axes kept apart, XLA:CPU copied each weight into
             # [D, heads * E] order before its dot, every call (docs/design.md, "Weight layout").
-            q_bthe = precision.linear(x_btd, wq, 1, impl, cfg.bulk_products)
-            k_btke = precision.linear(x_btd, wk, 1, impl, cfg.bulk_products)
-            v_btke = precision.linear(x_btd, wv, 1, impl, cfg.bulk_products)
+            q_bthe = precision.linear(x_btd, wq, 1, cfg)
+            k_btke = precision.linear(x_btd, wk, 1, cfg)
+            v_btke = precision.linear(x_btd, wv, 1, cfg)
             if cfg.qkv_bias:
                 q_bthe = q_bthe + param(self, "attn", "bq")
                 k_btke = k_btke + param(self, "attn", "bk")
@@ -125,17 +148,15 @@ class Attention(nn.Module):
                 v=write_layer(cache.v, layer, v_btke, positions_bt),
             )
         with jax.named_scope("attention"):
-            out_bthe = kernels.attention(
-                q_bthe,
-                cache.k[layer],
-                cache.v[layer],
-                positions_bt,
-                kv_lengths_b,
-                impl=attention_impl(cfg),
-                interpret=cfg.attention_interpret,
-            )
+            attend = functools.partial(kernels.attention, interpret=cfg.attention_interpret)
+            args = (q_bthe, cache.k[layer], cache.v[layer], positions_bt, kv_lengths_b)
+            if attention_impl(cfg) == "cpu":
+                cpu = functools.partial(attend, impl="cpu", cpu_isa=cfg.cpu_isa)
+                out_bthe = on_cpu(cfg, cpu, functools.partial(attend, impl=cfg.attention_impl), *args)
+            else:
+                out_bthe = attend(*args, impl=cfg.attention_impl)
         with jax.named_scope("out_proj"):
-            return precision.linear(out_bthe, wo, 2, impl, cfg.bulk_products), cache
+            return precision.linear(out_bthe, wo, 2, cfg), cache
 
 
 class MLP(nn.Module):
@@ -144,11 +165,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_btd):
         w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
-        impl, bulk = self.config.matmul_impl, self.config.bulk_products
-        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, impl, bulk)) * precision.linear(
-            x_btd, w_up, 1, impl, bulk
-        )
-        return precision.linear(hidden, w_down, 1, impl, bulk)
+        cfg = self.config
+        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, cfg)) * precision.linear(x_btd, w_up, 1, cfg)
+        return precision.linear(hidden, w_down, 1, cfg)
 
 
 class DecoderLayer(nn.Module):
@@ -175,8 +194,8 @@ class Transformer(nn.Module):
     def __call__(
         self, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None, with_features=False
     ):
-        """Returns (logits [B, T or K, V] float32, cache), and the features [B, T, D] third when
-        with_features.
+        """Returns a ForwardOutput: logits [B, T or K, V] float32, the cache, and the features
+        [B, T, D] when with_features (else None).
 
         logits_at: optional [B, K] indices into T; only those positions get logits (prefill
         needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
@@ -211,12 +230,12 @@ class Transformer(nn.Module):
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
         with jax.named_scope("lm_head"):
             if head is not None:
-                logits = precision.linear(x, head, 1, cfg.matmul_impl, cfg.bulk_products)
+                logits = precision.linear(x, head, 1, cfg)
             else:  # an untied head is a second [V, D] table, read the way a tied one is
                 logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
-        if with_features:
-            return logits.astype(jnp.float32), cache, features_btd
-        return logits.astype(jnp.float32), cache
+        return ForwardOutput(
+            logits=logits.astype(jnp.float32), cache=cache, features=features_btd if with_features else None
+        )
 
 
 def output_head(config: ModelConfig, params):
@@ -257,9 +276,9 @@ def forward(
     logits_at=None,
     head=None,
     with_features=False,
-):
-    """`(logits, cache) = forward(config, params, tokens[B,T], positions[B,T], cache)`;
-    `(logits, cache, features [B, T, D])` with with_features (see Transformer).
+) -> ForwardOutput:
+    """`out = forward(config, params, tokens[B,T], positions[B,T], cache)`: out.logits, out.cache,
+    and out.features [B, T, D] with with_features, else None (see Transformer for the options).
 
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
     written at their positions; each query sees keys at positions <= its own.

@@ -12,8 +12,8 @@ figures (read the ratios).
 
 With --model, whole model calls instead (spec_jax.timing.model_call, batch 1, a cache of
 --context slots, as the roofline experiment times them): the model's call over each of --widths
-positions (1: a decode step, gamma + 1: a verification call) compiled once per build
-($SPEC_JAX_CPU_ISA set while tracing), all timed interleaved in this one process.
+positions (1: a decode step, gamma + 1: a verification call) compiled once per build (the
+config's cpu_isa), all timed interleaved in this one process.
 
     python scripts/matmul_kernel_bench.py [--rows=1,2,5,9,20] [--dtypes=int8,bfloat16,float32]
         [--shapes=1536x8960,8960x1536,151936x1536] [--isas=avx2,avx512] [--repeats=15]
@@ -22,7 +22,6 @@ positions (1: a decode step, gamma + 1: a verification call) compiled once per b
 
 import argparse
 import itertools
-import os
 import pathlib
 import sys
 
@@ -69,26 +68,16 @@ def model_table(args, isas):
         + f" | {isas[0]} / {isas[-1]} |"
     )
     print("|---|---|---|" + "---|" * len(isas) + "---|")
-    forced = os.environ.get(cpu_matmul.ISA_ENV)
     for dtype in args.dtypes.split(","):
         model = models.load(args.model, dtype=dtype, progress=False)
-        model = model.replace(config=model.config.replace(matmul_impl="cpu_kernel"))
         fns = {}
-        try:
-            for isa in isas:  # the build is read when the products are traced
-                os.environ[cpu_matmul.ISA_ENV] = isa
-                jax.clear_caches()
-                for w in widths:
-                    sampling = (
-                        SamplingParams(0.0) if w == 1 else None
-                    )  # a decode step warps, as the loop does
-                    fns[f"{isa} {w}"] = timing.model_call(
-                        model, batch=1, widths=[w], cache_slots=args.context, sampling=sampling
-                    )
-        finally:
-            os.environ.pop(cpu_matmul.ISA_ENV, None)
-            if forced is not None:
-                os.environ[cpu_matmul.ISA_ENV] = forced
+        for isa in isas:  # the build is the config's: one compiled program per build
+            built = model.replace(config=model.config.replace(matmul_impl="cpu_kernel", cpu_isa=isa))
+            for w in widths:
+                sampling = SamplingParams(0.0) if w == 1 else None  # a decode step warps, as the loop does
+                fns[f"{isa} {w}"] = timing.model_call(
+                    built, batch=1, widths=[w], cache_slots=args.context, sampling=sampling
+                )
         times = timing.timed_interleaved(fns, args.repeats)
         ms = {key: t["median"] * 1e3 for key, t in times.items()}
         for w in widths:

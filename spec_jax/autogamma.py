@@ -110,7 +110,8 @@ MEASURE_METHOD = "min of interleaved repeats; resume call"
 def machine_key() -> dict:
     """What the costs depend on besides the models: the device, the core count, jax, and the
     CPU matmul kernel's build: its source and the instruction set it is built for
-    ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale)."""
+    ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale). A
+    model's own build (ModelConfig.cpu_isa) is in model_key."""
     from models.kernels import cpu_matmul
 
     device = jax.devices()[0]
@@ -128,7 +129,7 @@ def model_key(config) -> dict:
     return {
         k: getattr(config, k)
         for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
-        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "scan_layers")
+        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
     }
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.settings import is_int
-from models.transformer import forward, init_cache
+from models.transformer import ForwardOutput, forward, init_cache
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 MIN_BUCKET = 16
@@ -57,41 +57,52 @@ def stop_id_list(eos_id, vocab: int) -> list[int]:
     return ids
 
 
-def prefill(config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int, with_features=False):
+def prefill(
+    config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int, with_features=False
+) -> ForwardOutput:
     """Runs the padded prompts [B, P] through the model into a fresh cache of cache_len slots.
 
-    Returns (logits at each row's last prompt token [B, V], cache), and with_features the
-    features at every prompt position [B, P, D] third (models.transformer.forward).
+    Returns a ForwardOutput (models.transformer.forward): the logits at each row's last prompt
+    token [B, V], the cache, and with_features the features at every prompt position [B, P, D].
 
     Where the model runs on the CPU kernels (models.transformer.attention_impl "cpu": one CPU
-    device), the prompts are read row by row in chunks of PREFILL_CHUNK positions
-    (prefill_rows): a product of 16 or more rows already runs at the kernel's compute rate, so
-    one call over the whole padded batch only adds the padding's work (every row padded to the
-    longest prompt's bucket). Elsewhere (TPU, GPU, a mesh) one call over the batch.
+    device, in a program lowered for a CPU), the prompts are read row by row in chunks of
+    PREFILL_CHUNK positions (prefill_rows): a product of 16 or more rows already runs at the
+    kernel's compute rate, so one call over the whole padded batch only adds the padding's work
+    (every row padded to the longest prompt's bucket). Elsewhere (TPU, GPU, a mesh) one call
+    over the batch.
     """
-    from models.transformer import attention_impl
+    from models.transformer import attention_impl, on_cpu
 
     batch, width = tokens_bp.shape
     cache = init_cache(config, batch, cache_len)
-    if attention_impl(config) == "cpu":
+
+    def one_call(tokens_bp, prompt_lens_b, cache):
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+        out = forward(
+            config,
+            params,
+            tokens_bp,
+            positions,
+            cache,
+            logits_at=(prompt_lens_b - 1)[:, None],
+            with_features=with_features,
+        )
+        return out.replace(logits=out.logits[:, 0])
+
+    if attention_impl(config) != "cpu":
+        return one_call(tokens_bp, prompt_lens_b, cache)
+
+    def by_rows(tokens_bp, prompt_lens_b, cache):
         return prefill_rows(config, params, tokens_bp, prompt_lens_b, cache, PREFILL_CHUNK, with_features)
-    positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    out = forward(
-        config,
-        params,
-        tokens_bp,
-        positions,
-        cache,
-        logits_at=(prompt_lens_b - 1)[:, None],
-        with_features=with_features,
-    )
-    return (out[0][:, 0],) + tuple(out[1:])
+
+    return on_cpu(config, by_rows, one_call, tokens_bp, prompt_lens_b, cache)
 
 
 def prefill_rows(
     config: ModelConfig, params, tokens_bp, prompt_lens_b, cache, chunk: int, with_features=False
-):
-    """prefill's result, computed one row and `chunk` positions per model call, in one
+) -> ForwardOutput:
+    """prefill's result (a ForwardOutput), computed one row and `chunk` positions per model call, in one
     lax.while_loop over (row, chunk) that stops at each row's own length: a row of n tokens
     costs ceil(n / chunk) calls whatever the batch's longest prompt. The last chunk of a row
     is moved back to end at the padded width when it would run past it (its overlap is
@@ -101,15 +112,14 @@ def prefill_rows(
     batch, width = tokens_bp.shape
     c = min(chunk, width)
     config = config.replace(bulk_products=True)  # nothing compares a prefill row with a decode step's
-    logits_shape = jax.eval_shape(
+    shapes = jax.eval_shape(
         lambda: forward(config, params, tokens_bp[:1, :c], jnp.zeros((1, c), jnp.int32), _row(cache, 0),
                         logits_at=jnp.zeros((1, 1), jnp.int32), with_features=with_features)
     )  # fmt: skip
-    logits = jnp.zeros((batch, logits_shape[0].shape[-1]), logits_shape[0].dtype)
+    logits = jnp.zeros((batch, shapes.logits.shape[-1]), shapes.logits.dtype)
     features = None
     if with_features:
-        f = logits_shape[2]
-        features = jnp.zeros((batch, width, f.shape[-1]), f.dtype)
+        features = jnp.zeros((batch, width, shapes.features.shape[-1]), shapes.features.dtype)
 
     def body(carry):
         r, s, cache, logits, features = carry
@@ -124,15 +134,15 @@ def prefill_rows(
             logits_at=jnp.clip(last - start, 0, c - 1).reshape(1, 1),
             with_features=with_features,
         )
-        row_cache = out[1]
+        row_cache = out.cache
         cache = cache.replace(
             k=jax.lax.dynamic_update_slice_in_dim(cache.k, row_cache.k, r, axis=1),
             v=jax.lax.dynamic_update_slice_in_dim(cache.v, row_cache.v, r, axis=1),
         )
         holds_last = (last >= start) & (last < start + c)
-        logits = logits.at[r].set(jnp.where(holds_last, out[0][0, 0], logits[r]))
+        logits = logits.at[r].set(jnp.where(holds_last, out.logits[0, 0], logits[r]))
         if with_features:
-            features = jax.lax.dynamic_update_slice(features, out[2], (r, start, 0))
+            features = jax.lax.dynamic_update_slice(features, out.features, (r, start, 0))
         row_done = s + c >= prompt_lens_b[r]
         return r + row_done, jnp.where(row_done, 0, s + c), cache, logits, features
 
@@ -140,7 +150,7 @@ def prefill_rows(
     _, _, cache, logits, features = jax.lax.while_loop(
         lambda carry: carry[0] < batch, body, (zero, zero, cache, logits, features)
     )
-    return (logits, cache, features) if with_features else (logits, cache)
+    return ForwardOutput(logits=logits, cache=cache, features=features)
 
 
 def _row(cache, r):

@@ -75,7 +75,7 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
     TRACE_COUNTS["spec_prefill"] += 1
     drafter = static.drafter
     # The target's features of the prompt for a drafter that reads them (else None).
-    logits, target_cache, *features = prefill(
+    target = prefill(
         static.config,
         params,
         inputs.tokens,
@@ -83,9 +83,9 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
         static.cache_len,
         with_features=drafter.reads_features,
     )
-    features = features[0] if features else None
+    target_cache, features = target.cache, target.features
     draft_state = drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len, features)
-    out, token, keys = first_token(logits, inputs, static.sampling, static.max_new_tokens)
+    out, token, keys = first_token(target.logits, inputs, static.sampling, static.max_new_tokens)
     if features is not None:  # the last prompt position's pair waited for the first token
         last = (inputs.prompt_lens - 1)[:, None]
         f_last = jnp.take_along_axis(features, last[:, :, None], axis=1)  # [B, 1, D]
@@ -148,10 +148,10 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
         pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
-        p = jnp.pad(warp(out[0], static.sampling), pad, mode="edge")
-        finite = jnp.pad(jnp.all(jnp.isfinite(out[0]), axis=-1), pad[:2], mode="edge")
-        f = jnp.pad(out[2], pad, mode="edge") if features else None
-        return p, finite, out[1], f
+        p = jnp.pad(warp(out.logits, static.sampling), pad, mode="edge")
+        finite = jnp.pad(jnp.all(jnp.isfinite(out.logits), axis=-1), pad[:2], mode="edge")
+        f = jnp.pad(out.features, pad, mode="edge") if features else None
+        return p, finite, out.cache, f
 
     if gamma and static.drafter.variable_length:
         # The narrowest target call that covers every active row's drafts (a round where no

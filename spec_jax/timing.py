@@ -135,7 +135,8 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
     from models.transformer import forward
 
     def one_call(params, cache, width, positions):
-        return forward(config, params, jnp.ones((batch, width), jnp.int32), positions, cache, head=head)
+        out = forward(config, params, jnp.ones((batch, width), jnp.int32), positions, cache, head=head)
+        return out.logits, out.cache
 
     vocab = config.vocab_size if head is None else head.shape[0]
     return _repeated(
@@ -164,7 +165,7 @@ def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling
         feats = jnp.ones((batch, width, cfg.d_model), cfg.jnp_dtype)
         tokens = jnp.ones((batch, width), jnp.int32)
         hidden, cache = draft_head.forward(cfg, params.head, feats, tokens, positions, cache, params.embed)
-        return draft_head.logits(hidden[:, -1:], params.out.weight, cfg.matmul_impl), cache
+        return draft_head.logits(hidden[:, -1:], params.out.weight, cfg), cache
 
     calls = _repeated(
         one_call,

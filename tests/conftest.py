@@ -45,7 +45,7 @@ _forward = jax.jit(models.forward, static_argnums=0)
 
 
 def apply(model: models.Model, tokens_bt, positions_bt, cache, logits_at=None):
-    """`(logits, cache)` of models.forward for model's config and params, jit-compiled."""
+    """models.forward's ForwardOutput for model's config and params, jit-compiled."""
     return _forward(model.config, model.params, tokens_bt, positions_bt, cache, logits_at)
 
 

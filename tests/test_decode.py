@@ -23,7 +23,9 @@ def greedy_reference(model, prompt, n, width=32):
     seq = list(prompt)
     for _ in range(n):
         padded = jnp.array([seq + [0] * (width - len(seq))])
-        logits, _ = apply(model, padded, jnp.arange(width)[None], models.init_cache(model.config, 1, width))
+        logits = apply(
+            model, padded, jnp.arange(width)[None], models.init_cache(model.config, 1, width)
+        ).logits
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt) :]
 

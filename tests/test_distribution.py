@@ -39,12 +39,12 @@ def exact_joint(model, sampling):
     tokens = np.zeros((len(prefixes), width), np.int32)
     for i, prefix in enumerate(prefixes):
         tokens[i, : len(PROMPT) + HORIZON - 1] = PROMPT + list(prefix)
-    logits, _ = apply(
+    logits = apply(
         model,
         jnp.asarray(tokens),
         jnp.broadcast_to(jnp.arange(width), tokens.shape),
         models.init_cache(model.config, len(prefixes), width),
-    )
+    ).logits
     probs = np.asarray(warp(logits[:, len(PROMPT) - 1 : len(PROMPT) + HORIZON - 1], sampling), np.float64)
     # probs[i, step] = p(x_step | prompt, prefixes[i][:step]); the chain rule gives the joint.
     joint = np.zeros((V,) * HORIZON)
@@ -129,7 +129,7 @@ class UntrimmedQDrafter(drafters.ModelDrafter):
         tokens, _, new_cache = super().propose(params, cache, context_b2, length_b, gamma, sampling, keys_b)
         seq = jnp.concatenate([context_b2, tokens[:, :-1]], axis=1)  # [B, G + 1]
         positions = (length_b - 2)[:, None] + jnp.arange(gamma + 1)[None, :]
-        logits, _ = models.forward(self.config, params.model, seq, positions, cache)
+        logits = models.forward(self.config, params.model, seq, positions, cache).logits
         return tokens, warp(logits[:, 1:], sampling), new_cache
 
 

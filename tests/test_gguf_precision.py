@@ -200,7 +200,7 @@ def test_the_row_wise_prefill_takes_the_bulk_path_and_agrees_with_one_call():
     tokens, lens = decode.pad_prompts([[3, 5, 7, 9, 11], list(range(1, 21))], 32)
 
     def rows(t, n):
-        return decode.prefill(model.config, model.params, t, n, 40)[0]
+        return decode.prefill(model.config, model.params, t, n, 40).logits
 
     lowered = jax.jit(rows).lower(jnp.asarray(tokens), jnp.asarray(lens)).as_text()
     assert "bulk = true" in lowered
@@ -218,7 +218,7 @@ def test_the_row_wise_prefill_takes_the_bulk_path_and_agrees_with_one_call():
     want = models.forward(
         bulk, model.params, jnp.asarray(tokens), positions, models.init_cache(bulk, 2, 40),
         logits_at=jnp.asarray(lens - 1)[:, None],
-    )[0][:, 0]  # fmt: skip
+    ).logits[:, 0]  # fmt: skip
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -235,7 +235,7 @@ def test_casting_to_gguf_q8_interleaves_q4k_matrices_but_not_the_embedding_table
     with pytest.raises(ValueError, match="interleaved"):
         precision.dequantize(layer[0])
     with pytest.raises(ValueError, match="interleaved"):
-        precision.linear(jnp.ones((1, 256)), layer[0], 1, impl="xla")
+        precision.linear(jnp.ones((1, 256)), layer[0], 1, model.config.replace(matmul_impl="xla"))
 
 
 # -- 4. The XLA path (gguf_blocks) against the kernel -----------------------------------------
@@ -256,9 +256,12 @@ def test_xla_path_agrees_with_the_kernel_at_gguf(w_shape, contract):
     assert isinstance(weight, BlockWeight) and weight.shape == w_shape and not weight.quantize_x
     in_shape = w_shape[len(w_shape) - contract :]
     x = jnp.asarray(rng.standard_normal((2, 3, *in_shape)), jnp.float32)
-    by_kernel = jax.jit(lambda x: precision.linear(x, weight, contract, "cpu_kernel"))
+    config = models.random_model(vocab_size=8, num_layers=1, d_model=32).config
+    by_kernel = jax.jit(
+        lambda x: precision.linear(x, weight, contract, config.replace(matmul_impl="cpu_kernel"))
+    )
     assert gguf_matmul.MATMUL_TARGET in by_kernel.lower(x).as_text()
-    by_xla = jax.jit(lambda x: precision.linear(x, weight, contract, "xla"))
+    by_xla = jax.jit(lambda x: precision.linear(x, weight, contract, config.replace(matmul_impl="xla")))
     assert gguf_matmul.MATMUL_TARGET not in by_xla.lower(x).as_text()
     got, want = np.asarray(by_xla(x)), np.asarray(by_kernel(x))
     assert got.shape == want.shape == (2, 3, *w_shape[: len(w_shape) - contract])
@@ -291,7 +294,8 @@ def test_without_the_kernel_products_and_lookups_fall_back_to_gguf_blocks(ggml_t
     weight = BlockWeight(data=jnp.asarray(data), ggml_type=ggml_type.value, in_shape=(96,))
     ref_w = quants.dequantize(data, ggml_type).astype(np.float64)
     x = rng.standard_normal((4, 96)).astype(np.float32)
-    product = jax.jit(lambda x: precision.linear(x, weight, 1, "auto"))
+    config = models.random_model(vocab_size=8, num_layers=1, d_model=32).config  # matmul_impl auto
+    product = jax.jit(lambda x: precision.linear(x, weight, 1, config))
     assert gguf_matmul.MATMUL_TARGET not in product.lower(jnp.asarray(x)).as_text()
     y = np.asarray(product(jnp.asarray(x)))
     assert (np.abs(y - x.astype(np.float64) @ ref_w.T) <= summation_bound(x, ref_w)).all()
@@ -469,7 +473,7 @@ def smollm_prompt(smollm):
 def _logits(model, prompt):
     tokens = jnp.asarray([prompt])
     cache = models.init_cache(model.config, 1, len(prompt))
-    logits, _ = apply(model, tokens, jnp.arange(len(prompt))[None], cache)
+    logits = apply(model, tokens, jnp.arange(len(prompt))[None], cache).logits
     return np.asarray(logits[0])
 
 

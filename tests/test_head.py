@@ -132,14 +132,14 @@ def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_eve
         assert committed == seq[len(prompt) : n]
         # the target's features of the committed text, then the head over (f_j, t_{j+1}), j < n - 1
         text = jnp.asarray([seq[:n] + [0] * (slots - n)])
-        _, _, feats = models.forward(
+        feats = models.forward(
             target.config,
             target.params,
             text,
             jnp.arange(slots)[None],
             models.init_cache(target.config, 1, slots),
             with_features=True,
-        )
+        ).features
         hidden, fresh = fresh_forward(
             head.config,
             head.params,

@@ -16,7 +16,7 @@ from models.transformer import rotary
 def full_forward(model, tokens_bt):
     b, t = tokens_bt.shape
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-    logits, _ = apply(model, tokens_bt, positions, models.init_cache(model.config, b, t))
+    logits = apply(model, tokens_bt, positions, models.init_cache(model.config, b, t)).logits
     return logits
 
 
@@ -32,7 +32,8 @@ def test_prefill_then_decode_equals_full_forward_with_ragged_rows(tiny_target, p
     pad = jnp.where(jnp.arange(width)[None] < lens[:, None], tokens[:, :width], 0)
     positions = jnp.broadcast_to(jnp.arange(width), (2, width))
     cache = models.init_cache(model.config, 2, 16)
-    logits, cache = apply(model, pad, positions, cache)
+    out = apply(model, pad, positions, cache)
+    logits, cache = out.logits, out.cache
     for row in range(2):
         chex.assert_trees_all_close(
             logits[row, : prefill_lens[row]], expected[row, : prefill_lens[row]], atol=1e-5, rtol=1e-5
@@ -41,7 +42,8 @@ def test_prefill_then_decode_equals_full_forward_with_ragged_rows(tiny_target, p
     lengths = np.array(prefill_lens)
     for _ in range(total - width):
         step_tokens = tokens[jnp.arange(2), lengths][:, None]
-        logits, cache = apply(model, step_tokens, jnp.asarray(lengths)[:, None], cache)
+        out = apply(model, step_tokens, jnp.asarray(lengths)[:, None], cache)
+        logits, cache = out.logits, out.cache
         for row in range(2):
             chex.assert_trees_all_close(logits[row, 0], expected[row, lengths[row]], atol=1e-5, rtol=1e-5)
         lengths = lengths + 1
@@ -53,8 +55,8 @@ def test_multi_token_step_equals_full_forward(tiny_target):
     tokens = jax.random.randint(jax.random.key(2), (1, 10), 0, model.config.vocab_size)
     expected = full_forward(model, tokens)
     cache = models.init_cache(model.config, 1, 16)
-    _, cache = apply(model, tokens[:, :4], jnp.arange(4)[None], cache)
-    logits, _ = apply(model, tokens[:, 4:9], jnp.arange(4, 9)[None], cache)
+    cache = apply(model, tokens[:, :4], jnp.arange(4)[None], cache).cache
+    logits = apply(model, tokens[:, 4:9], jnp.arange(4, 9)[None], cache).logits
     chex.assert_trees_all_close(logits, expected[:, 4:9], atol=1e-5, rtol=1e-5)
 
 
@@ -64,10 +66,10 @@ def test_stale_cache_entries_past_the_length_are_never_read(tiny_target):
     tokens = jax.random.randint(jax.random.key(3), (1, 8), 0, model.config.vocab_size)
     expected = full_forward(model, tokens)
     cache = models.init_cache(model.config, 1, 16)
-    _, cache = apply(model, tokens[:, :5], jnp.arange(5)[None], cache)
+    cache = apply(model, tokens[:, :5], jnp.arange(5)[None], cache).cache
     junk = jnp.array([[7, 7, 7, 7]])
-    _, cache = apply(model, junk, jnp.arange(5, 9)[None], cache)  # "rejected drafts"
-    logits, _ = apply(model, tokens[:, 5:8], jnp.arange(5, 8)[None], cache)
+    cache = apply(model, junk, jnp.arange(5, 9)[None], cache).cache  # "rejected drafts"
+    logits = apply(model, tokens[:, 5:8], jnp.arange(5, 8)[None], cache).logits
     chex.assert_trees_all_close(logits, expected[:, 5:8], atol=1e-5, rtol=1e-5)
 
 

@@ -10,7 +10,7 @@ import models
 import spec_jax
 from models import precision, weights
 from models.kernels import cpu_matmul
-from spec_jax import executables, sharding
+from spec_jax import sharding
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 MAX_NEW = 13
@@ -24,17 +24,17 @@ ISAS = [
     )
     for isa in cpu_matmul.ISAS
 ]
-
-
-@pytest.fixture
-def kernel_isa(request, monkeypatch):
-    """Runs a test with $SPEC_JAX_CPU_ISA set to the parameter, nothing compiled before reused."""
-    monkeypatch.setenv(cpu_matmul.ISA_ENV, request.param)
-    executables.clear_compiled()
-    jax.clear_caches()
-    yield request.param
-    executables.clear_compiled()
-    jax.clear_caches()
+# precision.linear's products by XLA's dot (a config's matmul_impl picks them).
+XLA = models.ModelConfig(
+    vocab_size=8,
+    num_layers=1,
+    d_model=8,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=8,
+    matmul_impl="xla",
+)
 
 
 def test_int8_quantization_is_symmetric_per_output_unit_and_within_half_a_step():
@@ -91,7 +91,7 @@ def test_cpu_kernel_matches_xla_and_each_row_is_bit_identical_whatever_the_row_c
     reference = jnp.asarray(precision.dequantize(weight), jnp.float32)  # float32 products of the same weights
     all_rows = np.asarray(kernel(x))
     np.testing.assert_allclose(
-        all_rows, precision.linear(x, reference, 1, "xla"), rtol=2e-5, atol=5e-5 * k**0.5
+        all_rows, precision.linear(x, reference, 1, XLA), rtol=2e-5, atol=5e-5 * k**0.5
     )
     for m in range(1, rows):  # a decode call (1 row) and verify calls (m rows) agree bitwise
         np.testing.assert_array_equal(np.asarray(kernel(x[:m])), all_rows[:m])
@@ -107,6 +107,10 @@ def test_the_kernel_build_is_chosen_from_the_cpu_or_the_environment(monkeypatch)
     assert cpu_matmul.isa() == "avx512"
     monkeypatch.setenv(cpu_matmul.ISA_ENV, "avx2")
     assert cpu_matmul.isa() == "avx2" and cpu_matmul.library_path().name.startswith("cpu_matmul-avx2-")
+    made = models.ModelConfig(**XLA.portable())  # a config made now takes it (a saved one holds none)
+    assert made.cpu_isa == "avx2" and "cpu_isa" not in XLA.portable()
+    monkeypatch.setenv(cpu_matmul.ISA_ENV, "avx512")
+    assert made.replace(dtype="int8").cpu_isa == "avx2"  # and keeps it: it is in the compiled key
     monkeypatch.setenv(cpu_matmul.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="SPEC_JAX_CPU_ISA must be one of avx2, avx512"):
         cpu_matmul.isa()
@@ -119,8 +123,8 @@ def test_precision_drift_from_float32_is_small_on_a_random_model(dtype):
     tokens = jnp.asarray([PROMPTS[2]])
     positions = jnp.arange(tokens.shape[1])[None]
     cache = models.init_cache(f32.config, 1, 16)
-    ref, _ = apply(f32, tokens, positions, cache)
-    out, _ = apply(low, tokens, positions, models.init_cache(low.config, 1, 16))
+    ref = apply(f32, tokens, positions, cache).logits
+    out = apply(low, tokens, positions, models.init_cache(low.config, 1, 16)).logits
     drift = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
     assert 0 < drift < 0.05  # changed (the precision is real), but close
 
@@ -146,10 +150,11 @@ def test_greedy_speculative_equals_autoregressive_at_each_precision(pair_f32, dt
     assert _greedy(target, draft) == _greedy(target), (dtype, impl)
 
 
-@pytest.mark.parametrize("kernel_isa", ISAS, indirect=True)
+@pytest.mark.parametrize("kernel_isa", ISAS)
 def test_greedy_speculative_equals_autoregressive_at_int8_on_each_build_of_the_kernel(pair_f32, kernel_isa):
     target, draft = (models.cast(m, "int8") for m in pair_f32)
-    target, draft = (m.replace(config=m.config.replace(matmul_impl="cpu_kernel")) for m in (target, draft))
+    kernel = dict(matmul_impl="cpu_kernel", cpu_isa=kernel_isa)
+    target, draft = (m.replace(config=m.config.replace(**kernel)) for m in (target, draft))
     tokens = jnp.asarray([PROMPTS[0]])
     lowered = jax.jit(models.forward, static_argnums=0).lower(
         target.config, target.params, tokens, jnp.arange(3)[None], models.init_cache(target.config, 1, 8)
@@ -181,21 +186,22 @@ def _verify_minus_steps(model) -> float:
     f = jax.jit(models.forward, static_argnums=0)
     tokens, prefix = [5, 17, 33, 2, 9, 41, 7], 4
     cache = models.init_cache(model.config, 1, 32)
-    _, cache = f(model.config, model.params, jnp.asarray([tokens[:prefix]]), jnp.arange(prefix)[None], cache)
+    cache = f(
+        model.config, model.params, jnp.asarray([tokens[:prefix]]), jnp.arange(prefix)[None], cache
+    ).cache
     steps, step_cache = [], cache
     for i in range(3):
         pos = prefix + i
-        logits, step_cache = f(
-            model.config, model.params, jnp.asarray([[tokens[pos]]]), jnp.asarray([[pos]]), step_cache
-        )
+        out = f(model.config, model.params, jnp.asarray([[tokens[pos]]]), jnp.asarray([[pos]]), step_cache)
+        logits, step_cache = out.logits, out.cache
         steps.append(logits[0, 0])
-    verify, _ = f(
+    verify = f(
         model.config,
         model.params,
         jnp.asarray([tokens[prefix : prefix + 3]]),
         jnp.arange(prefix, prefix + 3)[None],
         cache,
-    )
+    ).logits
     return float(jnp.abs(verify[0] - jnp.stack(steps)).max())
 
 

@@ -29,7 +29,7 @@ def _prompts(lengths, width, seed=0):
 def _one_call(config, params, tokens, lens, cache_len):
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    logits, cache, features = forward(
+    out = forward(
         config,
         params,
         tokens,
@@ -38,7 +38,7 @@ def _one_call(config, params, tokens, lens, cache_len):
         logits_at=(lens - 1)[:, None],
         with_features=True,
     )
-    return logits[:, 0], cache, features
+    return out.replace(logits=out.logits[:, 0])
 
 
 @pytest.mark.parametrize("chunk", [16, 5, 64])
@@ -55,15 +55,15 @@ def test_rows_in_chunks_equal_one_call_bit_for_bit(model, chunk):
             model.config, model.params, t, n, init_cache(model.config, len(lengths), cache_len), chunk, True
         )
     )
-    logits, cache, features = run(jnp.asarray(tokens), jnp.asarray(lens))
-    ref_logits, ref_cache, ref_features = jax.jit(_one_call, static_argnums=(0, 4))(
+    got = run(jnp.asarray(tokens), jnp.asarray(lens))
+    ref = jax.jit(_one_call, static_argnums=(0, 4))(
         model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), cache_len
     )
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref_logits))
+    np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(ref.logits))
     for r, n in enumerate(lengths):
-        for got, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
-            np.testing.assert_array_equal(np.asarray(got[:, r, :n]), np.asarray(want[:, r, :n]))
-        np.testing.assert_array_equal(np.asarray(features[r, :n]), np.asarray(ref_features[r, :n]))
+        for a, b in ((got.cache.k, ref.cache.k), (got.cache.v, ref.cache.v)):
+            np.testing.assert_array_equal(np.asarray(a[:, r, :n]), np.asarray(b[:, r, :n]))
+        np.testing.assert_array_equal(np.asarray(got.features[r, :n]), np.asarray(ref.features[r, :n]))
 
 
 def test_prefill_reads_rows_by_length_on_the_cpu_kernels(model, monkeypatch):
@@ -79,6 +79,7 @@ def test_prefill_reads_rows_by_length_on_the_cpu_kernels(model, monkeypatch):
 
     monkeypatch.setattr(decode, "forward", counting)
     tokens, lens = _prompts([3, 33, 17], 64)
-    logits, cache = decode.prefill(model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), 80)
-    jax.block_until_ready(logits)
+    jax.block_until_ready(
+        decode.prefill(model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), 80).logits
+    )
     assert len(calls) == 1 + 3 + 2  # ceil(3/16) + ceil(33/16) + ceil(17/16), not 3 x 64/16

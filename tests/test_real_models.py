@@ -117,7 +117,7 @@ def test_prefill_logits_match_transformers(name):
         tokens[b, : len(p["ids"])] = p["ids"]
     positions = np.broadcast_to(np.arange(BUCKET, dtype=np.int32), tokens.shape)
     cache = transformer.init_cache(config, len(prompts), BUCKET)
-    logits, _ = _forward(config, params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    logits = _forward(config, params, jnp.asarray(tokens), jnp.asarray(positions), cache).logits
     logits = np.asarray(logits)
     for b, p in enumerate(prompts):
         _check(logits[b, : len(p["ids"])], p, np.array(fixture["vocab_ids"]))
@@ -133,13 +133,15 @@ def test_incremental_decode_matches_transformers():
     ids = np.array(prompt["ids"], np.int32)
     split = 7
     cache = transformer.init_cache(config, 1, BUCKET)
-    logits, cache = _forward(
+    out = _forward(
         config, params, jnp.asarray(ids[None, :split]), jnp.arange(split, dtype=jnp.int32)[None], cache
     )
+    logits, cache = out.logits, out.cache
     rows = [np.asarray(logits[0])]
     for t in range(split, len(ids)):
-        logits, cache = _forward(
+        out = _forward(
             config, params, jnp.asarray(ids[None, t : t + 1]), jnp.full((1, 1), t, jnp.int32), cache
         )
+        logits, cache = out.logits, out.cache
         rows.append(np.asarray(logits[0]))
     _check(np.concatenate(rows), prompt, np.array(fixture["vocab_ids"]))

@@ -10,7 +10,6 @@ when complete, so an interrupted save leaves the previous one intact. The best h
 for decoding by spec_jax.head_checkpoint.load_head (the reading side of this format).
 """
 
-import dataclasses
 import json
 import pathlib
 
@@ -27,7 +26,7 @@ def run_meta(config, hcfg: ModelConfig, target, token_ids) -> dict:
     """What a run's checkpoints are of: a resumed run must have the same."""
     return {
         "config": json.loads(config.to_json_best_effort()),
-        "head_config": dataclasses.asdict(hcfg),
+        "head_config": hcfg.portable(),
         "target": target_identity(target),
         "token_ids": [int(i) for i in np.asarray(token_ids)],
     }

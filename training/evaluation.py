@@ -37,7 +37,7 @@ def chain_agreement(hcfg, params, frozen: Frozen, tokens_bt, features_btd, greed
                 hcfg, params, hidden[:, None], tokens_bt[:, j + 1 + s, None], pos, cache, frozen.embed
             )
             hidden = out[:, 0]
-        draft = frozen.ids[jnp.argmax(draft_head.logits(hidden[:, None], frozen.out, "xla")[:, 0], axis=-1)]
+        draft = frozen.ids[jnp.argmax(draft_head.logits(hidden[:, None], frozen.out, hcfg)[:, 0], axis=-1)]
         agree.append(draft == greedy_bt[:, j + 1 + s])
         valid.append(mask_bt[:, j + 2 + s])
     return jnp.stack(agree, 1), jnp.stack(valid, 1)

@@ -87,8 +87,8 @@ def extract(config: ModelConfig, params, data: Windows, batch_size: int = 4, pro
     def run(params, tokens):
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
         cache = init_cache(config, tokens.shape[0], width)
-        logits, _, features = forward(config, params, tokens, positions, cache, with_features=True)
-        return features, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out = forward(config, params, tokens, positions, cache, with_features=True)
+        return out.features, jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
 
     features = np.zeros((n, width, config.d_model), FEATURE_DTYPE)
     greedy = np.zeros((n, width), np.int32)

@@ -69,8 +69,8 @@ def loss_fn(hcfg: ModelConfig, config, params, frozen: Frozen, tokens_bt, mask_b
     total = jnp.maximum(jnp.sum(weight), 1.0)
     regression = jnp.mean(optax.huber_loss(hidden, goal, delta=1.0), axis=-1)  # smooth L1
     k = config.token_loss_stride  # the token loss on every k-th position: [B, (T-1)/k]
-    goal_logits = draft_head.logits(goal[:, ::k], frozen.out, "xla")
-    draft_logits = draft_head.logits(hidden[:, ::k], frozen.out, "xla")
+    goal_logits = draft_head.logits(goal[:, ::k], frozen.out, hcfg)
+    draft_logits = draft_head.logits(hidden[:, ::k], frozen.out, hcfg)
     token = optax.softmax_cross_entropy(draft_logits, jax.nn.softmax(jax.lax.stop_gradient(goal_logits)))
     agree = (jnp.argmax(draft_logits, -1) == jnp.argmax(goal_logits, -1)).astype(jnp.float32)
     token_weight, token_total = weight[:, ::k], jnp.maximum(jnp.sum(weight[:, ::k]), 1.0)

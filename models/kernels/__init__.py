@@ -11,8 +11,9 @@ Implementations (`impl`):
   "cpu"         this project's CPU kernel (cpu_attention.cc, in the CPU kernel library of
                 cpu_matmul.py): each query computed alone in one fixed order, so a query's result
                 does not depend on how many queries share the call (XLA's fusions of the reference
-                do, in the last bits). "auto" on a CPU resolves to it where the model's products
-                run in the CPU kernels (models.transformer), else to "xla".
+                do, in the last bits). A model whose products run in the CPU kernels calls it
+                where its program is lowered for a CPU (models.transformer.attention_impl); "auto"
+                here never resolves to it.
   "pallas_tpu"  Mosaic kernels; "pallas_gpu" Triton kernels. Both route on T (static):
                 T <= DECODE_MAX_QUERIES -> flash_decoding (split-K over the cache, the T * H/KVH
                 query rows of a kv head folded into one tile), otherwise flash_attention (query x
@@ -62,8 +63,10 @@ def resolve_impl(impl: str, device=None) -> str:
     return "xla"
 
 
-def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret=False):
-    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract."""
+def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret=False, cpu_isa=None):
+    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract.
+    cpu_isa: the CPU kernel library's build that impl "cpu" calls (cpu_matmul.ISAS; a model
+    passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise."""
     impl = resolve_impl(impl)
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
@@ -72,11 +75,13 @@ def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret
     if impl == "cpu":
         from models.kernels import cpu_matmul
 
-        if not cpu_matmul.available():
+        if cpu_isa is None:
+            raise ValueError("attention impl cpu: name the CPU kernel library's build (cpu_isa)")
+        if not cpu_matmul.available(cpu_isa):
             raise ValueError(
                 "attention impl cpu: the CPU kernel library is unavailable here (see the warning)"
             )
-        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths)
+        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa)
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
     # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
     # goes to flash_attention, which tiles the queries.

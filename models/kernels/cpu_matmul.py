@@ -3,19 +3,19 @@
 One source, two builds: `avx512` (16 lanes, 32 zmm registers, more activation rows per pass)
 and `avx2` (8 lanes, 16 ymm registers). `isa()` picks the build for this process: the one named
 by $SPEC_JAX_CPU_ISA (`avx2` or `avx512`; anything else is an error), else the widest this CPU
-runs (/proc/cpuinfo flags). Each build registers its own ffi targets, so both can be loaded in
-one process (the tests and scripts/matmul_kernel_bench.py compare them); a model uses the
-build isa() names when its products are traced. The two builds sum in different orders (8 or
-16 lanes), so they differ in the last bits from each other, but within one build a row's result
-is bit-identical whatever the number of rows in the call.
+runs (/proc/cpuinfo flags), read when a model config is made: ModelConfig.cpu_isa names the
+build a model's programs call. Each build registers its own ffi targets, so both can be loaded
+in one process (the tests and scripts/matmul_kernel_bench.py compare them). The two builds sum
+in different orders (8 or 16 lanes), so they differ in the last bits from each other, but within
+one build a row's result is bit-identical whatever the number of rows in the call.
 
 `available()` builds the shared library with the system's C++ compiler (once per source, ISA
 and jaxlib version, cached under `$SPEC_JAX_CACHE/kernels/` with its sha256 beside it, checked
 before each load: models.kernels.libraries.verified_build), loads it and registers its three
 targets with XLA; it returns False, with one warning, where it cannot (not x86-64, a CPU without
 the ISA's instructions, no compiler), and the models then use XLA's own products.
-`matmul(x, w, scale)` is y[M, O] = x[M, I] . w[O, I]^T (* scale[O] for int8 weights), float32 out;
-`attention(q, k, v, q_positions, kv_lengths)` is models.kernels' attention contract, each query
+`matmul(x, w, scale, isa)` is y[M, O] = x[M, I] . w[O, I]^T (* scale[O] for int8 weights), float32
+out; `attention(q, k, v, q_positions, kv_lengths, isa)` is models.kernels' attention contract, each query
 computed alone (so a verification call's rows equal decode steps' bit for bit).
 """
 
@@ -72,8 +72,9 @@ def _cpu_flags() -> frozenset | str:
 def isa() -> str:
     """The build this process uses: $SPEC_JAX_CPU_ISA when set (ValueError unless it names one
     of ISAS), else "avx512" where the CPU has AVX-512 F/BW/VL/DQ, else "avx2". Read when a
-    product is traced: set it before the first model call (tests that switch it also clear the
-    compiled loops, spec_jax.executables.clear_compiled)."""
+    model config is made (models.config.this_cpu_isa, the default of ModelConfig.cpu_isa), never
+    while a program is traced: a config names its build, so the build is in the compiled
+    program's key; ModelConfig.replace(cpu_isa=...) switches it."""
     forced = os.environ.get(ISA_ENV, "").strip()
     if forced:
         if forced not in ISAS:
@@ -176,31 +177,31 @@ def _load(isa_name: str) -> bool:
     return False
 
 
-def matmul(x_mi, w_oi, scale_o=None, isa_name: str | None = None):
+def matmul(x_mi, w_oi, scale_o, isa_name: str):
     """y [M, O] float32 = x [M, I] . w [O, I]^T (* scale [O] when w is int8), on the CPU kernel
-    built for isa_name (default: isa()); that build must be available()."""
-    target = target_name(jnp.dtype(w_oi.dtype).name, isa_name or isa())
+    built for isa_name (the model's ModelConfig.cpu_isa); that build must be available()."""
+    target = target_name(jnp.dtype(w_oi.dtype).name, isa_name)
     out = jax.ShapeDtypeStruct((x_mi.shape[0], w_oi.shape[0]), jnp.float32)
     args = (x_mi.astype(jnp.float32), w_oi) + (() if scale_o is None else (scale_o.astype(jnp.float32),))
     # Under vmap (per-prompt decoding) the kernel runs once per batch element.
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 
 
-def attention(q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str | None = None):
+def attention(q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str):
     """The attention contract of models.kernels (float32 inside; out in q's dtype), each query
     computed alone in one fixed order (cpu_rowwise.cc): a query's result is the same bits
     whatever the number of queries in the call. The build of isa_name must be available()."""
     out = jax.ShapeDtypeStruct(q_bthd.shape, jnp.float32)
-    call = jax.ffi.ffi_call(rowwise_target("attention", isa_name or isa()), out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(rowwise_target("attention", isa_name), out, vmap_method="sequential")
     f32 = (x.astype(jnp.float32) for x in (q_bthd, k_bskd, v_bskd))
     ints = (q_positions_bt.astype(jnp.int32), kv_lengths_b.astype(jnp.int32))
     return call(*f32, *ints).astype(q_bthd.dtype)
 
 
-def rms_norm(x, scale, eps: float, isa_name: str | None = None):
+def rms_norm(x, scale, eps: float, isa_name: str):
     """x [..., D] * rsqrt(mean(x^2) + eps) * scale [D], float32, each row alone in one fixed order
     (cpu_rowwise.cc); the build of isa_name must be available()."""
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     out = jax.ShapeDtypeStruct(x2.shape, jnp.float32)
-    call = jax.ffi.ffi_call(rowwise_target("rms_norm", isa_name or isa()), out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(rowwise_target("rms_norm", isa_name), out, vmap_method="sequential")
     return call(x2, scale.astype(jnp.float32), eps=np.float32(eps)).reshape(x.shape)

@@ -163,7 +163,7 @@ class HeadDrafter(Drafter):
         """(q [B, V] warped, confidence [B], entropy [B]) of the token after a hidden state,
         through the (trimmed) output head; confidence and entropy are of the unwarped
         distribution (so that greedy decoding has them too)."""
-        logits = draft_head.logits(hidden_bd[:, None], params.out.weight, self.config.matmul_impl)[:, 0]
+        logits = draft_head.logits(hidden_bd[:, None], params.out.weight, self.config)[:, 0]
         q = warp(logits, sampling)
         if self.trimmed:
             q = jnp.zeros((q.shape[0], self.vocab_size), q.dtype).at[:, params.out.ids].set(q)

@@ -74,20 +74,17 @@ class ModelDrafter(Drafter):
         return (params.model, params.head.weight) if self.trimmed else (params, None)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
-        _, cache = prefill(self.config, self.split_params(params)[0], tokens_bp, prompt_lens_b, cache_len)
-        return cache
+        return prefill(self.config, self.split_params(params)[0], tokens_bp, prompt_lens_b, cache_len).cache
 
     def distribution(self, params, tokens_bt, positions_bt, cache, sampling, logits_at=None):
         """(q [B, V] of the last scored position, confidence [B], cache): the warped draft
         distribution and the top probability of the unwarped one."""
         model_params, head = self.split_params(params)
-        logits, cache = forward(
-            self.config, model_params, tokens_bt, positions_bt, cache, logits_at, head=head
-        )
-        q = warp(logits[:, 0], sampling)  # [B, V], or [B, R] trimmed
+        out = forward(self.config, model_params, tokens_bt, positions_bt, cache, logits_at, head=head)
+        q = warp(out.logits[:, 0], sampling)  # [B, V], or [B, R] trimmed
         if self.trimmed:
             q = jnp.zeros((q.shape[0], self.vocab_size), q.dtype).at[:, params.head.ids].set(q)
-        return q, top_probability(logits[:, 0]), cache
+        return q, top_probability(out.logits[:, 0]), out.cache
 
     def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
@@ -124,7 +121,7 @@ class ModelDrafter(Drafter):
             start, cache = carry
             positions = start[:, None] + jnp.arange(width)[None, :]
             tokens = jnp.take_along_axis(text_bs, jnp.clip(positions, 0, text_bs.shape[1] - 1), axis=1)
-            _, cache = forward(self.config, model_params, tokens, positions, cache, first, head=head)
+            cache = forward(self.config, model_params, tokens, positions, cache, first, head=head).cache
             return jnp.where(start < stop_b, jnp.minimum(start + width, stop_b), start), cache
 
         _, cache = jax.lax.while_loop(lambda c: jnp.any(c[0] < stop_b), body, (start_b, cache))
