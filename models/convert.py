@@ -1,10 +1,12 @@
-"""GGUF -> this project's parameters, converted once and cached with orbax.
+"""GGUF -> this project's parameters, converted once and cached, one tensor at a time.
 
 Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
     {root}/gguf/{name}.gguf                   the verified GGUF (models.registry)
     {root}/converted/{name}/config.json       ModelConfig fields read from the GGUF metadata
     {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary
-    {root}/converted/{name}/params/           float32 parameters (orbax StandardCheckpointer)
+    {root}/converted/{name}/params/           float32 parameters: one .npy per leaf (its path
+                                              joined by ".", e.g. layers.attn.wq.npy) and
+                                              tree.json (every leaf's path, file, dtype, shape)
     {root}/converted/{name}/params-{dtype}/   the same in another precision (models.precision),
                                               derived from params/ on first use (the GGUF
                                               precisions read the GGUF's own blocks instead)
@@ -22,19 +24,28 @@ finished; what a killed one left (its pid is in the name) is removed by the next
 entry is never replaced, except one found damaged or of an older format.
 
 Loading checks the entry against its manifest (sizes, and the hashes of config.json,
-tokenizer.json and orbax's metadata), and reads it back; an entry that fails either is damaged:
+tokenizer.json, tree.json and the small leaves), and reads it back (every leaf's .npy header
+must match tree.json, and its data must be all there); an entry that fails either is damaged:
 it is converted (or derived) again once, and models.registry.DamagedCacheError (exit 1 at the
 command line, naming the path) if it is still damaged or cannot be rebuilt. An entry written
 before manifests is used while its config.json reads back.
 
-The conversion runs in a child process, `python -m models.convert NAME`, so that the
-dequantized arrays, the GGUF pages and orbax's buffers go back to the OS before the converted
-checkpoint is read, and so that it never re-imports the caller's main module (a script that
-calls models.load at its top level works; multiprocessing's spawn would re-run it).
+Bounded memory: the conversion streams (models.gguf_loader.stream_params): it dequantizes one
+block of a GGUF tensor's rows (at most gguf_loader.BLOCK_BYTES of float32), appends it to its
+leaf's .npy and drops it, so it holds one block whatever the model's size; a derivation reads
+the float32 leaves back the same way, a block of rows along their first axis at a time. (Why
+not orbax: its checkpointers write a whole tree, or a whole leaf, from memory, and a stacked
+leaf is all layers of a tensor: 1.5 GB for the 1.5B's w_gate, 75 GB for a 70B's.)
+
+The conversion runs in a child process, `python -m models.convert NAME`, so that what it
+allocated goes back to the OS before the converted checkpoint is read, and so that it never
+re-imports the caller's main module (a script that calls models.load at its top level works;
+multiprocessing's spawn would re-run it).
 """
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import resource
@@ -47,13 +58,13 @@ import uuid
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from models import gguf_loader, registry
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 
-FORMAT_VERSION = 2  # 2: matrices [out, in]
+FORMAT_VERSION = 3  # 2: matrices [out, in]; 3: params/ as one .npy per leaf (was orbax)
+PARAMS_TREE = "tree.json"  # in params/ and params-{dtype}/: every leaf's path, file, dtype, shape
 MANIFEST = "spec_jax_manifest.json"  # in each entry and each params-{dtype}/, written last
 ENTRY_PARTS = ("config.json", "tokenizer.json", "params")  # what an entry's manifest covers
 _HASHED_BYTES = 16 << 20  # files up to this size are hashed in the manifest (all are sized)
@@ -79,7 +90,7 @@ def _lock(name: str, cache_dir=None) -> pathlib.Path:
 def _describe(folder: pathlib.Path, entry_id: str, parts=None) -> dict:
     """The manifest of an entry: its id, the format version and every file under `parts` (all
     of folder when None) with its size, and the sha256 of the small ones (config, tokenizer,
-    orbax's metadata: reading them back from a damaged file is what must not happen)."""
+    tree.json: reading them back from a damaged file is what must not happen)."""
     files = {}
     roots = [folder / p for p in parts] if parts else [folder]
     for root in roots:
@@ -164,19 +175,14 @@ def convert(name: str, cache_dir=None, progress: bool = True, replace: str | Non
         try:
             reader = gguf_loader.open_gguf(gguf)  # parsed once: it takes seconds for a 150k vocabulary
             config = ModelConfig(**gguf_loader.read_config(reader, name=name))
-            params = gguf_loader.load_params(reader, config, progress=progress)
-            # orbax copies numpy leaves before writing them (peak 3x the model: 18.3 GB for the
-            # 1.5B); device arrays it writes as they are, and on a CPU each leaf moves over in
-            # place of its numpy source, so the peak stays near one copy (measured: 0.5B 7.3 -> 3.6 GB).
-            leaves, treedef = jax.tree.flatten(params)
-            del params
-            params = to_device(leaves, treedef)
-            del leaves
-            checkpointer = ocp.StandardCheckpointer()
-            checkpointer.save(tmp / "params", params)
-            checkpointer.wait_until_finished()
+            with _ParamsWriter(tmp / "params") as out:  # one block of one tensor held at a time
+                for keys, shape, blocks in gguf_loader.stream_params(reader, config, progress=progress):
+                    leaf = out.open(keys, shape, np.float32)
+                    for block in blocks:
+                        leaf.write(block)
+                    out.close_leaves()
             Tokenizer.from_gguf(reader).save(tmp / "tokenizer.json")
-            del params, reader
+            del reader
             meta = {"format_version": FORMAT_VERSION, "config": config.portable()}
             (tmp / "config.json").write_text(json.dumps(meta, indent=2))
             manifest = _describe(tmp, uuid.uuid4().hex, ENTRY_PARTS)
@@ -243,7 +249,7 @@ def convert_in_child(
 
 
 def _int8_nodes(tree):
-    """orbax restores a models.precision.Int8Weight as {"value", "scale"}: rebuild the node."""
+    """_restore reads a models.precision.Int8Weight as {"value", "scale"}: rebuild the node."""
     from models.precision import Int8Weight
 
     if isinstance(tree, dict):
@@ -274,7 +280,7 @@ _REBUILD_ERRORS = (
 def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str = "float32"):
     """Returns (ModelConfig, params as numpy arrays in precision `dtype`, Tokenizer), converting
     on first use (in a child process: convert_in_child) and deriving a precision's checkpoint
-    from the float32 one on its first use (models.weights.cast_params, cached beside it).
+    from the float32 one on its first use (models.weights.cast_leaf, cached beside it).
 
     A damaged entry (a file that does not match the manifest written with it, or one that
     cannot be read back) is rebuilt once; DamagedCacheError (naming the path) if it is still
@@ -336,22 +342,134 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
     return config, _int8_nodes(_restore(derived, rederive(derived_id))), tokenizer
 
 
-def _restore(path: pathlib.Path, rebuild):
-    """The checkpoint at path as numpy arrays; _Damaged (with rebuild) if orbax cannot read it."""
+class _LeafFile:
+    """One leaf's .npy, written front to back: its header, then its values as blocks arrive."""
+
+    def __init__(self, path: pathlib.Path, shape: tuple[int, ...], dtype):
+        self.path, self.shape, self.dtype = path, tuple(shape), np.dtype(dtype)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close(): _ParamsWriter's)
+        header = {"descr": _storage(self.dtype).str, "fortran_order": False, "shape": self.shape}
+        np.lib.format.write_array_header_1_0(self.file, header)
+        self.start = self.file.tell()
+
+    def write(self, block: np.ndarray) -> None:
+        self.file.write(np.ascontiguousarray(block, self.dtype).reshape(-1).view(np.uint8).data)
+
+    def close(self) -> None:
+        written = self.file.tell() - self.start
+        self.file.close()
+        if written != self.nbytes:
+            raise ValueError(f"{self.path}: {written} bytes written, the leaf has {self.nbytes}")
+
+
+class _ParamsWriter:
+    """A parameter tree written into `folder` leaf by leaf (open(), then close_leaves()), and its
+    tree.json on leaving the `with` without an error."""
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder, self.leaves, self.files = folder, [], {}
+
+    def __enter__(self):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def open(self, keys: tuple[str, ...], shape: tuple[int, ...], dtype) -> _LeafFile:
+        """A new leaf at pytree path `keys`, its values written to it in C order; several can be
+        open at once (an Int8Weight's value and scale)."""
+        file = ".".join(keys) + ".npy"
+        self.leaves.append(
+            {"path": list(keys), "file": file, "dtype": np.dtype(dtype).name, "shape": list(shape)}
+        )
+        self.files[tuple(keys)] = _LeafFile(self.folder / file, shape, dtype)
+        return self.files[tuple(keys)]
+
+    def close_leaves(self) -> None:
+        files, self.files = self.files, {}
+        for f in files.values():
+            f.close()
+
+    def __exit__(self, kind, value, tb):
+        self.close_leaves()
+        if kind is None:
+            (self.folder / PARAMS_TREE).write_text(json.dumps({"leaves": self.leaves}, indent=1))
+
+
+def _storage(dtype: np.dtype) -> np.dtype:
+    """The dtype a leaf's .npy names: its own, or an unsigned integer of its size for one the
+    .npy format cannot name (bfloat16; tree.json keeps the real one)."""
+    return np.dtype(f"<u{dtype.itemsize}") if dtype.kind == "V" else dtype
+
+
+def _leaf_blocks(folder: pathlib.Path, leaf: dict, rows: int | None = None):
+    """The leaf described by `leaf` (an entry of folder's tree.json) read back from its .npy in
+    blocks of `rows` along its first axis (all of it at once when None). ValueError if the
+    file's header is not the one tree.json describes or its data ends early."""
+    shape, dtype = tuple(leaf["shape"]), jax.numpy.dtype(leaf["dtype"])
+    with open(folder / leaf["file"], "rb") as f:
+        if np.lib.format.read_magic(f) != (1, 0):
+            raise ValueError(f"{leaf['file']} is not a .npy this project wrote")
+        header = np.lib.format.read_array_header_1_0(f)
+        if header != (shape, False, _storage(dtype)):
+            raise ValueError(f"{leaf['file']} holds {header}, {PARAMS_TREE} says {shape} {dtype}")
+        total = shape[0] if shape else 1
+        rows = rows or total
+        for r0 in range(0, total, rows):
+            block = np.empty((min(rows, total - r0), *shape[1:]) if shape else (), dtype)
+            if f.readinto(block.reshape(-1).view(np.uint8).data) != block.nbytes:
+                raise ValueError(f"{leaf['file']} ends before its data does")
+            yield block
+
+
+def _read_tree(folder: pathlib.Path) -> list[dict]:
+    """The leaves of folder's tree.json; ValueError if it is not one this project wrote."""
+    leaves = json.loads((folder / PARAMS_TREE).read_text())["leaves"]
+    if not all(isinstance(leaf, dict) and {"path", "file", "dtype", "shape"} <= set(leaf) for leaf in leaves):
+        raise ValueError(f"{PARAMS_TREE} is not one this project wrote")
+    return leaves
+
+
+def _leaves(folder: pathlib.Path, rebuild):
+    """Yields (leaf, read) for each leaf of the checkpoint at folder (leaf: its tree.json entry;
+    read(rows=None): _leaf_blocks(folder, leaf, rows)); _Damaged (with rebuild) when either
+    cannot be read back."""
+
+    def damaged(e: Exception) -> _Damaged:
+        return _Damaged(folder, f"the checkpoint cannot be read ({type(e).__name__}: {e})", rebuild)
+
+    def checked(leaf, rows=None):
+        try:
+            yield from _leaf_blocks(folder, leaf, rows)
+        except (OSError, ValueError, TypeError) as e:  # a missing file, numpy's header parser
+            raise damaged(e) from None
+
     try:
-        return ocp.StandardCheckpointer().restore(path)
-    except MemoryError:
-        raise
-    except Exception as e:  # orbax and tensorstore raise many kinds
-        raise _Damaged(path, f"the checkpoint cannot be read ({type(e).__name__}: {e})", rebuild) from None
+        leaves = _read_tree(folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise damaged(e) from None
+    for leaf in leaves:
+        yield leaf, lambda rows=None, leaf=leaf: checked(leaf, rows)
+
+
+def _restore(path: pathlib.Path, rebuild):
+    """The parameters at path as a nested dict of numpy arrays; _Damaged (with rebuild) if they
+    cannot be read back (tree.json unreadable, a leaf's header or length not the one it names)."""
+    params: dict = {}
+    for leaf, read in _leaves(path, rebuild):
+        node = params
+        for key in leaf["path"][:-1]:
+            node = node.setdefault(key, {})
+        node[leaf["path"][-1]] = next(read())
+    return params
 
 
 def _derive(
     folder: pathlib.Path, config: ModelConfig, dtype: str, name: str, cache_dir, reconvert, replace=None
 ):
-    """Writes folder/params-{dtype} from folder/params (models.weights.cast_params), holding the
-    model's lock; nothing to do if another process wrote it meanwhile (unless it is the entry
-    `replace`, found damaged). _Damaged with `reconvert` if folder/params cannot be read."""
+    """Writes folder/params-{dtype} from folder/params (models.weights.cast_leaf, a block of
+    rows along each leaf's first axis at a time), holding the model's lock; nothing to do if
+    another process wrote it meanwhile (unless it is the entry `replace`, found damaged).
+    _Damaged with `reconvert` if folder/params cannot be read."""
     from models import weights
 
     derived = folder / f"params-{dtype}"
@@ -361,14 +479,20 @@ def _derive(
             return
         label = f"params-{dtype}"
         registry.remove_dead_tmp(folder, label)
-        source = _restore(folder / "params", reconvert)
-        params = weights.cast_params(source, config)
-        del source
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(label), dir=folder))
         try:
-            checkpointer = ocp.StandardCheckpointer()
-            checkpointer.save(tmp / "params", params)
-            checkpointer.wait_until_finished()
+            with _ParamsWriter(tmp / "params") as out:
+                for leaf, read in _leaves(folder / "params", reconvert):
+                    shape = leaf["shape"]
+                    rows = max(1, gguf_loader.BLOCK_BYTES // (4 * math.prod(shape[1:])))
+                    for block in read(rows):
+                        cast = weights.cast_leaf(leaf["path"], block, config)
+                        for path, part in jax.tree_util.tree_flatten_with_path(cast)[0]:
+                            keys = (*leaf["path"], *weights.path_keys(path))
+                            if keys not in out.files:  # an Int8Weight's value and scale: side by side
+                                out.open(keys, (shape[0], *part.shape[1:]), part.dtype)
+                            out.files[keys].write(part)
+                    out.close_leaves()
             manifest = _describe(tmp / "params", uuid.uuid4().hex)
             (tmp / "params" / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last
             _replace(tmp / "params", derived, label)  # complete or absent, never half-written

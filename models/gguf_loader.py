@@ -9,14 +9,17 @@ GGUF conventions this module undoes:
     Our model uses rotate-half, so we apply the inverse (`unpermute_llama_rows`). Qwen2 files are
     written without that permutation.
 
-Peak memory: the stacked arrays are preallocated once and filled one tensor at a time; large
-tensors are dequantized in row blocks, so the only extra memory beyond the result is one block.
+Peak memory: stream_params reads the file one block of rows at a time (BLOCK_BYTES of float32,
+read with pread, not through the memory map), so a conversion that writes each block out as it
+comes (models.convert) holds one block; load_params fills the stacked arrays from that stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -38,7 +41,9 @@ CONFIG_FIELDS = (
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
-_ROWS_PER_BLOCK = 16384  # rows dequantized at once for big matrices (embedding, lm head)
+# Bytes of float32 dequantized at once (stream_params): what a conversion holds beyond its
+# fixed costs, whatever the size of the tensor (the 1.5B's embedding is 933 MB of float32).
+BLOCK_BYTES = 32 << 20
 
 
 def open_gguf(path_or_reader: PathOrReader) -> GGUFReader:
@@ -135,34 +140,24 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def _dequantize_rows_into(tensor, out: np.ndarray) -> None:
-    """Dequantize a 2-D tensor [R, C] into out [R, C] in row blocks (bounded temporary memory)."""
-    rows = int(tensor.shape[1])
-    cols = int(tensor.shape[0])
-    data = tensor.data.reshape(rows, -1)  # quantized: [R, bytes_per_row]; float: [R, C]
-    for r0 in range(0, rows, _ROWS_PER_BLOCK):
-        block = dequantize(data[r0 : r0 + _ROWS_PER_BLOCK], tensor.tensor_type).reshape(-1, cols)
-        out[r0 : r0 + block.shape[0]] = block
+def _read_rows(fd: int, tensor, r0: int, r1: int, rows: int) -> np.ndarray:
+    """Rows [r0, r1) of a 2-D tensor of `rows` rows, dequantized: float32 [r1 - r0, C]. Read with
+    pread into memory that is freed with the block, not through the reader's memory map, whose
+    pages would stay in the process's resident set until the map is closed."""
+    row_bytes = tensor.n_bytes // rows
+    n = (r1 - r0) * row_bytes
+    raw = os.pread(fd, n, tensor.data_offset + r0 * row_bytes)
+    if len(raw) != n:
+        raise ValueError(f"tensor {tensor.name!r}: the GGUF file ends inside its data")
+    data = np.frombuffer(raw, np.uint8).reshape(r1 - r0, row_bytes)
+    return np.asarray(dequantize(data, tensor.tensor_type), np.float32).reshape(r1 - r0, -1)
 
 
-def load_params(
-    path_or_reader: PathOrReader,
-    config: ModelConfig | dict | None = None,
-    dtype: Any = np.float32,
-    progress: bool = True,
-) -> dict:
-    """Dequantized parameters as a nested dict of numpy arrays, stacked over layers, in the
-    layout of models.weights: every entry of its table the config has, read from the table's
-    GGUF tensor (its [out, in] matrix reshaped to the table's shape; for arch "llama" the q / k
-    rows un-permuted). `dtype` is the numpy dtype of the result (np.float32, or
-    ml_dtypes.bfloat16).
-    """
-    reader = open_gguf(path_or_reader)
-    arch = _require(reader, "general.architecture")
+def _checked_config(reader: GGUFReader, config: ModelConfig | dict | None) -> ModelConfig:
+    """`config` (default: the file's own) as a ModelConfig; ValueError if its shapes are not the file's."""
     file_config = read_config(reader)
-    if config is None:
-        config = file_config
-    cfg = dict(config) if isinstance(config, dict) else dataclasses.asdict(config)
+    cfg = file_config if config is None else config
+    cfg = dict(cfg) if isinstance(cfg, dict) else dataclasses.asdict(cfg)
     for key in (
         "vocab_size",
         "num_layers",
@@ -176,43 +171,91 @@ def load_params(
     ):
         if cfg[key] != file_config[key]:
             raise ValueError(f"config {key}={cfg[key]!r} does not match the GGUF file ({file_config[key]!r})")
-    model_config = ModelConfig(**{k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__})
+    return ModelConfig(**{k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__})
+
+
+def stream_params(
+    path_or_reader: PathOrReader, config: ModelConfig | dict | None = None, progress: bool = True
+) -> Iterator[tuple[tuple[str, ...], tuple[int, ...], Iterator[np.ndarray]]]:
+    """The parameters of load_params, one leaf at a time and one block of a tensor at a time:
+    yields (keys, shape, blocks) for each leaf of models.weights' stacked layout, where keys is
+    its path in the pytree, shape its shape, and blocks (consume it before the next leaf)
+    yields float32 arrays whose values, raveled and in order, are the leaf's in C order. A
+    block is at most BLOCK_BYTES of one GGUF tensor's rows (whole heads of a llama q / k matrix,
+    which the un-permutation reorders inside each head), so what is held at once stays near
+    one block whatever the model's size."""
+    reader = open_gguf(path_or_reader)
+    permute = _require(reader, "general.architecture") == "llama"
+    model_config = _checked_config(reader, config)
+    cfg = dataclasses.asdict(model_config)
     tensors = _tensors(reader)
-    permute = arch == "llama"
     num_layers = model_config.num_layers
     table = weights.weights_of(model_config)
-    stacked = dataclasses.replace(model_config, scan_layers=True)
-    params = jax.tree.map(lambda s: np.empty(s.shape, dtype), weights.param_shapes(stacked))
 
-    def read_into(w: weights.Weight, name: str, out: np.ndarray) -> None:
-        """Dequantizes tensor `name` (torch order: [out, in] or [n]) into out (the table's shape)."""
+    def blocks(fd: int, w: weights.Weight, name: str, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+        """Tensor `name` (torch order: [out, in] or [n]) as float32 blocks of the table's shape."""
         if name not in tensors:
             raise ValueError(f"GGUF file has no tensor {name!r}")
         tensor = tensors[name]
-        rows = int(np.prod(out.shape[: out.ndim - w.contract])) if w.contract else 1
+        size = math.prod(shape)
+        rows = math.prod(shape[: len(shape) - w.contract]) if w.contract else 1
         file_shape = tuple(int(d) for d in reversed(tensor.shape))
-        if int(np.prod(file_shape)) != out.size or (w.contract and file_shape[0] != rows):
-            raise ValueError(f"tensor {name!r} has shape {file_shape}, expected {out.shape} ({w.name})")
-        flat = out.reshape(rows, -1)  # a view: rows are the matrix's output units
-        if rows > _ROWS_PER_BLOCK:  # big tables: bounded temporary memory
-            _dequantize_rows_into(tensor, flat)
-        else:
-            flat[:] = dequantize_tensor(tensor).reshape(flat.shape)
-        if permute and w.llama_permuted_heads:
-            flat[:] = unpermute_llama_rows(
-                flat.reshape(out.shape[0] * out.shape[1], -1), cfg[w.llama_permuted_heads]
-            ).reshape(flat.shape)
+        if math.prod(file_shape) != size or (w.contract and file_shape[0] != rows):
+            raise ValueError(f"tensor {name!r} has shape {file_shape}, expected {shape} ({w.name})")
+        heads = cfg[w.llama_permuted_heads] if permute and w.llama_permuted_heads else None
+        if not w.contract:  # a norm or a bias: one small vector
+            value = _read_rows(fd, tensor, 0, 1, 1).reshape(-1)
+            yield unpermute_llama_rows(value, heads) if heads else value
+            return
+        cols = size // rows
+        granule = rows // heads if heads else 1
+        step = max(granule, BLOCK_BYTES // (4 * cols) // granule * granule)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            block = _read_rows(fd, tensor, r0, r1, rows)
+            yield unpermute_llama_rows(block, (r1 - r0) // granule) if heads else block
 
     total = sum(num_layers if w.per_layer else 1 for w in table)
-    with tqdm(total=total, unit="tensor", desc="convert gguf", disable=not progress) as bar:
-        for w in table:
-            node = params["layers"] if w.per_layer else params
-            for key in w.path[:-1]:
-                node = node[key]
-            target = node[w.path[-1]]
+    with (
+        open(reader.data.filename, "rb") as file,
+        tqdm(total=total, unit="tensor", desc="convert gguf", disable=not progress) as bar,
+    ):
+
+        def leaf_blocks(w: weights.Weight, shape: tuple[int, ...]) -> Iterator[np.ndarray]:
             for i in range(num_layers) if w.per_layer else [None]:
-                read_into(w, w.gguf.format(i=i), target if i is None else target[i])
+                yield from blocks(file.fileno(), w, w.gguf.format(i=i), shape)
                 bar.update(1)
+
+        for w in table:
+            shape = tuple(w.shape(model_config))
+            keys = (weights.LAYER_PREFIX, *w.path) if w.per_layer else w.path
+            yield keys, (num_layers, *shape) if w.per_layer else shape, leaf_blocks(w, shape)
+
+
+def load_params(
+    path_or_reader: PathOrReader,
+    config: ModelConfig | dict | None = None,
+    dtype: Any = np.float32,
+    progress: bool = True,
+) -> dict:
+    """Dequantized parameters as a nested dict of numpy arrays, stacked over layers, in the
+    layout of models.weights: every entry of its table the config has, read from the table's
+    GGUF tensor (its [out, in] matrix reshaped to the table's shape; for arch "llama" the q / k
+    rows un-permuted). `dtype` is the numpy dtype of the result (np.float32, or
+    ml_dtypes.bfloat16). The whole model in memory: models.convert writes the same stream
+    (stream_params) to disk without holding it.
+    """
+    params: dict = {}
+    for keys, shape, blocks in stream_params(path_or_reader, config, progress=progress):
+        out = np.empty(shape, dtype)
+        flat, at = out.reshape(-1), 0
+        for block in blocks:
+            flat[at : at + block.size] = block.reshape(-1)
+            at += block.size
+        node = params
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = out
     return params
 
 

@@ -273,25 +273,30 @@ def cast_params(params, config, to_device=None):
 
     The concrete counterpart of param_shapes. Matrices become Int8Weight for int8, BlockWeight (precision.default_block_type, quantized by ggml) for
     the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
-    leaf at a time, each passed through `to_device` (e.g. jax.device_put) when given, so a host
+    leaf at a time (cast_leaf), each passed through `to_device` (e.g. jax.device_put) when given, so a host
     copy of the whole model is never held twice.
     """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: cast_leaf(path, leaf, config, to_device), params
+    )
+
+
+def cast_leaf(path, leaf, config, to_device=None):
+    """One float32 leaf of cast_params, at pytree path `path`. Every output unit is cast on its
+    own, so rows of a leaf along its first axis (layers, or a matrix's output units) cast alone
+    give the rows of the whole leaf's cast (models.convert derives a precision that way)."""
     if config.dtype not in precision.PRECISIONS:
         raise ValueError(f"dtype must be one of {precision.PRECISIONS}, got {config.dtype!r}")
     put = to_device or (lambda x: x)
-
-    def one(path, leaf):
-        w, _, _ = entry(path)
-        if config.dtype == "int8" and w.contract:
-            q = precision.quantize_int8(np.asarray(leaf), w.contract)
-            return precision.Int8Weight(value=put(q.value), scale=put(q.scale))
-        if config.dtype in precision.GGUF_PRECISIONS and w.contract:
-            q = precision.quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
-            q = precision.for_cpu_kernel(q, table=w.init == "embedding")
-            return q.replace(data=put(q.data))
-        return put(np.asarray(leaf).astype(config.jnp_dtype, copy=False))
-
-    return jax.tree_util.tree_map_with_path(one, params)
+    w, _, _ = entry(path)
+    if config.dtype == "int8" and w.contract:
+        q = precision.quantize_int8(np.asarray(leaf), w.contract)
+        return precision.Int8Weight(value=put(q.value), scale=put(q.scale))
+    if config.dtype in precision.GGUF_PRECISIONS and w.contract:
+        q = precision.quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
+        q = precision.for_cpu_kernel(q, table=w.init == "embedding")
+        return q.replace(data=put(q.data))
+    return put(np.asarray(leaf).astype(config.jnp_dtype, copy=False))
 
 
 def logical_axes(params):

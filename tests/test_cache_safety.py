@@ -132,13 +132,13 @@ def test_two_processes_converting_one_model_convert_it_once(tmp_path):
 import time
 from models import convert, gguf_loader, registry
 registry.MODELS[{spec.name!r}] = registry.ModelSpec({spec.name!r}, (), {spec.sha256!r}, {spec.size})
-load_params = gguf_loader.load_params
+stream_params = gguf_loader.stream_params
 def logged(*args, **kwargs):
     with open({str(log)!r}, "a") as f:
         f.write("converted\\n")
     time.sleep(2)  # both processes are inside convert() by now
-    return load_params(*args, **kwargs)
-gguf_loader.load_params = logged
+    return stream_params(*args, **kwargs)
+gguf_loader.stream_params = logged
 print(convert.convert({spec.name!r}, {str(cache)!r}, progress=False))
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}

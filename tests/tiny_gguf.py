@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 import models
-from models import registry, weights
+from models import gguf_loader, registry, weights
 
 NAME = "tiny-gguf"
 _BYTE_SYMBOLS = (
@@ -25,14 +25,15 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in _BYTE_SYMBOLS else chr(next(extra)) for b in range(256)]
 
 
-def write(path: pathlib.Path) -> models.Model:
-    """Writes the tiny model's GGUF to path; returns the model (float32 params as written)."""
+def write(path: pathlib.Path, arch: str = "qwen2", **sizes) -> models.Model:
+    """Writes the tiny model's GGUF to path; returns the model (float32 params as written).
+    `arch` "llama" permutes the q / k rows as llama.cpp does; `sizes` (models.random_model's
+    arguments) replace the tiny ones."""
     tokens = _byte_tokens() + ["hi", "<|endoftext|>", "<|im_end|>"]
-    model = models.random_model(
-        vocab_size=len(tokens), num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, seed=3, name=NAME
-    )
+    sizes = {"num_layers": 2, "d_model": 32, "num_heads": 4, "num_kv_heads": 2, **sizes}
+    model = models.random_model(vocab_size=len(tokens), seed=3, name=NAME, **sizes)
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_layers)
     writer.add_embedding_length(c.d_model)
     writer.add_head_count(c.num_heads)
@@ -53,6 +54,9 @@ def write(path: pathlib.Path) -> models.Model:
         for i in range(c.num_layers) if w.per_layer else [None]:
             x = node if i is None else node[i]
             rows = int(np.prod(x.shape[: x.ndim - w.contract])) if w.contract else 1
+            if arch == "llama" and w.llama_permuted_heads:  # rows [heads * head_dim, ...]
+                heads = getattr(c, w.llama_permuted_heads)
+                x = gguf_loader.permute_llama_rows(x.reshape(x.shape[0] * x.shape[1], -1), heads)
             writer.add_tensor(w.gguf.format(i=i), np.ascontiguousarray(x.reshape(rows, -1), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -61,11 +65,11 @@ def write(path: pathlib.Path) -> models.Model:
     return model
 
 
-def install(cache: pathlib.Path) -> registry.ModelSpec:
-    """Writes the tiny GGUF as a verified cache entry of cache (as fetch_gguf would have) and
-    returns its registry spec (register it in registry.MODELS)."""
+def install(cache: pathlib.Path, arch: str = "qwen2", **sizes) -> registry.ModelSpec:
+    """Writes the tiny GGUF (write's arguments) as a verified cache entry of cache (as
+    fetch_gguf would have) and returns its registry spec (register it in registry.MODELS)."""
     path = cache / "gguf" / f"{NAME}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write(path)
+    write(path, arch, **sizes)
     data = path.read_bytes()
     return registry.ModelSpec(NAME, (), hashlib.sha256(data).hexdigest(), len(data))

@@ -1,0 +1,103 @@
+"""The conversion streams: a GGUF converts, and a precision is derived, one block of one tensor
+at a time, into exactly the parameters the whole-model path gives (models.convert)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import tiny_gguf
+
+import models
+from models import convert, gguf_loader, registry, weights
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MB = 1 << 20
+
+
+def _install(tmp_path, monkeypatch, arch="qwen2", **sizes):
+    """The tiny model as a verified GGUF in a fresh cache, registered, converted in this process.
+    (cache, the model written)."""
+    cache = tmp_path / "cache"
+    spec = tiny_gguf.install(cache, arch, **sizes)
+    monkeypatch.setitem(registry.MODELS, spec.name, spec)
+    monkeypatch.setattr(
+        convert,
+        "convert_in_child",
+        lambda name, cache_dir=None, progress=True, **kw: convert.convert(name, cache_dir, progress, **kw),
+    )
+    return cache, tiny_gguf.write(tmp_path / "copy.gguf", arch, **sizes)
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def _assert_equal(a, b):
+    pa, pb = jax.tree_util.tree_flatten_with_path(a), jax.tree_util.tree_flatten_with_path(b)
+    assert pa[1] == pb[1]
+    for (path, x), (_, y) in zip(pa[0], pb[0], strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_conversion_streamed_in_small_blocks_gives_the_written_parameters_exactly(
+    tmp_path, monkeypatch, arch
+):
+    """Blocks of 2 KiB: every matrix is read in several blocks (whole heads for llama's q / k,
+    whose rows the conversion un-permutes); the entry holds the float32 values written."""
+    monkeypatch.setattr(gguf_loader, "BLOCK_BYTES", 2048)
+    cache, original = _install(tmp_path, monkeypatch, arch)
+    model = models.load(tiny_gguf.NAME, cache_dir=cache, progress=False, scan_layers=True)
+    _assert_equal(_host(model.params), _host(original.params))
+    tree = json.loads((cache / "converted" / tiny_gguf.NAME / "params" / convert.PARAMS_TREE).read_text())
+    assert {tuple(leaf["path"]) for leaf in tree["leaves"]} == {
+        tuple(weights.path_keys(p)) for p, _ in jax.tree_util.tree_flatten_with_path(original.params)[0]
+    }
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_a_precision_derived_in_blocks_equals_casting_the_whole_model(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(gguf_loader, "BLOCK_BYTES", 2048)  # a few rows (or one layer) at a time
+    cache, original = _install(tmp_path, monkeypatch)
+    model = models.load(tiny_gguf.NAME, dtype=dtype, cache_dir=cache, progress=False, scan_layers=True)
+    whole = weights.cast_params(_host(original.params), original.config.replace(dtype=dtype))
+    _assert_equal(_host(model.params), _host(whole))
+
+
+def test_converting_a_model_of_large_tensors_holds_about_one_tensor_at_a_time(tmp_path):
+    """Ten 16 MB float32 matrices (two layers of d_model = mlp_dim = 2048), 168 MB in all: the
+    conversion child's peak RSS grows by at most 1.5 tensors plus a fixed allowance (the old
+    conversion held the whole model, and orbax's buffers, at once: it grew by about 2x the model)."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("no /proc/self/clear_refs: the peak RSS cannot be reset before the conversion")
+    cache = tmp_path / "cache"
+    sizes = {"d_model": 2048, "mlp_dim": 2048, "num_heads": 16, "num_kv_heads": 2}
+    spec = tiny_gguf.install(cache, **sizes)
+    tensor = 2048 * 2048 * 4
+    script = f"""
+import json
+import jax
+from models import convert, registry
+registry.MODELS[{spec.name!r}] = registry.ModelSpec({spec.name!r}, (), {spec.sha256!r}, {spec.size})
+jax.devices()  # the backend starts before the measurement (the old conversion started it)
+def status(key):
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key))) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak RSS is reset to the current RSS
+start = status("VmRSS:")
+convert.convert({spec.name!r}, {str(cache)!r}, progress=False)
+print(json.dumps({{"growth": status("VmHWM:") - start}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    bound = 1.5 * tensor + 32 * MB
+    assert growth < bound, f"peak RSS grew by {growth / MB:.0f} MB, bound {bound / MB:.0f} MB"
