@@ -35,6 +35,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -106,6 +107,27 @@ struct BlockQ6K {
 static_assert(sizeof(BlockQ8K) == 292 && sizeof(BlockQ4K) == 144 && sizeof(BlockQ6K) == 210, "ggml's layouts");
 
 constexpr int kGroup = 8;  // rows of x per unpacked block: u, scales, kGroup x 2 accumulators in 32 zmm
+
+// group(std::integral_constant<int, R>, m) for the rows [m0, m1) of x in groups of up to kGroup:
+// the multi-row kernels' one dispatch from a run-time row count to their compile-time R.
+template <typename F>
+void InRowGroups(int64_t m0, int64_t m1, const F& group) {
+  for (int64_t m = m0; m < m1;) {
+    const int64_t r = std::min<int64_t>(kGroup, m1 - m);
+    switch (r) {
+      case 1: group(std::integral_constant<int, 1>{}, m); break;
+      case 2: group(std::integral_constant<int, 2>{}, m); break;
+      case 3: group(std::integral_constant<int, 3>{}, m); break;
+      case 4: group(std::integral_constant<int, 4>{}, m); break;
+      case 5: group(std::integral_constant<int, 5>{}, m); break;
+      case 6: group(std::integral_constant<int, 6>{}, m); break;
+      case 7: group(std::integral_constant<int, 7>{}, m); break;
+      default: group(std::integral_constant<int, 8>{}, m); break;
+    }
+    m += r;
+  }
+}
+static_assert(kGroup == 8, "InRowGroups has a case per group size");
 
 // One weight block unpacked: 256 unsigned values in order (4 x 64 bytes), the float scale of
 // each int32 lane of each chunk's vpdpbusd, and the correction of the x block's bsums.
@@ -219,20 +241,10 @@ void Group(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bloc
 
 void MultiRow(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0,
               int64_t m1, int64_t n0, int64_t n1, float* y, int64_t n_dim) {
-  for (int64_t m = m0; m < m1;) {
-    switch (std::min<int64_t>(kGroup, m1 - m)) {
-      case 1: Group<1>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 1; break;
-      case 2: Group<2>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 2; break;
-      case 3: Group<3>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 3; break;
-      case 4: Group<4>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 4; break;
-      case 5: Group<5>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 5; break;
-      case 6: Group<6>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 6; break;
-      case 7: Group<7>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 7; break;
-      default: Group<8>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 8; break;
-    }
-  }
+  InRowGroups(m0, m1, [&](auto rows, int64_t m) {
+    Group<decltype(rows)::value>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim);
+  });
 }
-static_assert(kGroup == 8, "MultiRow has a case per group size");
 
 // Faithful (precision gguf) multi-row Q4_K / Q6_K: a block is dequantized once per group of
 // rows, 16 values at a time in registers, to the very floats of ggml's to_float (every
@@ -293,18 +305,9 @@ template <bool Q4>
 void FaithfulRows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t k_dim, int64_t m0, int64_t m1,
                   int64_t n0, int64_t n1, float* y, int64_t n_dim) {
   const int64_t blocks = k_dim / 256;
-  for (int64_t m = m0; m < m1;) {
-    switch (std::min<int64_t>(kGroup, m1 - m)) {
-      case 1: FaithfulGroup<Q4, 1>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 1; break;
-      case 2: FaithfulGroup<Q4, 2>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 2; break;
-      case 3: FaithfulGroup<Q4, 3>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 3; break;
-      case 4: FaithfulGroup<Q4, 4>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 4; break;
-      case 5: FaithfulGroup<Q4, 5>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 5; break;
-      case 6: FaithfulGroup<Q4, 6>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 6; break;
-      case 7: FaithfulGroup<Q4, 7>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 7; break;
-      default: FaithfulGroup<Q4, 8>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim); m += 8; break;
-    }
-  }
+  InRowGroups(m0, m1, [&](auto rows, int64_t m) {
+    FaithfulGroup<Q4, decltype(rows)::value>(w, row_bytes, x, k_dim, blocks, m, n0, n1, y, n_dim);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -395,18 +398,9 @@ void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K
 
 void Q4Kx8Rows(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K* xq, const int16_t* bs32, int64_t m0,
                int64_t m1, float* y, int64_t n_dim, int64_t n0) {
-  for (int64_t m = m0; m < m1;) {
-    switch (std::min<int64_t>(kGroup, m1 - m)) {
-      case 1: Q4Kx8Group<1>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 1; break;
-      case 2: Q4Kx8Group<2>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 2; break;
-      case 3: Q4Kx8Group<3>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 3; break;
-      case 4: Q4Kx8Group<4>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 4; break;
-      case 5: Q4Kx8Group<5>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 5; break;
-      case 6: Q4Kx8Group<6>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 6; break;
-      case 7: Q4Kx8Group<7>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 7; break;
-      default: Q4Kx8Group<8>(w, groups, blocks, xq, bs32, m, y, n_dim, n0); m += 8; break;
-    }
-  }
+  InRowGroups(m0, m1, [&](auto rows, int64_t m) {
+    Q4Kx8Group<decltype(rows)::value>(w, groups, blocks, xq, bs32, m, y, n_dim, n0);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -468,18 +462,9 @@ void Q6KGroup(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t b
 
 void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t m1,
              int64_t n0, int64_t n1, float* y, int64_t n_dim) {
-  for (int64_t m = m0; m < m1;) {
-    switch (std::min<int64_t>(kGroup, m1 - m)) {
-      case 1: Q6KGroup<1>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 1; break;
-      case 2: Q6KGroup<2>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 2; break;
-      case 3: Q6KGroup<3>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 3; break;
-      case 4: Q6KGroup<4>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 4; break;
-      case 5: Q6KGroup<5>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 5; break;
-      case 6: Q6KGroup<6>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 6; break;
-      case 7: Q6KGroup<7>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 7; break;
-      default: Q6KGroup<8>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim); m += 8; break;
-    }
-  }
+  InRowGroups(m0, m1, [&](auto rows, int64_t m) {
+    Q6KGroup<decltype(rows)::value>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim);
+  });
 }
 #endif  // AVX-512 VNNI
 
