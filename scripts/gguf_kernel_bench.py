@@ -6,10 +6,12 @@ each, then round-robin) for each row count M, medians reported in ms with each p
 relative to its own one-row call. Every call reads a different copy of the weight, cycling over
 --rotate_mb of copies, so the weight comes from memory as in a model's step.
 
-Paths: Q4_K `interleaved` (the multi-row kernel on ggml's block_q4_Kx8 layout, what models use
-on an AVX-512 VNNI CPU), `gemv` (ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per
-row of x: whose bits `interleaved` reproduces), `multirow` (the multi-row kernel on the file's
-own layout) and `vec_dot` (ggml's vec_dot per (row, column)); Q6_K `multirow` and `vec_dot`.
+Paths: Q4_K `interleaved` (what models use on an AVX-512 VNNI CPU, on ggml's block_q4_Kx8
+layout: ggml's gemv for one row of x, the multi-row kernel with gemv's bits for more), `gemv`
+(ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per row of x), `multirow` (the
+multi-row kernel on the file's own layout) and `vec_dot` (ggml's vec_dot per (row, column));
+Q6_K `multirow` (what models use: vec_dot for one row, the multi-row kernel with vec_dot's bits
+for more) and `vec_dot`.
 Shapes are the Qwen2.5-Coder-1.5B matrices. Run it alone: the machine's other load shows in
 the figures (read the ratios).
 

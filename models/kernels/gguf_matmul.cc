@@ -20,8 +20,8 @@
 //     interleaved (ggml's block_q4_Kx8, what llama.cpp's CPU backend repacks Q4_K into;
 //     SpecJaxGgufInterleaveQ4K below writes it), over chunks of kInterleavedChunk weight rows,
 //     multiplied by this file's multi-row kernel (Q4Kx8Group: each block unpacked once for up to
-//     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which
-//     ggml_dot = 1 calls instead, one call per row, for the tests). With bulk = 1 (a prefill,
+//     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which a
+//     one-row call runs itself (faster for one row), as ggml_dot = 1 does for every row). With bulk = 1 (a prefill,
 //     whose rows nothing compares with a decode step's), rows of x in groups of 4 go through
 //     ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from gemv's in the last places),
 //     the rest as above: how llama.cpp reads a prompt.
@@ -536,7 +536,9 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
       const int64_t blocks = k_dim / 256;
 #ifdef SPEC_JAX_MULTIROW
-      const bool own = !ggml_dot;  // this file's multi-row kernel, gemv's bits
+      // This file's multi-row kernel (gemv's bits) for 2 or more rows of x left after gemm's;
+      // one row runs ggml's gemv itself (faster for one row).
+      const bool own = !ggml_dot && m_rows - grouped > 1;
       std::vector<int16_t> bs32(own ? m_rows * blocks * 8 : 0);
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       for (int64_t m = own ? grouped : m_rows; m < m_rows; ++m) {
