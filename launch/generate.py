@@ -138,8 +138,9 @@ flags.DEFINE_enum(
     "weights with a float32 scale per output unit; gguf: the GGUF file's own blocks (Q4_K, Q6_K, "
     "...) with float32 activations (the file's numbers); gguf_q8: the same blocks with 8-bit "
     "activations and integer dot products (as llama.cpp runs them). auto: the fastest here "
-    "(models.fastest_precision: gguf_q8 for a registry model at batch 1 on one CPU whose GGUF "
-    "kernel builds, else int8). Output is exact for the target at this precision.",
+    "(models.fastest_precision: gguf_q8 for a registry model on one CPU whose GGUF kernel builds, "
+    "at batch > 1 only with its AVX-512 VNNI multi-row build; else int8). Output is exact for the "
+    "target at this precision.",
 )
 flags.DEFINE_enum(
     "draft_dtype",

@@ -155,20 +155,22 @@ def load(
 def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
     """The precision a model runs fastest at here, what the entry points' `auto` means.
 
-    gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a registry model decoding one
-    row at a time on one CPU whose GGUF kernel builds (models.kernels.gguf_matmul), else int8.
-    Why the batch: gguf_q8's Q4_K product is ggml's one-row gemv, called once per row, so its
-    cost grows with the rows where int8's kernel reads each weight once for all of them.
-    Measured on the 2-core EPYC (held-out prompts, 48 tokens, end to end): batch 1 plain decoding
-    19.3 tokens/s at gguf_q8 against int8's best 13.8 (speculative, gamma 2); batch 4 28.4
-    against int8's 29.8 (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also
-    for a random preset, a mesh of several devices, TPU and GPU (where the GGUF precisions
-    dequantize in XLA) and a CPU without cmake or a compiler."""
+    gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a registry model on one CPU
+    whose GGUF kernel builds (models.kernels.gguf_matmul), at batch 1, and at larger batches
+    where the kernel has its multi-row build (AVX-512 VNNI: each weight block unpacked once for
+    up to 8 rows; without it every row is one ggml product, and int8's kernel, which reads each
+    weight once for all rows, wins). Measured on the 2-core EPYC (held-out prompts, 48 tokens,
+    end to end, plain decoding): batch 1 20.6 tokens/s at gguf_q8 against int8's best 13.8
+    (speculative, gamma 2); batch 4 34.0 against int8's 29.4 (gamma auto 30.8)
+    (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also for a random preset,
+    a mesh of several devices, TPU and GPU (where the GGUF precisions dequantize in XLA) and a
+    CPU without cmake or a compiler."""
     from models import registry
     from models.kernels import gguf_matmul, target
 
-    one_cpu_row = batch == 1 and devices == 1 and target.current().platform == "cpu"
-    return "gguf_q8" if one_cpu_row and name in registry.MODELS and gguf_matmul.available() else "int8"
+    one_cpu = devices == 1 and target.current().platform == "cpu"
+    fits = one_cpu and name in registry.MODELS and gguf_matmul.available()
+    return "gguf_q8" if fits and (batch == 1 or gguf_matmul.multirow()) else "int8"
 
 
 __all__ = [

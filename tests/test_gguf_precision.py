@@ -495,13 +495,17 @@ def test_real_gguf_q8_drafting_for_itself_decodes_greedily_like_plain_decoding(s
 
 def test_the_fastest_precision_is_gguf_q8_for_registry_models_where_the_gguf_kernel_runs(monkeypatch):
     """What --target_dtype=auto (launch.generate's default) means: the file's own blocks at 8-bit
-    activations for a registry model at batch 1 on one CPU with the GGUF kernel; int8 for a
-    random preset, at larger batches, on a mesh, and where the kernel cannot be built (products
+    activations for a registry model on one CPU with the GGUF kernel (at larger batches only with
+    its multi-row build); int8 for a random preset, at larger batches without the multi-row
+    build (one ggml product per row), on a mesh, and where the kernel cannot be built (products
     would dequantize in XLA: many times slower)."""
     kernel()
     assert models.fastest_precision("qwen2.5-coder-1.5b") == "gguf_q8"
     assert models.fastest_precision("random") == "int8"
-    assert models.fastest_precision("qwen2.5-coder-1.5b", batch=4) == "int8"  # gemv per row: int8 wins
+    for multirow, at_batch_4 in ((True, "gguf_q8"), (False, "int8")):
+        monkeypatch.setattr(gguf_matmul, "multirow", lambda m=multirow: m)
+        assert models.fastest_precision("qwen2.5-coder-1.5b", batch=4) == at_batch_4
+        assert models.fastest_precision("qwen2.5-coder-1.5b") == "gguf_q8"
     assert models.fastest_precision("qwen2.5-coder-1.5b", devices=8) == "int8"  # XLA's path on a mesh
     monkeypatch.setattr(gguf_matmul, "available", lambda: False)
     assert models.fastest_precision("qwen2.5-coder-1.5b") == "int8"

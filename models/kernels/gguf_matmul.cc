@@ -721,3 +721,13 @@ extern "C" size_t SpecJaxGgufInterleaveQ4K(const uint8_t* src, uint8_t* dst, int
   }
   return static_cast<size_t>(rows * blocks * 144);
 }
+
+// Whether this build has the multi-row kernels (AVX-512 VNNI): calls of several rows of x then
+// unpack each block once for up to 8 rows; without them every row is one ggml product.
+extern "C" int SpecJaxGgufMultirow() {
+#ifdef SPEC_JAX_MULTIROW
+  return 1;
+#else
+  return 0;
+#endif
+}

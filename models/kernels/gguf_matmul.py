@@ -84,6 +84,7 @@ def _library() -> ctypes.CDLL | str:
         return str(e)
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufRows), platform="cpu")
+    library.SpecJaxGgufMultirow.restype = ctypes.c_int
     library.SpecJaxGgufQuantize.restype = ctypes.c_size_t
     library.SpecJaxGgufQuantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -96,6 +97,13 @@ def _library() -> ctypes.CDLL | str:
         ctypes.c_int64,
     ]
     return library
+
+
+def multirow() -> bool:
+    """Whether the kernel multiplies several rows of activations with one unpacking of each
+    weight block (its AVX-512 VNNI build), rather than one ggml product per row."""
+    library = _library()
+    return not isinstance(library, str) and bool(library.SpecJaxGgufMultirow())
 
 
 @functools.cache
