@@ -483,6 +483,7 @@ def load_models(prompts, mesh):
     """(target, draft model or None, token prompts): the prompts checked against the target (and
     --gamma against its context) before a draft model or a drafter's tables are loaded; both
     models placed on the mesh once; the draft's tokenizer checked against the target's."""
+    from models.tokenizer import check_pair
     from spec_jax import api, sharding
 
     batch = min(FLAGS.batch_size, len(prompts))
@@ -501,15 +502,10 @@ def load_models(prompts, mesh):
         target = sharding.place(target, mesh)
         draft = None if draft is None else sharding.place(draft, mesh)
     if draft is not None and draft.tokenizer is not None and target.tokenizer is not None:
-        probe = "def main():\n    return 'héllo'  # 123"
-        encode = target.tokenizer.encode
-        if draft.config.vocab_size != target.config.vocab_size or draft.tokenizer.encode(probe) != encode(
-            probe
-        ):
-            raise common.UsageError(
-                f"--draft={FLAGS.draft} and --target={FLAGS.target} do not share a "
-                "tokenizer and vocabulary; speculative decoding needs one"
-            )
+        try:  # a draft whose vocabulary is a prefix of the target's drafts with q padded (ModelDrafter)
+            check_pair(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
+        except ValueError as e:
+            raise common.UsageError(f"--draft={FLAGS.draft} and --target={FLAGS.target}: {e}") from None
     return target, draft, token_prompts
 
 

@@ -83,6 +83,10 @@ class ByteTokenizer:
         """UTF-8 text of the byte ids (there are no special tokens to skip)."""
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def id_to_token(self, i: int) -> str | None:
+        """The byte's name ("<0x41>"), None past 255 (as models.tokenizer.Tokenizer names ids)."""
+        return f"<0x{i:02X}>" if 0 <= i < 256 else None
+
 
 # Random models by name, for the CLI and benchmarks without downloads (vocab >= 256 for ByteTokenizer).
 RANDOM_PRESETS = {

@@ -328,3 +328,20 @@ class Tokenizer:
             f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
             f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos})"
         )
+
+
+def check_pair(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
+    """ValueError, in one line naming the first differing token id and both its strings, unless
+    the draft's vocabulary (ids 0..draft_vocab-1, by `id_to_token`) is the target's or a prefix
+    of it (Qwen2.5 1.5B has 151,936 ids and 7B 152,064, the same up to 151,936). The sizes are
+    the models' (embedding rows, placeholders included), not the tokenizers' counts."""
+    for i in range(draft_vocab):
+        draft_token = draft_tokenizer.id_to_token(i)
+        target_token = target_tokenizer.id_to_token(i) if i < target_vocab else None
+        if i >= target_vocab or draft_token != target_token:
+            where = f"{target_token!r}" if i < target_vocab else f"past its end ({target_vocab} ids)"
+            raise ValueError(
+                "the draft and the target do not share a tokenizer and vocabulary: token id "
+                f"{i} is {where} in the target's and {draft_token!r} in the draft's (the draft's "
+                "vocabulary must be the target's or a prefix of it)"
+            )

@@ -154,7 +154,7 @@ class Plan:
 
 def _plan(target, prompts, options: Options) -> Plan:
     """Validates the call and decides what runs (Plan)."""
-    drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft)
+    drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft, target)
     validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id)
     num_rows = len(prompts)
     row_ids = np.arange(num_rows) if options.row_ids is None else np.asarray(options.row_ids)

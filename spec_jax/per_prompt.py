@@ -43,7 +43,7 @@ def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature:
     {"compile_seconds", "run_seconds"}).
     """
     sampling = SamplingParams(float(temperature))
-    drafter, draft_params = as_drafter(draft)
+    drafter, draft_params = as_drafter(draft, target)
     api.validate(target, prompts, drafter, gamma, max_new_tokens, None)
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
     static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)

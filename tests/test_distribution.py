@@ -149,3 +149,42 @@ def test_a_trimmed_draft_handing_the_rule_its_untrimmed_q_fails(pair):
     broken = UntrimmedQDrafter(drafter.config, trimmed=True)
     counts, _ = sample_counts(target, (broken, params), WARPS[0], gamma=2, seed=0)
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
+
+
+# Pairing: a draft whose vocabulary is a prefix of the target's (6 of the 8 ids); its q is
+# padded with zeros to the target's 8 (ModelDrafter.vocab).
+PREFIX_VOCAB = 6
+
+
+@pytest.fixture(scope="module")
+def prefix_draft():
+    return models.random_model(
+        vocab_size=PREFIX_VOCAB, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, seed=4
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstantPadDrafter(drafters.ModelDrafter):
+    """Broken on purpose: drafts from the zero-padded q but hands the rule q with the pad
+    filled with a constant (as if the draft could have proposed the ids it lacks)."""
+
+    def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
+        tokens, q, new_cache = super().propose(params, cache, context_b2, length_b, gamma, sampling, keys_b)
+        return tokens, q.at[..., PREFIX_VOCAB:].set(0.25), new_cache
+
+
+def test_a_prefix_vocabulary_draft_keeps_the_target_distribution_exact(pair, prefix_draft):
+    target, _ = pair
+    counts, s = sample_counts(target, prefix_draft, WARPS[0], gamma=2, seed=0)
+    assert 0.1 < s["acceptance_rate"] < 0.95
+    joint = exact_joint(target, WARPS[0])
+    own = joint[:PREFIX_VOCAB, :PREFIX_VOCAB, :PREFIX_VOCAB].sum()
+    assert 1 - own > 0.2, "the target often wants ids the draft does not have"
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+def test_a_prefix_draft_handing_the_rule_a_constant_pad_fails(pair, prefix_draft):
+    target, _ = pair
+    broken = ConstantPadDrafter(prefix_draft.config, vocab=V)
+    counts, _ = sample_counts(target, (broken, prefix_draft.params), WARPS[0], gamma=2, seed=0)
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6

@@ -67,11 +67,13 @@ class Settings:
             raise ValueError(f"draft_vocab must be 0 or a positive token count, got {self.draft_vocab!r}")
 
 
-def as_drafter(draft) -> tuple[Drafter, Any]:
-    """(drafter, params): a Model becomes (ModelDrafter(config), its params); a (drafter,
-    params) pair (e.g. from build or spec_jax.drafting.fit_bigram) is used as it is."""
+def as_drafter(draft, target=None) -> tuple[Drafter, Any]:
+    """(drafter, params): a Model becomes (ModelDrafter(config), its params), paired with
+    target where one is given (`paired_vocab`); a (drafter, params) pair (e.g. from build or
+    spec_jax.drafting.fit_bigram) is used as it is."""
     if hasattr(draft, "config") and hasattr(draft, "params"):
-        draft = ModelDrafter(draft.config), draft.params
+        vocab = 0 if target is None else paired_vocab(target, draft)
+        draft = ModelDrafter(draft.config, vocab=vocab), draft.params
     if not (isinstance(draft, tuple) and len(draft) == 2):
         raise ValueError(
             "draft must be None, a models.Model or a (drafter, params) pair "
@@ -84,14 +86,30 @@ def as_drafter(draft) -> tuple[Drafter, Any]:
     return draft
 
 
+def paired_vocab(target, draft) -> int:
+    """ModelDrafter.vocab for a draft model of target: the target's vocabulary size where the
+    draft's is smaller (a prefix), else 0. Where both models have a tokenizer, ValueError
+    (models.tokenizer.check_pair) unless the draft's vocabulary is the target's or a prefix of
+    it; a larger draft without tokenizers is refused by the size check (api.validate)."""
+    from models.tokenizer import check_pair  # the tokenizers library, only where a pair is made
+
+    target_vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
+    if getattr(target, "tokenizer", None) is not None and getattr(draft, "tokenizer", None) is not None:
+        check_pair(target.tokenizer, draft.tokenizer, target_vocab, draft_vocab)
+    return target_vocab if draft_vocab < target_vocab else 0
+
+
 def _model(target, settings: Settings, kind: str = "model") -> tuple[ModelDrafter, Any]:
-    """The draft model, vocabulary-trimmed to settings.draft_vocab tokens when that is set."""
+    """The draft model (paired with target), vocabulary-trimmed to settings.draft_vocab tokens
+    when that is set."""
     if settings.draft is None:
         raise ValueError(f"drafter {kind!r} needs a draft model")
     draft = settings.draft
     if settings.draft_vocab and hasattr(draft, "config"):
-        draft = trim_vocabulary(draft, _frequent_tokens(draft, settings))
-    drafter, params = as_drafter(draft)
+        vocab = paired_vocab(target, draft)
+        drafter, params = trim_vocabulary(draft, _frequent_tokens(draft, settings))
+        draft = dataclasses.replace(drafter, vocab=vocab), params
+    drafter, params = as_drafter(draft, target)
     if not isinstance(drafter, ModelDrafter):
         raise ValueError(f"drafter {kind!r} needs a draft model, got a {type(drafter).__name__}")
     return dataclasses.replace(drafter, threshold=float(settings.threshold)), params

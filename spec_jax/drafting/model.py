@@ -48,12 +48,19 @@ class ModelDrafter(Drafter):
     the warp (at temperature 1, so that greedy decoding has one too), is below threshold;
     0 proposes all gamma. The stop reads the draft's own distribution only, so the output
     stays exact.
+
+    vocab: the target's vocabulary size where the draft's is a strict prefix of it (checked by
+    models.tokenizer.check_pair; 0: the draft's own). q spans the target's ids, 0 past the
+    draft's own, so the rule stays exact (those ids are never proposed; the residual keeps
+    their probability), and a committed id past the draft's vocabulary reads the draft's
+    last embedding row (what the draft reads never changes the output's distribution).
     """
 
     config: ModelConfig
     prefill_calls: int = 1
     trimmed: bool = False
     threshold: float = 0.0
+    vocab: int = 0
     sources: ClassVar[tuple[str, ...]] = ("model",)
     resumable: ClassVar[bool] = True
 
@@ -63,7 +70,11 @@ class ModelDrafter(Drafter):
 
     @property
     def vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self.vocab or self.config.vocab_size
+
+    def own_ids(self, tokens):
+        """tokens clipped to the draft's own vocabulary (unchanged unless it is a prefix)."""
+        return jnp.minimum(tokens, self.config.vocab_size - 1) if self.vocab else tokens
 
     @property
     def max_seq_len(self) -> int:
@@ -74,16 +85,21 @@ class ModelDrafter(Drafter):
         return (params.model, params.head.weight) if self.trimmed else (params, None)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
-        return prefill(self.config, self.split_params(params)[0], tokens_bp, prompt_lens_b, cache_len).cache
+        return prefill(
+            self.config, self.split_params(params)[0], self.own_ids(tokens_bp), prompt_lens_b, cache_len
+        ).cache
 
     def distribution(self, params, tokens_bt, positions_bt, cache, sampling, logits_at=None):
         """(q [B, V] of the last scored position, confidence [B], cache): the warped draft
         distribution and the top probability of the unwarped one."""
         model_params, head = self.split_params(params)
+        tokens_bt = self.own_ids(tokens_bt)
         out = forward(self.config, model_params, tokens_bt, positions_bt, cache, logits_at, head=head)
-        q = warp(out.logits[:, 0], sampling)  # [B, V], or [B, R] trimmed
+        q = warp(out.logits[:, 0], sampling)  # [B, V_draft], or [B, R] trimmed
         if self.trimmed:
             q = jnp.zeros((q.shape[0], self.vocab_size), q.dtype).at[:, params.head.ids].set(q)
+        elif self.vocab:  # [B, V_target]: zeros past the draft's vocabulary
+            q = jnp.pad(q, ((0, 0), (0, self.vocab_size - q.shape[1])))
         return q, top_probability(out.logits[:, 0]), out.cache
 
     def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
@@ -121,7 +137,9 @@ class ModelDrafter(Drafter):
             start, cache = carry
             positions = start[:, None] + jnp.arange(width)[None, :]
             tokens = jnp.take_along_axis(text_bs, jnp.clip(positions, 0, text_bs.shape[1] - 1), axis=1)
-            cache = forward(self.config, model_params, tokens, positions, cache, first, head=head).cache
+            cache = forward(
+                self.config, model_params, self.own_ids(tokens), positions, cache, first, head=head
+            ).cache
             return jnp.where(start < stop_b, jnp.minimum(start + width, stop_b), start), cache
 
         _, cache = jax.lax.while_loop(lambda c: jnp.any(c[0] < stop_b), body, (start_b, cache))
