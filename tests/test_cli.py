@@ -350,3 +350,39 @@ def test_a_train_config_that_is_missing_or_not_python_is_one_line_exit_2(tmp_pat
     result = run_cli(f"--config={path}", module="launch.train")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == ["train.py: error: " + message.format(path=path)]
+
+
+PAIRED_RUN = """
+import sys
+import models
+from launch import common, generate
+mode = sys.argv.pop(1)
+class Renamed(models.ByteTokenizer):
+    def id_to_token(self, i):
+        return "hi" if i == 65 else super().id_to_token(i)
+load = generate.load_model
+def paired(name, dtype, *args):
+    model = load(name, dtype, *args)
+    if name != "random-draft":
+        return model
+    if mode == "renamed":
+        return model.replace(tokenizer=Renamed())
+    small = models.random_model(vocab_size=384, num_layers=1, d_model=64, num_heads=4, num_kv_heads=2, seed=1)
+    return small.replace(tokenizer=models.ByteTokenizer())  # a prefix of the target's 512 ids
+generate.load_model = paired
+common.run(generate.main)
+"""
+
+
+def test_a_draft_differing_in_one_token_is_refused_in_one_line_and_a_prefix_draft_runs():
+    args = ["--target=random", "--draft=random-draft", "--gamma=2", "--prompt=ab", "--max_new_tokens=4"]
+    refused = run_python(PAIRED_RUN, "renamed", *args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    [line] = refused.stderr.strip().splitlines()
+    assert line.endswith(
+        "--draft=random-draft and --target=random: the draft and the target do not share a tokenizer "
+        "and vocabulary: token id 65 is '<0x41>' in the target's and 'hi' in the draft's (the draft's "
+        "vocabulary must be the target's or a prefix of it)"
+    )
+    accepted = run_python(PAIRED_RUN, "prefix", *args, "--temperature=0")
+    assert accepted.returncode == 0, accepted.stderr
