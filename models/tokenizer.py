@@ -14,6 +14,7 @@ transformers' GGUF converter and llama.cpp's `llama-vocab.cpp` pre-tokenizer tab
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -330,11 +331,14 @@ class Tokenizer:
         )
 
 
+@functools.lru_cache(maxsize=16)
 def check_pair(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab: int) -> None:
     """ValueError, in one line naming the first differing token id and both its strings, unless
     the draft's vocabulary (ids 0..draft_vocab-1, by `id_to_token`) is the target's or a prefix
     of it (Qwen2.5 1.5B has 151,936 ids and 7B 152,064, the same up to 151,936). The sizes are
-    the models' (embedding rows, placeholders included), not the tokenizers' counts."""
+    the models' (embedding rows, placeholders included), not the tokenizers' counts. A pair that
+    passed is remembered (tokenizer objects by identity): the CLI checks before loading and each
+    spec_jax.generate call checks again, and the walk over 151,936 ids takes about 0.2 s."""
     for i in range(draft_vocab):
         draft_token = draft_tokenizer.id_to_token(i)
         target_token = target_tokenizer.id_to_token(i) if i < target_vocab else None
