@@ -14,9 +14,13 @@ def this_cpu_isa() -> str:
     return cpu_matmul.isa()
 
 
+# The decoder families a checkpoint may declare (Hugging Face model_type, GGUF architecture).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the Qwen2/Llama family (its weights: models.weights.WEIGHTS).
+    """A decoder-only transformer of one of FAMILIES (its weights: models.weights.WEIGHTS).
 
     Rotary embeddings use the rotate-half (GPT-NeoX / HF) layout over the full head dimension.
     """
@@ -33,6 +37,25 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 2048
+    # The decoder family (FAMILIES) the checkpoint declared: Qwen2 and Llama need none of the
+    # fields below; each other family sets the pieces it needs (models.hf_config.config_from_hf,
+    # models.gguf_loader.read_config) and the forward reads only those fields, never the name.
+    family: str = "qwen2"
+    # Rotary frequency divisors of the global layers: inv_freq[j] / rope_freq_divisors[j]
+    # (llama3 rope scaling; "linear" scaling is one divisor repeated); None: unscaled.
+    rope_freq_divisors: tuple[float, ...] | None = None
+    # Sliding-window attention: layers in local_layers see the last sliding_window positions
+    # (HF's mask: p - s < window) and rotate with rope_local_theta (None: rope_theta, unscaled
+    # when it is set). Mistral: every layer; Gemma 3: five local layers to one global.
+    sliding_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    qk_norm: bool = False  # RMSNorm over each head's query and key before the rotation (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # also norm the attention and MLP outputs before the residual add (Gemma 3)
+    embed_scale: bool = False  # embeddings times sqrt(d_model) (Gemma)
+    mlp_activation: str = "silu"  # of the gate: "silu" or "gelu_tanh" (Gemma)
+    # Attention logits scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
+    attention_scale: float | None = None
     # Precision (models.precision): "float32", "bfloat16" (weights and activations), "int8"
     # (int8 matrices with per-row scales, float32 activations), "gguf" / "gguf_q8" (the GGUF
     # file's own blocks with float32 / 8-bit activations).
@@ -62,6 +85,10 @@ class ModelConfig:
     kind: str = "decoder"
 
     def __post_init__(self):
+        for field in ("rope_freq_divisors", "local_layers"):  # lists when read back from JSON
+            value = getattr(self, field)
+            if isinstance(value, list):
+                object.__setattr__(self, field, tuple(value))
         for field in (
             "vocab_size",
             "num_layers",
@@ -89,6 +116,27 @@ class ModelConfig:
             raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):
             raise ValueError(f"matmul_impl must be one of auto, xla, cpu_kernel, got {self.matmul_impl!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"mlp_activation must be one of silu, gelu_tanh, got {self.mlp_activation!r}")
+        if self.rope_freq_divisors is not None and len(self.rope_freq_divisors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_divisors must have head_dim / 2 = {self.head_dim // 2} entries, "
+                f"got {len(self.rope_freq_divisors)}"
+            )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {self.sliding_window!r}"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.local_layers):
+            raise ValueError(
+                f"local_layers must be layer indices in [0, {self.num_layers}), got {self.local_layers}"
+            )
+        if self.local_layers and self.sliding_window is None:
+            raise ValueError("local_layers needs a sliding_window")
         if self.cpu_isa not in ("avx2", "avx512"):
             raise ValueError(f"cpu_isa must be one of avx2, avx512, got {self.cpu_isa!r}")
 
@@ -100,6 +148,10 @@ class ModelConfig:
     @property
     def is_decoder(self) -> bool:
         return self.kind == "decoder"
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends within the sliding window."""
+        return layer in self.local_layers
 
     def portable(self) -> dict:
         """The fields as a dict for a config written to disk, without this machine's choice of

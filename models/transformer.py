@@ -50,30 +50,33 @@ def param(module: nn.Module, *path: str):
     return module.param(path[-1], init, w.shape(cfg), cfg.jnp_dtype)
 
 
+def rms_norm(cfg: ModelConfig, x, scale):
+    """x [..., N] * rsqrt(mean(x^2) + eps) * scale [N] in float32, out in the model's dtype."""
+
+    def by_xla(x, scale):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_eps)
+        return x32 * scale.astype(jnp.float32)
+
+    if attention_impl(cfg) == "cpu":  # the CPU kernels: each row alone, fixed order
+        from models.kernels import cpu_matmul
+
+        def by_kernel(x, scale):
+            return cpu_matmul.rms_norm(x, scale, cfg.rms_eps, cfg.cpu_isa)
+
+        return on_cpu(cfg, by_kernel, by_xla, x, scale).astype(cfg.jnp_dtype)
+    return by_xla(x, scale).astype(cfg.jnp_dtype)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale; its name (attn_norm, mlp_norm, final_norm) is
-    its weight table entry."""
+    """Root-mean-square norm with a learned scale; its name (attn_norm, mlp_norm, final_norm,
+    post_attn_norm, post_mlp_norm) is its weight table entry."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x):
-        cfg = self.config
-        scale = param(self, self.name, "scale")
-
-        def by_xla(x, scale):
-            x32 = x.astype(jnp.float32)
-            x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_eps)
-            return x32 * scale.astype(jnp.float32)
-
-        if attention_impl(cfg) == "cpu":  # the CPU kernels: each row alone, fixed order
-            from models.kernels import cpu_matmul
-
-            def by_kernel(x, scale):
-                return cpu_matmul.rms_norm(x, scale, cfg.rms_eps, cfg.cpu_isa)
-
-            return on_cpu(cfg, by_kernel, by_xla, x, scale).astype(cfg.jnp_dtype)
-        return by_xla(x, scale).astype(cfg.jnp_dtype)
+        return rms_norm(self.config, x, param(self, self.name, "scale"))
 
 
 class Embedding(nn.Module):
@@ -86,17 +89,59 @@ class Embedding(nn.Module):
         self.embedding = param(self, self.name, "embedding")
 
     def __call__(self, tokens_bt):
-        return precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
+        x = precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
+        if self.config.embed_scale:  # Gemma: times sqrt(D), rounded to the model's dtype first
+            x = x * jnp.asarray(np.float32(self.config.d_model) ** 0.5, x.dtype)
+        return x
 
     def attend(self, x_btd):
         return precision.linear(x_btd, self.embedding, 1, self.config)
 
 
-def rotary(x_bthe, positions_bt, theta):
-    """Rotate-half (GPT-NeoX / HF) rotary embedding of [B, T, H, E] at integer positions [B, T]."""
-    half = x_bthe.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))  # [E/2]
-    angles = positions_bt.astype(jnp.float32)[:, :, None] * inv_freq  # [B, T, E/2]
+def inv_freq(head_dim: int, theta: float, divisors=None):
+    """Rotary inverse frequencies [E/2] (float32, as transformers computes them), each divided by
+    its entry of `divisors` (ModelConfig.rope_freq_divisors) when given."""
+    half = head_dim // 2
+    out = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    return out if divisors is None else out / jnp.asarray(divisors, jnp.float32)
+
+
+def layer_rotation(cfg: ModelConfig, is_local):
+    """The inverse frequencies of a layer: the local layers' own (rope_local_theta, unscaled) where
+    the config sets them apart, else the global ones. `is_local` a bool or a traced scalar."""
+    global_freq = inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_freq_divisors)
+    if cfg.rope_local_theta is None or is_local is False:
+        return global_freq
+    local_freq = inv_freq(cfg.head_dim, cfg.rope_local_theta)
+    return local_freq if is_local is True else jnp.where(is_local, local_freq, global_freq)
+
+
+def layer_window(cfg: ModelConfig, layer):
+    """The attention window of `layer` (models.kernels.attention's `window`): None where no layer
+    is local, the window where every layer is, else a traced choice (layers scanned)."""
+    if not cfg.local_layers:
+        return None
+    if len(cfg.local_layers) == cfg.num_layers:
+        return cfg.sliding_window
+    if isinstance(layer, int):
+        return cfg.sliding_window if cfg.is_local(layer) else None
+    local = jnp.zeros(cfg.num_layers, bool).at[jnp.asarray(cfg.local_layers)].set(True)[layer]
+    return jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max)
+
+
+def is_local_layer(cfg: ModelConfig, layer):
+    """Whether `layer` is local: a bool for a Python index, a traced bool inside a scan."""
+    if not cfg.local_layers or len(cfg.local_layers) == cfg.num_layers:
+        return bool(cfg.local_layers)
+    if isinstance(layer, int):
+        return cfg.is_local(layer)
+    return jnp.zeros(cfg.num_layers, bool).at[jnp.asarray(cfg.local_layers)].set(True)[layer]
+
+
+def rotary(x_bthe, positions_bt, freq):
+    """Rotate-half (GPT-NeoX / HF) rotary embedding of [B, T, H, E] at integer positions [B, T]
+    with inverse frequencies freq [E/2] (inv_freq)."""
+    angles = positions_bt.astype(jnp.float32)[:, :, None] * freq  # [B, T, E/2]
     sin = jnp.sin(angles)[:, :, None, :]
     cos = jnp.cos(angles)[:, :, None, :]
     x1, x2 = jnp.split(x_bthe.astype(jnp.float32), 2, axis=-1)
@@ -140,15 +185,26 @@ class Attention(nn.Module):
                 q_bthe = q_bthe + param(self, "attn", "bq")
                 k_btke = k_btke + param(self, "attn", "bk")
                 v_btke = v_btke + param(self, "attn", "bv")
-        q_bthe = rotary(q_bthe, positions_bt, cfg.rope_theta)
-        k_btke = rotary(k_btke, positions_bt, cfg.rope_theta)
+        if cfg.qk_norm:
+            q_bthe = rms_norm(cfg, q_bthe, param(self, "attn", "q_norm"))
+            k_btke = rms_norm(cfg, k_btke, param(self, "attn", "k_norm"))
+        freq = layer_rotation(cfg, is_local_layer(cfg, layer))
+        q_bthe = rotary(q_bthe, positions_bt, freq)
+        k_btke = rotary(k_btke, positions_bt, freq)
+        if cfg.attention_scale is not None:  # the kernels scale by head_dim ** -0.5
+            q_bthe = q_bthe * jnp.asarray(cfg.attention_scale * cfg.head_dim**0.5, q_bthe.dtype)
         with jax.named_scope("cache_write"):
             cache = KVCache(
                 k=write_layer(cache.k, layer, k_btke, positions_bt),
                 v=write_layer(cache.v, layer, v_btke, positions_bt),
             )
         with jax.named_scope("attention"):
-            attend = functools.partial(kernels.attention, interpret=cfg.attention_interpret)
+            window = layer_window(cfg, layer)
+            attend = functools.partial(
+                kernels.attention,
+                interpret=cfg.attention_interpret,
+                **({} if window is None else {"window": window}),
+            )
             args = (q_bthe, cache.k[layer], cache.v[layer], positions_bt, kv_lengths_b)
             if attention_impl(cfg) == "cpu":
                 cpu = functools.partial(attend, impl="cpu", cpu_isa=cfg.cpu_isa)
@@ -166,7 +222,9 @@ class MLP(nn.Module):
     def __call__(self, x_btd):
         w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
         cfg = self.config
-        hidden = nn.silu(precision.linear(x_btd, w_gate, 1, cfg)) * precision.linear(x_btd, w_up, 1, cfg)
+        gate = precision.linear(x_btd, w_gate, 1, cfg)
+        gate = nn.silu(gate) if cfg.mlp_activation == "silu" else nn.gelu(gate, approximate=True)
+        hidden = gate * precision.linear(x_btd, w_up, 1, cfg)
         return precision.linear(hidden, w_down, 1, cfg)
 
 
@@ -182,8 +240,13 @@ class DecoderLayer(nn.Module):
         attn_out, cache = Attention(cfg, name="attn")(
             RMSNorm(cfg, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer
         )
+        if cfg.sandwich_norms:
+            attn_out = RMSNorm(cfg, name="post_attn_norm")(attn_out)
         x = x + attn_out
-        x = x + MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
+        mlp_out = MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
+        if cfg.sandwich_norms:
+            mlp_out = RMSNorm(cfg, name="post_mlp_norm")(mlp_out)
+        x = x + mlp_out
         return (x, cache), None
 
 

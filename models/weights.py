@@ -51,6 +51,15 @@ class Weight:
     present: Callable[[ModelConfig], bool] = _always
     llama_permuted_heads: str | None = None  # config field whose heads llama.cpp permuted (q, k rows)
     lookup: bool = False  # read by row lookup (the input embedding): a call reads B * T rows of it
+    # Hugging Face tensor name ("{i}" the layer index), or a function of the config giving it
+    # (families that name a weight differently). Norm scales ("ones") of a Gemma checkpoint are
+    # stored as scale - 1 (its RMSNorm multiplies by 1 + w): the loaders add the 1.
+    hf: str | Callable[[ModelConfig], str] = ""
+
+    def hf_name(self, config: ModelConfig, layer: int | None = None) -> str:
+        """The Hugging Face tensor name of this weight (of `layer` for a per-layer weight)."""
+        name = self.hf(config) if callable(self.hf) else self.hf
+        return name.format(i=layer)
 
     @property
     def name(self) -> str:
@@ -72,6 +81,7 @@ WEIGHTS: tuple[Weight, ...] = (
         contract=1,  # also the output head when tie_embeddings
         present=_decoder,
         lookup=True,
+        hf="model.embed_tokens.weight",
     ),
     Weight(  # a draft head's input projection: [target feature, token embedding] -> D
         ("fc", "weight"),
@@ -83,7 +93,14 @@ WEIGHTS: tuple[Weight, ...] = (
         contract=1,
         present=lambda c: c.kind == "draft_head",
     ),
-    Weight(("attn_norm", "scale"), lambda c: (c.d_model,), ("embed",), "blk.{i}.attn_norm.weight", "ones"),
+    Weight(
+        ("attn_norm", "scale"),
+        lambda c: (c.d_model,),
+        ("embed",),
+        "blk.{i}.attn_norm.weight",
+        "ones",
+        hf="model.layers.{i}.input_layernorm.weight",
+    ),
     Weight(
         ("attn", "wq"),
         lambda c: (c.num_heads, c.head_dim, c.d_model),
@@ -91,6 +108,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_q.weight",
         "normal",
         contract=1,
+        hf="model.layers.{i}.self_attn.q_proj.weight",
         llama_permuted_heads="num_heads",
     ),
     Weight(
@@ -100,6 +118,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_k.weight",
         "normal",
         contract=1,
+        hf="model.layers.{i}.self_attn.k_proj.weight",
         llama_permuted_heads="num_kv_heads",
     ),
     Weight(
@@ -109,6 +128,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_v.weight",
         "normal",
         contract=1,
+        hf="model.layers.{i}.self_attn.v_proj.weight",
     ),
     Weight(
         ("attn", "bq"),
@@ -117,6 +137,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_q.bias",
         "bias",
         present=lambda c: c.qkv_bias,
+        hf="model.layers.{i}.self_attn.q_proj.bias",
         llama_permuted_heads="num_heads",
     ),
     Weight(
@@ -126,6 +147,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_k.bias",
         "bias",
         present=lambda c: c.qkv_bias,
+        hf="model.layers.{i}.self_attn.k_proj.bias",
         llama_permuted_heads="num_kv_heads",
     ),
     Weight(
@@ -135,6 +157,25 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_v.bias",
         "bias",
         present=lambda c: c.qkv_bias,
+        hf="model.layers.{i}.self_attn.v_proj.bias",
+    ),
+    Weight(  # Qwen3, Gemma 3: RMSNorm over each head's query / key before the rotation
+        ("attn", "q_norm"),
+        lambda c: (c.head_dim,),
+        ("head_dim",),
+        "blk.{i}.attn_q_norm.weight",
+        "ones",
+        present=lambda c: c.qk_norm,
+        hf="model.layers.{i}.self_attn.q_norm.weight",
+    ),
+    Weight(
+        ("attn", "k_norm"),
+        lambda c: (c.head_dim,),
+        ("head_dim",),
+        "blk.{i}.attn_k_norm.weight",
+        "ones",
+        present=lambda c: c.qk_norm,
+        hf="model.layers.{i}.self_attn.k_norm.weight",
     ),
     Weight(
         ("attn", "wo"),
@@ -143,8 +184,30 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.attn_output.weight",
         "normal",
         contract=2,
+        hf="model.layers.{i}.self_attn.o_proj.weight",
     ),
-    Weight(("mlp_norm", "scale"), lambda c: (c.d_model,), ("embed",), "blk.{i}.ffn_norm.weight", "ones"),
+    Weight(  # Gemma 3: the attention output's norm before the residual add
+        ("post_attn_norm", "scale"),
+        lambda c: (c.d_model,),
+        ("embed",),
+        "blk.{i}.post_attention_norm.weight",
+        "ones",
+        present=lambda c: c.sandwich_norms,
+        hf="model.layers.{i}.post_attention_layernorm.weight",
+    ),
+    Weight(
+        ("mlp_norm", "scale"),
+        lambda c: (c.d_model,),
+        ("embed",),
+        "blk.{i}.ffn_norm.weight",
+        "ones",
+        # Llama's "post-attention" norm is the MLP's input norm; Gemma's is the sandwich norm above.
+        hf=lambda c: (
+            "model.layers.{i}."
+            + ("pre_feedforward_layernorm" if c.sandwich_norms else "post_attention_layernorm")
+            + ".weight"
+        ),
+    ),
     Weight(
         ("mlp", "w_gate"),
         lambda c: (c.mlp_dim, c.d_model),
@@ -152,6 +215,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.ffn_gate.weight",
         "normal",
         contract=1,
+        hf="model.layers.{i}.mlp.gate_proj.weight",
     ),
     Weight(
         ("mlp", "w_up"),
@@ -160,6 +224,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.ffn_up.weight",
         "normal",
         contract=1,
+        hf="model.layers.{i}.mlp.up_proj.weight",
     ),
     Weight(
         ("mlp", "w_down"),
@@ -168,6 +233,16 @@ WEIGHTS: tuple[Weight, ...] = (
         "blk.{i}.ffn_down.weight",
         "normal",
         contract=1,
+        hf="model.layers.{i}.mlp.down_proj.weight",
+    ),
+    Weight(  # Gemma 3: the MLP output's norm before the residual add
+        ("post_mlp_norm", "scale"),
+        lambda c: (c.d_model,),
+        ("embed",),
+        "blk.{i}.post_ffw_norm.weight",
+        "ones",
+        present=lambda c: c.sandwich_norms,
+        hf="model.layers.{i}.post_feedforward_layernorm.weight",
     ),
     Weight(
         ("final_norm", "scale"),
@@ -177,6 +252,7 @@ WEIGHTS: tuple[Weight, ...] = (
         "ones",
         per_layer=False,
         present=_decoder,
+        hf="model.norm.weight",
     ),
     Weight(
         ("lm_head", "embedding"),
@@ -187,6 +263,7 @@ WEIGHTS: tuple[Weight, ...] = (
         per_layer=False,
         contract=1,
         present=lambda c: c.is_decoder and not c.tie_embeddings,
+        hf="lm_head.weight",
     ),
 )
 

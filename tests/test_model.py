@@ -10,7 +10,7 @@ import pytest
 from conftest import apply
 
 import models
-from models.transformer import rotary
+from models.transformer import inv_freq, rotary
 
 
 def full_forward(model, tokens_bt):
@@ -87,7 +87,8 @@ def test_rotary_is_a_relative_rotation():
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
 
     def score(pq, pk):
-        return jnp.sum(rotary(q, jnp.array([[pq]]), 10000.0) * rotary(k, jnp.array([[pk]]), 10000.0))
+        freq = inv_freq(16, 10000.0)
+        return jnp.sum(rotary(q, jnp.array([[pq]]), freq) * rotary(k, jnp.array([[pk]]), freq))
 
     np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-5)
     assert not np.isclose(score(3, 1), score(3, 2))
