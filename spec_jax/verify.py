@@ -13,14 +13,12 @@ positions of a row are a prefix of its G; whether a row stops may depend on draf
 information only (never on p or on the uniforms), which keeps every position exact.
 """
 
-import jax
 import jax.numpy as jnp
-
-from spec_jax.sampling import draw_rows, split_rows
 
 
 def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
-    """Applies the rule to each row.
+    """Applies the rule to each row: spec_jax.tree's rule on the chain (one rule for chains and
+    trees; tests/test_tree.py checks it against the rule above written out for a chain).
 
     Args:
       draft_tokens_bg: int [B, G], the sampled drafts.
@@ -32,28 +30,9 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
       (num_accepted [B] int32 in [0, G], next_token [B] int32): the row commits
       draft_tokens[:num_accepted] and then next_token.
     """
-    gamma = draft_tokens_bg.shape[1]
-    q = q_bgv.astype(jnp.float32)
-    p = p_bgv.astype(jnp.float32)
-    uniform_keys, residual_keys = split_rows(keys_b, 2)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(uniform_keys)  # [B, G] in [0, 1)
+    from spec_jax import tree
 
-    p_x = jnp.take_along_axis(p[:, :gamma], draft_tokens_bg[..., None], axis=-1)[..., 0]
-    q_x = jnp.take_along_axis(q, draft_tokens_bg[..., None], axis=-1)[..., 0]
-    # u < p/q without dividing: a proposed draft has q(x) > 0 since it was sampled from q; an
-    # unproposed position (q = 0) is never accepted.
-    accepted = (u * q_x < p_x) & (q_x > 0)  # [B, G]
-    num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
-
-    q_ext = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # [B, G + 1, V]
-    p_at = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
-    q_at = jnp.take_along_axis(q_ext, num_accepted[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_at - q_at, 0.0)
-    mass = jnp.sum(residual, axis=-1, keepdims=True)
-    # p == q up to rounding leaves no residual mass; the rejection then had probability ~0,
-    # and any distribution keeps the rule exact up to that rounding: use p.
-    residual = jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), p_at)
-    next_token = draw_rows(residual_keys, residual)
+    _, num_accepted, next_token = tree.verify_tree(tree.chain(draft_tokens_bg, q_bgv), p_bgv, keys_b)
     return num_accepted, next_token
 
 

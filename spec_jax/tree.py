@@ -1,0 +1,158 @@
+"""Token trees: many candidate continuations per row, verified exactly in one pass.
+
+A tree per row has N node slots (static N). Node n holds a token, its parent (-1: the root,
+i.e. the last committed token; otherwise a node with a smaller index, so the slots are in a
+topological order) and q[n], the distribution its token was drawn from: a draft model's warped
+distribution for a sampled node, a point mass for a deterministic candidate (a lookup or suffix
+match, a top-k expansion), all zeros for an empty slot. Its depth is its parent's plus one.
+A chain of G drafts is the tree whose node n has parent n - 1.
+
+The rule (SpecInfer's multi-candidate speculative sampling, Miao et al. 2024, generalised to a
+proposal distribution per child). At the current node (the root first) with target
+distribution r = p[node], its children c_1, c_2, ... are tried in slot order: c_j is accepted
+with probability min(1, r(c_j) / q_j(c_j)); on acceptance the walk moves to c_j with r = p[c_j];
+on rejection r <- norm(max(r - q_j, 0)) and the next child is tried. When the children are
+exhausted the next token is drawn from r.
+
+Why it is exact: if each c_j is drawn from q_j independently of the earlier candidates (given
+the committed text), the token this step emits is distributed as r. By induction from the last
+child: step j emits x with probability min(r_j(x), q_j(x)) by acceptance plus
+(1 - sum min(r_j, q_j)) r_{j+1}(x) after a rejection, and with r_{j+1} = norm(max(r_j - q_j, 0))
+(whose mass is exactly 1 - sum min(r_j, q_j)) the sum is r_j(x). The accepted child then
+continues with its own subtree, drawn given its token, so each committed token is a sample of
+the target given the tokens before it. Independence is what the proof needs: children drawn
+i.i.d. from the same q qualify, and so do point masses (deterministic given the context),
+for which the rule reads: accept c with probability r(c), else zero c out of r and renormalise.
+Children drawn WITHOUT replacement from one q do not qualify (their q_j would be the
+conditional distribution given the earlier siblings); a drafter that wants distinct children
+proposes them as point masses (e.g. the top-k of its distribution), which is exact.
+
+At temperature 0, p is a point mass at the argmax (ties broken by sampling.warp) and the rule
+accepts a child exactly when its token is that argmax: the longest path of argmax tokens, then
+the target's own argmax, the output of plain greedy decoding.
+
+For a chain the rule is Leviathan et al.'s (spec_jax.verify): `verify_tree` on a chain draws
+the same uniforms and the same final token from the same keys.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax.sampling import draw_rows, split_rows
+
+ROOT = -1
+
+
+@flax.struct.dataclass
+class Tree:
+    """Candidates per row: N node slots in topological order (a parent before its children)."""
+
+    tokens: jax.Array  # int32 [B, N]
+    parents: jax.Array  # int32 [B, N]: ROOT or a smaller slot index
+    q: jax.Array  # float32 [B, N, V]: each node's proposal distribution; all zeros: no node
+
+    @property
+    def present(self) -> jax.Array:
+        """bool [B, N]: which slots hold a node."""
+        return jnp.sum(self.q, axis=-1) > 0
+
+
+def chain(tokens_bg, q_bgv) -> Tree:
+    """The tree of a chain of drafts: node n's parent is n - 1."""
+    b, g = tokens_bg.shape
+    parents = jnp.broadcast_to(jnp.arange(g, dtype=jnp.int32) - 1, (b, g))
+    return Tree(tokens=tokens_bg.astype(jnp.int32), parents=parents, q=q_bgv)
+
+
+def depths(parents_bn) -> jax.Array:
+    """int32 [B, N]: each slot's depth (a root child has depth 1), from its parent's."""
+    n = parents_bn.shape[1]
+
+    def step(depth, i):
+        parent = parents_bn[:, i]
+        own = jnp.where(
+            parent == ROOT, 1, jnp.take_along_axis(depth, jnp.maximum(parent, 0)[:, None], 1)[:, 0] + 1
+        )
+        return depth.at[:, i].set(own), None
+
+    depth, _ = jax.lax.scan(step, jnp.zeros(parents_bn.shape, jnp.int32), jnp.arange(n))
+    return depth
+
+
+def ancestors(parents_bn) -> jax.Array:
+    """bool [B, N, N]: [b, i, j] whether slot j is slot i or one of its ancestors (the tree
+    attention mask among the candidates: node i reads the committed prefix and these)."""
+    n = parents_bn.shape[1]
+    eye = jnp.broadcast_to(jnp.eye(n, dtype=bool), (parents_bn.shape[0], n, n))
+
+    def step(anc, i):
+        parent = parents_bn[:, i]
+        inherited = jnp.take_along_axis(anc, jnp.maximum(parent, 0)[:, None, None], 1)[:, 0]  # [B, N]
+        row = anc[:, i] | (inherited & (parent != ROOT)[:, None])
+        return anc.at[:, i].set(row), None
+
+    anc, _ = jax.lax.scan(step, eye, jnp.arange(n))
+    return anc
+
+
+def _residual(r, q):
+    """norm(max(r - q, 0)); r itself where no mass is left (the rejection had probability ~0,
+    and any distribution keeps the rule exact up to that rounding), as spec_jax.verify."""
+    residual = jnp.maximum(r - q, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    return jnp.where(mass > 1e-12, residual / jnp.maximum(mass, 1e-30), r)
+
+
+def verify_tree(tree: Tree, p_bnv, keys_b):
+    """The rule of the module docstring on each row.
+
+    Args:
+      tree: the candidates, N slots.
+      p_bnv: [B, N + 1, V] warped target distributions: p[:, 0] after the root (the last
+        committed token), p[:, 1 + n] after node n (its continuation).
+      keys_b: [B] PRNG keys; row b draws from keys_b[b] only.
+
+    Returns:
+      (path [B, N] int32: the accepted nodes' slots by depth, ROOT-padded; length [B] int32 in
+      [0, N]; next_token [B] int32): the row commits tree.tokens[path[:length]], then next_token.
+    """
+    b, n = tree.tokens.shape
+    q = tree.q.astype(jnp.float32)
+    p = p_bnv.astype(jnp.float32)
+    uniform_keys, residual_keys = split_rows(keys_b, 2)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (n,)))(uniform_keys)  # [B, N]
+    rows = jnp.arange(b)
+
+    def step(carry, i):
+        node, r, fresh, path, length = carry
+        tok = tree.tokens[:, i]
+        q_i = q[:, i]
+        q_x = q_i[rows, tok]
+        r_x = r[rows, tok]
+        candidate = (tree.parents[:, i] == node) & (q_x > 0)  # a child of the current node
+        accept = candidate & (u[:, i] * q_x < r_x)  # u < r/q without dividing
+        reject = candidate & ~accept
+        r = jnp.where(accept[:, None], p[:, 1 + i], jnp.where(reject[:, None], _residual(r, q_i), r))
+        path = path.at[rows, length].set(jnp.where(accept, i, path[rows, length]))
+        length = length + accept.astype(jnp.int32)
+        node = jnp.where(accept, i, node)
+        fresh = jnp.where(accept, True, jnp.where(reject, False, fresh))
+        return (node, r, fresh, path, length), None
+
+    init = (
+        jnp.full((b,), ROOT, jnp.int32),
+        p[:, 0],
+        jnp.ones((b,), bool),  # r is a row of p, not yet a residual
+        jnp.full((b, n + 1), ROOT, jnp.int32),
+        jnp.zeros((b,), jnp.int32),
+    )
+    if n:  # a scan traces its body even over nothing, and no slot can be indexed then
+        init, _ = jax.lax.scan(step, init, jnp.arange(n))
+    _, r, fresh, path, length = init
+    # A row of p is normalised as spec_jax.verify's residual after a zero q (its last draft).
+    r = jnp.where(fresh[:, None], _residual(r, jnp.zeros_like(r)), r)
+    next_token = draw_rows(residual_keys, r)
+    return path[:, :n], length, next_token
