@@ -11,6 +11,7 @@ below (test_qwen_head_counts_replicate_in_the_rule_table).
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -369,21 +370,10 @@ TPU = ["--name=spec", "--zone=us-central2-b", "--dry_run"]
             ],
         ),
         (
-            ["setup"],
-            [
-                "gcloud compute tpus tpu-vm ssh spec --zone=us-central2-b --worker=all '--command=mkdir -p spec-jax'",
-                "gcloud compute tpus tpu-vm scp --recurse setup.py constraints.txt pyproject.toml spec_jax models "
-                "experiments launch spec:spec-jax/ --zone=us-central2-b --worker=all",
-                "gcloud compute tpus tpu-vm ssh spec --zone=us-central2-b --worker=all '--command=cd spec-jax && "
-                "python3 -m pip install -c constraints.txt -e . && python3 -m pip install -c constraints.txt "
-                "'\"'\"'jax[tpu]'\"'\"''",
-            ],
-        ),
-        (
             ["run", "--command=python -m launch.generate --mesh=auto --distributed"],
             [
                 "gcloud compute tpus tpu-vm ssh spec --zone=us-central2-b --worker=all "
-                "'--command=cd spec-jax && python -m launch.generate --mesh=auto --distributed'"
+                "'--command=cd spec-jax && . .venv/bin/activate && python -m launch.generate --mesh=auto --distributed'"
             ],
         ),
         (["delete"], ["gcloud compute tpus tpu-vm delete spec --zone=us-central2-b --quiet"]),
@@ -393,6 +383,134 @@ def test_tpu_dry_run_prints_the_exact_commands(args, expected):
     result, _ = _cli(*TPU, *args, module="launch.tpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == expected
+
+
+def _tpu_dry_run(*args) -> list[list[str]]:
+    result, _ = _cli(*TPU, *args, module="launch.tpu")
+    assert result.returncode == 0, result.stderr
+    return [shlex.split(line) for line in result.stdout.splitlines()]
+
+
+SSH = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "spec", "--zone=us-central2-b", "--worker=all"]
+APT = "sudo DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -y"
+JAX_VERSION = "0.10.2"  # constraints.txt's pin (checked below)
+
+
+def test_tpu_setup_dry_run_sends_the_exact_commands():
+    with open(os.path.join(ROOT, "constraints.txt")) as f:
+        assert f"jax=={JAX_VERSION}\n" in f.read()
+    script = (
+        "set -euo pipefail; cd spec-jax; "
+        f'if ! python3.11 -c "import ensurepip, venv" 2>/dev/null; then {APT} update; '
+        f"{APT} install software-properties-common; sudo add-apt-repository -y ppa:deadsnakes/ppa; "
+        f"{APT} install python3.11 python3.11-venv; fi; "
+        "python3.11 -m venv .venv; "
+        ".venv/bin/python -m pip install -c constraints.txt -e .; "
+        f'.venv/bin/python -m pip install -c constraints.txt "jax[tpu]=={JAX_VERSION}"; '
+        'JAX_PLATFORMS=tpu .venv/bin/python -c "import jax; print(jax.devices())"'
+    )
+    assert _tpu_dry_run("setup") == [
+        [*SSH, "--command=mkdir -p spec-jax"],
+        ["gcloud", "compute", "tpus", "tpu-vm", "scp", "--recurse", "setup.py", "constraints.txt",
+         "pyproject.toml", "spec_jax", "models", "training", "experiments", "launch", "spec:spec-jax/",
+         "--zone=us-central2-b", "--worker=all"],
+        [*SSH, "--command=bash -c " + shlex.quote(script)],
+    ]  # fmt: skip
+
+
+def _fake_worker(tmp_path, have_python311: bool, failing: str = ""):
+    """A home folder with spec-jax/ and a bin/ of stubs for sudo, python3, python3.11 and the
+    .venv's python, which log each call (with JAX_PLATFORMS) to log.txt and exit 0, except a
+    call whose arguments contain `failing`, which exits 3."""
+    home = tmp_path / "home"
+    (home / "spec-jax").mkdir(parents=True, exist_ok=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "log.txt"
+    stub = (
+        "#!/bin/bash\n"
+        f'echo "$(basename "$0") JAX_PLATFORMS=${{JAX_PLATFORMS:-}} $*" >> {log}\n'
+        f'if [ -n "{failing}" ] && [[ "$*" == *"{failing}"* ]]; then exit 3; fi\n'
+    )
+    python311 = stub + (
+        f'if [ "$1" = -c ] && [ ! -e {tmp_path}/installed ]; then exit 1; fi\n'
+        'if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0.venv" "$3/bin/python"; fi\n'
+    )
+    scripts = {"sudo": stub + f'[[ "$*" == *python3.11-venv* ]] && touch {tmp_path}/installed\nexit 0\n',
+               "python3": stub, "python3.11": python311, "python3.11.venv": stub}  # fmt: skip
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    if have_python311:
+        (tmp_path / "installed").touch()
+    return home, bin_dir, log
+
+
+def _run_on_fake_worker(tmp_path, ssh_argv, have_python311=True, failing=""):
+    """Runs a dry-run ssh command's --command the way sshd does (`bash -c COMMAND` in the home
+    folder) on a fake worker; returns (exit code, the logged calls)."""
+    home, bin_dir, log = _fake_worker(tmp_path, have_python311, failing)
+    command = ssh_argv[-1].removeprefix("--command=")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home)}
+    result = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True, text=True)
+    calls = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return result.returncode, calls
+
+
+def test_tpu_setup_installs_python311_makes_a_venv_installs_into_it_and_checks_jax(tmp_path):
+    install = _tpu_dry_run("setup")[-1]
+    code, calls = _run_on_fake_worker(tmp_path, install, have_python311=False)
+    assert code == 0
+    assert calls == [
+        "python3.11 JAX_PLATFORMS= -c import ensurepip, venv",
+        f"sudo JAX_PLATFORMS= {APT.removeprefix('sudo ')} update",
+        f"sudo JAX_PLATFORMS= {APT.removeprefix('sudo ')} install software-properties-common",
+        "sudo JAX_PLATFORMS= add-apt-repository -y ppa:deadsnakes/ppa",
+        f"sudo JAX_PLATFORMS= {APT.removeprefix('sudo ')} install python3.11 python3.11-venv",
+        "python3.11 JAX_PLATFORMS= -m venv .venv",
+        "python JAX_PLATFORMS= -m pip install -c constraints.txt -e .",
+        f"python JAX_PLATFORMS= -m pip install -c constraints.txt jax[tpu]=={JAX_VERSION}",
+        "python JAX_PLATFORMS=tpu -c import jax; print(jax.devices())",  # the .venv's python, last
+    ]
+
+
+def test_tpu_setup_rerun_skips_apt_and_reinstalls_into_the_same_venv(tmp_path):
+    install = _tpu_dry_run("setup")[-1]
+    assert _run_on_fake_worker(tmp_path, install, have_python311=False)[0] == 0
+    code, calls = _run_on_fake_worker(tmp_path, install, have_python311=True)
+    assert code == 0
+    assert not [c for c in calls if c.startswith("sudo")], calls
+    assert calls[1:] == [
+        "python3.11 JAX_PLATFORMS= -m venv .venv",
+        "python JAX_PLATFORMS= -m pip install -c constraints.txt -e .",
+        f"python JAX_PLATFORMS= -m pip install -c constraints.txt jax[tpu]=={JAX_VERSION}",
+        "python JAX_PLATFORMS=tpu -c import jax; print(jax.devices())",
+    ]
+
+
+@pytest.mark.parametrize("failing", ["jax.devices()", "python3.11-venv"])
+def test_tpu_setup_fails_at_the_first_failing_step(tmp_path, failing):
+    install = _tpu_dry_run("setup")[-1]
+    code, calls = _run_on_fake_worker(tmp_path, install, have_python311=False, failing=failing)
+    assert code == 3, calls
+    assert failing in calls[-1], calls  # nothing ran after it
+
+
+def test_tpu_run_uses_the_venv_python_and_refuses_without_one(tmp_path):
+    home = tmp_path / "home"
+    (home / "spec-jax").mkdir(parents=True)
+    [run] = _tpu_dry_run("run", "--command=python -c 'import sys; print(sys.prefix)'")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home)}
+    command = run[-1].removeprefix("--command=")
+    missing = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and missing.stdout == ""  # no .venv: the command never ran
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(home / "spec-jax" / ".venv")], check=True
+    )
+    result = subprocess.run(["bash", "-c", command], cwd=home, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(home / "spec-jax" / ".venv")
 
 
 @pytest.mark.parametrize(
