@@ -34,7 +34,12 @@ flags.DEFINE_string("name", None, "TPU VM (or pod slice) name.")
 flags.DEFINE_string("zone", None, "Zone, e.g. us-central2-b.")
 flags.DEFINE_string("project", None, "Google Cloud project (default: gcloud's configured project).")
 flags.DEFINE_string("accelerator_type", "v4-8", "Accelerator type for create, e.g. v4-32, v5litepod-16.")
-flags.DEFINE_string("runtime_version", "tpu-ubuntu2204-base", "TPU VM software version for create.")
+flags.DEFINE_string(
+    "runtime_version",
+    "tpu-ubuntu2204-base",
+    "TPU VM software version for create: tpu-ubuntu2204-base (v4), v2-alpha-tpuv5-lite (v5e), "
+    "v2-alpha-tpuv5 (v5p), v2-alpha-tpuv6e (v6e); setup makes its own python 3.11 on any of them.",
+)
 flags.DEFINE_string(
     "command",
     None,
