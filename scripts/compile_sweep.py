@@ -17,7 +17,7 @@ forced; where "auto" picks something else for the target (XLA attention on pre-A
 model steps and the loop are compiled with "auto" too. "refused" is a trace-time ValueError of
 the kernels (e.g. pallas_gpu forced on a pre-Ampere GPU): a clear error instead of a compiler
 failure. "pods" (not per target): the big pairs' loops compiled sharded for pod slices,
-experiments/pod_pairs.py's table (about 15 minutes, one compile at a time; docs/pods.md).
+experiments/pod_pairs.py's table (about 19 minutes, one compile at a time; docs/pods.md).
 """
 
 import argparse
