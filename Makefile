@@ -41,6 +41,7 @@ test: $(COMPILE_STAMP)
 
 # Every kernel call and model step of the registered models compiled for every TPU / GPU target,
 # as a table (scripts/compile_sweep.py --help). The default grid is about 3,000 compiles, some two
-# hours with ARGS="--jobs=2" on 2 cores; docs/kernels.md gives a 47-minute grid.
+# hours with ARGS="--jobs=2" on 2 cores; docs/kernels.md gives a 47-minute grid. Then the big pairs
+# on pod slices (experiments/pod_pairs.py, docs/pods.md: about 19 more minutes; ARGS="--kinds=pods" alone).
 compile-sweep: $(COMPILE_STAMP)
 	JAX_PLATFORMS=cpu $(VENV)/bin/python scripts/compile_sweep.py $(ARGS)

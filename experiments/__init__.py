@@ -30,6 +30,7 @@ EXPERIMENTS = {
     "walltime": "experiments.walltime",
     "precision_drift": "experiments.precision_drift",
     "predicted_speed": "experiments.predicted_speed",
+    "pod_pairs": "experiments.pod_pairs",
     "train_head": "experiments.train_head",
     "train_acceptance": "experiments.train_acceptance",
     # Benchmark suites (launch.bench runs these, in this order when given together).

@@ -224,18 +224,33 @@ def call_costs(config, target_name: str, batch: int) -> list[dict]:
     return out
 
 
-def analysed_costs(cfg, batch, width, slots, sampling, dev, extrapolate: bool) -> tuple[float, float]:
+def analysed_costs(
+    cfg, batch, width, slots, sampling, dev, extrapolate: bool, mesh=None
+) -> tuple[float, float]:
     """(flops, bytes accessed) of one call of cfg's model compiled for dev. With extrapolate and
     more than 2 layers, the program is compiled with 1 and 2 layers and the per-layer difference
     is scaled to the model's depth: the layers are unrolled identical blocks, so the flops are
     linear in the depth; the bytes XLA counts vary a little with its fusion choices from layer to
     layer (within 10%: tests/test_predicted_speed.py checks both at 3 layers). Two small
-    compiles replace one of the whole depth."""
+    compiles replace one of the whole depth. mesh: None (one device, dev), or a Mesh of compile-only
+    devices: the call compiled sharded as spec_jax.generate shards it there (sharding.param_shardings,
+    state_shardings), and the costs are one device's (the partitioned program's)."""
 
     def one(c):
         fn = model_calls(c, batch=batch, widths=[width], cache_slots=slots, sampling=sampling)
         cache = jax.eval_shape(functools.partial(init_cache, c, batch, slots))
-        costs = ct.cost_analysis(ct.compile_for(fn, (param_shapes(c), cache), dev, donate_argnums=(1,)))
+        if mesh is None:
+            compiled = ct.compile_for(fn, (param_shapes(c), cache), dev, donate_argnums=(1,))
+        else:
+            from spec_jax import sharding
+
+            params = param_shapes(c)
+            args = (
+                with_shardings(params, sharding.param_shardings(params, mesh)),
+                with_shardings(cache, sharding.state_shardings(cache, mesh, batch)),
+            )
+            compiled = compile_sharded(fn, args, mesh, donate_argnums=(1,))
+        costs = ct.cost_analysis(compiled)
         return np.array([costs["flops"], costs["bytes accessed"]], np.float64)
 
     if not extrapolate or cfg.num_layers <= 2:
@@ -245,6 +260,23 @@ def analysed_costs(cfg, batch, width, slots, sampling, dev, extrapolate: bool) -
         two_layers = one(dataclasses.replace(cfg, num_layers=2))
         flops, bytes_ = one_layer + (cfg.num_layers - 1) * (two_layers - one_layer)
     return float(flops), float(bytes_)
+
+
+def with_shardings(tree, shardings):
+    """ShapeDtypeStructs (or arrays) -> ShapeDtypeStructs carrying the matching shardings."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def compile_sharded(fn, args, mesh, donate_argnums=(), out_shardings=None):
+    """compile_targets.compile_for for a mesh of compile-only devices: fn(*args) compiled with the
+    shardings its ShapeDtypeStruct args carry (with_shardings), traced under the mesh's first device
+    (which the kernel dispatcher reads); out_shardings None lets the partitioner choose."""
+    dev = mesh.devices.flat[0]
+    kwargs = {} if out_shardings is None else {"out_shardings": out_shardings}
+    with jax.default_device(dev):
+        lowered = jax.jit(fn, donate_argnums=donate_argnums, **kwargs).trace(*args).lower()
+        with ct._not_written_to_persistent_cache():
+            return lowered.compile()
 
 
 @dataclasses.dataclass(frozen=True)

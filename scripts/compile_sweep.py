@@ -16,7 +16,8 @@ full depth, at `make demo`'s shapes) over --loop_batches x dtype, each with the 
 forced; where "auto" picks something else for the target (XLA attention on pre-Ampere GPUs) the
 model steps and the loop are compiled with "auto" too. "refused" is a trace-time ValueError of
 the kernels (e.g. pallas_gpu forced on a pre-Ampere GPU): a clear error instead of a compiler
-failure.
+failure. "pods" (not per target): the big pairs' loops compiled sharded for pod slices,
+experiments/pod_pairs.py's table (about 19 minutes, one compile at a time; docs/pods.md).
 """
 
 import argparse
@@ -39,7 +40,7 @@ if os.path.isdir(_DEPS):
 from models.kernels import compile_targets as ct  # noqa: E402
 from spec_jax import compile_loop  # noqa: E402
 
-KINDS = (*ct.KINDS, "loop")
+KINDS = (*ct.KINDS, "loop", "pods")
 
 
 def _ints(text: str) -> list[int]:
@@ -128,6 +129,20 @@ def failures(results) -> str:
     return "\n".join(lines) or "(none)"
 
 
+def pod_table() -> str:
+    """experiments/pod_pairs.py's full table (Markdown), run in this process (its files not written:
+    `python -m launch.experiment --experiment=pod_pairs` writes them)."""
+    from experiments import framework, pod_pairs
+
+    start = time.perf_counter()
+    result = pod_pairs.run(framework.make_config("pod_pairs"))
+    if result is None:
+        return "pods: skipped"
+    return (
+        f"{result.markdown}\n\npods: {len(result.rows)} rows in {(time.perf_counter() - start) / 60:.1f} min"
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(ct.TARGETS))
@@ -185,6 +200,8 @@ def main(argv=None):
     print()
     print(failures(results))
     print(f"\n{len(results)} compiles in {elapsed / 60:.1f} min ({sum(r.ok for _, _, r in results)} ok)")
+    if "pods" in args.kinds:
+        print(f"\n{pod_table()}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(

@@ -117,13 +117,18 @@ def for_mesh(config, mesh: Mesh):
     """The model config as run on this mesh. The CPU matmul kernel (models.precision) is an XLA
     custom call the partitioner cannot split, so it runs on one-device meshes only: there
     "auto" keeps it, elsewhere "auto" means XLA's dot and "cpu_kernel" is a ValueError (and so
-    is attention_impl "cpu"; "auto" attention follows the products, models.transformer)."""
+    is attention_impl "cpu"). The Pallas attention kernels are custom calls too, not wrapped in
+    shard_map: on a multi-device TPU mesh Mosaic refuses to compile them ("Mosaic kernels cannot
+    be automatically partitioned"), so there "auto" attention means XLA's (experiments/pod_pairs.py
+    compiles the loop for pod slices)."""
     if mesh.devices.size == 1:
         return config
     if config.attention_impl == "cpu":
         raise ValueError(
             f"attention_impl: cpu runs on one device, not a {mesh.devices.size}-device mesh; use auto or xla"
         )
+    if config.attention_impl == "auto":
+        config = config.replace(attention_impl="xla")
     if config.matmul_impl == "xla":
         return config
     if config.matmul_impl == "cpu_kernel":
