@@ -210,6 +210,7 @@ def test_quantized_gguf_blocks_give_transformers_logits(case, tmp_path, request)
     transformers' GGUF reader drops it (rope_freqs.weight and rope.scaling.factor are not read,
     so it runs Llama 3 and scaled Gemma 3 files with unscaled rope), and Gemma 3's head_dim at
     its config's default query_pre_attn_scalar (256), which llama.cpp's scale assumes."""
+    pytest.importorskip("accelerate", reason="transformers reads a GGUF model only with accelerate")
     overrides = dict(rope_scaling=None)
     if case in WINDOWED:
         request.getfixturevalue("window_attention")
