@@ -1,9 +1,18 @@
-"""GGUF -> this project's parameters, converted once and cached, one tensor at a time.
+"""A model's source -> this project's parameters, converted once and cached, one tensor at a time.
+
+The source (models.sources) is a registry model (its verified GGUF), a local GGUF file (both
+read by models.gguf_loader.stream_params) or a local Hugging Face checkpoint folder (read by
+models.hf_checkpoint.stream_params, the same stream); `name` below is the registry name, or the
+entry a file or folder gets from its resolved path (models.sources.Source.entry). A file or
+folder's entry records its fingerprint (its files' sizes and modification times) in config.json
+and the manifest: an edited or re-saved checkpoint no longer matches and is converted afresh.
 
 Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
-    {root}/gguf/{name}.gguf                   the verified GGUF (models.registry)
-    {root}/converted/{name}/config.json       ModelConfig fields read from the GGUF metadata
-    {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary
+    {root}/gguf/{name}.gguf                   the verified GGUF of a registry model (models.registry)
+    {root}/converted/{name}/config.json       ModelConfig fields read from the GGUF metadata or
+                                              the folder's config.json (models.hf_config)
+    {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary or the
+                                              folder's tokenizer files (models.tokenizer)
     {root}/converted/{name}/params/           float32 parameters: one .npy per leaf (its path
                                               joined by ".", e.g. layers.attn.wq.npy) and
                                               tree.json (every leaf's path, file, dtype, shape)
@@ -30,14 +39,15 @@ it is converted (or derived) again once, and models.registry.DamagedCacheError (
 command line, naming the path) if it is still damaged or cannot be rebuilt. An entry written
 before manifests is used while its config.json reads back.
 
-Bounded memory: the conversion streams (models.gguf_loader.stream_params): it dequantizes one
-block of a GGUF tensor's rows (at most gguf_loader.BLOCK_BYTES of float32), appends it to its
+Bounded memory: the conversion streams (models.gguf_loader.stream_params; a folder's
+safetensors one tensor at a time): it dequantizes one block of a GGUF tensor's rows (at most gguf_loader.BLOCK_BYTES of float32), appends it to its
 leaf's .npy and drops it, so it holds one block whatever the model's size; a derivation reads
 the float32 leaves back the same way, a block of rows along their first axis at a time. (Why
 not orbax: its checkpointers write a whole tree, or a whole leaf, from memory, and a stacked
 leaf is all layers of a tensor: 1.5 GB for the 1.5B's w_gate, 75 GB for a 70B's.)
 
-The conversion runs in a child process, `python -m models.convert NAME`, so that what it
+The conversion runs in a child process, `python -m models.convert SOURCE` (a registry name or
+a resolved path), so that what it
 allocated goes back to the OS before the converted checkpoint is read, and so that it never
 re-imports the caller's main module (a script that calls models.load at its top level works;
 multiprocessing's spawn would re-run it).
@@ -81,7 +91,7 @@ def to_device(leaves: list, treedef):
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:
     """The cache entry of source `name` (a registry name, or a local GGUF file's or checkpoint
     folder's path: models.sources.Source.entry)."""
-    return registry.cache_root(cache_dir) / "converted" / sources.resolve(name, fetch=False).entry
+    return registry.cache_root(cache_dir) / "converted" / sources.entry_of(name)
 
 
 def _lock(name: str, cache_dir=None) -> pathlib.Path:

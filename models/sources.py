@@ -157,6 +157,22 @@ def resolve(text: str, fetch: bool = True) -> Source:
     raise ValueError(unknown(text))
 
 
+def entry_of(text: str) -> str:
+    """Source.entry of `text` without checking that a name is registered: a registry name (or
+    one a test registered in another process) is its own entry; an existing file or folder's is
+    named by its path. ValueError for a path that does not exist."""
+    from models import registry
+
+    if text in registry.MODELS:
+        return text
+    path = pathlib.Path(text).expanduser()
+    if path.exists():
+        return _local(path).entry
+    if os.sep in text or text.endswith(".gguf"):
+        raise ValueError(unknown(text))
+    return text
+
+
 def fetch_hub(repo_id: str) -> pathlib.Path:
     """The checkpoint folder of hub repo `repo_id` (its HF_FILES) in huggingface_hub's own
     cache, downloaded where not there yet. models.registry.DownloadError in one line when

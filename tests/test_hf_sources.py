@@ -196,7 +196,7 @@ def test_greedy_speculative_decoding_of_folders_equals_transformers_greedy_decod
     _patch_windows(family, request)
     folders, _, cache = checkpoints
     target_folder, draft_folder, hf = folders[family]
-    xla = dict(attention_impl="xla", matmul_impl="xla")  # the faster compile; the CLI test runs auto
+    xla = dict(attention_impl="xla", matmul_impl="xla")  # the faster compile
     target, draft = (
         (m := models.load(str(f), cache_dir=cache, progress=False, scan_layers=True)).replace(
             config=m.config.replace(**xla)
@@ -300,8 +300,7 @@ def _cli(*args, cache):
 
 
 def test_the_cli_runs_a_folder_target_with_a_gguf_draft(checkpoints, tmp_path):
-    """--target=FOLDER --draft=FILE.gguf, each converted by the conversion child, at the
-    default attention and matmul paths."""
+    """--target=FOLDER --draft=FILE.gguf, each converted by the conversion child."""
     folders, gguf, _ = checkpoints
     report = tmp_path / "report.json"
     result = _cli(
@@ -313,6 +312,8 @@ def test_the_cli_runs_a_folder_target_with_a_gguf_draft(checkpoints, tmp_path):
         "--gamma=2",
         "--target_dtype=float32",
         "--draft_dtype=float32",
+        "--attention_impl=xla",  # the CPU kernels' library would be built in the fresh cache
+        "--matmul_impl=xla",
         f"--output_json={report}",
         cache=tmp_path / "cache",
     )
