@@ -102,7 +102,7 @@ def _local(path: pathlib.Path) -> Source:
             if f.read(4) != GGUF_MAGIC:
                 raise ValueError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
         return Source("gguf", str(resolved))
-    from models import hf_config, hf_checkpoint
+    from models import hf_checkpoint, hf_config
 
     try:
         cfg = hf_checkpoint.read_config_json(resolved)
