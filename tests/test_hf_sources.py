@@ -24,7 +24,7 @@ from conftest import apply  # noqa: E402
 
 import models  # noqa: E402
 import spec_jax  # noqa: E402
-from models import convert, registry, sources  # noqa: E402
+from models import convert  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -248,43 +248,12 @@ def test_a_folders_cache_entry_is_reused_and_converted_again_after_the_folder_ch
     assert [p.name for p in (cache / "converted").iterdir() if not p.name.startswith(".")] == [entry.name]
 
 
-def test_a_local_gguf_file_loads_like_the_registry_model(checkpoints, tmp_path):
-    _, gguf, _ = checkpoints
-    original = tiny_gguf.write(tmp_path / "same.gguf")
-    model = models.load(str(gguf), cache_dir=tmp_path / "cache", progress=False, scan_layers=True)
-    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(original.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert models.fastest_precision(str(gguf)) in ("gguf_q8", "int8")  # the registry models' rule
-
-
 def test_a_folder_at_a_gguf_precision_is_refused_naming_the_allowed_ones(checkpoints):
+    """(models.load of a GGUF file, the hub and bad paths: tests/test_load.py, no torch needed.)"""
     folders, _, cache = checkpoints
     with pytest.raises(ValueError, match=r"loads at float32, bfloat16, int8; gguf_q8 .* needs a GGUF source"):
         models.load(str(folders["qwen2"][0]), dtype="gguf_q8", cache_dir=cache, progress=False)
     assert models.fastest_precision(str(folders["qwen2"][0])) == "int8"
-
-
-def test_an_unsupported_architecture_is_refused_in_one_line_naming_it(tmp_path):
-    folder = tmp_path / "phi"
-    folder.mkdir()
-    (folder / "config.json").write_text(
-        json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
-    )
-    with pytest.raises(ValueError) as info:
-        models.load(str(folder), cache_dir=tmp_path / "cache")
-    assert "unsupported architecture Phi3ForCausalLM" in str(info.value) and "\n" not in str(info.value)
-
-
-def test_a_hub_id_without_a_reachable_hub_is_one_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # this machine has no internet: the hub is unreachable
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(
-        registry.DownloadError, match=r"^someorg/somemodel: .*Hugging Face hub cannot provide it"
-    ):
-        models.load("someorg/somemodel", cache_dir=tmp_path / "cache")
-    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # not installed
-    with pytest.raises(registry.DownloadError, match="huggingface_hub is not installed"):
-        sources.resolve("someorg/somemodel")
 
 
 def _cli(*args, cache):
@@ -328,21 +297,3 @@ def test_a_bad_path_is_one_line_naming_the_flag_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"error: --target: unknown model '{tmp_path / 'nothing' / 'here'}'" in lines[0]
-
-
-@pytest.mark.parametrize("flag", ["--target", "--draft"])
-def test_what_a_model_flag_refuses_is_named_with_the_flag(tmp_path, flag):
-    from launch import common
-
-    not_gguf = tmp_path / "weights.gguf"
-    not_gguf.write_bytes(b"nope")
-    for value, message in [
-        (tmp_path / "nothing" / "here", "unknown model"),
-        (not_gguf, "not a GGUF file"),
-        (tmp_path, "not a Hugging Face checkpoint folder (no config.json)"),
-    ]:
-        with pytest.raises(common.UsageError) as info:
-            common.check_model_flag(flag, str(value))
-        assert str(info.value).startswith(f"{flag}: ") and message in str(info.value)
-    for fine in ("random", "smollm2-135m", "someorg/somemodel"):  # a hub id is fetched by models.load
-        common.check_model_flag(flag, fine)
