@@ -293,7 +293,10 @@ def test_the_cli_runs_a_folder_target_with_a_gguf_draft(checkpoints, tmp_path):
 
 
 def test_a_bad_path_is_one_line_naming_the_flag_exit_2(tmp_path):
-    result = _cli(f"--target={tmp_path / 'nothing' / 'here'}", "--draft=none", "--prompt=hi", cache=tmp_path)
+    """A folder without config.json as --draft: exit 2 before anything is loaded, one line
+    naming the flag and what is wrong (tests/test_load.py checks the other bad paths)."""
+    result = _cli("--target=random", f"--draft={tmp_path}", "--prompt=hi", cache=tmp_path / "cache")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"error: --target: unknown model '{tmp_path / 'nothing' / 'here'}'" in lines[0]
+    assert len(lines) == 1, lines
+    assert f"error: --draft: {tmp_path}: not a Hugging Face checkpoint folder (no config.json)" in lines[0]
