@@ -17,12 +17,18 @@ setup(
         "ml_collections",
         "gguf",
         "tokenizers",
+        "safetensors",  # Hugging Face checkpoint folders (models.hf_checkpoint)
         "tqdm",
         "matplotlib",
         "scipy",
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "ruff"],
+        # tests/test_hf_sources.py builds tiny transformers models to check the HF families
+        # against (skipped without them). Never a runtime dependency: models.load reads a
+        # checkpoint folder with safetensors and tokenizers alone. The exact torch pin: see
+        # constraints.txt.
+        "hf": ["torch==2.13.0", "transformers", "safetensors"],
         # Compile-only TPU and CUDA devices (docs/kernels.md). `make test` installs the same
         # packages into .venv-compile instead: in an environment they log at every jax start-up.
         "compile": ["libtpu", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"],

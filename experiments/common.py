@@ -19,9 +19,15 @@ def model_names() -> list[str]:
 
 
 def check_model_name(key: str, name: str) -> None:
-    """ValueError("<key>: ...") unless name is a model the experiments can load."""
-    if name not in model_names():
-        raise ValueError(f"{key}: unknown model {name!r}; known models: {', '.join(model_names())}")
+    """ValueError("<key>: ...") unless name is a model the experiments can load: a tiny model,
+    or anything models.load takes (models.check_source: names, GGUF files, checkpoint folders,
+    hub ids)."""
+    if name in TINY_MODELS:
+        return
+    try:
+        models.check_source(name, known=model_names())
+    except ValueError as e:
+        raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
 # Code and English prompts, alternating (the Qwen pair are code models; English is harder for

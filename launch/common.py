@@ -53,6 +53,17 @@ def _unavailable_errors() -> tuple:
     )
 
 
+def check_model_flag(flag: str, name: str) -> None:
+    """UsageError in one line naming `flag` unless models.load takes `name` (models.check_source:
+    a model name, a local GGUF file or checkpoint folder, or a hub id's form); nothing is loaded."""
+    import models
+
+    try:
+        models.check_source(name)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {str(e).splitlines()[0]}") from None
+
+
 CONFIG_PREFIX = "--config."
 
 

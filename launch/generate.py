@@ -44,9 +44,16 @@ FLAGS = flags.FLAGS
 # jax (tests/test_gguf_precision.py checks the two agree).
 PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
 
-flags.DEFINE_string("target", "qwen2.5-coder-1.5b", "Target model name (see models.known_models()).")
 flags.DEFINE_string(
-    "draft", "qwen2.5-coder-0.5b", "Draft model name, or 'none' for plain autoregressive decoding."
+    "target",
+    "qwen2.5-coder-1.5b",
+    "Target model: a name (models.known_models()), a local .gguf file, a Hugging Face checkpoint "
+    "folder or a hub id (org/name).",
+)
+flags.DEFINE_string(
+    "draft",
+    "qwen2.5-coder-0.5b",
+    "Draft model (the forms --target takes), or 'none' for plain autoregressive decoding.",
 )
 flags.DEFINE_enum(
     "drafter",
@@ -285,9 +292,9 @@ def load_model(name: str, dtype: str, batch: int = 1, devices: int = 1):
     import models
 
     if dtype == "auto":
-        if name not in models.RANDOM_PRESETS:  # the weights first: their download's error is reported
-            from models import registry
+        from models import registry
 
+        if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
         dtype = models.fastest_precision(name, batch, devices)
     model = models.load(name, dtype=dtype)
@@ -356,14 +363,11 @@ def build_draft(target, draft, stop_ids, draft_vocab: int):
 
 
 def check_model_names() -> None:
-    """--target and --draft name models that exist (before anything is loaded or downloaded)."""
-    import models
-
-    known = models.known_models()
+    """--target and --draft name models models.load takes (models.check_source: a name, a GGUF
+    file, a checkpoint folder or a hub id; before anything is loaded or downloaded)."""
     for flag, name in (("--target", FLAGS.target), ("--draft", FLAGS.draft)):
-        if name not in known and not (flag == "--draft" and name == "none"):
-            allowed = ", ".join(known) + (", or none" if flag == "--draft" else "")
-            raise common.UsageError(f"{flag}: unknown model {name!r}; known models: {allowed}")
+        if not (flag == "--draft" and name == "none"):
+            common.check_model_flag(flag, name)
 
 
 def check_sampling_flags() -> None:

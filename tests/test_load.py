@@ -105,3 +105,86 @@ def test_errors_in_the_conversion_child_come_back_as_their_own_class(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(registry.CacheNotWritableError, match="not writable"):
         convert.convert_in_child("smollm2-135m", blocker / "cache", progress=False)
+
+
+# --- sources: paths and hub ids (models.sources; tests/test_hf_sources.py loads folders) ---------
+
+
+def test_an_unknown_name_says_paths_and_hub_ids_are_accepted():
+    with pytest.raises(ValueError) as info:
+        models.load("gpt-5")
+    assert "a local .gguf file, a Hugging Face checkpoint folder, or a Hugging Face hub id" in str(info.value)
+
+
+def test_a_local_gguf_file_converts_through_the_same_pipeline_as_the_registry_model(tmp_path):
+    import tiny_gguf
+
+    from models import convert
+
+    path = tmp_path / "weights" / "tiny.gguf"
+    path.parent.mkdir()
+    original = tiny_gguf.write(path)
+    model = models.load(str(path), cache_dir=tmp_path / "cache", progress=False, scan_layers=True)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(original.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert model.tokenizer.decode(model.tokenizer.encode("hi there")) == "hi there"
+    entry = convert.converted_dir(str(path), tmp_path / "cache")
+    assert entry.name.startswith("gguf-tiny.gguf-") and (entry / convert.MANIFEST).exists()
+    fastest = models.fastest_precision(str(path))
+    assert fastest == models.fastest_precision("smollm2-135m")  # a GGUF file is read as registry GGUFs are
+    assert models.fastest_precision(str(tmp_path)) == "int8"  # a folder has no GGUF blocks
+
+
+def test_an_unsupported_architecture_is_refused_in_one_line_naming_it(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
+    )
+    with pytest.raises(ValueError) as info:
+        models.load(str(tmp_path), cache_dir=tmp_path / "cache")
+    assert "unsupported architecture Phi3ForCausalLM" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_hub_id_where_the_hub_is_unreachable_is_one_clear_error(tmp_path, monkeypatch):
+    from models import registry
+
+    constants = pytest.importorskip("huggingface_hub.constants", reason="huggingface_hub is not installed")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no internet here either way
+    with pytest.raises(registry.DownloadError) as info:
+        models.load("someorg/somemodel", cache_dir=tmp_path / "cache")
+    assert str(info.value).startswith(
+        "someorg/somemodel: no such file or folder here, and the Hugging Face hub"
+    )
+    assert "\n" not in str(info.value)
+
+
+def test_a_hub_id_without_huggingface_hub_is_one_clear_error(tmp_path, monkeypatch):
+    import sys
+
+    from models import registry
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails: not installed
+    with pytest.raises(
+        registry.DownloadError, match="^someorg/somemodel: .*huggingface_hub is not installed"
+    ):
+        models.load("someorg/somemodel", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_what_a_model_flag_refuses_is_one_line_naming_the_flag(tmp_path, flag):
+    from launch import common
+
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"nope")
+    for value, message in [
+        (tmp_path / "nothing" / "here", "unknown model"),
+        (not_gguf, "not a GGUF file"),
+        (tmp_path, "not a Hugging Face checkpoint folder (no config.json)"),
+    ]:
+        with pytest.raises(common.UsageError) as info:
+            common.check_model_flag(flag, str(value))
+        assert str(info.value).startswith(f"{flag}: ") and message in str(info.value)
+        assert "\n" not in str(info.value)
+    for fine in ("random", "smollm2-135m", "someorg/somemodel"):  # a hub id is fetched by models.load
+        common.check_model_flag(flag, fine)
