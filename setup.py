@@ -24,11 +24,11 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "ruff"],
-        # tests/test_hf_sources.py builds tiny transformers models to check the HF families
+        # tests/test_hf_sources.py and test_gguf_families.py build tiny transformers models to check the families
         # against (skipped without them). Never a runtime dependency: models.load reads a
         # checkpoint folder with safetensors and tokenizers alone. The exact torch pin: see
         # constraints.txt.
-        "hf": ["torch==2.13.0", "transformers", "safetensors"],
+        "hf": ["torch==2.13.0", "transformers", "safetensors", "accelerate"],
         # Compile-only TPU and CUDA devices (docs/kernels.md). `make test` installs the same
         # packages into .venv-compile instead: in an environment they log at every jax start-up.
         "compile": ["libtpu", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"],
