@@ -286,10 +286,14 @@ def init_distributed() -> None:
     )
 
 
-def load_model(name: str, dtype: str, batch: int = 1, devices: int = 1):
+def load_model(name: str, dtype: str, batch: int = 1, mesh=None):
     """models.load at dtype (auto: models.fastest_precision for this batch and device count),
-    with the --attention_impl and --matmul_impl flags."""
+    with the --attention_impl and --matmul_impl flags; placed on `mesh` as it is read (each
+    process reads only its own shards)."""
     import models
+    from spec_jax import sharding
+
+    devices = 1 if mesh is None else mesh.devices.size
 
     if dtype == "auto":
         from models import registry
@@ -297,7 +301,8 @@ def load_model(name: str, dtype: str, batch: int = 1, devices: int = 1):
         if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
         dtype = models.fastest_precision(name, batch, devices)
-    model = models.load(name, dtype=dtype)
+    place = None if mesh is None else (lambda params: sharding.place_params(params, mesh))
+    model = models.load(name, dtype=dtype, place=place)
     config = dataclasses.replace(
         model.config, attention_impl=FLAGS.attention_impl, matmul_impl=FLAGS.matmul_impl
     )
@@ -491,8 +496,7 @@ def load_models(prompts, mesh):
     from spec_jax import api, sharding
 
     batch = min(FLAGS.batch_size, len(prompts))
-    devices = 1 if mesh is None else mesh.devices.size
-    target = load_model(FLAGS.target, FLAGS.target_dtype, batch, devices)
+    target = load_model(FLAGS.target, FLAGS.target_dtype, batch, mesh)
     token_prompts = [target.tokenizer.encode(p) for p in prompts]
     api.validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)
     contexts = {"the target's": target.config.max_seq_len}
@@ -500,7 +504,7 @@ def load_models(prompts, mesh):
         check_gamma_fits(token_prompts, contexts)
     draft = None
     if FLAGS.draft != "none" and FLAGS.drafter in ("model", "hybrid"):
-        draft = load_model(FLAGS.draft, FLAGS.draft_dtype, batch, devices)
+        draft = load_model(FLAGS.draft, FLAGS.draft_dtype, batch, mesh)
         check_gamma_fits(token_prompts, {**contexts, "the draft's": draft.config.max_seq_len})
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
         target = sharding.place(target, mesh)

@@ -115,7 +115,12 @@ def check_source(name: str, known=None) -> None:
 
 
 def load(
-    name: str, dtype: str = "float32", cache_dir=None, progress: bool = True, scan_layers: bool | None = None
+    name: str,
+    dtype: str = "float32",
+    cache_dir=None,
+    progress: bool = True,
+    scan_layers: bool | None = None,
+    place=None,
 ) -> Model:
     """A model: a random preset (with a byte tokenizer) or real pretrained weights from a source
     (models.sources): a registry name, a local GGUF file, a local Hugging Face checkpoint folder
@@ -134,7 +139,10 @@ def load(
     precisions read the GGUF file's own blocks. A damaged cache entry is rebuilt once
     (models.convert; models.registry.DamagedCacheError, naming its path, if it cannot be).
     `scan_layers` picks the layer layout (see ModelConfig.scan_layers); None means scanned
-    except for real models on a CPU backend.
+    except for real models on a CPU backend. `place`: a function from the host parameter tree
+    to the placed one (spec_jax.sharding.place_params over a mesh); it is handed read-only
+    memory maps of the cached checkpoint, so each process of a multi-host mesh reads only the
+    slices its own devices hold. Default: every leaf onto the default device.
     """
     from models.precision import GGUF_PRECISIONS, PRECISIONS
 
@@ -149,7 +157,7 @@ def load(
 
     source = sources.resolve(name)  # a hub id: downloaded, a local folder from here on
     config, host_params, tokenizer = convert.load_converted(
-        source.name, cache_dir=cache_dir, progress=progress, dtype=dtype
+        source.name, cache_dir=cache_dir, progress=progress, dtype=dtype, mmap=place is not None
     )
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
@@ -165,6 +173,8 @@ def load(
                 ) from None
     elif not scan_layers:
         host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
+    if place is not None:
+        return Model(config=config, params=place(host_params), tokenizer=tokenizer)
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array
     return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)

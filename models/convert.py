@@ -322,7 +322,9 @@ _REBUILD_ERRORS = (
 )
 
 
-def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str = "float32"):
+def load_converted(
+    name: str, cache_dir=None, progress: bool = True, dtype: str = "float32", mmap: bool = False
+):
     """Returns (ModelConfig, params as numpy arrays in precision `dtype`, Tokenizer), converting
     on first use (in a child process: convert_in_child) and deriving a precision's checkpoint
     from the float32 one on its first use (models.weights.cast_leaf, cached beside it).
@@ -331,7 +333,7 @@ def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str 
     cannot be read back) is rebuilt once; DamagedCacheError (naming the path) if it is still
     damaged or cannot be rebuilt."""
     try:
-        return _load_converted(name, cache_dir, progress, dtype)
+        return _load_converted(name, cache_dir, progress, dtype, mmap)
     except _Damaged as e:
         try:
             e.rebuild()
@@ -340,12 +342,12 @@ def load_converted(name: str, cache_dir=None, progress: bool = True, dtype: str 
         except _Damaged as err:  # what the rebuild reads from is damaged too
             raise registry.DamagedCacheError(err.path, err.what) from None
     try:
-        return _load_converted(name, cache_dir, progress, dtype)
+        return _load_converted(name, cache_dir, progress, dtype, mmap)
     except _Damaged as e:
         raise registry.DamagedCacheError(e.path, f"{e.what} (again, after rebuilding it)") from None
 
 
-def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
+def _load_converted(name: str, cache_dir, progress: bool, dtype: str, mmap: bool = False):
     from models import precision
 
     source = sources.resolve(name, fetch=False)
@@ -379,7 +381,7 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
         gguf = source.path or registry.fetch_gguf(name, cache_dir, progress=progress)
         return config, gguf_loader.load_block_params(gguf, config, progress=progress), tokenizer
     if dtype == "float32":
-        params = _restore(folder / "params", reconvert(entry))
+        params = _restore(folder / "params", reconvert(entry), mmap)
         return config, params, tokenizer
     derived = folder / f"params-{dtype}"
     derived_id, problem = _state(derived)
@@ -392,7 +394,7 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
 
     if problem is not None:
         raise _Damaged(derived, problem, rederive())
-    return config, _int8_nodes(_restore(derived, rederive(derived_id))), tokenizer
+    return config, _int8_nodes(_restore(derived, rederive(derived_id), mmap)), tokenizer
 
 
 class _LeafFile:
@@ -454,10 +456,11 @@ def _storage(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"<u{dtype.itemsize}") if dtype.kind == "V" else dtype
 
 
-def _leaf_blocks(folder: pathlib.Path, leaf: dict, rows: int | None = None):
+def _leaf_blocks(folder: pathlib.Path, leaf: dict, rows: int | None = None, mmap: bool = False):
     """The leaf described by `leaf` (an entry of folder's tree.json) read back from its .npy in
-    blocks of `rows` along its first axis (all of it at once when None). ValueError if the
-    file's header is not the one tree.json describes or its data ends early."""
+    blocks of `rows` along its first axis (all of it at once when None), or with `mmap` as one
+    read-only memory map. ValueError if the file's header is not the one tree.json describes or
+    its data ends early."""
     shape, dtype = tuple(leaf["shape"]), jax.numpy.dtype(leaf["dtype"])
     with open(folder / leaf["file"], "rb") as f:
         if np.lib.format.read_magic(f) != (1, 0):
@@ -465,6 +468,12 @@ def _leaf_blocks(folder: pathlib.Path, leaf: dict, rows: int | None = None):
         header = np.lib.format.read_array_header_1_0(f)
         if header != (shape, False, _storage(dtype)):
             raise ValueError(f"{leaf['file']} holds {header}, {PARAMS_TREE} says {shape} {dtype}")
+        if mmap:
+            size = math.prod(shape) * _storage(dtype).itemsize
+            if os.fstat(f.fileno()).st_size < f.tell() + size:
+                raise ValueError(f"{leaf['file']} ends before its data does")
+            yield np.memmap(f, _storage(dtype), "r", f.tell(), shape).view(dtype)
+            return
         total = shape[0] if shape else 1
         rows = rows or total
         for r0 in range(0, total, rows):
@@ -490,9 +499,9 @@ def _leaves(folder: pathlib.Path, rebuild):
     def damaged(e: Exception) -> _Damaged:
         return _Damaged(folder, f"the checkpoint cannot be read ({type(e).__name__}: {e})", rebuild)
 
-    def checked(leaf, rows=None):
+    def checked(leaf, rows=None, mmap=False):
         try:
-            yield from _leaf_blocks(folder, leaf, rows)
+            yield from _leaf_blocks(folder, leaf, rows, mmap)
         except (OSError, ValueError, TypeError) as e:  # a missing file, numpy's header parser
             raise damaged(e) from None
 
@@ -501,18 +510,19 @@ def _leaves(folder: pathlib.Path, rebuild):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise damaged(e) from None
     for leaf in leaves:
-        yield leaf, lambda rows=None, leaf=leaf: checked(leaf, rows)
+        yield leaf, lambda rows=None, mmap=False, leaf=leaf: checked(leaf, rows, mmap)
 
 
-def _restore(path: pathlib.Path, rebuild):
-    """The parameters at path as a nested dict of numpy arrays; _Damaged (with rebuild) if they
+def _restore(path: pathlib.Path, rebuild, mmap: bool = False):
+    """The parameters at path as a nested dict of numpy arrays (read-only memory maps of the
+    .npy files with `mmap`: nothing is read until a slice is); _Damaged (with rebuild) if they
     cannot be read back (tree.json unreadable, a leaf's header or length not the one it names)."""
     params: dict = {}
     for leaf, read in _leaves(path, rebuild):
         node = params
         for key in leaf["path"][:-1]:
             node = node.setdefault(key, {})
-        node[leaf["path"][-1]] = next(read())
+        node[leaf["path"][-1]] = next(read(mmap=True)) if mmap else next(read())
     return params
 
 

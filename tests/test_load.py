@@ -135,6 +135,29 @@ def test_a_local_gguf_file_converts_through_the_same_pipeline_as_the_registry_mo
     assert models.fastest_precision(str(tmp_path)) == "int8"  # a folder has no GGUF blocks
 
 
+def test_place_gets_memory_maps_so_each_host_reads_only_its_shards(tmp_path):
+    """models.load(place=...) hands the placement read-only memory maps of the cached
+    checkpoint (what jax.make_array_from_callback slices per device, so a process of a
+    multi-host mesh reads only its own shards), equal to the leaves of a plain load."""
+    import tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write(path)
+    plain = models.load(str(path), cache_dir=tmp_path / "cache", progress=False, scan_layers=True)
+    seen = []
+
+    def place(params):
+        seen.extend(jax.tree.leaves(params))
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x)), params)
+
+    placed = models.load(
+        str(path), cache_dir=tmp_path / "cache", progress=False, scan_layers=True, place=place
+    )
+    assert seen and all(isinstance(leaf, np.memmap) for leaf in seen)
+    for a, b in zip(jax.tree.leaves(placed.params), jax.tree.leaves(plain.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_an_unsupported_architecture_is_refused_in_one_line_naming_it(tmp_path):
     import json
 
