@@ -317,7 +317,8 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str):
     try:
         meta = json.loads((folder / "config.json").read_text())
         config = ModelConfig(**meta["config"]).replace(dtype=dtype)
-        tokenizer = Tokenizer.load(folder / "tokenizer.json")
+        # an entry converted before the chat template was kept reads it from the GGUF's header
+        tokenizer = Tokenizer.load(folder / "tokenizer.json", gguf=registry.gguf_path(name, cache_dir))
     except Exception as e:  # whatever the parsers raise for a damaged file
         raise _Damaged(
             folder, f"its config or tokenizer cannot be read ({type(e).__name__}: {e})", reconvert(entry)
