@@ -345,9 +345,11 @@ def test_read_chat_template_from_a_folder(tmp_path):
     assert read_chat_template(tmp_path) == "from jinja\n"
 
 
-def test_models_load_of_a_gguf_carries_its_template(tmp_path, monkeypatch):
+@pytest.mark.parametrize("legacy", [False, True], ids=["new_entry", "entry_without_the_field"])
+def test_models_load_of_a_gguf_carries_its_template(tmp_path, monkeypatch, legacy):
     """The conversion keeps the template with the cached tokenizer, and models.load's tokenizer
-    renders with it."""
+    renders with it; an entry converted before the field existed (its tokenizer.json written
+    without it, as the converter then wrote it) takes it from the GGUF."""
     from models import convert
 
     cache = tmp_path / "cache"
@@ -358,7 +360,18 @@ def test_models_load_of_a_gguf_carries_its_template(tmp_path, monkeypatch):
         "convert_in_child",
         lambda name, cache_dir=None, progress=True, **kw: convert.convert(name, cache_dir, progress, **kw),
     )
+    if legacy:
+        to_json = Tokenizer.to_json
+
+        def without_template(self):
+            data = json.loads(to_json(self))
+            del data["chat_template"]
+            return json.dumps(data)
+
+        monkeypatch.setattr(Tokenizer, "to_json", without_template)
     model = models.load(tiny_gguf.NAME, cache_dir=cache, progress=False)
+    written = json.loads((cache / "converted" / tiny_gguf.NAME / "tokenizer.json").read_text())
+    assert ("chat_template" in written) is not legacy
     assert model.tokenizer.chat_template == QWEN25_TEMPLATE
     assert model.tokenizer.apply_chat_template(CONVERSATIONS["user"][0]) == _expected("qwen", "user")
 
