@@ -16,6 +16,7 @@ setup(
         "absl-py",
         "ml_collections",
         "gguf",
+        "jinja2>=3.1.6",  # chat templates (models.tokenizer); older versions have sandbox escapes
         "tokenizers",
         "safetensors",  # Hugging Face checkpoint folders (models.hf_checkpoint)
         "tqdm",

@@ -3,6 +3,7 @@
 Examples:
   python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
   python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
+  python -m launch.generate --chat --prompt="Reverse a string in Python."  # the target's chat template
   python -m launch.generate --drafter=hybrid --max_ngram=3 --draft_threshold=0.3 ...  # lookup, then the model
   python -m launch.generate --drafter=suffix --draft_threshold=0.4 ...   # no model: text seen before
   python -m launch.generate --mesh=data:2,model:4 ...             # tensor + data parallel
@@ -119,7 +120,20 @@ flags.DEFINE_integer(
     upper_bound=2**63 - 1,  # jax.random.key takes a 64-bit seed
 )
 flags.DEFINE_string("prompt", None, "A prompt text.")
-flags.DEFINE_string("prompts_file", None, 'JSON Lines file, one {"prompt": TEXT} object per line.')
+flags.DEFINE_string(
+    "prompts_file",
+    None,
+    'JSON Lines file, one object per line: {"prompt": TEXT}, or {"messages": [{"role": ROLE, '
+    '"content": TEXT}, ...]}, a conversation always rendered with the target\'s chat template.',
+)
+flags.DEFINE_bool(
+    "chat",
+    False,
+    "Each --prompt / prompts-file prompt is one user message, rendered with the target's chat "
+    "template (a GGUF's tokenizer.chat_template) with the assistant's turn opened, as transformers' "
+    "apply_chat_template renders it; the text is tokenized without adding a BOS (the template "
+    "writes the one the model expects). A model without a template is refused.",
+)
 flags.DEFINE_integer("batch_size", 1, "Prompts decoded together in one batch.", lower_bound=1)
 flags.DEFINE_bool(
     "compare_autoregressive",
@@ -200,11 +214,42 @@ flags.register_validator(
 flags.register_validator("target", lambda v: v != "none", message="--target cannot be 'none'")
 
 
-def read_prompts() -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One prompt: a text, or a conversation (`messages`) that the target's chat template renders."""
+
+    text: str | None = None
+    messages: tuple | None = None  # validated {"role", "content"} dicts
+    where: str = "--prompt"  # what names it in an error: "--prompt", "--prompts_file line 3"
+
+    @property
+    def shown(self) -> str:
+        """What the output names it by: the text, or the conversation's last message."""
+        return self.text if self.messages is None else self.messages[-1]["content"]
+
+
+def _as_chat(prompt: Prompt) -> Prompt:
+    """--chat: a text prompt as one user message."""
+    if prompt.messages is not None:
+        return prompt
+    return Prompt(messages=({"role": "user", "content": prompt.text},), where=prompt.where)
+
+
+def read_prompts() -> list[Prompt]:
+    """--prompt or --prompts_file as Prompts (with --chat, each text a user message); UsageError
+    naming the flag (and the file's line) on bad input."""
     if FLAGS.prompt is not None and FLAGS.prompts_file is not None:
         raise common.UsageError("give --prompt or --prompts_file, not both")
-    if FLAGS.prompts_file is None:
-        return [DEFAULT_PROMPT if FLAGS.prompt is None else FLAGS.prompt]
+    if FLAGS.prompts_file is not None:
+        prompts = _read_prompts_file()
+    else:
+        prompts = [Prompt(text=DEFAULT_PROMPT if FLAGS.prompt is None else FLAGS.prompt)]
+    return [_as_chat(p) for p in prompts] if FLAGS.chat else prompts
+
+
+def _read_prompts_file() -> list[Prompt]:
+    from models.tokenizer import validate_messages
+
     if not os.path.exists(FLAGS.prompts_file) or os.path.isdir(FLAGS.prompts_file):
         raise common.UsageError(f"--prompts_file: no such file: {FLAGS.prompts_file}")
     prompts = []
@@ -223,9 +268,19 @@ def read_prompts() -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise common.UsageError(f"--prompts_file line {number}: not JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise common.UsageError(f'--prompts_file line {number}: needs a string "prompt" field')
-            prompts.append(record["prompt"])
+            where = f"--prompts_file line {number}"
+            if isinstance(record, dict) and "prompt" in record and "messages" in record:
+                raise common.UsageError(f'{where}: has both "prompt" and "messages"; give one')
+            if isinstance(record, dict) and "messages" in record:
+                try:
+                    messages = validate_messages(record["messages"])
+                except ValueError as e:
+                    raise common.UsageError(f"{where}: {e}") from None
+                prompts.append(Prompt(messages=tuple(messages), where=where))
+            elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                prompts.append(Prompt(text=record["prompt"], where=where))
+            else:
+                raise common.UsageError(f'{where}: needs a string "prompt" field or a "messages" list')
     if not prompts:
         raise common.UsageError(f"--prompts_file: {FLAGS.prompts_file} has no prompts")
     return prompts
@@ -488,16 +543,39 @@ def check_flags():
     return mesh, prompts
 
 
+def encode_prompts(tokenizer, prompts: list[Prompt]) -> tuple[list[list[int]], list[str]]:
+    """(token ids, the text the model reads) of each prompt: a text as given (tokenizer.encode),
+    a conversation rendered with the target's chat template and encoded with no BOS added
+    (tokenizer.encode_chat: the template writes it). UsageError naming --target where it has
+    no template, and the prompt where its template refuses the conversation."""
+    token_prompts, texts = [], []
+    for p in prompts:
+        if p.messages is None:
+            token_prompts.append(tokenizer.encode(p.text))
+            texts.append(p.text)
+            continue
+        try:
+            texts.append(tokenizer.apply_chat_template(list(p.messages)))
+            token_prompts.append(tokenizer.encode_chat(list(p.messages)))
+        except ValueError as e:
+            if tokenizer.chat_template is None:
+                needs = "--chat" if FLAGS.chat else f'the "messages" of {p.where}'
+                raise common.UsageError(f"{needs}: --target={FLAGS.target}: {e}") from None
+            raise common.UsageError(f"{p.where}: {e}") from None
+    return token_prompts, texts
+
+
 def load_models(prompts, mesh):
-    """(target, draft model or None, token prompts): the prompts checked against the target (and
-    --gamma against its context) before a draft model or a drafter's tables are loaded; both
-    models placed on the mesh once; the draft's tokenizer checked against the target's."""
+    """(target, draft model or None, token prompts, the prompts' texts as the model reads them
+    (encode_prompts)): the prompts checked against the target (and --gamma against its context)
+    before a draft model or a drafter's tables are loaded; both models placed on the mesh once;
+    the draft's tokenizer checked against the target's."""
     from models.tokenizer import check_pair
     from spec_jax import api, sharding
 
     batch = min(FLAGS.batch_size, len(prompts))
     target = load_model(FLAGS.target, FLAGS.target_dtype, batch, mesh)
-    token_prompts = [target.tokenizer.encode(p) for p in prompts]
+    token_prompts, texts = encode_prompts(target.tokenizer, prompts)
     api.validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)
     contexts = {"the target's": target.config.max_seq_len}
     if FLAGS.drafter != "model" or FLAGS.draft != "none":
@@ -514,7 +592,7 @@ def load_models(prompts, mesh):
             check_pair(target.tokenizer, draft.tokenizer, target.config.vocab_size, draft.config.vocab_size)
         except ValueError as e:
             raise common.UsageError(f"--draft={FLAGS.draft} and --target={FLAGS.target}: {e}") from None
-    return target, draft, token_prompts
+    return target, draft, token_prompts, texts
 
 
 def decode_all(target, draft, token_prompts, stop_ids, mesh):
@@ -591,7 +669,7 @@ def main(argv):
     from spec_jax import metrics
 
     mesh, prompts = check_flags()
-    target, draft, token_prompts = load_models(prompts, mesh)
+    target, draft, token_prompts, texts = load_models(prompts, mesh)
     main_process = jax.process_index() == 0
 
     def print(*args, **kwargs):  # noqa: A001 - only process 0 prints
@@ -604,14 +682,15 @@ def main(argv):
     draft = build_draft(target, draft, stop_ids, draft_vocab)
     tokens, stats, compared = decode_all(target, draft, token_prompts, stop_ids, mesh)
     report = make_report(target, draft_dtype, draft_vocab, stop_ids, stats)
-    for prompt, new, nonfinite in zip(prompts, tokens, stats[metrics.NONFINITE], strict=True):
+    for prompt, read, new, nonfinite in zip(prompts, texts, tokens, stats[metrics.NONFINITE], strict=True):
         text = target.tokenizer.decode(new, skip_special_tokens=FLAGS.skip_special_tokens)
-        report["outputs"].append(
-            {"prompt": prompt, "tokens": new, "text": text, "nonfinite_logits": nonfinite}
-        )
-        print(f"--- prompt: {prompt!r}\n{text}\n")
+        output = {"prompt": read, "tokens": new, "text": text, "nonfinite_logits": nonfinite}
+        if prompt.messages is not None:  # "prompt" is the conversation as the template rendered it
+            output["messages"] = list(prompt.messages)
+        report["outputs"].append(output)
+        print(f"--- {'chat' if prompt.messages is not None else 'prompt'}: {prompt.shown!r}\n{text}\n")
     print(summary_line(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats))
-    warning = report_nonfinite(stats, prompts)
+    warning = report_nonfinite(stats, [p.shown for p in prompts])
     if warning:
         print(warning, file=sys.stderr)
     if compared is not None:

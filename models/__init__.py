@@ -75,9 +75,18 @@ class ByteTokenizer:
 
     eos_id = None
     stop_ids = ()
+    chat_template = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """ValueError: a random model has no chat template (models.tokenizer.Tokenizer's method)."""
+        raise ValueError("the model has no chat template (random models have none)")
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """ValueError: a random model has no chat template."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """UTF-8 text of the byte ids (there are no special tokens to skip)."""

@@ -8,6 +8,7 @@ A GGUF carries no tokenizer.json, only llama.cpp's metadata:
   tokenizer.ggml.token_type  1 normal, 3 control (special), 4 user defined, 5 unused
   tokenizer.ggml.{bos,eos}_token_id, tokenizer.ggml.add_bos_token
   tokenizer.ggml.{eot,eom}_token_id   end of turn / end of message, where the file has them
+  tokenizer.chat_template    the Jinja chat template, where the file has one
 From these we rebuild what the model's original tokenizer.json did (the same choices as
 transformers' GGUF converter and llama.cpp's `llama-vocab.cpp` pre-tokenizer table).
 """
@@ -16,8 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import os
+import pathlib
+import struct
 from collections.abc import Iterable
+from datetime import datetime
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -176,11 +181,215 @@ def build_tokenizer(
     return tok
 
 
+NO_CHAT_TEMPLATE = (
+    "the model has no chat template (no tokenizer.chat_template in its GGUF, no chat_template in "
+    "its folder's chat_template.jinja or tokenizer_config.json)"
+)
+
+
+def read_chat_template(folder: str | os.PathLike) -> str | None:
+    """The chat template of a Hugging Face checkpoint folder, as transformers picks it: the text
+    of `chat_template.jinja` if the folder has one, else `tokenizer_config.json`'s
+    "chat_template", which is a string or a list of {"name", "template"} entries (the one named
+    "default" is taken); None where there is none. ValueError on a malformed entry."""
+    folder = pathlib.Path(folder)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+        for t in template
+    ):
+        named = {t["name"]: t["template"] for t in template}
+        if "default" not in named:
+            raise ValueError(
+                f"{config}: chat_template lists templates {sorted(named)} but none named 'default'"
+            )
+        return named["default"]
+    raise ValueError(f"{config}: chat_template must be a string or a list of {{name, template}} entries")
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> byte size, for the scalar ones.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_chat_template(path: str | os.PathLike) -> str | None:
+    """`tokenizer.chat_template` of a GGUF file, read by walking its metadata header only (a
+    fraction of a second; gguf.GGUFReader parses every field, ~9 s for a Qwen vocabulary).
+    For converted caches written before the template was stored with the tokenizer."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        magic, version, _, kv_count = struct.unpack_from("<4sIQQ", m, 0)
+        if magic != b"GGUF" or version < 2:
+            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
+        pos = 24
+
+        def string(at):
+            (n,) = struct.unpack_from("<Q", m, at)
+            return m[at + 8 : at + 8 + n], at + 8 + n
+
+        def skip(kind, at):
+            if kind == _GGUF_STRING:
+                return at + 8 + struct.unpack_from("<Q", m, at)[0]
+            if kind == _GGUF_ARRAY:
+                item, count = struct.unpack_from("<IQ", m, at)
+                at += 12
+                if item in _GGUF_SCALAR_BYTES:
+                    return at + count * _GGUF_SCALAR_BYTES[item]
+                for _ in range(count):
+                    at = skip(item, at)
+                return at
+            return at + _GGUF_SCALAR_BYTES[kind]
+
+        for _ in range(kv_count):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            if key == b"tokenizer.chat_template" and kind == _GGUF_STRING:
+                return string(pos)[0].decode("utf-8")
+            pos = skip(kind, pos)
+    return None
+
+
+def validate_messages(messages) -> list[dict[str, str]]:
+    """`messages` as a list of {"role": str, "content": str} dicts (copies), or ValueError in one
+    line naming the first bad entry."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError(
+            f'messages must be a non-empty list of {{"role", "content"}} objects, got {messages!r:.80}'
+        )
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or set(m) != {"role", "content"}
+            or not isinstance(m["role"], str)
+            or not isinstance(m["content"], str)
+        ):
+            raise ValueError(
+                f'messages[{i}] must be {{"role": string, "content": string}} and nothing else, got {m!r:.80}'
+            )
+    return [dict(m) for m in messages]
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """The template compiled as transformers compiles it (utils/chat_template_utils.py,
+    _cached_compile_jinja_template): a sandbox whose templates cannot change the objects they
+    are given, trim_blocks and lstrip_blocks, loop controls, a `{% generation %}` block that
+    renders its body, and the globals and filter chat templates use."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        # transformers marks the assistant's text with it (to mask training loss); here it only renders
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # not Jinja's own tojson, which escapes HTML characters (<, >, &, ')
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format):  # noqa: A002 - the name templates call it with
+        return datetime.now().strftime(format)
+
+    class TemplateDict:  # dict() without the class's attributes
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):  # no underscore attributes (CPython internals)
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"a namespace attribute cannot start with '_': {name!r}"
+                )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=strftime_now,
+        dict=TemplateDict(),
+        namespace=TemplateNamespace,
+    )
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
+
+
+def render_chat_template(
+    template: str,
+    messages,
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+) -> str:
+    """`template` rendered for `messages` (validate_messages) the way transformers'
+    apply_chat_template(..., tokenize=False) renders it: variables messages,
+    add_generation_prompt, tools=None, documents=None, and bos_token / eos_token where the
+    tokenizer has them (left undefined otherwise, as transformers leaves them). ValueError
+    with the template's own message where it refuses the conversation (raise_exception)."""
+    import jinja2
+
+    messages = validate_messages(messages)
+    special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
+    try:
+        return _compiled_template(template).render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **special,
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"the chat template refused the messages: {e}") from None
+
+
 class Tokenizer:
     """Text <-> token ids for a GGUF model.
 
     `encode` adds BOS only when the file says `tokenizer.ggml.add_bos_token` (both Qwen2.5-Coder
     and SmolLM2 say no). Special-token text such as "<|im_start|>" in the input maps to its id.
+    `chat_template` is the model's Jinja chat template (None where it has none): see
+    apply_chat_template and encode_chat.
     """
 
     def __init__(
@@ -193,8 +402,10 @@ class Tokenizer:
         pre: str = "",
         vocab_size: int | None = None,
         stop_ids: Iterable[int] | None = None,
+        chat_template: str | None = None,
     ):
         self._tok = tokenizer
+        self.chat_template = chat_template
         self._bos_id = bos_id
         self._eos_id = eos_id
         self.add_bos = add_bos
@@ -243,11 +454,36 @@ class Tokenizer:
             pre=pre,
             vocab_size=len(tokens),
             stop_ids=stop_ids,
+            chat_template=metadata_value(reader, "tokenizer.chat_template"),
         )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (BOS prepended only if the model's metadata asks for it)."""
         return self._tok.encode(text, add_special_tokens=True).ids
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """The text of `messages` (a list of {"role": str, "content": str}) in the model's chat
+        template, rendered as transformers' apply_chat_template(tokenize=False) renders it
+        (render_chat_template; bos_token / eos_token are the tokens of bos_id / eos_id), with
+        the assistant's turn opened when add_generation_prompt. ValueError on bad messages, or
+        when the model has no template."""
+        if self.chat_template is None:
+            raise ValueError(NO_CHAT_TEMPLATE)
+        token = lambda i: None if i is None else self.id_to_token(i)  # noqa: E731
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token(self._bos_id),
+            eos_token=token(self._eos_id),
+        )
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of apply_chat_template(messages, add_generation_prompt), with no BOS added
+        (the template writes the BOS where the model wants one, as transformers' tokenize=True
+        encodes with add_special_tokens=False)."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """`encode` over many texts (parallel in Rust)."""
@@ -298,14 +534,17 @@ class Tokenizer:
                 "add_bos": self.add_bos,
                 "pre": self.pre,
                 "vocab_size": self._vocab_size,
+                "chat_template": self.chat_template,
                 "tokenizer": json.loads(self._tok.to_str()),
             },
             ensure_ascii=False,
         )
 
     @classmethod
-    def from_json(cls, text: str) -> Tokenizer:
-        """Inverse of `to_json`."""
+    def from_json(cls, text: str, gguf: str | os.PathLike | None = None) -> Tokenizer:
+        """Inverse of `to_json`. A document written before the chat template was kept in it (no
+        "chat_template" field) takes the template of `gguf`, the file it was built from, where
+        that file is there."""
         data = json.loads(text)
         if data.get("format") != _FORMAT:
             raise ValueError(f"not a {_FORMAT} document (format={data.get('format')!r})")
@@ -318,6 +557,9 @@ class Tokenizer:
             pre=data["pre"],
             vocab_size=data["vocab_size"],
             stop_ids=data.get("stop_ids"),  # caches written before it existed: derived from the vocab
+            chat_template=data["chat_template"]
+            if "chat_template" in data
+            else (gguf_chat_template(gguf) if gguf is not None and os.path.isfile(gguf) else None),
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -326,15 +568,16 @@ class Tokenizer:
             f.write(self.to_json())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Read a file written by `save`."""
+    def load(cls, path: str | os.PathLike, gguf: str | os.PathLike | None = None) -> Tokenizer:
+        """Read a file written by `save` (`gguf`: as from_json)."""
         with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+            return cls.from_json(f.read(), gguf)
 
     def __repr__(self) -> str:
         return (
             f"Tokenizer(pre={self.pre!r}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
-            f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos})"
+            f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos}, "
+            f"chat_template={'yes' if self.chat_template is not None else 'none'})"
         )
 
 
@@ -503,4 +746,5 @@ def from_hf_folder(folder: str | os.PathLike) -> Tokenizer:
         add_bos=adds_bos,
         pre="tokenizer.json",
         stop_ids=stop_ids,
+        chat_template=read_chat_template(folder),
     )

@@ -63,6 +63,12 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
         raise ValueError("prompts must be a non-empty list of token-id lists")
     vocab = target.config.vocab_size
     for i, p in enumerate(prompts):
+        if isinstance(p, str) or (isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)):
+            what = "a text" if isinstance(p, str) else "a conversation"
+            raise ValueError(
+                f"prompts[{i}] is {what}; prompts are token ids: target.tokenizer.encode(text), or "
+                "target.tokenizer.encode_chat(messages) for a conversation in the model's chat template"
+            )
         if len(p) == 0:
             raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
         arr = np.asarray(p)
@@ -425,7 +431,9 @@ def generate(target, prompts, **options) -> Generation:
 
     Args:
       target: a models.Model.
-      prompts: list of token-id lists (ragged lengths are fine).
+      prompts: list of token-id lists (ragged lengths are fine); a conversation is
+        target.tokenizer.encode_chat(messages), its text in the model's chat template (messages:
+        [{"role": str, "content": str}, ...]) with no second BOS.
       draft: None (plain autoregressive decoding), a models.Model, or a (drafter, params) pair
         such as spec_jax.drafting.ngram.fit_bigram returns (see as_drafter).
       gamma: draft tokens per round (static: a new gamma compiles a new loop), or "auto"

@@ -386,3 +386,114 @@ def test_a_draft_differing_in_one_token_is_refused_in_one_line_and_a_prefix_draf
     )
     accepted = run_python(PAIRED_RUN, "prefix", *args, "--temperature=0")
     assert accepted.returncode == 0, accepted.stderr
+
+
+# launch.generate with both random models given the tiny GGUF's tokenizer (tests/tiny_gguf.py)
+# carrying CHAT_TEMPLATE and add_bos_token, and every token prompt generate receives written to
+# the file named by argv[1].
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CHAT_RUN = """
+import json, pathlib, sys
+sys.path.insert(0, "tests")
+import spec_jax, tiny_gguf
+from launch import common, generate
+from models.tokenizer import Tokenizer
+log = pathlib.Path(sys.argv.pop(1))
+path = log.with_suffix(".gguf")
+tiny_gguf.write(path, chat_template=sys.argv.pop(1), add_bos=True)
+tokenizer = Tokenizer.from_gguf(path)
+load = generate.load_model
+generate.load_model = lambda *args: load(*args).replace(tokenizer=tokenizer)
+spec_generate = spec_jax.generate
+def recorded(target, prompts, **options):
+    with log.open("a") as f:
+        f.write(json.dumps(prompts) + "\\n")
+    return spec_generate(target, prompts, **options)
+spec_jax.generate = recorded
+common.run(generate.main)
+"""
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """The tokenizer CHAT_RUN gives the models: BOS <|endoftext|>, added to plain text."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import tiny_gguf
+
+    from models.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("chat") / "tiny.gguf"
+    tiny_gguf.write(path, chat_template=CHAT_TEMPLATE, add_bos=True)
+    return Tokenizer.from_gguf(path)
+
+
+def _chat_run(tmp_path, *args):
+    log = tmp_path / "prompts.log"
+    base = ["--target=random", "--draft=random-draft", "--gamma=3", "--temperature=0", "--max_new_tokens=6"]
+    result = run_python(CHAT_RUN, str(log), CHAT_TEMPLATE, *base, *args)
+    assert result.returncode == 0, result.stderr
+    return result, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_chat_renders_each_prompt_with_the_targets_template_and_greedy_speculative_is_autoregressive(
+    tmp_path, chat_tokenizer
+):
+    """--chat: the prompt becomes one user message in the target's template, tokenized with one
+    BOS (the template's); speculative and autoregressive outputs are identical at temperature 0."""
+    out = tmp_path / "out.json"
+    result, calls = _chat_run(
+        tmp_path, "--chat", "--prompt=ab", "--compare_autoregressive", f"--output_json={out}"
+    )
+    messages = [{"role": "user", "content": "ab"}]
+    rendered = "<|endoftext|>user: ab<|im_end|>\nassistant:"
+    expected = chat_tokenizer.encode_chat(messages)
+    bos, end = chat_tokenizer.bos_id, chat_tokenizer.token_to_id("<|im_end|>")
+    assert expected[0] == bos and expected.count(bos) == 1 and end in expected
+    assert calls and all(call == [expected] for call in calls)  # warm-up and timed runs, both modes
+    report = json.loads(out.read_text())
+    assert report["identical_to_autoregressive"] is True
+    [output] = report["outputs"]
+    assert output["prompt"] == rendered and output["messages"] == messages
+    assert "--- chat: 'ab'" in result.stdout
+
+
+def test_a_messages_line_is_rendered_with_the_template_without_chat(tmp_path, chat_tokenizer):
+    """A {"messages": [...]} line is a conversation beside plain {"prompt": ...} lines."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "ab"}) + "\n" + json.dumps({"messages": messages}) + "\n")
+    _, calls = _chat_run(tmp_path, f"--prompts_file={prompts}", "--batch_size=2")
+    assert calls == [[chat_tokenizer.encode("ab"), chat_tokenizer.encode_chat(messages)]]
+    assert chat_tokenizer.encode("ab")[0] == chat_tokenizer.bos_id  # plain text: the tokenizer's BOS
+
+
+@pytest.mark.parametrize(
+    "line, chat, message",
+    [
+        (
+            '{"messages": [{"role": "user"}]}',
+            False,
+            '--prompts_file line 2: messages[0] must be {"role": string, "content": string} and '
+            "nothing else, got {'role': 'user'}",
+        ),
+        ('{"messages": []}', False, "--prompts_file line 2: messages must be a non-empty list"),
+        ('{"prompt": "x", "messages": []}', False, '--prompts_file line 2: has both "prompt" and "messages"'),
+        (
+            '{"messages": [{"role": "user", "content": "x"}]}',
+            False,
+            'the "messages" of --prompts_file line 2: --target=random: the model has no chat template',
+        ),
+        ('{"prompt": "x"}', True, "--chat: --target=random: the model has no chat template (random models"),
+    ],
+    ids=["bad_entry", "empty", "both", "no_template", "chat_no_template"],
+)
+def test_bad_chat_input_exits_2_with_one_line(tmp_path, line, chat, message):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n' + line + "\n")
+    result = run_cli(f"--prompts_file={prompts}", *(["--chat"] if chat else []))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    [error] = result.stderr.strip().splitlines()
+    assert error.startswith("generate.py: error: " + message)

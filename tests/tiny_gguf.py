@@ -26,10 +26,19 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in _BYTE_SYMBOLS else chr(next(extra)) for b in range(256)]
 
 
-def write(path: pathlib.Path, arch: str = "qwen2", **sizes) -> models.Model:
+def write(
+    path: pathlib.Path,
+    arch: str = "qwen2",
+    *,
+    chat_template: str | None = None,
+    add_bos: bool = False,
+    **sizes,
+) -> models.Model:
     """Writes the tiny model's GGUF to path; returns the model (float32 params as written).
     `arch` "llama" permutes the q / k rows as llama.cpp does; `sizes` (models.random_model's
-    arguments) replace the tiny ones."""
+    arguments) replace the tiny ones. `chat_template`: written as tokenizer.chat_template, with
+    <|endoftext|> and <|im_end|> marked as control tokens (matched whole in text, as a real
+    chat model's file marks them). `add_bos`: tokenizer.ggml.add_bos_token, <|endoftext|> the BOS."""
     tokens = _byte_tokens() + ["hi", "<|endoftext|>", "<|im_end|>"]
     sizes = {"num_layers": 2, "d_model": 32, "num_heads": 4, "num_kv_heads": 2, **sizes}
     model = models.random_model(vocab_size=len(tokens), seed=3, name=NAME, **sizes)
@@ -47,6 +56,12 @@ def write(path: pathlib.Path, arch: str = "qwen2", **sizes) -> models.Model:
     writer.add_token_list(tokens)
     writer.add_token_merges(["h i"])
     writer.add_eos_token_id(len(tokens) - 2)
+    if chat_template is not None:
+        writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+        writer.add_chat_template(chat_template)
+    if add_bos:
+        writer.add_bos_token_id(len(tokens) - 2)
+        writer.add_add_bos_token(True)
     params = jax.tree.map(np.asarray, model.params)
     for w in weights.weights_of(c):
         node = params["layers"] if w.per_layer else params
@@ -66,12 +81,12 @@ def write(path: pathlib.Path, arch: str = "qwen2", **sizes) -> models.Model:
     return model
 
 
-def install(cache: pathlib.Path, arch: str = "qwen2", **sizes) -> registry.ModelSpec:
+def install(cache: pathlib.Path, arch: str = "qwen2", **options) -> registry.ModelSpec:
     """Writes the tiny GGUF (write's arguments) as a verified cache entry of cache (as
     fetch_gguf would have) and returns its registry spec (register it in registry.MODELS)."""
     path = cache / "gguf" / f"{NAME}.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write(path, arch, **sizes)
+    write(path, arch, **options)
     data = path.read_bytes()
     return registry.ModelSpec(NAME, (), hashlib.sha256(data).hexdigest(), len(data))
 
