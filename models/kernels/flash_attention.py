@@ -194,14 +194,13 @@ def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
     m_ref, l_ref, acc_ref, *f32_kv_refs = scratch
     b, qi, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
-    tile = b * pl.num_programs(1) + qi
-    block = ki if first_ref is None else first_ref[tile] + ki
+    block = ki if first_ref is None else first_ref[b * pl.num_programs(1) + qi] + ki
 
     @pl.when(ki == 0)
     def _init():
         common.init_tpu_state(m_ref, l_ref, acc_ref)
 
-    @pl.when(block < nblocks_ref[tile])
+    @pl.when(block < nblocks_ref[b * pl.num_programs(1) + qi])
     def _attend():
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
         row_start = None if start_ref is None else start_ref[...]

@@ -246,14 +246,16 @@ def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
     block_k = k_ref.shape[0] // q_ref.shape[0]
     if first_ref is None:
         block = split * pl.num_programs(2) + j
-        needed = block < nblocks_ref[b]
     else:
         block = first_ref[b] + split * per_split_ref[b] + j
-        needed = (j < per_split_ref[b]) & (block < nblocks_ref[b])
 
     @pl.when(j == 0)
     def _init():
         common.init_tpu_state(m_ref, l_ref, acc_ref)
+
+    needed = block < nblocks_ref[b]
+    if per_split_ref is not None:
+        needed = needed & (j < per_split_ref[b])
 
     @pl.when(needed)
     def _attend():
@@ -278,13 +280,13 @@ def _tpu_partials(
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
     nblocks = (jnp.max(limit_rows, axis=1) + block_k - 1) // block_k  # [B]
-    prefetch, row_inputs = [nblocks], [limit_rows[:, :, None]]
+    prefetch, row_inputs = [nblocks], [limit_rows]
     if start_rows is not None:
         first = common.first_key_block(limit_rows, start_rows, block_k, axis=1)  # [B]
         # The needed blocks shared out over the chunks; never more than blocks_per_split each.
         per_split = (jnp.maximum(nblocks - first, 0) + num_splits - 1) // num_splits  # [B]
         prefetch += [first, per_split]
-        row_inputs.append(start_rows[:, :, None])
+        row_inputs.append(start_rows)
     k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
     v_rows = v.reshape(b, s * kvh, d)
 
@@ -343,7 +345,7 @@ def _tpu_partials(
         compiler_params=params,
         interpret=interpret,
         name="flash_decoding_tpu",
-    )(*prefetch, q_rows, *row_inputs, k_rows, v_rows)
+    )(*prefetch, q_rows, *(x[:, :, None] for x in row_inputs), k_rows, v_rows)
     return o_parts.transpose(0, 2, 1, 3, 4), lse[..., 0].transpose(0, 2, 1, 3)
 
 
