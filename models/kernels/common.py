@@ -302,7 +302,9 @@ def tpu_attend_block(
         l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), (rows, TPU_LANES))
 
 
-def gpu_attend_blocks(q, k_ref, v_ref, limit, row_start, first_key, num_blocks, *, block_k: int, scale: float):
+def gpu_attend_blocks(
+    q, k_ref, v_ref, limit, row_start, first_key, num_blocks, *, block_k: int, scale: float
+):
     """Triton: online softmax of query rows `q` over `num_blocks` key blocks starting at `first_key`.
 
     Args:
