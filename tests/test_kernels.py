@@ -393,14 +393,17 @@ def test_blocks_outside_the_window_are_never_read(backend, kernel):
     """K/V blocks wholly before every query's window (and past every limit) hold NaN: a kernel that
     masked them instead of skipping them would give NaN (p == 0 times NaN). So a long cache with a
     small window reads only the blocks the window reaches."""
-    s, window = 300, 20
+    # S = 600: with the small blocks, a chunk of flash_decoding's splits would hold both poisoned
+    # and visible blocks if the kernel visited the blocks before the window (a chunk of only
+    # invisible blocks contributes nothing, NaN or not).
+    s, window = 600, 20
     if kernel == "flash_attention":
         t, blocks, fn = 40, _small_prefill_blocks(backend, jnp.float32), flash_attention.flash_attention
     else:
         t, blocks, fn = 5, _small_decode_blocks(backend), flash_decoding.flash_decoding
     block_k = blocks.block_k
     # Row 2's queries are at negative positions from 1 - t on: only its last queries see a key.
-    q, k, v, pos, lens = _window_inputs(16, t, lengths=(300, 250, 3), s=s)
+    q, k, v, pos, lens = _window_inputs(16, t, lengths=(600, 450, 3), s=s)
     p, n = np.asarray(pos), np.asarray(lens)
     start = np.maximum(p + 1 - window, 0)
     sees = start < np.minimum(p + 1, n[:, None])
