@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import models.kernels
-from models.kernels import common, flash_decoding
+from models.kernels import common, flash_attention, flash_decoding
 from models.kernels import compile_targets as ct
 from models.kernels import target as target_lib
 from models.kernels.flash_decoding import DecodeBlockSizes
@@ -149,6 +149,28 @@ def _decode_args(t, h, kvh, d, s, dtype):
         jax.ShapeDtypeStruct((1, t), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     )
+
+
+@pytest.mark.parametrize("target", ["tpu-v5e", "gpu-rtx-a6000"])
+@pytest.mark.parametrize(
+    "kernel, t", [(flash_decoding.flash_decoding, 5), (flash_attention.flash_attention, 128)],
+    ids=["flash_decoding", "flash_attention"],
+)  # fmt: skip
+def test_kernels_compile_with_a_traced_window(target, kernel, t):
+    """Gemma 3's local / global layers pass the window as a traced int32 (chosen per layer inside
+    the layer scan): each Pallas kernel compiles with one for a real TPU and GPU (B = 1: the TPU
+    decode kernel shares the window's blocks out over its 2 chunks at run time)."""
+    impl = ct.pallas_impl(target)
+
+    def fn(q, k, v, q_positions, kv_lengths, window):
+        return kernel(q, k, v, q_positions, kv_lengths, window=window, backend=impl.removeprefix("pallas_"))
+
+    args = (
+        *_decode_args(t=t, h=8, kvh=2, d=128, s=1000, dtype=jnp.bfloat16),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    assert ct.has_pallas_kernel(ct.lower_for(fn, args, ct.device(target)).as_text(), impl)
+    ct.compile_for(fn, args, ct.device(target))  # the device compiler's errors propagate
 
 
 def test_sm86_broken_old_block_rule_exceeds_shared_memory():

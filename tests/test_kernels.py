@@ -18,7 +18,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from models import kernels
-from models.kernels import common, flash_attention, flash_decoding
+from models.kernels import common, cpu_matmul, flash_attention, flash_decoding
 from models.kernels import target as target_lib
 from models.kernels.flash_attention import FlashBlockSizes
 from models.kernels.flash_decoding import DecodeBlockSizes
@@ -211,6 +211,217 @@ def test_skipped_blocks_are_never_read(backend, kernel):
     _assert_matches_reference(out, q, k, v, pos, lens)
 
 
+# ------------------------------------------------------------------------------ sliding window
+# Hugging Face's sliding-window mask (Mistral, Gemma 3's local layers): key s is visible to the
+# query at position p iff s <= p, s < kv_length and p - s < window.
+
+WINDOW_IMPLS = ("cpu", "pallas_gpu", "pallas_tpu")
+# Windows of one key, two keys, a middle value, exactly S, and a global layer's int32 max.
+WINDOWS_S300 = (1, 2, 37, 300, kernels.MAX_WINDOW)
+# decode (T=1), verification (T = gamma + 1, gamma 4) and prefill (T > DECODE_MAX_QUERIES): row 1
+# has one key, row 2 a ragged length; every row's queries are its last T positions.
+WINDOW_STEPS = {"decode": 1, "verify": 5, "prefill": 40}
+
+
+def _window_inputs(seed, t, dtype=jnp.float32, lengths=(300, 1, 170), s=300, h=4, kvh=2):
+    return _inputs(
+        seed, b=len(lengths), t=t, s=s, h=h, kvh=kvh, d=64, dtype=dtype, lengths=lengths, mode="decode"
+    )
+
+
+def _cpu_isa():
+    isa = cpu_matmul.isa()
+    if not cpu_matmul.available(isa):
+        pytest.skip(f"the CPU kernel library ({isa}) cannot be built here")
+    return isa
+
+
+def _windowed(impl):
+    """attention(q, k, v, pos, lens, window) for impl, jitted: the window is a traced int32 scalar."""
+    cpu_isa = _cpu_isa() if impl == "cpu" else None
+    fn = functools.partial(kernels.attention, impl=impl, interpret=True, cpu_isa=cpu_isa)
+    return jax.jit(lambda q, k, v, pos, lens, window: fn(q, k, v, pos, lens, window=window))
+
+
+def _assert_matches_windowed_reference(out, q, k, v, pos, lens, window):
+    ref = np.asarray(_reference(q, k, v, pos, lens, window), np.float32)
+    out32 = np.asarray(out, np.float32)
+    chex.assert_equal_shape([out, ref])
+    err = np.max(np.abs(out32 - ref)) / np.max(np.abs(ref))
+    tol = TOLERANCE[jnp.dtype(q.dtype)]
+    assert err <= tol, f"window {window}: max-normalised error {err:.3g} > {tol:g}"
+
+
+def test_window_mask_is_hugging_faces_sliding_window():
+    pos = np.array([[-1, 0, 3, 7, 9]], np.int32)
+    lens = np.array([8], np.int32)
+    for window in (1, 2, 3, 8, kernels.MAX_WINDOW):
+        mask = np.asarray(kernels.attention_mask(jnp.asarray(pos), jnp.asarray(lens), 10, window))
+        expected = np.array(
+            [[[s <= p and s < lens[0] and p - s < window for s in range(10)] for p in pos[0]]]
+        )
+        np.testing.assert_array_equal(mask, expected, err_msg=f"window {window}")
+    # window 1: each query sees only its own key (where it is in the cache).
+    one = np.asarray(kernels.attention_mask(jnp.asarray(pos), jnp.asarray(lens), 10, 1))
+    assert one.sum(axis=-1).tolist() == [[0, 1, 1, 1, 0]]
+
+
+def test_reference_window_at_least_the_length_is_no_window_bit_for_bit():
+    q, k, v, pos, lens = _window_inputs(10, 5)
+    unlimited = np.asarray(_reference(q, k, v, pos, lens))
+    for window in (300, 301, kernels.MAX_WINDOW):
+        np.testing.assert_array_equal(np.asarray(_reference(q, k, v, pos, lens, window)), unlimited)
+    # And a window below the length does change the result (the comparison can fail).
+    assert not np.array_equal(np.asarray(_reference(q, k, v, pos, lens, 299)), unlimited)
+
+
+@pytest.mark.parametrize("impl", WINDOW_IMPLS)
+@pytest.mark.parametrize("step", WINDOW_STEPS)
+def test_windowed_attention_matches_reference(impl, step):
+    """Every impl under a traced window (one compiled program per shape) with windows 1, 2, 37,
+    exactly S and the int32 max, ragged lengths (300, 1, 170), on decode, verify and prefill."""
+    q, k, v, pos, lens = _window_inputs(11, WINDOW_STEPS[step])
+    attend = _windowed(impl)
+    for window in WINDOWS_S300:
+        out = attend(q, k, v, pos, lens, jnp.int32(window))
+        _assert_matches_windowed_reference(out, q, k, v, pos, lens, window)
+
+
+@pytest.mark.parametrize("impl", WINDOW_IMPLS)
+def test_python_int_window_matches_reference(impl):
+    q, k, v, pos, lens = _window_inputs(12, 5, dtype=jnp.bfloat16)
+    cpu_isa = _cpu_isa() if impl == "cpu" else None
+    fn = functools.partial(kernels.attention, window=3, impl=impl, interpret=True, cpu_isa=cpu_isa)
+    _assert_matches_windowed_reference(jax.jit(fn)(q, k, v, pos, lens), q, k, v, pos, lens, 3)
+
+
+@pytest.mark.parametrize("impl", ("xla", *WINDOW_IMPLS))
+def test_traced_window_at_most_zero_hides_every_key(impl):
+    q, k, v, pos, lens = _window_inputs(13, 5)
+    attend = _windowed(impl)
+    for window in (0, -1, np.iinfo(np.int32).min):
+        np.testing.assert_array_equal(np.asarray(attend(q, k, v, pos, lens, jnp.int32(window))), 0.0)
+
+
+@pytest.mark.parametrize("impl", ("xla", *WINDOW_IMPLS))
+@pytest.mark.parametrize("t", [5, 20], ids=["verify", "prefill"])
+def test_per_layer_traced_window_inside_scan(impl, t):
+    """Gemma 3's pattern: the window of each layer is jnp.where(is_local[layer], W, MAX_WINDOW),
+    chosen inside a lax.scan over layers, so one compiled body serves local and global layers."""
+    q, k, v, pos, lens = _window_inputs(14, t, lengths=(150, 1, 77), s=150)
+    is_local = jnp.array([True, False, True])
+    cpu_isa = _cpu_isa() if impl == "cpu" else None
+    fn = functools.partial(kernels.attention, impl=impl, interpret=True, cpu_isa=cpu_isa)
+
+    @jax.jit
+    def layers(q, k, v, pos, lens):
+        def body(carry, layer):
+            window = jnp.where(is_local[layer], 6, kernels.MAX_WINDOW)
+            scale = (layer + 1).astype(q.dtype)  # a different query per layer
+            return carry, fn(q * scale, k, v, pos, lens, window=window)
+
+        return jax.lax.scan(body, None, jnp.arange(3))[1]
+
+    out = layers(q, k, v, pos, lens)
+    for layer, window in enumerate((6, None, 6)):
+        ref_args = (q * (layer + 1), k, v, pos, lens)
+        _assert_matches_windowed_reference(out[layer], *ref_args, window)
+
+
+@pytest.mark.parametrize("window", [1, 2, 37])
+def test_broken_off_by_one_window_fails_the_comparison(window):
+    """The broken twin p - s <= window (one key too many) differs from the mask, and the comparison
+    the window tests use rejects its outputs: they would catch a kernel with that mistake."""
+    q, k, v, pos, lens = _window_inputs(11, 5)
+    broken_mask = kernels.attention_mask(pos, lens, 300, window + 1)  # p - s < w + 1  <=>  p - s <= w
+    assert not np.array_equal(
+        np.asarray(broken_mask), np.asarray(kernels.attention_mask(pos, lens, 300, window))
+    )
+    broken = _reference(q, k, v, pos, lens, window + 1)
+    with pytest.raises(AssertionError, match=f"window {window}: max-normalised error"):
+        _assert_matches_windowed_reference(broken, q, k, v, pos, lens, window)
+
+
+@pytest.mark.parametrize(
+    "window, message",
+    [
+        (0, r"window must be None or an integer in \[1, 2147483647\], got 0"),
+        (-3, r"got -3"),
+        (2**31, r"got 2147483648"),
+        (True, r"got True"),
+        (np.zeros(2, np.int32), r"window must be None, an int or an integer scalar array, got shape \(2,\)"),
+        (np.float32(4.0), r"got shape \(\) dtype float32"),
+    ],
+    ids=["zero", "negative", "past-int32", "bool", "vector", "float"],
+)
+@pytest.mark.parametrize("impl", ("xla", "pallas_tpu", "pallas_gpu"))
+def test_bad_window_is_a_value_error_naming_window(window, message, impl):
+    fn = functools.partial(kernels.attention, window=window, impl=impl, interpret=True)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(fn, *_shapes())
+
+
+def test_bad_window_to_a_kernel_directly_is_a_value_error():
+    for kernel in (flash_attention.flash_attention, flash_decoding.flash_decoding):
+        with pytest.raises(
+            ValueError, match=r"window must be None or an integer in \[1, 2147483647\], got 0"
+        ):
+            kernel(*_window_inputs(1, 5), window=0, backend="gpu", interpret=True)
+
+
+def test_cpu_kernel_window_keeps_its_bits():
+    """None, S and the int32 max give the same bits as before the window existed (the loop starts
+    at key 0 for all three), and with a small window a query's result is still the same bits
+    whatever the number of queries in the call (verification rows equal decode steps)."""
+    isa = _cpu_isa()
+    q, k, v, pos, lens = _window_inputs(15, 5)
+    attend = jax.jit(functools.partial(cpu_matmul.attention, isa_name=isa))
+    unlimited = np.asarray(attend(q, k, v, pos, lens))
+    for window in (300, kernels.MAX_WINDOW):
+        np.testing.assert_array_equal(
+            np.asarray(attend(q, k, v, pos, lens, window=jnp.int32(window))), unlimited
+        )
+    windowed = np.asarray(attend(q, k, v, pos, lens, window=jnp.int32(3)))
+    for t in range(5):
+        alone = attend(q[:, t : t + 1], k, v, pos[:, t : t + 1], lens, window=jnp.int32(3))
+        np.testing.assert_array_equal(np.asarray(alone)[:, 0], windowed[:, t])
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("kernel", ["flash_attention", "flash_decoding"])
+def test_blocks_outside_the_window_are_never_read(backend, kernel):
+    """K/V blocks wholly before every query's window (and past every limit) hold NaN: a kernel that
+    masked them instead of skipping them would give NaN (p == 0 times NaN). So a long cache with a
+    small window reads only the blocks the window reaches."""
+    # S = 600: with the small blocks, a chunk of flash_decoding's splits would hold both poisoned
+    # and visible blocks if the kernel visited the blocks before the window (a chunk of only
+    # invisible blocks contributes nothing, NaN or not).
+    s, window = 600, 20
+    if kernel == "flash_attention":
+        t, blocks, fn = 40, _small_prefill_blocks(backend, jnp.float32), flash_attention.flash_attention
+    else:
+        t, blocks, fn = 5, _small_decode_blocks(backend), flash_decoding.flash_decoding
+    block_k = blocks.block_k
+    # Row 2's queries are at negative positions from 1 - t on: only its last queries see a key.
+    q, k, v, pos, lens = _window_inputs(16, t, lengths=(600, 450, 3), s=s)
+    p, n = np.asarray(pos), np.asarray(lens)
+    start = np.maximum(p + 1 - window, 0)
+    sees = start < np.minimum(p + 1, n[:, None])
+    first = np.where(sees, start, s).min(axis=1) // block_k * block_k  # [B] first key read
+    end = -(-np.minimum(p.max(axis=1) + 1, n) // block_k) * block_k  # [B] past the last key read
+    keys = np.arange(s)[None, :]
+    poison = (keys < first[:, None]) | (keys >= end[:, None])
+    assert poison[:2, : s // 2].any(axis=1).all(), "rows 0 and 1 must have a block before the window"
+    poison = jnp.asarray(poison)[:, :, None, None]
+    k_bad, v_bad = jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
+    fn = functools.partial(
+        fn, window=window, backend=backend, block_sizes=blocks, interpret=_interpret(backend)
+    )
+    out = jax.jit(fn)(q, k_bad, v_bad, pos, lens)
+    assert np.isfinite(np.asarray(out)).all()
+    _assert_matches_windowed_reference(out, q, k, v, pos, lens, window)
+
+
 # ------------------------------------------------------------------------------ trace-time errors
 
 
@@ -337,12 +548,17 @@ def _lower(fn, platform, args):
 @pytest.mark.parametrize("backend, platform", [("tpu", "tpu"), ("gpu", "cuda")])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("t", [5, 64], ids=["decode", "prefill"])
-def test_kernels_lower_for_real_backends(backend, platform, dtype, t):
+@pytest.mark.parametrize("windowed", [False, True], ids=["", "traced-window"])
+def test_kernels_lower_for_real_backends(backend, platform, dtype, t, windowed):
     """The Pallas -> Mosaic / Triton lowering (block-shape rules, supported ops) runs on CPU too.
     The device compilers after it (libtpu's Mosaic passes, Triton -> PTX) need the device."""
     impl = "pallas_tpu" if backend == "tpu" else "pallas_gpu"
     fn = functools.partial(kernels.attention, impl=impl)
-    text = _lower(fn, platform, _shapes(b=2, t=t, s=1000, h=8, kvh=2, d=128, dtype=dtype))
+    shapes = _shapes(b=2, t=t, s=1000, h=8, kvh=2, d=128, dtype=dtype)
+    if windowed:
+        shapes += (jax.ShapeDtypeStruct((), jnp.int32),)
+        fn = functools.partial(lambda attend, *args: attend(*args[:5], window=args[5]), fn)
+    text = _lower(fn, platform, shapes)
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in text
 
 
@@ -370,7 +586,7 @@ def test_dispatcher_routes_on_num_queries(monkeypatch, impl):
     calls = []
 
     def spy(name):
-        def fake(q, k, v, q_positions, kv_lengths, *, backend, interpret):
+        def fake(q, k, v, q_positions, kv_lengths, *, window, backend, interpret):
             calls.append((name, q.shape[1], backend))
             return q
 

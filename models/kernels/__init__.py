@@ -1,14 +1,21 @@
 """Attention behind one contract, with a dispatcher over implementations.
 
-`attention(q[B,T,H,D], k[B,S,KVH,D], v[B,S,KVH,D], q_positions[B,T], kv_lengths[B])`:
-query at position q_positions[b,t] attends keys at positions s <= q_positions[b,t] and
-s < kv_lengths[b]; H is a multiple of KVH (query head h reads kv head h // (H // KVH));
-float32 or bfloat16 in, same dtype out, accumulation in float32; a query that sees no key
-returns zeros.
+`attention(q[B,T,H,D], k[B,S,KVH,D], v[B,S,KVH,D], q_positions[B,T], kv_lengths[B], *, window=None)`:
+query at position p = q_positions[b,t] attends keys at positions s <= p and s < kv_lengths[b],
+and, with a window, p - s < window (Hugging Face's sliding-window mask: Mistral, Gemma 3's local
+layers; the query's own key counts, so window=1 sees only itself); H is a multiple of KVH (query
+head h reads kv head h // (H // KVH)); float32 or bfloat16 in, same dtype out, accumulation in
+float32; a query that sees no key returns zeros.
+
+window: None (no limit; the programs are then exactly those without the argument) or an int32
+scalar: a Python int, checked to lie in [1, MAX_WINDOW] (ValueError naming `window` otherwise), or
+a traced jax integer scalar, e.g. jnp.where(is_local[layer], W, MAX_WINDOW) inside a scan over
+layers, whose value cannot be checked while tracing: a traced window <= 0 hides every key (zeros).
+A window at least the number of keys is the same as None (the reference gives the same bits).
 
 Implementations (`impl`):
   "xla"         the dense reference (reference.py); any backend.
-  "cpu"         this project's CPU kernel (cpu_attention.cc, in the CPU kernel library of
+  "cpu"         this project's CPU kernel (cpu_rowwise.cc, in the CPU kernel library of
                 cpu_matmul.py): each query computed alone in one fixed order, so a query's result
                 does not depend on how many queries share the call (XLA's fusions of the reference
                 do, in the last bits). A model whose products run in the CPU kernels calls it
@@ -29,7 +36,13 @@ generation, GPU shared memory per block (see target.py). See docs/kernels.md.
 
 from models.kernels import flash_attention, flash_decoding
 from models.kernels import target as target_lib
-from models.kernels.reference import DEFAULT_MASK_VALUE, attention_mask, attention_reference
+from models.kernels.reference import (
+    DEFAULT_MASK_VALUE,
+    MAX_WINDOW,
+    attention_mask,
+    attention_reference,
+    check_window,
+)
 
 IMPLS = ("auto", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 
@@ -63,15 +76,18 @@ def resolve_impl(impl: str, device=None) -> str:
     return "xla"
 
 
-def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret=False, cpu_isa=None):
-    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract.
-    cpu_isa: the CPU kernel library's build that impl "cpu" calls (cpu_matmul.ISAS; a model
-    passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise."""
+def attention(
+    q, k, v, q_positions, kv_lengths, *, window=None, impl: str = "auto", interpret=False, cpu_isa=None
+):
+    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract and
+    `window`. cpu_isa: the CPU kernel library's build that impl "cpu" calls (cpu_matmul.ISAS; a
+    model passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise."""
     impl = resolve_impl(impl)
+    check_window(window)
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
     if impl == "xla":
-        return attention_reference(q, k, v, q_positions, kv_lengths)
+        return attention_reference(q, k, v, q_positions, kv_lengths, window)
     if impl == "cpu":
         from models.kernels import cpu_matmul
 
@@ -81,7 +97,7 @@ def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret
             raise ValueError(
                 "attention impl cpu: the CPU kernel library is unavailable here (see the warning)"
             )
-        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa)
+        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window)
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
     # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
     # goes to flash_attention, which tiles the queries.
@@ -89,10 +105,10 @@ def attention(q, k, v, q_positions, kv_lengths, *, impl: str = "auto", interpret
         q.shape, k.shape, q.dtype, backend, target_lib.current()
     ):
         return flash_decoding.flash_decoding(
-            q, k, v, q_positions, kv_lengths, backend=backend, interpret=interpret
+            q, k, v, q_positions, kv_lengths, window=window, backend=backend, interpret=interpret
         )
     return flash_attention.flash_attention(
-        q, k, v, q_positions, kv_lengths, backend=backend, interpret=interpret
+        q, k, v, q_positions, kv_lengths, window=window, backend=backend, interpret=interpret
     )
 
 
@@ -100,8 +116,10 @@ __all__ = [
     "DECODE_MAX_QUERIES",
     "DEFAULT_MASK_VALUE",
     "IMPLS",
+    "MAX_WINDOW",
     "attention",
     "attention_mask",
     "attention_reference",
+    "check_window",
     "resolve_impl",
 ]

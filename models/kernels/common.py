@@ -2,7 +2,11 @@
 
 Both kernels reduce the masking contract of `attention` to one integer per query row:
 `limit[b, t] = clip(min(q_positions[b, t] + 1, kv_lengths[b]), 0, S)`; query row t of batch row b
-sees exactly the keys s < limit[b, t]. Padded query rows get limit 0 and so see nothing.
+sees exactly the keys s < limit[b, t]. Padded query rows get limit 0 and so see nothing. With a
+sliding window a second integer per row, `start[b, t] = max(0, q_positions[b, t] + 1 - window)`
+(row_starts), bounds the keys from below: the row sees start <= s < limit. Key blocks wholly
+before the smallest start of a tile are skipped like those past its largest limit
+(first_key_block).
 
 Online softmax state per query row: running max `m` (initialised to the finite DEFAULT_MASK_VALUE,
 not -inf, so that `m_prev - m_next` is never inf - inf), running sum `l` and unnormalised output
@@ -103,6 +107,23 @@ def row_limits(q_positions, kv_lengths, num_keys: int):
     """[B, T] int32: query (b, t) sees keys s < limit[b, t]."""
     limit = jnp.minimum(q_positions.astype(jnp.int32) + 1, kv_lengths.astype(jnp.int32)[:, None])
     return jnp.clip(limit, 0, num_keys)
+
+
+def row_starts(q_positions, window):
+    """[B, T] int32: with a window, query (b, t) sees no key s < start[b, t] = max(0, p + 1 - window).
+
+    Computed without int32 overflow for any window (a global layer's int32 max, or a traced value
+    <= 0, which leaves start >= p + 1, so the row sees nothing)."""
+    reach = jnp.maximum(q_positions.astype(jnp.int32) + 1, 0)  # p + 1, and 0 for negative positions
+    return reach - jnp.clip(jnp.asarray(window, jnp.int32), 0, reach)
+
+
+def first_key_block(limit, row_start, block_k: int, axis):
+    """int32 over `axis` of the rows [..., R]: the first key block holding a key some row sees
+    (row_start <= s < limit). Rows that see nothing (row_start >= limit: padding, or a window <= 0)
+    do not pull it down; where no row sees a key it is past every needed block."""
+    seen = jnp.where(row_start < limit, row_start, jnp.iinfo(jnp.int32).max)
+    return lax.div(jnp.min(seen, axis=axis), jnp.int32(block_k))  # operands >= 0: lax.div floors
 
 
 def tpu_vmem_budget(target: target_lib.Target) -> int:
@@ -206,6 +227,7 @@ def tpu_attend_block(
     k_ref,
     v_ref,
     limit,
+    row_start,
     kv_start,
     m_ref,
     l_ref,
@@ -225,6 +247,7 @@ def tpu_attend_block(
         (row = s * KVH + h): a block of the [B, S * KVH, D] view of the [B, S, KVH, D] cache, so the
         cache is read in place. Rows at keys >= num_keys (the tail of a partial last block) are garbage.
       limit: [R, 1] int32, row r sees keys s < limit[r].
+      row_start: [R, 1] int32, row r sees keys s >= row_start[r] (row_starts); None without a window.
       kv_start: int32 scalar, position of the block's first key.
       m_ref, l_ref: [KVH, R, 128] f32 lane-replicated running max / sum; acc_ref: [KVH, R, D] f32.
       kf_ref, vf_ref: [block_k * KVH, D] f32 scratch when the inputs are bfloat16 with KVH > 1, else None.
@@ -234,7 +257,10 @@ def tpu_attend_block(
     kvh, rows, _ = q_ref.shape
     block_k = k_ref.shape[0] // kvh
     precision = dot_precision(q_ref.dtype)
-    visible = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1) < limit  # [R, block_k]
+    key_pos = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)  # [R, block_k]
+    visible = key_pos < limit
+    if row_start is not None:
+        visible = visible & (key_pos >= row_start)
     if kf_ref is not None:
         # Mosaic's strided sublane loads want 32-bit rows; widen the block once for all heads.
         kf_ref[...] = k_ref[...].astype(jnp.float32)
@@ -276,13 +302,16 @@ def tpu_attend_block(
         l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), (rows, TPU_LANES))
 
 
-def gpu_attend_blocks(q, k_ref, v_ref, limit, first_key, num_blocks, *, block_k: int, scale: float):
+def gpu_attend_blocks(
+    q, k_ref, v_ref, limit, row_start, first_key, num_blocks, *, block_k: int, scale: float
+):
     """Triton: online softmax of query rows `q` over `num_blocks` key blocks starting at `first_key`.
 
     Args:
       q: [R, D] query rows (input dtype). R and D are powers of two >= 16.
       k_ref, v_ref: [S, D], the whole key sequence of one (batch row, kv head); reads past S are masked.
       limit: [R] int32, row r sees keys s < limit[r].
+      row_start: [R] int32, row r sees keys s >= row_start[r] (row_starts); None without a window.
       first_key: int32 scalar, a multiple of block_k; num_blocks: int32 scalar, data-dependent trip count.
 
     Returns:
@@ -305,6 +334,8 @@ def gpu_attend_blocks(q, k_ref, v_ref, limit, first_key, num_blocks, *, block_k:
             v = v_ref[pl.ds(start, block_k), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)  # [R, block_k]
         visible = key_pos[None, :] < limit[:, None]
+        if row_start is not None:
+            visible = visible & (key_pos[None, :] >= row_start[:, None])
         s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)

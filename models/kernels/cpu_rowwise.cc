@@ -5,7 +5,9 @@
 // Attention, under the contract of models/kernels/__init__.py:
 //
 //   out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h / G] / sqrt(D)) . v[b, s, h / G]
-//   over s <= q_positions[b, t] and s < kv_lengths[b]; zeros where no key is visible.
+//   over s <= q_positions[b, t], s < kv_lengths[b] and q_positions[b, t] - s < window;
+//   zeros where no key is visible. window is an int32 scalar operand (the largest int32 for none):
+//   a query's loop starts at max(0, p + 1 - window), so with a large window nothing changes.
 //
 // Why: XLA fuses and vectorizes the reference's einsums and softmax differently for different
 // numbers of queries, so a query's result in a verification call (T = gamma + 1) differed from
@@ -125,20 +127,22 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buffer<ffi::F32> k_buf,
                      ffi::Buffer<ffi::F32> v_buf, ffi::Buffer<ffi::S32> qpos_buf, ffi::Buffer<ffi::S32> kvlen_buf,
-                     ffi::ResultBuffer<ffi::F32> out_buf) {
+                     ffi::Buffer<ffi::S32> window_buf, ffi::ResultBuffer<ffi::F32> out_buf) {
   const auto qd = q_buf.dimensions(), kd = k_buf.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !SameDims(v_buf.dimensions(), kd) || qd[0] != kd[0] || qd[3] != kd[3] ||
       kd[2] == 0 || qd[2] % kd[2] != 0 || qpos_buf.element_count() != qd[0] * qd[1] ||
-      kvlen_buf.element_count() != qd[0] || !SameDims(out_buf->dimensions(), qd)) {
+      kvlen_buf.element_count() != qd[0] || window_buf.element_count() != 1 ||
+      !SameDims(out_buf->dimensions(), qd)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "spec_jax attention expects q [B, T, H, D], k and v [B, S, KVH, D] with KVH dividing H, "
-                      "q_positions [B, T], kv_lengths [B], out [B, T, H, D]");
+                      "q_positions [B, T], kv_lengths [B], window [], out [B, T, H, D]");
   }
   const int64_t batch = qd[0], t_dim = qd[1], heads = qd[2], d = qd[3], keys = kd[1], kv_heads = kd[2];
   const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
   const float scale = static_cast<float>(std::pow(static_cast<double>(d), -0.5));
   const float *q = q_buf.typed_data(), *k = k_buf.typed_data(), *v = v_buf.typed_data();
   const int32_t *qpos = qpos_buf.typed_data(), *kvlen = kvlen_buf.typed_data();
+  const int64_t window = window_buf.typed_data()[0];
   float* out = out_buf->typed_data();
   const int64_t items = batch * t_dim * heads;  // one query head of one position of one row each
   auto body = [=](int64_t item) {
@@ -146,8 +150,10 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buf
     scores.resize(std::max<int64_t>(keys, 1));
     const int64_t h = item % heads, bt = item / heads, b = bt / t_dim;
     const int64_t n = std::min<int64_t>({static_cast<int64_t>(qpos[bt]) + 1, kvlen[b], keys});
-    const int64_t kv = b * keys * kv_stride + (h / group) * d;
-    OneQuery(q + item * d, k + kv, v + kv, n, kv_stride, d, scale, scores.data(), out + item * d);
+    // The window's first key (int64: no wrap for any int32 window), never past n.
+    const int64_t first = std::max<int64_t>(0, std::min<int64_t>(n, static_cast<int64_t>(qpos[bt]) + 1 - window));
+    const int64_t kv = b * keys * kv_stride + first * kv_stride + (h / group) * d;
+    OneQuery(q + item * d, k + kv, v + kv, n - first, kv_stride, d, scale, scores.data(), out + item * d);
   };
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, items / (4 * threads));
@@ -189,6 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -3,18 +3,23 @@
 Tiling: queries are cut into blocks of `block_q` rows, keys into blocks of `block_k`. For each
 (batch row, query block) the number of key blocks that can hold a visible key is
 `cdiv(max(limit over the block's rows), block_k)` (see common.row_limits): key blocks wholly beyond
-the row's length or above the causal diagonal of every query in the block are never loaded.
+the row's length or above the causal diagonal of every query in the block are never loaded. With a
+sliding window the visit starts at the block of the smallest window start of the block's rows
+(common.row_starts, common.first_key_block): blocks wholly before every query's window are never
+loaded either, so a long context with a small window costs about window / block_k key blocks per
+query block, not S / block_k.
 
 TPU (Mosaic): grid (B, query blocks, key blocks), key axis last and "arbitrary". The per-block key
 block counts are scalar-prefetched into SMEM; the K/V index_map clamps to the last needed block
-(an unchanged block index issues no DMA) and the body is skipped with `pl.when`. One grid step
+(an unchanged block index issues no DMA) and the body is skipped with `pl.when`; with a window
+the first needed block is prefetched too and key step ki visits block first + ki. One grid step
 handles all heads: the [B, S, KVH, D] cache is viewed (free reshape) as [B, S * KVH, D] and each kv
 head's keys are a stride-KVH sublane load, so the cache is never transposed. Queries are regrouped
 in the wrapper to [B, nq, KVH, G * block_q, D] so that the G query heads sharing a kv head form one
 MXU tile. m / l / acc live in VMEM scratch, initialised and finalised with `pl.when`.
 
 GPU (Triton): grid (query blocks, B, H); each program keeps its [block_q, D] query tile in
-registers and runs `lax.fori_loop` over key blocks with the data-dependent trip count above.
+registers and runs `lax.fori_loop` over key blocks with the data-dependent range above.
 Loads past S are masked, so the cache is neither padded nor transposed.
 
 S need not be a multiple of block_k (the ragged last block is masked); T is padded to a multiple
@@ -33,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
 from models.kernels import target as target_lib
+from models.kernels.reference import check_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +120,6 @@ class FlashBlockSizes:
                     raise ValueError(f"GPU {name}={value} must be a power of two >= 16 (Triton tiles)")
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
 def flash_attention(
     q,
     k,
@@ -122,6 +127,7 @@ def flash_attention(
     q_positions,
     kv_lengths,
     *,
+    window=None,
     backend: str,
     block_sizes: FlashBlockSizes | None = None,
     interpret=False,
@@ -132,6 +138,8 @@ def flash_attention(
     Args:
       q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
       q_positions: [B, T] int; kv_lengths: [B] int.
+      window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
+        keys s with p - s < window; key blocks before every window of a query block are skipped.
       backend: "tpu" (Mosaic) or "gpu" (Triton).
       block_sizes: FlashBlockSizes; None picks FlashBlockSizes.default(backend, D, dtype, target, ...).
       interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
@@ -141,6 +149,15 @@ def flash_attention(
     Returns:
       [B, T, H, D] in q's dtype.
     """
+    check_window(window)  # here, before jit: a Python int is still a number
+    return _flash_attention(
+        q, k, v, q_positions, kv_lengths, window,
+        backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
+def _flash_attention(q, k, v, q_positions, kv_lengths, window, *, backend, block_sizes, interpret, target):
     common.check_backend(backend)
     common.check_inputs(q, k, v, q_positions, kv_lengths)
     common.check_kernel_inputs(q, k, v)
@@ -151,42 +168,45 @@ def flash_attention(
         block_sizes = FlashBlockSizes.default(backend, q.shape[-1], q.dtype, target, group, kvh)
     block_sizes.check(backend, q.dtype)
     limit = common.row_limits(q_positions, kv_lengths, k.shape[1])  # [B, T]
+    start = None if window is None else common.row_starts(q_positions, window)  # [B, T]
     if backend == "tpu":
-        return _tpu_flash_attention(q, k, v, limit, block_sizes, common.tpu_interpret(interpret), target)
-    return _gpu_flash_attention(q, k, v, limit, block_sizes, interpret, target)
+        return _tpu_flash_attention(
+            q, k, v, limit, start, block_sizes, common.tpu_interpret(interpret), target
+        )
+    return _gpu_flash_attention(q, k, v, limit, start, block_sizes, interpret, target)
 
 
 # ---------------------------------------------------------------------------------------------- TPU
 
 
-def _tpu_kernel(
-    nblocks_ref,  # SMEM [B * nq] int32: key blocks needed by each (batch row, query block)
-    q_ref,  # [KVH, R, D], R = G * block_q
-    limit_ref,  # [R, 1] int32
-    k_ref,  # [block_k * KVH, D]
-    v_ref,  # [block_k * KVH, D]
-    o_ref,  # [KVH, R, D]
-    m_ref,  # scratch [KVH, R, 128] f32
-    l_ref,  # scratch [KVH, R, 128] f32
-    acc_ref,  # scratch [KVH, R, D] f32
-    *f32_kv_refs,  # scratch [block_k * KVH, D] f32 x2, bfloat16 with KVH > 1 only
-    num_keys: int,
-    scale: float,
-    mxu_dtype,
-):
+def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
+    """refs, in order (the bracketed ones with a window only):
+    nblocks_ref SMEM [B * nq] int32, the end of the key blocks each (batch row, query block) needs;
+    [first_ref SMEM [B * nq] int32, the first of them]; q_ref [KVH, R, D] (R = G * block_q);
+    limit_ref [R, 1] int32; [start_ref [R, 1] int32]; k_ref, v_ref [block_k * KVH, D];
+    o_ref [KVH, R, D]; scratch m_ref, l_ref [KVH, R, 128] f32, acc_ref [KVH, R, D] f32, and
+    [block_k * KVH, D] f32 x2 for bfloat16 with KVH > 1 only."""
+    if windowed:
+        nblocks_ref, first_ref, q_ref, limit_ref, start_ref, k_ref, v_ref, o_ref, *scratch = refs
+    else:
+        nblocks_ref, q_ref, limit_ref, k_ref, v_ref, o_ref, *scratch = refs
+        first_ref = start_ref = None
+    m_ref, l_ref, acc_ref, *f32_kv_refs = scratch
     b, qi, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
+    block = ki if first_ref is None else first_ref[b * pl.num_programs(1) + qi] + ki
 
     @pl.when(ki == 0)
     def _init():
         common.init_tpu_state(m_ref, l_ref, acc_ref)
 
-    @pl.when(ki < nblocks_ref[b * pl.num_programs(1) + qi])
+    @pl.when(block < nblocks_ref[b * pl.num_programs(1) + qi])
     def _attend():
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
+        row_start = None if start_ref is None else start_ref[...]
         common.tpu_attend_block(
-            q_ref, k_ref, v_ref, limit_ref[...], ki * block_k, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
-            num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
+            q_ref, k_ref, v_ref, limit_ref[...], row_start, block * block_k, m_ref, l_ref, acc_ref,
+            kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(ki == pl.num_programs(2) - 1)
@@ -203,7 +223,7 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
-def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret, target):
+def _tpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -222,13 +242,20 @@ def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret
     limit_pad = jnp.pad(limit, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)  # padded rows: 0
     limit_rows = jnp.broadcast_to(limit_pad, (b, nq, g, block_q)).reshape(b, nq, rows, 1)
     nblocks = ((jnp.max(limit_pad, axis=(2, 3)) + block_k - 1) // block_k).reshape(b * nq)  # [B * nq]
+    prefetch, row_inputs = [nblocks], [limit_rows]
+    if start is not None:
+        start_pad = jnp.pad(start, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)
+        first = common.first_key_block(limit_pad, start_pad, block_k, axis=(2, 3)).reshape(b * nq)
+        prefetch.append(first)
+        row_inputs.append(jnp.broadcast_to(start_pad, (b, nq, g, block_q)).reshape(b, nq, rows, 1))
     k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
     v_rows = v.reshape(b, s * kvh, d)
 
-    def kv_index(bi, qi, ki, nblocks_ref):
+    def kv_index(bi, qi, ki, nblocks_ref, *first_ref):
         # Past the last needed block, keep pointing at it: same block index -> no new DMA.
         last = jnp.maximum(nblocks_ref[bi * nq + qi] - 1, 0)
-        return bi, jnp.minimum(ki, last), 0
+        block = ki + first_ref[0][bi * nq + qi] if first_ref else ki
+        return bi, jnp.minimum(block, last), 0
 
     upcast = q.dtype == jnp.bfloat16 and kvh > 1
     scratch = [
@@ -245,25 +272,29 @@ def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret
         target,
     )
     mxu_dtype = q.dtype if target.tpu_bf16_matmul else jnp.float32
+    kernel = functools.partial(
+        _tpu_kernel, windowed=start is not None, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype
+    )
+    row_spec = pl.BlockSpec((None, None, rows, 1), lambda bi, qi, ki, *_: (bi, qi, 0, 0))
     out = pl.pallas_call(
-        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype),
+        kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=len(prefetch),
             grid=(b, nq, nk),
             in_specs=[
-                pl.BlockSpec((None, None, kvh, rows, d), lambda bi, qi, ki, nb: (bi, qi, 0, 0, 0)),
-                pl.BlockSpec((None, None, rows, 1), lambda bi, qi, ki, nb: (bi, qi, 0, 0)),
+                pl.BlockSpec((None, None, kvh, rows, d), lambda bi, qi, ki, *_: (bi, qi, 0, 0, 0)),
+                *[row_spec] * len(row_inputs),
                 pl.BlockSpec((None, block_k * kvh, d), kv_index),
                 pl.BlockSpec((None, block_k * kvh, d), kv_index),
             ],
-            out_specs=pl.BlockSpec((None, None, kvh, rows, d), lambda bi, qi, ki, nb: (bi, qi, 0, 0, 0)),
+            out_specs=pl.BlockSpec((None, None, kvh, rows, d), lambda bi, qi, ki, *_: (bi, qi, 0, 0, 0)),
             scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct((b, nq, kvh, rows, d), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_tpu",
-    )(nblocks, q_tiles, limit_rows, k_rows, v_rows)
+    )(*prefetch, q_tiles, *row_inputs, k_rows, v_rows)
     out = out.reshape(b, nq, kvh, g, block_q, d).transpose(0, 1, 4, 2, 3, 5).reshape(b, t_pad, h, d)
     return out[:, :t]
 
@@ -271,18 +302,29 @@ def _tpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_kernel(q_ref, k_ref, v_ref, limit_ref, o_ref, *, block_k: int, scale: float):
-    # q_ref [block_q, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [block_q].
+def _gpu_kernel(*refs, windowed: bool, block_k: int, scale: float):
+    # refs: q_ref [block_q, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [block_q];
+    # with a window start_ref [block_q]; o_ref [block_q, D].
+    if windowed:
+        q_ref, k_ref, v_ref, limit_ref, start_ref, o_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, limit_ref, o_ref), start_ref = refs, None
     limit = limit_ref[...]
     # Key blocks past every row's limit (ragged length or causal diagonal) are never visited.
     num_blocks = lax.div(jnp.max(limit) + (block_k - 1), block_k)
+    if start_ref is None:
+        row_start, first_key = None, 0
+    else:  # nor those before every row's window
+        row_start = start_ref[...]
+        first = common.first_key_block(limit, row_start, block_k, axis=0)
+        num_blocks, first_key = jnp.maximum(num_blocks - first, 0), first * block_k
     acc, _, row_sum = common.gpu_attend_blocks(
-        q_ref[...], k_ref, v_ref, limit, 0, num_blocks, block_k=block_k, scale=scale
+        q_ref[...], k_ref, v_ref, limit, row_start, first_key, num_blocks, block_k=block_k, scale=scale
     )
     o_ref[...] = common.normalize(acc, row_sum[:, None]).astype(o_ref.dtype)
 
 
-def _gpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret, target):
+def _gpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -293,20 +335,24 @@ def _gpu_flash_attention(q, k, v, limit, block_sizes: FlashBlockSizes, interpret
     nq = common.cdiv(t, block_q)
     t_pad = nq * block_q
     q_pad = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
-    limit_pad = jnp.pad(limit, ((0, 0), (0, t_pad - t)))  # padded rows: limit 0
+    # padded rows: limit 0 (and start 0), so they see nothing
+    row_inputs = [jnp.pad(x, ((0, 0), (0, t_pad - t))) for x in (limit, start) if x is not None]
+    row_spec = pl.BlockSpec((None, block_q), lambda qi, bi, hi: (bi, qi))
     out = pl.pallas_call(
-        functools.partial(_gpu_kernel, block_k=block_sizes.block_k, scale=d**-0.5),
+        functools.partial(
+            _gpu_kernel, windowed=start is not None, block_k=block_sizes.block_k, scale=d**-0.5
+        ),
         grid=(nq, b, h),
         in_specs=[
             pl.BlockSpec((None, block_q, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
             pl.BlockSpec((None, s, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
             pl.BlockSpec((None, s, None, d), lambda qi, bi, hi: (bi, 0, hi // g, 0)),
-            pl.BlockSpec((None, block_q), lambda qi, bi, hi: (bi, qi)),
+            *[row_spec] * len(row_inputs),
         ],
         out_specs=pl.BlockSpec((None, block_q, None, d), lambda qi, bi, hi: (bi, qi, hi, 0)),
         out_shape=jax.ShapeDtypeStruct((b, t_pad, h, d), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4 if d <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="flash_attention_gpu",
-    )(q_pad, k, v, limit_pad)
+    )(q_pad, k, v, *row_inputs)
     return out[:, :t]

@@ -7,10 +7,15 @@ log-sum-exp, and the chunks are merged with a log-sum-exp reduction in plain jnp
 (common.combine_partials). The T queries and the G = H / KVH query heads that share a kv head are
 folded into one [T * G, D] query tile, so each K/V block is read once per kv head, not once per
 query head or per query. Every query row sees keys s < limit[row] (common.row_limits); key blocks
-at or past the largest limit of a batch row are skipped, whole chunks included.
+at or past the largest limit of a batch row are skipped, whole chunks included. With a sliding
+window each row also sees only keys s >= start[row] (common.row_starts): the blocks a batch row
+needs are then first .. end - 1 (common.first_key_block), shared out over the chunks at run time
+(cdiv(end - first, num_splits) blocks each), so a small window over a long cache reads about
+window / block_k blocks, spread over the parallel chunks.
 
 TPU (Mosaic): grid (B, num_splits, blocks_per_split), the last axis "arbitrary". The number of
-needed key blocks per batch row is scalar-prefetched; the K/V index_map clamps to the last needed
+needed key blocks per batch row (with a window: also the first of them and the blocks per chunk)
+is scalar-prefetched; the K/V index_map clamps to the last needed
 block (no DMA for skipped blocks) and `pl.when` skips the body. All kv heads are handled per grid
 step from the [B, S * KVH, D] view of the cache (stride-KVH sublane loads per head, see
 common.tpu_attend_block); m / l / acc are VMEM scratch.
@@ -31,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
 from models.kernels import target as target_lib
+from models.kernels.reference import check_window
 
 # GPU split heuristic: aim for this many programs (B * KVH * num_splits), ~2 per SM of an H100.
 _GPU_TARGET_PROGRAMS = 264
@@ -150,7 +156,6 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
 def flash_decoding(
     q,
     k,
@@ -158,6 +163,7 @@ def flash_decoding(
     q_positions,
     kv_lengths,
     *,
+    window=None,
     backend: str,
     block_sizes: DecodeBlockSizes | None = None,
     interpret=False,
@@ -168,6 +174,8 @@ def flash_decoding(
     Args:
       q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
       q_positions: [B, T] int; kv_lengths: [B] int.
+      window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
+        keys s with p - s < window; key blocks before every row's window are skipped.
       backend: "tpu" (Mosaic) or "gpu" (Triton).
       block_sizes: DecodeBlockSizes; None means DecodeBlockSizes() (all defaults).
       interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
@@ -178,6 +186,15 @@ def flash_decoding(
       [B, T, H, D] in q's dtype. Any T works, but the folded [T * H / KVH, D] query tile is meant to
       be small (the dispatcher sends T <= 16 here).
     """
+    check_window(window)  # here, before jit: a Python int is still a number
+    return _flash_decoding(
+        q, k, v, q_positions, kv_lengths, window,
+        backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
+def _flash_decoding(q, k, v, q_positions, kv_lengths, window, *, backend, block_sizes, interpret, target):
     common.check_backend(backend)
     common.check_inputs(q, k, v, q_positions, kv_lengths)
     common.check_kernel_inputs(q, k, v)
@@ -193,12 +210,16 @@ def flash_decoding(
     q_rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
     limit_rows = jnp.pad(jnp.repeat(limit, g, axis=1), ((0, 0), (0, rows - t * g)))  # [B, R]
+    start_rows = None  # [B, R]; padded rows have start 0 (and limit 0: nothing seen)
+    if window is not None:
+        start = common.row_starts(q_positions, window)
+        start_rows = jnp.pad(jnp.repeat(start, g, axis=1), ((0, 0), (0, rows - t * g)))
     if backend == "tpu":
         o_parts, lse = _tpu_partials(
-            q_rows, k, v, limit_rows, *tiling, common.tpu_interpret(interpret), target
+            q_rows, k, v, limit_rows, start_rows, *tiling, common.tpu_interpret(interpret), target
         )
     else:
-        o_parts, lse = _gpu_partials(q_rows, k, v, limit_rows, *tiling, interpret)
+        o_parts, lse = _gpu_partials(q_rows, k, v, limit_rows, start_rows, *tiling, interpret)
     out = common.combine_partials(o_parts, lse)  # [B, KVH, R, D] f32
     out = out[:, :, : t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
     return out.astype(q.dtype)
@@ -207,36 +228,42 @@ def flash_decoding(
 # ---------------------------------------------------------------------------------------------- TPU
 
 
-def _tpu_kernel(
-    nblocks_ref,  # SMEM [B] int32: key blocks holding a visible key, per batch row
-    q_ref,  # [KVH, R, D]
-    limit_ref,  # [R, 1] int32
-    k_ref,  # [block_k * KVH, D]
-    v_ref,  # [block_k * KVH, D]
-    o_ref,  # [KVH, R, D] f32, this chunk's normalised output
-    lse_ref,  # [KVH, R, 128] f32, this chunk's log-sum-exp (lane-replicated)
-    m_ref,  # scratch [KVH, R, 128] f32
-    l_ref,  # scratch [KVH, R, 128] f32
-    acc_ref,  # scratch [KVH, R, D] f32
-    *f32_kv_refs,  # scratch [block_k * KVH, D] f32 x2, bfloat16 with KVH > 1 only
-    num_keys: int,
-    scale: float,
-    mxu_dtype,
-):
+def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
+    """refs, in order (the bracketed ones with a window only): nblocks_ref SMEM [B] int32, the end
+    of the key blocks holding a visible key, per batch row; [first_ref SMEM [B] int32, the first of
+    them; per_split_ref SMEM [B] int32, how many of them each chunk takes]; q_ref [KVH, R, D];
+    limit_ref [R, 1] int32; [start_ref [R, 1] int32]; k_ref, v_ref [block_k * KVH, D]; o_ref
+    [KVH, R, D] f32, this chunk's normalised output; lse_ref [KVH, R, 128] f32, its log-sum-exp
+    (lane-replicated); scratch m_ref, l_ref [KVH, R, 128] f32, acc_ref [KVH, R, D] f32, and
+    [block_k * KVH, D] f32 x2 for bfloat16 with KVH > 1 only."""
+    if windowed:
+        nblocks_ref, first_ref, per_split_ref, q_ref, limit_ref, start_ref, k_ref, v_ref, *rest = refs
+    else:
+        nblocks_ref, q_ref, limit_ref, k_ref, v_ref, *rest = refs
+        first_ref = per_split_ref = start_ref = None
+    o_ref, lse_ref, m_ref, l_ref, acc_ref, *f32_kv_refs = rest
     b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
-    block = split * pl.num_programs(2) + j
+    if first_ref is None:
+        block = split * pl.num_programs(2) + j
+    else:
+        block = first_ref[b] + split * per_split_ref[b] + j
 
     @pl.when(j == 0)
     def _init():
         common.init_tpu_state(m_ref, l_ref, acc_ref)
 
-    @pl.when(block < nblocks_ref[b])
+    needed = block < nblocks_ref[b]
+    if per_split_ref is not None:
+        needed = needed & (j < per_split_ref[b])
+
+    @pl.when(needed)
     def _attend():
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
+        row_start = None if start_ref is None else start_ref[...]
         common.tpu_attend_block(
-            q_ref, k_ref, v_ref, limit_ref[...], block * block_k, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
-            num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
+            q_ref, k_ref, v_ref, limit_ref[...], row_start, block * block_k, m_ref, l_ref, acc_ref,
+            kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -246,18 +273,32 @@ def _tpu_kernel(
         lse_ref[...] = common.log_sum_exp(m_ref[...], row_sum)
 
 
-def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_split, interpret, target):
+def _tpu_partials(
+    q_rows, k, v, limit_rows, start_rows, block_k, num_splits, blocks_per_split, interpret, target
+):
     """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
     nblocks = (jnp.max(limit_rows, axis=1) + block_k - 1) // block_k  # [B]
+    prefetch, row_inputs = [nblocks], [limit_rows]
+    if start_rows is not None:
+        first = common.first_key_block(limit_rows, start_rows, block_k, axis=1)  # [B]
+        # The needed blocks shared out over the chunks; never more than blocks_per_split each.
+        per_split = (jnp.maximum(nblocks - first, 0) + num_splits - 1) // num_splits  # [B]
+        prefetch += [first, per_split]
+        row_inputs.append(start_rows)
     k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
     v_rows = v.reshape(b, s * kvh, d)
 
-    def kv_index(bi, split, j, nblocks_ref):
+    def kv_index(bi, split, j, nblocks_ref, *window_refs):
         # Past the last needed block, keep pointing at it: same block index -> no new DMA.
         last = jnp.maximum(nblocks_ref[bi] - 1, 0)
-        return bi, jnp.minimum(split * blocks_per_split + j, last), 0
+        if not window_refs:
+            return bi, jnp.minimum(split * blocks_per_split + j, last), 0
+        first_ref, per_split_ref = window_refs
+        per = per_split_ref[bi]
+        block = first_ref[bi] + split * per + jnp.minimum(j, jnp.maximum(per - 1, 0))
+        return bi, jnp.minimum(block, last), 0
 
     upcast = q_rows.dtype == jnp.bfloat16 and kvh > 1
     scratch = [
@@ -274,21 +315,25 @@ def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_spli
         target,
     )
     mxu_dtype = q_rows.dtype if target.tpu_bf16_matmul else jnp.float32
+    kernel = functools.partial(
+        _tpu_kernel, windowed=start_rows is not None, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype
+    )
+    row_spec = pl.BlockSpec((None, rows, 1), lambda bi, c, j, *_: (bi, 0, 0))
     o_parts, lse = pl.pallas_call(
-        functools.partial(_tpu_kernel, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype),
+        kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=len(prefetch),
             grid=(b, num_splits, blocks_per_split),
             in_specs=[
-                pl.BlockSpec((None, kvh, rows, d), lambda bi, c, j, nb: (bi, 0, 0, 0)),
-                pl.BlockSpec((None, rows, 1), lambda bi, c, j, nb: (bi, 0, 0)),
+                pl.BlockSpec((None, kvh, rows, d), lambda bi, c, j, *_: (bi, 0, 0, 0)),
+                *[row_spec] * len(row_inputs),
                 pl.BlockSpec((None, block_k * kvh, d), kv_index),
                 pl.BlockSpec((None, block_k * kvh, d), kv_index),
             ],
             out_specs=[
-                pl.BlockSpec((None, None, kvh, rows, d), lambda bi, c, j, nb: (bi, c, 0, 0, 0)),
+                pl.BlockSpec((None, None, kvh, rows, d), lambda bi, c, j, *_: (bi, c, 0, 0, 0)),
                 pl.BlockSpec(
-                    (None, None, kvh, rows, common.TPU_LANES), lambda bi, c, j, nb: (bi, c, 0, 0, 0)
+                    (None, None, kvh, rows, common.TPU_LANES), lambda bi, c, j, *_: (bi, c, 0, 0, 0)
                 ),
             ],
             scratch_shapes=scratch,
@@ -300,42 +345,64 @@ def _tpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_spli
         compiler_params=params,
         interpret=interpret,
         name="flash_decoding_tpu",
-    )(nblocks, q_rows, limit_rows[:, :, None], k_rows, v_rows)
+    )(*prefetch, q_rows, *(x[:, :, None] for x in row_inputs), k_rows, v_rows)
     return o_parts.transpose(0, 2, 1, 3, 4), lse[..., 0].transpose(0, 2, 1, 3)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_kernel(
-    q_ref, k_ref, v_ref, limit_ref, o_ref, lse_ref, *, block_k: int, blocks_per_split: int, scale: float
-):
-    # q_ref [R, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [R];
-    # o_ref [R, D] f32 and lse_ref [R] f32 of this chunk.
+def _gpu_kernel(*refs, windowed: bool, block_k: int, blocks_per_split: int, scale: float):
+    # refs: q_ref [R, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [R]; with a
+    # window start_ref [R]; o_ref [R, D] f32 and lse_ref [R] f32 of this chunk.
+    if windowed:
+        q_ref, k_ref, v_ref, limit_ref, start_ref, o_ref, lse_ref = refs
+    else:
+        (q_ref, k_ref, v_ref, limit_ref, o_ref, lse_ref), start_ref = refs, None
     limit = limit_ref[...]
-    first_key = pl.program_id(2) * (blocks_per_split * block_k)
-    # Blocks of this chunk below the largest limit; 0 for chunks past the row's length.
-    todo = lax.div(jnp.max(limit) - first_key + (block_k - 1), block_k)
-    num_blocks = jnp.clip(todo, 0, blocks_per_split)
+    if start_ref is None:
+        row_start = None
+        first_key = pl.program_id(2) * (blocks_per_split * block_k)
+        # Blocks of this chunk below the largest limit; 0 for chunks past the row's length.
+        todo = lax.div(jnp.max(limit) - first_key + (block_k - 1), block_k)
+        num_blocks = jnp.clip(todo, 0, blocks_per_split)
+    else:
+        # The blocks some row's window reaches, first .. end - 1, shared out over the chunks.
+        row_start = start_ref[...]
+        first = common.first_key_block(limit, row_start, block_k, axis=0)
+        end = lax.div(jnp.max(limit) + (block_k - 1), block_k)
+        num_splits = pl.num_programs(2)
+        per_split = lax.div(jnp.maximum(end - first, 0) + (num_splits - 1), num_splits)
+        chunk_first = first + pl.program_id(2) * per_split
+        num_blocks = jnp.clip(end - chunk_first, 0, per_split)
+        first_key = chunk_first * block_k
     acc, m, row_sum = common.gpu_attend_blocks(
-        q_ref[...], k_ref, v_ref, limit, first_key, num_blocks, block_k=block_k, scale=scale
+        q_ref[...], k_ref, v_ref, limit, row_start, first_key, num_blocks, block_k=block_k, scale=scale
     )
     o_ref[...] = common.normalize(acc, row_sum[:, None])
     lse_ref[...] = common.log_sum_exp(m, row_sum)
 
 
-def _gpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_split, interpret):
+def _gpu_partials(q_rows, k, v, limit_rows, start_rows, block_k, num_splits, blocks_per_split, interpret):
     """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
+    row_inputs = [x for x in (limit_rows, start_rows) if x is not None]
+    row_spec = pl.BlockSpec((None, rows), lambda bi, hi, c: (bi, 0))
     return pl.pallas_call(
-        functools.partial(_gpu_kernel, block_k=block_k, blocks_per_split=blocks_per_split, scale=d**-0.5),
+        functools.partial(
+            _gpu_kernel,
+            windowed=start_rows is not None,
+            block_k=block_k,
+            blocks_per_split=blocks_per_split,
+            scale=d**-0.5,
+        ),
         grid=(b, kvh, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, rows, d), lambda bi, hi, c: (bi, hi, 0, 0)),
             pl.BlockSpec((None, s, None, d), lambda bi, hi, c: (bi, 0, hi, 0)),
             pl.BlockSpec((None, s, None, d), lambda bi, hi, c: (bi, 0, hi, 0)),
-            pl.BlockSpec((None, rows), lambda bi, hi, c: (bi, 0)),
+            *[row_spec] * len(row_inputs),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, d), lambda bi, hi, c: (bi, hi, c, 0, 0)),
@@ -348,4 +415,4 @@ def _gpu_partials(q_rows, k, v, limit_rows, block_k, num_splits, blocks_per_spli
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="flash_decoding_gpu",
-    )(q_rows, k, v, limit_rows)
+    )(q_rows, k, v, *row_inputs)
