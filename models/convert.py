@@ -370,11 +370,11 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str, mmap: bool
     if problem is not None:
         raise _Damaged(folder, problem, reconvert())
     # an entry converted before the chat template was kept with the tokenizer reads it from the GGUF
-    source = registry.gguf_path(name, cache_dir)
+    gguf = {"registry": lambda: registry.gguf_path(name, cache_dir), "gguf": lambda: source.path}
     try:
         meta = json.loads((folder / "config.json").read_text())
         config = ModelConfig(**meta["config"]).replace(dtype=dtype)
-        tokenizer = Tokenizer.load(folder / "tokenizer.json", gguf=source)
+        tokenizer = Tokenizer.load(folder / "tokenizer.json", gguf=gguf.get(source.kind, lambda: None)())
     except Exception as e:  # whatever the parsers raise for a damaged file
         raise _Damaged(
             folder, f"its config or tokenizer cannot be read ({type(e).__name__}: {e})", reconvert(entry)

@@ -199,11 +199,8 @@ class Attention(nn.Module):
                 v=write_layer(cache.v, layer, v_btke, positions_bt),
             )
         with jax.named_scope("attention"):
-            window = layer_window(cfg, layer)
             attend = functools.partial(
-                kernels.attention,
-                interpret=cfg.attention_interpret,
-                **({} if window is None else {"window": window}),
+                kernels.attention, window=layer_window(cfg, layer), interpret=cfg.attention_interpret
             )
             args = (q_bthe, cache.k[layer], cache.v[layer], positions_bt, kv_lengths_b)
             if attention_impl(cfg) == "cpu":

@@ -16,7 +16,6 @@ permuted, a norm without its +1, a wrong rotary base or window) moves logits by 
 Needs torch and transformers (the `reference` extra): skipped with one line without them.
 """
 
-import inspect
 import json
 
 import jax
@@ -29,7 +28,6 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 
 import gguf  # noqa: E402
 
-import models.kernels  # noqa: E402
 from models import forward, gguf_loader, hf_config, init_cache, unstack_layers  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
@@ -97,32 +95,6 @@ CASES = {
 WINDOWED = ("gemma3", "gemma3_flags")
 
 
-def _windowed_reference(
-    q, k, v, q_positions, kv_lengths, *, window=None, impl="auto", interpret=False, cpu_isa=None
-):
-    """A reference attention with models.kernels.attention's `window` argument (a query at p sees
-    keys at s with p - s < window), for the sliding-window cases until that argument lands."""
-    _, _, H, D = q.shape
-    S, G = k.shape[1], H // k.shape[2]
-    kk = jnp.repeat(k, G, axis=2).astype(jnp.float32)
-    vv = jnp.repeat(v, G, axis=2).astype(jnp.float32)
-    s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), kk) * D**-0.5
-    pos = jnp.arange(S)
-    seen = (pos[None, None, :] <= q_positions[:, :, None]) & (pos[None, None, :] < kv_lengths[:, None, None])
-    if window is not None:
-        seen = seen & (q_positions[:, :, None] - pos[None, None, :] < window)
-    p = jax.nn.softmax(jnp.where(seen[:, None], s, -1e30), -1)
-    return jnp.einsum("bhts,bshd->bthd", p, vv).astype(q.dtype)
-
-
-@pytest.fixture
-def window_attention(monkeypatch):
-    """TEMPORARY (remove when models.kernels.attention takes `window`, being added in another
-    branch): the sliding-window cases run with _windowed_reference meanwhile."""
-    if "window" not in inspect.signature(models.kernels.attention).parameters:
-        monkeypatch.setattr(models.kernels, "attention", _windowed_reference)
-
-
 def _hf_model(case: str, **overrides):
     cls_name, extra, _ = CASES[case]
     vocab = SPM_VOCAB if cls_name.startswith("Gemma") else BYTE_VOCAB
@@ -161,9 +133,7 @@ def _written(tmp_path, case: str, ggml_type=gguf.GGMLQuantizationType.F32, **ove
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_gguf_of_each_family_gives_transformers_logits(case, tmp_path, request):
-    if case in WINDOWED:
-        request.getfixturevalue("window_attention")
+def test_gguf_of_each_family_gives_transformers_logits(case, tmp_path):
     model, path = _written(tmp_path, case)
     fields = gguf_loader.read_config(path)
     config = ModelConfig(**fields, attention_impl="xla", matmul_impl="xla").replace(max_seq_len=32)
@@ -203,7 +173,7 @@ def test_gguf_config_is_the_checkpoint_config_as_llama_cpp_reads_it(case, tmp_pa
 
 
 @pytest.mark.parametrize("case", ["mistral", "gemma3"])
-def test_quantized_gguf_blocks_give_transformers_logits(case, tmp_path, request):
+def test_quantized_gguf_blocks_give_transformers_logits(case, tmp_path):
     """A file with Q8_0 matrices (llama's q / k rows permuted as whole rows of blocks) at dtype
     "gguf" (the blocks as the file ships them, ggml's kernels) against transformers reading the
     same GGUF (its own dequantization, un-permutation and norm shift). Without rope scaling:
@@ -213,7 +183,6 @@ def test_quantized_gguf_blocks_give_transformers_logits(case, tmp_path, request)
     pytest.importorskip("accelerate", reason="transformers reads a GGUF model only with accelerate")
     overrides = dict(rope_scaling=None)
     if case in WINDOWED:
-        request.getfixturevalue("window_attention")
         overrides.update(head_dim=256, query_pre_attn_scalar=256)
     _, path = _written(tmp_path, case, gguf.GGMLQuantizationType.Q8_0, **overrides)
     config = ModelConfig(

@@ -9,7 +9,6 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,7 +104,14 @@ def _save(model, folder: pathlib.Path, tokenizer_json: str) -> pathlib.Path:
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tokenizer_json)
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return folder
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -137,38 +143,9 @@ def checkpoints(tmp_path_factory):
         yield out, gguf, root / "cache"
 
 
-@pytest.fixture
-def windowed_attention(monkeypatch):
-    """TEMPORARY, until models.kernels.attention takes `window` (being added on another branch;
-    remove at merge): the reference attention with the sliding-window mask, for the families whose
-    configs have local layers (mistral, gemma3) only."""
-
-    def attention(
-        q, k, v, q_positions, kv_lengths, *, window=None, impl="auto", interpret=False, cpu_isa=None
-    ):
-        group = q.shape[2] // k.shape[2]
-        k = jnp.repeat(k, group, axis=2).astype(jnp.float32)
-        v = jnp.repeat(v, group, axis=2).astype(jnp.float32)
-        s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k) * q.shape[-1] ** -0.5
-        pos = jnp.arange(k.shape[1])
-        visible = (pos[None, None] <= q_positions[:, :, None]) & (pos[None, None] < kv_lengths[:, None, None])
-        if window is not None:
-            visible &= q_positions[:, :, None] - pos[None, None] < window
-        p = jax.nn.softmax(jnp.where(visible[:, None], s, -1e30), -1)
-        return jnp.einsum("bhts,bshd->bthd", p, v).astype(q.dtype)
-
-    monkeypatch.setattr(models.kernels, "attention", attention)
-
-
-def _patch_windows(family, request):
-    if family in ("mistral", "gemma3"):
-        request.getfixturevalue("windowed_attention")
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_checkpoint_folder_loads_to_the_logits_of_transformers(checkpoints, family, request):
+def test_a_checkpoint_folder_loads_to_the_logits_of_transformers(checkpoints, family):
     """Both layer layouts, float32: max |ours - transformers'| < ATOL."""
-    _patch_windows(family, request)
     folders, _, cache = checkpoints
     folder, _, hf = folders[family]
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, T))
@@ -186,14 +163,11 @@ def test_a_checkpoint_folder_loads_to_the_logits_of_transformers(checkpoints, fa
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_speculative_decoding_of_folders_equals_transformers_greedy_decoding(
-    checkpoints, family, request
-):
+def test_greedy_speculative_decoding_of_folders_equals_transformers_greedy_decoding(checkpoints, family):
     """A folder target, a folder draft of its family (the target with noise): greedy speculative output (one
     batch of two prompts) equals transformers' own greedy autoregressive decoding of the target,
     token for token (a comparison with transformers instead of this project's plain loop: the
     same property, and no second loop to compile)."""
-    _patch_windows(family, request)
     folders, _, cache = checkpoints
     target_folder, draft_folder, hf = folders[family]
     xla = dict(attention_impl="xla", matmul_impl="xla")  # the faster compile
@@ -246,6 +220,15 @@ def test_a_folders_cache_entry_is_reused_and_converted_again_after_the_folder_ch
         np.asarray(again.params["embed"]["embedding"]), 2 * np.asarray(first.params["embed"]["embedding"])
     )
     assert [p.name for p in (cache / "converted").iterdir() if not p.name.startswith(".")] == [entry.name]
+
+
+def test_a_folders_chat_template_reaches_the_loaded_tokenizer(checkpoints):
+    """chat_template.jinja is kept with the converted tokenizer and renders a conversation."""
+    folders, _, cache = checkpoints
+    model = models.load(str(folders["qwen2"][0]), cache_dir=cache, progress=False)
+    assert model.tokenizer.chat_template == CHAT_TEMPLATE
+    text = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<user>hi\n<assistant>"
 
 
 def test_a_folder_at_a_gguf_precision_is_refused_naming_the_allowed_ones(checkpoints):

@@ -147,26 +147,6 @@ def test_incremental_decode_matches_transformers():
     _check(np.concatenate(rows), prompt, np.array(fixture["vocab_ids"]))
 
 
-@pytest.fixture
-def window_kernel(monkeypatch):
-    """TEMPORARY (remove when models.kernels.attention takes `window`, being added in another
-    branch): a window at least the cache's length masks nothing, so such calls go to the kernel
-    without it; a shorter one fails the test."""
-    import inspect
-
-    from models import kernels
-
-    if "window" in inspect.signature(kernels.attention).parameters:
-        return
-    kernel = kernels.attention
-
-    def attention(q, k, v, q_positions, kv_lengths, *, window=None, **kwargs):
-        assert window is None or (isinstance(window, int) and window >= k.shape[1]), window
-        return kernel(q, k, v, q_positions, kv_lengths, **kwargs)
-
-    monkeypatch.setattr(kernels, "attention", attention)
-
-
 GEMMA_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n",
@@ -175,7 +155,7 @@ GEMMA_PROMPTS = [
 
 
 @pytest.mark.slow
-def test_gemma3_270m_logits_match_transformers_reading_the_gguf(window_kernel):
+def test_gemma3_270m_logits_match_transformers_reading_the_gguf():
     """Gemma 3 270M (registry gemma3-270m, Q4_K_M): our tokenizer's ids and, from the dequantized
     weights, our logits at every position against transformers loading the same GGUF file (its
     own dequantization and tokenizer). Seen: max |diff| 2.8e-5 to 5.2e-5 over the three prompts,
