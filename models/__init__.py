@@ -164,7 +164,7 @@ def load(
         return model.replace(tokenizer=ByteTokenizer())
     from models import convert, sources
 
-    source = sources.resolve(name)  # a hub id: downloaded, a local folder from here on
+    source = sources.resolve(name, known=known_models())  # a hub id: downloaded, then a folder
     config, host_params, tokenizer = convert.load_converted(
         source.name, cache_dir=cache_dir, progress=progress, dtype=dtype, mmap=place is not None
     )

@@ -155,8 +155,10 @@ class ModelConfig:
 
     def portable(self) -> dict:
         """The fields as a dict for a config written to disk, without this machine's choice of
-        CPU kernel build (cpu_isa): a config read back elsewhere takes that machine's."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "cpu_isa"}
+        CPU kernel build (cpu_isa): a config read back elsewhere takes that machine's. JSON's own
+        types (tuples as lists), so it equals what is read back."""
+        fields = dataclasses.asdict(self).items()
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in fields if k != "cpu_isa"}
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

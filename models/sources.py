@@ -135,16 +135,18 @@ def check(text: str, known=None) -> None:
 
 
 def unknown(text: str, known=None) -> str:
-    """The message for text that names no model, listing `known` (default models.known_models())."""
-    import models
+    """The message for text that names no model, listing `known` (default: the registry's
+    names; models.load and models.check_source pass models.known_models(), presets included)."""
+    from models import registry
 
-    names = ", ".join(models.known_models() if known is None else known)
+    names = ", ".join(sorted(registry.MODELS) if known is None else known)
     return f"unknown model {text!r}; known models: {names}; or {FORMS}"
 
 
-def resolve(text: str, fetch: bool = True) -> Source:
+def resolve(text: str, fetch: bool = True, known=None) -> Source:
     """The Source of `text` (see the module docstring); a hub id is downloaded (fetch_hub) unless
-    `fetch` is False, when it is refused. ValueError for text that names none."""
+    `fetch` is False, when it is refused. ValueError for text that names none (listing `known`,
+    as unknown)."""
     from models import registry
 
     if text in registry.MODELS:
@@ -154,7 +156,7 @@ def resolve(text: str, fetch: bool = True) -> Source:
         return _local(path)
     if is_hub_id(text) and fetch:
         return _local(fetch_hub(text))
-    raise ValueError(unknown(text))
+    raise ValueError(unknown(text, known))
 
 
 def entry_of(text: str) -> str:

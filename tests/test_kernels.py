@@ -349,7 +349,7 @@ def test_broken_off_by_one_window_fails_the_comparison(window):
         (-3, r"got -3"),
         (2**31, r"got 2147483648"),
         (True, r"got True"),
-        (np.zeros(2, np.int32), r"window must be None, an int or an integer scalar array, got shape \(2,\)"),
+        (np.zeros(2, np.int32), r"window must be None or an integer in .* got shape \(2,\)"),
         (np.float32(4.0), r"got shape \(\) dtype float32"),
     ],
     ids=["zero", "negative", "past-int32", "bool", "vector", "float"],

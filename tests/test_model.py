@@ -155,3 +155,16 @@ def test_compiled_decode_step_reads_weights_in_place_without_copying_them():
             if size in weight_sizes:
                 copies.append(line.strip()[:160])
     assert not copies, copies
+
+
+def test_a_config_with_family_fields_round_trips_through_json():
+    """portable() is JSON's own types (a resumed training run compares it with what it wrote),
+    and the config read back from it is the same config."""
+    import json
+
+    config = models.random_model(num_layers=3).config.replace(
+        family="gemma3", sliding_window=4, local_layers=(0, 2), rope_freq_divisors=(1.0,) * 8
+    )
+    back = json.loads(json.dumps(config.portable()))
+    assert back == config.portable()
+    assert models.ModelConfig(**back) == config

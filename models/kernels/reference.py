@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import settings
+
 # Added to masked scores. Finite so that a fully masked row gives zeros, not NaN.
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # The largest window: an int32 (what a traced window is; the model's global layers pass it).
@@ -19,16 +21,15 @@ def check_window(window) -> None:
     """
     if window is None:
         return
-    if isinstance(window, bool):
-        raise ValueError(f"window must be None or an integer in [1, {MAX_WINDOW}], got {window!r}")
-    if isinstance(window, (int, np.integer)):
+    if settings.is_int(window):  # a bool is not (it falls to the dtype check below)
         if not 1 <= window <= MAX_WINDOW:
             raise ValueError(f"window must be None or an integer in [1, {MAX_WINDOW}], got {window}")
         return
     shape, dtype = np.shape(window), getattr(window, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        got = f"shape {shape} dtype {dtype}" if dtype is not None else repr(window)
         raise ValueError(
-            f"window must be None, an int or an integer scalar array, got shape {shape} dtype {dtype}"
+            f"window must be None or an integer in [1, {MAX_WINDOW}] (or an integer scalar array), got {got}"
         )
 
 

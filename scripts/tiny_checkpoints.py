@@ -1,0 +1,99 @@
+"""Tiny random checkpoints of every supported family, to try `--target=FOLDER --draft=FILE.gguf`.
+
+  .venv/bin/python scripts/tiny_checkpoints.py --out=/tmp/tiny
+  .venv/bin/python -m launch.generate --target=/tmp/tiny/llama --draft=/tmp/tiny/draft.gguf \\
+      --prompt="def f(x):" --temperature=0 --max_new_tokens=16 --compare_autoregressive
+
+Writes one Hugging Face checkpoint folder per family (transformers' save_pretrained: config.json,
+model.safetensors, generation_config.json, plus tokenizer.json, tokenizer_config.json and a chat
+template) — Llama with Llama 3 rope scaling, Qwen2, Qwen3, Mistral and Gemma 3 with sliding
+windows shorter than a prompt — and one GGUF draft (tests/tiny_gguf.py: a byte-level vocabulary
+that every folder's tokenizer.json shares, so it pairs with each). Needs the `hf` extra (torch,
+transformers). Random weights: the text is noise; the point is that each family loads, decodes,
+and speculates to the same tokens as plain decoding.
+"""
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+VOCAB = 259  # tiny_gguf's byte-level vocabulary
+EOS = 257  # its "<|endoftext|>"
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=4,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=EOS,
+    pad_token_id=None,
+)
+FAMILIES = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", dict(head_dim=32)),
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=24)),
+}
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder to write into (created)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        parser.exit(2, "error: needs torch and transformers: pip install -c constraints.txt -e '.[hf]'\n")
+    import json
+
+    import tiny_gguf
+
+    from models.tokenizer import Tokenizer
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft = out / "draft.gguf"
+    tiny_gguf.write(draft)
+    tokenizer_json = Tokenizer.from_gguf(draft).backend.to_str()
+    for family, (cls, extra) in FAMILIES.items():
+        config = getattr(transformers, cls)(**COMMON, **extra)
+        torch.manual_seed(args.seed)
+        model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        folder = out / family
+        model.save_pretrained(folder)
+        (folder / "tokenizer.json").write_text(tokenizer_json)
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        print(f"{folder} ({cls})")
+    print(draft)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
