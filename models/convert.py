@@ -413,10 +413,10 @@ class _LeafFile:
     def write(self, block: np.ndarray) -> None:
         self.file.write(np.ascontiguousarray(block, self.dtype).reshape(-1).view(np.uint8).data)
 
-    def close(self) -> None:
+    def close(self, check: bool = True) -> None:
         written = self.file.tell() - self.start
         self.file.close()
-        if written != self.nbytes:
+        if check and written != self.nbytes:
             raise ValueError(f"{self.path}: {written} bytes written, the leaf has {self.nbytes}")
 
 
@@ -441,13 +441,13 @@ class _ParamsWriter:
         self.files[tuple(keys)] = _LeafFile(self.folder / file, shape, dtype)
         return self.files[tuple(keys)]
 
-    def close_leaves(self) -> None:
+    def close_leaves(self, check: bool = True) -> None:
         files, self.files = self.files, {}
         for f in files.values():
-            f.close()
+            f.close(check)
 
     def __exit__(self, kind, value, tb):
-        self.close_leaves()
+        self.close_leaves(check=kind is None)  # an error on the way out is the one to report
         if kind is None:
             (self.folder / PARAMS_TREE).write_text(json.dumps({"leaves": self.leaves}, indent=1))
 

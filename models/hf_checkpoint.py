@@ -5,9 +5,10 @@ listed by `model.safetensors.index.json`. Each table entry of models.weights nam
 (`Weight.hf_name`); HF's [out, in] matrices are the table's matrices reshaped (no permutation:
 transformers' rotary is rotate-half, as ours). Gemma's norm scales are stored as scale - 1.
 
-stream_params reads one tensor at a time through safetensors' memory map (copied out, then
-dropped), in the same (keys, shape, blocks) stream as models.gguf_loader.stream_params, so the
-conversion (models.convert) holds one tensor whatever the model's size.
+stream_params reads a block of rows of one tensor at a time (safetensors' slices, the file
+opened per tensor), in the same (keys, shape, blocks) stream as
+models.gguf_loader.stream_params, so the conversion (models.convert) holds one block whatever
+the model's size.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import os
 import pathlib
 from collections.abc import Iterator
 
-import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from models import weights
 from models.config import ModelConfig
+from models.gguf_loader import BLOCK_BYTES  # float32 bytes of one tensor's rows read at once
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -46,7 +47,7 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, pathlib.Path]:
     if (folder / SINGLE).is_file():
         from safetensors import safe_open
 
-        with safe_open(folder / SINGLE, "flax") as f:
+        with safe_open(folder / SINGLE, "np") as f:
             return {name: folder / SINGLE for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     raise ValueError(f"{folder}: no {SINGLE} or {INDEX}")
 
@@ -83,31 +84,36 @@ def stream_params(
     table = weights.weights_of(config)
     gemma_norms = config.family == "gemma3"
     total = sum(config.num_layers if w.per_layer else 1 for w in table)
-    handles: dict[pathlib.Path, object] = {}
 
-    def read(w: weights.Weight, layer: int | None, shape) -> np.ndarray:
+    def read(w: weights.Weight, layer: int | None, shape) -> Iterator[np.ndarray]:
+        """The tensor as float32 blocks of at most BLOCK_BYTES of rows. A file is opened per
+        tensor (safetensors maps it; closing drops the pages read) and sliced by rows ("np"
+        reads bfloat16 as ml_dtypes' bfloat16), so one block is held at a time."""
         name = _resolve(w.hf_name(config, layer), prefix, files)
         if name not in files:
             raise ValueError(f"checkpoint has no tensor {name!r} ({w.name})")
-        path = files[name]
-        if path not in handles:  # "flax": numpy has no bfloat16, most checkpoints' dtype
-            handles[path] = safe_open(path, "flax")
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            value = np.asarray(handles[path].get_tensor(name), np.float32)
-        if math.prod(value.shape) != math.prod(shape) or (
-            w.contract and value.shape[0] != math.prod(shape[: len(shape) - w.contract])
-        ):
-            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape} ({w.name})")
-        value = value.reshape(shape)
-        if gemma_norms and w.init == "ones":
-            value = value + np.float32(1.0)  # Gemma's RMSNorm multiplies by 1 + w
-        return value
+        with safe_open(files[name], "np") as f:
+            tensor = f.get_slice(name)
+            file_shape = tuple(tensor.get_shape())
+            rows = file_shape[0] if file_shape else 1
+            if math.prod(file_shape) != math.prod(shape) or (
+                w.contract and rows != math.prod(shape[: len(shape) - w.contract])
+            ):
+                raise ValueError(f"tensor {name!r} has shape {file_shape}, expected {shape} ({w.name})")
+            step = max(1, BLOCK_BYTES // (4 * max(1, math.prod(file_shape[1:]))))
+            for r0 in range(0, rows, step):
+                block = np.asarray(
+                    tensor[r0 : min(rows, r0 + step)] if file_shape else tensor[...], np.float32
+                )
+                if gemma_norms and w.init == "ones":
+                    block = block + np.float32(1.0)  # Gemma's RMSNorm multiplies by 1 + w
+                yield block
 
     with tqdm(total=total, unit="tensor", desc="convert safetensors", disable=not progress) as bar:
 
         def leaf_blocks(w: weights.Weight, shape) -> Iterator[np.ndarray]:
             for layer in range(config.num_layers) if w.per_layer else [None]:
-                yield read(w, layer, shape)
+                yield from read(w, layer, shape)
                 bar.update(1)
 
         for w in table:

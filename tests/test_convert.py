@@ -101,3 +101,64 @@ print(json.dumps({{"growth": status("VmHWM:") - start}}))
     growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
     bound = 1.5 * tensor + 32 * MB
     assert growth < bound, f"peak RSS grew by {growth / MB:.0f} MB, bound {bound / MB:.0f} MB"
+
+
+def test_converting_a_safetensors_folder_of_large_tensors_holds_about_one_tensor_at_a_time(tmp_path):
+    """Nine 16 MB bfloat16 matrices of a one-layer llama folder (d_model = mlp_dim = vocab =
+    2048), converted in a child: its peak RSS grows by at most 1.5 float32 tensors plus a fixed
+    allowance (safetensors' maps of every file held open grew with the model)."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("no /proc/self/clear_refs: the peak RSS cannot be reset before the conversion")
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from models.tokenizer import Tokenizer
+
+    d = 2048
+    folder = tmp_path / "big"
+    folder.mkdir()
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": d,
+        "hidden_size": d, "intermediate_size": d, "num_hidden_layers": 1, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(0)
+    names = ["model.embed_tokens.weight", "lm_head.weight"] + [
+        f"model.layers.0.{m}.weight"
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+        + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    ]
+    tensors = {n: rng.standard_normal((d, d), np.float32).astype(ml_dtypes.bfloat16) for n in names}
+    for n in (
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    ):
+        tensors[n] = np.ones(d, ml_dtypes.bfloat16)
+    save_file(tensors, str(folder / "model.safetensors"))
+    del tensors
+    gguf = tmp_path / "tok.gguf"
+    tiny_gguf.write(gguf)
+    (folder / "tokenizer.json").write_text(Tokenizer.from_gguf(gguf).backend.to_str())
+    tensor = d * d * 4
+    script = f"""
+import json
+import jax
+from models import convert
+jax.devices()
+def status(key):
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key))) * 1024
+open("/proc/self/clear_refs", "w").write("5")
+start = status("VmRSS:")
+convert.convert({str(folder)!r}, {str(tmp_path / "cache")!r}, progress=False)
+print(json.dumps({{"growth": status("VmHWM:") - start}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    bound = 1.5 * tensor + 32 * MB
+    assert growth < bound, f"peak RSS grew by {growth / MB:.0f} MB, bound {bound / MB:.0f} MB"
