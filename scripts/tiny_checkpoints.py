@@ -61,7 +61,9 @@ CHAT_TEMPLATE = (
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="folder to write into (created)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
