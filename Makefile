@@ -21,7 +21,7 @@ lint: $(STAMP)
 
 # The whole suite except tests marked slow (the Qwen-size downloads and logit checks).
 test: lint
-	$(VENV)/bin/python -m pytest -q -n 3 --durations=15 -m "not slow"
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 -m "not slow"
 
 # The slow tests alone: downloads the Qwen pair (1.6 GB) once, then checks it (about 3 minutes).
 test-slow: $(STAMP)
