@@ -25,70 +25,17 @@ import models  # noqa: E402
 import spec_jax  # noqa: E402
 from models import convert  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
+from scripts import tiny_checkpoints  # noqa: E402  (the tiny checkpoints of every family)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-VOCAB = 259  # tiny_gguf's byte-level vocabulary: a GGUF draft pairs with every folder here
-EOS = 257  # "<|endoftext|>"
+VOCAB = tiny_checkpoints.VOCAB  # tiny_gguf's byte-level vocabulary: a GGUF draft pairs with every folder
+EOS = tiny_checkpoints.EOS  # "<|endoftext|>"
 T = 12  # the logits test's sequence: longer than the sliding windows below
 ATOL = 2e-5  # float32 logits of magnitude ~1; measured differences are below 1e-6
 
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    bos_token_id=None,
-    eos_token_id=EOS,
-    pad_token_id=None,
-)
-# family -> (config class, its settings): Llama 3's rope scaling, Mistral's and Gemma 3's sliding
-# windows shorter than T, Gemma 3's local/global pattern, linear rope scaling and a query scalar
-# that is not head_dim.
-FAMILIES = {
-    "llama": (
-        "LlamaConfig",
-        dict(
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
-            rope_theta=500000.0,
-        ),
-    ),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", dict(head_dim=32)),
-    "mistral": ("MistralConfig", dict(sliding_window=5)),
-    "gemma3": (
-        "Gemma3TextConfig",
-        dict(
-            head_dim=32,
-            sliding_window=4,
-            query_pre_attn_scalar=24,
-            rope_scaling={"rope_type": "linear", "factor": 8.0},
-        ),
-    ),
-}
-
-
-def _hf_model(family: str, num_layers: int, seed: int):
-    cls, extra = FAMILIES[family]
-    if family == "gemma3":
-        kinds = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
-        extra = {**extra, "layer_types": kinds[:num_layers]}
-    config = getattr(transformers, cls)(**COMMON, **extra, num_hidden_layers=num_layers)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # norms that are not all ones (or zeros, Gemma's)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+FAMILIES = tiny_checkpoints.FAMILIES
+CHAT_TEMPLATE = tiny_checkpoints.CHAT_TEMPLATE
+_hf_model = tiny_checkpoints.hf_model
 
 
 def _noisy_copy(model, scale: float):
@@ -100,18 +47,7 @@ def _noisy_copy(model, scale: float):
     return model
 
 
-def _save(model, folder: pathlib.Path, tokenizer_json: str) -> pathlib.Path:
-    model.save_pretrained(folder)
-    (folder / "tokenizer.json").write_text(tokenizer_json)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
-    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return folder
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
+_save = tiny_checkpoints.save
 
 
 @pytest.fixture(scope="module")
