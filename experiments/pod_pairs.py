@@ -46,10 +46,10 @@ from models.config import ModelConfig
 from models.hf_config import config_from_hf
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
-from spec_jax import sharding, theory
-from spec_jax.decode import PrefillInputs, layout
+from spec_jax import compile_loop, sharding, theory
+from spec_jax.decode import layout
 from spec_jax.drafting.model import ModelDrafter
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.sampling import SamplingParams
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
 TITLE = "Big pairs on pod slices: the speculative loop compiled sharded, memory per device, predicted speedup"
@@ -243,13 +243,7 @@ def pair_programs(target_cfg, draft_cfg, mesh: Mesh, shapes: Shapes) -> dict:
     static = SpecStatic(
         target_cfg, drafter, SamplingParams(0.0), shapes.gamma, shapes.max_new_tokens, cache_len
     )
-    ints = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    inputs = PrefillInputs(
-        tokens=ints((b, width)),
-        prompt_lens=ints((b,)),
-        stop_ids=ints((shapes.num_stop_ids,)),
-        keys=jax.eval_shape(lambda: row_keys(jax.random.key(0), np.arange(b))),
-    )
+    inputs = compile_loop.abstract_inputs(b, width, shapes.num_stop_ids)
     params, draft_params = param_shapes(target_cfg), param_shapes(draft_cfg)
     params = ps.with_shardings(params, sharding.param_shardings(params, mesh))
     draft_params = ps.with_shardings(draft_params, drafter.param_shardings(draft_params, mesh))

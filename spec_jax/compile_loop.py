@@ -108,6 +108,18 @@ class LoopCase:
         )
 
 
+def abstract_inputs(batch: int, width: int, num_stop_ids: int) -> PrefillInputs:
+    """The prefill inputs of `batch` prompts padded to `width` as shapes (no arrays): what the
+    loop is compiled for without data (here and experiments/pod_pairs.py)."""
+    ints = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    return PrefillInputs(
+        tokens=ints((batch, width)),
+        prompt_lens=ints((batch,)),
+        stop_ids=ints((num_stop_ids,)),
+        keys=jax.eval_shape(lambda: row_keys(jax.random.key(0), np.arange(batch))),
+    )
+
+
 def loop_program(case: LoopCase, target_name: str):
     """(function, abstract arguments, impl, donate_argnums) of one LoopCase, built as
     spec_jax.api.run builds them (the loop's state donated)."""
@@ -123,13 +135,7 @@ def loop_program(case: LoopCase, target_name: str):
         case.max_new_tokens,
         cache_len,
     )
-    ints = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
-    inputs = PrefillInputs(
-        tokens=ints((b, width)),
-        prompt_lens=ints((b,)),
-        stop_ids=ints((case.num_stop_ids,)),
-        keys=jax.eval_shape(lambda: row_keys(jax.random.key(0), np.arange(b))),
-    )
+    inputs = abstract_inputs(b, width, case.num_stop_ids)
     params, draft_params = param_shapes(target_cfg), param_shapes(draft_cfg)
     prefill = functools.partial(spec_prefill, static)
     if case.phase == "prefill":

@@ -70,6 +70,31 @@ def test_a_precision_derived_in_blocks_equals_casting_the_whole_model(tmp_path, 
     _assert_equal(_host(model.params), _host(whole))
 
 
+def conversion_peak_growth(source: str, cache, setup: str = "") -> int:
+    """Bytes the peak RSS of a child process grows by while it converts `source` into `cache`
+    (`setup`: Python run first, e.g. registering a model), measured from its RSS after jax has
+    started (the old conversion started the backend, so it is started before the measurement)."""
+    script = f"""
+import json
+import jax
+from models import convert, registry
+{setup}
+jax.devices()
+def status(key):
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key))) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak RSS is reset to the current RSS
+start = status("VmRSS:")
+convert.convert({source!r}, {str(cache)!r}, progress=False)
+print(json.dumps({{"growth": status("VmHWM:") - start}}))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+
+
 def test_converting_a_model_of_large_tensors_holds_about_one_tensor_at_a_time(tmp_path):
     """Ten 16 MB float32 matrices (two layers of d_model = mlp_dim = 2048), 168 MB in all: the
     conversion child's peak RSS grows by at most 1.5 tensors plus a fixed allowance (the old
@@ -80,25 +105,8 @@ def test_converting_a_model_of_large_tensors_holds_about_one_tensor_at_a_time(tm
     sizes = {"d_model": 2048, "mlp_dim": 2048, "num_heads": 16, "num_kv_heads": 2}
     spec = tiny_gguf.install(cache, **sizes)
     tensor = 2048 * 2048 * 4
-    script = f"""
-import json
-import jax
-from models import convert, registry
-registry.MODELS[{spec.name!r}] = registry.ModelSpec({spec.name!r}, (), {spec.sha256!r}, {spec.size})
-jax.devices()  # the backend starts before the measurement (the old conversion started it)
-def status(key):
-    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key))) * 1024
-open("/proc/self/clear_refs", "w").write("5")  # the peak RSS is reset to the current RSS
-start = status("VmRSS:")
-convert.convert({spec.name!r}, {str(cache)!r}, progress=False)
-print(json.dumps({{"growth": status("VmHWM:") - start}}))
-"""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    register = f"registry.MODELS[{spec.name!r}] = registry.ModelSpec({spec.name!r}, (), {spec.sha256!r}, {spec.size})"
+    growth = conversion_peak_growth(spec.name, cache, register)
     bound = 1.5 * tensor + 32 * MB
     assert growth < bound, f"peak RSS grew by {growth / MB:.0f} MB, bound {bound / MB:.0f} MB"
 
@@ -142,23 +150,6 @@ def test_converting_a_safetensors_folder_of_large_tensors_holds_about_one_tensor
     tiny_gguf.write(gguf)
     (folder / "tokenizer.json").write_text(Tokenizer.from_gguf(gguf).backend.to_str())
     tensor = d * d * 4
-    script = f"""
-import json
-import jax
-from models import convert
-jax.devices()
-def status(key):
-    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith(key))) * 1024
-open("/proc/self/clear_refs", "w").write("5")
-start = status("VmRSS:")
-convert.convert({str(folder)!r}, {str(tmp_path / "cache")!r}, progress=False)
-print(json.dumps({{"growth": status("VmHWM:") - start}}))
-"""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    growth = conversion_peak_growth(str(folder), tmp_path / "cache")
     bound = 1.5 * tensor + 32 * MB
     assert growth < bound, f"peak RSS grew by {growth / MB:.0f} MB, bound {bound / MB:.0f} MB"
