@@ -526,8 +526,6 @@ def check_flags():
     from spec_jax import sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
-    # and on a CPU kernel that cannot be built (the build a config made here names)
-    precision.has_cpu_kernels(FLAGS.matmul_impl, model_config.this_cpu_isa())
     gamma_from_flag()
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
     if FLAGS.acceptance_head and FLAGS.drafter != "head":
@@ -540,6 +538,9 @@ def check_flags():
         common.check_output_json(FLAGS.output_json)
     check_model_names()
     check_sampling_flags()
+    # Last, being the costly one (a cold build compiles the C++ kernel: seconds): a CPU kernel
+    # that cannot be built, for the build a config made here names.
+    precision.has_cpu_kernels(FLAGS.matmul_impl, model_config.this_cpu_isa())
     return mesh, prompts
 
 

@@ -170,7 +170,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer):
+    def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer, tree_bt=None):
         cfg = self.config
         # Weights are [out, in] (the GGUF / PyTorch layout): see models.weights for why.
         wq, wk, wv, wo = (param(self, "attn", name) for name in ("wq", "wk", "wv", "wo"))
@@ -193,14 +193,20 @@ class Attention(nn.Module):
         k_btke = rotary(k_btke, positions_bt, freq)
         if cfg.attention_scale is not None:  # the kernels scale by head_dim ** -0.5
             q_bthe = q_bthe * jnp.asarray(cfg.attention_scale * cfg.head_dim**0.5, q_bthe.dtype)
+        # A tree call's tokens sit in contiguous slots from its first (the root, whose position is
+        # its slot); their positions are the root's plus their depths (tree_slots).
+        slots_bt = positions_bt if tree_bt is None else tree_slots(positions_bt)
         with jax.named_scope("cache_write"):
             cache = KVCache(
-                k=write_layer(cache.k, layer, k_btke, positions_bt),
-                v=write_layer(cache.v, layer, v_btke, positions_bt),
+                k=write_layer(cache.k, layer, k_btke, slots_bt),
+                v=write_layer(cache.v, layer, v_btke, slots_bt),
             )
+        window = layer_window(cfg, layer)
+        if tree_bt is not None and window is not None:  # the window on the tree's own keys
+            tree_bt = tree_bt & kernels.tree_window_bits(positions_bt, window)
         with jax.named_scope("attention"):
             attend = functools.partial(
-                kernels.attention, window=layer_window(cfg, layer), interpret=cfg.attention_interpret
+                kernels.attention, window=window, tree=tree_bt, interpret=cfg.attention_interpret
             )
             args = (q_bthe, cache.k[layer], cache.v[layer], positions_bt, kv_lengths_b)
             if attention_impl(cfg) == "cpu":
@@ -231,11 +237,11 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions_bt, kv_lengths_b):
+    def __call__(self, carry, layer, positions_bt, kv_lengths_b, tree_bt=None):
         x, cache = carry
         cfg = self.config
         attn_out, cache = Attention(cfg, name="attn")(
-            RMSNorm(cfg, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer
+            RMSNorm(cfg, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer, tree_bt
         )
         if cfg.sandwich_norms:
             attn_out = RMSNorm(cfg, name="post_attn_norm")(attn_out)
@@ -252,7 +258,14 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens_bt, positions_bt, cache: KVCache, logits_at=None, head=None, with_features=False
+        self,
+        tokens_bt,
+        positions_bt,
+        cache: KVCache,
+        logits_at=None,
+        head=None,
+        with_features=False,
+        tree=None,
     ):
         """Returns a ForwardOutput: logits [B, T or K, V] float32, the cache, and the features
         [B, T, D] when with_features (else None).
@@ -263,27 +276,31 @@ class Transformer(nn.Module):
         head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafting.model).
         with_features: also return the last hidden state after the final norm at every
         position (what the output head reads; a draft head's input, models.draft_head).
+        tree: optional int32 [B, T] ancestor bits (models.kernels' `tree`; spec_jax.tree.query_bits):
+        the T tokens are a token tree's root and nodes, written at contiguous slots from the
+        first token's position, each at the position of its depth (positions_bt) and reading the
+        committed text and its ancestors only.
         """
         cfg = self.config
         if not cfg.is_decoder:
             raise ValueError(f"forward runs decoders; a {cfg.kind} runs with models.draft_head.forward")
         embed = Embedding(cfg, name="embed")
         x = embed(tokens_bt)
-        # Contiguous positions per row: the last query bounds what this call may read.
-        kv_lengths_b = positions_bt[:, -1] + 1
+        # Contiguous slots per row: the last query's bounds what this call may read.
+        kv_lengths_b = (positions_bt if tree is None else tree_slots(positions_bt))[:, -1] + 1
         if cfg.scan_layers:
             layers = nn.scan(
                 DecoderLayer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
             )(cfg, name="layers")
-            (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b)
+            (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b, tree)
         else:
             for i in range(cfg.num_layers):
                 (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")(
-                    (x, cache), i, positions_bt, kv_lengths_b
+                    (x, cache), i, positions_bt, kv_lengths_b, tree
                 )
         x = features_btd = RMSNorm(cfg, name="final_norm")(x)
         if logits_at is not None:
@@ -336,16 +353,24 @@ def forward(
     logits_at=None,
     head=None,
     with_features=False,
+    tree=None,
 ) -> ForwardOutput:
     """`out = forward(config, params, tokens[B,T], positions[B,T], cache)`: out.logits, out.cache,
     and out.features [B, T, D] with with_features, else None (see Transformer for the options).
 
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
-    written at their positions; each query sees keys at positions <= its own.
+    written at their positions; each query sees keys at positions <= its own. With a tree
+    (int32 [B, T] ancestor bits) the tokens are a token tree instead: written at the slots
+    tree_slots(positions), each seeing the committed text and its ancestors (Transformer).
     """
     return Transformer(config).apply(
-        {"params": params}, tokens_bt, positions_bt, cache, logits_at, head, with_features
+        {"params": params}, tokens_bt, positions_bt, cache, logits_at, head, with_features, tree
     )
+
+
+def tree_slots(positions_bt):
+    """int32 [B, T]: the cache slots of a tree call's tokens, contiguous from the first's position."""
+    return positions_bt[:, :1] + jnp.arange(positions_bt.shape[1], dtype=positions_bt.dtype)[None, :]
 
 
 def init_params(config: ModelConfig, seed: int = 0):

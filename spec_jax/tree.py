@@ -41,6 +41,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from models.kernels.reference import MAX_TREE_QUERIES
 from spec_jax.sampling import draw_rows, split_rows
 
 ROOT = -1
@@ -96,6 +97,19 @@ def ancestors(parents_bn) -> jax.Array:
 
     anc, _ = jax.lax.scan(step, eye, jnp.arange(n))
     return anc
+
+
+def query_bits(parents_bn) -> jax.Array:
+    """int32 [B, N + 1]: the tree attention mask of a target call over [root, node 0 .. N-1] as
+    bits (models.kernels' `tree`): bit j of query i set where the call's query j is query i
+    itself or one of its ancestors; the root (query 0) is every node's ancestor."""
+    n = parents_bn.shape[1]
+    if n + 1 > MAX_TREE_QUERIES:
+        raise ValueError(f"a tree has at most {MAX_TREE_QUERIES - 1} nodes, got {n}")
+    anc = ancestors(parents_bn).astype(jnp.int32)  # [B, N, N]
+    weights = jnp.left_shift(jnp.int32(1), jnp.arange(1, n + 1, dtype=jnp.int32))  # bit 1 + j
+    nodes = 1 | jnp.sum(anc * weights, axis=-1, dtype=jnp.int32)  # distinct bits: the sum is the or
+    return jnp.concatenate([jnp.ones((parents_bn.shape[0], 1), jnp.int32), nodes], axis=1)
 
 
 def _residual(r, q):

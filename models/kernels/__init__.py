@@ -13,6 +13,13 @@ a traced jax integer scalar, e.g. jnp.where(is_local[layer], W, MAX_WINDOW) insi
 layers, whose value cannot be checked while tracing: a traced window <= 0 hides every key (zeros).
 A window at least the number of keys is the same as None (the reference gives the same bits).
 
+tree: None, or int32 [B, T] (T <= MAX_TREE_QUERIES): the queries are the nodes of a token tree
+(spec_jax.tree) whose keys sit in the call's last T slots, kv_lengths[b] - T + j for query j.
+Query t then sees the keys below those slots (the committed text) by the rule above, and the key
+of query j exactly when bit j of tree[b, t] is set: itself and its ancestors. The window does not
+apply to the tree's own keys (the caller folds it into the bits: models.transformer). A chain,
+whose positions are its slots and whose bits are 0..t, is the causal contract itself.
+
 Implementations (`impl`):
   "xla"         the dense reference (reference.py); any backend.
   "cpu"         this project's CPU kernel (cpu_rowwise.cc, in the CPU kernel library of
@@ -38,10 +45,13 @@ from models.kernels import flash_attention, flash_decoding
 from models.kernels import target as target_lib
 from models.kernels.reference import (
     DEFAULT_MASK_VALUE,
+    MAX_TREE_QUERIES,
     MAX_WINDOW,
     attention_mask,
     attention_reference,
+    check_tree,
     check_window,
+    tree_window_bits,
 )
 
 IMPLS = ("auto", "xla", "cpu", "pallas_tpu", "pallas_gpu")
@@ -77,17 +87,30 @@ def resolve_impl(impl: str, device=None) -> str:
 
 
 def attention(
-    q, k, v, q_positions, kv_lengths, *, window=None, impl: str = "auto", interpret=False, cpu_isa=None
+    q,
+    k,
+    v,
+    q_positions,
+    kv_lengths,
+    *,
+    window=None,
+    tree=None,
+    impl: str = "auto",
+    interpret=False,
+    cpu_isa=None,
 ):
-    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract and
-    `window`. cpu_isa: the CPU kernel library's build that impl "cpu" calls (cpu_matmul.ISAS; a
-    model passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise."""
+    """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract,
+    `window` and `tree`. cpu_isa: the CPU kernel library's build that impl "cpu" calls
+    (cpu_matmul.ISAS; a model passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise."""
     impl = resolve_impl(impl)
     check_window(window)
+    check_tree(tree, q.shape)
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
     if impl == "xla":
-        return attention_reference(q, k, v, q_positions, kv_lengths, window)
+        return attention_reference(q, k, v, q_positions, kv_lengths, window, tree)
+    if tree is not None:
+        raise ValueError(f"attention impl {impl}: no tree mask yet (impl 'xla' has it)")
     if impl == "cpu":
         from models.kernels import cpu_matmul
 
@@ -116,10 +139,13 @@ __all__ = [
     "DECODE_MAX_QUERIES",
     "DEFAULT_MASK_VALUE",
     "IMPLS",
+    "MAX_TREE_QUERIES",
     "MAX_WINDOW",
     "attention",
     "attention_mask",
     "attention_reference",
+    "check_tree",
     "check_window",
     "resolve_impl",
+    "tree_window_bits",
 ]

@@ -33,25 +33,69 @@ def check_window(window) -> None:
         )
 
 
-def attention_mask(q_positions, kv_lengths, num_keys, window=None):
+# The most queries a tree call may have: one bit per query in an int32 (bit 31 is the sign bit).
+MAX_TREE_QUERIES = 32
+
+
+def check_tree(tree, q_shape) -> None:
+    """ValueError unless `tree` is None or an integer [B, T] array with T <= MAX_TREE_QUERIES
+    matching the queries [B, T, H, D]."""
+    if tree is None:
+        return
+    b, t = q_shape[:2]
+    dtype = getattr(tree, "dtype", None)
+    if np.shape(tree) != (b, t) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"tree must be None or an integer [B, T] = [{b}, {t}] array, got shape {np.shape(tree)}"
+        )
+    if t > MAX_TREE_QUERIES:
+        raise ValueError(f"tree: a tree call takes at most {MAX_TREE_QUERIES} queries, got T = {t}")
+
+
+def tree_window_bits(q_positions, window) -> jax.Array:
+    """int32 [B, T]: bit j of query t set where p_t - p_j < window, for the queries' own keys in a
+    tree call (the window on the tree's keys, by their positions, to and with a tree's bits)."""
+    p = q_positions.astype(jnp.int32)
+    recent = (p[:, :, None] - p[:, None, :]) < jnp.asarray(window, jnp.int32)  # [B, T, T]
+    weights = jnp.left_shift(jnp.int32(1), jnp.arange(p.shape[1], dtype=jnp.int32))
+    return jnp.sum(recent.astype(jnp.int32) * weights, axis=-1, dtype=jnp.int32)
+
+
+def attention_mask(q_positions, kv_lengths, num_keys, window=None, tree=None):
     """Boolean [B, T, S]: key s is visible to query t of row b.
 
     A query at position p sees keys at positions s <= p and s < kv_lengths[b], and, with a
     window (an int32 scalar, see check_window), p - s < window: the sliding-window mask of
     Hugging Face transformers (Mistral, Gemma 3's local layers), the query's own key included.
+
+    With a tree (int32 [B, T], check_tree) the T queries are the nodes of a token tree whose keys
+    sit in the call's last T slots, kv_lengths[b] - T + j for query j: a key s below them (the
+    committed text) is visible by the rule above, and key kv_lengths[b] - T + j is visible to
+    query t exactly when bit j of tree[b, t] is set (the window does not apply to those keys: the
+    caller folds it into the bits). A chain (positions equal to the slots, tree[b, t] the bits
+    0..t) is the causal mask itself.
     """
     s = jnp.arange(num_keys, dtype=jnp.int32)
-    causal = s[None, None, :] <= q_positions[:, :, None]
+    p = q_positions.astype(jnp.int32)[:, :, None]
+    kv_lengths = kv_lengths.astype(jnp.int32)
+    causal = s[None, None, :] <= p
+    if tree is not None:
+        first = (kv_lengths - q_positions.shape[1])[:, None, None]  # the tree's first slot
+        causal = causal & (s[None, None, :] < first)
     valid = s[None, None, :] < kv_lengths[:, None, None]
     mask = causal & valid
-    if window is None:
+    if window is not None:
+        # p - s >= 0 wherever causal holds, so the difference cannot wrap there.
+        mask = mask & (p - s[None, None, :] < jnp.asarray(window, jnp.int32))
+    if tree is None:
         return mask
-    # p - s >= 0 wherever causal holds, so the difference cannot wrap there.
-    recent = q_positions.astype(jnp.int32)[:, :, None] - s[None, None, :] < jnp.asarray(window, jnp.int32)
-    return mask & recent
+    j = s[None, None, :] - first  # the key's node index within the tree, where 0 <= j < T
+    in_tree = (j >= 0) & (j < q_positions.shape[1]) & valid
+    bit = (tree.astype(jnp.int32)[:, :, None] >> jnp.clip(j, 0, 31)) & 1
+    return mask | (in_tree & (bit == 1))
 
 
-def attention_reference(q, k, v, q_positions, kv_lengths, window=None):
+def attention_reference(q, k, v, q_positions, kv_lengths, window=None, tree=None):
     """Grouped-query attention over a cache, computed densely.
 
     Args:
@@ -62,18 +106,20 @@ def attention_reference(q, k, v, q_positions, kv_lengths, window=None):
       kv_lengths: [B] int, keys at positions >= kv_lengths[b] are never read.
       window: None (no limit) or an int32 scalar (a Python int or a traced value): a query at
         position p sees only keys s with p - s < window (check_window).
+      tree: None or int32 [B, T]: the queries are a token tree's nodes (attention_mask).
 
     Returns:
       [B, T, H, D] in q's dtype; scores, softmax and accumulation in float32. A query
       that sees no key gets zeros.
     """
     check_window(window)
+    check_tree(tree, q.shape)
     b, t, h, d = q.shape
     kvh = k.shape[2]
     g = h // kvh
     qg = q.reshape(b, t, kvh, g, d).astype(jnp.float32)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * (d**-0.5)
-    mask = attention_mask(q_positions, kv_lengths, k.shape[1], window)[:, None, None]
+    mask = attention_mask(q_positions, kv_lengths, k.shape[1], window, tree)[:, None, None]
     scores = jnp.where(mask, scores, DEFAULT_MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1)
     weights = jnp.where(mask, weights, 0.0)

@@ -2,7 +2,7 @@
 sharding and gamma=auto use), one module per drafter, and `build(kind, target, settings)`, the
 one place drafters are made (spec_jax.drafting.build)."""
 
-from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal, check_gamma
+from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal, TreeProposal, check_gamma
 from spec_jax.drafting.build import DRAFTERS, Settings, as_drafter, build
 from spec_jax.drafting.none import NoDrafter
 
@@ -12,6 +12,7 @@ __all__ = [
     "Drafter",
     "NoDrafter",
     "Proposal",
+    "TreeProposal",
     "Settings",
     "as_drafter",
     "build",

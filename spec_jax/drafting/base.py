@@ -22,6 +22,11 @@ round where no row proposed anything (the target then scores one position, not g
 says which served each row with `served`); the metrics count rounds, drafts and acceptances
 per source.
 
+A tree round (spec_jax.tree) asks `propose_tree` for a tree of N node slots per row (by default
+the chain of `propose`), verifies every node in one target call with a tree mask, and tells the
+drafter which path each row accepted with `accepted`; a drafter that keeps its own copy of the
+text or a cache of its tree's nodes brings it up to date there.
+
 gamma=auto runs plain chunks (gamma 0, no drafter) between drafting chunks; a `resumable`
 drafter then catches up on the text committed without it (`resume`); one that is not (a draft
 head, which reads the target's features) makes plain decoding final for the call. It times
@@ -48,6 +53,13 @@ class Proposal(NamedTuple):
     q: jax.Array  # float32 [B, G, V]: the warped distribution each token was sampled from,
     # all zero from a row's first position not proposed
     state: Any  # the drafter's new state
+
+
+class TreeProposal(NamedTuple):
+    """What `propose_tree` returns: a token tree per row (spec_jax.tree.Tree) and the new state."""
+
+    tree: Any  # spec_jax.tree.Tree of N node slots
+    state: Any
 
 
 class Drafter(abc.ABC):
@@ -82,6 +94,25 @@ class Drafter(abc.ABC):
         context_b2: the last two committed tokens of each row, at positions length-2, length-1.
         keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
         """
+
+    def propose_tree(
+        self, params: Any, state: Any, context_b2, length_b, nodes: int, sampling: SamplingParams, keys_b
+    ) -> TreeProposal:
+        """A token tree of `nodes` slots per row (spec_jax.tree: a slot's parent comes before it;
+        all-zero q marks an empty slot). Default: the chain of `propose` with gamma = nodes, so
+        every drafter runs a tree round. The loop verifies the tree in one target call and then
+        calls `accepted`."""
+        from spec_jax import tree as tree_lib
+
+        proposal = Proposal(*self.propose(params, state, context_b2, length_b, nodes, sampling, keys_b))
+        return TreeProposal(tree_lib.chain(proposal.tokens, proposal.q), proposal.state)
+
+    def accepted(self, params: Any, state: Any, tree: Any, path_bn, count_b, length_b) -> Any:
+        """The state after a tree round: row b accepted the nodes path_bn[b, :count_b[b]] (slots,
+        root child first) of `tree`, whose tokens are now committed at positions length_b[b] ..
+        length_b[b] + count_b[b] - 1 (length_b: the committed length before the round). Default:
+        the state as it is, right for a chain (propose wrote its drafts where they are committed)."""
+        return state
 
     def observe(self, params: Any, state: Any, features_bcd, tokens_bc, start_b, count_b) -> Any:
         """The state after a round (a drafter that reads_features): the target's features of the

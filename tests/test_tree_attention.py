@@ -1,0 +1,191 @@
+"""Attention with a token tree's mask (models.kernels, `tree`): each node reads the committed text
+and its own ancestors, at the position of its depth, whatever slot it sits in."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import kernels
+from models.kernels import reference
+from spec_jax import tree as tree_lib
+
+# Two rows of different committed lengths; 7 nodes: two branches under the root and a deeper one.
+PARENTS = [[-1, 0, 0, 1, -1, 4, 2], [-1, -1, 1, 2, 0, 4, 4]]
+PREFIX = [5, 9]  # committed tokens in the cache before the tree (the root is the first query)
+
+
+def tree_inputs(seed=0, h=4, kvh=2, d=16, cache=24, dtype=jnp.float32):
+    """q [B, T, H, D], k/v [B, cache, KVH, D], positions [B, T] (prefix + depth), kv_lengths,
+    ancestor bits [B, T] for the root (query 0) plus the 7 nodes (query 1 + n)."""
+    parents = jnp.asarray(PARENTS, jnp.int32)
+    b, n = parents.shape
+    t = n + 1
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, cache, kvh, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, cache, kvh, d)), dtype)
+    depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree_lib.depths(parents)], axis=1)
+    prefix = jnp.asarray(PREFIX, jnp.int32)
+    positions = prefix[:, None] + depth
+    bits = tree_lib.query_bits(parents)
+    return q, k, v, positions, prefix + t, bits, parents
+
+
+def path_of(parents, b, node):
+    """The slots (within the tree call, 0 = root) of node's ancestors and itself, root first."""
+    path = [node]
+    while path[-1] >= 0:
+        path.append(int(parents[b][path[-1]]))
+    return [0] + [1 + x for x in reversed(path[:-1])]
+
+
+def test_the_chains_bits_are_the_causal_mask():
+    q, k, v, _, _, _, _ = tree_inputs()
+    b, t = q.shape[:2]
+    kv_lengths = jnp.asarray(PREFIX) + t
+    positions = jnp.asarray(PREFIX)[:, None] + jnp.arange(t)[None]
+    chain_bits = tree_lib.query_bits(jnp.broadcast_to(jnp.arange(t - 1) - 1, (b, t - 1)))
+    plain = reference.attention_reference(q, k, v, positions, kv_lengths)
+    chained = reference.attention_reference(q, k, v, positions, kv_lengths, tree=chain_bits)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(chained))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_each_node_attends_as_if_its_path_were_decoded_in_order(window):
+    """Node x of row b equals the causal attention of its path laid out contiguously after the
+    prefix: the keys of its ancestors moved to the slots of their depths."""
+    q, k, v, positions, kv_lengths, bits, parents = tree_inputs()
+    if window is not None:  # what the model does: the window folded into the tree's bits
+        bits = bits & reference.tree_window_bits(positions, window)
+    got = reference.attention_reference(q, k, v, positions, kv_lengths, window, bits)
+    for b, prefix in enumerate(PREFIX):
+        for x in range(q.shape[1]):
+            slots = path_of(PARENTS, b, x - 1) if x else [0]
+            order = list(range(prefix)) + [prefix + s for s in slots]
+            kb, vb = k[b : b + 1, jnp.asarray(order)], v[b : b + 1, jnp.asarray(order)]
+            pos = jnp.asarray([[len(order) - 1]])
+            want = reference.attention_reference(
+                q[b : b + 1, x : x + 1], kb, vb, pos, jnp.asarray([len(order)]), window
+            )
+            np.testing.assert_allclose(np.asarray(got[b, x]), np.asarray(want[0, 0]), atol=1e-6, rtol=0)
+
+
+def test_a_mask_that_lets_siblings_through_fails_the_comparison():
+    """The broken variant: every earlier query visible (the chain's mask on a tree)."""
+    q, k, v, positions, kv_lengths, bits, _ = tree_inputs()
+    t = q.shape[1]
+    causal_bits = jnp.broadcast_to((2 ** (jnp.arange(t) + 1) - 1).astype(jnp.int32), bits.shape)
+    right = reference.attention_reference(q, k, v, positions, kv_lengths, tree=bits)
+    wrong = reference.attention_reference(q, k, v, positions, kv_lengths, tree=causal_bits)
+    assert np.abs(np.asarray(right) - np.asarray(wrong)).max() > 1e-2
+
+
+def test_bits_are_each_nodes_ancestors_and_the_root():
+    bits = np.asarray(tree_lib.query_bits(jnp.asarray(PARENTS, jnp.int32)))
+    for b in range(2):
+        for x in range(bits.shape[1]):
+            seen = {j for j in range(bits.shape[1]) if bits[b, x] >> j & 1}
+            assert seen == set(path_of(PARENTS, b, x - 1) if x else [0]), (b, x)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (jnp.zeros((2, 3), jnp.int32), "tree must be None or an integer [B, T] = [2, 8] array"),
+        (jnp.zeros((2, 8), jnp.float32), "tree must be None or an integer"),
+    ],
+)
+def test_a_bad_tree_is_a_value_error_naming_tree(bad, message):
+    q, k, v, positions, kv_lengths, _, _ = tree_inputs()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        kernels.attention(q, k, v, positions, kv_lengths, tree=bad, impl="xla")
+
+
+def test_more_than_32_queries_is_refused():
+    q = jnp.zeros((1, 33, 2, 8))
+    k = jnp.zeros((1, 40, 2, 8))
+    with pytest.raises(ValueError, match="at most 32 queries"):
+        kernels.attention(
+            q,
+            k,
+            k,
+            jnp.zeros((1, 33), jnp.int32),
+            jnp.asarray([40]),
+            tree=jnp.zeros((1, 33), jnp.int32),
+            impl="xla",
+        )
+
+
+def test_jit_of_the_tree_mask_equals_eager():
+    q, k, v, positions, kv_lengths, bits, _ = tree_inputs()
+    eager = reference.attention_reference(q, k, v, positions, kv_lengths, tree=bits)
+    jitted = jax.jit(reference.attention_reference)(q, k, v, positions, kv_lengths, None, bits)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(jitted), atol=1e-6)
+
+
+def _decode_path_logits(model, prefix, path_tokens):
+    """The logits after each token of prefix + path_tokens, fed in order through the cache."""
+    from conftest import apply
+
+    import models
+
+    tokens = list(prefix) + list(path_tokens)
+    cache = models.init_cache(model.config, 1, 32)
+    out = apply(model, jnp.asarray([tokens]), jnp.arange(len(tokens))[None], cache)
+    return np.asarray(out.logits[0])
+
+
+@pytest.mark.parametrize("layout", ["scanned", "unrolled", "windowed"])
+def test_a_tree_forward_gives_each_node_the_logits_of_decoding_its_path(tiny_target, layout):
+    """Two ragged rows: every node's logits equal those at the end of its path decoded in order,
+    and the tree's keys land at contiguous slots from the root's."""
+    from conftest import apply
+
+    import models
+
+    model = tiny_target.replace(config=tiny_target.config.replace(attention_impl="xla"))
+    if layout == "unrolled":
+        model = model.replace(
+            config=model.config.replace(scan_layers=False),
+            params=models.transformer.unstack_layers(model.params, model.config.num_layers),
+        )
+    if layout == "windowed":  # local layer 0 with a window shorter than the text, global layer 1
+        model = model.replace(
+            config=model.config.replace(family="gemma3", sliding_window=4, local_layers=(0,))
+        )
+    parents = jnp.asarray(PARENTS, jnp.int32)
+    rng = np.random.default_rng(3)
+    prefixes = [list(rng.integers(1, 64, size=n)) for n in PREFIX]
+    nodes = rng.integers(1, 64, size=parents.shape)
+    cache = models.init_cache(model.config, 2, 32)
+    for b, prefix in enumerate(prefixes):  # the committed text, each row alone (ragged)
+        one = models.init_cache(model.config, 1, 32)
+        one = apply(model, jnp.asarray([prefix[:-1]]), jnp.arange(len(prefix) - 1)[None], one).cache
+        cache = cache.replace(k=cache.k.at[:, b].set(one.k[:, 0]), v=cache.v.at[:, b].set(one.v[:, 0]))
+    roots = jnp.asarray([p[-1] for p in prefixes])
+    tokens = jnp.concatenate([roots[:, None], jnp.asarray(nodes, jnp.int32)], axis=1)
+    depth = jnp.concatenate([jnp.zeros((2, 1), jnp.int32), tree_lib.depths(parents)], axis=1)
+    root_slot = jnp.asarray(PREFIX) - 1
+    out = apply_tree(model, tokens, root_slot[:, None] + depth, cache, tree_lib.query_bits(parents))
+    for b, prefix in enumerate(prefixes):
+        for x in range(tokens.shape[1]):
+            path = path_of(PARENTS, b, x - 1)[1:] if x else []
+            want = _decode_path_logits(model, prefix, [int(nodes[b, s - 1]) for s in path])[-1]
+            np.testing.assert_allclose(
+                np.asarray(out.logits[b, x]), want, atol=2e-5, rtol=0, err_msg=f"{b} {x}"
+            )
+    # The root's key and value are at its slot, where plain decoding would put them.
+    plain = apply(model, roots[:, None], root_slot[:, None], cache)
+    np.testing.assert_allclose(
+        np.asarray(out.cache.k[:, jnp.arange(2), root_slot]),
+        np.asarray(plain.cache.k[:, jnp.arange(2), root_slot]),
+        atol=1e-6,
+    )
+
+
+def apply_tree(model, tokens, positions, cache, bits):
+    import models
+
+    fn = jax.jit(lambda params, t, pos, c, bits: models.forward(model.config, params, t, pos, c, tree=bits))
+    return fn(model.params, tokens, positions, cache, bits)
