@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import kernels
 from models.settings import is_int
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
@@ -55,9 +56,10 @@ class Options:
     eos_id: Any = None
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
+    tree: int = 0
 
 
-def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
+def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
     """Raises ValueError naming the argument and its allowed range (drafter: a drafter or None)."""
     if not isinstance(prompts, list | tuple) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -88,10 +90,18 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
             f"context of {target.config.max_seq_len} tokens"
         )
     stop_id_list(eos_id, vocab)
+    if not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES:
+        raise ValueError(f"tree must be 0 (chains) or a node count in [1, {MAX_TREE_NODES}], got {tree!r}")
     if drafter is None:
         return
     shown = gamma
-    if gamma == "auto":
+    if tree:
+        if drafter.reads_features:
+            raise ValueError(
+                f"tree: {type(drafter).__name__} reads the target's features, which tree rounds do not feed it"
+            )
+        gamma, shown = tree, None
+    elif gamma == "auto":
         gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
     elif not is_int(gamma) or gamma < 1:
         raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
@@ -101,10 +111,12 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id):
             "speculative decoding needs one shared vocabulary"
         )
     contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
-    check_gamma(gamma, longest, max_new_tokens, contexts, shown=shown)
+    check_gamma(gamma, longest, max_new_tokens, contexts, name="tree" if tree else "gamma", shown=shown)
 
 
 VERIFY_WIDTHS = ("auto", "ends", "all")
+# A tree call scores the root and N nodes, one bit each in the attention's int32 mask.
+MAX_TREE_NODES = kernels.MAX_TREE_QUERIES - 1
 
 
 def resolve_verify_widths(verify_widths: str, drafter: Drafter) -> str:
@@ -129,9 +141,11 @@ class GammaPolicy:
     auto: bool = False
 
     @classmethod
-    def of(cls, gamma, drafter: Drafter | None) -> "GammaPolicy":
+    def of(cls, gamma, drafter: Drafter | None, tree: int = 0) -> "GammaPolicy":
         if drafter is None:
             return cls(0)
+        if tree:  # a tree round's paths are at most its node count long
+            return cls(tree)
         if gamma == "auto":  # with a learned stop (an acceptance head), gamma is its fixed cap
             return cls(autogamma.GAMMA_MAX, auto=drafter.stop_rejection <= 0)
         return cls(gamma)
@@ -161,12 +175,12 @@ class Plan:
 def _plan(target, prompts, options: Options) -> Plan:
     """Validates the call and decides what runs (Plan)."""
     drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft, target)
-    validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id)
+    validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id, options.tree)
     num_rows = len(prompts)
     row_ids = np.arange(num_rows) if options.row_ids is None else np.asarray(options.row_ids)
     if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
         raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
-    policy = GammaPolicy.of(options.gamma, drafter)
+    policy = GammaPolicy.of(options.gamma, drafter, options.tree)
     drafter = NoDrafter(target.config.vocab_size) if drafter is None else drafter
     mesh = sharding.default_mesh() if options.mesh is None else options.mesh
     sharding.check_mesh(mesh)
@@ -320,7 +334,14 @@ def run(target, prompts, **options) -> tuple[SpecState, dict]:
     config = sharding.for_mesh(target.config, plan.mesh)
     widths = resolve_verify_widths(options.verify_widths, drafter)
     static = SpecStatic(
-        config, drafter, plan.sampling, plan.policy.gamma, options.max_new_tokens, plan.cache_len, widths
+        config,
+        drafter,
+        plan.sampling,
+        plan.policy.gamma,
+        options.max_new_tokens,
+        plan.cache_len,
+        widths,
+        tree_nodes=options.tree if plan.policy.gamma else 0,
     )
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
     state, prefill_compile_s, prefill_s = runner.prefill(active)
@@ -454,6 +475,10 @@ def generate(target, prompts, **options) -> Generation:
         float reassociation in the sharded matmuls).
       verify_widths: for drafters that may propose fewer than gamma drafts, which widths the
         target's verification call may take (resolve_verify_widths): "auto", "ends", "all".
+      tree: 0 (each round verifies a chain of gamma drafts) or N in [1, MAX_TREE_NODES]: each
+        round verifies the drafter's token tree of up to N nodes (Drafter.propose_tree; by
+        default the chain of N drafts) in one target call with a tree mask (spec_jax.tree);
+        gamma is then not used.
 
     Returns:
       Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the

@@ -57,7 +57,15 @@ class SpecMetrics:
         )
 
     def update(
-        self, active_b, num_drafted_b, num_accepted_b, overlap_bg, committed_b, draft_steps: int, source_b
+        self,
+        active_b,
+        num_drafted_b,
+        num_accepted_b,
+        overlap_bg,
+        committed_b,
+        draft_steps: int,
+        source_b,
+        num_scored_b=None,
     ) -> "SpecMetrics":
         """Adds one round. active: rows that drafted; num_drafted: [B] proposed drafts per row (at
         most G); overlap: [B, G] sum_x min(p, q) per position, G at most the gamma these metrics
@@ -66,6 +74,8 @@ class SpecMetrics:
 
         Only proposed positions the target scored on the committed prefix (i <= num_accepted)
         enter alpha: after the first rejection the drafts are conditioned on a rejected token.
+        A tree round (spec_jax.speculative.tree_round) counts every node as drafted and passes
+        num_scored [B], the depths whose overlap (along the accepted path) enters alpha.
         """
         gamma = overlap_bg.shape[1]
         size = self.per_position_accepted.shape[0]
@@ -74,7 +84,9 @@ class SpecMetrics:
         acc = num_accepted_b * act
         drafted = num_drafted_b * act
         pos = jnp.arange(size)[None, :]
-        scored = (pos <= num_accepted_b[:, None]) & (pos < num_drafted_b[:, None]) & active_b[:, None]
+        if num_scored_b is None:
+            num_scored_b = jnp.minimum(num_drafted_b, num_accepted_b + 1)
+        scored = (pos < num_scored_b[:, None]) & active_b[:, None]
         by_source = jax.nn.one_hot(source_b, self.source_rounds.shape[0], dtype=jnp.int32)  # [B, S]
         row_overlap_b = jnp.sum(jnp.where(scored, overlap_bg, 0.0), axis=1)
         row_scored_b = jnp.sum(scored, axis=1).astype(jnp.int32)

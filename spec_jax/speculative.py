@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import forward
+from spec_jax import tree as tree_lib
 from spec_jax.decode import PAD_ID, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafting.base import Drafter
 from spec_jax.executables import TRACE_COUNTS
@@ -61,6 +62,10 @@ class SpecStatic:
     # compiles a branch of the loop): "ends" 1 and gamma + 1; "all" every width 1..gamma + 1,
     # so that a round verifies only as many positions as its longest draft needs.
     verify_widths: str = "ends"
+    # 0: chain rounds. N > 0: tree rounds (spec_jax.tree), the drafter's propose_tree of N node
+    # slots verified in one target call of N + 1 queries; gamma is then N (the cache and the
+    # metrics are sized for paths of up to N tokens).
+    tree_nodes: int = 0
 
     def widths(self) -> tuple[int, ...]:
         if self.verify_widths == "all":
@@ -121,8 +126,58 @@ def committed_text(tokens_bp, prompt_lens_b, out_tokens_bn, length_b, slots: int
     return jnp.where(j < length_b[:, None], text, PAD_ID).astype(jnp.int32)
 
 
+def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
+    """One tree round for every row (rows already done compute but commit nothing): the drafter's
+    tree of N slots (spec_jax.tree), scored in one target call with the tree mask, verified by
+    verify_tree, the accepted path's keys and values moved to where a chain's would be
+    (tree.compact), the drafter told the path (Drafter.accepted)."""
+    n = static.tree_nodes
+    keys, draft_keys, verify_keys = split_rows(state.keys, 3)
+    active = ~state.out.done
+    context = jnp.stack([state.prev_token, state.last_token], axis=1)
+    proposal = static.drafter.propose_tree(
+        draft_params, state.draft_state, context, state.length, n, static.sampling, draft_keys
+    )
+    tree = proposal.tree
+    tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
+    out = forward(static.config, params, tokens, positions, state.target_cache, tree=bits)
+    p = warp(out.logits, static.sampling)  # [B, N + 1, V]: after the root, then after each node
+    path, num_accepted, next_token = tree_lib.verify_tree(tree, p, verify_keys)
+    # The rule read p at the root and along the path: the chain's positions, in path order.
+    finite = tree_lib.path_rows(jnp.all(jnp.isfinite(out.logits), axis=-1), path, num_accepted)
+    usable = finite_prefix(finite, num_accepted)
+    nonfinite = active & (usable <= num_accepted)
+    new = tree_lib.path_tokens(tree, path, num_accepted, next_token)
+    root = state.length - 1
+    target_cache = tree_lib.compact(out.cache, root, path, num_accepted)
+    draft_state = static.drafter.accepted(
+        draft_params, proposal.state, tree, path, num_accepted, state.length
+    )
+    # alpha along the path: each scored depth's p against the q of the node taken there.
+    q_taken, num_scored = tree_lib.taken_q(tree, path, num_accepted)
+    p_path = tree_lib.path_rows(p, path, num_accepted)[:, :n]
+    return _finish_round(
+        static,
+        state,
+        stop_ids,
+        keys,
+        new,
+        usable,
+        nonfinite,
+        jnp.sum(tree.present, axis=1).astype(jnp.int32),
+        num_accepted,
+        overlap(p_path, q_taken),
+        target_cache,
+        draft_state,
+        active,
+        num_scored=num_scored,
+    )
+
+
 def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
     """One round for every row (rows already done compute but commit nothing)."""
+    if static.tree_nodes:
+        return tree_round(static, params, draft_params, state, stop_ids)
     gamma = static.gamma
     keys, draft_keys, verify_keys = split_rows(state.keys, 3)
     active = ~state.out.done
@@ -172,11 +227,55 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     idx = jnp.arange(gamma + 1)[None, :]
     drafts_ext = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G + 1]
     new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
-    out, committed = commit(state.out, new, usable, static.max_new_tokens, stop_ids, nonfinite)
+    observe = None
     if features:  # the pairs (feature at n-1+i, committed token at n+i), i < committed, are real
-        draft_state = static.drafter.observe(
-            draft_params, draft_state, target_features, new, state.length - 1, jnp.maximum(committed, 1)
-        )
+
+        def observe(committed):
+            return static.drafter.observe(
+                draft_params, draft_state, target_features, new, state.length - 1, jnp.maximum(committed, 1)
+            )
+
+    return _finish_round(
+        static,
+        state,
+        stop_ids,
+        keys,
+        new,
+        usable,
+        nonfinite,
+        num_drafted,
+        num_accepted,
+        overlap(p[:, :gamma], q),
+        target_cache,
+        draft_state,
+        active,
+        observe,
+    )
+
+
+def _finish_round(
+    static: SpecStatic,
+    state: SpecState,
+    stop_ids,
+    keys,
+    new,
+    usable,
+    nonfinite,
+    num_drafted,
+    num_accepted,
+    overlap_bg,
+    target_cache,
+    draft_state,
+    active,
+    observe=None,
+    num_scored=None,
+) -> SpecState:
+    """What every round ends with: the row commits the first `usable` of its new tokens [B, C]
+    (commit), then the last two committed tokens, the length and the metrics move on."""
+    gamma = static.gamma
+    out, committed = commit(state.out, new, usable, static.max_new_tokens, stop_ids, nonfinite)
+    if observe is not None:
+        draft_state = observe(committed)
 
     # The new last two committed tokens; a row that committed nothing keeps its own.
     last = jnp.take_along_axis(new, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
@@ -187,11 +286,12 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         active & ~nonfinite,  # a row's round that met non-finite logits counts no acceptance
         num_drafted,
         num_accepted,
-        overlap(p[:, :gamma], q),
+        overlap_bg,
         committed,
         gamma,
         # A plain round (gamma 0, as gamma=auto may end with) is served by no drafter source.
-        static.drafter.served(draft_state, tokens.shape[0]) if gamma else jnp.full_like(state.length, -1),
+        static.drafter.served(draft_state, new.shape[0]) if gamma else jnp.full_like(state.length, -1),
+        num_scored,
     )
     return SpecState(
         target_cache=target_cache,

@@ -170,3 +170,78 @@ def verify_tree(tree: Tree, p_bnv, keys_b):
     r = jnp.where(fresh[:, None], _residual(r, jnp.zeros_like(r)), r)
     next_token = draw_rows(residual_keys, r)
     return path[:, :n], length, next_token
+
+
+def call_inputs(last_token_b, tree: Tree, length_b):
+    """(tokens [B, N + 1], positions [B, N + 1], bits [B, N + 1]) of the target call that scores
+    a tree: the root (the last committed token, at position length - 1) then the N slots, each at
+    the root's position plus its depth; models.forward(tree=bits) writes them at the contiguous
+    slots length - 1 .. length - 1 + N."""
+    depth = jnp.concatenate([jnp.zeros_like(tree.parents[:, :1]), depths(tree.parents)], axis=1)
+    tokens = jnp.concatenate([last_token_b[:, None], tree.tokens], axis=1).astype(jnp.int32)
+    return tokens, (length_b - 1)[:, None] + depth, query_bits(tree.parents)
+
+
+def path_tokens(tree: Tree, path_bn, count_b, next_token_b):
+    """int32 [B, N + 1]: what a row commits after verify_tree, the accepted nodes' tokens by
+    depth then next_token (repeated past it)."""
+    n = tree.tokens.shape[1]
+    taken = jnp.take_along_axis(tree.tokens, jnp.maximum(path_bn, 0), axis=1)  # [B, N]
+    idx = jnp.arange(n + 1)[None, :]
+    padded = jnp.concatenate([taken, next_token_b[:, None]], axis=1)
+    return jnp.where(idx < count_b[:, None], padded, next_token_b[:, None]).astype(jnp.int32)
+
+
+def path_rows(values_bn1, path_bn, count_b):
+    """[B, N + 1, ...]: a tree call's per-query values (query 0 the root, 1 + n node n) along
+    each row's accepted path: the root's, then those of path[0], path[1], ...; the last one's
+    repeated past the path. What the chain's rule reads at position i is this row i."""
+    n = path_bn.shape[1]
+    idx = jnp.arange(n)[None, :]
+    last = jnp.take_along_axis(
+        jnp.concatenate([jnp.zeros_like(path_bn[:, :1]), 1 + path_bn], 1), count_b[:, None], 1
+    )
+    query = jnp.concatenate(
+        [jnp.zeros_like(path_bn[:, :1]), jnp.where(idx < count_b[:, None], 1 + path_bn, last)], 1
+    )
+    expand = query.reshape(query.shape + (1,) * (values_bn1.ndim - 2))
+    return jnp.take_along_axis(values_bn1, expand, axis=1)
+
+
+def compact(cache, root_slot_b, path_bn, count_b):
+    """The KV cache (models.cache.KVCache, [L, B, S, K, E]) after a tree round: the keys and
+    values of each row's accepted nodes moved from their slots (root + 1 + node) to the slots
+    of their depths (root + 1 + d), where a chain's would be, so that the next round and plain
+    decoding read the same cache. Slots past the path keep what they hold: garbage the next
+    call overwrites before anything reads it (models.cache). A node at depth d + 1 sits in slot
+    >= d (topological order), so every move reads a slot at or after the one it writes, and all
+    sources are read before any write."""
+    n = path_bn.shape[1]
+    d = jnp.arange(n)[None, :]
+    dest = root_slot_b[:, None] + 1 + d  # [B, N]
+    src = jnp.where(d < count_b[:, None], root_slot_b[:, None] + 1 + jnp.maximum(path_bn, 0), dest)
+    rows = jnp.arange(path_bn.shape[0])[:, None]
+
+    def move(x):  # [L, B, S, K, E]
+        moved = x[:, rows, jnp.clip(src, 0, x.shape[2] - 1)]  # [L, B, N, K, E]
+        return x.at[:, rows, dest].set(moved, mode="drop")
+
+    return cache.replace(k=move(cache.k), v=move(cache.v))
+
+
+def taken_q(tree: Tree, path_bn, count_b):
+    """(q [B, N, V], scored [B]): the proposal of the node taken at each depth of a row's round,
+    for the metrics' alpha: the accepted path[d] for d < count; at d = count the first present
+    child of the last accepted node (the first candidate the rule rejected there), if any; zeros
+    past. scored: the depths scored, count plus one where a candidate was rejected."""
+    n = tree.tokens.shape[1]
+    d = jnp.arange(n)[None, :]
+    last = jnp.take_along_axis(path_bn, jnp.maximum(count_b - 1, 0)[:, None], axis=1)[:, 0]
+    last = jnp.where(count_b > 0, last, ROOT)
+    children = (tree.parents == last[:, None]) & tree.present  # [B, N]
+    first = jnp.where(jnp.any(children, axis=1), jnp.argmax(children, axis=1), ROOT)
+    take = jnp.where(d < count_b[:, None], path_bn, jnp.where(d == count_b[:, None], first[:, None], ROOT))
+    q = jnp.take_along_axis(tree.q, jnp.maximum(take, 0)[:, :, None], axis=1)
+    return jnp.where((take >= 0)[:, :, None], q, 0.0), count_b + ((first >= 0) & (count_b < n)).astype(
+        jnp.int32
+    )
