@@ -102,6 +102,16 @@ flags.DEFINE_string(
     "drafting does not pay, tried again later; the draft and verify calls are measured once per "
     "machine and pair, and cached).",
 )
+flags.DEFINE_integer(
+    "tree",
+    0,
+    "Verify a token tree of up to this many candidate tokens per round, in one target call with a "
+    "tree mask (spec_jax.tree), instead of a chain of --gamma drafts: 0 = chains (the default), "
+    "1..31 nodes. Each drafter proposes its own kind of tree (by default its chain of that many "
+    "drafts); the output is exactly the target's either way.",
+    lower_bound=0,
+    upper_bound=31,
+)
 flags.DEFINE_float(
     "temperature",
     0.0,
@@ -447,12 +457,14 @@ def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
     model's once loaded), checked before the draft model and the drafters' tables are loaded."""
     from spec_jax import autogamma, drafting
 
-    gamma, shown = gamma_from_flag(), FLAGS.gamma
-    if gamma == "auto":
+    gamma, shown, name = gamma_from_flag(), FLAGS.gamma, "--gamma"
+    if FLAGS.tree:  # a tree round writes up to --tree nodes past the committed text
+        gamma, shown, name = FLAGS.tree, FLAGS.tree, "--tree"
+    elif gamma == "auto":
         gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
     longest = max(len(p) for p in token_prompts)
     try:
-        drafting.check_gamma(gamma, longest, FLAGS.max_new_tokens, contexts, name="--gamma", shown=shown)
+        drafting.check_gamma(gamma, longest, FLAGS.max_new_tokens, contexts, name=name, shown=shown)
     except ValueError as e:
         raise common.UsageError(str(e)) from None
 
@@ -502,6 +514,7 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
             batch,
             draft=draft,
             gamma=gamma_from_flag(),
+            tree=FLAGS.tree,
             max_new_tokens=FLAGS.max_new_tokens,
             temperature=FLAGS.temperature,
             top_k=FLAGS.top_k,
@@ -530,6 +543,8 @@ def check_flags():
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
     if FLAGS.acceptance_head and FLAGS.drafter != "head":
         raise common.UsageError("--acceptance_head needs --drafter=head")
+    if FLAGS.tree and FLAGS.draft == "none" and FLAGS.drafter == "model":
+        raise common.UsageError("--tree needs a drafter: --draft cannot be 'none' with --drafter=model")
     if FLAGS.drafter == "hybrid" and FLAGS.draft == "none":
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
     mesh = sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None
