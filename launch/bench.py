@@ -44,5 +44,10 @@ def main(argv):
     return experiment_launcher.run_named([s for s in experiments.BENCHMARKS if s in suites], flag="suite")
 
 
-if __name__ == "__main__":
+def cli():
+    """The command line: main under launch.common.run (bad input: one line, exit 2)."""
     common.run(main, config_overrides=True)
+
+
+if __name__ == "__main__":
+    cli()

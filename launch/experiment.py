@@ -144,5 +144,10 @@ def main(argv):
     return run_named(FLAGS.experiment)
 
 
-if __name__ == "__main__":
+def cli():
+    """The command line: main under launch.common.run (bad input: one line, exit 2)."""
     common.run(main, config_overrides=True)
+
+
+if __name__ == "__main__":
+    cli()

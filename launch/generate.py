@@ -723,5 +723,10 @@ def main(argv):
         common.write_json_atomic(FLAGS.output_json, report)
 
 
-if __name__ == "__main__":
+def cli():
+    """The command line: main under launch.common.run (bad input: one line, exit 2)."""
     common.run(main)
+
+
+if __name__ == "__main__":
+    cli()

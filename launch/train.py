@@ -101,5 +101,10 @@ def main(argv):
         print(f"wrote {path}")
 
 
-if __name__ == "__main__":
+def cli():
+    """The command line: main under launch.common.run (bad input: one line, exit 2)."""
     common.run(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -89,3 +89,48 @@ def loop_by_hand(target, drafter, draft_params, prompts, gamma: int, max_new: in
     keys = row_keys(jax.random.key(0), list(range(len(prompts))))
     inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), keys)
     return speculative.stepper(static, target.params, draft_params, inputs)
+
+
+_CLI_CASE_RESULTS: dict = {}
+
+
+def cli_case(module: str, cases, args, env=None):
+    """`python -m module *args`'s result, for args one of `cases` (lists of arguments): the first
+    call runs every case in one Python process (tests/cli_driver.py: the module's cli() per
+    case, absl's flags reset between them, stdout and stderr captured at the file descriptors)
+    and keeps the results for the rest, so a parametrized test of bad input starts Python and
+    imports jax once, not once per case. env: added to os.environ (part of the cache key).
+    Returns a subprocess.CompletedProcess (returncode, stdout, stderr)."""
+    import json
+    import subprocess
+    import tempfile
+
+    key = (module, tuple(tuple(c) for c in cases), tuple(sorted((env or {}).items())))
+    if key not in _CLI_CASE_RESULTS:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with tempfile.TemporaryDirectory() as tmp:
+            cases_path, results_path = os.path.join(tmp, "cases.json"), os.path.join(tmp, "results.json")
+            with open(cases_path, "w") as f:
+                json.dump([list(c) for c in cases], f)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.join(root, "tests", "cli_driver.py"),
+                    module,
+                    cases_path,
+                    results_path,
+                ],
+                capture_output=True,
+                text=True,
+                cwd=root,
+                env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu", **(env or {})},
+                timeout=600,
+            )
+            assert proc.returncode == 0 and os.path.exists(results_path), proc.stderr[-3000:]
+            with open(results_path) as f:
+                results = json.load(f)
+        _CLI_CASE_RESULTS[key] = {
+            tuple(c): subprocess.CompletedProcess([module, *c], r["returncode"], r["stdout"], r["stderr"])
+            for c, r in zip(key[1], results, strict=True)
+        }
+    return _CLI_CASE_RESULTS[key][tuple(args)]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
@@ -197,29 +198,30 @@ def test_llama_cpp_peer_needs_no_reference_interpreter(tmp_path):
     assert peer["summary"]["llama_worker"]["versions"]["backend"] == "fake"
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--suite=nope"], "--suite"),
-        (["--suite=table1"], "--suite"),
-        (["--suite=decode", "--gammas=0"], "--gammas"),
-        (["--suite=decode", "--config.batch_sizes=x"], "--config.batch_sizes"),
-        (["--suite=decode", "--config.temperatures=-1"], "--config.temperatures"),
-        (["--suite=decode", "--config.num_prompts=9"], "--config.num_prompts"),
-        (["--suite=decode", "--config.drafters=model,lookahead"], "--config.drafters"),
-        (["--suite=decode", "--config.suffix_threshold=-0.1"], "--config.suffix_threshold"),
-        (["--suite=decode", "--config.prompt_set=closed"], "--config.prompt_set"),
-        (["--suite=decode", "--config.max_ngram=0"], "--config.max_ngram"),
-        (["--suite=decode", "--config.draft_threshold=1.0"], "--config.draft_threshold"),
-        (["--suite=loop", "--config.no_such=1"], "--config.no_such"),
-        (["--suite=peer", "--config.hf_dtype=float16"], "--config.hf_dtype"),
-        (["--suite=peer", "--config.peers=hf,vllm"], "--config.peers"),
-        (["--suite=peer", "--config.llama_draft_n_max=0"], "--config.llama_draft_n_max"),
-        (["--suite=peer", "--config.llama_draft_n_max=2,2"], "--config.llama_draft_n_max"),
-        (["--suite=peer", "--config.prompt_set=closed"], "--config.prompt_set"),
-    ],
-)
+BAD_FLAGS = [
+    (["--suite=nope"], "--suite"),
+    (["--suite=table1"], "--suite"),
+    (["--suite=decode", "--gammas=0"], "--gammas"),
+    (["--suite=decode", "--config.batch_sizes=x"], "--config.batch_sizes"),
+    (["--suite=decode", "--config.temperatures=-1"], "--config.temperatures"),
+    (["--suite=decode", "--config.num_prompts=9"], "--config.num_prompts"),
+    (["--suite=decode", "--config.drafters=model,lookahead"], "--config.drafters"),
+    (["--suite=decode", "--config.suffix_threshold=-0.1"], "--config.suffix_threshold"),
+    (["--suite=decode", "--config.prompt_set=closed"], "--config.prompt_set"),
+    (["--suite=decode", "--config.max_ngram=0"], "--config.max_ngram"),
+    (["--suite=decode", "--config.draft_threshold=1.0"], "--config.draft_threshold"),
+    (["--suite=loop", "--config.no_such=1"], "--config.no_such"),
+    (["--suite=peer", "--config.hf_dtype=float16"], "--config.hf_dtype"),
+    (["--suite=peer", "--config.peers=hf,vllm"], "--config.peers"),
+    (["--suite=peer", "--config.llama_draft_n_max=0"], "--config.llama_draft_n_max"),
+    (["--suite=peer", "--config.llama_draft_n_max=2,2"], "--config.llama_draft_n_max"),
+    (["--suite=peer", "--config.prompt_set=closed"], "--config.prompt_set"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_FLAGS)
 def test_bench_rejects_bad_flags_in_one_line(args, message):
-    result = bench(*args, timeout=120)
+    """Every case in one process (conftest.cli_case), as `python -m launch.bench` sees it."""
+    result = cli_case("launch.bench", [a for a, _ in BAD_FLAGS], args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert message in result.stderr

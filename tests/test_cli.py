@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,43 +34,98 @@ def run_cli(*args, module="launch.generate", env=None):
     )
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--gamma=0"], "--gamma"),
-        (["--gamma=many"], "--gamma must be an integer >= 1 or 'auto'"),
-        (["--target_dtype=fp8"], "--target_dtype"),
-        (["--draft_vocab=100000"], "--draft_vocab must be 0 or in [1, 512]"),
-        (["--draft_vocab=-3"], "--draft_vocab must be 'auto', 0 or a positive token count"),
-        (["--top_p=0"], "--top_p"),
-        (["--top_k=-1"], "--top_k"),
-        (["--temperature=-1"], "--temperature"),
-        (["--max_new_tokens=0"], "--max_new_tokens"),
-        (
-            ["--seed=99999999999999999999999"],
-            "99999999999999999999999 is not an integer in the range",
-        ),
-        (["--target=nope"], "known models"),
-        (["--no_such_flag"], "no_such_flag"),
-        (["--prompt="], "empty"),
-        (["--max_new_tokens=4000"], "context"),
-        (["--prompts_file=/nonexistent.jsonl"], "--prompts_file"),
-        (["--attention_impl=cuda"], "attention impl"),
-        (["--stop_ids=1,x"], "--stop_ids"),
-        (["--stop_ids=600"], "--stop_ids"),
-        (
-            ["--drafter=lookahead"],
-            "--drafter=lookahead: value should be one of <model|head|prompt_lookup|suffix|hybrid",
-        ),
-        (["--max_ngram=0"], "--max_ngram=0: 0 is not an integer in the range [1, 16]"),
-        (["--draft_threshold=1"], "--draft_threshold must be in [0, 1)"),
-        (["--drafter=hybrid", "--draft=none"], "--drafter=hybrid needs a draft model"),
-        (["--acceptance_head"], "--acceptance_head needs --drafter=head"),
-        (["--drafter=head", "--head_dir=/nonexistent"], "--drafter=head: no trained head in /nonexistent"),
-    ],
-)
-def test_bad_input_exits_2_with_one_line(args, message):
-    result = run_cli(*args)
+RANDOM_PAIR = ["--target=random", "--draft=random-draft", "--gamma=4"]
+
+BAD_INPUT = [
+    (["--gamma=0"], "--gamma"),
+    (["--gamma=many"], "--gamma must be an integer >= 1 or 'auto'"),
+    (["--target_dtype=fp8"], "--target_dtype"),
+    (["--draft_vocab=100000"], "--draft_vocab must be 0 or in [1, 512]"),
+    (["--draft_vocab=-3"], "--draft_vocab must be 'auto', 0 or a positive token count"),
+    (["--top_p=0"], "--top_p"),
+    (["--top_k=-1"], "--top_k"),
+    (["--temperature=-1"], "--temperature"),
+    (["--max_new_tokens=0"], "--max_new_tokens"),
+    (
+        ["--seed=99999999999999999999999"],
+        "99999999999999999999999 is not an integer in the range",
+    ),
+    (["--target=nope"], "known models"),
+    (["--no_such_flag"], "no_such_flag"),
+    (["--prompt="], "empty"),
+    (["--max_new_tokens=4000"], "context"),
+    (["--prompts_file=/nonexistent.jsonl"], "--prompts_file"),
+    (["--attention_impl=cuda"], "attention impl"),
+    (["--stop_ids=1,x"], "--stop_ids"),
+    (["--stop_ids=600"], "--stop_ids"),
+    (
+        ["--drafter=lookahead"],
+        "--drafter=lookahead: value should be one of <model|head|prompt_lookup|suffix|hybrid",
+    ),
+    (["--max_ngram=0"], "--max_ngram=0: 0 is not an integer in the range [1, 16]"),
+    (["--draft_threshold=1"], "--draft_threshold must be in [0, 1)"),
+    (["--drafter=hybrid", "--draft=none"], "--drafter=hybrid needs a draft model"),
+    (["--acceptance_head"], "--acceptance_head needs --drafter=head"),
+    (["--drafter=head", "--head_dir=/nonexistent"], "--drafter=head: no trained head in /nonexistent"),
+    (["--tree=32"], "--tree=32: 32 is not an integer in the range [0, 31]"),
+    (["--tree=3", "--draft=none"], "--tree needs a drafter: --draft cannot be 'none'"),
+    (["--tree=30", "--max_new_tokens=2000"], "--tree must be in [1, "),
+]
+
+
+# Files the refusals below read, written once per test process.
+CHAT_LINES = {
+    "bad_entry": '{"messages": [{"role": "user"}]}',
+    "empty": '{"messages": []}',
+    "both": '{"prompt": "x", "messages": []}',
+    "no_template": '{"messages": [{"role": "user", "content": "x"}]}',
+    "chat_no_template": '{"prompt": "x"}',
+}
+
+
+@pytest.fixture(scope="module")
+def case_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli_cases")
+    files = {}
+    for name, line in CHAT_LINES.items():
+        files[name] = folder / f"{name}.jsonl"
+        files[name].write_text('{"prompt": "ok"}\n' + line + "\n")
+    files["not_utf8"] = folder / "not_utf8.jsonl"
+    files["not_utf8"].write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xff"}\n')
+    files["bad_line"] = folder / "bad_line.jsonl"
+    files["bad_line"].write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    files["folder"] = folder
+    return files
+
+
+def case_args(files) -> list[list[str]]:
+    """Every refusal of launch.generate that needs no environment of its own: run in one process
+    (conftest.cli_case), each as `python -m launch.generate` sees it."""
+    cases = [RANDOM_PAIR + a for a, _ in BAD_INPUT]
+    cases += [
+        RANDOM_PAIR + [f"--prompts_file={files[name]}"] for name in CHAT_LINES if name != "chat_no_template"
+    ]
+    cases += [
+        RANDOM_PAIR + [f"--prompts_file={files['chat_no_template']}", "--chat"],
+        RANDOM_PAIR + [f"--prompts_file={files['not_utf8']}"],
+        RANDOM_PAIR + [f"--prompts_file={files['bad_line']}"],
+        RANDOM_PAIR + ["--target=no-such-model", f"--output_json={files['folder'] / 'missing' / 'out.json'}"],
+        RANDOM_PAIR + ["--target=no-such-model", f"--output_json={files['folder']}"],
+    ]
+    cases += [
+        RANDOM_PAIR + [f"--drafter={d}", "--gamma=2042", "--prompt=abc", "--max_new_tokens=4"]
+        for d in LONG_GAMMA
+    ]
+    return cases
+
+
+def generate_case(files, *args):
+    return cli_case("launch.generate", case_args(files), RANDOM_PAIR + list(args))
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(case_files, args, message):
+    result = generate_case(case_files, *args)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
@@ -113,10 +169,9 @@ def test_output_json_is_strict_json_with_the_users_permissions(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-def test_a_prompts_file_that_is_not_utf8_names_the_flag_file_and_line(tmp_path):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xff"}\n')
-    result = run_cli(f"--prompts_file={prompts}")
+def test_a_prompts_file_that_is_not_utf8_names_the_flag_file_and_line(case_files):
+    prompts = case_files["not_utf8"]
+    result = generate_case(case_files, f"--prompts_file={prompts}")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"generate.py: error: --prompts_file {prompts} line 2: not UTF-8 (byte 0xff at column 16)"
@@ -124,8 +179,9 @@ def test_a_prompts_file_that_is_not_utf8_names_the_flag_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("target", ["missing/out.json", "."])
-def test_a_bad_output_path_is_refused_before_any_model_is_loaded(tmp_path, target):
-    result = run_cli("--target=no-such-model", f"--output_json={tmp_path / target}")
+def test_a_bad_output_path_is_refused_before_any_model_is_loaded(case_files, target):
+    out = case_files["folder"] / "missing" / "out.json" if target != "." else case_files["folder"]
+    result = generate_case(case_files, "--target=no-such-model", f"--output_json={out}")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert "--output_json" in result.stderr and "no-such-model" not in result.stderr
 
@@ -187,10 +243,8 @@ def test_a_prompts_sample_depends_on_the_seed_and_its_index_not_the_batch_size(t
     assert outputs[1][0] != outputs[1][1]
 
 
-def test_bad_prompts_file_line_is_reported_with_its_number(tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
-    result = run_cli(f"--prompts_file={prompts}")
+def test_bad_prompts_file_line_is_reported_with_its_number(case_files):
+    result = generate_case(case_files, f"--prompts_file={case_files['bad_line']}")
     assert result.returncode == 2
     assert "line 2" in result.stderr
 
@@ -290,9 +344,14 @@ def test_bad_names_and_warps_are_refused_before_anything_is_downloaded(tmp_path,
 KEPT = ("kernels", "compilation")
 
 
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "unigram"])
-def test_gamma_beyond_the_targets_context_is_refused_for_model_free_drafters(drafter):
-    result = run_cli(f"--drafter={drafter}", "--gamma=2042", "--prompt=abc", "--max_new_tokens=4")
+LONG_GAMMA = ["prompt_lookup", "unigram"]
+
+
+@pytest.mark.parametrize("drafter", LONG_GAMMA)
+def test_gamma_beyond_the_targets_context_is_refused_for_model_free_drafters(case_files, drafter):
+    result = generate_case(
+        case_files, f"--drafter={drafter}", "--gamma=2042", "--prompt=abc", "--max_new_tokens=4"
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [
         "generate.py: error: --gamma must be in [1, 2041] here (the longest prompt (3 tokens) + "
@@ -471,29 +530,25 @@ def test_a_messages_line_is_rendered_with_the_template_without_chat(tmp_path, ch
 
 
 @pytest.mark.parametrize(
-    "line, chat, message",
+    "name, message",
     [
         (
-            '{"messages": [{"role": "user"}]}',
-            False,
+            "bad_entry",
             '--prompts_file line 2: messages[0] must be {"role": string, "content": string} and '
             "nothing else, got {'role': 'user'}",
         ),
-        ('{"messages": []}', False, "--prompts_file line 2: messages must be a non-empty list"),
-        ('{"prompt": "x", "messages": []}', False, '--prompts_file line 2: has both "prompt" and "messages"'),
+        ("empty", "--prompts_file line 2: messages must be a non-empty list"),
+        ("both", '--prompts_file line 2: has both "prompt" and "messages"'),
         (
-            '{"messages": [{"role": "user", "content": "x"}]}',
-            False,
+            "no_template",
             'the "messages" of --prompts_file line 2: --target=random: the model has no chat template',
         ),
-        ('{"prompt": "x"}', True, "--chat: --target=random: the model has no chat template (random models"),
+        ("chat_no_template", "--chat: --target=random: the model has no chat template (random models"),
     ],
-    ids=["bad_entry", "empty", "both", "no_template", "chat_no_template"],
 )
-def test_bad_chat_input_exits_2_with_one_line(tmp_path, line, chat, message):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "ok"}\n' + line + "\n")
-    result = run_cli(f"--prompts_file={prompts}", *(["--chat"] if chat else []))
+def test_bad_chat_input_exits_2_with_one_line(case_files, name, message):
+    chat = ["--chat"] if name == "chat_no_template" else []
+    result = generate_case(case_files, f"--prompts_file={case_files[name]}", *chat)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     [error] = result.stderr.strip().splitlines()
     assert error.startswith("generate.py: error: " + message)

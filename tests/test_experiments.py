@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import cli_case
 
 import experiments
 import spec_jax.verify
@@ -233,38 +234,39 @@ def test_precision_drift_quick_compares_each_precision_with_float32(tmp_path):
     assert rows[0]["greedy_rows_identical_to_float32"] == "2/2"  # float32 against itself
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--experiment=table2"], "known: attention, decode, loop"),
-        ([], "--experiment"),
-        (
-            ["--experiment=theory_vs_simulation", "--alphas=0.5,1.5"],
-            "--alphas: each alpha must be in [0, 1], got 1.5",
-        ),
-        (["--experiment=theory_vs_simulation", "--alphas=-0.1"], "--alphas"),
-        (["--experiment=theory_vs_simulation", "--alphas=high"], "--alphas: 'high' is not a number"),
-        (["--experiment=theory_vs_simulation", "--gammas=0"], "--gammas: each gamma must be an integer >= 1"),
-        (["--experiment=theory_vs_simulation", "--gammas=1,2.5"], "--gammas: '2.5' is not an integer"),
-        (["--experiment=table1", "--gammas=3"], "--gammas: not a setting of table1"),
-        (["--experiment=table1", "--output_dir=/dev/null/x"], "--output_dir"),
-        (["--experiment=table1", "--config.c=-1"], "--config.c: must be a number >= 0"),
-        (["--experiment=table1", "--config.c=abc"], "--config.c: 'abc' is not a valid float"),
-        (
-            ["--experiment=theory_vs_simulation", "--config.no_such_key=1"],
-            "--config.no_such_key: not a setting",
-        ),
-        (
-            ["--experiment=table3", "--config.tasks=code,poetry"],
-            "--config.tasks: each task must be one of code, news",
-        ),
-        (["--experiment=walltime", "--gammas=1,0"], "--gammas: each gamma must be an integer >= 1, got 0"),
-        (["--experiment=table1", "--set=c=-1"], "--config.c: must be a number >= 0"),  # the alias
-        (["--experiment=table1", "--config.c"], "--config.c: expected --config.KEY=VALUE"),
-    ],
-)
+BAD_INPUT = [
+    (["--experiment=table2"], "known: attention, decode, loop"),
+    ([], "--experiment"),
+    (
+        ["--experiment=theory_vs_simulation", "--alphas=0.5,1.5"],
+        "--alphas: each alpha must be in [0, 1], got 1.5",
+    ),
+    (["--experiment=theory_vs_simulation", "--alphas=-0.1"], "--alphas"),
+    (["--experiment=theory_vs_simulation", "--alphas=high"], "--alphas: 'high' is not a number"),
+    (["--experiment=theory_vs_simulation", "--gammas=0"], "--gammas: each gamma must be an integer >= 1"),
+    (["--experiment=theory_vs_simulation", "--gammas=1,2.5"], "--gammas: '2.5' is not an integer"),
+    (["--experiment=table1", "--gammas=3"], "--gammas: not a setting of table1"),
+    (["--experiment=table1", "--output_dir=/dev/null/x"], "--output_dir"),
+    (["--experiment=table1", "--config.c=-1"], "--config.c: must be a number >= 0"),
+    (["--experiment=table1", "--config.c=abc"], "--config.c: 'abc' is not a valid float"),
+    (
+        ["--experiment=theory_vs_simulation", "--config.no_such_key=1"],
+        "--config.no_such_key: not a setting",
+    ),
+    (
+        ["--experiment=table3", "--config.tasks=code,poetry"],
+        "--config.tasks: each task must be one of code, news",
+    ),
+    (["--experiment=walltime", "--gammas=1,0"], "--gammas: each gamma must be an integer >= 1, got 0"),
+    (["--experiment=table1", "--set=c=-1"], "--config.c: must be a number >= 0"),  # the alias
+    (["--experiment=table1", "--config.c"], "--config.c: expected --config.KEY=VALUE"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT)
 def test_cli_bad_input_exits_2_with_one_line(args, message):
-    result = run_cli(*args)
+    """Every case in one process (conftest.cli_case), as `python -m launch.experiment` sees it."""
+    result = cli_case("launch.experiment", [a for a, _ in BAD_INPUT], args)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
