@@ -433,6 +433,10 @@ def test_the_cli_lists_the_same_precisions_as_models():
 
 # -- 8. A real GGUF: SmolLM2-135M in its own blocks -------------------------------------------
 
+# The real SmolLM2 checks are slow-tier (`make test-slow`): the default suite has their tiny
+# twins (tests/test_gguf_families.py: GGUF files in the real files' block types, logits against
+# transformers; the greedy identity tests above) and one real-weights check of its own
+# (tests/test_real_models.py: SmolLM2's prefill logits against transformers).
 SMOLLM = "smollm2-135m"
 
 
@@ -448,6 +452,7 @@ def smollm():
     return {**loaded, "file_types": {t.name: int(t.tensor_type) for t in reader.tensors}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["gguf", "gguf_q8"])
 def test_real_gguf_loads_every_matrix_in_the_files_own_block_type(smollm, dtype):
     model, file_types = smollm[dtype], smollm["file_types"]
@@ -477,6 +482,7 @@ def _logits(model, prompt):
     return np.asarray(logits[0])
 
 
+@pytest.mark.slow
 def test_real_gguf_logits_equal_float32_up_to_summation_order(smollm, smollm_prompt):
     f32 = _logits(smollm["float32"], smollm_prompt)
     gguf = _logits(smollm["gguf"], smollm_prompt)
@@ -484,6 +490,7 @@ def test_real_gguf_logits_equal_float32_up_to_summation_order(smollm, smollm_pro
     np.testing.assert_array_equal(gguf.argmax(-1), f32.argmax(-1))
 
 
+@pytest.mark.slow
 def test_real_gguf_q8_drafting_for_itself_decodes_greedily_like_plain_decoding(smollm, smollm_prompt):
     model = smollm["gguf_q8"]
     kw = dict(max_new_tokens=16, temperature=0.0)

@@ -123,6 +123,7 @@ def test_prefill_logits_match_transformers(name):
         _check(logits[b, : len(p["ids"])], p, np.array(fixture["vocab_ids"]))
 
 
+@pytest.mark.slow  # tiny twins: test_model.py (prefill then decode = one forward), test_hf_sources.py
 def test_incremental_decode_matches_transformers():
     """Prefill a prefix, then feed the rest one token at a time through the KV cache: every step's
     logits must match the reference's full-sequence logits at that position."""
