@@ -13,7 +13,9 @@ must give identical tokens.
 matching (the row's text and the training corpora's n-gram table), or the hybrid of lookup and
 the model (with `max_ngram` and the adaptive `draft_threshold`), the target's trained draft
 head (`head`, spec_jax.drafting.head; `head_acceptance`: with its acceptance head deciding each
-row's draft length, gamma the most it may draft); every drafter runs at every gamma of a cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
+row's draft length, gamma the most it may draft); every drafter runs at every gamma of a cell.
+`trees` (node counts N) adds, beside the gammas, each drafter's token tree of N nodes per round
+(spec_jax.tree; `tree` column, 0 for chains), in the cells that sweep the gammas. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
 (code editing and reading prompts whose output repeats their input: experiments.common).
 """
 
@@ -41,7 +43,12 @@ INT_RANGES = {
     "repeats": (1, 1000),
     "max_new_tokens": (2, 4096),
 }
-TUPLE_RANGES = {"batch_sizes": (int, 1, 64), "gammas": (int, 1, 16), "temperatures": (float, 0.0, 100.0)}
+TUPLE_RANGES = {
+    "batch_sizes": (int, 1, 64),
+    "gammas": (int, 1, 16),
+    "temperatures": (float, 0.0, 100.0),
+    "trees": (int, 1, 31),
+}
 BENCH_DRAFTERS = ("model", "head", "head_acceptance", "prompt_lookup", "suffix", "hybrid")
 
 
@@ -56,6 +63,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.gammas = (2,) if quick else (1, 2, 3, 4, 5, 6)
     config.gamma = 2 if quick else 4  # the cells after the first
     config.auto = True  # also gamma=auto (spec_jax.autogamma) in the first cell
+    config.trees = ()  # node counts: each drafter's tree of N nodes beside the gammas (empty: none)
     config.draft_vocab = 0  # VocabTrim: the draft's head keeps this many tokens (0 = all)
     config.drafters = ("model",)  # BENCH_DRAFTERS: each at every gamma of a cell
     config.max_ngram = 3  # prompt_lookup / suffix / hybrid
@@ -122,7 +130,9 @@ def throughput(seconds: list[float], tokens: list[int]) -> dict:
 _COMPILE_SECONDS: dict = {}  # loop -> seconds its first compile took, across experiments
 
 
-def run_generate(target, prompts, draft, gamma: int, temperature: float, max_new_tokens: int, seed: int = 0):
+def run_generate(
+    target, prompts, draft, gamma: int, temperature: float, max_new_tokens: int, seed: int = 0, tree: int = 0
+):
     """spec_jax.generate(...) with stats["first_compile_seconds"]: what compiling this loop
     took, also when an earlier experiment in this process compiled it (generate then reports 0)."""
     gen = spec_jax.generate(
@@ -133,9 +143,10 @@ def run_generate(target, prompts, draft, gamma: int, temperature: float, max_new
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
+        tree=tree if draft is not None else 0,
     )
     width = bucket_length(max(len(p) for p in prompts))
-    key = (id(target), id(draft), gamma, temperature, len(prompts), width, max_new_tokens)
+    key = (id(target), id(draft), gamma, tree, temperature, len(prompts), width, max_new_tokens)
     if gen.stats["compile_seconds"]:
         _COMPILE_SECONDS[key] = gen.stats["compile_seconds"]
     gen.stats["first_compile_seconds"] = _COMPILE_SECONDS.get(key, 0.0)
@@ -179,21 +190,34 @@ def run(config) -> framework.Result:
     cells = [(b, t) for b in config.batch_sizes for t in config.temperatures]
     for i, (batch, temperature) in enumerate(cells):
         batches = batches_for(prompts, batch, config.repeats)
-        cell_gammas = config.gammas if config.full_sweep or i == 0 else (config.gamma,)
-        variants = {"autoregressive": (None, 0, "")}
+        sweep = config.full_sweep or i == 0
+        cell_gammas = config.gammas if sweep else (config.gamma,)
+        variants = {"autoregressive": (None, 0, "", 0)}  # (draft, gamma, drafter, tree)
         for name, draft in drafts.items():
             prefix = "" if name == "model" else f"{name} "
-            variants |= {f"{prefix}gamma {g}": (draft, g, name) for g in cell_gammas}
+            variants |= {f"{prefix}gamma {g}": (draft, g, name, 0) for g in cell_gammas}
+            if sweep:  # a tree's paths are at most N long: its gamma is N (api.GammaPolicy)
+                variants |= {f"{prefix}tree {n}": (draft, n, name, n) for n in config.trees}
             if config.auto and i == 0:
-                variants[f"{prefix}gamma auto"] = (draft, "auto", name)
+                variants[f"{prefix}gamma auto"] = (draft, "auto", name, 0)
 
-        def one(inputs, draft_model, gamma, temperature=temperature):
+        def one(inputs, draft_model, gamma, tree, temperature=temperature):
             r, batch_prompts = inputs
             return run_generate(
-                target, batch_prompts, draft_model, gamma, temperature, config.max_new_tokens, seed=r
+                target,
+                batch_prompts,
+                draft_model,
+                gamma,
+                temperature,
+                config.max_new_tokens,
+                seed=r,
+                tree=tree,
             )
 
-        fns = {name: functools.partial(one, draft_model=d, gamma=g) for name, (d, g, _) in variants.items()}
+        fns = {
+            name: functools.partial(one, draft_model=d, gamma=g, tree=n)
+            for name, (d, g, _, n) in variants.items()
+        }
         runs = timing.interleaved(fns, list(enumerate(batches)), [(0, b) for b in warmup_batches(batches)])
         for result in runs.values():  # a loop first compiled in a timed repeat (auto's gammas): not timed
             result["seconds"] = [
@@ -202,7 +226,7 @@ def run(config) -> framework.Result:
             ]
         ar_results = runs["autoregressive"]["results"]
         ar_tps = ar_decode_tps = None
-        for name, (_, gamma, drafter) in variants.items():
+        for name, (_, gamma, drafter, tree) in variants.items():
             result = runs[name]
             gens = result["results"]
             stats = [g.stats for g in gens]
@@ -218,6 +242,7 @@ def run(config) -> framework.Result:
                 "batch": batch,
                 "temperature": temperature,
                 "gamma": gamma,
+                "tree": tree,
                 **throughput(result["seconds"], [s["num_new_tokens"] for s in stats]),
             }
             ar_tps = ar_tps or row["tokens_per_s"]
@@ -267,7 +292,7 @@ def run(config) -> framework.Result:
                 identity["same"] += same
                 identity["rows"] += total
                 covered.update(tuple(p) for b in batches for p in b)
-                checked.add(gamma)
+                checked.add(f"tree {tree}" if tree else gamma)
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     summary = [

@@ -176,7 +176,8 @@ def validate(module, config) -> None:
       MODEL_KEYS = ("target", ...)           each a model name the experiments can load
       DTYPE_KEYS = ("target_dtype", ...)     each a precision (models.precision.PRECISIONS)
       INT_RANGES = {"key": (low, high)}      each an integer (not a bool) in [low, high]
-      TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those
+      TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those (or
+                                             empty, where the full config's default is)
     ValueError("<key>: ...") on the first bad value."""
     from experiments import common
     from models import settings
@@ -190,15 +191,17 @@ def validate(module, config) -> None:
             raise ValueError(f"{key}: each value must be one of {', '.join(PRECISIONS)}, got {config[key]!r}")
     settings.check_int_settings(config, getattr(module, "INT_RANGES", {}))
     for key, (kind, low, high) in getattr(module, "TUPLE_RANGES", {}).items():
-        common.check_tuple(config, key, kind, low, high)
+        if len(config[key]) or len(module.get_config()[key]):  # an empty default: an option left off
+            common.check_tuple(config, key, kind, low, high)
     if hasattr(module, "validate"):
         module.validate(config)
 
 
-def parse_setting(config: ml_collections.ConfigDict, key: str, text: str):
+def parse_setting(config: ml_collections.ConfigDict, key: str, text: str, kind=None):
     """The command-line text for config[key], cast to the type of its current value.
 
-    Tuples take comma-separated items of their first item's type; bools take true/false.
+    Tuples take comma-separated items of their first item's type (of `kind`, the module's
+    TUPLE_RANGES type, where the current tuple is empty); bools take true/false.
     Raises ValueError starting with the key if the config has no such key or the text
     does not parse.
     """
@@ -215,7 +218,8 @@ def parse_setting(config: ml_collections.ConfigDict, key: str, text: str):
             raise ValueError(item)
         return kind(item)
 
-    kind = type(current[0]) if isinstance(current, tuple | list) and current else type(current)
+    if not (kind is not None and isinstance(current, tuple | list) and not current):
+        kind = type(current[0]) if isinstance(current, tuple | list) and current else type(current)
     if current is None:
         kind = str
     try:

@@ -17,6 +17,11 @@ head trained on its features (the training package, `python -m launch.train`; re
 workdir); any other name is a draft model. The lookup drafts and the head are left out of the
 ordering check (the lookups' alpha is over the positions they chose to propose; the head is
 not one of the paper's drafts).
+Token trees (`trees`, e.g. 4,8,16): each draft also runs as a chain of gamma = N drafts and as
+a tree of N nodes (spec_jax.tree: the draft's own kind of tree; a drafter without one proposes
+its chain) for each N, the same number of verified positions per target call, and a second
+table reports the mean accepted length per verify call of each, with the tree's ratio to the
+chain's.
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
 independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
@@ -58,6 +63,7 @@ COLUMNS = (
     "task",
     "temperature",
     "gamma",
+    "tree",
     "num_prompts",
     "num_rounds",
     "num_scored_positions",
@@ -70,6 +76,8 @@ COLUMNS = (
     "accepted_per_scored_ci_high",
     "acceptance_rate",
     "mean_accepted_length",
+    "mean_accepted_length_ci_low",
+    "mean_accepted_length_ci_high",
     "seconds",
 )
 
@@ -97,6 +105,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.prompt_tokens = 16 if quick else 32
     config.max_new_tokens = 8 if quick else 24
     config.gamma = 2
+    # Node counts N: each draft also as a chain of N drafts and a tree of N nodes (empty: none).
+    config.trees = ()
     config.test_fraction = 0.2  # share of documents held out for prompts
     config.max_train_documents = 20 if quick else 0  # 0: every training document
     config.add_k = ngram.DEFAULT_ADD_K
@@ -126,7 +136,7 @@ INT_RANGES = {
     "max_train_documents": (0, 10**9),
     "bootstrap_resamples": (100, 10**6),
 }
-TUPLE_RANGES = {"temperatures": (float, 0.0, 1e6)}
+TUPLE_RANGES = {"temperatures": (float, 0.0, 1e6), "trees": (int, 1, 31)}
 
 
 def validate(config) -> None:
@@ -172,8 +182,9 @@ def task_data(task: str, tokenizer, config) -> tuple[list[list[int]], list[list[
     return sequences, prompts, sizes
 
 
-def cell(target, draft, prompts, temperature, config) -> dict:
-    """Runs every prompt (in batches) and pools the per-prompt metrics of one table cell."""
+def cell(target, draft, prompts, temperature, config, gamma=None, tree=0) -> dict:
+    """Runs every prompt (in batches) and pools the per-prompt metrics of one table cell (chains
+    of gamma drafts, default config.gamma; or tree rounds of `tree` nodes)."""
     start = time.perf_counter()
     rows = []
     for i in range(0, len(prompts), config.batch_size):
@@ -181,10 +192,11 @@ def cell(target, draft, prompts, temperature, config) -> dict:
             target,
             draft,
             prompts[i : i + config.batch_size],
-            gamma=config.gamma,
+            gamma=config.gamma if gamma is None else gamma,
             max_new_tokens=config.max_new_tokens,
             temperature=temperature,
             seed=config.seed + i,
+            tree=tree,
         )
         rows += batch_rows
     pooled = metrics.pool(rows)
@@ -194,8 +206,11 @@ def cell(target, draft, prompts, temperature, config) -> dict:
         [r["alpha_hat"] * r["num_scored_positions"] if r["num_scored_positions"] else 0.0 for r in rows]
     )
     accepted = np.array([r["num_accepted_tokens"] for r in rows], np.float64)
+    rounds = np.array([r["num_rounds"] for r in rows], np.float64)
     resamples, seed = config.bootstrap_resamples, config.seed
     return {
+        "gamma": config.gamma if gamma is None else gamma,
+        "tree": tree,
         "num_prompts": len(rows),
         "num_rounds": pooled["num_rounds"],
         "num_draft_tokens": pooled["num_draft_tokens"],
@@ -206,8 +221,11 @@ def cell(target, draft, prompts, temperature, config) -> dict:
         "accepted_per_scored_ci": common.bootstrap_ratio_ci(accepted, scored, resamples, seed),
         "acceptance_rate": pooled["acceptance_rate"],
         "mean_accepted_length": pooled["mean_accepted_length"],
+        # tokens per verify call, (accepted + rounds) / rounds, as a ratio of per-prompt sums
+        "mean_accepted_length_ci": common.bootstrap_ratio_ci(accepted + rounds, rounds, resamples, seed),
         "seconds": time.perf_counter() - start,
         "per_prompt": {
+            "num_rounds": rounds.astype(int).tolist(),
             "num_scored_positions": scored.astype(int).tolist(),
             "overlap_sum": overlap.tolist(),
             "num_accepted_tokens": accepted.astype(int).tolist(),
@@ -273,9 +291,19 @@ def measure(config) -> list[dict]:
             elif name not in NGRAM_DRAFTS and name not in (SUFFIX, HEAD):
                 model = common.load_model(name)
                 drafts[name] = dict.fromkeys(config.tasks, model)
-        grid = [(n, t, task) for n in draft_names for t in config.temperatures for task in config.tasks]
-        for name, temperature, task in tqdm.tqdm(grid, desc=f"table3 {target_name}", unit="cell"):
-            result = cell(target, drafts[name][task], data[task][1], temperature, config)
+        # (draft, temperature, task, gamma, tree): the table's cells, then chain and tree per N
+        shapes = [(None, 0)] + [shape for n in config.trees for shape in ((n, 0), (n, n))]
+        grid = [
+            (name, t, task, gamma, tree)
+            for name in draft_names
+            for t in config.temperatures
+            for task in config.tasks
+            for gamma, tree in shapes
+        ]
+        for name, temperature, task, gamma, tree in tqdm.tqdm(
+            grid, desc=f"table3 {target_name}", unit="cell"
+        ):
+            result = cell(target, drafts[name][task], data[task][1], temperature, config, gamma, tree)
             cells.append(
                 {
                     "target": target_name,
@@ -283,6 +311,7 @@ def measure(config) -> list[dict]:
                     "task": task,
                     "temperature": float(temperature),
                     "data": data[task][2],
+                    "main": gamma is None,  # a cell of Table 3 itself (else of the trees' table)
                     **result,
                 }
             )
@@ -292,6 +321,7 @@ def measure(config) -> list[dict]:
 
 def ordering_checks(cells, config) -> list[dict]:
     """For each (target, task, temperature): are the drafts' alpha_hat in the listed order?"""
+    cells = [c for c in cells if c["main"]]
     checks = []
     for run in config.runs:
         target, drafts = parse_run(run)
@@ -324,8 +354,37 @@ def _ci(value, ci) -> str:
     return f"{value:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
+def tree_rows(cells) -> list[list]:
+    """The trees' table: per target, draft, task, temperature and N, the mean accepted length
+    per verify call of the chain (gamma = N) and of the tree (N nodes), with intervals."""
+    by_key = {}
+    for c in cells:
+        if not c["main"]:
+            key = (c["target"], c["draft"], c["task"], c["temperature"], c["gamma"])
+            by_key.setdefault(key, {})["tree" if c["tree"] else "chain"] = c
+    rows = []
+    for (target, draft, task, t, n), pair in by_key.items():
+        chain, tree = pair["chain"], pair["tree"]
+        rows.append(
+            [
+                target,
+                draft,
+                task,
+                f"{t:g}",
+                n,
+                _ci(chain["mean_accepted_length"], chain["mean_accepted_length_ci"]),
+                _ci(tree["mean_accepted_length"], tree["mean_accepted_length_ci"]),
+                f"{tree['mean_accepted_length'] / chain['mean_accepted_length']:.2f}x",
+                f"{chain['seconds']:.1f} / {tree['seconds']:.1f}",
+            ]
+        )
+    return rows
+
+
 def markdown(cells, checks, config, passed) -> str:
     temps = [float(t) for t in config.temperatures]
+    trees = tree_rows(cells)
+    cells = [c for c in cells if c["main"]]
     lines = [
         "## Table 3 analog: alpha per draft",
         "",
@@ -383,6 +442,32 @@ def markdown(cells, checks, config, passed) -> str:
         lines.append(
             f"Ordering held in {held} of {len(checks)} cases: the check {'passed' if passed else 'FAILED'}."
         )
+    if trees:
+        lines += [
+            "",
+            "## Chains and trees at the same number of verified positions",
+            "",
+            "Mean accepted length per verify call (tokens a target call commits, the drafts accepted "
+            "plus the target's own), [95% percentile bootstrap interval over prompts], for a chain of "
+            "N drafts and a tree of N nodes (the draft's own tree: prompt lookup and suffix tries of "
+            "their matches, a draft model's top-k expansion; any other draft proposes its chain); "
+            "seconds are the cell's wall time on this machine, compilation included.",
+            "",
+            framework.markdown_table(
+                [
+                    "target",
+                    "draft",
+                    "task",
+                    "T",
+                    "N",
+                    "chain",
+                    "tree",
+                    "tree / chain",
+                    "seconds (chain / tree)",
+                ],
+                trees,
+            ),
+        ]
     lines += ["", "## Data", ""]
     seen = set()
     for c in cells:
@@ -405,6 +490,7 @@ def markdown(cells, checks, config, passed) -> str:
 
 
 def figure(cells, config):
+    cells = [c for c in cells if c["main"]]
     runs = [parse_run(r) for r in config.runs]
     fig, axes = framework.new_figure(6 * len(runs), 4.2, len(runs))
     groups = [(task, float(t)) for task in config.tasks for t in config.temperatures]
@@ -441,7 +527,8 @@ def run(config) -> framework.Result:
             c["draft"],
             c["task"],
             c["temperature"],
-            config.gamma,
+            c["gamma"],
+            c["tree"],
             c["num_prompts"],
             c["num_rounds"],
             c["num_scored_positions"],
@@ -452,6 +539,7 @@ def run(config) -> framework.Result:
             *c["accepted_per_scored_ci"],
             c["acceptance_rate"],
             c["mean_accepted_length"],
+            *c["mean_accepted_length_ci"],
             round(c["seconds"], 2),
         ]
         for c in cells

@@ -58,7 +58,8 @@ def _numbers(flag: str, values: list[str], kind) -> tuple:
 def overrides_from_flags(name: str) -> dict:
     """The config overrides of experiment `name` given on the command line (a dedicated flag's
     name = its config key); settings the experiment does not have are skipped."""
-    config = experiments.load(name).get_config(FLAGS.quick)
+    module = experiments.load(name)
+    config = module.get_config(FLAGS.quick)
     overrides = {}
     if FLAGS.alphas is not None:
         alphas = _numbers("alphas", FLAGS.alphas, float)
@@ -81,7 +82,8 @@ def overrides_from_flags(name: str) -> dict:
             raise common.UsageError(f"--config.KEY=VALUE expected, got --set={item!r}")
         if key in config:
             try:
-                overrides[key] = framework.parse_setting(config, key, text)
+                kind = getattr(module, "TUPLE_RANGES", {}).get(key, (None,))[0]
+                overrides[key] = framework.parse_setting(config, key, text, kind)
             except ValueError as e:
                 raise common.UsageError(f"--config.{e}") from None
     return {k: v for k, v in overrides.items() if k in config}

@@ -35,18 +35,30 @@ def _rows(static: SpecStatic, target_params, draft_params, inputs: PrefillInputs
     return jax.vmap(one, in_axes=(axes,))(inputs)
 
 
-def run(target, draft, prompts, *, gamma: int, max_new_tokens: int, temperature: float, seed: int = 0):
+def run(
+    target,
+    draft,
+    prompts,
+    *,
+    gamma: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int = 0,
+    tree: int = 0,
+):
     """Speculative decoding of each prompt (no stop tokens: every row makes max_new_tokens).
 
     draft: anything spec_jax.generate accepts (a models.Model or a (drafter, params) pair).
+    tree: 0 (chains of gamma drafts) or N (tree rounds of N nodes: generate's `tree`).
     Returns (new tokens per prompt, metrics dict per prompt in the spec_jax.metrics schema,
     {"compile_seconds", "run_seconds"}).
     """
     sampling = SamplingParams(float(temperature))
     drafter, draft_params = as_drafter(draft, target)
-    api.validate(target, prompts, drafter, gamma, max_new_tokens, None)
+    api.validate(target, prompts, drafter, gamma, max_new_tokens, None, tree)
+    gamma = tree or gamma  # a tree round's paths are at most its node count long (api.GammaPolicy)
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
-    static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len)
+    static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len, tree_nodes=tree)
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens)[:, None],
