@@ -9,6 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from spec_jax.drafting import lookup, suffix
 from spec_jax.sampling import SamplingParams
@@ -193,26 +194,62 @@ def test_the_sibling_check_catches_unmerged_prefixes():
     assert distinct_siblings(jax.tree.map(np.asarray, merged))
 
 
-def greedy_target(tree, text):
-    """p for verify_tree from a target that greedily continues with `text`: the point mass at
-    text[d] after a node of depth d on text's path, at 0 elsewhere."""
+def greedy_target(tree, texts):
+    """p for verify_tree from a target that greedily continues row b with texts[b]: the point
+    mass at text[d] after the root (d = 0) or a node of depth d on text's path, at 0 elsewhere."""
     b, n = tree.tokens.shape
     p = np.zeros((b, n + 1, V), np.float32)
-    p[:, 0, text[0]] = 1.0
-    for i, path in node_paths(tree, 0).items():
-        on_text = tuple(text[: len(path)]) == path
-        p[0, 1 + i, text[len(path)] if on_text and len(path) < len(text) else 0] = 1.0
+    for row, text in enumerate(texts):
+        p[row, 0, text[0]] = 1.0
+        for i, path in node_paths(tree, row).items():
+            on_text = tuple(text[: len(path)]) == path
+            p[row, 1 + i, text[len(path)] if on_text and len(path) < len(text) else 0] = 1.0
     return jnp.asarray(p)
+
+
+def longest_path_on(tree, row, text):
+    """How many of text's first tokens are a root-to-node path of the tree."""
+    paths = set(node_paths(tree, row).values())
+    return max((d for d in range(1, len(text)) if tuple(text[:d]) in paths), default=0)
+
+
+@pytest.mark.parametrize(
+    "drafter", [lookup.PromptLookupDrafter(V, max_ngram=3), suffix.SuffixDrafter(V, max_ngram=3)], ids=type
+)
+def test_greedy_verification_accepts_the_longest_path_of_the_targets_tokens(drafter):
+    """verify_tree with point masses at temperature 0 on the drafters' trees of a ragged batch:
+    each row accepts exactly the longest path of the target's greedy text (a branch of the
+    tree changed at a random depth), then the target's next token."""
+    rng = np.random.default_rng(2)
+    nodes = 7
+    rows = [rng.integers(0, 3, 20).tolist() for _ in range(5)] + [[4, 5, 6, 7]]
+    lengths = [20, 18, 12, 7, 5, 4]
+    tree, _ = propose_tree(drafter, rows, lengths, nodes, width=32)
+    texts = []
+    for b in range(len(rows)):
+        paths = sorted(node_paths(tree, b).values(), key=len)
+        text = list(paths[rng.integers(len(paths))] if paths else ()) + rng.integers(0, V, nodes + 1).tolist()
+        cut = int(rng.integers(0, len(text)))
+        text[cut] = (text[cut] + 1 + int(rng.integers(V - 1))) % V  # leaves the branch here (or past it)
+        texts.append(text)
+    keys = jax.random.split(jax.random.key(0), len(rows))
+    path, count, nxt = verify_tree(jax.tree.map(jnp.asarray, tree), greedy_target(tree, texts), keys)
+    expected = [longest_path_on(tree, b, t) for b, t in enumerate(texts)]
+    assert np.asarray(count).tolist() == expected
+    assert np.asarray(nxt).tolist() == [t[d] for t, d in zip(texts, expected, strict=True)]
+    for b, d in enumerate(expected):
+        assert tuple(int(tree.tokens[b, i]) for i in np.asarray(path)[b, :d]) == tuple(texts[b][:d])
+    assert len(set(expected)) > 2, "rows accept paths of different depths"
 
 
 def test_greedy_verification_takes_the_branch_the_text_takes_and_accepted_writes_it():
     drafter = lookup.PromptLookupDrafter(V, max_ngram=2)
     tree, state = propose_tree(drafter, [ROW], [15], nodes=6)
-    np.testing.assert_array_equal(np.asarray(state)[0, :15], ROW)  # the committed text, no nodes
+    np.testing.assert_array_equal(np.asarray(state)[0], ROW + [0] * 6)  # as it was: no nodes written
     # The target goes on as the occurrence ending at 1 did: 3 4 (node 0, then node 4), then 8.
     text = [3, 4, 8]
     path, count, nxt = verify_tree(
-        jax.tree.map(jnp.asarray, tree), greedy_target(tree, text), jax.random.split(jax.random.key(0), 1)
+        jax.tree.map(jnp.asarray, tree), greedy_target(tree, [text]), jax.random.split(jax.random.key(0), 1)
     )
     assert int(count[0]) == 2 and np.asarray(path)[0, :2].tolist() == [0, 4] and int(nxt[0]) == 8
     after = drafter.accepted(None, state, jax.tree.map(jnp.asarray, tree), path, count, jnp.asarray([15]))

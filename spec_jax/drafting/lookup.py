@@ -19,6 +19,18 @@ n'-2, n'-1 over them, which also replaces the first rejected draft with the toke
 drew. Every position below n' is then a committed token; entries at n' and past are garbage
 and are masked out of the match. A round the loop truncates (max_new_tokens, a stop token)
 ends its row, so a truncated row never proposes again.
+
+A tree round (`propose_tree`, spec_jax.tree) proposes several continuations at once: the
+`nodes` best earlier occurrences (`candidates`: the longest match first, then the most recent,
+so the occurrences of shorter n-grams come in where the longest has fewer), each continued
+`nodes` tokens as above, merged into a trie (`trie`: one node per distinct prefix, so siblings
+have distinct tokens) whose `nodes` slots hold the nodes most candidates go through, weighted
+by their match lengths (then the shallower, then the better candidate's): suffix decoding's
+speculation tree over the candidates, and with one candidate the chain `propose` gives. Every
+node is a point mass, exact under the tree rule. The chain's match is the first candidate: one
+occurrence search (`occurrence_masks`) serves both. `propose_tree` writes only the context
+into the buffer; `accepted` writes the path the row accepted at n .., so below n' the buffer
+is again the committed text.
 """
 
 import dataclasses

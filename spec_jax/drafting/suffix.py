@@ -16,6 +16,17 @@ stops proposing at its first position with no match, or where the top frequency 
 `threshold` (the drafter's confidence: draft-side information only, so still exact); the
 positions after that get q = 0.
 
+A tree round (`propose_tree`, spec_jax.tree) builds suffix decoding's speculation tree
+(Oliaro et al. 2024): a node's children are the successors by the counts of the text through
+it (the committed text and the node's path, matched as above), each with its count fraction;
+a node's score is the product of the fractions on its path (the empirical probability that
+the text goes through it), and `nodes` times the candidate child of the largest score joins
+the tree (ties: the earlier node's, then the more frequent, then the lower id), so the slots
+hold the top scores in topological order. A child whose fraction is below `threshold` never
+joins (the chain's confidence stop, per child). The children are the most frequent
+successors as point masses at any temperature, which the tree rule keeps exact; where every
+context has one successor, the tree is the greedy chain.
+
 The table is a hash map with one n-gram per bucket: two independent 32-bit rolling hashes of
 the n-gram (newest token first) pick the bucket and are stored as its key, so a lookup
 matches an n-gram the table holds, never a different one that shares its bucket (unless
