@@ -81,25 +81,32 @@ def occurrences(buffer_bs, length_b, max_ngram: int):
     return ngram, ok & (ngram > 0)[:, None]
 
 
-def candidates(buffer_bs, length_b, max_ngram: int, count: int):
-    """Each row's `count` best earlier occurrences: the longest match first (the n-gram that
-    ends there, n <= max_ngram), then the most recent. Returns (end int32 [B, C]: where each
-    ends, -1 past a row's occurrences; ngram int32 [B, C]: its match length, 0 there)."""
+def occurrence_ranks(buffer_bs, length_b, max_ngram: int):
+    """int32 [B, S]: each earlier end j ranked, the longest match first (the n <= max_ngram
+    whose occurrence ends there), then the most recent: n * S + j, -1 where none ends."""
     slots = buffer_bs.shape[1]
     ngram_bs = jnp.sum(occurrence_masks(buffer_bs, length_b, max_ngram), axis=1)  # longest n ending at j
-    key = jnp.where(ngram_bs > 0, ngram_bs * slots + jnp.arange(slots)[None, :], -1)
-    top, end = jax.lax.top_k(key, min(count, slots))
-    pad = ((0, 0), (0, count - top.shape[1]))
-    top, end = jnp.pad(top, pad, constant_values=-1), jnp.pad(end, pad)
-    return jnp.where(top >= 0, end, -1).astype(jnp.int32), jnp.maximum(top, 0) // slots
+    return jnp.where(ngram_bs > 0, ngram_bs * slots + jnp.arange(slots)[None, :], -1).astype(jnp.int32)
+
+
+def candidates(buffer_bs, length_b, max_ngram: int, count: int):
+    """Each row's `count` best earlier occurrences by occurrence_ranks. Returns (end int32
+    [B, C]: where each ends, -1 past a row's occurrences; ngram int32 [B, C]: its match length,
+    0 there)."""
+    slots = buffer_bs.shape[1]
+    rank, end = jax.lax.top_k(occurrence_ranks(buffer_bs, length_b, max_ngram), min(count, slots))
+    pad = ((0, 0), (0, count - rank.shape[1]))
+    rank, end = jnp.pad(rank, pad, constant_values=-1), jnp.pad(end, pad)
+    return jnp.where(rank >= 0, end, -1).astype(jnp.int32), jnp.maximum(rank, 0) // slots
 
 
 def find_match(buffer_bs, length_b, max_ngram: int):
-    """The most recent earlier occurrence of each row's longest matching suffix (the first of
-    `candidates`): (found bool [B], end int32 [B]: where it ends, -1 if none; ngram int32 [B],
-    0 if none)."""
-    end, ngram = candidates(buffer_bs, length_b, max_ngram, 1)
-    return end[:, 0] >= 0, end[:, 0], ngram[:, 0]
+    """The most recent earlier occurrence of each row's longest matching suffix (the best by
+    occurrence_ranks, the first of `candidates`): (found bool [B], end int32 [B]: where it
+    ends, -1 if none; ngram int32 [B], 0 if none)."""
+    rank = jnp.max(occurrence_ranks(buffer_bs, length_b, max_ngram), axis=1)
+    slots = buffer_bs.shape[1]
+    return rank >= 0, jnp.where(rank >= 0, rank % slots, -1), jnp.maximum(rank, 0) // slots
 
 
 def continuation(buffer_bs, length_b, end_b, gamma: int):
