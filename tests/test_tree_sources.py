@@ -165,6 +165,11 @@ def test_the_lookup_trie_equals_the_by_hand_trie_on_a_ragged_batch():
         alone, _ = propose_tree(drafter, [row], [n], nodes, width=32)
         np.testing.assert_array_equal(alone.tokens[0], tree.tokens[b])
     assert not present(tree)[-1].any(), "no earlier occurrence of '8': an empty tree"
+    buffer = jnp.asarray([r + [0] * (32 - len(r)) for r in rows], jnp.int32)
+    end, _ = lookup.candidates(buffer, jnp.asarray(lengths), 3, nodes)
+    found, chain_end, _ = lookup.find_match(buffer, jnp.asarray(lengths), 3)
+    np.testing.assert_array_equal(chain_end, end[:, 0])  # the chain's match: the first candidate
+    assert np.asarray(found).tolist() == [True] * 4 + [False] * 3
     assert present(tree).sum(1).tolist() == [nodes] * 4 + [0] * 3  # "3 2": no "2" before it
     assert len({tuple(p) for p in tree.parents[:4].tolist()}) == 4, "four rows, four tree shapes"
 
