@@ -19,6 +19,18 @@ n'-2, n'-1 over them, which also replaces the first rejected draft with the toke
 drew. Every position below n' is then a committed token; entries at n' and past are garbage
 and are masked out of the match. A round the loop truncates (max_new_tokens, a stop token)
 ends its row, so a truncated row never proposes again.
+
+A tree round (`propose_tree`, spec_jax.tree) proposes several continuations at once: the
+`nodes` best earlier occurrences (`candidates`: the longest match first, then the most recent,
+so the occurrences of shorter n-grams come in where the longest has fewer), each continued
+`nodes` tokens as above, merged into a trie (`trie`: one node per distinct prefix, so siblings
+have distinct tokens) whose `nodes` slots hold the nodes most candidates go through, weighted
+by their match lengths (then the shallower, then the better candidate's): suffix decoding's
+speculation tree over the candidates, and with one candidate the chain `propose` gives. Every
+node is a point mass, exact under the tree rule. The chain's match is the first candidate: one
+occurrence search (`occurrence_masks`) serves both. `propose_tree` writes only the context
+into the buffer; `accepted` writes the path the row accepted at n .., so below n' the buffer
+is again the committed text.
 """
 
 import dataclasses
@@ -28,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from models.settings import is_int
-from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal
+from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal, TreeProposal
+from spec_jax.tree import ROOT, Tree
 
 MAX_NGRAM_LIMIT = 16  # the largest max_ngram accepted (the match is max_ngram shifted compares)
 
@@ -41,36 +54,59 @@ def write_tokens(buffer_bs, tokens_bt, start_b):
     return buffer_bs.at[rows, positions].set(tokens_bt, mode="drop")
 
 
-def occurrences(buffer_bs, length_b, max_ngram: int):
-    """Each row's earlier occurrences of its longest matching suffix.
-
-    For n = max_ngram down to 1 the last n tokens t[L-n .. L-1] (L = length) are compared with
-    every window ending at j <= L-2 (an earlier occurrence: its continuation t[j+1] is known);
-    positions >= L are never read. Returns (ngram int32 [B]: the longest n that occurs, 0 if
-    none; ok bool [B, S]: the j where an occurrence of that n ends, all False if none).
-    """
-    batch, slots = buffer_bs.shape
+def occurrence_masks(buffer_bs, length_b, max_ngram: int):
+    """bool [B, M, S] (M = max_ngram): [b, n - 1, j] whether row b's last n tokens t[L-n .. L-1]
+    (L = length) also end at j <= L-2 (an earlier occurrence: its continuation t[j+1] is
+    known); positions >= L are never read. An n-gram's occurrences are among the (n-1)-gram's."""
+    slots = buffer_bs.shape[1]
     j = jnp.arange(slots)[None, :]  # [1, S]: where an earlier occurrence ends
     n = length_b[:, None]  # [B, 1]
     ok = j <= n - 2
-    best = jnp.zeros((batch, slots), jnp.bool_)
-    ngram = jnp.zeros((batch,), jnp.int32)
+    masks = []
     for d in range(max_ngram):  # the n-gram's tokens, last first: window j - d vs t[L-1-d]
         shifted = jnp.pad(buffer_bs, ((0, 0), (d, 0)), constant_values=-1)[:, :slots]  # [b, j] = t[j-d]
         suffix = jnp.take_along_axis(buffer_bs, jnp.maximum(n - 1 - d, 0), axis=1)  # [B, 1]
         ok = ok & (shifted == suffix) & (n - 1 - d >= 0) & (j >= d)
-        found_d = jnp.any(ok, axis=1)
-        best = jnp.where(found_d[:, None], ok, best)
-        ngram = jnp.where(found_d, d + 1, ngram)
-    return ngram, best
+        masks.append(ok)
+    return jnp.stack(masks, axis=1)
+
+
+def occurrences(buffer_bs, length_b, max_ngram: int):
+    """Each row's earlier occurrences of its longest matching suffix (occurrence_masks):
+    (ngram int32 [B]: the longest n <= max_ngram that occurs, 0 if none; ok bool [B, S]: the j
+    where an occurrence of that n ends, all False if none)."""
+    masks = occurrence_masks(buffer_bs, length_b, max_ngram)
+    ngram = jnp.sum(jnp.any(masks, axis=2), axis=1).astype(jnp.int32)  # nested: the count is the longest
+    ok = jnp.take_along_axis(masks, jnp.maximum(ngram - 1, 0)[:, None, None], axis=1)[:, 0]
+    return ngram, ok & (ngram > 0)[:, None]
+
+
+def occurrence_ranks(buffer_bs, length_b, max_ngram: int):
+    """int32 [B, S]: each earlier end j ranked, the longest match first (the n <= max_ngram
+    whose occurrence ends there), then the most recent: n * S + j, -1 where none ends."""
+    slots = buffer_bs.shape[1]
+    ngram_bs = jnp.sum(occurrence_masks(buffer_bs, length_b, max_ngram), axis=1)  # longest n ending at j
+    return jnp.where(ngram_bs > 0, ngram_bs * slots + jnp.arange(slots)[None, :], -1).astype(jnp.int32)
+
+
+def candidates(buffer_bs, length_b, max_ngram: int, count: int):
+    """Each row's `count` best earlier occurrences by occurrence_ranks. Returns (end int32
+    [B, C]: where each ends, -1 past a row's occurrences; ngram int32 [B, C]: its match length,
+    0 there)."""
+    slots = buffer_bs.shape[1]
+    rank, end = jax.lax.top_k(occurrence_ranks(buffer_bs, length_b, max_ngram), min(count, slots))
+    pad = ((0, 0), (0, count - rank.shape[1]))
+    rank, end = jnp.pad(rank, pad, constant_values=-1), jnp.pad(end, pad)
+    return jnp.where(rank >= 0, end, -1).astype(jnp.int32), jnp.maximum(rank, 0) // slots
 
 
 def find_match(buffer_bs, length_b, max_ngram: int):
-    """The most recent earlier occurrence of each row's longest matching suffix (occurrences):
-    (found bool [B], end int32 [B]: where it ends, -1 if none; ngram int32 [B], 0 if none)."""
-    ngram, ok = occurrences(buffer_bs, length_b, max_ngram)
-    end = jnp.max(jnp.where(ok, jnp.arange(buffer_bs.shape[1])[None, :], -1), axis=1).astype(jnp.int32)
-    return end >= 0, end, ngram
+    """The most recent earlier occurrence of each row's longest matching suffix (the best by
+    occurrence_ranks, the first of `candidates`): (found bool [B], end int32 [B]: where it
+    ends, -1 if none; ngram int32 [B], 0 if none)."""
+    rank = jnp.max(occurrence_ranks(buffer_bs, length_b, max_ngram), axis=1)
+    slots = buffer_bs.shape[1]
+    return rank >= 0, jnp.where(rank >= 0, rank % slots, -1), jnp.maximum(rank, 0) // slots
 
 
 def continuation(buffer_bs, length_b, end_b, gamma: int):
@@ -79,6 +115,54 @@ def continuation(buffer_bs, length_b, end_b, gamma: int):
     period = jnp.maximum(length_b - 1 - end_b, 1)[:, None]
     idx = end_b[:, None] + 1 + jnp.arange(gamma)[None, :] % period
     return jnp.take_along_axis(buffer_bs, jnp.clip(idx, 0, buffer_bs.shape[1] - 1), axis=1)
+
+
+def trie(tokens_bcd, weight_bc, nodes: int, vocab_size: int) -> Tree:
+    """The continuations tokens [B, C, D] (candidate c proposes tokens[c, :]; weight int32
+    [B, C] > 0, 0: no candidate) merged into a trie of `nodes` slots: a node per distinct
+    prefix (siblings have distinct tokens), q its token's point mass.
+
+    The slots hold the nodes of the largest support first, a node's support being the summed
+    weight of the candidates through it (its share of the total is the empirical probability
+    that the text continues through it: suffix decoding's speculation tree), then the
+    shallower, then the one of the better candidate (the lower c). A child's support is at most
+    its parent's, so a parent comes first (the slots are in topological order) and the nodes
+    kept are a tree; among equal supports it is breadth-first, and one candidate is its chain.
+    Slots past the nodes are empty (token 0, parent ROOT, q = 0)."""
+    b, c, d = tokens_bcd.shape
+    if nodes > c * d:
+        raise ValueError(f"a trie of {c} candidates of {d} tokens has at most {c * d} nodes, not {nodes}")
+    live = weight_bc > 0
+    equal = tokens_bcd[:, :, None, :] == tokens_bcd[:, None, :, :]  # [B, C, C, D]
+    equal = equal & live[:, :, None, None] & live[:, None, :, None]
+    same = jnp.cumprod(equal, axis=-1).astype(bool)  # [b, c, c', i]: equal prefixes through depth i
+    first = jnp.argmax(same, axis=2).astype(jnp.int32)  # [B, C, D]: the first candidate with it
+    own = live[:, :, None] & (first == jnp.arange(c)[None, :, None])  # (c, i) is a node
+    support = jnp.sum(jnp.where(same, weight_bc[:, None, :, None], 0), axis=2)  # [B, C, D]
+    depth = jnp.arange(d)[None, None, :]
+    most = c * jnp.max(weight_bc) + 1  # above any support
+    key = (most - support) * (c * d) + depth * c + jnp.arange(c)[None, :, None]
+    key = jnp.where(own, key, jnp.iinfo(jnp.int32).max).reshape(b, c * d)  # item c * D + i
+    order = jnp.argsort(key, axis=1)[:, :nodes]  # [B, N]: the item in each slot
+    rows = jnp.arange(b)[:, None]
+    present = jnp.take_along_axis(key, order, axis=1) < jnp.iinfo(jnp.int32).max
+    slot_of = jnp.zeros((b, c * d), jnp.int32).at[rows, order].set(jnp.arange(nodes, dtype=jnp.int32))
+    cand, i = order // d, order % d
+    parent_item = first[rows, cand, jnp.maximum(i - 1, 0)] * d + i - 1
+    parents = jnp.where(present & (i > 0), slot_of[rows, jnp.maximum(parent_item, 0)], ROOT)
+    tokens = jnp.where(present, tokens_bcd[rows, cand, i], 0).astype(jnp.int32)
+    q = jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32) * present[..., None]
+    return Tree(tokens=tokens, parents=parents.astype(jnp.int32), q=q)
+
+
+def write_path(buffer_bs, tree: Tree, path_bn, count_b, length_b):
+    """The buffer with the path each row accepted, tree.tokens[path_bn[:count_b]], written at
+    length_b .. length_b + count_b - 1 (the rest of the buffer as it is)."""
+    rows = jnp.arange(buffer_bs.shape[0])[:, None]
+    steps = jnp.arange(path_bn.shape[1])[None, :]
+    tokens = jnp.take_along_axis(tree.tokens, jnp.maximum(path_bn, 0), axis=1)
+    positions = jnp.where(steps < count_b[:, None], length_b[:, None] + steps, buffer_bs.shape[1])
+    return buffer_bs.at[rows, positions].set(tokens, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +202,17 @@ class PromptLookupDrafter(Drafter):
         buffer_bs, found, drafts = self.lookup(buffer_bs, context_b2, length_b, gamma)
         q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32) * found[:, None, None]
         return Proposal(drafts, q, write_tokens(buffer_bs, drafts, length_b))
+
+    def propose_tree(self, params, buffer_bs, context_b2, length_b, nodes, sampling, keys_b):
+        """The trie of the continuations of the `nodes` best occurrences (`candidates`), each
+        `nodes` tokens long and weighted by its match length (`trie`). The buffer gets the
+        context only: `accepted` writes the path the row took."""
+        buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
+        end, ngram = candidates(buffer_bs, length_b, self.max_ngram, nodes)
+        tokens = jax.vmap(continuation, in_axes=(None, None, 1, None), out_axes=1)(
+            buffer_bs, length_b, end, nodes
+        )  # [B, C, D]
+        return TreeProposal(trie(tokens, ngram, nodes, self.vocab_size), buffer_bs)
+
+    def accepted(self, params, buffer_bs, tree, path_bn, count_b, length_b):
+        return write_path(buffer_bs, tree, path_bn, count_b, length_b)

@@ -16,6 +16,17 @@ stops proposing at its first position with no match, or where the top frequency 
 `threshold` (the drafter's confidence: draft-side information only, so still exact); the
 positions after that get q = 0.
 
+A tree round (`propose_tree`, spec_jax.tree) builds suffix decoding's speculation tree
+(Oliaro et al. 2024): a node's children are the successors by the counts of the text through
+it (the committed text and the node's path, matched as above), each with its count fraction;
+a node's score is the product of the fractions on its path (the empirical probability that
+the text goes through it), and `nodes` times the candidate child of the largest score joins
+the tree (ties: the earlier node's, then the more frequent, then the lower id), so the slots
+hold the top scores in topological order. A child whose fraction is below `threshold` never
+joins (the chain's confidence stop, per child). The children are the most frequent
+successors as point masses at any temperature, which the tree rule keeps exact; where every
+context has one successor, the tree is the greedy chain.
+
 The table is a hash map with one n-gram per bucket: two independent 32-bit rolling hashes of
 the n-gram (newest token first) pick the bucket and are stored as its key, so a lookup
 matches an n-gram the table holds, never a different one that shares its bucket (unless
@@ -32,9 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.settings import is_int
-from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal
-from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter, occurrences, write_tokens
+from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal, TreeProposal
+from spec_jax.drafting.lookup import (
+    MAX_NGRAM_LIMIT,
+    PromptLookupDrafter,
+    occurrences,
+    write_path,
+    write_tokens,
+)
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
+from spec_jax.tree import ROOT, Tree
 
 # Rolling hashes: h <- (h ^ (token + 1)) * prime mod 2^32 (FNV-1a over token ids), two seeds.
 _SEEDS = (0x811C9DC5, 0x9E3779B9)
@@ -254,3 +272,58 @@ class SuffixDrafter(Drafter):
             step, (buffer_bs, length_b, alive), split_rows(keys_b, gamma)
         )
         return Proposal(tokens.T, jnp.swapaxes(q, 0, 1), buffer_bs)
+
+    def propose_tree(self, params, buffer_bs, context_b2, length_b, nodes, sampling, keys_b):
+        """Suffix decoding's speculation tree (module docstring): `nodes` times, the candidate
+        child (a node's successor by the counts of the text through it) of the largest
+        score joins the tree, its score its parent's times its count fraction; a child whose
+        fraction is below `threshold` never does. Point masses at any temperature. The buffer
+        gets the context only: `accepted` writes the path the row took."""
+        buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
+        batch = buffer_bs.shape[0]
+        k = min(nodes, self.vocab_size)  # a node never gets more children than the tree has slots
+        rows = jnp.arange(batch)
+
+        def children(path_bn, depth_b):
+            """(ids int32 [B, K], fractions float32 [B, K]: the top-k successors of the text
+            through the node whose path is path_bn[:depth_b], 0 where none or below threshold)."""
+            counts = self.counts(params, write_tokens(buffer_bs, path_bn, length_b), length_b + depth_b)
+            top, ids = jax.lax.top_k(counts, k)  # ties: the lower id first, as warp at temperature 0
+            fraction = top / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+            return ids, jnp.where((top > 0) & (fraction >= self.threshold), fraction, 0.0)
+
+        # Per node (0: the root, 1 + i: slot i): its candidate children, score, path and depth.
+        root_ids, root_fraction = children(jnp.zeros((batch, nodes), jnp.int32), jnp.zeros_like(length_b))
+        ids = jnp.zeros((batch, nodes + 1, k), jnp.int32).at[:, 0].set(root_ids)
+        fraction = jnp.zeros((batch, nodes + 1, k), jnp.float32).at[:, 0].set(root_fraction)
+        score = jnp.zeros((batch, nodes + 1), jnp.float32).at[:, 0].set(1.0)
+        paths = jnp.zeros((batch, nodes + 1, nodes), jnp.int32)
+        depth = jnp.zeros((batch, nodes + 1), jnp.int32)
+
+        def step(carry, i):
+            ids, fraction, score, paths, depth = carry
+            value = (score[:, :, None] * fraction).reshape(batch, -1)
+            best = jnp.argmax(value, axis=1)  # ties: the earlier node, then the more frequent child
+            grown = value[rows, best] > 0
+            node, rank = best // k, best % k
+            token = ids[rows, node, rank]
+            path = paths[rows, node].at[rows, depth[rows, node]].set(token)
+            child_ids, child_fraction = children(path, depth[rows, node] + 1)
+            carry = (
+                ids.at[:, 1 + i].set(child_ids),
+                fraction.at[rows, node, rank].set(0.0).at[:, 1 + i].set(child_fraction * grown[:, None]),
+                score.at[:, 1 + i].set(jnp.where(grown, value[rows, best], 0.0)),
+                paths.at[:, 1 + i].set(path),
+                depth.at[:, 1 + i].set(depth[rows, node] + 1),
+            )
+            return carry, (jnp.where(grown, token, 0), jnp.where(grown, node - 1, ROOT), grown)
+
+        _, (tokens, parents, grown) = jax.lax.scan(
+            step, (ids, fraction, score, paths, depth), jnp.arange(nodes)
+        )
+        tokens, parents, grown = tokens.T, parents.T, grown.T  # [B, N]
+        q = jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32) * grown[..., None]
+        return TreeProposal(Tree(tokens=tokens, parents=parents, q=q), buffer_bs)
+
+    def accepted(self, params, buffer_bs, tree, path_bn, count_b, length_b):
+        return write_path(buffer_bs, tree, path_bn, count_b, length_b)
