@@ -1,6 +1,8 @@
 """Attention with a token tree's mask (models.kernels, `tree`): each node reads the committed text
 and its own ancestors, at the position of its depth, whatever slot it sits in."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,71 @@ def test_each_node_attends_as_if_its_path_were_decoded_in_order(window):
                 q[b : b + 1, x : x + 1], kb, vb, pos, jnp.asarray([len(order)]), window
             )
             np.testing.assert_allclose(np.asarray(got[b, x]), np.asarray(want[0, 0]), atol=1e-6, rtol=0)
+
+
+def _cpu_attention():
+    """models.kernels.attention with impl "cpu", jitted (window and tree traced)."""
+    from models.kernels import cpu_matmul
+
+    isa = cpu_matmul.isa()
+    if not cpu_matmul.available(isa):
+        pytest.skip(f"the CPU kernel library ({isa}) cannot be built here")
+    fn = functools.partial(kernels.attention, impl="cpu", cpu_isa=isa)
+    return jax.jit(lambda q, k, v, pos, lens, window, tree: fn(q, k, v, pos, lens, window=window, tree=tree))
+
+
+def paths_laid_out(q, k, v):
+    """Each node of tree_inputs decoded after its path laid out contiguously, as one batch of
+    single queries: q [N, 1, H, D], k / v [N, S, KVH, D] (the prefix, then the path's keys in
+    depth order), positions [N, 1] and kv_lengths [N] (N = B * T, row b's node x at b * T + x)."""
+    qs, ks, vs, lengths = [], [], [], []
+    for b, prefix in enumerate(PREFIX):
+        for x in range(q.shape[1]):
+            slots = path_of(PARENTS, b, x - 1) if x else [0]
+            order = list(range(prefix)) + [prefix + s for s in slots]
+            order += [0] * (k.shape[1] - len(order))  # padding past the length: never read
+            qs.append(q[b, x : x + 1])
+            ks.append(k[b, jnp.asarray(order)])
+            vs.append(v[b, jnp.asarray(order)])
+            lengths.append(prefix + len(slots))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return jnp.stack(qs), jnp.stack(ks), jnp.stack(vs), lengths[:, None] - 1, lengths
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_kernel_gives_each_node_the_bits_of_its_path_decoded_in_order(window, dtype):
+    """The CPU kernel computes each query alone in one fixed order: a tree node's output is the
+    same bits as the same query decoded after its path laid out contiguously (what a chain's
+    verification row is to a decode step), and close to the reference."""
+    attend = _cpu_attention()
+    q, k, v, positions, kv_lengths, bits, _ = tree_inputs(dtype=dtype)
+    if window is not None:
+        bits = bits & reference.tree_window_bits(positions, window)
+    w = None if window is None else jnp.int32(window)
+    got = np.asarray(attend(q, k, v, positions, kv_lengths, w, bits))
+    pq, pk, pv, ppos, plens = paths_laid_out(q, k, v)
+    want = np.asarray(attend(pq, pk, pv, ppos, plens, w, None))
+    np.testing.assert_array_equal(got, want.reshape(got.shape))
+    ref = reference.attention_reference(q, k, v, positions, kv_lengths, window, bits)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got.astype(np.float32), np.asarray(ref, np.float32), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_kernel_on_a_chains_bits_is_the_causal_call_bit_for_bit(window):
+    attend = _cpu_attention()
+    q, k, v, _, _, _, _ = tree_inputs()
+    b, t = q.shape[:2]
+    kv_lengths = jnp.asarray(PREFIX) + t
+    positions = jnp.asarray(PREFIX)[:, None] + jnp.arange(t)[None]
+    chain_bits = tree_lib.query_bits(jnp.broadcast_to(jnp.arange(t - 1) - 1, (b, t - 1)))
+    if window is not None:
+        chain_bits = chain_bits & reference.tree_window_bits(positions, window)
+    w = None if window is None else jnp.int32(window)
+    plain = attend(q, k, v, positions, kv_lengths, w, None)
+    chained = attend(q, k, v, positions, kv_lengths, w, chain_bits)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(chained))
 
 
 def test_a_mask_that_lets_siblings_through_fails_the_comparison():

@@ -109,8 +109,6 @@ def attention(
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths, window, tree)
-    if tree is not None:
-        raise ValueError(f"attention impl {impl}: no tree mask yet (impl 'xla' has it)")
     if impl == "cpu":
         from models.kernels import cpu_matmul
 
@@ -120,7 +118,9 @@ def attention(
             raise ValueError(
                 "attention impl cpu: the CPU kernel library is unavailable here (see the warning)"
             )
-        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window)
+        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window, tree)
+    if tree is not None:
+        raise ValueError(f"attention impl {impl}: no tree mask yet (impls 'xla' and 'cpu' have it)")
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
     # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
     # goes to flash_attention, which tiles the queries.
