@@ -17,10 +17,11 @@ PARENTS = [[-1, 0, 0, 1, -1, 4, 2], [-1, -1, 1, 2, 0, 4, 4]]
 PREFIX = [5, 9]  # committed tokens in the cache before the tree (the root is the first query)
 
 
-def tree_inputs(seed=0, h=4, kvh=2, d=16, cache=24, dtype=jnp.float32):
+def tree_inputs(seed=0, h=4, kvh=2, d=16, cache=24, dtype=jnp.float32, parents=PARENTS, prefix=PREFIX):
     """q [B, T, H, D], k/v [B, cache, KVH, D], positions [B, T] (prefix + depth), kv_lengths,
-    ancestor bits [B, T] for the root (query 0) plus the 7 nodes (query 1 + n)."""
-    parents = jnp.asarray(PARENTS, jnp.int32)
+    ancestor bits [B, T] for the root (query 0) plus the nodes of `parents` (query 1 + n; the
+    7 of PARENTS by default), after `prefix` committed tokens per row."""
+    parents = jnp.asarray(parents, jnp.int32)
     b, n = parents.shape
     t = n + 1
     rng = np.random.default_rng(seed)
@@ -28,7 +29,7 @@ def tree_inputs(seed=0, h=4, kvh=2, d=16, cache=24, dtype=jnp.float32):
     k = jnp.asarray(rng.standard_normal((b, cache, kvh, d)), dtype)
     v = jnp.asarray(rng.standard_normal((b, cache, kvh, d)), dtype)
     depth = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), tree_lib.depths(parents)], axis=1)
-    prefix = jnp.asarray(PREFIX, jnp.int32)
+    prefix = jnp.asarray(prefix, jnp.int32)
     positions = prefix[:, None] + depth
     bits = tree_lib.query_bits(parents)
     return q, k, v, positions, prefix + t, bits, parents
@@ -138,13 +139,101 @@ def test_cpu_kernel_on_a_chains_bits_is_the_causal_call_bit_for_bit(window):
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(chained))
 
 
+def more_parents(num_nodes, seed=0):
+    """PARENTS grown to num_nodes nodes per row: each new node under a random earlier one (or the root)."""
+    rng = np.random.default_rng(seed)
+    rows = [list(row) for row in PARENTS]
+    for row in rows:
+        row += [int(rng.integers(-1, n)) for n in range(len(row), num_nodes)]
+    return rows
+
+
+def causal_bits(bits):
+    """The broken variant: every earlier query visible, the chain's bits on a tree."""
+    t = bits.shape[1]
+    return jnp.broadcast_to((2 ** (jnp.arange(t) + 1) - 1).astype(jnp.int32), bits.shape)
+
+
+def max_normalised_error(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return np.max(np.abs(got - want)) / np.max(np.abs(want))
+
+
+# Each Pallas backend and window on the decoding kernel (T = 8: PARENTS and its root) and on
+# flash_attention (T > DECODE_MAX_QUERIES, one T of 17..20 per case).
+PALLAS_CASES = [
+    (impl, window, t)
+    for impl, window, big in [
+        ("pallas_gpu", None, 17),
+        ("pallas_gpu", 3, 18),
+        ("pallas_tpu", None, 19),
+        ("pallas_tpu", 3, 20),
+    ]
+    for t in (8, big)
+]
+
+
+@pytest.mark.parametrize("impl, window, t", PALLAS_CASES, ids=lambda x: str(x))
+def test_pallas_kernels_give_each_node_the_references_attention(impl, window, t):
+    """Interpret mode, ragged rows; the same program fed the chain's bits (siblings visible) fails
+    the comparison."""
+    assert (t > kernels.DECODE_MAX_QUERIES) == (t > 8)
+    q, k, v, positions, kv_lengths, bits, _ = tree_inputs(d=64, parents=more_parents(t - 1))
+    if window is not None:
+        bits = bits & reference.tree_window_bits(positions, window)
+    fn = functools.partial(kernels.attention, impl=impl, interpret=True)
+    attend = jax.jit(lambda q, k, v, pos, lens, tree: fn(q, k, v, pos, lens, window=window, tree=tree))
+    want = reference.attention_reference(q, k, v, positions, kv_lengths, window, bits)
+    assert max_normalised_error(attend(q, k, v, positions, kv_lengths, bits), want) <= 2e-6
+    broken = attend(q, k, v, positions, kv_lengths, causal_bits(bits))
+    assert max_normalised_error(broken, want) > 1e-2
+
+
+@pytest.mark.parametrize("window", [None, 1])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("t", [8, 17], ids=["flash_decoding", "flash_attention"])
+def test_pallas_kernels_read_the_blocks_of_the_tree_keys_and_skip_the_rest(t, backend, window):
+    """Small key blocks, K/V outside the blocks a tree call needs hold NaN (a kernel that read them
+    would give NaN): past kv_lengths, and before both the windows and the tree's first slot.
+    Row 0's deepest node ends at a block boundary, so tree keys lie past every row's p + 1 (the
+    causal rule's limit); in row 1 the root's slot is a block's last key and with window 1 every
+    node's window starts past it (the window does not apply to the tree's keys: bits unfolded)."""
+    from models.kernels import flash_attention, flash_decoding
+
+    block_k = 16 if backend == "gpu" else 128
+    if t == 8:
+        fn = flash_decoding.flash_decoding
+        blocks = flash_decoding.DecodeBlockSizes(block_k=block_k, num_splits=3 if backend == "gpu" else 2)
+    else:
+        fn = flash_attention.flash_attention
+        blocks = flash_attention.FlashBlockSizes(16 if backend == "gpu" else 8, block_k)
+    parents = more_parents(t - 1)
+    deepest = int(tree_lib.depths(jnp.asarray(parents[:1])).max())
+    prefix = [256 - deepest - 1, 127]
+    q, k, v, positions, kv_lengths, bits, _ = tree_inputs(d=64, cache=400, parents=parents, prefix=prefix)
+    assert int(positions[0].max()) + 1 == 256 < int(kv_lengths[0])
+    first = np.asarray(prefix)
+    start = first if window is not None else np.zeros_like(first)  # window 1: no committed key seen
+    keys = np.arange(k.shape[1])[None, :]
+    end = -(-np.asarray(kv_lengths) // block_k) * block_k
+    poison = (keys < (start // block_k * block_k)[:, None]) | (keys >= end[:, None])
+    assert poison.any(axis=1).all(), "every row must have a block to skip"
+    poison = jnp.asarray(poison)[:, :, None, None]
+    k_bad, v_bad = jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
+    attend = jax.jit(
+        functools.partial(fn, window=window, tree=bits, backend=backend, block_sizes=blocks, interpret=True)
+    )
+    got = attend(q, k_bad, v_bad, positions, kv_lengths)
+    want = reference.attention_reference(q, k, v, positions, kv_lengths, window, bits)
+    assert np.isfinite(np.asarray(got)).all()
+    assert max_normalised_error(got, want) <= 2e-6
+
+
 def test_a_mask_that_lets_siblings_through_fails_the_comparison():
     """The broken variant: every earlier query visible (the chain's mask on a tree)."""
     q, k, v, positions, kv_lengths, bits, _ = tree_inputs()
-    t = q.shape[1]
-    causal_bits = jnp.broadcast_to((2 ** (jnp.arange(t) + 1) - 1).astype(jnp.int32), bits.shape)
     right = reference.attention_reference(q, k, v, positions, kv_lengths, tree=bits)
-    wrong = reference.attention_reference(q, k, v, positions, kv_lengths, tree=causal_bits)
+    wrong = reference.attention_reference(q, k, v, positions, kv_lengths, tree=causal_bits(bits))
     assert np.abs(np.asarray(right) - np.asarray(wrong)).max() > 1e-2
 
 
