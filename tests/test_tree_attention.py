@@ -292,7 +292,7 @@ def _decode_path_logits(model, prefix, path_tokens):
     return np.asarray(out.logits[0])
 
 
-@pytest.mark.parametrize("layout", ["scanned", "unrolled", "windowed"])
+@pytest.mark.parametrize("layout", ["scanned", "unrolled", "windowed", "windowed-cpu-kernel"])
 def test_a_tree_forward_gives_each_node_the_logits_of_decoding_its_path(tiny_target, layout):
     """Two ragged rows: every node's logits equal those at the end of its path decoded in order,
     and the tree's keys land at contiguous slots from the root's."""
@@ -300,7 +300,11 @@ def test_a_tree_forward_gives_each_node_the_logits_of_decoding_its_path(tiny_tar
 
     import models
 
-    model = tiny_target.replace(config=tiny_target.config.replace(attention_impl="xla"))
+    impl = "xla"
+    if layout == "windowed-cpu-kernel":  # the CPU attention kernel (models.kernels impl "cpu")
+        _cpu_attention()  # skips where the CPU kernel library cannot be built
+        impl, layout = "cpu", "windowed"
+    model = tiny_target.replace(config=tiny_target.config.replace(attention_impl=impl))
     if layout == "unrolled":
         model = model.replace(
             config=model.config.replace(scan_layers=False),
