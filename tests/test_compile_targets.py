@@ -173,6 +173,34 @@ def test_kernels_compile_with_a_traced_window(target, kernel, t):
     ct.compile_for(fn, args, ct.device(target))  # the device compiler's errors propagate
 
 
+# Tree calls (token trees, models.kernels' `tree`): the decoding kernel with T = 8 (a 7-node tree
+# and its root) and flash_attention with T = 17 (16 nodes and the root), with a traced window too
+# (a Gemma 3 layer), for two TPU generations and two GPUs, bfloat16 on one of each, float32 on the
+# other.
+TREE_TARGETS = {"tpu-v5e": "bfloat16", "tpu-v6e": "float32", "gpu-h100": "bfloat16", "gpu-a100": "float32"}
+
+
+@pytest.mark.parametrize("target", TREE_TARGETS)
+@pytest.mark.parametrize(
+    "kernel, t", [(flash_decoding.flash_decoding, 8), (flash_attention.flash_attention, 17)],
+    ids=["flash_decoding", "flash_attention"],
+)  # fmt: skip
+def test_kernels_compile_with_a_tree_mask(target, kernel, t):
+    impl = ct.pallas_impl(target)
+
+    def fn(q, k, v, q_positions, kv_lengths, window, tree):
+        backend = impl.removeprefix("pallas_")
+        return kernel(q, k, v, q_positions, kv_lengths, window=window, tree=tree, backend=backend)
+
+    args = (
+        *_decode_args(t=t, h=14, kvh=2, d=64, s=1000, dtype=jnp.dtype(TREE_TARGETS[target])),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((1, t), jnp.int32),
+    )
+    assert ct.has_pallas_kernel(ct.lower_for(fn, args, ct.device(target)).as_text(), impl)
+    ct.compile_for(fn, args, ct.device(target))  # the device compiler's errors propagate
+
+
 def test_sm86_broken_old_block_rule_exceeds_shared_memory():
     """The old GPU rule (block_k = 128 for D=64 float32, whatever the folded rows) on Qwen2.5-0.5B
     verification: the sm_86 compiler rejects it. Forced through by claiming H100's shared memory."""

@@ -586,7 +586,7 @@ def test_dispatcher_routes_on_num_queries(monkeypatch, impl):
     calls = []
 
     def spy(name):
-        def fake(q, k, v, q_positions, kv_lengths, *, window, backend, interpret):
+        def fake(q, k, v, q_positions, kv_lengths, *, window, tree, backend, interpret):
             calls.append((name, q.shape[1], backend))
             return q
 

@@ -109,8 +109,6 @@ def attention(
         raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths, window, tree)
-    if tree is not None:
-        raise ValueError(f"attention impl {impl}: no tree mask yet (impl 'xla' has it)")
     if impl == "cpu":
         from models.kernels import cpu_matmul
 
@@ -120,18 +118,18 @@ def attention(
             raise ValueError(
                 "attention impl cpu: the CPU kernel library is unavailable here (see the warning)"
             )
-        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window)
+        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window, tree)
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
     # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
     # goes to flash_attention, which tiles the queries.
     if q.shape[1] <= DECODE_MAX_QUERIES and flash_decoding.fits(
         q.shape, k.shape, q.dtype, backend, target_lib.current()
     ):
-        return flash_decoding.flash_decoding(
-            q, k, v, q_positions, kv_lengths, window=window, backend=backend, interpret=interpret
-        )
-    return flash_attention.flash_attention(
-        q, k, v, q_positions, kv_lengths, window=window, backend=backend, interpret=interpret
+        kernel = flash_decoding.flash_decoding
+    else:
+        kernel = flash_attention.flash_attention
+    return kernel(
+        q, k, v, q_positions, kv_lengths, window=window, tree=tree, backend=backend, interpret=interpret
     )
 
 

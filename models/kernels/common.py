@@ -8,6 +8,12 @@ sliding window a second integer per row, `start[b, t] = max(0, q_positions[b, t]
 before the smallest start of a tile are skipped like those past its largest limit
 (first_key_block).
 
+With a tree (tree_rows) two more integers per row: the tree's first slot `first = kv_lengths[b] - T`
+and the query's ancestor bits. The row sees the keys s < first by the rule above and key first + j
+where bit j is set (visible_keys); padded rows get bits 0. Block skipping reads key_span, the
+rows' [start, limit) widened to the tree keys they see (the tree's keys lie past a shallow node's
+own position + 1, and before a deep node's window start).
+
 Online softmax state per query row: running max `m` (initialised to the finite DEFAULT_MASK_VALUE,
 not -inf, so that `m_prev - m_next` is never inf - inf), running sum `l` and unnormalised output
 `acc`. Probabilities of invisible keys are zeroed explicitly (not just pushed towards exp(-big)),
@@ -21,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import target as target_lib
-from models.kernels.reference import DEFAULT_MASK_VALUE
+from models.kernels.reference import DEFAULT_MASK_VALUE, MAX_TREE_QUERIES
 
 BACKENDS = ("tpu", "gpu")
 # Head dims the kernels are written for: powers of two (Triton tiles) that fill at least half of
@@ -126,6 +132,50 @@ def first_key_block(limit, row_start, block_k: int, axis):
     return lax.div(jnp.min(seen, axis=axis), jnp.int32(block_k))  # operands >= 0: lax.div floors
 
 
+def tree_rows(kv_lengths, tree, num_keys: int):
+    """(first [B, T], bits [B, T]) int32 of a tree call (reference.attention_mask): per query, the
+    tree's first slot kv_lengths[b] - T, and its ancestor bits with those of slots outside the
+    cache (< 0 or >= S) cleared, so that each set bit j is a key first + j the query sees."""
+    b, t = tree.shape
+    first = kv_lengths.astype(jnp.int32) - t  # [B]
+    slots = first[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    weights = jnp.left_shift(jnp.int32(1), jnp.arange(t, dtype=jnp.int32))
+    in_cache = jnp.sum(((slots >= 0) & (slots < num_keys)) * weights, axis=1, dtype=jnp.int32)  # [B]
+    return jnp.broadcast_to(first[:, None], (b, t)), tree.astype(jnp.int32) & in_cache[:, None]
+
+
+def visible_keys(key_pos, limit, row_start, tree):
+    """bool, broadcast of key_pos [..., K] and the rows' [..., R, 1] integers: which keys each row
+    sees. limit, row_start: row_limits, row_starts (None without a window); tree: None, or the
+    rows' (first, bits) of tree_rows, and then the keys from first on are seen by their bits."""
+    visible = key_pos < limit
+    if row_start is not None:
+        visible = visible & (key_pos >= row_start)
+    if tree is None:
+        return visible
+    first, bits = tree
+    j = key_pos - first  # the key's node index in the tree, where 0 <= j < T
+    bit = jnp.right_shift(bits, jnp.clip(j, 0, MAX_TREE_QUERIES - 1)) & 1
+    return (visible & (j < 0)) | ((j >= 0) & (j < MAX_TREE_QUERIES) & (bit == 1))
+
+
+def key_span(limit, row_start, tree, num_queries: int, num_keys: int):
+    """(start, limit) per row such that every key the row sees lies in start <= s < limit: what
+    key-block skipping reads (the largest limit, first_key_block). Without a tree, the rows' own;
+    with one (tree_rows' (first, bits), num_queries = T) widened to the tree keys of rows with a
+    bit set. start is None without a window (the keys are then read from 0)."""
+    if tree is None:
+        return row_start, limit
+    first, bits = tree
+    has = bits != 0
+    limit = jnp.maximum(limit, jnp.where(has, jnp.clip(first + num_queries, 0, num_keys), 0))
+    if row_start is None:
+        return None, limit
+    none = jnp.iinfo(jnp.int32).max
+    seen = jnp.where(row_start < limit, row_start, none)
+    return jnp.minimum(seen, jnp.where(has, jnp.maximum(first, 0), none)), limit
+
+
 def tpu_vmem_budget(target: target_lib.Target) -> int:
     """Bytes of VMEM a TPU kernel's working set may take on `target`."""
     return int(TPU_VMEM_BUDGET_FRACTION * target.tpu_vmem_bytes)
@@ -228,6 +278,7 @@ def tpu_attend_block(
     v_ref,
     limit,
     row_start,
+    tree,
     kv_start,
     m_ref,
     l_ref,
@@ -248,6 +299,7 @@ def tpu_attend_block(
         cache is read in place. Rows at keys >= num_keys (the tail of a partial last block) are garbage.
       limit: [R, 1] int32, row r sees keys s < limit[r].
       row_start: [R, 1] int32, row r sees keys s >= row_start[r] (row_starts); None without a window.
+      tree: None, or the rows' (first, bits), [R, 1] int32 each (tree_rows; visible_keys).
       kv_start: int32 scalar, position of the block's first key.
       m_ref, l_ref: [KVH, R, 128] f32 lane-replicated running max / sum; acc_ref: [KVH, R, D] f32.
       kf_ref, vf_ref: [block_k * KVH, D] f32 scratch when the inputs are bfloat16 with KVH > 1, else None.
@@ -258,9 +310,7 @@ def tpu_attend_block(
     block_k = k_ref.shape[0] // kvh
     precision = dot_precision(q_ref.dtype)
     key_pos = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)  # [R, block_k]
-    visible = key_pos < limit
-    if row_start is not None:
-        visible = visible & (key_pos >= row_start)
+    visible = visible_keys(key_pos, limit, row_start, tree)
     if kf_ref is not None:
         # Mosaic's strided sublane loads want 32-bit rows; widen the block once for all heads.
         kf_ref[...] = k_ref[...].astype(jnp.float32)
@@ -303,7 +353,7 @@ def tpu_attend_block(
 
 
 def gpu_attend_blocks(
-    q, k_ref, v_ref, limit, row_start, first_key, num_blocks, *, block_k: int, scale: float
+    q, k_ref, v_ref, limit, row_start, tree, first_key, num_blocks, *, block_k: int, scale: float
 ):
     """Triton: online softmax of query rows `q` over `num_blocks` key blocks starting at `first_key`.
 
@@ -312,6 +362,7 @@ def gpu_attend_blocks(
       k_ref, v_ref: [S, D], the whole key sequence of one (batch row, kv head); reads past S are masked.
       limit: [R] int32, row r sees keys s < limit[r].
       row_start: [R] int32, row r sees keys s >= row_start[r] (row_starts); None without a window.
+      tree: None, or the rows' (first, bits), [R] int32 each (tree_rows; visible_keys).
       first_key: int32 scalar, a multiple of block_k; num_blocks: int32 scalar, data-dependent trip count.
 
     Returns:
@@ -333,9 +384,9 @@ def gpu_attend_blocks(
             k = k_ref[pl.ds(start, block_k), :]
             v = v_ref[pl.ds(start, block_k), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)  # [R, block_k]
-        visible = key_pos[None, :] < limit[:, None]
-        if row_start is not None:
-            visible = visible & (key_pos[None, :] >= row_start[:, None])
+        column = None if row_start is None else row_start[:, None]
+        rows_tree = None if tree is None else tuple(x[:, None] for x in tree)
+        visible = visible_keys(key_pos[None, :], limit[:, None], column, rows_tree)
         s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)

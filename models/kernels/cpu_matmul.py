@@ -15,8 +15,9 @@ before each load: models.kernels.libraries.verified_build), loads it and registe
 targets with XLA; it returns False, with one warning, where it cannot (not x86-64, a CPU without
 the ISA's instructions, no compiler), and the models then use XLA's own products.
 `matmul(x, w, scale, isa)` is y[M, O] = x[M, I] . w[O, I]^T (* scale[O] for int8 weights), float32
-out; `attention(q, k, v, q_positions, kv_lengths, isa, window)` is models.kernels' attention contract, each query
-computed alone (so a verification call's rows equal decode steps' bit for bit).
+out; `attention(q, k, v, q_positions, kv_lengths, isa, window, tree)` is models.kernels' attention contract, each
+query computed alone (so a verification call's rows equal decode steps' bit for bit, and a tree node's
+equal its path decoded in order).
 """
 
 import ctypes
@@ -187,17 +188,21 @@ def matmul(x_mi, w_oi, scale_o, isa_name: str):
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 
 
-def attention(q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str, window=None):
+def attention(q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str, window=None, tree=None):
     """The attention contract of models.kernels (float32 inside; out in q's dtype), each query
     computed alone in one fixed order (cpu_rowwise.cc): a query's result is the same bits
     whatever the number of queries in the call. window: None or an int32 scalar (Python or
     traced), an operand of the call; None passes the largest int32, which leaves every query's
-    keys (and so its bits) as without a window. The build of isa_name must be available()."""
+    keys (and so its bits) as without a window. tree: None or int32 [B, T] ancestor bits
+    (models.kernels' `tree`), an operand of the call (empty for None): a tree node's result is the
+    same bits as the same query decoded with its path laid out contiguously. The build of
+    isa_name must be available()."""
     out = jax.ShapeDtypeStruct(q_bthd.shape, jnp.float32)
     call = jax.ffi.ffi_call(rowwise_target("attention", isa_name), out, vmap_method="sequential")
     f32 = (x.astype(jnp.float32) for x in (q_bthd, k_bskd, v_bskd))
     window = jnp.iinfo(jnp.int32).max if window is None else window
-    ints = (q_positions_bt, kv_lengths_b, window)
+    tree = jnp.zeros((0,), jnp.int32) if tree is None else tree
+    ints = (q_positions_bt, kv_lengths_b, window, tree)
     return call(*f32, *(jnp.asarray(x).astype(jnp.int32) for x in ints)).astype(q_bthd.dtype)
 
 

@@ -8,6 +8,15 @@
 //   over s <= q_positions[b, t], s < kv_lengths[b] and q_positions[b, t] - s < window;
 //   zeros where no key is visible. window is an int32 scalar operand (the largest int32 for none):
 //   a query's loop starts at max(0, p + 1 - window), so with a large window nothing changes.
+//   tree is an int32 operand, empty (no tree) or [B, T]: the queries are a token tree's nodes,
+//   whose keys sit in the last T slots, first = kv_lengths[b] - T + j for query j; query t then
+//   sees the keys s < first by the rule above and key first + j where bit j of tree[b, t] is set.
+//
+// A query's visible keys are gathered into a list, in slot order (the committed keys within the
+// window, then a tree's keys whose bit is set), and that list is reduced in the one order below.
+// So a tree node gives the same bits as the same query decoded with its path laid out
+// contiguously (its ancestors' keys, in slot order, are its path in depth order): the list, and
+// so each 8-lane group of the sum, is the same.
 //
 // Why: XLA fuses and vectorizes the reference's einsums and softmax differently for different
 // numbers of queries, so a query's result in a verification call (T = gamma + 1) differed from
@@ -77,8 +86,9 @@ inline float Dot(const float* q, const float* k, int64_t d) {
   return s;
 }
 
-// One query: q [D] against keys / values [n, KVH, D] (row stride kv_stride), into out [D].
-void OneQuery(const float* q, const float* k, const float* v, int64_t n, int64_t kv_stride, int64_t d,
+// One query: q [D] against the n keys / values at k + rows[i], v + rows[i] (i < n, each [D]),
+// into out [D].
+void OneQuery(const float* q, const float* k, const float* v, const int64_t* rows, int64_t n, int64_t d,
               float scale, float* scores, float* out) {
   if (n <= 0) {
     std::fill(out, out + d, 0.0f);
@@ -86,7 +96,7 @@ void OneQuery(const float* q, const float* k, const float* v, int64_t n, int64_t
   }
   float top = -INFINITY;
   for (int64_t s = 0; s < n; ++s) {
-    scores[s] = Dot(q, k + s * kv_stride, d) * scale;
+    scores[s] = Dot(q, k + rows[s], d) * scale;
     top = std::max(top, scores[s]);
   }
   const __m256 top8 = _mm256_set1_ps(top);
@@ -111,12 +121,12 @@ void OneQuery(const float* q, const float* k, const float* v, int64_t n, int64_t
   int64_t c = 0;
   for (; c + 8 <= d; c += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + j * kv_stride + c), acc);
+    for (int64_t j = 0; j < n; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + rows[j] + c), acc);
     _mm256_storeu_ps(out + c, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
   }
   for (; c < d; ++c) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < n; ++j) acc += scores[j] * v[j * kv_stride + c];
+    for (int64_t j = 0; j < n; ++j) acc += scores[j] * v[rows[j] + c];
     out[c] = acc * inv;
   }
 }
@@ -127,15 +137,18 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buffer<ffi::F32> k_buf,
                      ffi::Buffer<ffi::F32> v_buf, ffi::Buffer<ffi::S32> qpos_buf, ffi::Buffer<ffi::S32> kvlen_buf,
-                     ffi::Buffer<ffi::S32> window_buf, ffi::ResultBuffer<ffi::F32> out_buf) {
+                     ffi::Buffer<ffi::S32> window_buf, ffi::Buffer<ffi::S32> tree_buf,
+                     ffi::ResultBuffer<ffi::F32> out_buf) {
   const auto qd = q_buf.dimensions(), kd = k_buf.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !SameDims(v_buf.dimensions(), kd) || qd[0] != kd[0] || qd[3] != kd[3] ||
       kd[2] == 0 || qd[2] % kd[2] != 0 || qpos_buf.element_count() != qd[0] * qd[1] ||
       kvlen_buf.element_count() != qd[0] || window_buf.element_count() != 1 ||
+      (tree_buf.element_count() != 0 && (tree_buf.element_count() != qd[0] * qd[1] || qd[1] > 32)) ||
       !SameDims(out_buf->dimensions(), qd)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "spec_jax attention expects q [B, T, H, D], k and v [B, S, KVH, D] with KVH dividing H, "
-                      "q_positions [B, T], kv_lengths [B], window [], out [B, T, H, D]");
+                      "q_positions [B, T], kv_lengths [B], window [], tree empty or [B, T] with T <= 32, "
+                      "out [B, T, H, D]");
   }
   const int64_t batch = qd[0], t_dim = qd[1], heads = qd[2], d = qd[3], keys = kd[1], kv_heads = kd[2];
   const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
@@ -143,17 +156,29 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buf
   const float *q = q_buf.typed_data(), *k = k_buf.typed_data(), *v = v_buf.typed_data();
   const int32_t *qpos = qpos_buf.typed_data(), *kvlen = kvlen_buf.typed_data();
   const int64_t window = window_buf.typed_data()[0];
+  const int32_t* tree = tree_buf.element_count() ? tree_buf.typed_data() : nullptr;
   float* out = out_buf->typed_data();
   const int64_t items = batch * t_dim * heads;  // one query head of one position of one row each
   auto body = [=](int64_t item) {
     thread_local std::vector<float> scores;
+    thread_local std::vector<int64_t> rows;  // the visible keys' offsets, in slot order
     scores.resize(std::max<int64_t>(keys, 1));
+    rows.resize(std::max<int64_t>(keys, 1));
     const int64_t h = item % heads, bt = item / heads, b = bt / t_dim;
-    const int64_t n = std::min<int64_t>({static_cast<int64_t>(qpos[bt]) + 1, kvlen[b], keys});
-    // The window's first key (int64: no wrap for any int32 window), never past n.
-    const int64_t first = std::max<int64_t>(0, std::min<int64_t>(n, static_cast<int64_t>(qpos[bt]) + 1 - window));
-    const int64_t kv = b * keys * kv_stride + first * kv_stride + (h / group) * d;
-    OneQuery(q + item * d, k + kv, v + kv, n - first, kv_stride, d, scale, scores.data(), out + item * d);
+    const int64_t p = qpos[bt], length = std::min<int64_t>(kvlen[b], keys);
+    const int64_t tree_first = static_cast<int64_t>(kvlen[b]) - t_dim;  // a tree's first slot
+    int64_t end = std::min<int64_t>(p + 1, length);  // committed keys s < end ...
+    if (tree) end = std::min<int64_t>(end, std::max<int64_t>(tree_first, 0));  // (below the tree's)
+    // ... from the window's first (int64: no wrap for any int32 window), never past end.
+    const int64_t start = std::max<int64_t>(0, std::min<int64_t>(end, p + 1 - window));
+    const int64_t base = b * keys * kv_stride + (h / group) * d;
+    int64_t n = 0;
+    for (int64_t s = start; s < end; ++s) rows[n++] = s * kv_stride;
+    for (int64_t j = 0; tree && j < t_dim; ++j) {  // the tree's keys: ancestors and itself
+      const int64_t s = tree_first + j;
+      if ((tree[bt] >> j & 1) && s >= 0 && s < length) rows[n++] = s * kv_stride;
+    }
+    OneQuery(q + item * d, k + base, v + base, rows.data(), n, d, scale, scores.data(), out + item * d);
   };
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, items / (4 * threads));
@@ -195,6 +220,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

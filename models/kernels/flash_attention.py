@@ -7,7 +7,10 @@ the row's length or above the causal diagonal of every query in the block are ne
 sliding window the visit starts at the block of the smallest window start of the block's rows
 (common.row_starts, common.first_key_block): blocks wholly before every query's window are never
 loaded either, so a long context with a small window costs about window / block_k key blocks per
-query block, not S / block_k.
+query block, not S / block_k. With a token tree (`tree`, T <= 32, e.g. a 16-node tree and its root)
+each query row also carries its tree's first slot and ancestor bits (common.tree_rows,
+common.visible_keys), and the skipping reads the rows' common.key_span, which reaches the tree
+keys they see.
 
 TPU (Mosaic): grid (B, query blocks, key blocks), key axis last and "arbitrary". The per-block key
 block counts are scalar-prefetched into SMEM; the K/V index_map clamps to the last needed block
@@ -38,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
 from models.kernels import target as target_lib
-from models.kernels.reference import check_window
+from models.kernels.reference import check_tree, check_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,7 @@ def flash_attention(
     kv_lengths,
     *,
     window=None,
+    tree=None,
     backend: str,
     block_sizes: FlashBlockSizes | None = None,
     interpret=False,
@@ -140,6 +144,8 @@ def flash_attention(
       q_positions: [B, T] int; kv_lengths: [B] int.
       window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
         keys s with p - s < window; key blocks before every window of a query block are skipped.
+      tree: None or int32 [B, T] ancestor bits (reference.check_tree): the queries are a token
+        tree's nodes, whose keys are the last T slots (models.kernels' contract).
       backend: "tpu" (Mosaic) or "gpu" (Triton).
       block_sizes: FlashBlockSizes; None picks FlashBlockSizes.default(backend, D, dtype, target, ...).
       interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
@@ -150,14 +156,17 @@ def flash_attention(
       [B, T, H, D] in q's dtype.
     """
     check_window(window)  # here, before jit: a Python int is still a number
+    check_tree(tree, q.shape)
     return _flash_attention(
-        q, k, v, q_positions, kv_lengths, window,
+        q, k, v, q_positions, kv_lengths, window, tree,
         backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
-def _flash_attention(q, k, v, q_positions, kv_lengths, window, *, backend, block_sizes, interpret, target):
+def _flash_attention(
+    q, k, v, q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target
+):
     common.check_backend(backend)
     common.check_inputs(q, k, v, q_positions, kv_lengths)
     common.check_kernel_inputs(q, k, v)
@@ -169,29 +178,30 @@ def _flash_attention(q, k, v, q_positions, kv_lengths, window, *, backend, block
     block_sizes.check(backend, q.dtype)
     limit = common.row_limits(q_positions, kv_lengths, k.shape[1])  # [B, T]
     start = None if window is None else common.row_starts(q_positions, window)  # [B, T]
+    tree_rows = None if tree is None else common.tree_rows(kv_lengths, tree, k.shape[1])  # [B, T] x2
     if backend == "tpu":
-        return _tpu_flash_attention(
-            q, k, v, limit, start, block_sizes, common.tpu_interpret(interpret), target
-        )
-    return _gpu_flash_attention(q, k, v, limit, start, block_sizes, interpret, target)
+        interpret = common.tpu_interpret(interpret)
+        return _tpu_flash_attention(q, k, v, limit, start, tree_rows, block_sizes, interpret, target)
+    return _gpu_flash_attention(q, k, v, limit, start, tree_rows, block_sizes, interpret, target)
 
 
 # ---------------------------------------------------------------------------------------------- TPU
 
 
-def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
-    """refs, in order (the bracketed ones with a window only):
+def _tpu_kernel(*refs, windowed: bool, tree: bool, num_keys: int, scale: float, mxu_dtype):
+    """refs, in order (the bracketed ones with a window / a tree only):
     nblocks_ref SMEM [B * nq] int32, the end of the key blocks each (batch row, query block) needs;
     [first_ref SMEM [B * nq] int32, the first of them]; q_ref [KVH, R, D] (R = G * block_q);
-    limit_ref [R, 1] int32; [start_ref [R, 1] int32]; k_ref, v_ref [block_k * KVH, D];
-    o_ref [KVH, R, D]; scratch m_ref, l_ref [KVH, R, 128] f32, acc_ref [KVH, R, D] f32, and
-    [block_k * KVH, D] f32 x2 for bfloat16 with KVH > 1 only."""
-    if windowed:
-        nblocks_ref, first_ref, q_ref, limit_ref, start_ref, k_ref, v_ref, o_ref, *scratch = refs
-    else:
-        nblocks_ref, q_ref, limit_ref, k_ref, v_ref, o_ref, *scratch = refs
-        first_ref = start_ref = None
-    m_ref, l_ref, acc_ref, *f32_kv_refs = scratch
+    limit_ref [R, 1] int32; [start_ref [R, 1] int32]; [tree_first_ref, bits_ref [R, 1] int32];
+    k_ref, v_ref [block_k * KVH, D]; o_ref [KVH, R, D]; scratch m_ref, l_ref [KVH, R, 128] f32,
+    acc_ref [KVH, R, D] f32, and [block_k * KVH, D] f32 x2 for bfloat16 with KVH > 1 only."""
+    refs = list(refs)
+    nblocks_ref = refs.pop(0)
+    first_ref = refs.pop(0) if windowed else None
+    q_ref, limit_ref = refs.pop(0), refs.pop(0)
+    start_ref = refs.pop(0) if windowed else None
+    tree_refs = (refs.pop(0), refs.pop(0)) if tree else None
+    k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *f32_kv_refs = refs
     b, qi, ki = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
     block = ki if first_ref is None else first_ref[b * pl.num_programs(1) + qi] + ki
@@ -204,9 +214,10 @@ def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
     def _attend():
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
         row_start = None if start_ref is None else start_ref[...]
+        row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
         common.tpu_attend_block(
-            q_ref, k_ref, v_ref, limit_ref[...], row_start, block * block_k, m_ref, l_ref, acc_ref,
-            kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
+            q_ref, k_ref, v_ref, limit_ref[...], row_start, row_tree, block * block_k, m_ref, l_ref,
+            acc_ref, kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(ki == pl.num_programs(2) - 1)
@@ -223,7 +234,7 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
-def _tpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, interpret, target):
+def _tpu_flash_attention(q, k, v, limit, start, tree, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -239,15 +250,22 @@ def _tpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, in
     q_tiles = (
         q_tiles.reshape(b, nq, block_q, kvh, g, d).transpose(0, 1, 3, 4, 2, 5).reshape(b, nq, kvh, rows, d)
     )
-    limit_pad = jnp.pad(limit, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)  # padded rows: 0
-    limit_rows = jnp.broadcast_to(limit_pad, (b, nq, g, block_q)).reshape(b, nq, rows, 1)
-    nblocks = ((jnp.max(limit_pad, axis=(2, 3)) + block_k - 1) // block_k).reshape(b * nq)  # [B * nq]
-    prefetch, row_inputs = [nblocks], [limit_rows]
+
+    def pad(x):  # [B, T] -> [B, nq, 1, block_q]; padded rows get 0 (limit 0: they see nothing)
+        return jnp.pad(x, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)
+
+    def tile_rows(x):  # [B, nq, 1, block_q] -> [B, nq, R, 1], row g * block_q + i is query i
+        return jnp.broadcast_to(x, (b, nq, g, block_q)).reshape(b, nq, rows, 1)
+
+    limit_pad = pad(limit)
+    start_pad = None if start is None else pad(start)
+    tree_pad = None if tree is None else tuple(map(pad, tree))
+    span_start, span_limit = common.key_span(limit_pad, start_pad, tree_pad, t, s)
+    nblocks = ((jnp.max(span_limit, axis=(2, 3)) + block_k - 1) // block_k).reshape(b * nq)  # [B * nq]
+    prefetch = [nblocks]
     if start is not None:
-        start_pad = jnp.pad(start, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)
-        first = common.first_key_block(limit_pad, start_pad, block_k, axis=(2, 3)).reshape(b * nq)
-        prefetch.append(first)
-        row_inputs.append(jnp.broadcast_to(start_pad, (b, nq, g, block_q)).reshape(b, nq, rows, 1))
+        prefetch.append(common.first_key_block(span_limit, span_start, block_k, axis=(2, 3)).reshape(b * nq))
+    row_inputs = [tile_rows(x) for x in (limit_pad, start_pad, *(tree_pad or ())) if x is not None]
     k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
     v_rows = v.reshape(b, s * kvh, d)
 
@@ -273,7 +291,12 @@ def _tpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, in
     )
     mxu_dtype = q.dtype if target.tpu_bf16_matmul else jnp.float32
     kernel = functools.partial(
-        _tpu_kernel, windowed=start is not None, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype
+        _tpu_kernel,
+        windowed=start is not None,
+        tree=tree is not None,
+        num_keys=s,
+        scale=d**-0.5,
+        mxu_dtype=mxu_dtype,
     )
     row_spec = pl.BlockSpec((None, None, rows, 1), lambda bi, qi, ki, *_: (bi, qi, 0, 0))
     out = pl.pallas_call(
@@ -302,29 +325,33 @@ def _tpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, in
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_kernel(*refs, windowed: bool, block_k: int, scale: float):
+def _gpu_kernel(*refs, windowed: bool, tree: bool, num_queries: int, block_k: int, scale: float):
     # refs: q_ref [block_q, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [block_q];
-    # with a window start_ref [block_q]; o_ref [block_q, D].
-    if windowed:
-        q_ref, k_ref, v_ref, limit_ref, start_ref, o_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, limit_ref, o_ref), start_ref = refs, None
+    # with a window start_ref [block_q]; with a tree tree_first_ref, bits_ref [block_q]; o_ref
+    # [block_q, D].
+    q_ref, k_ref, v_ref, limit_ref, *refs = refs
+    start_ref = refs.pop(0) if windowed else None
+    tree_refs = (refs.pop(0), refs.pop(0)) if tree else None
+    (o_ref,) = refs
     limit = limit_ref[...]
+    row_start = None if start_ref is None else start_ref[...]
+    row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
+    span_start, span_limit = common.key_span(limit, row_start, row_tree, num_queries, k_ref.shape[0])
     # Key blocks past every row's limit (ragged length or causal diagonal) are never visited.
-    num_blocks = lax.div(jnp.max(limit) + (block_k - 1), block_k)
+    num_blocks = lax.div(jnp.max(span_limit) + (block_k - 1), block_k)
     if start_ref is None:
-        row_start, first_key = None, 0
+        first_key = 0
     else:  # nor those before every row's window
-        row_start = start_ref[...]
-        first = common.first_key_block(limit, row_start, block_k, axis=0)
+        first = common.first_key_block(span_limit, span_start, block_k, axis=0)
         num_blocks, first_key = jnp.maximum(num_blocks - first, 0), first * block_k
     acc, _, row_sum = common.gpu_attend_blocks(
-        q_ref[...], k_ref, v_ref, limit, row_start, first_key, num_blocks, block_k=block_k, scale=scale
-    )
+        q_ref[...], k_ref, v_ref, limit, row_start, row_tree, first_key, num_blocks,
+        block_k=block_k, scale=scale,
+    )  # fmt: skip
     o_ref[...] = common.normalize(acc, row_sum[:, None]).astype(o_ref.dtype)
 
 
-def _gpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, interpret, target):
+def _gpu_flash_attention(q, k, v, limit, start, tree, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -336,11 +363,17 @@ def _gpu_flash_attention(q, k, v, limit, start, block_sizes: FlashBlockSizes, in
     t_pad = nq * block_q
     q_pad = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
     # padded rows: limit 0 (and start 0), so they see nothing
-    row_inputs = [jnp.pad(x, ((0, 0), (0, t_pad - t))) for x in (limit, start) if x is not None]
+    rows = (limit, start, *(tree or ()))
+    row_inputs = [jnp.pad(x, ((0, 0), (0, t_pad - t))) for x in rows if x is not None]
     row_spec = pl.BlockSpec((None, block_q), lambda qi, bi, hi: (bi, qi))
     out = pl.pallas_call(
         functools.partial(
-            _gpu_kernel, windowed=start is not None, block_k=block_sizes.block_k, scale=d**-0.5
+            _gpu_kernel,
+            windowed=start is not None,
+            tree=tree is not None,
+            num_queries=t,
+            block_k=block_sizes.block_k,
+            scale=d**-0.5,
         ),
         grid=(nq, b, h),
         in_specs=[

@@ -11,7 +11,10 @@ at or past the largest limit of a batch row are skipped, whole chunks included. 
 window each row also sees only keys s >= start[row] (common.row_starts): the blocks a batch row
 needs are then first .. end - 1 (common.first_key_block), shared out over the chunks at run time
 (cdiv(end - first, num_splits) blocks each), so a small window over a long cache reads about
-window / block_k blocks, spread over the parallel chunks.
+window / block_k blocks, spread over the parallel chunks. With a token tree (`tree`, T <= 32) each
+row also carries its tree's first slot and its query's ancestor bits, repeated over the G folded
+rows like the limits (common.tree_rows, common.visible_keys); the skipping then reads the rows'
+key_span, which reaches the tree keys the rows see.
 
 TPU (Mosaic): grid (B, num_splits, blocks_per_split), the last axis "arbitrary". The number of
 needed key blocks per batch row (with a window: also the first of them and the blocks per chunk)
@@ -36,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
 from models.kernels import target as target_lib
-from models.kernels.reference import check_window
+from models.kernels.reference import check_tree, check_window
 
 # GPU split heuristic: aim for this many programs (B * KVH * num_splits), ~2 per SM of an H100.
 _GPU_TARGET_PROGRAMS = 264
@@ -164,6 +167,7 @@ def flash_decoding(
     kv_lengths,
     *,
     window=None,
+    tree=None,
     backend: str,
     block_sizes: DecodeBlockSizes | None = None,
     interpret=False,
@@ -176,6 +180,8 @@ def flash_decoding(
       q_positions: [B, T] int; kv_lengths: [B] int.
       window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
         keys s with p - s < window; key blocks before every row's window are skipped.
+      tree: None or int32 [B, T] ancestor bits (reference.check_tree): the queries are a token
+        tree's nodes, whose keys are the last T slots (models.kernels' contract).
       backend: "tpu" (Mosaic) or "gpu" (Triton).
       block_sizes: DecodeBlockSizes; None means DecodeBlockSizes() (all defaults).
       interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
@@ -187,14 +193,17 @@ def flash_decoding(
       be small (the dispatcher sends T <= 16 here).
     """
     check_window(window)  # here, before jit: a Python int is still a number
+    check_tree(tree, q.shape)
     return _flash_decoding(
-        q, k, v, q_positions, kv_lengths, window,
+        q, k, v, q_positions, kv_lengths, window, tree,
         backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
     )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
-def _flash_decoding(q, k, v, q_positions, kv_lengths, window, *, backend, block_sizes, interpret, target):
+def _flash_decoding(
+    q, k, v, q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target
+):
     common.check_backend(backend)
     common.check_inputs(q, k, v, q_positions, kv_lengths)
     common.check_kernel_inputs(q, k, v)
@@ -209,17 +218,19 @@ def _flash_decoding(q, k, v, q_positions, kv_lengths, window, *, backend, block_
     # Fold: [B, T, H, D] -> [B, KVH, R, D] with row t * G + g; padded rows have limit 0.
     q_rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
-    limit_rows = jnp.pad(jnp.repeat(limit, g, axis=1), ((0, 0), (0, rows - t * g)))  # [B, R]
-    start_rows = None  # [B, R]; padded rows have start 0 (and limit 0: nothing seen)
-    if window is not None:
-        start = common.row_starts(q_positions, window)
-        start_rows = jnp.pad(jnp.repeat(start, g, axis=1), ((0, 0), (0, rows - t * g)))
+
+    def fold(x):  # [B, T] -> [B, R]: each query's integer on its G rows; padded rows get 0
+        return jnp.pad(jnp.repeat(x, g, axis=1), ((0, 0), (0, rows - t * g)))
+
+    limit_rows = fold(limit)  # padded rows see nothing
+    start_rows = None if window is None else fold(common.row_starts(q_positions, window))
+    tree_rows = None if tree is None else tuple(map(fold, common.tree_rows(kv_lengths, tree, s)))
+    row_args = (limit_rows, start_rows, tree_rows, t)
     if backend == "tpu":
-        o_parts, lse = _tpu_partials(
-            q_rows, k, v, limit_rows, start_rows, *tiling, common.tpu_interpret(interpret), target
-        )
+        interpret = common.tpu_interpret(interpret)
+        o_parts, lse = _tpu_partials(q_rows, k, v, *row_args, *tiling, interpret, target)
     else:
-        o_parts, lse = _gpu_partials(q_rows, k, v, limit_rows, start_rows, *tiling, interpret)
+        o_parts, lse = _gpu_partials(q_rows, k, v, *row_args, *tiling, interpret)
     out = common.combine_partials(o_parts, lse)  # [B, KVH, R, D] f32
     out = out[:, :, : t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
     return out.astype(q.dtype)
@@ -228,20 +239,22 @@ def _flash_decoding(q, k, v, q_positions, kv_lengths, window, *, backend, block_
 # ---------------------------------------------------------------------------------------------- TPU
 
 
-def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
-    """refs, in order (the bracketed ones with a window only): nblocks_ref SMEM [B] int32, the end
-    of the key blocks holding a visible key, per batch row; [first_ref SMEM [B] int32, the first of
-    them; per_split_ref SMEM [B] int32, how many of them each chunk takes]; q_ref [KVH, R, D];
-    limit_ref [R, 1] int32; [start_ref [R, 1] int32]; k_ref, v_ref [block_k * KVH, D]; o_ref
-    [KVH, R, D] f32, this chunk's normalised output; lse_ref [KVH, R, 128] f32, its log-sum-exp
-    (lane-replicated); scratch m_ref, l_ref [KVH, R, 128] f32, acc_ref [KVH, R, D] f32, and
-    [block_k * KVH, D] f32 x2 for bfloat16 with KVH > 1 only."""
-    if windowed:
-        nblocks_ref, first_ref, per_split_ref, q_ref, limit_ref, start_ref, k_ref, v_ref, *rest = refs
-    else:
-        nblocks_ref, q_ref, limit_ref, k_ref, v_ref, *rest = refs
-        first_ref = per_split_ref = start_ref = None
-    o_ref, lse_ref, m_ref, l_ref, acc_ref, *f32_kv_refs = rest
+def _tpu_kernel(*refs, windowed: bool, tree: bool, num_keys: int, scale: float, mxu_dtype):
+    """refs, in order (the bracketed ones with a window / a tree only): nblocks_ref SMEM [B] int32,
+    the end of the key blocks holding a visible key, per batch row; [first_ref SMEM [B] int32, the
+    first of them; per_split_ref SMEM [B] int32, how many of them each chunk takes]; q_ref
+    [KVH, R, D]; limit_ref [R, 1] int32; [start_ref [R, 1] int32]; [tree_first_ref, bits_ref
+    [R, 1] int32]; k_ref, v_ref [block_k * KVH, D]; o_ref [KVH, R, D] f32, this chunk's normalised
+    output; lse_ref [KVH, R, 128] f32, its log-sum-exp (lane-replicated); scratch m_ref, l_ref
+    [KVH, R, 128] f32, acc_ref [KVH, R, D] f32, and [block_k * KVH, D] f32 x2 for bfloat16 with
+    KVH > 1 only."""
+    refs = list(refs)
+    nblocks_ref = refs.pop(0)
+    first_ref, per_split_ref = (refs.pop(0), refs.pop(0)) if windowed else (None, None)
+    q_ref, limit_ref = refs.pop(0), refs.pop(0)
+    start_ref = refs.pop(0) if windowed else None
+    tree_refs = (refs.pop(0), refs.pop(0)) if tree else None
+    k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *f32_kv_refs = refs
     b, split, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     block_k = k_ref.shape[0] // q_ref.shape[0]
     if first_ref is None:
@@ -261,9 +274,10 @@ def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
     def _attend():
         kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
         row_start = None if start_ref is None else start_ref[...]
+        row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
         common.tpu_attend_block(
-            q_ref, k_ref, v_ref, limit_ref[...], row_start, block * block_k, m_ref, l_ref, acc_ref,
-            kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
+            q_ref, k_ref, v_ref, limit_ref[...], row_start, row_tree, block * block_k, m_ref, l_ref,
+            acc_ref, kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -274,19 +288,22 @@ def _tpu_kernel(*refs, windowed: bool, num_keys: int, scale: float, mxu_dtype):
 
 
 def _tpu_partials(
-    q_rows, k, v, limit_rows, start_rows, block_k, num_splits, blocks_per_split, interpret, target
-):
+    q_rows, k, v, limit_rows, start_rows, tree_rows, num_queries, block_k, num_splits, blocks_per_split,
+    interpret, target,
+):  # fmt: skip
     """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
-    nblocks = (jnp.max(limit_rows, axis=1) + block_k - 1) // block_k  # [B]
+    span_start, span_limit = common.key_span(limit_rows, start_rows, tree_rows, num_queries, s)
+    nblocks = (jnp.max(span_limit, axis=1) + block_k - 1) // block_k  # [B]
     prefetch, row_inputs = [nblocks], [limit_rows]
     if start_rows is not None:
-        first = common.first_key_block(limit_rows, start_rows, block_k, axis=1)  # [B]
+        first = common.first_key_block(span_limit, span_start, block_k, axis=1)  # [B]
         # The needed blocks shared out over the chunks; never more than blocks_per_split each.
         per_split = (jnp.maximum(nblocks - first, 0) + num_splits - 1) // num_splits  # [B]
         prefetch += [first, per_split]
         row_inputs.append(start_rows)
+    row_inputs += tree_rows or []
     k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
     v_rows = v.reshape(b, s * kvh, d)
 
@@ -316,7 +333,12 @@ def _tpu_partials(
     )
     mxu_dtype = q_rows.dtype if target.tpu_bf16_matmul else jnp.float32
     kernel = functools.partial(
-        _tpu_kernel, windowed=start_rows is not None, num_keys=s, scale=d**-0.5, mxu_dtype=mxu_dtype
+        _tpu_kernel,
+        windowed=start_rows is not None,
+        tree=tree_rows is not None,
+        num_keys=s,
+        scale=d**-0.5,
+        mxu_dtype=mxu_dtype,
     )
     row_spec = pl.BlockSpec((None, rows, 1), lambda bi, c, j, *_: (bi, 0, 0))
     o_parts, lse = pl.pallas_call(
@@ -352,47 +374,57 @@ def _tpu_partials(
 # ---------------------------------------------------------------------------------------------- GPU
 
 
-def _gpu_kernel(*refs, windowed: bool, block_k: int, blocks_per_split: int, scale: float):
+def _gpu_kernel(
+    *refs, windowed: bool, tree: bool, num_queries: int, block_k: int, blocks_per_split: int, scale: float
+):
     # refs: q_ref [R, D]; k_ref, v_ref [S, D] of this (batch row, kv head); limit_ref [R]; with a
-    # window start_ref [R]; o_ref [R, D] f32 and lse_ref [R] f32 of this chunk.
-    if windowed:
-        q_ref, k_ref, v_ref, limit_ref, start_ref, o_ref, lse_ref = refs
-    else:
-        (q_ref, k_ref, v_ref, limit_ref, o_ref, lse_ref), start_ref = refs, None
+    # window start_ref [R]; with a tree tree_first_ref, bits_ref [R]; o_ref [R, D] f32 and lse_ref
+    # [R] f32 of this chunk.
+    q_ref, k_ref, v_ref, limit_ref, *refs = refs
+    start_ref = refs.pop(0) if windowed else None
+    tree_refs = (refs.pop(0), refs.pop(0)) if tree else None
+    o_ref, lse_ref = refs
     limit = limit_ref[...]
+    row_start = None if start_ref is None else start_ref[...]
+    row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
+    span_start, span_limit = common.key_span(limit, row_start, row_tree, num_queries, k_ref.shape[0])
     if start_ref is None:
-        row_start = None
         first_key = pl.program_id(2) * (blocks_per_split * block_k)
         # Blocks of this chunk below the largest limit; 0 for chunks past the row's length.
-        todo = lax.div(jnp.max(limit) - first_key + (block_k - 1), block_k)
+        todo = lax.div(jnp.max(span_limit) - first_key + (block_k - 1), block_k)
         num_blocks = jnp.clip(todo, 0, blocks_per_split)
     else:
         # The blocks some row's window reaches, first .. end - 1, shared out over the chunks.
-        row_start = start_ref[...]
-        first = common.first_key_block(limit, row_start, block_k, axis=0)
-        end = lax.div(jnp.max(limit) + (block_k - 1), block_k)
+        first = common.first_key_block(span_limit, span_start, block_k, axis=0)
+        end = lax.div(jnp.max(span_limit) + (block_k - 1), block_k)
         num_splits = pl.num_programs(2)
         per_split = lax.div(jnp.maximum(end - first, 0) + (num_splits - 1), num_splits)
         chunk_first = first + pl.program_id(2) * per_split
         num_blocks = jnp.clip(end - chunk_first, 0, per_split)
         first_key = chunk_first * block_k
     acc, m, row_sum = common.gpu_attend_blocks(
-        q_ref[...], k_ref, v_ref, limit, row_start, first_key, num_blocks, block_k=block_k, scale=scale
-    )
+        q_ref[...], k_ref, v_ref, limit, row_start, row_tree, first_key, num_blocks,
+        block_k=block_k, scale=scale,
+    )  # fmt: skip
     o_ref[...] = common.normalize(acc, row_sum[:, None])
     lse_ref[...] = common.log_sum_exp(m, row_sum)
 
 
-def _gpu_partials(q_rows, k, v, limit_rows, start_rows, block_k, num_splits, blocks_per_split, interpret):
+def _gpu_partials(
+    q_rows, k, v, limit_rows, start_rows, tree_rows, num_queries, block_k, num_splits, blocks_per_split,
+    interpret,
+):  # fmt: skip
     """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
-    row_inputs = [x for x in (limit_rows, start_rows) if x is not None]
+    row_inputs = [x for x in (limit_rows, start_rows, *(tree_rows or ())) if x is not None]
     row_spec = pl.BlockSpec((None, rows), lambda bi, hi, c: (bi, 0))
     return pl.pallas_call(
         functools.partial(
             _gpu_kernel,
             windowed=start_rows is not None,
+            tree=tree_rows is not None,
+            num_queries=num_queries,
             block_k=block_k,
             blocks_per_split=blocks_per_split,
             scale=d**-0.5,
