@@ -22,10 +22,11 @@ PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]
 NEW = 20
 
 
-@pytest.fixture(scope="module")
-def xla_target(tiny_target):
-    """The tiny target with XLA's attention (the tree mask's reference implementation)."""
-    return tiny_target.replace(config=tiny_target.config.replace(attention_impl="xla"))
+@pytest.fixture(scope="module", params=["auto", "xla"])
+def xla_target(tiny_target, request):
+    """The tiny target with its default attention (the CPU kernel: each query's keys gathered in
+    slot order) and with XLA's (the tree mask's reference implementation)."""
+    return tiny_target.replace(config=tiny_target.config.replace(attention_impl=request.param))
 
 
 @pytest.fixture(scope="module")
@@ -152,14 +153,15 @@ def test_after_a_round_the_cache_holds_the_committed_text_where_plain_decoding_h
 @pytest.mark.parametrize("nodes", [3])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_default_tree_of_a_chain_drafter_is_the_chain_draw_for_draw(
-    xla_target, tiny_draft, nodes, temperature
+    tiny_target, tiny_draft, nodes, temperature
 ):
     """A drafter's default propose_tree is its chain: tree rounds give the chain rounds' tokens
-    and metrics, at temperature 0 and when sampling (the same keys, the same rule)."""
-    draft = tiny_draft.replace(config=tiny_draft.config.replace(attention_impl="xla"))
+    and metrics, at temperature 0 and when sampling (the same keys, the same rule), on the
+    default attention (the CPU kernel, whose verification rows are decode steps' bits)."""
+    draft = tiny_draft
     kw = dict(draft=draft, max_new_tokens=NEW, temperature=temperature, seed=3)
-    chain = spec_jax.generate(xla_target, PROMPTS, gamma=nodes, **kw)
-    tree = spec_jax.generate(xla_target, PROMPTS, tree=nodes, **kw)
+    chain = spec_jax.generate(tiny_target, PROMPTS, gamma=nodes, **kw)
+    tree = spec_jax.generate(tiny_target, PROMPTS, tree=nodes, **kw)
     assert tree.tokens == chain.tokens
     for key in ("num_rounds", "num_draft_tokens", "num_accepted_tokens", "accepted_histogram", "alpha_hat"):
         assert tree.stats[key] == pytest.approx(chain.stats[key]), key
@@ -190,10 +192,6 @@ class FixedTreeDrafter(Drafter):
         return TreeProposal(tree_lib.Tree(tokens.astype(jnp.int32), parents.astype(jnp.int32), q), state)
 
 
-def xla(model):
-    return model.replace(config=model.config.replace(attention_impl="xla"))
-
-
 def tree_counts(target, sampling, seed, n=20_000):
     q0 = tuple(np.random.default_rng(5).dirichlet(np.ones(V)).round(6) / 1.0)
     q0 = tuple(np.asarray(q0) / np.sum(q0))
@@ -215,7 +213,7 @@ def tree_counts(target, sampling, seed, n=20_000):
 
 @pytest.mark.parametrize("sampling", WARPS, ids=["t1", "top_k3", "t0.8_top_p0.8"])
 def test_tree_rounds_sample_the_targets_distribution_exactly(pair, sampling):  # noqa: F811
-    target = xla(pair[0])
+    target = pair[0]
     counts, stats = tree_counts(target, sampling, seed=0)
     assert 1.2 < stats["mean_accepted_length"] < 2.9, "some paths accepted, some not"
     assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
@@ -223,7 +221,7 @@ def test_tree_rounds_sample_the_targets_distribution_exactly(pair, sampling):  #
 
 def test_tree_rounds_reading_each_nodes_continuation_from_its_parents_query_fail(pair, monkeypatch):  # noqa: F811
     """The broken variant: an off-by-one between the call's queries and the tree's slots."""
-    target = xla(pair[0])
+    target = pair[0]
     real = tree_lib.verify_tree
 
     def shifted(tree, p, keys):
