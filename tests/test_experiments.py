@@ -327,8 +327,36 @@ def test_table3_quick_reports_alpha_two_ways_with_per_prompt_intervals(tmp_path)
 
 def _cell(target, draft, task, temperature, alpha, ci):
     return dict(
-        target=target, draft=draft, task=task, temperature=temperature, alpha_hat=alpha, alpha_hat_ci=ci
+        target=target,
+        draft=draft,
+        task=task,
+        temperature=temperature,
+        alpha_hat=alpha,
+        alpha_hat_ci=ci,
+        main=True,
     )
+
+
+def test_table3_pairs_each_trees_cell_with_the_chain_of_the_same_n():
+    """The trees' table: one row per (draft, task, T, N), chain and tree side by side, the ratio
+    of their mean accepted lengths; Table 3's own cells stay out of it."""
+
+    def cell(draft, n, tree, length, seconds=1.0):
+        return dict(
+            target="t", draft=draft, task="code", temperature=0.0, gamma=n, tree=tree, main=False,
+            mean_accepted_length=length, mean_accepted_length_ci=(length - 0.1, length + 0.1), seconds=seconds,
+        )  # fmt: skip
+
+    cells = [
+        {**cell("d", 2, 0, 9.0), "main": True},
+        cell("d", 4, 0, 2.0),
+        cell("d", 4, 4, 3.0),
+        cell("lookup", 8, 8, 5.0),
+        cell("lookup", 8, 0, 4.0),
+    ]
+    rows = table3.tree_rows(cells)
+    assert [(r[1], r[4], r[-2]) for r in rows] == [("d", 4, "1.50x"), ("lookup", 8, "1.25x")]
+    assert rows[0][5] == "2.000 [1.900, 2.100]" and rows[0][6] == "3.000 [2.900, 3.100]"
 
 
 def test_table3_ordering_check_needs_every_case_in_order():
