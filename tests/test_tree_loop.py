@@ -150,14 +150,11 @@ def test_after_a_round_the_cache_holds_the_committed_text_where_plain_decoding_h
         np.testing.assert_allclose(np.asarray(cache.v[:, b, :n]), np.asarray(ref.v[:, 0, :n]), atol=1e-5)
 
 
-@pytest.mark.parametrize("nodes", [3])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_default_tree_of_a_chain_drafter_is_the_chain_draw_for_draw(
-    tiny_target, tiny_draft, nodes, temperature
-):
-    """A drafter's default propose_tree is its chain: tree rounds give the chain rounds' tokens
-    and metrics, at temperature 0 and when sampling (the same keys, the same rule), on the
-    default attention (the CPU kernel, whose verification rows are decode steps' bits)."""
+def test_the_default_tree_of_a_chain_drafter_is_the_chain_draw_for_draw(tiny_target, tiny_draft):
+    """A drafter's default propose_tree is its chain: sampling, tree rounds give the chain
+    rounds' tokens and metrics (the same keys, the same rule), on the default attention (the CPU
+    kernel, whose verification rows are decode steps' bits). Greedy trees: the oracle tests."""
+    nodes, temperature = 3, 1.0
     draft = tiny_draft
     kw = dict(draft=draft, max_new_tokens=NEW, temperature=temperature, seed=3)
     chain = spec_jax.generate(tiny_target, PROMPTS, gamma=nodes, **kw)
