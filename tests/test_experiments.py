@@ -260,6 +260,10 @@ BAD_INPUT = [
     (["--experiment=walltime", "--gammas=1,0"], "--gammas: each gamma must be an integer >= 1, got 0"),
     (["--experiment=table1", "--set=c=-1"], "--config.c: must be a number >= 0"),  # the alias
     (["--experiment=table1", "--config.c"], "--config.c: expected --config.KEY=VALUE"),
+    (
+        ["--experiment=table3", "--config.trees=4,0"],
+        "--config.trees: each value must be an integer in [1, 31]",
+    ),
 ]
 
 
