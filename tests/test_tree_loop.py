@@ -17,6 +17,7 @@ from spec_jax import executables
 from spec_jax import tree as tree_lib
 from spec_jax.api import run
 from spec_jax.drafting.base import Drafter, TreeProposal
+from spec_jax.drafting.model import ModelDrafter
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
 NEW = 20
@@ -156,7 +157,8 @@ def test_the_default_tree_of_a_chain_drafter_is_the_chain_draw_for_draw(
 ):
     """A drafter's default propose_tree is its chain: tree rounds give the chain rounds' tokens
     and metrics, at temperature 0 and when sampling (the same keys, the same rule)."""
-    draft = tiny_draft.replace(config=tiny_draft.config.replace(attention_impl="xla"))
+    # tree_width 0: the model drafter without its own tree (spec_jax.drafting.model)
+    draft = ModelDrafter(tiny_draft.config.replace(attention_impl="xla"), tree_width=0), tiny_draft.params
     kw = dict(draft=draft, max_new_tokens=NEW, temperature=temperature, seed=3)
     chain = spec_jax.generate(xla_target, PROMPTS, gamma=nodes, **kw)
     tree = spec_jax.generate(xla_target, PROMPTS, tree=nodes, **kw)
