@@ -181,11 +181,11 @@ class ModelDrafter(Drafter):
     def tree_scores(self, params, logits_btv, sampling):
         """float32 [B, T, V]: the log draft probabilities that rank tree candidates, of the warped
         q at temperature > 0 and of softmax(logits) at temperature 0 (where the warped q is
-        one-hot), floored at float32's smallest normal number (log ~ -87) so that a path's sum
-        stays finite."""
+        one-hot), in [log of float32's smallest normal number (~ -87), 0]: a path's sum stays
+        finite and a child never outscores its parent (a renormalised warp may round above 1)."""
         probs = jax.nn.softmax(logits_btv, axis=-1) if sampling.greedy else warp(logits_btv, sampling)
         probs = self.on_target_vocab(params, probs.astype(jnp.float32))
-        return jnp.log(jnp.maximum(probs, np.finfo(np.float32).tiny))
+        return jnp.log(jnp.clip(probs, np.finfo(np.float32).tiny, 1.0))
 
     def propose_tree(self, params, cache, context_b2, length_b, nodes, sampling, keys_b):
         """EAGLE-2's dynamic tree (Li et al. 2024), `nodes` (N) slots per row, every row alike.
@@ -227,7 +227,9 @@ class ModelDrafter(Drafter):
 
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
         logits, cache = call(context_b2, positions, cache, jnp.ones((b, 1), jnp.int32))
-        dists = [self.on_target_vocab(params, warp(logits, sampling))]  # the draft's q per expanded node
+        dists = [
+            self.on_target_vocab(params, warp(logits, sampling))
+        ]  # q at the root, then each expanded node
         score, token = jax.lax.top_k(self.tree_scores(params, logits, sampling)[:, 0], k)  # [B, K]
         # Candidates by depth (the newest last): token, score, parent (an expanded node's index,
         # tree_lib.ROOT for the root). Expanded nodes: their candidate index and ancestor bits.
@@ -256,31 +258,8 @@ class ModelDrafter(Drafter):
             cand_parent.append(jnp.repeat(newest, k, axis=1))
 
         tokens, scores, parents = (jnp.concatenate(c, axis=1) for c in (cand_token, cand_score, cand_parent))
-        num = tokens.shape[1]
-        order = jnp.argsort(-scores, axis=1, stable=True)  # candidates are in depth order
-        rank = jnp.argsort(order, axis=1)  # each candidate's slot in the tree
-        rows = jnp.arange(b)[:, None]
-        expanded = jnp.full((b, num), -1, jnp.int32).at[rows, exp_cand].set(jnp.arange(exp_cand.shape[1]))
-        taken = order[:, :nodes]  # [B, min(N, C)]
-        parent = jnp.take_along_axis(parents, taken, axis=1)
-        parent_slot = jnp.take_along_axis(rank, jnp.take_along_axis(exp_cand, jnp.maximum(parent, 0), 1), 1)
-        parent_q = jnp.take_along_axis(jnp.concatenate(dists, 1), (1 + parent)[:, :, None], axis=1)
-        node_tokens = jnp.take_along_axis(tokens, taken, axis=1)
-        tree = tree_lib.Tree(
-            tokens=node_tokens.astype(jnp.int32),
-            parents=jnp.where(parent >= 0, parent_slot, tree_lib.ROOT).astype(jnp.int32),
-            q=node_q(node_tokens, parent_q),
-        )
-        slots = jnp.take_along_axis(expanded, taken, axis=1)
-        if nodes > num:  # fewer candidates than slots: empty slots (q = 0)
-            pad = ((0, 0), (0, nodes - num))
-            tree = tree_lib.Tree(
-                tokens=jnp.pad(tree.tokens, pad),
-                parents=jnp.pad(tree.parents, pad, constant_values=tree_lib.ROOT),
-                q=jnp.pad(tree.q, pad + ((0, 0),)),
-            )
-            slots = jnp.pad(slots, pad, constant_values=-1)
-        return TreeProposal(tree, TreeDraft(cache=cache, expanded=slots))
+        tree, expanded = best_nodes(tokens, scores, parents, exp_cand, jnp.concatenate(dists, 1), nodes)
+        return TreeProposal(tree, TreeDraft(cache=cache, expanded=expanded))
 
     def accepted(self, params, state, tree, path_bn, count_b, length_b):
         """The draft cache with the accepted path's keys and values where a chain's would be: the
@@ -344,6 +323,38 @@ class ModelDrafter(Drafter):
     def cost_key(self, params):
         rows = int(params.head.ids.shape[0]) if self.trimmed else self.config.vocab_size
         return {**model_key(self.config), "head_rows": rows}
+
+
+def best_nodes(tokens_bc, scores_bc, parents_bc, exp_cand_be, q_b1ev, nodes: int):
+    """(Tree of `nodes` slots, expanded [B, N]): the best-scored of C candidates in rank order.
+
+    tokens, scores, parents: [B, C] the candidates in depth order, each parent an expanded
+    node's index e (ROOT: the root); exp_cand: [B, E] each expanded node's candidate index;
+    q: [B, 1 + E, V] the draft's q at the root and at each expanded node (node_q reads the
+    parents'; unused, it costs nothing under jit). A stable sort keeps ties in depth order, so a
+    child (whose score is at most its parent's) ranks after its parent: the first N are
+    ancestor-closed and in a topological order. expanded: each slot's expanded index (-1: not
+    expanded). Slots past C are empty (q = 0)."""
+    b, num = tokens_bc.shape
+    order = jnp.argsort(-scores_bc, axis=1, stable=True)
+    rank = jnp.argsort(order, axis=1)  # each candidate's slot
+    taken = order[:, :nodes]  # [B, min(N, C)]
+    parent = jnp.take_along_axis(parents_bc, taken, axis=1)
+    parent_cand = jnp.take_along_axis(exp_cand_be, jnp.maximum(parent, 0), axis=1)
+    parent_slot = jnp.take_along_axis(rank, parent_cand, axis=1)
+    node_tokens = jnp.take_along_axis(tokens_bc, taken, axis=1).astype(jnp.int32)
+    q = node_q(node_tokens, jnp.take_along_axis(q_b1ev, (1 + parent)[:, :, None], axis=1))
+    rows = jnp.arange(b)[:, None]
+    expanded = jnp.full((b, num), -1, jnp.int32).at[rows, exp_cand_be].set(jnp.arange(exp_cand_be.shape[1]))
+    expanded = jnp.take_along_axis(expanded, taken, axis=1)
+    parents = jnp.where(parent >= 0, parent_slot, tree_lib.ROOT).astype(jnp.int32)
+    pad = ((0, 0), (0, max(nodes - num, 0)))
+    tree = tree_lib.Tree(
+        tokens=jnp.pad(node_tokens, pad),
+        parents=jnp.pad(parents, pad, constant_values=tree_lib.ROOT),
+        q=jnp.pad(q, pad + ((0, 0),)),
+    )
+    return tree, jnp.pad(expanded, pad, constant_values=-1)
 
 
 def top_probability(logits_bv):
