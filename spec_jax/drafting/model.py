@@ -79,9 +79,9 @@ class ModelDrafter(Drafter):
     tree_depth (D), tree_width (K): the dynamic tree of a tree round (propose_tree, EAGLE-2):
     the root's K most probable tokens, then at each depth below D the K best-scored nodes of
     that depth expanded into their K most probable children; the tree is the N best-scored
-    nodes. tree_width 0: the chain of `propose` (Drafter's default tree). The draft's cache has
-    K * (D - 1) slots more than the loop asks for, so that the widest tree call fits past any
-    committed length (TREE_QUERIES).
+    nodes (threshold does not prune it). tree_width 0: the chain of `propose` (Drafter's default
+    tree). The draft's cache has K * (D - 1) slots (tree_queries) more than the loop asks for,
+    so that the widest tree call fits past any committed length.
     """
 
     config: ModelConfig
