@@ -477,8 +477,9 @@ def generate(target, prompts, **options) -> Generation:
         target's verification call may take (resolve_verify_widths): "auto", "ends", "all".
       tree: 0 (each round verifies a chain of gamma drafts) or N in [1, MAX_TREE_NODES]: each
         round verifies the drafter's token tree of up to N nodes (Drafter.propose_tree; by
-        default the chain of N drafts) in one target call with a tree mask (spec_jax.tree);
-        gamma is then not used.
+        default the chain of N drafts; a draft model's is EAGLE-2's dynamic tree, shaped by
+        its tree_depth and tree_width: spec_jax.drafting.model.ModelDrafter) in one target call
+        with a tree mask (spec_jax.tree); gamma is then not used.
 
     Returns:
       Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the

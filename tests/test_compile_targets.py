@@ -94,15 +94,16 @@ def test_speculative_loop_compiles_for_target(target, case):
 
 
 def test_loop_case_has_the_demo_shapes():
-    """make demo: gamma 4, 64 new tokens, a 5-token prompt in the 16-token bucket; the draft's cache
-    and the target's have 16 + 64 + 4 slots, the loop carries both and the drafts' distributions."""
+    """make demo: gamma 4, 64 new tokens, a 5-token prompt in the 16-token bucket; the target's
+    cache has 16 + 64 + 4 slots, the draft's 12 more (room for its tree calls: ModelDrafter),
+    the loop carries both and the drafts' distributions."""
     fn, args, impl, donate = compile_loop.loop_program(
         compile_loop.LoopCase("loop", 8, "bfloat16"), "tpu-v5e"
     )
     params, draft_params, state, stop_ids = args
     assert impl == "pallas_tpu" and donate == (2,) and stop_ids.shape == (2,)
     assert state.target_cache.k.shape[:3] == (28, 8, 16 + 64 + 4)
-    assert state.draft_state.k.shape[:3] == (24, 8, 16 + 64 + 4)
+    assert state.draft_state.k.shape[:3] == (24, 8, 16 + 64 + 4 + 12)
     assert params["layers"]["mlp"]["w_gate"].shape[0] == 28
 
 

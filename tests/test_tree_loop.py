@@ -17,6 +17,7 @@ from spec_jax import executables
 from spec_jax import tree as tree_lib
 from spec_jax.api import run
 from spec_jax.drafting.base import Drafter, TreeProposal
+from spec_jax.drafting.model import ModelDrafter
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
 NEW = 20
@@ -155,7 +156,8 @@ def test_the_default_tree_of_a_chain_drafter_is_the_chain_draw_for_draw(tiny_tar
     rounds' tokens and metrics (the same keys, the same rule), on the default attention (the CPU
     kernel, whose verification rows are decode steps' bits). Greedy trees: the oracle tests."""
     nodes, temperature = 3, 1.0
-    draft = tiny_draft
+    # tree_width 0: the model drafter without its own tree (spec_jax.drafting.model)
+    draft = ModelDrafter(tiny_draft.config, tree_width=0), tiny_draft.params
     kw = dict(draft=draft, max_new_tokens=NEW, temperature=temperature, seed=3)
     chain = spec_jax.generate(tiny_target, PROMPTS, gamma=nodes, **kw)
     tree = spec_jax.generate(tiny_target, PROMPTS, tree=nodes, **kw)

@@ -33,6 +33,9 @@ class Settings:
     stop_ids: the target's stop tokens (kept by VocabTrim).
     max_ngram: prompt_lookup / suffix / hybrid: the longest suffix matched.
     threshold: model / head / hybrid / suffix: a row stops drafting below this confidence.
+    tree_depth, tree_width: model: the draft model's dynamic tree in tree rounds (generate's
+      tree=N): depth D, K children per expanded node and K expanded per depth (width 0: the
+      chain); spec_jax.drafting.model.ModelDrafter.
     sequences: unigram / bigram / suffix: token-id lists to fit the tables on.
     tables: suffix: a spec_jax.drafting.suffix.SuffixTables.
     corpus: unigram / bigram / suffix with neither sequences nor tables: fit on the training
@@ -47,6 +50,8 @@ class Settings:
     stop_ids: Sequence[int] = ()
     max_ngram: int = 3
     threshold: float = 0.0
+    tree_depth: int = ModelDrafter.tree_depth
+    tree_width: int = ModelDrafter.tree_width
     sequences: Any = None
     tables: Any = None
     corpus: bool = False
@@ -112,7 +117,8 @@ def _model(target, settings: Settings, kind: str = "model") -> tuple[ModelDrafte
     drafter, params = as_drafter(draft, target)
     if not isinstance(drafter, ModelDrafter):
         raise ValueError(f"drafter {kind!r} needs a draft model, got a {type(drafter).__name__}")
-    return dataclasses.replace(drafter, threshold=float(settings.threshold)), params
+    tree = dict(tree_depth=settings.tree_depth, tree_width=settings.tree_width)
+    return dataclasses.replace(drafter, threshold=float(settings.threshold), **tree), params
 
 
 def _frequent_tokens(draft, settings: Settings):
@@ -190,7 +196,8 @@ def build(kind: str, target, settings: Settings = Settings()) -> tuple[Drafter, 
     """The (drafter, params) pair of a drafter kind for `target` (a models.Model), for
     spec_jax.generate's `draft`:
       model          the draft model settings.draft (VocabTrim: settings.draft_vocab), stopping
-                     each row below settings.threshold (0: never)
+                     each row below settings.threshold (0: never); in tree rounds its dynamic
+                     tree of settings.tree_depth and tree_width
       head           a draft head on the target's features: settings.draft, or the trained one
                      (load_drafter), stopping each row below the threshold
       prompt_lookup  spec_jax.drafting.PromptLookupDrafter(max_ngram): no model

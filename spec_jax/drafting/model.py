@@ -1,6 +1,7 @@
 """A draft model (ModelDrafter): a small transformer drafting autoregressively from its own KV
 cache, over the whole vocabulary or, vocabulary-trimmed (VocabTrim, `trim_vocabulary`), over a
-subset of it."""
+subset of it; in tree rounds, a dynamic token tree (EAGLE-2, Li et al. 2024) read through the
+tree mask (ModelDrafter.propose_tree)."""
 
 import dataclasses
 from typing import Any, ClassVar
@@ -11,11 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.kernels import MAX_TREE_QUERIES
+from models.settings import is_int
 from models.transformer import forward, output_head
 from spec_jax import sharding
+from spec_jax import tree as tree_lib
 from spec_jax.autogamma import model_key
 from spec_jax.decode import prefill
-from spec_jax.drafting.base import Drafter, Proposal
+from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 from spec_jax.sampling import draw_rows, split_rows, warp
 
 
@@ -31,6 +35,23 @@ class TrimmedHead:
 class TrimmedDraftParams:
     model: Any  # the draft model's parameters
     head: TrimmedHead
+
+
+@flax.struct.dataclass
+class TreeDraft:
+    """ModelDrafter's state between propose_tree and accepted (the loop carries the cache): the
+    draft cache after the tree calls and, per tree slot, its expanded index e (the last tree
+    call wrote the node at slot length + e; -1: never expanded)."""
+
+    cache: Any  # models.cache.KVCache
+    expanded: jax.Array  # int32 [B, N]
+
+
+def node_q(tokens_bn, parent_q_bnv):
+    """float32 [B, N, V]: each tree node's proposal, a point mass at its token (a top-k candidate
+    is deterministic given the text). parent_q_bnv: the draft's warped q at each node's parent,
+    the distribution a sampled node would carry instead (tests break the rule with it)."""
+    return jax.nn.one_hot(tokens_bn, parent_q_bnv.shape[-1], dtype=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +75,13 @@ class ModelDrafter(Drafter):
     draft's own, so the rule stays exact (those ids are never proposed; the residual keeps
     their probability), and a committed id past the draft's vocabulary reads the draft's
     last embedding row (what the draft reads never changes the output's distribution).
+
+    tree_depth (D), tree_width (K): the dynamic tree of a tree round (propose_tree, EAGLE-2):
+    the root's K most probable tokens, then at each depth below D the K best-scored nodes of
+    that depth expanded into their K most probable children; the tree is the N best-scored
+    nodes (threshold does not prune it). tree_width 0: the chain of `propose` (Drafter's default
+    tree). The draft's cache has K * (D - 1) slots (tree_queries) more than the loop asks for,
+    so that the widest tree call fits past any committed length.
     """
 
     config: ModelConfig
@@ -61,8 +89,26 @@ class ModelDrafter(Drafter):
     trimmed: bool = False
     threshold: float = 0.0
     vocab: int = 0
+    tree_depth: int = 4
+    tree_width: int = 4
     sources: ClassVar[tuple[str, ...]] = ("model",)
     resumable: ClassVar[bool] = True
+
+    def __post_init__(self):
+        d, k = self.tree_depth, self.tree_width
+        if not is_int(d) or d < 1:
+            raise ValueError(f"tree_depth must be an integer >= 1, got {d!r}")
+        if not is_int(k) or k < 0 or k * (d - 1) > MAX_TREE_QUERIES:
+            raise ValueError(
+                f"tree_width must be 0 (the chain) or an integer >= 1 with tree_width * "
+                f"(tree_depth - 1) <= {MAX_TREE_QUERIES} (the widest tree call's queries), got {k!r} "
+                f"at tree_depth {d}"
+            )
+
+    @property
+    def tree_queries(self) -> int:
+        """The widest tree call's queries: K expanded nodes at each depth below D."""
+        return self.tree_width * (self.tree_depth - 1)
 
     @property
     def variable_length(self) -> bool:
@@ -85,9 +131,20 @@ class ModelDrafter(Drafter):
         return (params.model, params.head.weight) if self.trimmed else (params, None)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
+        slots = cache_len + self.tree_queries  # room for a tree call past the loop's cache
         return prefill(
-            self.config, self.split_params(params)[0], self.own_ids(tokens_bp), prompt_lens_b, cache_len
+            self.config, self.split_params(params)[0], self.own_ids(tokens_bp), prompt_lens_b, slots
         ).cache
+
+    def on_target_vocab(self, params, probs):
+        """[..., V]: probabilities over the draft's head ([..., V_draft], or [..., R] trimmed) as
+        the target's vocabulary: zeros off the trimmed set and past a prefix vocabulary."""
+        if self.trimmed:
+            zeros = jnp.zeros(probs.shape[:-1] + (self.vocab_size,), probs.dtype)
+            return zeros.at[..., params.head.ids].set(probs)
+        if self.vocab:
+            return jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, self.vocab_size - probs.shape[-1])])
+        return probs
 
     def distribution(self, params, tokens_bt, positions_bt, cache, sampling, logits_at=None):
         """(q [B, V] of the last scored position, confidence [B], cache): the warped draft
@@ -95,11 +152,7 @@ class ModelDrafter(Drafter):
         model_params, head = self.split_params(params)
         tokens_bt = self.own_ids(tokens_bt)
         out = forward(self.config, model_params, tokens_bt, positions_bt, cache, logits_at, head=head)
-        q = warp(out.logits[:, 0], sampling)  # [B, V_draft], or [B, R] trimmed
-        if self.trimmed:
-            q = jnp.zeros((q.shape[0], self.vocab_size), q.dtype).at[:, params.head.ids].set(q)
-        elif self.vocab:  # [B, V_target]: zeros past the draft's vocabulary
-            q = jnp.pad(q, ((0, 0), (0, self.vocab_size - q.shape[1])))
+        q = self.on_target_vocab(params, warp(out.logits[:, 0], sampling))  # [B, V]
         return q, top_probability(out.logits[:, 0]), out.cache
 
     def propose(self, params, cache, context_b2, length_b, gamma, sampling, keys_b):
@@ -124,6 +177,99 @@ class ModelDrafter(Drafter):
             keep = jnp.cumprod(confidence >= self.threshold, axis=1)
             q = q * keep[..., None].astype(q.dtype)
         return Proposal(tokens, q, cache)
+
+    def tree_scores(self, params, logits_btv, sampling):
+        """float32 [B, T, V]: the log draft probabilities that rank tree candidates, of the warped
+        q at temperature > 0 and of softmax(logits) at temperature 0 (where the warped q is
+        one-hot), in [log of float32's smallest normal number (~ -87), 0]: a path's sum stays
+        finite and a child never outscores its parent (a renormalised warp may round above 1)."""
+        probs = jax.nn.softmax(logits_btv, axis=-1) if sampling.greedy else warp(logits_btv, sampling)
+        probs = self.on_target_vocab(params, probs.astype(jnp.float32))
+        return jnp.log(jnp.clip(probs, np.finfo(np.float32).tiny, 1.0))
+
+    def propose_tree(self, params, cache, context_b2, length_b, nodes, sampling, keys_b):
+        """EAGLE-2's dynamic tree (Li et al. 2024), `nodes` (N) slots per row, every row alike.
+
+        A candidate's score is its path's cumulative log draft probability (tree_scores). The
+        draft reads t_{n-2}, t_{n-1} (the root) as `propose` does; the root's K most probable
+        tokens are the depth-1 candidates. At each depth d < D' = min(D, N) the K best-scored
+        candidates of depth d are expanded: one draft call over every node expanded so far (K
+        per depth, depth by depth, at the slots length .. length + dK - 1 and the positions of
+        their depths, reading each other through the tree mask; the call only masks its own
+        keys, so each depth's call recomputes the depths above it) gives their distributions,
+        and each one's K most probable tokens are its children. Cost: D' calls (the first over
+        the 2 context tokens, the last over K(D' - 1) nodes), K * D'(D' - 1) / 2 node queries.
+
+        The tree is the N best-scored candidates, ties toward shallower ones: a child's score is
+        at most its parent's, so the set is ancestor-closed and its rank order is topological.
+        Siblings are distinct (top-k) and each node's q is a point mass at its token (node_q):
+        top-k candidates are deterministic given the text, which keeps the rule exact
+        (spec_jax.tree). keys_b is unused. The state returned is a TreeDraft for `accepted`.
+        """
+        if not self.tree_width:
+            return super().propose_tree(params, cache, context_b2, length_b, nodes, sampling, keys_b)
+        k, depth = min(self.tree_width, self.vocab_size), min(self.tree_depth, nodes)
+        model_params, head = self.split_params(params)
+        b = length_b.shape[0]
+
+        def call(tokens_bt, positions_bt, cache, logits_at, tree=None):
+            out = forward(
+                self.config,
+                model_params,
+                self.own_ids(tokens_bt),
+                positions_bt,
+                cache,
+                logits_at,
+                head,
+                tree=tree,
+            )
+            return out.logits, out.cache
+
+        positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
+        logits, cache = call(context_b2, positions, cache, jnp.ones((b, 1), jnp.int32))
+        dists = [
+            self.on_target_vocab(params, warp(logits, sampling))
+        ]  # q at the root, then each expanded node
+        score, token = jax.lax.top_k(self.tree_scores(params, logits, sampling)[:, 0], k)  # [B, K]
+        # Candidates by depth (the newest last): token, score, parent (an expanded node's index,
+        # tree_lib.ROOT for the root). Expanded nodes: their candidate index and ancestor bits.
+        cand_token, cand_score, cand_parent = [token], [score], [jnp.full((b, k), tree_lib.ROOT, jnp.int32)]
+        exp_cand = jnp.zeros((b, 0), jnp.int32)
+        exp_token = jnp.zeros((b, 0), jnp.int32)
+        bits = jnp.zeros((b, 0), jnp.int32)
+        first = 0  # the candidate index of the newest depth's first candidate
+        for d in range(1, depth):
+            best, pick = jax.lax.top_k(cand_score[-1], k)  # [B, K]: the newest depth's K best
+            parent = jnp.take_along_axis(cand_parent[-1], pick, axis=1)
+            parent_bits = jnp.take_along_axis(bits, jnp.maximum(parent, 0), axis=1) if d > 1 else 0
+            own = jnp.left_shift(1, (d - 1) * k + jnp.arange(k, dtype=jnp.int32))[None, :]
+            bits = jnp.concatenate([bits, jnp.where(parent >= 0, parent_bits, 0) | own], axis=1)
+            exp_token = jnp.concatenate([exp_token, jnp.take_along_axis(cand_token[-1], pick, axis=1)], 1)
+            exp_cand = jnp.concatenate([exp_cand, first + pick], axis=1)
+            first += cand_score[-1].shape[1]
+            # Expanded node e sits at slot length + e, at the position of its depth e // K + 1.
+            positions = length_b[:, None] + (jnp.arange(d * k) // k)[None, :]
+            newest = jnp.broadcast_to((d - 1) * k + jnp.arange(k), (b, k))
+            logits, cache = call(exp_token, positions, cache, newest, tree=bits)  # [B, K, V_draft]
+            dists.append(self.on_target_vocab(params, warp(logits, sampling)))
+            child_score, child_token = jax.lax.top_k(self.tree_scores(params, logits, sampling), k)
+            cand_token.append(child_token.reshape(b, k * k))
+            cand_score.append((best[:, :, None] + child_score).reshape(b, k * k))
+            cand_parent.append(jnp.repeat(newest, k, axis=1))
+
+        tokens, scores, parents = (jnp.concatenate(c, axis=1) for c in (cand_token, cand_score, cand_parent))
+        tree, expanded = best_nodes(tokens, scores, parents, exp_cand, jnp.concatenate(dists, 1), nodes)
+        return TreeProposal(tree, TreeDraft(cache=cache, expanded=expanded))
+
+    def accepted(self, params, state, tree, path_bn, count_b, length_b):
+        """The draft cache with the accepted path's keys and values where a chain's would be: the
+        path's nodes above its last were expanded (they have a child), so the last tree call
+        wrote them at length + their expanded index; they move to length + their depth - 1
+        (tree.compact). The last path node and the next token are re-fed by the next round."""
+        if not self.tree_width:
+            return state
+        moved = jnp.take_along_axis(state.expanded, jnp.maximum(path_bn, 0), axis=1)
+        return tree_lib.compact(state.cache, length_b - 1, moved, jnp.maximum(count_b - 1, 0))
 
     def feed(self, params, cache, text_bs, start_b, stop_b, width: int):
         """The cache after reading the committed tokens text[start .. stop-1] of each row (a row
@@ -177,6 +323,38 @@ class ModelDrafter(Drafter):
     def cost_key(self, params):
         rows = int(params.head.ids.shape[0]) if self.trimmed else self.config.vocab_size
         return {**model_key(self.config), "head_rows": rows}
+
+
+def best_nodes(tokens_bc, scores_bc, parents_bc, exp_cand_be, q_b1ev, nodes: int):
+    """(Tree of `nodes` slots, expanded [B, N]): the best-scored of C candidates in rank order.
+
+    tokens, scores, parents: [B, C] the candidates in depth order, each parent an expanded
+    node's index e (ROOT: the root); exp_cand: [B, E] each expanded node's candidate index;
+    q: [B, 1 + E, V] the draft's q at the root and at each expanded node (node_q reads the
+    parents'; unused, it costs nothing under jit). A stable sort keeps ties in depth order, so a
+    child (whose score is at most its parent's) ranks after its parent: the first N are
+    ancestor-closed and in a topological order. expanded: each slot's expanded index (-1: not
+    expanded). Slots past C are empty (q = 0)."""
+    b, num = tokens_bc.shape
+    order = jnp.argsort(-scores_bc, axis=1, stable=True)
+    rank = jnp.argsort(order, axis=1)  # each candidate's slot
+    taken = order[:, :nodes]  # [B, min(N, C)]
+    parent = jnp.take_along_axis(parents_bc, taken, axis=1)
+    parent_cand = jnp.take_along_axis(exp_cand_be, jnp.maximum(parent, 0), axis=1)
+    parent_slot = jnp.take_along_axis(rank, parent_cand, axis=1)
+    node_tokens = jnp.take_along_axis(tokens_bc, taken, axis=1).astype(jnp.int32)
+    q = node_q(node_tokens, jnp.take_along_axis(q_b1ev, (1 + parent)[:, :, None], axis=1))
+    rows = jnp.arange(b)[:, None]
+    expanded = jnp.full((b, num), -1, jnp.int32).at[rows, exp_cand_be].set(jnp.arange(exp_cand_be.shape[1]))
+    expanded = jnp.take_along_axis(expanded, taken, axis=1)
+    parents = jnp.where(parent >= 0, parent_slot, tree_lib.ROOT).astype(jnp.int32)
+    pad = ((0, 0), (0, max(nodes - num, 0)))
+    tree = tree_lib.Tree(
+        tokens=jnp.pad(node_tokens, pad),
+        parents=jnp.pad(parents, pad, constant_values=tree_lib.ROOT),
+        q=jnp.pad(q, pad + ((0, 0),)),
+    )
+    return tree, jnp.pad(expanded, pad, constant_values=-1)
 
 
 def top_probability(logits_bv):

@@ -1,0 +1,245 @@
+"""The draft model as a tree source (ModelDrafter.propose_tree, EAGLE-2's dynamic tree): the
+draft expands its best-scored nodes through the tree mask, the tree's nodes are point masses at
+its top-k tokens, and `accepted` moves the path's draft keys and values to a chain's slots."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import apply, perturbed
+from test_distribution import HORIZON, PROMPT, WARPS, V, chi2_pvalue, exact_joint, pair  # noqa: F401
+
+import models
+import spec_jax
+from spec_jax import executables, speculative
+from spec_jax import tree as tree_lib
+from spec_jax.decode import PrefillInputs, pad_prompts
+from spec_jax.drafting import model as model_lib
+from spec_jax.drafting.build import Settings, build
+from spec_jax.drafting.model import ModelDrafter
+from spec_jax.sampling import SamplingParams, row_keys
+
+PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10], [3, 3, 3, 1, 2, 60]]
+NEW = 20
+
+
+def xla(model):
+    """The model with XLA's attention (the tree mask's reference implementation)."""
+    return model.replace(config=model.config.replace(attention_impl="xla"))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return xla(tiny_target)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft):
+    return xla(tiny_draft)
+
+
+@pytest.fixture(scope="module")
+def rough_draft(tiny_target):
+    """A draft that agrees with the target less often than tiny_draft: its second choices matter."""
+    return xla(perturbed(tiny_target, 0.3, seed=7))
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return spec_jax.generate(target, PROMPTS, max_new_tokens=NEW, temperature=0.0)
+
+
+@pytest.mark.parametrize("nodes", [4, 8, 16])
+def test_greedy_trees_of_the_draft_model_equal_plain_decoding(target, draft, plain, nodes):
+    gen = spec_jax.generate(target, PROMPTS, draft=draft, tree=nodes, max_new_tokens=NEW, temperature=0.0)
+    assert gen.tokens == plain.tokens
+    assert gen.stats["num_draft_tokens"] == nodes * gen.stats["num_rounds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingDrafter(ModelDrafter):
+    """The model drafter that hands each round's tree parents, path and count to the host."""
+
+    def accepted(self, params, state, tree, path_bn, count_b, length_b):
+        jax.debug.callback(lambda *a: ROUNDS.append(a), tree.parents, path_bn, count_b, length_b)
+        return super().accepted(params, state, tree, path_bn, count_b, length_b)
+
+
+ROUNDS = []
+
+
+def test_rows_accept_paths_of_different_depths_through_later_siblings(target, rough_draft, plain):
+    """Ragged acceptance in one round, and accepted paths through a node that is not its
+    parent's first child (a sibling before it in slot order was rejected)."""
+    ROUNDS.clear()
+    drafter = RecordingDrafter(rough_draft.config)
+    gen = spec_jax.generate(
+        target, PROMPTS, draft=(drafter, rough_draft.params), tree=8, max_new_tokens=NEW, temperature=0.0
+    )
+    assert gen.tokens == plain.tokens
+    ragged = later_sibling = 0
+    for parents, path, count, length in ROUNDS:
+        parents, path, count = np.asarray(parents), np.asarray(path), np.asarray(count)
+        live = np.asarray(length) < np.asarray([len(p) + NEW for p in PROMPTS])
+        ragged += len(set(count[live])) > 1
+        for b in np.flatnonzero(live):
+            for node in path[b, : count[b]]:
+                later_sibling += bool(np.any(parents[b, :node] == parents[b, node]))
+    assert ragged > 0 and later_sibling > 0
+
+
+def mean_accepted_length(target, draft, **kw):
+    gen = spec_jax.generate(target, PROMPTS, draft=draft, max_new_tokens=32, temperature=0.0, **kw)
+    return gen.stats["mean_accepted_length"]
+
+
+@pytest.fixture(scope="module")
+def shallow_chain(target, rough_draft):
+    """The chain of the tree's depth: as many draft calls per round as the tree."""
+    return mean_accepted_length(target, rough_draft, gamma=ModelDrafter.tree_depth)
+
+
+@pytest.mark.parametrize("nodes", [4, 8, 16])
+def test_a_tree_accepts_more_per_round_than_a_chain_where_the_draft_is_imperfect(
+    target, rough_draft, shallow_chain, nodes
+):
+    """Against the chain of as many drafts (the same verified positions) and the chain of the
+    tree's depth (the same draft calls)."""
+    tree = mean_accepted_length(target, rough_draft, tree=nodes)
+    chain = mean_accepted_length(target, rough_draft, gamma=nodes)
+    assert tree > max(chain, shallow_chain) + 0.2, (tree, chain, shallow_chain)
+
+
+def tree_stepper(target, drafter, draft_params, nodes, width=16):
+    """(state after prefill, step) of the greedy tree loop over PROMPTS, one round per step."""
+    static = speculative.SpecStatic(
+        target.config, drafter, SamplingParams(0.0), nodes, NEW, width + NEW + nodes, tree_nodes=nodes
+    )
+    tokens, lens = pad_prompts(PROMPTS, width)
+    keys = row_keys(jax.random.key(0), list(range(len(PROMPTS))))
+    inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), keys)
+    return speculative.stepper(static, target.params, draft_params, inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnmovedDrafter(ModelDrafter):
+    """The broken variant: `accepted` leaves the path's keys and values where the expansion
+    calls wrote them."""
+
+    def accepted(self, params, state, tree, path_bn, count_b, length_b):
+        return state.cache
+
+
+def draft_cache_mismatches(target, drafter, draft, rounds=3, nodes=8):
+    """How many (round, row) pairs of the first rounds leave a draft cache that differs from a
+    fresh prefill of the committed text below n - 2 (the next round re-feeds n - 2, n - 1)."""
+    state, step = tree_stepper(target, drafter, draft.params, nodes)
+    mismatches, deep = 0, 0
+    for _ in range(rounds):
+        before = np.asarray(state.length)
+        state = step(state)
+        length = np.asarray(state.length)
+        deep += int(np.sum(length - before >= 3))  # paths that moved nodes
+        cache = state.draft_state
+        text = np.zeros((len(PROMPTS), cache.max_len), np.int32)  # causal: padding reads nothing before it
+        for b, p in enumerate(PROMPTS):
+            text[b, : length[b]] = list(p) + list(np.asarray(state.out.tokens[b, : length[b] - len(p)]))
+        positions = jnp.broadcast_to(jnp.arange(cache.max_len), text.shape)
+        fresh = models.init_cache(draft.config, len(PROMPTS), cache.max_len)
+        ref = apply(draft, jnp.asarray(text), positions, fresh).cache
+        for b in range(len(PROMPTS)):
+            n = int(length[b]) - 2
+            for got, want in ((cache.k, ref.k), (cache.v, ref.v)):
+                mismatches += not np.allclose(
+                    np.asarray(got[:, b, :n]), np.asarray(want[:, b, :n]), atol=1e-5
+                )
+    assert deep > 0, "no round accepted a path of two nodes or more"
+    return mismatches
+
+
+def test_after_tree_rounds_the_draft_cache_holds_the_committed_text(target, draft):
+    assert draft_cache_mismatches(target, ModelDrafter(draft.config), draft) == 0
+
+
+def test_without_moving_the_paths_draft_entries_the_draft_cache_is_wrong(target, draft, plain):
+    """The broken variant (UnmovedDrafter): the cache then differs from the text's, and later
+    trees are worse (the output stays exact: the draft only proposes)."""
+    broken = UnmovedDrafter(draft.config)
+    assert draft_cache_mismatches(target, broken, draft) > 0
+    gen = spec_jax.generate(
+        target, PROMPTS, draft=(broken, draft.params), tree=8, max_new_tokens=NEW, temperature=0.0
+    )
+    assert gen.tokens == plain.tokens
+    assert mean_accepted_length(target, (broken, draft.params), tree=8) < mean_accepted_length(
+        target, draft, tree=8
+    )
+
+
+def tree_counts(pair, sampling, seed=0, n=20_000):  # noqa: F811
+    target, draft = xla(pair[0]), xla(pair[1])
+    gen = spec_jax.generate(
+        target,
+        [PROMPT] * n,
+        draft=draft,
+        tree=6,
+        max_new_tokens=HORIZON,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=seed,
+    )
+    flat = np.ravel_multi_index(np.array(gen.tokens).T, (V,) * HORIZON)
+    return np.bincount(flat, minlength=V**HORIZON), gen.stats, target
+
+
+@pytest.mark.parametrize("sampling", WARPS, ids=["t1", "top_k3", "t0.8_top_p0.8"])
+def test_trees_of_the_draft_model_sample_the_targets_distribution_exactly(pair, sampling):  # noqa: F811
+    counts, stats, target = tree_counts(pair, sampling)
+    assert stats["mean_accepted_length"] > 1.2, "some paths accepted"
+    assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
+
+
+def test_top_k_nodes_carrying_the_drafts_q_instead_of_a_point_mass_fail(pair, monkeypatch):  # noqa: F811
+    """The broken variant: the tree's nodes are the draft's top-k tokens (deterministic) but
+    claim to be draws from the draft's q, so the rule's min(1, p/q) and residuals are wrong."""
+    monkeypatch.setattr(model_lib, "node_q", lambda tokens_bn, parent_q_bnv: parent_q_bnv)
+    monkeypatch.setattr(executables, "_EXECUTABLES", {})
+    counts, _, target = tree_counts(pair, WARPS[0])
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
+
+
+def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(target, draft):
+    drafter, params = ModelDrafter(draft.config), draft.params
+    tokens, lens = pad_prompts(PROMPTS, 16)
+    cache = drafter.init(params, jnp.asarray(tokens), jnp.asarray(lens), 16 + 8)
+    length = jnp.asarray(lens)
+    context = jnp.stack(
+        [jnp.asarray(tokens)[jnp.arange(4), length - 2], jnp.asarray(tokens)[jnp.arange(4), length - 1]], 1
+    )
+    proposal = jax.jit(drafter.propose_tree, static_argnums=(4, 5))(
+        params, cache, context, length, 16, SamplingParams(0.0), row_keys(jax.random.key(0), [0, 1, 2, 3])
+    )
+    tree = jax.tree.map(np.asarray, proposal.tree)
+    assert np.all(tree.parents < np.arange(16)[None]), "a parent comes before its children"
+    assert np.all(tree.q.sum(-1) == 1) and np.all(tree.q.max(-1) == 1), "point masses"
+    for b in range(4):
+        for parent in set(tree.parents[b]):
+            children = tree.tokens[b][tree.parents[b] == parent]
+            assert len(set(children)) == len(children)
+    depth = np.asarray(tree_lib.depths(jnp.asarray(tree.parents)))
+    assert depth.max() <= ModelDrafter.tree_depth and depth.max() > 1
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(tree_depth=0), "tree_depth"),
+        (dict(tree_width=-1), "tree_width"),
+        (dict(tree_width=11), "tree_width"),
+    ],
+)
+def test_bad_tree_settings_are_refused_naming_them(target, draft, settings, match):
+    with pytest.raises(ValueError, match=match):
+        build("model", target, Settings(draft=draft, **settings))
