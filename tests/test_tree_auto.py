@@ -278,3 +278,15 @@ def test_generate_refuses_bad_tree_values(tiny_target):
             ValueError, match="tree must be 0 \\(chains\\), a node count in \\[1, 31\\] or 'auto'"
         ):
             spec_jax.generate(tiny_target, PROMPTS, draft=tiny_target, tree=bad, max_new_tokens=4)
+
+
+def test_a_draft_models_chains_and_trees_interleave_exactly(tiny_target, tiny_draft, plain, scripted):
+    """The draft model's chunks switch between chains (its cache written by propose) and its
+    EAGLE-2 trees (the path moved by accepted): greedy output stays plain decoding's."""
+    scripted(costs(CHEAP))
+    gen = spec_jax.generate(
+        tiny_target, PROMPTS, draft=tiny_draft, tree="auto", max_new_tokens=NEW, temperature=0.0
+    )
+    assert gen.tokens == plain.tokens
+    kinds = rounds_by_kind(gen.stats["gamma_schedule"])
+    assert kinds["tree"] > 0 and kinds["chain"] > 0, gen.stats["gamma_schedule"]
