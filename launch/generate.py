@@ -102,15 +102,16 @@ flags.DEFINE_string(
     "drafting does not pay, tried again later; the draft and verify calls are measured once per "
     "machine and pair, and cached).",
 )
-flags.DEFINE_integer(
+flags.DEFINE_string(
     "tree",
-    0,
+    "0",
     "Verify a token tree of up to this many candidate tokens per round, in one target call with a "
     "tree mask (spec_jax.tree), instead of a chain of --gamma drafts: 0 = chains (the default), "
-    "1..31 nodes. Each drafter proposes its own kind of tree (by default its chain of that many "
-    "drafts); the output is exactly the target's either way.",
-    lower_bound=0,
-    upper_bound=31,
+    "1..31 nodes, or 'auto' (chosen per chunk of rounds among plain decoding, chains of 1..8 drafts "
+    "and trees of 4, 8 and 16 nodes, by expected tokens per second from the measured costs and the "
+    "running acceptance; --gamma is then auto too, whatever it says). Each drafter proposes its own "
+    "kind of tree (by default its chain of that many drafts); the output is exactly the target's "
+    "either way.",
 )
 flags.DEFINE_float(
     "temperature",
@@ -458,8 +459,11 @@ def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
     from spec_jax import autogamma, drafting
 
     gamma, shown, name = gamma_from_flag(), FLAGS.gamma, "--gamma"
-    if FLAGS.tree:  # a tree round writes up to --tree nodes past the committed text
-        gamma, shown, name = FLAGS.tree, FLAGS.tree, "--tree"
+    tree = tree_from_flag()
+    if tree == "auto":  # the largest tree or chain auto may run
+        gamma, shown, name = autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})", "--tree"
+    elif tree:  # a tree round writes up to --tree nodes past the committed text
+        gamma, shown, name = tree, tree, "--tree"
     elif gamma == "auto":
         gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
     longest = max(len(p) for p in token_prompts)
@@ -499,6 +503,24 @@ def gamma_from_flag():
     return gamma
 
 
+def tree_from_flag():
+    """--tree as an int in [0, MAX_TREE_NODES] or "auto"; UsageError naming the flag otherwise."""
+    from spec_jax.api import MAX_TREE_NODES
+
+    text = FLAGS.tree.strip()
+    if text == "auto":
+        return text
+    try:
+        tree = int(text)
+    except ValueError:
+        tree = -1
+    if not 0 <= tree <= MAX_TREE_NODES:
+        raise common.UsageError(
+            f"--tree must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {FLAGS.tree!r}"
+        )
+    return tree
+
+
 def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
     """Decodes in batches of --batch_size (a smaller last batch compiles its own loop). Prompt i
     of the list draws from (--seed, i) alone, so outputs do not depend on the batch size."""
@@ -514,7 +536,7 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
             batch,
             draft=draft,
             gamma=gamma_from_flag(),
-            tree=FLAGS.tree,
+            tree=tree_from_flag(),
             max_new_tokens=FLAGS.max_new_tokens,
             temperature=FLAGS.temperature,
             top_k=FLAGS.top_k,
@@ -527,7 +549,7 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
         outputs.extend(gen.tokens)
         stats.append(gen.stats)
     pooled = metrics.pool(stats)
-    if "gamma_schedule" in stats[0]:  # --gamma=auto: [gamma, rounds] chunks of each batch
+    if "gamma_schedule" in stats[0]:  # --gamma=auto: [gamma or "treeN", rounds] chunks of each batch
         pooled["gamma_schedules"] = [s["gamma_schedule"] for s in stats]
     return outputs, pooled
 
@@ -540,10 +562,11 @@ def check_flags():
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     gamma_from_flag()
+    tree = tree_from_flag()
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
     if FLAGS.acceptance_head and FLAGS.drafter != "head":
         raise common.UsageError("--acceptance_head needs --drafter=head")
-    if FLAGS.tree and FLAGS.draft == "none" and FLAGS.drafter == "model":
+    if tree and FLAGS.draft == "none" and FLAGS.drafter == "model":
         raise common.UsageError("--tree needs a drafter: --draft cannot be 'none' with --drafter=model")
     if FLAGS.drafter == "hybrid" and FLAGS.draft == "none":
         raise common.UsageError("--drafter=hybrid needs a draft model: --draft cannot be 'none'")
@@ -668,6 +691,7 @@ def make_report(target, draft_dtype, draft_vocab, stop_ids, stats) -> dict:
         "draft_vocab": draft_vocab,
         "matmul_impl": FLAGS.matmul_impl,
         "gamma": gamma_from_flag(),
+        "tree": tree_from_flag(),
         "temperature": FLAGS.temperature,
         "stop_ids": stop_ids,
         "mesh": FLAGS.mesh,

@@ -56,7 +56,7 @@ class Options:
     eos_id: Any = None
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
-    tree: int = 0
+    tree: int | str = 0
 
 
 def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
@@ -90,12 +90,20 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
             f"context of {target.config.max_seq_len} tokens"
         )
     stop_id_list(eos_id, vocab)
-    if not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES:
-        raise ValueError(f"tree must be 0 (chains) or a node count in [1, {MAX_TREE_NODES}], got {tree!r}")
+    if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
+        raise ValueError(
+            f"tree must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}"
+        )
     if drafter is None:
         return
     shown = gamma
-    if tree:
+    if tree == "auto":  # gamma is auto too; the longest path is the largest tree's or chain's
+        if drafter.reads_features:
+            raise ValueError(
+                f"tree: {type(drafter).__name__} reads the target's features, which tree rounds do not feed it"
+            )
+        gamma, shown = autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})"
+    elif tree:
         if drafter.reads_features:
             raise ValueError(
                 f"tree: {type(drafter).__name__} reads the target's features, which tree rounds do not feed it"
@@ -134,16 +142,20 @@ def resolve_verify_widths(verify_widths: str, drafter: Drafter) -> str:
 @dataclasses.dataclass(frozen=True)
 class GammaPolicy:
     """The one gamma decision of a call: the loop's static gamma (the cache and the metrics are
-    sized for it; 0: plain decoding), and whether gamma=auto's Controller picks each chunk's
-    gamma up to it (spec_jax.autogamma)."""
+    sized for it; 0: plain decoding), whether gamma=auto's Controller picks each chunk's
+    gamma up to it (spec_jax.autogamma), and the tree sizes it weighs too (tree="auto":
+    TreeController; the static gamma then covers the largest)."""
 
     gamma: int
     auto: bool = False
+    trees: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, gamma, drafter: Drafter | None, tree: int = 0) -> "GammaPolicy":
+    def of(cls, gamma, drafter: Drafter | None, tree: int | str = 0) -> "GammaPolicy":
         if drafter is None:
             return cls(0)
+        if tree == "auto":
+            return cls(autogamma.TREE_AUTO_MAX, auto=True, trees=autogamma.TREE_SIZES)
         if tree:  # a tree round's paths are at most its node count long
             return cls(tree)
         if gamma == "auto":  # with a learned stop (an acceptance head), gamma is its fixed cap
@@ -191,8 +203,11 @@ def _plan(target, prompts, options: Options) -> Plan:
     controller = None
     if policy.auto:
         batch = len(prompts)
-        costs = autogamma.costs_for(target, drafter, draft_params, batch=batch, cache_slots=cache_len)
-        controller = autogamma.Controller(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
+        costs = autogamma.costs_for(
+            target, drafter, draft_params, batch=batch, cache_slots=cache_len, tree_sizes=policy.trees
+        )
+        kind = autogamma.TreeController if policy.trees else autogamma.Controller
+        controller = kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
         if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
             drafter, draft_params = NoDrafter(target.config.vocab_size), None
     sampling = SamplingParams(float(options.temperature), options.top_k, float(options.top_p))
@@ -279,13 +294,14 @@ class Runner:
         state = jax.block_until_ready(fn(*args))
         return state, compile_s, time.perf_counter() - start
 
-    def loop(self, state: SpecState, max_rounds: int, gamma: int | None = None):
+    def loop(self, state: SpecState, max_rounds: int, gamma: int | None = None, tree: int = 0):
         """(state after up to max_rounds rounds, compile seconds, wall seconds, work_clock
-        seconds); gamma: this chunk's (0: plain decoding, without the drafter)."""
+        seconds); gamma: this chunk's (0: plain decoding, without the drafter); tree: its tree
+        rounds' node slots (0: chains; a tree's gamma is its node count)."""
         static, draft_params = self.static, self.draft_params
         if gamma is not None:
             drafter = static.drafter if gamma else NoDrafter(static.config.vocab_size)
-            static = dataclasses.replace(static, drafter=drafter, gamma=gamma)
+            static = dataclasses.replace(static, drafter=drafter, gamma=gamma, tree_nodes=tree)
             draft_params = draft_params if gamma else None
         rounds = sharding.put(jnp.asarray(max_rounds, jnp.int32), sharding.replicated(self.mesh))
         args = (self.target_params, draft_params, state, self.inputs.stop_ids, rounds)
@@ -341,7 +357,7 @@ def run(target, prompts, **options) -> tuple[SpecState, dict]:
         options.max_new_tokens,
         plan.cache_len,
         widths,
-        tree_nodes=options.tree if plan.policy.gamma else 0,
+        tree_nodes=options.tree if plan.policy.gamma and not plan.policy.auto else 0,
     )
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
     state, prefill_compile_s, prefill_s = runner.prefill(active)
@@ -370,13 +386,13 @@ def _observed(state: SpecState):
 
 
 def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecState):
-    """gamma=auto's host loop: chunks of rounds, each gamma chosen by the controller
-    (spec_jax.autogamma) from the chunks before it. Plain chunks run without the drafter, whose
+    """gamma=auto's host loop: chunks of rounds, each gamma (tree="auto": or tree) chosen by the
+    controller (spec_jax.autogamma) from the chunks before it. Plain chunks run without the drafter, whose
     state waits aside; before it drafts again it catches up on the text committed meanwhile.
 
     Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
     the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged), "resume_seconds": what the catch-ups took by
+    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"), "resume_seconds": what the catch-ups took by
     autogamma.work_clock}). The controller sees each chunk's time by work_clock.
     """
     max_new = runner.static.max_new_tokens
@@ -386,9 +402,10 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
     before = _observed(state)
     while not bool(np.all(before[0])):
         done, generated, length = before[:3]
-        gamma, rounds = controller.next_chunk(np.where(done, 0, max_new - generated))
+        arm, rounds = controller.next_chunk(np.where(done, 0, max_new - generated))
+        gamma, tree = autogamma.arm_shape(arm)
         state, c = catch_up.before_chunk(state, gamma, done, length, controller)
-        state, c_loop, _, seconds = runner.loop(state, rounds, gamma)
+        state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
         compile_s += c + c_loop
         after = _observed(state)
         controller.observe(
@@ -401,6 +418,7 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
                 overlap_b=after[3] - before[3],
                 scored_b=after[4] - before[4],
                 remaining_b=np.where(after[0], 0, max_new - after[1]),
+                tree=tree,
             )
         )
         if gamma:  # its last round began at most gamma + 1 tokens back
@@ -479,7 +497,10 @@ def generate(target, prompts, **options) -> Generation:
         round verifies the drafter's token tree of up to N nodes (Drafter.propose_tree; by
         default the chain of N drafts; a draft model's is EAGLE-2's dynamic tree, shaped by
         its tree_depth and tree_width: spec_jax.drafting.model.ModelDrafter) in one target call
-        with a tree mask (spec_jax.tree); gamma is then not used.
+        with a tree mask (spec_jax.tree); gamma is then not used. "auto": each chunk of rounds
+        runs plain decoding, a chain of 1..8 drafts or a tree of 4, 8 or 16 nodes, whichever
+        promises the most tokens per second (spec_jax.autogamma.TreeController); gamma is then
+        auto, whatever it says.
 
     Returns:
       Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the

@@ -33,9 +33,27 @@ RESUME_WINDOW positions): after at least PROBE_SPACING plain rounds (doubled aft
 lost time) and only when what the try may lose is covered by what drafting saved so far plus
 PROBE_SHARE of the time spent. A draft that would not pay even at GOOD_ALPHA never runs.
 
-Exactness is untouched: the schedule only chooses each chunk's gamma; greedy output equals
-plain decoding whatever it chooses, and a sampled output is an exact sample (which sample
-depends on the chunks: the random stream is consumed per round).
+Trees (tree="auto": TreeController). The arms are then plain decoding, chains of 1..gamma_max
+drafts and token trees of N node slots for N in TREE_SIZES (spec_jax.tree; each a loop compiled
+with tree_nodes = N). A tree's round is predicted, before it ran, from the target's call over
+N + 1 tokens (measured offline with the chain widths when trees are on: Costs.tree_verify) and
+the drafter's calls of a chain of N drafts (what the default propose_tree makes; none for
+drafters without a model), plus the round's own work as the nearest tree that ran showed it
+(else as for a chain of N); once it ran, as the fastest of its last chunks. What a tree yields
+is measured per row from its chunks: committed tokens per round, weighted by recency (half
+weight TREE_HALF_LIFE rounds back). Before it ran an optimistic prior stands in: 1 + TREE_BONUS
+* (y - 1) where a smaller tree measured y tokens per round (a larger budget is taken to hold
+the smaller tree's paths and more), else 1 + TREE_BONUS * (E(alpha, N) - 1) at the row's chain
+acceptance (the chain of N's accepted drafts, TREE_BONUS times over). A tree is tried, with a
+short chunk (TREE_PROBE_ROUNDS), only when that beats the best other arm by SWITCH_GAIN. A tree
+that then loses is dropped: not tried again for TREE_SPACING rounds (doubled after each loss),
+its measured yield informing the larger trees' priors meanwhile and forgotten then, so that its
+prior decides again. Trees are weighed after drafting chunks only (a chain's acceptance
+measured first); plain chunks and renewed tries are the chains' as above.
+
+Exactness is untouched: the schedule only chooses each chunk's gamma (or tree); greedy output
+equals plain decoding whatever it chooses, and a sampled output is an exact sample (which
+sample depends on the chunks: the random stream is consumed per round).
 """
 
 import dataclasses
@@ -70,6 +88,12 @@ PROBE_SHARE = 0.02  # renewed tries may lose this share of the time so far, plus
 PROBE_MIN_REMAINING = 8  # no renewed try for a row with fewer tokens left than this
 RESUME_WIDTH = 32  # a drafter catches up on at most this many positions per call
 RESUME_WINDOW = 64  # and on the last this many positions only (see Controller)
+TREE_SIZES = (4, 8, 16)  # tree="auto": the node budgets of its tree arms
+TREE_AUTO_MAX = max(GAMMA_MAX, *TREE_SIZES)  # the longest path tree="auto" may commit past the text
+TREE_BONUS = 1.5  # an untried tree's prior: its drafts accepted 1.5x a chain of N's (optimistic)
+TREE_HALF_LIFE = 4.0  # rounds: a tree's measured yield weighs a round half as much 4 rounds later
+TREE_PROBE_ROUNDS = 2  # a tree not measured yet is tried with a chunk of this many rounds
+TREE_SPACING = 16  # rounds before a tree that lost is tried again (doubled after each loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +101,36 @@ class Costs:
     """Measured costs in target decode steps: draft1 / draft2 a drafter call over 1 / 2 tokens
     per row, verify[g] the target's call over g + 1 tokens per row (verify[0] = 1 by definition),
     resume a drafter call over RESUME_WIDTH tokens per row (catching up after plain decoding; 0
-    for drafters without a model). step_seconds is the target decode step they are relative to."""
+    for drafters without a model), tree_verify the target's call over N + 1 tokens per row for
+    each tree size N of tree="auto" ((N, cost) pairs; empty for chains alone). step_seconds is the
+    target decode step they are relative to."""
 
     step_seconds: float
     draft1: float
     draft2: float
     verify: tuple[float, ...]
     resume: float = 0.0  # a drafter call catching up on RESUME_WIDTH positions per row
+    tree_verify: tuple[tuple[int, float], ...] = ()
+
+    def draft_cost(self, gamma: int) -> float:
+        """The drafter's calls of a chain of gamma drafts, in target steps."""
+        return self.draft2 + (gamma - 1) * self.draft1 if gamma else 0.0
 
     def round_cost(self, gamma: int) -> float:
         """A round of gamma drafts, in target steps (gamma 0: one decode step)."""
         if gamma == 0:
             return 1.0
-        return self.draft2 + (gamma - 1) * self.draft1 + self.verify[gamma]
+        return self.draft_cost(gamma) + self.verify[gamma]
+
+    def tree_round_cost(self, nodes: int) -> float:
+        """A tree round of `nodes` node slots, in target steps: the target's call over nodes + 1
+        tokens (timed as a causal call of that width: what the tree mask adds shows once the
+        tree ran) and the drafter's calls of a chain of `nodes` drafts, what the default
+        propose_tree makes. For a drafter that builds its tree otherwise this is an
+        approximation: the draft model's EAGLE-2 tree makes tree_depth calls over up to
+        tree_width nodes each, so a tree of more nodes than that depth is priced high until it
+        ran (and then by its measured rounds)."""
+        return self.draft_cost(nodes) + dict(self.tree_verify)[nodes]
 
     def rate(self, alpha: float, gamma: int) -> float:
         """Expected committed tokens per target-step time of rounds of gamma drafts."""
@@ -146,17 +187,20 @@ def measure(
     batch: int,
     cache_slots: int,
     gamma_max: int = GAMMA_MAX,
+    tree_sizes: tuple[int, ...] = (),
     repeats: int = 5,
 ) -> Costs:
-    """Times the target's calls over 1..gamma_max + 1 tokens and the drafter's calls over 1, 2
-    and RESUME_WIDTH tokens, those it has (Drafter.cost_calls: a draft model all three, a draft
-    head a drafting step and a 2-pair call, drafters without a model none: they count as free),
-    the fastest of interleaved repeats after a warm-up (spec_jax.timing.model_call)."""
-    slots = max(cache_slots, 2 * (gamma_max + 2), 2 * RESUME_WIDTH)
+    """Times the target's calls over 1..gamma_max + 1 tokens (and N + 1 for each N of
+    tree_sizes) and the drafter's calls over 1, 2 and RESUME_WIDTH tokens, those it has
+    (Drafter.cost_calls: a draft model all three, a draft head a drafting step and a 2-pair
+    call, drafters without a model none: they count as free), the fastest of interleaved repeats
+    after a warm-up (spec_jax.timing.model_call)."""
+    widest = max((gamma_max, *tree_sizes)) + 1
+    slots = max(cache_slots, 2 * (widest + 1), 2 * RESUME_WIDTH)
     repeat = 4  # calls per timed program, so that dispatch is not counted
     fns = {
         ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
-        for w in range(1, gamma_max + 2)
+        for w in sorted({*range(1, gamma_max + 2), *(n + 1 for n in tree_sizes)})
     }
     calls = drafter.cost_calls(
         draft_params, (1, 2, RESUME_WIDTH), batch=batch, cache_slots=slots, repeat=repeat
@@ -177,13 +221,23 @@ def measure(
         draft2=rel(("draft", 2)),
         verify=verify,
         resume=rel(("draft", RESUME_WIDTH)),
+        tree_verify=tuple((n, rel(("target", n + 1))) for n in tree_sizes),
     )
 
 
 def costs_for(
-    target, drafter, draft_params, *, batch: int, cache_slots: int, gamma_max: int = GAMMA_MAX, cache_dir=None
+    target,
+    drafter,
+    draft_params,
+    *,
+    batch: int,
+    cache_slots: int,
+    gamma_max: int = GAMMA_MAX,
+    tree_sizes: tuple[int, ...] = (),
+    cache_dir=None,
 ) -> Costs:
-    """Cached costs for this machine, pair, batch and cache size (measured on first use).
+    """Cached costs for this machine, pair, batch and cache size (measured on first use), with
+    the tree sizes' verify calls where tree_sizes is given (tree="auto"; part of the key).
 
     target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
     The cache size is rounded up to a power of two, so prompts of similar length share a
@@ -203,18 +257,28 @@ def costs_for(
         "gamma_max": gamma_max,
         "method": MEASURE_METHOD,
     }
+    if tree_sizes:  # only then, so that the chains' cached costs keep their key
+        key["tree_sizes"] = list(tree_sizes)
     path = cache_path(key, cache_dir)
     if path.exists():
         try:
             saved = json.loads(path.read_text())
             if saved["key"] != json.loads(json.dumps(key, default=str)):
                 raise ValueError("it was measured for another key")
-            return checked_costs(saved["costs"], gamma_max)
+            return checked_costs(saved["costs"], gamma_max, tree_sizes)
         except (OSError, ValueError, KeyError, TypeError) as e:  # stale, damaged or edited
             warnings.warn(
                 f"gamma=auto: cached costs {path} are not usable ({e}); measuring again", stacklevel=2
             )
-    costs = measure(target, drafter, draft_params, batch=batch, cache_slots=slots, gamma_max=gamma_max)
+    costs = measure(
+        target,
+        drafter,
+        draft_params,
+        batch=batch,
+        cache_slots=slots,
+        gamma_max=gamma_max,
+        tree_sizes=tree_sizes,
+    )
     try:
         payload = json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,14 +288,18 @@ def costs_for(
     return costs
 
 
-def checked_costs(saved: dict, gamma_max: int) -> Costs:
+def checked_costs(saved: dict, gamma_max: int, tree_sizes: tuple[int, ...] = ()) -> Costs:
     """Costs from their saved fields, or ValueError where they cannot be measured costs: a
-    verify list of other than gamma_max + 1 entries or not starting at 1, a step time or verify
-    cost that is not finite and positive, a drafter cost that is not finite and non-negative."""
-    costs = Costs(**{**saved, "verify": tuple(float(v) for v in saved["verify"])})
+    verify list of other than gamma_max + 1 entries or not starting at 1, tree verify costs of
+    other sizes than tree_sizes, a step time or verify cost that is not finite and positive, a
+    drafter cost that is not finite and non-negative."""
+    trees = tuple((int(n), float(v)) for n, v in saved.get("tree_verify", ()))
+    costs = Costs(**{**saved, "verify": tuple(float(v) for v in saved["verify"]), "tree_verify": trees})
     if len(costs.verify) != gamma_max + 1 or costs.verify[0] != 1.0:
         raise ValueError(f"verify has {len(costs.verify)} entries, not 1.0 and {gamma_max} more")
-    positive = (costs.step_seconds, *costs.verify)
+    if tuple(n for n, _ in trees) != tuple(tree_sizes):
+        raise ValueError(f"tree_verify is for trees of {[n for n, _ in trees]} nodes, not {list(tree_sizes)}")
+    positive = (costs.step_seconds, *costs.verify, *(v for _, v in trees))
     free = (costs.draft1, costs.draft2, costs.resume)
     if not all(isinstance(v, float | int) and math.isfinite(v) for v in positive + free):
         raise ValueError("a cost is not a finite number")
@@ -252,7 +320,7 @@ def work_clock() -> float:
 class Chunk:
     """What one chunk of rounds did, as gamma=auto's host loop saw it (arrays are [B])."""
 
-    gamma: int
+    gamma: int  # the loop's gamma (a tree's: its node count)
     rounds: int  # rounds run (batched: one round is one step of every row)
     seconds: float  # work_clock seconds: the model calls and the loop's own work, not compilation
     active_b: np.ndarray  # bool: rows not done when the chunk began
@@ -260,6 +328,7 @@ class Chunk:
     overlap_b: np.ndarray  # each row's sum of sum_x min(p, q) over the positions it had scored
     scored_b: np.ndarray  # how many positions of each row the target scored (spec_jax.metrics)
     remaining_b: np.ndarray  # tokens each row may still commit (0: done)
+    tree: int = 0  # tree rounds of this many node slots (0: chain or plain rounds)
 
 
 END = 2**31 - 1  # rounds of a chunk that runs to the end
@@ -314,13 +383,22 @@ class Controller:
             return self.costs.step_seconds
         if gamma in self.times:
             return min(self.times[gamma])
+        return self.predicted_seconds(self.costs.round_cost(gamma), gamma)
+
+    def predicted_seconds(self, steps: float, size: int) -> float:
+        """Seconds of a round not run yet whose model calls take `steps` target steps and which
+        drafts `size` tokens (a tree: node slots): the calls at the rate of a plain round, plus
+        the round's own work as the nearest drafting gamma measured it (what its calls do not
+        explain, growing with size, never shrinking), or EXTRA_STEPS per draft before any
+        drafting round ran."""
+        drafted = [h for h in self.times if h]
         step = self.round_seconds(0)
-        calls = step * self.costs.round_cost(gamma)
+        calls = step * steps
         if not drafted:
-            return calls + step * EXTRA_STEPS * gamma
-        h = min(drafted, key=lambda h: (abs(h - gamma), h))
+            return calls + step * EXTRA_STEPS * size
+        h = min(drafted, key=lambda h: (abs(h - size), h))
         extra = max(min(self.times[h]) - step * self.costs.round_cost(h), 0.0)
-        return calls + extra * max(1.0, gamma / h)
+        return calls + extra * max(1.0, size / h)
 
     def alphas(self, z: float = 0.0) -> np.ndarray:
         """Each row's acceptance: the overlap of its scored positions, each weighted by recency
@@ -463,3 +541,164 @@ class Controller:
             best = 1 + int(np.argmax(rates[1:]))
             if rates[best] > SWITCH_GAIN * rates[self.gamma]:
                 self.gamma = best
+
+
+def tree_arm(nodes: int) -> str:
+    """The name of the arm of trees of `nodes` node slots (in the schedule: "tree8")."""
+    return f"tree{nodes}"
+
+
+def arm_shape(arm) -> tuple[int, int]:
+    """(the loop's gamma, tree nodes) of an arm next_chunk names: a chain's gamma g (0: plain
+    decoding) runs (g, 0), a tree "treeN" (N, N)."""
+    if isinstance(arm, str):
+        nodes = int(arm.removeprefix("tree"))
+        return nodes, nodes
+    return int(arm), 0
+
+
+class TreeController(Controller):
+    """tree="auto": the Controller's arms (plain decoding, chains of 1..gamma_max) and trees of N
+    node slots for each N of costs.tree_verify (module docstring: what a tree costs, what it
+    yields, when it is tried and dropped). next_chunk names a tree arm "treeN" (arm_shape)."""
+
+    def __init__(self, costs: Costs, gamma_max: int, batch: int = 1, resumable: bool = True):
+        super().__init__(costs, gamma_max, batch, resumable)
+        self.tree_sizes = tuple(n for n, _ in costs.tree_verify)
+        self.tree = 0  # the tree the drafting chunks run (0: the chains' gamma)
+        self.tree_times: dict[int, list[float]] = {}  # nodes -> seconds per round of its last chunks
+        # Each row's committed tokens and rounds in each tree's chunks, decayed (TREE_HALF_LIFE).
+        self.tree_tokens = {n: np.zeros(batch) for n in self.tree_sizes}
+        self.tree_rounds = {n: np.zeros(batch) for n in self.tree_sizes}
+        self.rounds_done = 0
+        self.dropped: set[int] = set()  # trees that lost, waiting until tree_retry
+        self.tree_retry = dict.fromkeys(self.tree_sizes, 0)  # rounds_done from which a tree may run
+        self.tree_spacing = dict.fromkeys(self.tree_sizes, TREE_SPACING)
+
+    # --- estimates -------------------------------------------------------------------------
+    def tree_round_seconds(self, nodes: int) -> float:
+        """Seconds per round of trees of `nodes` slots: the fastest of its recent chunks where it
+        has run; else its calls (Costs.tree_round_cost) at the plain round's rate plus the
+        round's own work as the nearest tree that ran showed it (what its calls do not explain:
+        the tree mask, the compaction; growing with the node count, never shrinking), or, before
+        any tree ran, as a chain's would be predicted (predicted_seconds)."""
+        if nodes in self.tree_times:
+            return min(self.tree_times[nodes])
+        calls = self.costs.tree_round_cost(nodes)
+        if not self.tree_times:
+            return self.predicted_seconds(calls, nodes)
+        step = self.round_seconds(0)
+        m = min(self.tree_times, key=lambda m: (abs(m - nodes), m))
+        extra = max(min(self.tree_times[m]) - step * self.costs.tree_round_cost(m), 0.0)
+        return step * calls + extra * max(1.0, nodes / m)
+
+    def tree_yields(self, nodes: int) -> np.ndarray:
+        """Each row's expected committed tokens per tree round: as measured (recency-weighted)
+        where the tree ran for the row, else an optimistic prior: 1 + TREE_BONUS * (y - 1) where
+        a smaller tree measured y tokens per round (the largest such), else 1 + TREE_BONUS *
+        (E(alpha, nodes) - 1) at the row's chain acceptance. [B]"""
+        alphas = self.alphas()
+        expected = np.sum(alphas[:, None] ** np.arange(nodes + 1)[None, :], axis=1)
+        prior = 1.0 + TREE_BONUS * (expected - 1.0)
+        for smaller in (n for n in self.tree_sizes if n < nodes):  # the largest that ran counts
+            ran = self.tree_rounds[smaller] > 0
+            measured = self.tree_tokens[smaller] / np.maximum(self.tree_rounds[smaller], 1e-9)
+            prior = np.where(ran, 1.0 + TREE_BONUS * (measured - 1.0), prior)
+        rounds = self.tree_rounds[nodes]
+        return np.where(rounds > 0, self.tree_tokens[nodes] / np.maximum(rounds, 1e-9), prior)
+
+    def tree_rate(self, nodes: int, remaining_b) -> float:
+        """Expected tokens per second of the batch in tree rounds of `nodes` slots: the active
+        rows' yields (capped at what each may still commit) over the round's seconds."""
+        remaining = np.asarray(remaining_b)
+        active = remaining > 0
+        tokens = np.sum(np.minimum(self.tree_yields(nodes)[active], remaining[active]))
+        return float(tokens) / self.tree_round_seconds(nodes)
+
+    def measured(self, nodes: int) -> bool:
+        return bool(np.any(self.tree_rounds[nodes] > 0))
+
+    # --- the schedule ----------------------------------------------------------------------
+    def next_chunk(self, remaining_b):
+        """(arm, rounds): a tree arm's name while a tree runs, else the chains' (gamma, rounds)."""
+        if self.tree:
+            rounds, self.chunk = self.chunk, min(2 * self.chunk, MAX_CHUNK)
+            return tree_arm(self.tree), rounds
+        return super().next_chunk(remaining_b)
+
+    def observe(self, chunk: Chunk) -> None:
+        """Takes in a chunk (a tree's or the chains') and, after a drafting chunk, weighs the
+        trees against the chains' choice."""
+        self.rounds_done += chunk.rounds
+        if chunk.tree:
+            self.observe_tree(chunk)
+        else:
+            super().observe(chunk)
+        if chunk.gamma and np.any(np.asarray(chunk.remaining_b) > 0):
+            self.decide(chunk.remaining_b)
+
+    def observe_tree(self, chunk: Chunk) -> None:
+        n = chunk.tree
+        self.record(tree_arm(n), chunk.rounds)
+        self.elapsed += chunk.seconds
+        self.plain_rounds = 0
+        if chunk.rounds > 0:
+            kept = self.tree_times.setdefault(n, [])
+            kept.append(chunk.seconds / chunk.rounds)
+            del kept[:-TIMES_KEPT]
+        # A row's yield from the chunks it ran through: a row that finished in the chunk
+        # committed fewer tokens than its rounds would have (cut at its last token).
+        full = np.asarray(chunk.active_b) & (np.asarray(chunk.remaining_b) > 0)
+        decay = 0.5 ** (chunk.rounds / TREE_HALF_LIFE)
+        committed = np.asarray(chunk.committed_b, float)
+        self.tree_tokens[n] = np.where(full, decay * self.tree_tokens[n] + committed, self.tree_tokens[n])
+        self.tree_rounds[n] = np.where(full, decay * self.tree_rounds[n] + chunk.rounds, self.tree_rounds[n])
+        active = max(int(np.sum(chunk.active_b)), 1)
+        self.bank += float(np.sum(committed)) / active * self.round_seconds(0) - chunk.seconds
+
+    def decide(self, remaining_b) -> None:
+        """Moves to the arm with the most expected tokens per second when it beats the current
+        one by SWITCH_GAIN: a tree (tried for TREE_PROBE_ROUNDS rounds where not measured yet;
+        one waiting after a loss is not a candidate), or, leaving a tree, the chains' best gamma
+        or plain decoding; the tree left is dropped."""
+        for n in [n for n in self.dropped if self.rounds_done >= self.tree_retry[n]]:
+            self.dropped.discard(n)  # its wait is over: its prior decides again
+            self.tree_tokens[n], self.tree_rounds[n] = (
+                np.zeros_like(self.tree_tokens[n]),
+                np.zeros_like(self.tree_rounds[n]),
+            )
+        chains = self.rates(self.alphas(), remaining_b)
+        if self.tree:
+            current = self.tree_rate(self.tree, remaining_b)
+        else:
+            current = chains[self.gamma if self.phase == "draft" else 0]
+        trees = {
+            n: self.tree_rate(n, remaining_b)
+            for n in self.tree_sizes
+            if n == self.tree or n not in self.dropped
+        }
+        best_tree = max(trees, key=lambda n: (trees[n], -n), default=0)
+        best_chain = int(np.argmax(chains))
+        if (
+            best_tree
+            and best_tree != self.tree
+            and trees[best_tree] > SWITCH_GAIN * max(current, chains[best_chain])
+        ):
+            if self.tree:
+                self.drop(self.tree)
+            self.tree, self.phase = best_tree, "draft"
+            self.chunk = FIRST_CHUNK if self.measured(best_tree) else TREE_PROBE_ROUNDS
+        elif self.tree and chains[best_chain] > SWITCH_GAIN * current:
+            self.drop(self.tree)
+            self.tree, self.chunk, self.plain_rounds = 0, FIRST_CHUNK, 0
+            if best_chain:
+                self.gamma, self.phase = best_chain, "draft"
+            else:
+                self.phase = "plain"
+
+    def drop(self, nodes: int) -> None:
+        """A tree that lost: not tried again for its spacing (doubled after each loss); its
+        yields inform the larger trees' priors until then, and are forgotten then."""
+        self.dropped.add(nodes)
+        self.tree_retry[nodes] = self.rounds_done + self.tree_spacing[nodes]
+        self.tree_spacing[nodes] *= 2

@@ -67,7 +67,7 @@ BAD_INPUT = [
     (["--drafter=hybrid", "--draft=none"], "--drafter=hybrid needs a draft model"),
     (["--acceptance_head"], "--acceptance_head needs --drafter=head"),
     (["--drafter=head", "--head_dir=/nonexistent"], "--drafter=head: no trained head in /nonexistent"),
-    (["--tree=32"], "--tree=32: 32 is not an integer in the range [0, 31]"),
+    (["--tree=32"], "--tree must be 0 (chains), a node count in [1, 31] or 'auto', got '32'"),
     (["--tree=3", "--draft=none"], "--tree needs a drafter: --draft cannot be 'none'"),
     (["--tree=30", "--max_new_tokens=2000"], "--tree must be in [1, "),
 ]
