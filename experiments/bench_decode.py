@@ -15,7 +15,8 @@ the model (with `max_ngram` and the adaptive `draft_threshold`), the target's tr
 head (`head`, spec_jax.drafting.head; `head_acceptance`: with its acceptance head deciding each
 row's draft length, gamma the most it may draft); every drafter runs at every gamma of a cell.
 `trees` (node counts N) adds, beside the gammas, each drafter's token tree of N nodes per round
-(spec_jax.tree; `tree` column, 0 for chains), in the cells that sweep the gammas. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
+(spec_jax.tree; `tree` column, 0 for chains), in the cells that sweep the gammas; `tree_auto`
+adds tree=auto (plain, chains or trees chosen per chunk: spec_jax.autogamma) to the first cell. `prompt_set` is "open" (the open-ended bench prompts) or "grounded"
 (code editing and reading prompts whose output repeats their input: experiments.common).
 """
 
@@ -64,6 +65,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.gamma = 2 if quick else 4  # the cells after the first
     config.auto = True  # also gamma=auto (spec_jax.autogamma) in the first cell
     config.trees = ()  # node counts: each drafter's tree of N nodes beside the gammas (empty: none)
+    config.tree_auto = False  # also tree=auto (chains, trees or plain per chunk) in the first cell
     config.draft_vocab = 0  # VocabTrim: the draft's head keeps this many tokens (0 = all)
     config.drafters = ("model",)  # BENCH_DRAFTERS: each at every gamma of a cell
     config.max_ngram = 3  # prompt_lookup / suffix / hybrid
@@ -153,6 +155,11 @@ def run_generate(
     return gen
 
 
+def schedule_order(arm: str):
+    """gamma=auto / tree=auto schedule entries in order: the gammas, then the trees by size."""
+    return (arm.startswith("tree"), int(arm.removeprefix("tree")))
+
+
 def drafts_for(target, config) -> dict:
     """{drafter name: what generate's `draft` gets} for config.drafters (spec_jax.drafting.build;
     the draft model is loaded once, only when one of them needs it)."""
@@ -200,6 +207,8 @@ def run(config) -> framework.Result:
                 variants |= {f"{prefix}tree {n}": (draft, n, name, n) for n in config.trees}
             if config.auto and i == 0:
                 variants[f"{prefix}gamma auto"] = (draft, "auto", name, 0)
+            if config.tree_auto and i == 0:
+                variants[f"{prefix}tree auto"] = (draft, "auto", name, "auto")
 
         def one(inputs, draft_model, gamma, tree, temperature=temperature):
             r, batch_prompts = inputs
@@ -266,7 +275,7 @@ def run(config) -> framework.Result:
                 # An acceptance head runs gamma auto at a fixed cap (no schedule): it decides each
                 # round's length itself, so gammas_used stays empty and drafted_per_round tells.
                 chunks = [c for s in stats for c in s.get("gamma_schedule", ())]
-                row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=int))
+                row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=schedule_order))
             if gamma:
                 pooled = metrics.pool(stats)
                 row.update({k: pooled[k] for k in ("acceptance_rate", "mean_accepted_length", "alpha_hat")})
