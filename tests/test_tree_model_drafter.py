@@ -158,18 +158,10 @@ def test_after_tree_rounds_the_draft_cache_holds_the_committed_text(target, draf
     assert draft_cache_mismatches(target, ModelDrafter(draft.config), draft) == 0
 
 
-def test_without_moving_the_paths_draft_entries_the_draft_cache_is_wrong(target, draft, plain):
-    """The broken variant (UnmovedDrafter): the cache then differs from the text's, and later
-    trees are worse (the output stays exact: the draft only proposes)."""
-    broken = UnmovedDrafter(draft.config)
-    assert draft_cache_mismatches(target, broken, draft) > 0
-    gen = spec_jax.generate(
-        target, PROMPTS, draft=(broken, draft.params), tree=8, max_new_tokens=NEW, temperature=0.0
-    )
-    assert gen.tokens == plain.tokens
-    assert mean_accepted_length(target, (broken, draft.params), tree=8) < mean_accepted_length(
-        target, draft, tree=8
-    )
+def test_without_moving_the_paths_draft_entries_the_draft_cache_is_wrong(target, draft):
+    """The broken variant (UnmovedDrafter): the cache then differs from the text's (later trees
+    are worse; the output stays exact, since the draft only proposes)."""
+    assert draft_cache_mismatches(target, UnmovedDrafter(draft.config), draft) > 0
 
 
 def tree_counts(pair, sampling, seed=0, n=20_000):  # noqa: F811
