@@ -22,6 +22,7 @@ from models.kernels import compile_targets as ct
 from models.kernels import target as target_lib
 from models.kernels.flash_decoding import DecodeBlockSizes
 from spec_jax import compile_loop
+from spec_jax.drafting.model import ModelDrafter
 
 _missing = ct.missing_packages()
 if _missing:
@@ -103,7 +104,8 @@ def test_loop_case_has_the_demo_shapes():
     params, draft_params, state, stop_ids = args
     assert impl == "pallas_tpu" and donate == (2,) and stop_ids.shape == (2,)
     assert state.target_cache.k.shape[:3] == (28, 8, 16 + 64 + 4)
-    assert state.draft_state.k.shape[:3] == (24, 8, 16 + 64 + 4 + 12)
+    room = ModelDrafter.tree_width * (ModelDrafter.tree_depth - 1)  # the draft's tree calls
+    assert state.draft_state.k.shape[:3] == (24, 8, 16 + 64 + 4 + room)
     assert params["layers"]["mlp"]["w_gate"].shape[0] == 28
 
 
