@@ -42,11 +42,12 @@ def param(module: nn.Module, *path: str):
         "bias": nn.initializers.normal(stddev=0.1),
     }[w.init]
     if module.has_variable("params", path[-1]):
+        # Checked here rather than by module.param, which traces the initialiser (jax.eval_shape)
+        # for every parameter at every trace: half of tracing a tiny model's loop went there.
         value = module.get_variable("params", path[-1])
-        if isinstance(value, precision.BlockWeight):  # its leaf holds bytes, not the table's shape
-            if value.shape != w.shape(cfg):
-                raise ValueError(f"parameter {w.name}: shape {value.shape}, expected {w.shape(cfg)}")
-            return value
+        if tuple(value.shape) != tuple(w.shape(cfg)):
+            raise ValueError(f"parameter {w.name}: shape {tuple(value.shape)}, expected {w.shape(cfg)}")
+        return value
     return module.param(path[-1], init, w.shape(cfg), cfg.jnp_dtype)
 
 

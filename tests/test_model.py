@@ -168,3 +168,13 @@ def test_a_config_with_family_fields_round_trips_through_json():
     back = json.loads(json.dumps(config.portable()))
     assert back == config.portable()
     assert models.ModelConfig(**back) == config
+
+
+def test_a_parameter_of_the_wrong_shape_is_refused_naming_it(tiny_target):
+    """The model checks each parameter's shape against the weight table itself (flax's own check
+    traced every initialiser at every trace)."""
+    params = jax.tree_util.tree_map(lambda x: x, tiny_target.params)
+    params["final_norm"]["scale"] = jnp.ones((7,), jnp.float32)
+    cache = models.init_cache(tiny_target.config, 1, 8)
+    with pytest.raises(ValueError, match=r"final_norm.* shape \(7,\), expected \(32,\)"):
+        models.forward(tiny_target.config, params, jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None], cache)

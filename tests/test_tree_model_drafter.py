@@ -46,7 +46,7 @@ def plain(target):
     return spec_jax.generate(target, PROMPTS, max_new_tokens=NEW, temperature=0.0)
 
 
-@pytest.mark.parametrize("nodes", [4, 16])
+@pytest.mark.parametrize("nodes", [16])
 def test_greedy_trees_of_the_draft_model_equal_plain_decoding(target, draft, plain, nodes):
     gen = spec_jax.generate(target, PROMPTS, draft=draft, tree=nodes, max_new_tokens=NEW, temperature=0.0)
     assert gen.tokens == plain.tokens
@@ -183,6 +183,7 @@ def tree_counts(pair, sampling, seed=0, n=20_000):  # noqa: F811
 
 # One warp here (temperature and top-p, on p and on the draft's scores): the rule's point masses
 # are checked at every warp in tests/test_tree_loop.py and tests/test_tree.py.
+@pytest.mark.slow  # 20,000 rows through the draft's tree; the proposal's point masses: above
 @pytest.mark.parametrize("sampling", WARPS[2:], ids=["t0.8_top_p0.8"])
 def test_trees_of_the_draft_model_sample_the_targets_distribution_exactly(pair, sampling):  # noqa: F811
     counts, stats, target = tree_counts(pair, sampling)
@@ -190,6 +191,7 @@ def test_trees_of_the_draft_model_sample_the_targets_distribution_exactly(pair, 
     assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
 
 
+@pytest.mark.slow  # its cheap twin: test_node_q_of_the_drafts_distribution_is_caught_by_the_proposal_check
 def test_top_k_nodes_carrying_the_drafts_q_instead_of_a_point_mass_fail(pair, monkeypatch):  # noqa: F811
     """The broken variant: the tree's nodes are the draft's top-k tokens (deterministic) but
     claim to be draws from the draft's q, so the rule's min(1, p/q) and residuals are wrong."""
@@ -199,7 +201,13 @@ def test_top_k_nodes_carrying_the_drafts_q_instead_of_a_point_mass_fail(pair, mo
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
 
 
-def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(target, draft):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(
+    target, draft, temperature
+):
+    """The tree's slots are topological, siblings distinct, the depth within tree_depth, and each
+    node's q the point mass at its own token at any temperature: top-k candidates are
+    deterministic (the chi-square tests of this, slow tier, sample 20,000 rows)."""
     drafter, params = ModelDrafter(draft.config), draft.params
     tokens, lens = pad_prompts(PROMPTS, 16)
     cache = drafter.init(params, jnp.asarray(tokens), jnp.asarray(lens), 16 + 8)
@@ -208,11 +216,18 @@ def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_disti
         [jnp.asarray(tokens)[jnp.arange(4), length - 2], jnp.asarray(tokens)[jnp.arange(4), length - 1]], 1
     )
     proposal = jax.jit(drafter.propose_tree, static_argnums=(4, 5))(
-        params, cache, context, length, 16, SamplingParams(0.0), row_keys(jax.random.key(0), [0, 1, 2, 3])
+        params,
+        cache,
+        context,
+        length,
+        16,
+        SamplingParams(temperature),
+        row_keys(jax.random.key(0), [0, 1, 2, 3]),
     )
     tree = jax.tree.map(np.asarray, proposal.tree)
     assert np.all(tree.parents < np.arange(16)[None]), "a parent comes before its children"
-    assert np.all(tree.q.sum(-1) == 1) and np.all(tree.q.max(-1) == 1), "point masses"
+    own = np.take_along_axis(tree.q, tree.tokens[..., None], axis=-1)[..., 0]
+    assert np.all(own == 1) and np.all(tree.q.sum(-1) == 1), "each node a point mass at its token"
     for b in range(4):
         for parent in set(tree.parents[b]):
             children = tree.tokens[b][tree.parents[b] == parent]
@@ -232,3 +247,11 @@ def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_disti
 def test_bad_tree_settings_are_refused_naming_them(target, draft, settings, match):
     with pytest.raises(ValueError, match=match):
         build("model", target, Settings(draft=draft, **settings))
+
+
+def test_node_q_of_the_drafts_distribution_is_caught_by_the_proposal_check(target, draft, monkeypatch):
+    """The broken variant of the proposal check: nodes claiming the draft's q (top-k tokens
+    handed to the rule as if sampled) fail it at temperature 1."""
+    monkeypatch.setattr(model_lib, "node_q", lambda tokens_bn, parent_q_bnv: parent_q_bnv)
+    with pytest.raises(AssertionError, match="point mass"):
+        test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(target, draft, 1.0)
