@@ -86,7 +86,11 @@ LOOP_PAIRS = [
 
 
 @pytest.mark.parametrize(
-    "target, case", LOOP_PAIRS, ids=[f"{t}-{c.label().replace(' ', '-')}" for t, c in LOOP_PAIRS]
+    "target, case",
+    # The GPU case in the slow tier (the TPU one, and the pod case of tests/test_pod_pairs.py, run
+    # in `make test`; `make compile-sweep` compiles every loop for every target).
+    [pytest.param(*LOOP_PAIRS[0]), pytest.param(*LOOP_PAIRS[1], marks=pytest.mark.slow)],
+    ids=[f"{t}-{c.label().replace(' ', '-')}" for t, c in LOOP_PAIRS],
 )
 def test_speculative_loop_compiles_for_target(target, case):
     result = compile_loop.compile_loop_case(case, target)
