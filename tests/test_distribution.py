@@ -53,12 +53,14 @@ def exact_joint(model, sampling):
     return joint
 
 
-def sample_counts(target, draft, sampling, gamma, seed):
+def sample_counts(target, draft, sampling, gamma, seed, tree=0):
+    """(counts of each 3-token continuation over N rows, stats) of generate (tree: its `tree`)."""
     gen = spec_jax.generate(
         target,
         [PROMPT] * N,
         draft=draft,
         gamma=gamma,
+        tree=tree,
         max_new_tokens=HORIZON,
         temperature=sampling.temperature,
         top_k=sampling.top_k,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import apply
-from test_distribution import HORIZON, PROMPT, WARPS, V, chi2_pvalue, exact_joint, pair  # noqa: F401
+from test_distribution import WARPS, V, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
 import models
 import spec_jax
@@ -191,23 +191,10 @@ class FixedTreeDrafter(Drafter):
         return TreeProposal(tree_lib.Tree(tokens.astype(jnp.int32), parents.astype(jnp.int32), q), state)
 
 
-def tree_counts(target, sampling, seed, n=20_000):
-    q0 = tuple(np.random.default_rng(5).dirichlet(np.ones(V)).round(6) / 1.0)
-    q0 = tuple(np.asarray(q0) / np.sum(q0))
-    drafter = FixedTreeDrafter(V, q0)
-    gen = spec_jax.generate(
-        target,
-        [PROMPT] * n,
-        draft=(drafter, ()),
-        tree=6,
-        max_new_tokens=HORIZON,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        seed=seed,
-    )
-    flat = np.ravel_multi_index(np.array(gen.tokens).T, (V,) * HORIZON)
-    return np.bincount(flat, minlength=V**HORIZON), gen.stats
+def tree_counts(target, sampling, seed):
+    q0 = np.random.default_rng(5).dirichlet(np.ones(V)).round(6)
+    drafter = FixedTreeDrafter(V, tuple(q0 / np.sum(q0)))
+    return sample_counts(target, (drafter, ()), sampling, 6, seed, tree=6)
 
 
 @pytest.mark.parametrize("sampling", WARPS, ids=["t1", "top_k3", "t0.8_top_p0.8"])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import apply, perturbed
-from test_distribution import HORIZON, PROMPT, WARPS, V, chi2_pvalue, exact_joint, pair  # noqa: F401
+from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
 import models
 import spec_jax
@@ -164,21 +164,9 @@ def test_without_moving_the_paths_draft_entries_the_draft_cache_is_wrong(target,
     assert draft_cache_mismatches(target, UnmovedDrafter(draft.config), draft) > 0
 
 
-def tree_counts(pair, sampling, seed=0, n=20_000):  # noqa: F811
+def tree_counts(pair, sampling, seed=0):  # noqa: F811
     target, draft = pair
-    gen = spec_jax.generate(
-        target,
-        [PROMPT] * n,
-        draft=draft,
-        tree=6,
-        max_new_tokens=HORIZON,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        seed=seed,
-    )
-    flat = np.ravel_multi_index(np.array(gen.tokens).T, (V,) * HORIZON)
-    return np.bincount(flat, minlength=V**HORIZON), gen.stats, target
+    return (*sample_counts(target, draft, sampling, 6, seed, tree=6), target)
 
 
 # One warp here (temperature and top-p, on p and on the draft's scores): the rule's point masses
