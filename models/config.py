@@ -62,7 +62,7 @@ class ModelConfig:
     dtype: str = "float32"
     attention_impl: str = "auto"  # see models.kernels.IMPLS
     # The products (models.precision.MATMUL_IMPLS): "auto" and "cpu_kernel" run the CPU kernels
-    # where a program is lowered for a CPU (jax.lax.platform_dependent) and XLA's dot where it is
+    # where a program is lowered for a CPU (precision.on_cpu) and XLA's dot where it is
     # lowered for anything else; "auto" also falls back to XLA where the kernels cannot be built.
     matmul_impl: str = "auto"
     # The CPU kernels' build ("avx2" or "avx512", models.kernels.cpu_matmul.ISAS): a static field,

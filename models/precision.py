@@ -21,6 +21,8 @@ else XLA's dot (an int8 weight is widened in the graph, which a TPU or GPU compi
 the product): `cpu_kernels(config)` and `on_cpu`.
 """
 
+import contextlib
+import contextvars
 import math
 
 import flax.struct
@@ -172,10 +174,34 @@ def has_cpu_kernels(matmul_impl: str, cpu_isa: str) -> bool:
     return available
 
 
-def on_cpu(cpu, default, *args):
-    """cpu(*args) in a program lowered for a CPU, default(*args) in one lowered for anything else
-    (jax.lax.platform_dependent: both are traced, only the lowered platform's is compiled), so a
+_PORTABLE = contextvars.ContextVar("spec_jax_portable_lowering", default=False)
+
+
+@contextlib.contextmanager
+def portable_lowering():
+    """Within it, programs are traced for any platform (on_cpu stages both branches): wrap
+    jax.export (or a lowering for a platform other than the one being traced for) in it, so a
     program exported for a TPU or GPU from a CPU host holds no CPU kernel call."""
+    token = _PORTABLE.set(True)
+    try:
+        yield
+    finally:
+        _PORTABLE.reset(token)
+
+
+def on_cpu(cpu, default, *args):
+    """cpu(*args) in a program lowered for a CPU, default(*args) in one lowered for anything else.
+
+    The platform is decided while tracing where it is known: the device traced for
+    (models.kernels.target.current(): the abstract mesh's, jax.default_device, else the default
+    backend's) is a CPU, or is not. Tracing one branch instead of both shortens a CPU-kernel
+    model's tracing (a tiny pair's first generate: 2.76 -> 2.33 s). Within portable_lowering
+    (jax.export for other platforms) both are traced (jax.lax.platform_dependent) and only the
+    lowered platform's is compiled."""
+    if not _PORTABLE.get():
+        from models.kernels import target
+
+        return cpu(*args) if target.current().platform == "cpu" else default(*args)
     return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
 

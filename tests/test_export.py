@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import models
+from models import precision
 from models.kernels import cpu_matmul, gguf_matmul
 from spec_jax import decode
 
@@ -43,7 +44,8 @@ def test_forward_exported_for_an_accelerator_from_the_cpu_holds_no_cpu_kernel_ca
     model = tiny(dtype)
     assert model.config.matmul_impl == "auto" and model.config.attention_impl == "auto"
     fn = jax.jit(functools.partial(models.forward, model.config))
-    exported = jax.export.export(fn, platforms=[platform])(model.params, *forward_args(model.config))
+    with precision.portable_lowering():
+        exported = jax.export.export(fn, platforms=[platform])(model.params, *forward_args(model.config))
     assert CPU_TARGET not in exported.mlir_module()
     assert exported.platforms == (platform,)
 
@@ -56,7 +58,8 @@ def test_prefill_exported_for_an_accelerator_from_the_cpu_is_one_call_without_cp
     tokens, _, _ = forward_args(model.config, width=16)
     lens = jnp.asarray([16, 5], jnp.int32)
     fn = jax.jit(lambda p, t, n: decode.prefill(model.config, p, t, n, 32).logits)
-    exported = jax.export.export(fn, platforms=[platform])(model.params, tokens, lens)
+    with precision.portable_lowering():
+        exported = jax.export.export(fn, platforms=[platform])(model.params, tokens, lens)
     text = exported.mlir_module()
     assert CPU_TARGET not in text and "stablehlo.while" not in text
     on_cpu = fn.lower(model.params, tokens, lens).as_text()
@@ -102,3 +105,18 @@ def test_the_cpu_kernel_build_is_part_of_the_model_config():
         assert hash(config) != hash(model.config) or isa == model.config.cpu_isa
     with pytest.raises(ValueError, match="cpu_isa must be one of avx2, avx512"):
         model.config.replace(cpu_isa="sse9")
+
+
+def test_without_portable_lowering_the_program_is_traced_for_the_device_it_runs_on():
+    """The contract's other side: outside portable_lowering the platform is decided while
+    tracing, for the device traced for (here the CPU), so an export for a TPU then carries the
+    CPU kernels' calls (jax refuses to serialize them) and the CPU program has no other branch."""
+    model = tiny("int8")
+    fn = jax.jit(functools.partial(models.forward, model.config))
+    try:
+        text = jax.export.export(fn, platforms=["tpu"])(
+            model.params, *forward_args(model.config)
+        ).mlir_module()
+    except Exception as e:  # noqa: BLE001 - what jax raises for an unserializable custom call
+        text = str(e)
+    assert CPU_TARGET in text
