@@ -489,36 +489,32 @@ def report_nonfinite(stats, prompts) -> str | None:
     )
 
 
-def gamma_from_flag():
-    """--gamma as an int >= 1 or "auto"; UsageError naming the flag otherwise."""
-    text = FLAGS.gamma.strip()
+def int_or_auto(flag: str, low: int, high: int, allowed: str):
+    """--FLAG as "auto" or an int in [low, high]; UsageError naming the flag and `allowed` otherwise."""
+    text = FLAGS[flag].value.strip()
     if text == "auto":
         return text
     try:
-        gamma = int(text)
+        value = int(text)
     except ValueError:
-        gamma = 0
-    if gamma < 1:
-        raise common.UsageError(f"--gamma must be an integer >= 1 or 'auto', got {FLAGS.gamma!r}")
-    return gamma
+        value = low - 1
+    if not low <= value <= high:
+        raise common.UsageError(f"--{flag} must be {allowed}, got {FLAGS[flag].value!r}")
+    return value
+
+
+def gamma_from_flag():
+    """--gamma as an int >= 1 or "auto"; UsageError naming the flag otherwise."""
+    return int_or_auto("gamma", 1, 2**31 - 1, "an integer >= 1 or 'auto'")
 
 
 def tree_from_flag():
     """--tree as an int in [0, MAX_TREE_NODES] or "auto"; UsageError naming the flag otherwise."""
     from spec_jax.api import MAX_TREE_NODES
 
-    text = FLAGS.tree.strip()
-    if text == "auto":
-        return text
-    try:
-        tree = int(text)
-    except ValueError:
-        tree = -1
-    if not 0 <= tree <= MAX_TREE_NODES:
-        raise common.UsageError(
-            f"--tree must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {FLAGS.tree!r}"
-        )
-    return tree
+    return int_or_auto(
+        "tree", 0, MAX_TREE_NODES, f"0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto'"
+    )
 
 
 def run_batches(target, draft, token_prompts, stop_ids, mesh=None):

@@ -56,7 +56,7 @@ def run(
     sampling = SamplingParams(float(temperature))
     drafter, draft_params = as_drafter(draft, target)
     api.validate(target, prompts, drafter, gamma, max_new_tokens, None, tree)
-    gamma = tree or gamma  # a tree round's paths are at most its node count long (api.GammaPolicy)
+    gamma = api.GammaPolicy.of(gamma, drafter, tree).gamma  # a tree's: its node count
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
     static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len, tree_nodes=tree)
     tokens, lens = pad_prompts(prompts, width)

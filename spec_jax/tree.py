@@ -41,7 +41,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from models.kernels.reference import MAX_TREE_QUERIES
+from models.kernels.reference import MAX_TREE_QUERIES, mask_bits
 from spec_jax.sampling import draw_rows, split_rows
 
 ROOT = -1
@@ -106,10 +106,10 @@ def query_bits(parents_bn) -> jax.Array:
     n = parents_bn.shape[1]
     if n + 1 > MAX_TREE_QUERIES:
         raise ValueError(f"a tree has at most {MAX_TREE_QUERIES - 1} nodes, got {n}")
-    anc = ancestors(parents_bn).astype(jnp.int32)  # [B, N, N]
-    weights = jnp.left_shift(jnp.int32(1), jnp.arange(1, n + 1, dtype=jnp.int32))  # bit 1 + j
-    nodes = 1 | jnp.sum(anc * weights, axis=-1, dtype=jnp.int32)  # distinct bits: the sum is the or
-    return jnp.concatenate([jnp.ones((parents_bn.shape[0], 1), jnp.int32), nodes], axis=1)
+    b = parents_bn.shape[0]
+    root = jnp.ones((b, n, 1), bool)  # query 0, everyone's ancestor; node j is query 1 + j
+    nodes = jnp.concatenate([root, ancestors(parents_bn)], axis=2)  # [B, N, N + 1]
+    return jnp.concatenate([jnp.ones((b, 1), jnp.int32), mask_bits(nodes)], axis=1)
 
 
 def _residual(r, q):

@@ -52,13 +52,18 @@ def check_tree(tree, q_shape) -> None:
         raise ValueError(f"tree: a tree call takes at most {MAX_TREE_QUERIES} queries, got T = {t}")
 
 
+def mask_bits(mask_btj) -> jax.Array:
+    """int32 [B, T]: a boolean mask over the call's own keys [B, T, J] (J <= MAX_TREE_QUERIES) as
+    `tree` bits, bit j of query t set where mask[b, t, j] (bit 31 is the sign bit)."""
+    weights = jnp.left_shift(jnp.int32(1), jnp.arange(mask_btj.shape[-1], dtype=jnp.int32))
+    return jnp.sum(mask_btj.astype(jnp.int32) * weights, axis=-1, dtype=jnp.int32)  # distinct bits
+
+
 def tree_window_bits(q_positions, window) -> jax.Array:
     """int32 [B, T]: bit j of query t set where p_t - p_j < window, for the queries' own keys in a
     tree call (the window on the tree's keys, by their positions, to and with a tree's bits)."""
     p = q_positions.astype(jnp.int32)
-    recent = (p[:, :, None] - p[:, None, :]) < jnp.asarray(window, jnp.int32)  # [B, T, T]
-    weights = jnp.left_shift(jnp.int32(1), jnp.arange(p.shape[1], dtype=jnp.int32))
-    return jnp.sum(recent.astype(jnp.int32) * weights, axis=-1, dtype=jnp.int32)
+    return mask_bits((p[:, :, None] - p[:, None, :]) < jnp.asarray(window, jnp.int32))
 
 
 def attention_mask(q_positions, kv_lengths, num_keys, window=None, tree=None):
