@@ -23,7 +23,7 @@ from models import precision
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.settings import is_int
-from models.transformer import DecoderLayer, init_cache, param
+from models.transformer import DecoderLayer, init_cache, param, tree_slots
 
 
 def config_for(
@@ -94,29 +94,37 @@ class DraftHead(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, features_btd, embeddings_btd, positions_bt, cache: KVCache):
+    def __call__(self, features_btd, embeddings_btd, positions_bt, cache: KVCache, tree=None):
         cfg = self.config
         dtype = cfg.jnp_dtype
         x = jnp.concatenate([features_btd.astype(dtype), embeddings_btd.astype(dtype)], axis=-1)
         x = Projection(cfg, name="fc")(x)
-        kv_lengths_b = positions_bt[:, -1] + 1  # contiguous positions per row, as in the decoder
+        # Contiguous slots per row, as in the decoder: the last query's bounds what the call reads.
+        kv_lengths_b = (positions_bt if tree is None else tree_slots(positions_bt))[:, -1] + 1
         for i in range(cfg.num_layers):
-            (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")((x, cache), i, positions_bt, kv_lengths_b)
+            (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")(
+                (x, cache), i, positions_bt, kv_lengths_b, tree
+            )
         return x, cache
 
 
-def forward(config: ModelConfig, params, features_btd, tokens_bt, positions_bt, cache: KVCache, embed):
+def forward(
+    config: ModelConfig, params, features_btd, tokens_bt, positions_bt, cache: KVCache, embed, tree=None
+):
     """`(hidden [B, T, D], cache)`: the head over T positions of each row.
 
     features_btd: the target's features at positions [B, T] (or the head's own earlier outputs
     when drafting); tokens_bt: the token at each position + 1; embed: the target's input
     embedding table [V, D] (any precision). hidden[:, t] predicts the target's feature at
-    positions[:, t] + 1. Positions must be contiguous within a row.
+    positions[:, t] + 1. Positions must be contiguous within a row, unless `tree` (int32 [B, T]
+    ancestor bits, models.transformer.forward's) makes the T pairs a token tree: written at
+    contiguous slots from the first one's position, each at the position of its depth and
+    reading the committed pairs and its ancestors only.
     """
     if config.kind != "draft_head":
         raise ValueError(f"models.draft_head.forward runs draft heads, got a config of kind {config.kind!r}")
     embeddings = precision.lookup(embed, tokens_bt)
-    return DraftHead(config).apply({"params": params}, features_btd, embeddings, positions_bt, cache)
+    return DraftHead(config).apply({"params": params}, features_btd, embeddings, positions_bt, cache, tree)
 
 
 def logits(hidden_btd, out_head, config: ModelConfig):

@@ -98,16 +98,8 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
         return
     shown = gamma
     if tree == "auto":  # gamma is auto too; the longest path is the largest tree's or chain's
-        if drafter.reads_features:
-            raise ValueError(
-                f"tree: {type(drafter).__name__} reads the target's features, which tree rounds do not feed it"
-            )
         gamma, shown = autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})"
     elif tree:
-        if drafter.reads_features:
-            raise ValueError(
-                f"tree: {type(drafter).__name__} reads the target's features, which tree rounds do not feed it"
-            )
         gamma, shown = tree, None
     elif gamma == "auto":
         gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"

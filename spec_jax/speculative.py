@@ -130,7 +130,8 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     """One tree round for every row (rows already done compute but commit nothing): the drafter's
     tree of N slots (spec_jax.tree), scored in one target call with the tree mask, verified by
     verify_tree, the accepted path's keys and values moved to where a chain's would be
-    (tree.compact), the drafter told the path (Drafter.accepted)."""
+    (tree.compact), the drafter told the path (Drafter.accepted); a drafter that reads_features
+    observes the target's features along the path, as after a chain of the path's tokens."""
     n = static.tree_nodes
     keys, draft_keys, verify_keys = split_rows(state.keys, 3)
     active = ~state.out.done
@@ -140,7 +141,10 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     )
     tree = proposal.tree
     tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
-    out = forward(static.config, params, tokens, positions, state.target_cache, tree=bits)
+    features = static.drafter.reads_features
+    out = forward(
+        static.config, params, tokens, positions, state.target_cache, with_features=features, tree=bits
+    )
     p = warp(out.logits, static.sampling)  # [B, N + 1, V]: after the root, then after each node
     path, num_accepted, next_token = tree_lib.verify_tree(tree, p, verify_keys)
     # The rule read p at the root and along the path: the chain's positions, in path order.
@@ -153,6 +157,15 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     draft_state = static.drafter.accepted(
         draft_params, proposal.state, tree, path, num_accepted, state.length
     )
+    observe = None
+    if features:  # the path's pairs (feature at n-1+i, committed token at n+i), as a chain's
+
+        def observe(committed):
+            path_features = tree_lib.path_rows(out.features, path, num_accepted)  # [B, N + 1, D]
+            return static.drafter.observe(
+                draft_params, draft_state, path_features, new, root, jnp.maximum(committed, 1)
+            )
+
     # alpha along the path: each scored depth's p against the q of the node taken there.
     q_taken, num_scored = tree_lib.taken_q(tree, path, num_accepted)
     p_path = tree_lib.path_rows(p, path, num_accepted)[:, :n]
@@ -170,6 +183,7 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         target_cache,
         draft_state,
         active,
+        observe,
         num_scored=num_scored,
     )
 

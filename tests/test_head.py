@@ -72,20 +72,34 @@ def test_greedy_head_drafting_equals_autoregressive(target, gamma, trimmed):
     assert gen_eos.tokens == ar_eos.tokens and len(gen_eos.tokens[2]) <= 4
 
 
-def cycle_head(target, wrong: dict[int, int]):
+@pytest.mark.parametrize("trimmed", [True])  # untrimmed: the cycle heads' trees below
+def test_greedy_head_trees_equal_autoregressive(target, trimmed):
+    """Tree rounds of the head (EAGLE-2's dynamic tree from its own predicted features): the
+    output is plain decoding's, a tree of 8 nodes per round."""
+    head = random_head(target, mlp_dim=48)
+    ids = np.arange(0, 64, 2) if trimmed else None
+    draft = (HeadDrafter(head.config, trimmed=trimmed), head_params(target, head, ids))
+    ar = spec_jax.generate(target, PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
+    gen = spec_jax.generate(target, PROMPTS, draft=draft, tree=8, max_new_tokens=MAX_NEW, temperature=0.0)
+    assert gen.tokens == ar.tokens
+    assert gen.stats["num_draft_tokens"] == 8 * gen.stats["num_rounds"]
+
+
+def cycle_head(target, wrong: dict[int, int], feature_weight: float = 0.0):
     """A head for cycle_following_target (feature at j = sqrt(V) one-hot(t_j)) that predicts the
     feature of the token it is given, sqrt(V) one-hot(t_{j+1}) (so its draft is t_{j+1} + 1,
     the target's choice), except that token a is read mostly as token b for each a: b in wrong
     (its draft is b + 1, which the target rejects; the hidden state still differs from token
     b's, so an acceptance head can tell them apart). Its layer's outputs are zero; its cache
-    is written all the same."""
+    is written all the same. feature_weight: the feature it reads, added at this weight (small:
+    the drafts stay the same, and the cache then depends on which features the head read)."""
     vocab = target.config.vocab_size
     head = random_head(target, seed=3)
     eye = np.eye(vocab, dtype=np.float32)
     read = eye.copy()
     for a, b in wrong.items():
         read[:, a] = 0.9 * eye[b] + 0.3 * eye[a]
-    fc = np.concatenate([np.zeros((vocab, vocab), np.float32), np.sqrt(vocab) * read], axis=1)
+    fc = np.concatenate([feature_weight * eye, np.sqrt(vocab) * read], axis=1)
 
     def edit(path, x):
         name = jax.tree_util.keystr(path)
@@ -98,30 +112,43 @@ def cycle_head(target, wrong: dict[int, int]):
     return head.replace(params=jax.tree_util.tree_map_with_path(edit, head.params))
 
 
-def test_a_head_that_predicts_the_cycle_has_every_draft_accepted():
-    vocab, gamma = 16, 3
+@pytest.mark.parametrize("tree", [0, 6])
+def test_a_head_that_predicts_the_cycle_has_every_draft_accepted(tree):
+    """A chain of 3, and a tree of 6 nodes (depth 3, width 2): each node reads its parent's
+    predicted feature, so the tree's best path is the cycle and every round accepts its whole
+    depth (a node fed the root's prediction, or its own, would draft the wrong token)."""
+    vocab, gamma, new = 16, 3, 13
     target = cycle_following_target(vocab)
     head = cycle_head(target, {})
-    draft = (HeadDrafter(head.config), head_params(target, head))
+    drafter = HeadDrafter(head.config, tree_depth=3)
+    draft = (drafter, head_params(target, head))
     prompts = [[3, 4], [10], [15, 0, 1]]
-    gen = spec_jax.generate(target, prompts, draft=draft, gamma=gamma, max_new_tokens=9, temperature=0.0)
+    gen = spec_jax.generate(
+        target, prompts, draft=draft, gamma=gamma, tree=tree, max_new_tokens=new, temperature=0.0
+    )
     for prompt, tokens in zip(prompts, gen.tokens, strict=True):
-        assert tokens == [(prompt[-1] + 1 + i) % vocab for i in range(9)]
-    assert gen.stats["acceptance_rate"] == 1.0 and gen.stats["mean_accepted_length"] == gamma + 1
+        assert tokens == [(prompt[-1] + 1 + i) % vocab for i in range(new)]
+    assert gen.stats["mean_accepted_length"] == gamma + 1
+    if not tree:
+        assert gen.stats["acceptance_rate"] == 1.0
 
 
-def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_every_round():
+@pytest.mark.parametrize("tree", [0, 6])
+def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_every_round(tree):
     """Stepping the loop by hand on the cycle target with a head that is wrong after tokens 5 and
-    12: rounds accept 0..gamma drafts. After every round the head's cache below n - 1 equals a
-    fresh run of the head over the committed text with the target's true features (its pairs
-    (f_j, t_{j+1})), and its kept state equals that run's output at n - 2."""
-    vocab, gamma, max_new = 16, 3, 24
+    12: rounds accept 0..gamma drafts (a chain of 3; a tree of 6 nodes, depth 3, whose second
+    branches make up for some wrong drafts). After every round the head's cache below n - 1
+    equals a fresh run of the head over the committed text with the target's true features (its
+    pairs (f_j, t_{j+1})), and its kept state equals that run's output at n - 2: after a tree
+    round the head has observed the features along the accepted path, not the tree's slots (the
+    head reads its features a little, so the cache tells them apart)."""
+    vocab, gamma, max_new = 16, tree or 3, 24
     target = cycle_following_target(vocab)
-    head = cycle_head(target, {5: 9, 12: 2})
-    drafter, params = HeadDrafter(head.config), head_params(target, head)
+    head = cycle_head(target, {5: 9, 12: 2}, feature_weight=0.05)
+    drafter, params = HeadDrafter(head.config, tree_depth=3), head_params(target, head)
     prompt = [2, 3, 4]
     slots = 16 + max_new + gamma
-    state, step = loop_by_hand(target, drafter, params, [prompt], gamma, max_new)
+    state, step = loop_by_hand(target, drafter, params, [prompt], gamma, max_new, tree=tree)
     seq = prompt + [(prompt[-1] + 1 + i) % vocab for i in range(max_new)]
     fresh_forward = jax.jit(draft_head.forward, static_argnums=0)
     accepted = set()
@@ -159,7 +186,11 @@ def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_eve
         before = state.metrics.num_accepted_tokens
         state = step(state)
         accepted.add(int(state.metrics.num_accepted_tokens - before))
-    assert checks > 5 and {0, gamma} <= accepted and len(accepted) >= 3, accepted
+    if tree:  # every round accepts the depth: a wrong first choice's sibling is right (the
+        # chain's rounds reject there), so those paths run through later slots
+        assert checks > 5 and accepted == {3}, accepted
+    else:
+        assert checks > 5 and {0, gamma} <= accepted and len(accepted) >= 3, accepted
 
 
 @pytest.fixture(scope="module")

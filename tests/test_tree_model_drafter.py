@@ -8,14 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import apply, perturbed
+from conftest import apply, loop_by_hand, perturbed
 from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
 import models
 import spec_jax
-from spec_jax import executables, speculative
+from spec_jax import executables
 from spec_jax import tree as tree_lib
-from spec_jax.decode import PrefillInputs, pad_prompts
+from spec_jax.decode import pad_prompts
 from spec_jax.drafting import model as model_lib
 from spec_jax.drafting.build import Settings, build
 from spec_jax.drafting.model import ModelDrafter
@@ -46,6 +46,7 @@ def plain(target):
     return spec_jax.generate(target, PROMPTS, max_new_tokens=NEW, temperature=0.0)
 
 
+@pytest.mark.slow  # in make test: greedy identity at 8 nodes, with ragged paths (the next test)
 @pytest.mark.parametrize("nodes", [16])
 def test_greedy_trees_of_the_draft_model_equal_plain_decoding(target, draft, plain, nodes):
     gen = spec_jax.generate(target, PROMPTS, draft=draft, tree=nodes, max_new_tokens=NEW, temperature=0.0)
@@ -109,13 +110,7 @@ def test_a_tree_accepts_more_per_round_than_a_chain_where_the_draft_is_imperfect
 
 def tree_stepper(target, drafter, draft_params, nodes, width=16):
     """(state after prefill, step) of the greedy tree loop over PROMPTS, one round per step."""
-    static = speculative.SpecStatic(
-        target.config, drafter, SamplingParams(0.0), nodes, NEW, width + NEW + nodes, tree_nodes=nodes
-    )
-    tokens, lens = pad_prompts(PROMPTS, width)
-    keys = row_keys(jax.random.key(0), list(range(len(PROMPTS))))
-    inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray([-1]), keys)
-    return speculative.stepper(static, target.params, draft_params, inputs)
+    return loop_by_hand(target, drafter, draft_params, PROMPTS, nodes, NEW, width, tree=nodes)
 
 
 @dataclasses.dataclass(frozen=True)

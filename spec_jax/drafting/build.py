@@ -33,9 +33,9 @@ class Settings:
     stop_ids: the target's stop tokens (kept by VocabTrim).
     max_ngram: prompt_lookup / suffix / hybrid: the longest suffix matched.
     threshold: model / head / hybrid / suffix: a row stops drafting below this confidence.
-    tree_depth, tree_width: model: the draft model's dynamic tree in tree rounds (generate's
-      tree=N): depth D, K children per expanded node and K expanded per depth (width 0: the
-      chain); spec_jax.drafting.model.ModelDrafter.
+    tree_depth, tree_width: model / head: the dynamic tree in tree rounds (generate's tree=N):
+      depth D, K children per expanded node and K expanded per depth (width 0: the chain);
+      spec_jax.drafting.model.DynamicTree.
     sequences: unigram / bigram / suffix: token-id lists to fit the tables on.
     tables: suffix: a spec_jax.drafting.suffix.SuffixTables.
     corpus: unigram / bigram / suffix with neither sequences nor tables: fit on the training
@@ -159,18 +159,20 @@ def _suffix(target, settings: Settings):
 
 
 def _head(target, settings: Settings):
+    tree = dict(tree_depth=settings.tree_depth, tree_width=settings.tree_width)
     if settings.draft is None:
         dtype = settings.head_dtype or target.config.dtype
-        return load_drafter(
+        drafter, params = load_drafter(
             target, settings.head_dir, dtype, float(settings.threshold), acceptance=settings.acceptance
         )
+        return dataclasses.replace(drafter, **tree), params
     drafter, params = as_drafter(settings.draft)
     if not isinstance(drafter, HeadDrafter):
         raise ValueError(
             "drafter 'head' needs a (HeadDrafter, HeadParams) pair as draft, or none to load the "
             "trained head (spec_jax.drafting.head.load_drafter)"
         )
-    return dataclasses.replace(drafter, threshold=float(settings.threshold)), params
+    return dataclasses.replace(drafter, threshold=float(settings.threshold), **tree), params
 
 
 def _hybrid(target, settings: Settings):

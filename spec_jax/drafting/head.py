@@ -48,8 +48,8 @@ from models.transformer import output_head
 from spec_jax import sharding
 from spec_jax.autogamma import model_key
 from spec_jax.decode import PAD_ID
-from spec_jax.drafting.base import Drafter, Proposal
-from spec_jax.drafting.model import TrimmedHead
+from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
+from spec_jax.drafting.model import DynamicTree, TrimmedHead, tree_scores
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 
@@ -96,7 +96,7 @@ def head_params(target, head, token_ids=None) -> HeadParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadDrafter(Drafter):
+class HeadDrafter(DynamicTree, Drafter):
     """Drafts with a draft head (models.draft_head) from the target's features.
 
     config: the head's config. trimmed: the output head holds a subset of the vocabulary
@@ -106,6 +106,10 @@ class HeadDrafter(Drafter):
     stops drafting before the first position where the head's probability that at least one of
     its drafts so far is rejected exceeds this (SpecDec++); 0 = off. Both stops read only the
     drafter's own signals, so the output stays exact.
+
+    tree_depth (D), tree_width (K): the dynamic tree of a tree round (propose_tree, EAGLE-2, as
+    ModelDrafter's); tree_width 0: the chain of `propose`. The head's cache has K * (D - 1)
+    slots (tree_queries) more than the loop asks for, so that the widest tree call fits.
     """
 
     config: ModelConfig
@@ -113,6 +117,8 @@ class HeadDrafter(Drafter):
     threshold: float = 0.0
     stop_rejection: float = 0.0
     prefill_calls: int = 1
+    tree_depth: int = 8
+    tree_width: int = 2
     sources: ClassVar[tuple[str, ...]] = ("head",)
     reads_features: ClassVar[bool] = True
 
@@ -138,7 +144,7 @@ class HeadDrafter(Drafter):
             [tokens_bp[:, 1:], jnp.full((batch, 1), PAD_ID, tokens_bp.dtype)], axis=1
         )
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-        cache = draft_head.new_cache(self.config, batch, cache_len)
+        cache = draft_head.new_cache(self.config, batch, cache_len + self.tree_queries)
         _, cache = draft_head.forward(
             self.config, params.head, features_bpd, next_tokens, positions, cache, params.embed
         )
@@ -159,14 +165,20 @@ class HeadDrafter(Drafter):
         last = jnp.take_along_axis(hidden, (count_b - 1)[:, None, None], axis=1)[:, 0]
         return HeadState(cache=cache, hidden=last)
 
+    def on_target_vocab(self, params: HeadParams, probs):
+        """[..., V]: probabilities over the output head's rows ([..., R]) as the target's
+        vocabulary (zeros off a trimmed head's tokens)."""
+        if not self.trimmed:
+            return probs
+        zeros = jnp.zeros(probs.shape[:-1] + (self.vocab_size,), probs.dtype)
+        return zeros.at[..., params.out.ids].set(probs)
+
     def distribution(self, params: HeadParams, hidden_bd, sampling: SamplingParams):
         """(q [B, V] warped, confidence [B], entropy [B]) of the token after a hidden state,
         through the (trimmed) output head; confidence and entropy are of the unwarped
         distribution (so that greedy decoding has them too)."""
         logits = draft_head.logits(hidden_bd[:, None], params.out.weight, self.config)[:, 0]
-        q = warp(logits, sampling)
-        if self.trimmed:
-            q = jnp.zeros((q.shape[0], self.vocab_size), q.dtype).at[:, params.out.ids].set(q)
+        q = self.on_target_vocab(params, warp(logits, sampling))
         logp = jax.nn.log_softmax(logits, axis=-1)
         entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
         return q, jnp.exp(jnp.max(logp, axis=-1)), entropy
@@ -238,6 +250,48 @@ class HeadDrafter(Drafter):
     def propose(self, params: HeadParams, state: HeadState, context_b2, length_b, gamma, sampling, keys_b):
         tokens, q, _, cache = self.draft_chain(params, state, length_b, gamma, sampling, keys_b)
         return Proposal(tokens, q, state.replace(cache=cache))
+
+    def propose_tree(
+        self, params: HeadParams, state: HeadState, context_b2, length_b, nodes, sampling, keys_b
+    ):
+        """EAGLE-2's dynamic tree (DynamicTree.dynamic_tree) of `nodes` slots per row, from the
+        head's own predicted features.
+
+        The root's candidates come from the kept prediction (of f_{n-1}), as draft 0 of a chain.
+        A node of depth d and token x feeds the pair (its parent's predicted feature, x) at
+        position n - 2 + d, as the chain's draft d - 1 feeds (prediction, d_{d-2}), and its output
+        predicts the feature after it, whose output-head distribution gives its children. Each
+        expansion is one head call over the nodes expanded so far (slots n - 1 .. n - 2 + E,
+        the committed pairs below n - 1 and its ancestors read through the tree mask). The pairs
+        it leaves at slots >= n - 1 are overwritten by `observe` (the target's features along
+        the accepted path) or past the path before anything reads them, so `accepted` is the
+        default. keys_b is unused (the candidates are top-k)."""
+        if not self.tree_width:
+            return super().propose_tree(params, state, context_b2, length_b, nodes, sampling, keys_b)
+        cfg = self.config
+
+        def expand(carry, tokens, parents, depths, bits, newest):
+            cache, hidden = carry  # hidden [B, E - K, D]: the previous call's outputs
+            known = jnp.concatenate([state.hidden[:, None], hidden], axis=1)  # the root's first
+            features = jnp.take_along_axis(known, (parents + 1)[:, :, None], axis=1)
+            positions = (length_b - 2)[:, None] + depths[None, :]
+            out, cache = draft_head.forward(
+                cfg, params.head, features, tokens, positions, cache, params.embed, tree=bits
+            )
+            newest_out = jnp.take_along_axis(out, newest[:, :, None], axis=1)
+            return draft_head.logits(newest_out, params.out.weight, cfg), (cache, out)
+
+        root_logits = draft_head.logits(state.hidden[:, None], params.out.weight, cfg)  # [B, 1, R]
+        empty = jnp.zeros((length_b.shape[0], 0, cfg.d_model), state.hidden.dtype)
+        tree, _, (cache, _) = self.dynamic_tree(
+            root_logits,
+            expand,
+            (state.cache, empty),
+            nodes,
+            scores=lambda x: tree_scores(x, sampling, lambda p: self.on_target_vocab(params, p)),
+            dists=lambda x: self.on_target_vocab(params, warp(x, sampling)),
+        )
+        return TreeProposal(tree, state.replace(cache=cache))
 
     def for_mesh(self, mesh):
         return dataclasses.replace(self, config=sharding.for_mesh(self.config, mesh))

@@ -54,8 +54,103 @@ def node_q(tokens_bn, parent_q_bnv):
     return jax.nn.one_hot(tokens_bn, parent_q_bnv.shape[-1], dtype=jnp.float32)
 
 
+class DynamicTree:
+    """EAGLE-2's dynamic tree (Li et al. 2024) for a drafter whose draft call can read a token
+    tree through the tree mask (ModelDrafter, spec_jax.drafting.head.HeadDrafter): its settings
+    tree_depth (D) and tree_width (K), declared by the drafter's dataclass, checked here."""
+
+    tree_depth: int
+    tree_width: int
+
+    def __post_init__(self):
+        d, k = self.tree_depth, self.tree_width
+        if not is_int(d) or d < 1:
+            raise ValueError(f"tree_depth must be an integer >= 1, got {d!r}")
+        if not is_int(k) or k < 0 or k * (d - 1) > MAX_TREE_QUERIES:
+            raise ValueError(
+                f"tree_width must be 0 (the chain) or an integer >= 1 with tree_width * "
+                f"(tree_depth - 1) <= {MAX_TREE_QUERIES} (the widest tree call's queries), got {k!r} "
+                f"at tree_depth {d}"
+            )
+
+    @property
+    def tree_queries(self) -> int:
+        """The widest tree call's queries: K expanded nodes at each depth below D."""
+        return self.tree_width * (self.tree_depth - 1)
+
+    def dynamic_tree(self, root_logits_b1v, expand, carry, nodes: int, scores, dists):
+        """(Tree of `nodes` (N) slots, expanded [B, N], carry): EAGLE-2's dynamic tree, every row
+        alike.
+
+        A candidate's score is its path's cumulative log draft probability (scores(logits): as
+        tree_scores). The root's K best tokens (root_logits [B, 1, V']: the draft's logits of
+        the token after the committed text) are the depth-1 candidates. At each depth d < D' =
+        min(D, N) the K best-scored candidates of depth d are expanded: expand(carry, tokens
+        [B, E], parents [B, E] (each expanded node's parent's expanded index; ROOT: the root),
+        depths [E] (1 for the root's children), ancestor bits [B, E] (spec_jax.tree's, over the
+        E), newest [B, K] (the indices of depth d's)) -> (logits [B, K, V'] after each of the
+        newest K, carry) is one draft call over every node expanded so far (K per depth, depth
+        by depth, reading each other through the tree mask; a call masks only its own keys, so
+        each depth's call recomputes the depths above it), and each newest node's K most
+        probable tokens are its children. Cost: D' calls (the last over K(D' - 1) nodes),
+        K * D'(D' - 1) / 2 node queries. dists(logits): the draft's q on the target's
+        vocabulary, the distribution a sampled node would carry (node_q reads it).
+
+        The tree is the N best-scored candidates, ties toward shallower ones: a child's score is
+        at most its parent's, so the set is ancestor-closed and its rank order is topological.
+        Siblings are distinct (top-k) and each node's q is a point mass at its token (node_q):
+        top-k candidates are deterministic given the text, which keeps the rule exact
+        (spec_jax.tree)."""
+        root_scores = scores(root_logits_b1v)[:, 0]  # [B, V]
+        k, depth = min(self.tree_width, root_scores.shape[-1]), min(self.tree_depth, nodes)
+        b = root_logits_b1v.shape[0]
+        dists_all = [dists(root_logits_b1v)]  # q at the root, then at each expanded node
+        score, token = jax.lax.top_k(root_scores, k)  # [B, K]
+        # Candidates by depth (the newest last): token, score, parent (an expanded node's index,
+        # tree_lib.ROOT for the root). Expanded nodes: their candidate index, token, parent and
+        # ancestor bits.
+        cand_token, cand_score, cand_parent = [token], [score], [jnp.full((b, k), tree_lib.ROOT, jnp.int32)]
+        exp_cand, exp_token, exp_parent, bits = (jnp.zeros((b, 0), jnp.int32) for _ in range(4))
+        first = 0  # the candidate index of the newest depth's first candidate
+        for d in range(1, depth):
+            best, pick = jax.lax.top_k(cand_score[-1], k)  # [B, K]: the newest depth's K best
+            parent = jnp.take_along_axis(cand_parent[-1], pick, axis=1)
+            parent_bits = jnp.take_along_axis(bits, jnp.maximum(parent, 0), axis=1) if d > 1 else 0
+            own = jnp.left_shift(1, (d - 1) * k + jnp.arange(k, dtype=jnp.int32))[None, :]
+            bits = jnp.concatenate([bits, jnp.where(parent >= 0, parent_bits, 0) | own], axis=1)
+            exp_token = jnp.concatenate([exp_token, jnp.take_along_axis(cand_token[-1], pick, axis=1)], 1)
+            exp_parent = jnp.concatenate([exp_parent, parent], axis=1)
+            exp_cand = jnp.concatenate([exp_cand, first + pick], axis=1)
+            first += cand_score[-1].shape[1]
+            newest = jnp.broadcast_to((d - 1) * k + jnp.arange(k), (b, k))
+            node_depths = jnp.arange(d * k, dtype=jnp.int32) // k + 1
+            logits, carry = expand(carry, exp_token, exp_parent, node_depths, bits, newest)
+            dists_all.append(dists(logits))
+            child_score, child_token = jax.lax.top_k(scores(logits), k)
+            cand_token.append(child_token.reshape(b, k * k))
+            cand_score.append((best[:, :, None] + child_score).reshape(b, k * k))
+            cand_parent.append(jnp.repeat(newest, k, axis=1))
+
+        tokens, scores_c, parents = (
+            jnp.concatenate(c, axis=1) for c in (cand_token, cand_score, cand_parent)
+        )
+        tree, expanded = best_nodes(tokens, scores_c, parents, exp_cand, jnp.concatenate(dists_all, 1), nodes)
+        return tree, expanded, carry
+
+
+def tree_scores(logits_btv, sampling, to_vocab):
+    """float32 [B, T, V]: the log draft probabilities that rank tree candidates, of the warped
+    q at temperature > 0 and of softmax(logits) at temperature 0 (where the warped q is
+    one-hot), in [log of float32's smallest normal number (~ -87), 0]: a path's sum stays
+    finite and a child never outscores its parent (a renormalised warp may round above 1).
+    to_vocab: the draft's probabilities onto the target's vocabulary (zeros off its own)."""
+    probs = jax.nn.softmax(logits_btv, axis=-1) if sampling.greedy else warp(logits_btv, sampling)
+    probs = to_vocab(probs.astype(jnp.float32))
+    return jnp.log(jnp.clip(probs, np.finfo(np.float32).tiny, 1.0))
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter(Drafter):
+class ModelDrafter(DynamicTree, Drafter):
     """A small transformer drafting autoregressively from its own KV cache.
 
     trimmed: the params are TrimmedDraftParams and the draft's distribution lives on the
@@ -96,22 +191,6 @@ class ModelDrafter(Drafter):
     tree_width: int = 2
     sources: ClassVar[tuple[str, ...]] = ("model",)
     resumable: ClassVar[bool] = True
-
-    def __post_init__(self):
-        d, k = self.tree_depth, self.tree_width
-        if not is_int(d) or d < 1:
-            raise ValueError(f"tree_depth must be an integer >= 1, got {d!r}")
-        if not is_int(k) or k < 0 or k * (d - 1) > MAX_TREE_QUERIES:
-            raise ValueError(
-                f"tree_width must be 0 (the chain) or an integer >= 1 with tree_width * "
-                f"(tree_depth - 1) <= {MAX_TREE_QUERIES} (the widest tree call's queries), got {k!r} "
-                f"at tree_depth {d}"
-            )
-
-    @property
-    def tree_queries(self) -> int:
-        """The widest tree call's queries: K expanded nodes at each depth below D."""
-        return self.tree_width * (self.tree_depth - 1)
 
     @property
     def variable_length(self) -> bool:
@@ -181,39 +260,16 @@ class ModelDrafter(Drafter):
             q = q * keep[..., None].astype(q.dtype)
         return Proposal(tokens, q, cache)
 
-    def tree_scores(self, params, logits_btv, sampling):
-        """float32 [B, T, V]: the log draft probabilities that rank tree candidates, of the warped
-        q at temperature > 0 and of softmax(logits) at temperature 0 (where the warped q is
-        one-hot), in [log of float32's smallest normal number (~ -87), 0]: a path's sum stays
-        finite and a child never outscores its parent (a renormalised warp may round above 1)."""
-        probs = jax.nn.softmax(logits_btv, axis=-1) if sampling.greedy else warp(logits_btv, sampling)
-        probs = self.on_target_vocab(params, probs.astype(jnp.float32))
-        return jnp.log(jnp.clip(probs, np.finfo(np.float32).tiny, 1.0))
-
     def propose_tree(self, params, cache, context_b2, length_b, nodes, sampling, keys_b):
-        """EAGLE-2's dynamic tree (Li et al. 2024), `nodes` (N) slots per row, every row alike.
+        """EAGLE-2's dynamic tree (DynamicTree.dynamic_tree) of `nodes` slots per row.
 
-        A candidate's score is its path's cumulative log draft probability (tree_scores). The
-        draft reads t_{n-2}, t_{n-1} (the root) as `propose` does; the root's K most probable
-        tokens are the depth-1 candidates. At each depth d < D' = min(D, N) the K best-scored
-        candidates of depth d are expanded: one draft call over every node expanded so far (K
-        per depth, depth by depth, at the slots length .. length + dK - 1 and the positions of
-        their depths, reading each other through the tree mask; the call only masks its own
-        keys, so each depth's call recomputes the depths above it) gives their distributions,
-        and each one's K most probable tokens are its children. Cost: D' calls (the first over
-        the 2 context tokens, the last over K(D' - 1) nodes), K * D'(D' - 1) / 2 node queries.
-
-        The tree is the N best-scored candidates, ties toward shallower ones: a child's score is
-        at most its parent's, so the set is ancestor-closed and its rank order is topological.
-        Siblings are distinct (top-k) and each node's q is a point mass at its token (node_q):
-        top-k candidates are deterministic given the text, which keeps the rule exact
-        (spec_jax.tree). keys_b is unused. The state returned is a TreeDraft for `accepted`.
-        """
+        The draft reads t_{n-2}, t_{n-1} (the root) as `propose` does; each expansion is one
+        draft call over the nodes expanded so far, at the slots length .. length + E - 1 and the
+        positions of their depths (length - 1 + depth). keys_b is unused (the candidates are
+        top-k). The state returned is a TreeDraft for `accepted`."""
         if not self.tree_width:
             return super().propose_tree(params, cache, context_b2, length_b, nodes, sampling, keys_b)
-        k, depth = min(self.tree_width, self.vocab_size), min(self.tree_depth, nodes)
         model_params, head = self.split_params(params)
-        b = length_b.shape[0]
 
         def call(tokens_bt, positions_bt, cache, logits_at, tree=None):
             out = forward(
@@ -228,40 +284,20 @@ class ModelDrafter(Drafter):
             )
             return out.logits, out.cache
 
-        positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
-        logits, cache = call(context_b2, positions, cache, jnp.ones((b, 1), jnp.int32))
-        dists = [
-            self.on_target_vocab(params, warp(logits, sampling))
-        ]  # q at the root, then each expanded node
-        score, token = jax.lax.top_k(self.tree_scores(params, logits, sampling)[:, 0], k)  # [B, K]
-        # Candidates by depth (the newest last): token, score, parent (an expanded node's index,
-        # tree_lib.ROOT for the root). Expanded nodes: their candidate index and ancestor bits.
-        cand_token, cand_score, cand_parent = [token], [score], [jnp.full((b, k), tree_lib.ROOT, jnp.int32)]
-        exp_cand = jnp.zeros((b, 0), jnp.int32)
-        exp_token = jnp.zeros((b, 0), jnp.int32)
-        bits = jnp.zeros((b, 0), jnp.int32)
-        first = 0  # the candidate index of the newest depth's first candidate
-        for d in range(1, depth):
-            best, pick = jax.lax.top_k(cand_score[-1], k)  # [B, K]: the newest depth's K best
-            parent = jnp.take_along_axis(cand_parent[-1], pick, axis=1)
-            parent_bits = jnp.take_along_axis(bits, jnp.maximum(parent, 0), axis=1) if d > 1 else 0
-            own = jnp.left_shift(1, (d - 1) * k + jnp.arange(k, dtype=jnp.int32))[None, :]
-            bits = jnp.concatenate([bits, jnp.where(parent >= 0, parent_bits, 0) | own], axis=1)
-            exp_token = jnp.concatenate([exp_token, jnp.take_along_axis(cand_token[-1], pick, axis=1)], 1)
-            exp_cand = jnp.concatenate([exp_cand, first + pick], axis=1)
-            first += cand_score[-1].shape[1]
-            # Expanded node e sits at slot length + e, at the position of its depth e // K + 1.
-            positions = length_b[:, None] + (jnp.arange(d * k) // k)[None, :]
-            newest = jnp.broadcast_to((d - 1) * k + jnp.arange(k), (b, k))
-            logits, cache = call(exp_token, positions, cache, newest, tree=bits)  # [B, K, V_draft]
-            dists.append(self.on_target_vocab(params, warp(logits, sampling)))
-            child_score, child_token = jax.lax.top_k(self.tree_scores(params, logits, sampling), k)
-            cand_token.append(child_token.reshape(b, k * k))
-            cand_score.append((best[:, :, None] + child_score).reshape(b, k * k))
-            cand_parent.append(jnp.repeat(newest, k, axis=1))
+        def expand(cache, tokens, parents, depths, bits, newest):
+            # Expanded node e sits at slot length + e, at the position of its depth.
+            return call(tokens, (length_b - 1)[:, None] + depths[None, :], cache, newest, tree=bits)
 
-        tokens, scores, parents = (jnp.concatenate(c, axis=1) for c in (cand_token, cand_score, cand_parent))
-        tree, expanded = best_nodes(tokens, scores, parents, exp_cand, jnp.concatenate(dists, 1), nodes)
+        positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
+        logits, cache = call(context_b2, positions, cache, jnp.ones_like(length_b)[:, None])
+        tree, expanded, cache = self.dynamic_tree(
+            logits,
+            expand,
+            cache,
+            nodes,
+            scores=lambda x: tree_scores(x, sampling, lambda p: self.on_target_vocab(params, p)),
+            dists=lambda x: self.on_target_vocab(params, warp(x, sampling)),
+        )
         return TreeProposal(tree, TreeDraft(cache=cache, expanded=expanded))
 
     def accepted(self, params, state, tree, path_bn, count_b, length_b):
