@@ -552,8 +552,9 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
 
 def check_flags():
     """(mesh or None, prompt texts): every flag checked before anything is loaded or downloaded."""
+    import models
     from models import config as model_config
-    from models import kernels, precision
+    from models import kernels, precision, registry
     from spec_jax import sharding
 
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
@@ -572,6 +573,10 @@ def check_flags():
         common.check_output_json(FLAGS.output_json)
     check_model_names()
     check_sampling_flags()
+    if any(name not in models.RANDOM_PRESETS for name in (FLAGS.target, FLAGS.draft) if name != "none"):
+        # A real model is converted into the cache: an unwritable one is reported (exit 1, one
+        # line) before the kernel build below, not after it.
+        registry.ensure_writable(registry.cache_root())
     # Last, being the costly one (a cold build compiles the C++ kernel: seconds): a CPU kernel
     # that cannot be built, for the build a config made here names.
     precision.has_cpu_kernels(FLAGS.matmul_impl, model_config.this_cpu_isa())

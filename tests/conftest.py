@@ -75,15 +75,19 @@ def tiny_draft(tiny_target):
     return perturbed(tiny_target, 0.1, seed=7)
 
 
-def loop_by_hand(target, drafter, draft_params, prompts, gamma: int, max_new: int, width: int = 16):
+def loop_by_hand(
+    target, drafter, draft_params, prompts, gamma: int, max_new: int, width: int = 16, tree: int = 0
+):
     """(state after prefill, step) of the greedy loop over prompts padded to `width`, one round per
-    step(state) (spec_jax.speculative.stepper), for tests that inspect the state between rounds."""
+    step(state) (spec_jax.speculative.stepper), for tests that inspect the state between rounds.
+    tree: tree rounds of that many nodes (gamma must then equal it)."""
     from spec_jax import speculative
     from spec_jax.decode import PrefillInputs, pad_prompts
     from spec_jax.sampling import SamplingParams, row_keys
 
+    assert not tree or gamma == tree, "a tree round's gamma is its node count"
     static = speculative.SpecStatic(
-        target.config, drafter, SamplingParams(0.0), gamma, max_new, width + max_new + gamma
+        target.config, drafter, SamplingParams(0.0), gamma, max_new, width + max_new + gamma, tree_nodes=tree
     )
     tokens, lens = pad_prompts(prompts, width)
     keys = row_keys(jax.random.key(0), list(range(len(prompts))))
@@ -92,6 +96,52 @@ def loop_by_hand(target, drafter, draft_params, prompts, gamma: int, max_new: in
 
 
 _CLI_CASE_RESULTS: dict = {}
+
+
+# The quick draft-head training run of launch.train that tests/test_training.py (a killed run
+# must resume to it) and tests/test_cli.py (its head drafts for launch.generate) share.
+CLI_TRAINING_FLAGS = (
+    "--config=launch/configs/draft_head.py:quick",
+    "--config.target=random",
+    "--config.steps=24",
+    "--config.checkpoint_every=2",
+    "--config.eval_every=6",
+)
+
+
+@pytest.fixture(scope="session")
+def cli_trained_head(tmp_path_factory):
+    """(workdir, output_dir) of one uninterrupted `python -m launch.train` run with
+    CLI_TRAINING_FLAGS. The tests that use it are in the xdist group "cli_trained_head", so one
+    worker trains it, once."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = tmp_path_factory.mktemp("cli_trained_head")
+    workdir, output_dir = base / "head", base / "out"
+    cmd = [sys.executable, "-m", "launch.train", *CLI_TRAINING_FLAGS]
+    cmd += [f"--workdir={workdir}", f"--output_dir={output_dir}"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir, output_dir
+
+
+def cache_with_kernels(folder):
+    """folder, made a model cache that holds this machine's CPU kernel library only (copied from
+    the default cache, built there first if need be), for a CLI run into an empty cache: the
+    cold build is seconds of g++ the test does not check (tests/test_cache_safety.py checks the
+    build). Returns folder (a pathlib.Path)."""
+    import pathlib
+    import shutil
+
+    from models.kernels import cpu_matmul
+
+    folder = pathlib.Path(folder)
+    library = cpu_matmul.build()  # the default cache's (verified, built once per machine)
+    (folder / "kernels").mkdir(parents=True, exist_ok=True)
+    for path in (library, library.with_name(library.name + ".sha256")):
+        shutil.copy2(path, folder / "kernels" / path.name)
+    return folder
 
 
 def cli_case(module: str, cases, args, env=None):

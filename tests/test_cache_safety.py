@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 import tiny_gguf
+from conftest import cache_with_kernels
 
 import models
 from models import convert, registry
@@ -233,7 +234,7 @@ def test_an_entry_still_damaged_after_its_rebuild_is_one_error_naming_it(tiny, m
 def test_the_cli_reports_a_damaged_entry_it_cannot_rebuild_in_one_line_exit_1(tmp_path):
     """A truncated converted config.json and no way to fetch the GGUF again (a dead index): exit
     1 naming the entry (it was exit 2, "error: Expecting value: line 1 column 33")."""
-    cache = tmp_path / "cache"
+    cache = cache_with_kernels(tmp_path / "cache")
     entry = cache / "converted" / "smollm2-135m"
     entry.mkdir(parents=True)
     (entry / "config.json").write_text('{\n  "format_version": 2,\n  "config":')

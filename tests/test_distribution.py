@@ -91,7 +91,11 @@ def test_speculative_matches_target_distribution_exactly(pair, sampling):
     assert chi2_pvalue(counts, exact_joint(target, sampling)) > 1e-3
 
 
-@pytest.mark.parametrize("sampling", WARPS, ids=["t1", "top_k3", "t0.8_top_p0.8"])
+@pytest.mark.parametrize(
+    "sampling",
+    [WARPS[0], *(pytest.param(w, marks=pytest.mark.slow) for w in WARPS[1:])],
+    ids=["t1", "top_k3", "t0.8_top_p0.8"],
+)  # the warps themselves: the speculative sampler above, at each of them
 def test_autoregressive_sampler_matches_target_distribution(pair, sampling):
     target, _ = pair
     counts, _ = sample_counts(target, None, sampling, gamma=2, seed=1)

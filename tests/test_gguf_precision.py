@@ -383,6 +383,7 @@ def test_speculative_sampling_at_gguf_q8_matches_target_distribution_exactly(q8_
     assert chi2_pvalue(counts, joint) > 1e-3
 
 
+@pytest.mark.slow  # the harness catching this rule: tests/test_distribution.py (float32), in make test
 def test_a_broken_rule_that_always_accepts_fails_at_gguf_q8(q8_pair, monkeypatch):
     target, draft, joint = q8_pair
 

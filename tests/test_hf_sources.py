@@ -19,7 +19,7 @@ transformers = pytest.importorskip(
 )
 
 import tiny_gguf  # noqa: E402
-from conftest import apply  # noqa: E402
+from conftest import apply, cache_with_kernels  # noqa: E402
 
 import models  # noqa: E402
 import spec_jax  # noqa: E402
@@ -76,7 +76,7 @@ def checkpoints(tmp_path_factory):
                 name, cache_dir, progress, **kw
             ),
         )
-        yield out, gguf, root / "cache"
+        yield out, gguf, cache_with_kernels(root / "cache")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

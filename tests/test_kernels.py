@@ -604,7 +604,10 @@ def test_dispatcher_routes_on_num_queries(monkeypatch, impl):
     ]
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+# pallas_tpu's interpreter runs the loop in 7 s: slow tier; its kernels against the reference
+# (test_dispatcher_matches_reference) and compiled for TPUs (tests/test_compile_targets.py) are
+# in make test, beside this loop on the GPU kernels.
+@pytest.mark.parametrize("impl", [pytest.param("pallas_tpu", marks=pytest.mark.slow), "pallas_gpu"])
 def test_greedy_speculative_decoding_is_identical_with_each_impl(impl):
     """The whole loop (prefill, draft steps, verification) under a Pallas impl in interpret mode."""
     import dataclasses

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import CLI_TRAINING_FLAGS
 from test_ngram import cycle_following_target
 
 import models
@@ -164,11 +165,16 @@ def test_the_cli_refuses_bad_settings_with_one_line(tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted_result(tmp_path):
-    steps = ["--config.steps=24", "--config.checkpoint_every=2", "--config.eval_every=6"]
-    whole = cli(*steps, workdir=tmp_path / "whole", output_dir=tmp_path / "whole_out")
+@pytest.mark.xdist_group("cli_trained_head")
+def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted_result(
+    tmp_path, cli_trained_head
+):
+    """The run of CLI_TRAINING_FLAGS (24 steps, a checkpoint every 2) killed with SIGKILL after
+    its sixth step's checkpoint, then run again: the same parameters as the uninterrupted run."""
+    _, whole_out = cli_trained_head
+    flags = CLI_TRAINING_FLAGS[1:]  # after the config, which cli() names
     killed = cli(
-        *steps, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out", start_new_session=True
+        *flags, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out", start_new_session=True
     )
     checkpoints = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 240
@@ -180,16 +186,15 @@ def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted
     assert killed.poll() is None, "the run ended before it could be killed: " + killed.communicate()[1][-500:]
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
-    _, err = whole.communicate(timeout=300)
-    assert whole.returncode == 0, err
-    resumed = cli(*steps, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out")
+    resumed = cli(*flags, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out")
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
-    assert summary_hash(tmp_path / "killed_out") == summary_hash(tmp_path / "whole_out")
+    assert summary_hash(tmp_path / "killed_out") == summary_hash(whole_out)
     history = [json.loads(line)["step"] for line in (tmp_path / "killed" / "history.jsonl").open()]
     assert history == list(range(1, 25)), "the history continues where the checkpoint was"
 
 
+@pytest.mark.slow  # 20 s; in make test: tests/test_acceptance.py drafts with acceptance heads in-process
 def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_path, monkeypatch):
     """The quick experiments end to end: a draft head, then its acceptance head (logged rounds,
     classifier, threshold), loaded as one drafter; retraining the draft head invalidates it."""

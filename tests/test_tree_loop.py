@@ -142,13 +142,17 @@ def test_after_a_round_the_cache_holds_the_committed_text_where_plain_decoding_h
     )
     length = np.asarray(state.length)
     cache = state.target_cache
-    for b, p in enumerate(PROMPTS):
-        committed = list(p) + plain.tokens[b]
+    # One prefill of every row's committed text, padded to the longest: slots below a row's
+    # length hold only its own text's keys and values (causal), whatever the padding after it.
+    width = int(length.max())
+    texts = [(list(p) + plain.tokens[b] + [0] * width)[:width] for b, p in enumerate(PROMPTS)]
+    fresh = models.init_cache(xla_target.config, len(PROMPTS), cache.max_len)
+    positions = jnp.broadcast_to(jnp.arange(width), (len(PROMPTS), width))
+    ref = apply(xla_target, jnp.asarray(texts), positions, fresh).cache
+    for b in range(len(PROMPTS)):
         n = int(length[b]) - 1
-        fresh = models.init_cache(xla_target.config, 1, cache.max_len)
-        ref = apply(xla_target, jnp.asarray([committed[:n]]), jnp.arange(n)[None], fresh).cache
-        np.testing.assert_allclose(np.asarray(cache.k[:, b, :n]), np.asarray(ref.k[:, 0, :n]), atol=1e-5)
-        np.testing.assert_allclose(np.asarray(cache.v[:, b, :n]), np.asarray(ref.v[:, 0, :n]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(cache.k[:, b, :n]), np.asarray(ref.k[:, b, :n]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(cache.v[:, b, :n]), np.asarray(ref.v[:, b, :n]), atol=1e-5)
 
 
 def test_the_default_tree_of_a_chain_drafter_is_the_chain_draw_for_draw(tiny_target, tiny_draft):

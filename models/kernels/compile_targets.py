@@ -176,6 +176,7 @@ def device(target):
     from jax.experimental import topologies
 
     if isinstance(target, GpuSpec):
+        add_compile_deps()  # the pinned ptxas on PATH, whoever put the packages on sys.path
         config = target.target_config()
         try:
             topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
