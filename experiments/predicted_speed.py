@@ -17,6 +17,16 @@ For each compile-only TPU / GPU target of models.kernels.compile_targets and eac
 alpha is a setting: the Qwen pair's measured acceptance rate on code at temperature 0, 0.879
 (experiments/results/table3.md, the 0.5B draft row), rounded to 0.88.
 
+Token trees (config.tree_nodes, spec_jax.tree): a tree of N nodes is verified by one target call
+of N + 1 queries with a tree mask, whose dense work is the chain's of N drafts (the mask only
+selects what each query reads), so its cost is v(N), the verify call of gamma = N. The draft
+model's EAGLE-2 tree costs min(tree_depth, N) draft calls per round (one per depth, the widest
+over tree_width * (depth - 1) queries, memory-bound like the verify calls of the chain up to
+gamma 8 on every device here), costed as c each; the chain of N costs N. With the measured mean
+accepted tokens per verify call L of each (config.chain_lengths, config.tree_lengths: the pair's
+draft model on code at temperature 0, experiments/results/trees/table3.md), the predicted
+speedup over plain decoding is L / (draft calls * c + v(N)).
+
 Assumptions (what a roofline is and is not):
 - The roofline time is a lower bound on a call's time: it assumes the call streams its bytes at
   the full published bandwidth or runs its flops at the full dense peak, whichever takes longer.
@@ -65,6 +75,10 @@ TITLE = "Predicted speedup on TPUs and GPUs: roofline times of the compiled mode
 
 # alpha of the Qwen pair on code at temperature 0 (experiments/results/table3.md: 0.879 [0.833, 0.922]).
 MEASURED_ALPHA = 0.88
+# Mean accepted tokens per verify call of the Qwen pair's 0.5B draft on code at temperature 0, a
+# chain of N drafts and the EAGLE-2 tree of N nodes (experiments/results/trees/table3.md).
+MEASURED_TREE_LENGTHS = {8: (4.889, 5.173)}
+TREE_DEPTH = 8  # spec_jax.drafting.model.ModelDrafter.tree_depth: the tree's draft calls per round
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +156,13 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     # The cache of `make demo`: the prompt bucket of DEMO.prompt_tokens, max_new_tokens, the gammas.
     config.prompt_tokens = DEMO.prompt_tokens
     config.max_new_tokens = DEMO.max_new_tokens
+    # Token trees: node counts N and the measured tokens per verify call of the chain of N and the
+    # tree of N (MEASURED_TREE_LENGTHS; empty: no trees table).
+    nodes = tuple(MEASURED_TREE_LENGTHS)
+    config.tree_nodes = nodes
+    config.chain_lengths = tuple(MEASURED_TREE_LENGTHS[n][0] for n in nodes)
+    config.tree_lengths = tuple(MEASURED_TREE_LENGTHS[n][1] for n in nodes)
+    config.tree_depth = TREE_DEPTH
     return config
 
 
@@ -150,8 +171,15 @@ INT_RANGES = {
     "vocab_size": (0, 1 << 20),
     "prompt_tokens": (1, 1 << 16),
     "max_new_tokens": (1, 1 << 16),
+    "tree_depth": (1, 31),
 }
-TUPLE_RANGES = {"gammas": (int, 1, 16), "batch_sizes": (int, 1, 1024)}
+TUPLE_RANGES = {
+    "gammas": (int, 1, 16),
+    "batch_sizes": (int, 1, 1024),
+    "tree_nodes": (int, 1, 31),
+    "chain_lengths": (float, 1.0, 32.0),
+    "tree_lengths": (float, 1.0, 32.0),
+}
 
 
 def validate(config) -> None:
@@ -166,6 +194,13 @@ def validate(config) -> None:
         raise ValueError(f"alpha: must be in [0, 1), got {config.alpha}")
     if config.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype: must be float32 or bfloat16, got {config.dtype!r}")
+    n = len(config.tree_nodes)
+    for key in ("chain_lengths", "tree_lengths"):
+        if len(config[key]) != n:
+            raise ValueError(f"{key}: one per tree_nodes entry ({n}), got {len(config[key])}")
+        for nodes, length in zip(config.tree_nodes, config[key], strict=True):
+            if length > nodes + 1:
+                raise ValueError(f"{key}: at most N + 1 tokens per verify call, got {length} at N = {nodes}")
 
 
 def model_config(config, name: str):
@@ -179,10 +214,15 @@ def model_config(config, name: str):
     return cfg
 
 
+def verify_widths(config) -> list[int]:
+    """The gammas and the tree node counts: each one's verify call is compiled."""
+    return sorted({*config.gammas, *config.tree_nodes})
+
+
 def cache_slots(config, target_cfg) -> int:
-    """The demo's cache length (spec_jax.decode.layout) for the largest gamma."""
+    """The demo's cache length (spec_jax.decode.layout) for the largest gamma or tree."""
     prompt = [[0] * config.prompt_tokens]
-    return layout(target_cfg, prompt, config.max_new_tokens, max(config.gammas))[1]
+    return layout(target_cfg, prompt, config.max_new_tokens, max(verify_widths(config)))[1]
 
 
 def call_costs(config, target_name: str, batch: int) -> list[dict]:
@@ -195,7 +235,7 @@ def call_costs(config, target_name: str, batch: int) -> list[dict]:
     greedy = SamplingParams(0.0)
     dev = ct.device(target_name)
     calls = {"decode": (target_cfg, 1), "draft": (draft_cfg, 1)}
-    calls.update({f"verify_{g}": (target_cfg, g + 1) for g in config.gammas})
+    calls.update({f"verify_{g}": (target_cfg, g + 1) for g in verify_widths(config)})
     out = []
     for name, (cfg, width) in calls.items():
         start = time.perf_counter()
@@ -301,45 +341,80 @@ def roofline(call: dict, peak: Peak, dev) -> dict:
     }
 
 
+def by_device(calls: list[dict], config):
+    """(target, batch, {call name: call}, c) for each target and batch of the config: the calls
+    of that device and batch, and c = t_draft / t_decode."""
+    for target in config.targets:
+        for batch in config.batch_sizes:
+            mine = {c["call"]: c for c in calls if (c["target"], c["batch"]) == (target, batch)}
+            yield target, batch, mine, mine["draft"]["seconds"] / mine["decode"]["seconds"]
+
+
 def predict(calls: list[dict], config) -> list[dict]:
     """One row per (target, batch, gamma) from the calls of that target and batch."""
     rows = []
-    by_key = {(c["target"], c["batch"], c["call"]): c for c in calls}
-    for target in config.targets:
-        for batch in config.batch_sizes:
-            decode, draft = by_key[target, batch, "decode"], by_key[target, batch, "draft"]
-            c = draft["seconds"] / decode["seconds"]
-            c_floor = draft["floor_seconds"] / decode["floor_seconds"]
-            for g in config.gammas:
-                verify = by_key[target, batch, f"verify_{g}"]
-                v = verify["seconds"] / decode["seconds"]
-                v_floor = verify["floor_seconds"] / decode["floor_seconds"]
-                speedup = theory.walltime_speedup(config.alpha, g, c, verify_cost=v)
-                ar_rate = batch / decode["seconds"]
-                rows.append(
-                    {
-                        "target": target,
-                        "batch": batch,
-                        "gamma": g,
-                        "alpha": config.alpha,
-                        "decode_ms": 1e3 * decode["seconds"],
-                        "verify_ms": 1e3 * verify["seconds"],
-                        "draft_ms": 1e3 * draft["seconds"],
-                        "verify_bound": verify["bound"],
-                        "v": v,
-                        "c": c,
-                        "expected_tokens": theory.expected_tokens(config.alpha, g),
-                        "theorem_3_8_speedup": theory.walltime_speedup(config.alpha, g, c),
-                        "predicted_speedup": speedup,
-                        "ar_tokens_per_s": ar_rate,
-                        "spec_tokens_per_s": ar_rate * speedup,
-                        "v_floor": v_floor,
-                        "c_floor": c_floor,
-                        "predicted_speedup_floor": theory.walltime_speedup(
-                            config.alpha, g, c_floor, verify_cost=v_floor
-                        ),
-                    }
-                )
+    for target, batch, by_call, c in by_device(calls, config):
+        decode, draft = by_call["decode"], by_call["draft"]
+        c_floor = draft["floor_seconds"] / decode["floor_seconds"]
+        for g in config.gammas:
+            verify = by_call[f"verify_{g}"]
+            v = verify["seconds"] / decode["seconds"]
+            v_floor = verify["floor_seconds"] / decode["floor_seconds"]
+            speedup = theory.walltime_speedup(config.alpha, g, c, verify_cost=v)
+            ar_rate = batch / decode["seconds"]
+            rows.append(
+                {
+                    "target": target,
+                    "batch": batch,
+                    "gamma": g,
+                    "alpha": config.alpha,
+                    "decode_ms": 1e3 * decode["seconds"],
+                    "verify_ms": 1e3 * verify["seconds"],
+                    "draft_ms": 1e3 * draft["seconds"],
+                    "verify_bound": verify["bound"],
+                    "v": v,
+                    "c": c,
+                    "expected_tokens": theory.expected_tokens(config.alpha, g),
+                    "theorem_3_8_speedup": theory.walltime_speedup(config.alpha, g, c),
+                    "predicted_speedup": speedup,
+                    "ar_tokens_per_s": ar_rate,
+                    "spec_tokens_per_s": ar_rate * speedup,
+                    "v_floor": v_floor,
+                    "c_floor": c_floor,
+                    "predicted_speedup_floor": theory.walltime_speedup(
+                        config.alpha, g, c_floor, verify_cost=v_floor
+                    ),
+                }
+            )
+    return rows
+
+
+def predict_trees(calls: list[dict], config) -> list[dict]:
+    """One row per (target, batch, N): the chain of N drafts and the draft model's tree of N nodes,
+    each at its measured tokens per verify call, through the same verify call v(N) (module
+    docstring)."""
+    rows = []
+    for target, batch, by_call, c in by_device(calls, config):
+        for n, chain, tree in zip(config.tree_nodes, config.chain_lengths, config.tree_lengths, strict=True):
+            v = by_call[f"verify_{n}"]["seconds"] / by_call["decode"]["seconds"]
+            calls_tree = min(config.tree_depth, n)
+            chain_speedup, tree_speedup = chain / (n * c + v), tree / (calls_tree * c + v)
+            rows.append(
+                {
+                    "target": target,
+                    "batch": batch,
+                    "nodes": n,
+                    "v": v,
+                    "c": c,
+                    "chain_tokens": chain,
+                    "tree_tokens": tree,
+                    "chain_draft_calls": n,
+                    "tree_draft_calls": calls_tree,
+                    "chain_speedup": chain_speedup,
+                    "tree_speedup": tree_speedup,
+                    "tree_vs_chain": tree_speedup / chain_speedup,
+                }
+            )
     return rows
 
 
@@ -419,7 +494,19 @@ def pivot(rows, config) -> str:
     return framework.markdown_table(["target", "batch", *(f"gamma {g}" for g in config.gammas)], table)
 
 
-def markdown(rows, best, calls, config) -> str:
+def markdown(rows, best, calls, config, trees=()) -> str:
+    tree_lines = []
+    if trees:
+        tree_lines = [
+            "## Token trees: the draft model's chain and tree of N, at the same verify call",
+            "",
+            f"Measured tokens per verify call (the pair on code at temperature 0, "
+            f"experiments/results/trees/table3.md); the tree's draft calls are min({config.tree_depth}, N), "
+            "the chain's N, each costed as c; speedup = tokens / (draft calls * c + v(N)).",
+            "",
+            framework.dict_table(trees),
+            "",
+        ]
     lines = [
         "## Predicted speedup at the best gamma",
         "",
@@ -437,6 +524,7 @@ def markdown(rows, best, calls, config) -> str:
         "",
         pivot(rows, config),
         "",
+        *tree_lines,
         "## Peaks used",
         "",
         framework.dict_table(
@@ -494,12 +582,14 @@ def run(config) -> framework.Result | None:
             calls += [roofline(c, PEAKS[target], dev) for c in call_costs(config, target, batch)]
     rows = predict(calls, config)
     best = best_rows(rows)
+    trees = predict_trees(calls, config)
     return framework.Result(
         columns=COLUMNS,
         rows=[[r[k] for k in COLUMNS] for r in rows],
-        markdown=markdown(rows, best, calls, config),
+        markdown=markdown(rows, best, calls, config, trees),
         summary={
             "best": best,
+            "trees": trees,
             "calls": calls,
             "peaks": {t: dataclasses.asdict(PEAKS[t]) for t in config.targets},
         },

@@ -105,6 +105,9 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.prompt_tokens = 16 if quick else 32
     config.max_new_tokens = 8 if quick else 24
     config.gamma = 2
+    # The models' precision (models.precision.PRECISIONS): float32 is the checkpoints' own
+    # distributions; gguf_q8 runs the GGUF's blocks several times faster on a CPU.
+    config.dtype = "float32"
     # Node counts N: each draft also as a chain of N drafts and a tree of N nodes (empty: none).
     config.trees = ()
     config.test_fraction = 0.2  # share of documents held out for prompts
@@ -127,6 +130,7 @@ def parse_run(run: str) -> tuple[str, tuple[str, ...]]:
     return target.strip(), names
 
 
+DTYPE_KEYS = ("dtype",)
 INT_RANGES = {
     "num_prompts": (2, 10_000),
     "batch_size": (1, 1024),
@@ -267,7 +271,7 @@ def measure(config) -> list[dict]:
     cells = []
     for run in config.runs:
         target_name, draft_names = parse_run(run)
-        target = common.load_model(target_name)
+        target = common.load_model(target_name, config.dtype)
         vocab = target.config.vocab_size
         data = {task: task_data(task, target.tokenizer, config) for task in config.tasks}
         drafts = {}
@@ -284,12 +288,12 @@ def measure(config) -> list[dict]:
             elif name == HEAD:
                 drafts[name] = dict.fromkeys(config.tasks, drafting.build(HEAD, target))
             elif name.startswith(HYBRID_PREFIX):
-                model = common.load_model(name[len(HYBRID_PREFIX) :])
+                model = common.load_model(name[len(HYBRID_PREFIX) :], config.dtype)
                 drafts[name] = dict.fromkeys(
                     config.tasks, drafting.build("hybrid", target, drafting.Settings(draft=model))
                 )
             elif name not in NGRAM_DRAFTS and name not in (SUFFIX, HEAD):
-                model = common.load_model(name)
+                model = common.load_model(name, config.dtype)
                 drafts[name] = dict.fromkeys(config.tasks, model)
         # (draft, temperature, task, gamma, tree): the table's cells, then chain and tree per N
         shapes = [(None, 0)] + [shape for n in config.trees for shape in ((n, 0), (n, n))]
@@ -392,7 +396,7 @@ def markdown(cells, checks, config, passed) -> str:
         "[95% percentile bootstrap interval over prompts]; beside it the observed acceptance "
         "(accepted / scored positions) with its interval. n = scored positions over "
         f"{config.num_prompts} prompts of {config.prompt_tokens} tokens, {config.max_new_tokens} "
-        f"new tokens each, gamma {config.gamma}.",
+        f"new tokens each, gamma {config.gamma}, the models at {config.dtype}.",
         "",
     ]
     columns = ["target", "task", "draft"]

@@ -185,6 +185,7 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         active,
         observe,
         num_scored=num_scored,
+        draft_steps=static.drafter.tree_calls(n),
     )
 
 
@@ -283,9 +284,11 @@ def _finish_round(
     active,
     observe=None,
     num_scored=None,
+    draft_steps=None,
 ) -> SpecState:
     """What every round ends with: the row commits the first `usable` of its new tokens [B, C]
-    (commit), then the last two committed tokens, the length and the metrics move on."""
+    (commit), then the last two committed tokens, the length and the metrics move on.
+    draft_steps: the drafter's batched calls this round (default gamma, a chain's)."""
     gamma = static.gamma
     out, committed = commit(state.out, new, usable, static.max_new_tokens, stop_ids, nonfinite)
     if observe is not None:
@@ -302,7 +305,7 @@ def _finish_round(
         num_accepted,
         overlap_bg,
         committed,
-        gamma,
+        gamma if draft_steps is None else draft_steps,
         # A plain round (gamma 0, as gamma=auto may end with) is served by no drafter source.
         static.drafter.served(draft_state, new.shape[0]) if gamma else jnp.full_like(state.length, -1),
         num_scored,

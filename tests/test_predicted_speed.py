@@ -64,6 +64,25 @@ def test_predictions_are_theorem_3_8_with_the_roofline_costs(quick_run):
         assert row["v"] >= 1.0 and 0.0 < row["c"] < 1.0
 
 
+def test_tree_rows_are_measured_tokens_over_draft_calls_and_the_verify_call(quick_run):
+    """The trees table: the chain of N pays N draft calls, the tree min(tree_depth, N), both the
+    verify call of N + 1 queries (gamma = N's), at their measured tokens per call."""
+    result, _ = quick_run
+    config = ps.get_config(quick=True)
+    calls = {(c["target"], c["call"]): c["seconds"] for c in result.summary["calls"]}
+    trees = result.summary["trees"]
+    assert {(r["target"], r["nodes"]) for r in trees} == {
+        (t, n) for t in config.targets for n in config.tree_nodes
+    }
+    for row in trees:
+        decode, n = calls[row["target"], "decode"], row["nodes"]
+        v, c = calls[row["target"], f"verify_{n}"] / decode, calls[row["target"], "draft"] / decode
+        calls_tree = min(config.tree_depth, n)
+        assert row["chain_speedup"] == pytest.approx(row["chain_tokens"] / (n * c + v))
+        assert row["tree_speedup"] == pytest.approx(row["tree_tokens"] / (calls_tree * c + v))
+        assert row["tree_draft_calls"] == calls_tree and row["chain_draft_calls"] == n
+
+
 def test_costs_count_the_weights_and_decode_is_memory_bound(quick_run):
     """The cost analysis saw the whole program: at least the weights are read; a batch-1 decode
     step does ~2 flops per weight, far below any accelerator's flops per byte."""

@@ -75,6 +75,8 @@ def test_rows_accept_paths_of_different_depths_through_later_siblings(target, ro
         target, PROMPTS, draft=(drafter, rough_draft.params), tree=8, max_new_tokens=NEW, temperature=0.0
     )
     assert gen.tokens == plain.tokens
+    # One draft call per depth (8 of them at N = 8), after the prefill's one.
+    assert gen.stats["draft_calls"] == 1 + 8 * (gen.stats["target_calls"] - 1)
     ragged = later_sibling = 0
     for parents, path, count, length in ROUNDS:
         parents, path, count = np.asarray(parents), np.asarray(path), np.asarray(count)

@@ -107,6 +107,11 @@ class Drafter(abc.ABC):
         proposal = Proposal(*self.propose(params, state, context_b2, length_b, nodes, sampling, keys_b))
         return TreeProposal(tree_lib.chain(proposal.tokens, proposal.q), proposal.state)
 
+    def tree_calls(self, nodes: int) -> int:
+        """The batched drafting calls propose_tree makes for a tree of `nodes` slots (counted in
+        the metrics' draft_calls). Default: the chain's, one per node."""
+        return nodes
+
     def accepted(self, params: Any, state: Any, tree: Any, path_bn, count_b, length_b) -> Any:
         """The state after a tree round: row b accepted the nodes path_bn[b, :count_b[b]] (slots,
         root child first) of `tree`, whose tokens are now committed at positions length_b[b] ..

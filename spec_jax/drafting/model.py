@@ -78,6 +78,10 @@ class DynamicTree:
         """The widest tree call's queries: K expanded nodes at each depth below D."""
         return self.tree_width * (self.tree_depth - 1)
 
+    def tree_calls(self, nodes: int) -> int:
+        """One draft call per depth of the tree (min(D, N)); the chain's N without a tree."""
+        return min(self.tree_depth, nodes) if self.tree_width else nodes
+
     def dynamic_tree(self, root_logits_b1v, expand, carry, nodes: int, scores, dists):
         """(Tree of `nodes` (N) slots, expanded [B, N], carry): EAGLE-2's dynamic tree, every row
         alike.
