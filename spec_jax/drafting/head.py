@@ -32,6 +32,7 @@ load_drafter (`--drafter=head` of `launch.generate`, the benchmarks) reads from 
 """
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any, ClassVar
 
@@ -49,7 +50,7 @@ from spec_jax import sharding
 from spec_jax.autogamma import model_key
 from spec_jax.decode import PAD_ID
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
-from spec_jax.drafting.model import DynamicTree, TrimmedHead, tree_scores
+from spec_jax.drafting.model import DynamicTree, TrimmedHead, on_ids
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 
@@ -168,10 +169,7 @@ class HeadDrafter(DynamicTree, Drafter):
     def on_target_vocab(self, params: HeadParams, probs):
         """[..., V]: probabilities over the output head's rows ([..., R]) as the target's
         vocabulary (zeros off a trimmed head's tokens)."""
-        if not self.trimmed:
-            return probs
-        zeros = jnp.zeros(probs.shape[:-1] + (self.vocab_size,), probs.dtype)
-        return zeros.at[..., params.out.ids].set(probs)
+        return on_ids(probs, params.out.ids, self.vocab_size) if self.trimmed else probs
 
     def distribution(self, params: HeadParams, hidden_bd, sampling: SamplingParams):
         """(q [B, V] warped, confidence [B], entropy [B]) of the token after a hidden state,
@@ -283,13 +281,9 @@ class HeadDrafter(DynamicTree, Drafter):
 
         root_logits = draft_head.logits(state.hidden[:, None], params.out.weight, cfg)  # [B, 1, R]
         empty = jnp.zeros((length_b.shape[0], 0, cfg.d_model), state.hidden.dtype)
+        to_vocab = functools.partial(self.on_target_vocab, params)
         tree, _, (cache, _) = self.dynamic_tree(
-            root_logits,
-            expand,
-            (state.cache, empty),
-            nodes,
-            scores=lambda x: tree_scores(x, sampling, lambda p: self.on_target_vocab(params, p)),
-            dists=lambda x: self.on_target_vocab(params, warp(x, sampling)),
+            root_logits, expand, (state.cache, empty), nodes, sampling, to_vocab
         )
         return TreeProposal(tree, state.replace(cache=cache))
 

@@ -4,6 +4,7 @@ subset of it; in tree rounds, a dynamic token tree (EAGLE-2, Li et al. 2024) rea
 tree mask (ModelDrafter.propose_tree)."""
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import flax.struct
@@ -82,12 +83,12 @@ class DynamicTree:
         """One draft call per depth of the tree (min(D, N)); the chain's N without a tree."""
         return min(self.tree_depth, nodes) if self.tree_width else nodes
 
-    def dynamic_tree(self, root_logits_b1v, expand, carry, nodes: int, scores, dists):
+    def dynamic_tree(self, root_logits_b1v, expand, carry, nodes: int, sampling, to_vocab):
         """(Tree of `nodes` (N) slots, expanded [B, N], carry): EAGLE-2's dynamic tree, every row
         alike.
 
-        A candidate's score is its path's cumulative log draft probability (scores(logits): as
-        tree_scores). The root's K best tokens (root_logits [B, 1, V']: the draft's logits of
+        A candidate's score is its path's cumulative log draft probability (tree_scores; to_vocab
+        puts the draft's probabilities on the target's vocabulary). The root's K best tokens (root_logits [B, 1, V']: the draft's logits of
         the token after the committed text) are the depth-1 candidates. At each depth d < D' =
         min(D, N) the K best-scored candidates of depth d are expanded: expand(carry, tokens
         [B, E], parents [B, E] (each expanded node's parent's expanded index; ROOT: the root),
@@ -97,14 +98,21 @@ class DynamicTree:
         by depth, reading each other through the tree mask; a call masks only its own keys, so
         each depth's call recomputes the depths above it), and each newest node's K most
         probable tokens are its children. Cost: D' calls (the last over K(D' - 1) nodes),
-        K * D'(D' - 1) / 2 node queries. dists(logits): the draft's q on the target's
-        vocabulary, the distribution a sampled node would carry (node_q reads it).
+        K * D'(D' - 1) / 2 node queries. The draft's warped q at each expanded node is the
+        distribution a sampled node would carry (node_q reads it).
 
         The tree is the N best-scored candidates, ties toward shallower ones: a child's score is
         at most its parent's, so the set is ancestor-closed and its rank order is topological.
         Siblings are distinct (top-k) and each node's q is a point mass at its token (node_q):
         top-k candidates are deterministic given the text, which keeps the rule exact
         (spec_jax.tree)."""
+
+        def scores(logits):
+            return tree_scores(logits, sampling, to_vocab)
+
+        def dists(logits):
+            return to_vocab(warp(logits, sampling))
+
         root_scores = scores(root_logits_b1v)[:, 0]  # [B, V]
         k, depth = min(self.tree_width, root_scores.shape[-1]), min(self.tree_depth, nodes)
         b = root_logits_b1v.shape[0]
@@ -140,6 +148,13 @@ class DynamicTree:
         )
         tree, expanded = best_nodes(tokens, scores_c, parents, exp_cand, jnp.concatenate(dists_all, 1), nodes)
         return tree, expanded, carry
+
+
+def on_ids(probs, ids, vocab_size: int):
+    """[..., V]: probabilities over a trimmed head's R tokens ([..., R], ids [R]) as the whole
+    vocabulary of vocab_size, zero off the ids."""
+    zeros = jnp.zeros(probs.shape[:-1] + (vocab_size,), probs.dtype)
+    return zeros.at[..., ids].set(probs)
 
 
 def tree_scores(logits_btv, sampling, to_vocab):
@@ -226,8 +241,7 @@ class ModelDrafter(DynamicTree, Drafter):
         """[..., V]: probabilities over the draft's head ([..., V_draft], or [..., R] trimmed) as
         the target's vocabulary: zeros off the trimmed set and past a prefix vocabulary."""
         if self.trimmed:
-            zeros = jnp.zeros(probs.shape[:-1] + (self.vocab_size,), probs.dtype)
-            return zeros.at[..., params.head.ids].set(probs)
+            return on_ids(probs, params.head.ids, self.vocab_size)
         if self.vocab:
             return jnp.pad(probs, [(0, 0)] * (probs.ndim - 1) + [(0, self.vocab_size - probs.shape[-1])])
         return probs
@@ -294,14 +308,8 @@ class ModelDrafter(DynamicTree, Drafter):
 
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
         logits, cache = call(context_b2, positions, cache, jnp.ones_like(length_b)[:, None])
-        tree, expanded, cache = self.dynamic_tree(
-            logits,
-            expand,
-            cache,
-            nodes,
-            scores=lambda x: tree_scores(x, sampling, lambda p: self.on_target_vocab(params, p)),
-            dists=lambda x: self.on_target_vocab(params, warp(x, sampling)),
-        )
+        to_vocab = functools.partial(self.on_target_vocab, params)
+        tree, expanded, cache = self.dynamic_tree(logits, expand, cache, nodes, sampling, to_vocab)
         return TreeProposal(tree, TreeDraft(cache=cache, expanded=expanded))
 
     def accepted(self, params, state, tree, path_bn, count_b, length_b):
