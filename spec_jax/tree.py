@@ -14,18 +14,22 @@ with probability min(1, r(c_j) / q_j(c_j)); on acceptance the walk moves to c_j 
 on rejection r <- norm(max(r - q_j, 0)) and the next child is tried. When the children are
 exhausted the next token is drawn from r.
 
-Why it is exact: if each c_j is drawn from q_j independently of the earlier candidates (given
-the committed text), the token this step emits is distributed as r. By induction from the last
-child: step j emits x with probability min(r_j(x), q_j(x)) by acceptance plus
-(1 - sum min(r_j, q_j)) r_{j+1}(x) after a rejection, and with r_{j+1} = norm(max(r_j - q_j, 0))
-(whose mass is exactly 1 - sum min(r_j, q_j)) the sum is r_j(x). The accepted child then
-continues with its own subtree, drawn given its token, so each committed token is a sample of
-the target given the tokens before it. Independence is what the proof needs: children drawn
-i.i.d. from the same q qualify, and so do point masses (deterministic given the context),
-for which the rule reads: accept c with probability r(c), else zero c out of r and renormalise.
-Children drawn WITHOUT replacement from one q do not qualify (their q_j would be the
-conditional distribution given the earlier siblings); a drafter that wants distinct children
-proposes them as point masses (e.g. the top-k of its distribution), which is exact.
+Why it is exact: if each c_j is drawn from q_j given everything drawn before it (the committed
+text, the earlier siblings and their subtrees), the token this step emits is distributed as r.
+By induction from the last child: step j emits x with probability min(r_j(x), q_j(x)) by
+acceptance plus (1 - sum min(r_j, q_j)) r_{j+1}(x) after a rejection, and with r_{j+1} =
+norm(max(r_j - q_j, 0)) (whose mass is exactly 1 - sum min(r_j, q_j)) the sum is r_j(x). The
+accepted child then continues with its own subtree, drawn given its token, so each committed
+token is a sample of the target given the tokens before it. The proof also needs that whether
+slot j holds a node does not depend on c_j's own draw. Children drawn i.i.d. from the same q
+qualify; so do point masses (deterministic given what came before, earlier siblings' draws
+included), for which the rule reads: accept c with probability r(c), else zero c out of r and
+renormalise; and so does a mix, such as a child drawn from q followed by point masses at q's
+most probable other tokens (the draft model's trees at temperature > 0). Children drawn
+WITHOUT replacement from one q but labelled with q do not qualify (c_j's distribution is q
+conditioned on the earlier siblings), nor does a drawn child kept only where its token scores
+well (tests/test_tree.py keeps both as broken variants). A drafter that wants distinct
+children proposes them as point masses (e.g. the top-k of its distribution), which is exact.
 
 At temperature 0, p is a point mass at the argmax (ties broken by sampling.warp) and the rule
 accepts a child exactly when its token is that argmax: the longest path of argmax tokens, then

@@ -186,33 +186,42 @@ def test_top_k_nodes_carrying_the_drafts_q_instead_of_a_point_mass_fail(pair, mo
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
 
 
+def propose_both(drafter, params, temperature, nodes=16):
+    """(the tree of `nodes` slots, the chain of its spine's length) proposed from PROMPTS with
+    the same keys."""
+    tokens, lens = pad_prompts(PROMPTS, 16)
+    cache = drafter.init(params, jnp.asarray(tokens), jnp.asarray(lens), 16 + 8)
+    length = jnp.asarray(lens)
+    rows = jnp.arange(len(PROMPTS))
+    context = jnp.stack([jnp.asarray(tokens)[rows, length - 2], jnp.asarray(tokens)[rows, length - 1]], 1)
+    sampling = SamplingParams(temperature)
+    keys = row_keys(jax.random.key(0), [0, 1, 2, 3])
+    tree = jax.jit(drafter.propose_tree, static_argnums=(4, 5))(params, cache, context, length, nodes, sampling, keys)
+    spine = drafter.spine_nodes(nodes, sampling)
+    chain = jax.jit(drafter.propose, static_argnums=(4, 5))(params, cache, context, length, max(spine, 1), sampling, keys)
+    return jax.tree.map(np.asarray, tree.tree), jax.tree.map(np.asarray, chain), spine
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(
     target, draft, temperature
 ):
-    """The tree's slots are topological, siblings distinct, the depth within tree_depth, and each
-    node's q the point mass at its own token at any temperature: top-k candidates are
-    deterministic (the chi-square tests of this, slow tier, sample 20,000 rows)."""
-    drafter, params = ModelDrafter(draft.config), draft.params
-    tokens, lens = pad_prompts(PROMPTS, 16)
-    cache = drafter.init(params, jnp.asarray(tokens), jnp.asarray(lens), 16 + 8)
-    length = jnp.asarray(lens)
-    context = jnp.stack(
-        [jnp.asarray(tokens)[jnp.arange(4), length - 2], jnp.asarray(tokens)[jnp.arange(4), length - 1]], 1
-    )
-    proposal = jax.jit(drafter.propose_tree, static_argnums=(4, 5))(
-        params,
-        cache,
-        context,
-        length,
-        16,
-        SamplingParams(temperature),
-        row_keys(jax.random.key(0), [0, 1, 2, 3]),
-    )
-    tree = jax.tree.map(np.asarray, proposal.tree)
+    """The tree's slots are topological, siblings distinct and the depth within tree_depth. At
+    temperature 0 every node is a point mass at its token (the top-k candidates are
+    deterministic). At temperature > 0 the first S slots are the spine, the chain `propose`
+    draws with the same keys (its tokens, and its q as theirs), in every row whatever it drew
+    (so that a drawn node is a draw from q: tests/test_tree.py shows what a spine kept only
+    where it scores well does), and the other nodes are point masses (the chi-square tests of
+    these trees, slow tier, sample 20,000 rows)."""
+    tree, chain, spine = propose_both(ModelDrafter(draft.config), draft.params, temperature)
     assert np.all(tree.parents < np.arange(16)[None]), "a parent comes before its children"
+    assert (spine > 0) == (temperature > 0)
+    assert np.all(tree.parents[:, :spine] == np.arange(spine) - 1), "the spine in every row"
+    np.testing.assert_array_equal(tree.tokens[:, :spine], chain.tokens[:, :spine])
+    np.testing.assert_allclose(tree.q[:, :spine], chain.q[:, :spine], atol=1e-5)
     own = np.take_along_axis(tree.q, tree.tokens[..., None], axis=-1)[..., 0]
-    assert np.all(own == 1) and np.all(tree.q.sum(-1) == 1), "each node a point mass at its token"
+    rest = slice(spine, None)
+    assert np.all(own[:, rest] == 1) and np.all(tree.q[:, rest].sum(-1) == 1), "a point mass at its token"
     for b in range(4):
         for parent in set(tree.parents[b]):
             children = tree.tokens[b][tree.parents[b] == parent]
@@ -232,6 +241,14 @@ def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_disti
 def test_bad_tree_settings_are_refused_naming_them(target, draft, settings, match):
     with pytest.raises(ValueError, match=match):
         build("model", target, Settings(draft=draft, **settings))
+
+
+def test_a_spine_ranked_by_its_score_is_caught_by_the_proposal_check(target, draft, monkeypatch):
+    """The broken variant: the drawn spine ranked among the candidates by its own score (so
+    whether a drawn node is in the tree depends on what it drew) fails the proposal check."""
+    monkeypatch.setattr(model_lib, "tree_rank", lambda score, spine, depth: score)
+    with pytest.raises(AssertionError, match="spine"):
+        test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(target, draft, 1.0)
 
 
 def test_node_q_of_the_drafts_distribution_is_caught_by_the_proposal_check(target, draft, monkeypatch):

@@ -109,7 +109,8 @@ class HeadDrafter(DynamicTree, Drafter):
     drafter's own signals, so the output stays exact.
 
     tree_depth (D), tree_width (K): the dynamic tree of a tree round (propose_tree, EAGLE-2, as
-    ModelDrafter's); tree_width 0: the chain of `propose`. The head's cache has K * (D - 1)
+    ModelDrafter's, its spine drawn from q at temperature > 0); tree_width 0: the chain of
+    `propose`. The head's cache has K * (D - 1)
     slots (tree_queries) more than the loop asks for, so that the widest tree call fits.
     """
 
@@ -118,7 +119,7 @@ class HeadDrafter(DynamicTree, Drafter):
     threshold: float = 0.0
     stop_rejection: float = 0.0
     prefill_calls: int = 1
-    tree_depth: int = 8
+    tree_depth: int = 16
     tree_width: int = 2
     sources: ClassVar[tuple[str, ...]] = ("head",)
     reads_features: ClassVar[bool] = True
@@ -283,7 +284,7 @@ class HeadDrafter(DynamicTree, Drafter):
         empty = jnp.zeros((length_b.shape[0], 0, cfg.d_model), state.hidden.dtype)
         to_vocab = functools.partial(self.on_target_vocab, params)
         tree, _, (cache, _) = self.dynamic_tree(
-            root_logits, expand, (state.cache, empty), nodes, sampling, to_vocab
+            root_logits, expand, (state.cache, empty), nodes, sampling, to_vocab, keys_b
         )
         return TreeProposal(tree, state.replace(cache=cache))
 

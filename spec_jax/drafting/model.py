@@ -55,6 +55,9 @@ def node_q(tokens_bn, parent_q_bnv):
     return jax.nn.one_hot(tokens_bn, parent_q_bnv.shape[-1], dtype=jnp.float32)
 
 
+SPINE_RANK = 1e6  # above any candidate's score (>= -87 per depth): the spine ranks first
+
+
 class DynamicTree:
     """EAGLE-2's dynamic tree (Li et al. 2024) for a drafter whose draft call can read a token
     tree through the tree mask (ModelDrafter, spec_jax.drafting.head.HeadDrafter): its settings
@@ -79,11 +82,21 @@ class DynamicTree:
         """The widest tree call's queries: K expanded nodes at each depth below D."""
         return self.tree_width * (self.tree_depth - 1)
 
+    def spine_nodes(self, nodes: int, sampling) -> int:
+        """The spine's length S at temperature > 0 (0 at temperature 0; ModelDrafter's
+        docstring): the tree's main path is a chain drawn from q over its first S depths. With
+        the rest of N in point masses, S = 4, 6 and 8 at N = 8 (all spine: the chain) made
+        4.33, 4.61 and 4.22 tokens per verify call for the Qwen pair at temperature 1 on the 8
+        bench prompts (means of two seeds, 32 new tokens; one seed's spread was 0.4)."""
+        if sampling.greedy or not self.tree_width:
+            return 0
+        return min(self.tree_depth, nodes, -(-3 * nodes // 4))
+
     def tree_calls(self, nodes: int) -> int:
         """One draft call per depth of the tree (min(D, N)); the chain's N without a tree."""
         return min(self.tree_depth, nodes) if self.tree_width else nodes
 
-    def dynamic_tree(self, root_logits_b1v, expand, carry, nodes: int, sampling, to_vocab):
+    def dynamic_tree(self, root_logits_b1v, expand, carry, nodes: int, sampling, to_vocab, keys_b):
         """(Tree of `nodes` (N) slots, expanded [B, N], carry): EAGLE-2's dynamic tree, every row
         alike.
 
@@ -113,19 +126,40 @@ class DynamicTree:
         def dists(logits):
             return to_vocab(warp(logits, sampling))
 
-        root_scores = scores(root_logits_b1v)[:, 0]  # [B, V]
-        k, depth = min(self.tree_width, root_scores.shape[-1]), min(self.tree_depth, nodes)
+        spine = self.spine_nodes(nodes, sampling)
+        spine_keys = split_rows(keys_b, max(spine, 1))  # [S, B]: spine node d's draw
+
+        def children(logits, draw):
+            """(tokens, scores, spine) [B, P, K] of P parents' candidates: the K best-scored
+            tokens of each, except where draw >= 0 the spine's node (row 0), whose first child
+            is drawn from its q with spine_keys[draw] and the rest are the K - 1 best others."""
+            child_scores = scores(logits)  # [B, P, V]
+            score, token = jax.lax.top_k(child_scores, k)
+            sampled = jnp.zeros(token.shape, bool)
+            if draw >= 0:
+                x = draw_rows(spine_keys[draw], dists(logits[:, :1])[:, 0])  # [B]
+                own = jnp.take_along_axis(child_scores[:, 0], x[:, None], axis=1)  # [B, 1]
+                others = child_scores[:, 0].at[jnp.arange(b), x].set(-jnp.inf)
+                rest_score, rest_token = jax.lax.top_k(others, k - 1)
+                token = token.at[:, 0].set(jnp.concatenate([x[:, None], rest_token], axis=1))
+                score = score.at[:, 0].set(jnp.concatenate([own, rest_score], axis=1))
+                sampled = sampled.at[:, 0, 0].set(True)
+            return token, score, sampled
+
         b = root_logits_b1v.shape[0]
+        k, depth = min(self.tree_width, root_logits_b1v.shape[-1]), min(self.tree_depth, nodes)
         dists_all = [dists(root_logits_b1v)]  # q at the root, then at each expanded node
-        score, token = jax.lax.top_k(root_scores, k)  # [B, K]
-        # Candidates by depth (the newest last): token, score, parent (an expanded node's index,
-        # tree_lib.ROOT for the root). Expanded nodes: their candidate index, token, parent and
-        # ancestor bits.
-        cand_token, cand_score, cand_parent = [token], [score], [jnp.full((b, k), tree_lib.ROOT, jnp.int32)]
+        token, score, sampled = (c[:, 0] for c in children(root_logits_b1v, 0 if spine else -1))  # [B, K]
+        # Candidates by depth (the newest last): token, score, spine flag, parent (an expanded
+        # node's index, tree_lib.ROOT for the root). Expanded nodes: their candidate index,
+        # token, parent and ancestor bits.
+        cand_token, cand_score, cand_spine = [token], [score], [sampled]
+        cand_parent = [jnp.full((b, k), tree_lib.ROOT, jnp.int32)]
         exp_cand, exp_token, exp_parent, bits = (jnp.zeros((b, 0), jnp.int32) for _ in range(4))
         first = 0  # the candidate index of the newest depth's first candidate
         for d in range(1, depth):
-            best, pick = jax.lax.top_k(cand_score[-1], k)  # [B, K]: the newest depth's K best
+            _, pick = jax.lax.top_k(tree_rank(cand_score[-1], cand_spine[-1], d), k)  # [B, K]
+            best = jnp.take_along_axis(cand_score[-1], pick, axis=1)
             parent = jnp.take_along_axis(cand_parent[-1], pick, axis=1)
             parent_bits = jnp.take_along_axis(bits, jnp.maximum(parent, 0), axis=1) if d > 1 else 0
             own = jnp.left_shift(1, (d - 1) * k + jnp.arange(k, dtype=jnp.int32))[None, :]
@@ -138,16 +172,33 @@ class DynamicTree:
             node_depths = jnp.arange(d * k, dtype=jnp.int32) // k + 1
             logits, carry = expand(carry, exp_token, exp_parent, node_depths, bits, newest)
             dists_all.append(dists(logits))
-            child_score, child_token = jax.lax.top_k(scores(logits), k)
+            # The spine's node of depth d (expanded first) draws its child's token.
+            child_token, child_score, child_spine = children(logits, d if d < spine else -1)
             cand_token.append(child_token.reshape(b, k * k))
             cand_score.append((best[:, :, None] + child_score).reshape(b, k * k))
+            cand_spine.append(child_spine.reshape(b, k * k))
             cand_parent.append(jnp.repeat(newest, k, axis=1))
 
-        tokens, scores_c, parents = (
-            jnp.concatenate(c, axis=1) for c in (cand_token, cand_score, cand_parent)
+        tokens, scores_c, spine_c, parents = (
+            jnp.concatenate(c, axis=1) for c in (cand_token, cand_score, cand_spine, cand_parent)
         )
-        tree, expanded = best_nodes(tokens, scores_c, parents, exp_cand, jnp.concatenate(dists_all, 1), nodes)
+        cand_depth = jnp.concatenate([jnp.full(c.shape[1], i + 1) for i, c in enumerate(cand_score)])
+        tree, expanded = best_nodes(
+            tokens,
+            tree_rank(scores_c, spine_c, cand_depth[None, :]),
+            parents,
+            exp_cand,
+            jnp.concatenate(dists_all, 1),
+            nodes,
+            spine_c,
+        )
         return tree, expanded, carry
+
+
+def tree_rank(score, spine, depth):
+    """What orders a dynamic tree's candidates: the spine first, in depth order (whatever it
+    drew: its nodes are in every tree), then the rest by score (ties in depth order)."""
+    return jnp.where(spine, SPINE_RANK - depth, score)
 
 
 def on_ids(probs, ids, vocab_size: int):
@@ -193,12 +244,21 @@ class ModelDrafter(DynamicTree, Drafter):
     tree_depth (D), tree_width (K): the dynamic tree of a tree round (propose_tree, EAGLE-2):
     the root's K most probable tokens, then at each depth below D the K best-scored nodes of
     that depth expanded into their K most probable children; the tree is the N best-scored
-    nodes (threshold does not prune it). tree_width 0: the chain of `propose` (Drafter's default
-    tree). The draft's cache has K * (D - 1) slots (tree_queries) more than the loop asks for,
-    so that the widest tree call fits past any committed length. The defaults (D = 8, K = 2:
-    deep and narrow) measured best of (8, 2), (6, 2) and (4, 4) for the Qwen pair at N = 8 on
-    four bench prompts: 4.59, 4.40 and 3.78 tokens per verify call against the chain's 4.00
-    (docs/benchmarks.md); a good draft's tree is nearly a chain with a few side branches.
+    nodes (threshold does not prune it). At temperature > 0 the tree's main path, its spine, is
+    a chain drawn from q (the chain `propose` draws with the same keys) over the first
+    S = min(D, N, ceil(3N / 4)) depths (spine_nodes), in every tree whatever it drew, ranked
+    before all other candidates; each spine node's other children are q's most probable other
+    tokens, and every node off the spine is a point mass (the rule's proof: spec_jax.tree). A
+    tree of point masses alone loses to the chain at temperature 1 (0.63-0.78x its tokens per
+    call, docs/benchmarks.md): the rule accepts a top-k node with the target's probability of
+    its token, a drawn one with min(1, p / q). tree_width 0: the chain of `propose` (Drafter's
+    default tree). The draft's cache has K * (D - 1) slots (tree_queries) more than the loop
+    asks for, so that the widest tree call fits past any committed length. The defaults
+    (D = 16, K = 2: deep and narrow): a tree of N <= 16 nodes reaches as deep as the chain of N
+    drafts, and costs as many draft calls (min(D, N)); at N = 8, (8, 2) measured best of (8,
+    2), (6, 2) and (4, 4) for the Qwen pair on four bench prompts at temperature 0: 4.59, 4.40
+    and 3.78 tokens per verify call against the chain's 4.00 (docs/benchmarks.md); a good
+    draft's tree is nearly a chain with a few side branches.
     """
 
     config: ModelConfig
@@ -206,7 +266,7 @@ class ModelDrafter(DynamicTree, Drafter):
     trimmed: bool = False
     threshold: float = 0.0
     vocab: int = 0
-    tree_depth: int = 8
+    tree_depth: int = 16
     tree_width: int = 2
     sources: ClassVar[tuple[str, ...]] = ("model",)
     resumable: ClassVar[bool] = True
@@ -309,7 +369,7 @@ class ModelDrafter(DynamicTree, Drafter):
         positions = (length_b - 2)[:, None] + jnp.arange(2)[None, :]
         logits, cache = call(context_b2, positions, cache, jnp.ones_like(length_b)[:, None])
         to_vocab = functools.partial(self.on_target_vocab, params)
-        tree, expanded, cache = self.dynamic_tree(logits, expand, cache, nodes, sampling, to_vocab)
+        tree, expanded, cache = self.dynamic_tree(logits, expand, cache, nodes, sampling, to_vocab, keys_b)
         return TreeProposal(tree, TreeDraft(cache=cache, expanded=expanded))
 
     def accepted(self, params, state, tree, path_bn, count_b, length_b):
@@ -376,7 +436,7 @@ class ModelDrafter(DynamicTree, Drafter):
         return {**model_key(self.config), "head_rows": rows}
 
 
-def best_nodes(tokens_bc, scores_bc, parents_bc, exp_cand_be, q_b1ev, nodes: int):
+def best_nodes(tokens_bc, scores_bc, parents_bc, exp_cand_be, q_b1ev, nodes: int, sampled_bc):
     """(Tree of `nodes` slots, expanded [B, N]): the best-scored of C candidates in rank order.
 
     tokens, scores, parents: [B, C] the candidates in depth order, each parent an expanded
@@ -394,7 +454,9 @@ def best_nodes(tokens_bc, scores_bc, parents_bc, exp_cand_be, q_b1ev, nodes: int
     parent_cand = jnp.take_along_axis(exp_cand_be, jnp.maximum(parent, 0), axis=1)
     parent_slot = jnp.take_along_axis(rank, parent_cand, axis=1)
     node_tokens = jnp.take_along_axis(tokens_bc, taken, axis=1).astype(jnp.int32)
-    q = node_q(node_tokens, jnp.take_along_axis(q_b1ev, (1 + parent)[:, :, None], axis=1))
+    parent_q = jnp.take_along_axis(q_b1ev, (1 + parent)[:, :, None], axis=1)
+    sampled = jnp.take_along_axis(sampled_bc, taken, axis=1)
+    q = jnp.where(sampled[:, :, None], parent_q, node_q(node_tokens, parent_q))
     rows = jnp.arange(b)[:, None]
     expanded = jnp.full((b, num), -1, jnp.int32).at[rows, exp_cand_be].set(jnp.arange(exp_cand_be.shape[1]))
     expanded = jnp.take_along_axis(expanded, taken, axis=1)
