@@ -78,7 +78,9 @@ MEASURED_ALPHA = 0.88
 # Mean accepted tokens per verify call of the Qwen pair's 0.5B draft on code at temperature 0, a
 # chain of N drafts and the EAGLE-2 tree of N nodes (experiments/results/trees/table3.md).
 MEASURED_TREE_LENGTHS = {8: (4.889, 5.173)}
-TREE_DEPTH = 16  # spec_jax.drafting.model.ModelDrafter.tree_depth: the tree's draft calls per round are min(D, N)
+TREE_DEPTH = (
+    16  # spec_jax.drafting.model.ModelDrafter.tree_depth: the tree's draft calls per round are min(D, N)
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -454,7 +454,8 @@ def markdown(cells, checks, config, passed) -> str:
             "Mean accepted length per verify call (tokens a target call commits, the drafts accepted "
             "plus the target's own), [95% percentile bootstrap interval over prompts], for a chain of "
             "N drafts and a tree of N nodes (the draft's own tree: prompt lookup and suffix tries of "
-            "their matches, a draft model's top-k expansion; any other draft proposes its chain); "
+            "their matches, a draft model's EAGLE-2 expansion, around the chain it samples at "
+            "T > 0; any other draft proposes its chain); "
             "seconds are the cell's wall time on this machine, compilation included.",
             "",
             framework.markdown_table(

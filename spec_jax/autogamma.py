@@ -127,9 +127,9 @@ class Costs:
         tokens (timed as a causal call of that width: what the tree mask adds shows once the
         tree ran) and the drafter's calls of a chain of `nodes` drafts, what the default
         propose_tree makes. For a drafter that builds its tree otherwise this is an
-        approximation: the draft model's EAGLE-2 tree makes tree_depth calls over up to
-        tree_width nodes each, so a tree of more nodes than that depth is priced high until it
-        ran (and then by its measured rounds)."""
+        approximation: the draft model's EAGLE-2 tree makes min(tree_depth, N) calls (N at the
+        default depth of 16), wider than a chain's (up to tree_width nodes per depth above), so
+        it is priced low until it ran (and then by its measured rounds)."""
         return self.draft_cost(nodes) + dict(self.tree_verify)[nodes]
 
     def rate(self, alpha: float, gamma: int) -> float:

@@ -100,7 +100,7 @@ def test_speculative_loop_compiles_for_target(target, case):
 
 def test_loop_case_has_the_demo_shapes():
     """make demo: gamma 4, 64 new tokens, a 5-token prompt in the 16-token bucket; the target's
-    cache has 16 + 64 + 4 slots, the draft's 12 more (room for its tree calls: ModelDrafter),
+    cache has 16 + 64 + 4 slots, the draft's K(D - 1) more (room for its tree calls: ModelDrafter),
     the loop carries both and the drafts' distributions."""
     fn, args, impl, donate = compile_loop.loop_program(
         compile_loop.LoopCase("loop", 8, "bfloat16"), "tpu-v5e"

@@ -178,7 +178,7 @@ def test_a_tree_round_commits_samples_of_the_target(dists, kind):
     assert chi2_pvalue(pairs, p0, p1) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["iid", "points", "spine"])
+@pytest.mark.parametrize("kind", ["iid", "points"])
 def test_a_rejected_sibling_that_leaves_r_unchanged_fails(dists, kind, monkeypatch):
     """The broken rule: after a rejected child the next sibling is tried against the same r
     (no residual), so tokens tried twice are over-represented."""

@@ -101,8 +101,9 @@ class DynamicTree:
         alike.
 
         A candidate's score is its path's cumulative log draft probability (tree_scores; to_vocab
-        puts the draft's probabilities on the target's vocabulary). The root's K best tokens (root_logits [B, 1, V']: the draft's logits of
-        the token after the committed text) are the depth-1 candidates. At each depth d < D' =
+        puts the draft's probabilities on the target's vocabulary). The root's K best tokens
+        (root_logits [B, 1, V']: the draft's logits of the token after the committed text) are
+        the depth-1 candidates. At each depth d < D' =
         min(D, N) the K best-scored candidates of depth d are expanded: expand(carry, tokens
         [B, E], parents [B, E] (each expanded node's parent's expanded index; ROOT: the root),
         depths [E] (1 for the root's children), ancestor bits [B, E] (spec_jax.tree's, over the
@@ -111,14 +112,19 @@ class DynamicTree:
         by depth, reading each other through the tree mask; a call masks only its own keys, so
         each depth's call recomputes the depths above it), and each newest node's K most
         probable tokens are its children. Cost: D' calls (the last over K(D' - 1) nodes),
-        K * D'(D' - 1) / 2 node queries. The draft's warped q at each expanded node is the
-        distribution a sampled node would carry (node_q reads it).
+        K * D'(D' - 1) / 2 node queries.
 
-        The tree is the N best-scored candidates, ties toward shallower ones: a child's score is
-        at most its parent's, so the set is ancestor-closed and its rank order is topological.
-        Siblings are distinct (top-k) and each node's q is a point mass at its token (node_q):
-        top-k candidates are deterministic given the text, which keeps the rule exact
-        (spec_jax.tree)."""
+        The spine (temperature > 0, S = spine_nodes(N) > 0): the root's first candidate is drawn
+        from the draft's warped q (keys_b: spine_keys[0]), and so is the first child of each
+        spine node of depth d < S (spine_keys[d]), the others being q's K - 1 best other tokens.
+        Spine candidates rank above all others (tree_rank), so the spine node of each depth is
+        expanded first and is in the tree whatever it drew; it carries the q it was drawn from.
+
+        The tree is the spine, then the N - S best-scored other candidates, ties toward
+        shallower ones: a child's score is at most its parent's, so the set is ancestor-closed
+        and its rank order is topological. Siblings are distinct and every node off the spine
+        is a point mass at its token (node_q): deterministic given the spine's draws, which
+        keeps the rule exact (spec_jax.tree)."""
 
         def scores(logits):
             return tree_scores(logits, sampling, to_vocab)
@@ -439,10 +445,11 @@ class ModelDrafter(DynamicTree, Drafter):
 def best_nodes(tokens_bc, scores_bc, parents_bc, exp_cand_be, q_b1ev, nodes: int, sampled_bc):
     """(Tree of `nodes` slots, expanded [B, N]): the best-scored of C candidates in rank order.
 
-    tokens, scores, parents: [B, C] the candidates in depth order, each parent an expanded
-    node's index e (ROOT: the root); exp_cand: [B, E] each expanded node's candidate index;
-    q: [B, 1 + E, V] the draft's q at the root and at each expanded node (node_q reads the
-    parents'; unused, it costs nothing under jit). A stable sort keeps ties in depth order, so a
+    tokens, scores, parents: [B, C] the candidates in depth order (scores: their tree_rank),
+    each parent an expanded node's index e (ROOT: the root); exp_cand: [B, E] each expanded
+    node's candidate index; q: [B, 1 + E, V] the draft's q at the root and at each expanded
+    node, the q of a candidate drawn from it (sampled [B, C]: the spine); every other node is a
+    point mass (node_q, which is handed the parent's q too). A stable sort keeps ties in depth order, so a
     child (whose score is at most its parent's) ranks after its parent: the first N are
     ancestor-closed and in a topological order. expanded: each slot's expanded index (-1: not
     expanded). Slots past C are empty (q = 0)."""
