@@ -135,15 +135,16 @@ class DynamicTree:
         spine = self.spine_nodes(nodes, sampling)
         spine_keys = split_rows(keys_b, max(spine, 1))  # [S, B]: spine node d's draw
 
-        def children(logits, draw):
+        def children(logits, q, draw):
             """(tokens, scores, spine) [B, P, K] of P parents' candidates: the K best-scored
             tokens of each, except where draw >= 0 the spine's node (row 0), whose first child
-            is drawn from its q with spine_keys[draw] and the rest are the K - 1 best others."""
+            is drawn from its q (q [B, P, V]: each parent's) with spine_keys[draw] and the rest
+            are the K - 1 best others."""
             child_scores = scores(logits)  # [B, P, V]
             score, token = jax.lax.top_k(child_scores, k)
             sampled = jnp.zeros(token.shape, bool)
             if draw >= 0:
-                x = draw_rows(spine_keys[draw], dists(logits[:, :1])[:, 0])  # [B]
+                x = draw_rows(spine_keys[draw], q[:, 0])  # [B]
                 own = jnp.take_along_axis(child_scores[:, 0], x[:, None], axis=1)  # [B, 1]
                 others = child_scores[:, 0].at[jnp.arange(b), x].set(-jnp.inf)
                 rest_score, rest_token = jax.lax.top_k(others, k - 1)
@@ -155,7 +156,9 @@ class DynamicTree:
         b = root_logits_b1v.shape[0]
         k, depth = min(self.tree_width, root_logits_b1v.shape[-1]), min(self.tree_depth, nodes)
         dists_all = [dists(root_logits_b1v)]  # q at the root, then at each expanded node
-        token, score, sampled = (c[:, 0] for c in children(root_logits_b1v, 0 if spine else -1))  # [B, K]
+        token, score, sampled = (
+            c[:, 0] for c in children(root_logits_b1v, dists_all[0], 0 if spine else -1)
+        )  # [B, K]
         # Candidates by depth (the newest last): token, score, spine flag, parent (an expanded
         # node's index, tree_lib.ROOT for the root). Expanded nodes: their candidate index,
         # token, parent and ancestor bits.
@@ -179,7 +182,7 @@ class DynamicTree:
             logits, carry = expand(carry, exp_token, exp_parent, node_depths, bits, newest)
             dists_all.append(dists(logits))
             # The spine's node of depth d (expanded first) draws its child's token.
-            child_token, child_score, child_spine = children(logits, d if d < spine else -1)
+            child_token, child_score, child_spine = children(logits, dists_all[-1], d if d < spine else -1)
             cand_token.append(child_token.reshape(b, k * k))
             cand_score.append((best[:, :, None] + child_score).reshape(b, k * k))
             cand_spine.append(child_spine.reshape(b, k * k))
