@@ -1,15 +1,25 @@
 # The two commands of the README. Each one creates .venv and installs the pinned stack first.
 PYTHON ?= python3
 VENV := .venv
-STAMP := $(VENV)/.installed-stamp
 ARGS ?=
+# The machine's accelerator: cpu (default), cuda (an NVIDIA GPU: the jax CUDA 12 plugin) or tpu
+# (libtpu): `make demo PLATFORM=cuda`, `make test PLATFORM=tpu` install setup.py's extra of that
+# name beside the rest (docs/usage.md, "On a GPU or TPU").
+PLATFORM ?= cpu
+PLATFORMS := cpu cuda tpu
+ifeq ($(filter $(PLATFORM),$(PLATFORMS)),)
+$(error PLATFORM must be one of: $(PLATFORMS); got '$(PLATFORM)')
+endif
+comma := ,
+EXTRAS := test,hf$(if $(filter-out cpu,$(PLATFORM)),$(comma)$(PLATFORM))
+STAMP := $(VENV)/.installed-$(PLATFORM)
 
 .PHONY: demo test test-slow lint
-.PHONY: compile-sweep
+.PHONY: compile-sweep device-check
 
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,hf]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -38,6 +48,16 @@ $(COMPILE_STAMP): $(STAMP) constraints.txt
 		--target $(COMPILE_DEPS) libtpu jax-cuda12-pjrt nvidia-cuda-nvcc-cu12
 	touch $(COMPILE_STAMP)
 test: $(COMPILE_STAMP)
+
+# The device check (scripts/device_check.py, docs/benchmarks.md "Measured on an H100/H200") on
+# this machine's accelerator; `make test` runs it before the suite on PLATFORM=cuda or tpu (the
+# suite itself runs on the CPU backend: tests/conftest.py).
+DEVICE_OUT ?= experiments/results/device/$(PLATFORM)
+device-check: $(STAMP)
+	$(VENV)/bin/python scripts/device_check.py --out=$(DEVICE_OUT) $(ARGS)
+ifneq ($(PLATFORM),cpu)
+test: device-check
+endif
 
 # Every kernel call and model step of the registered models compiled for every TPU / GPU target,
 # as a table (scripts/compile_sweep.py --help). The default grid is about 3,000 compiles, some two

@@ -169,10 +169,12 @@ flags.DEFINE_enum(
     "Target weight precision (models.precision): float32; bfloat16 weights and activations; int8 "
     "weights with a float32 scale per output unit; gguf: the GGUF file's own blocks (Q4_K, Q6_K, "
     "...) with float32 activations (the file's numbers); gguf_q8: the same blocks with 8-bit "
-    "activations and integer dot products (as llama.cpp runs them). auto: the fastest here "
-    "(models.fastest_precision: gguf_q8 for a registry model on one CPU whose GGUF kernel builds, "
-    "at batch > 1 only with its AVX-512 VNNI multi-row build; else int8). Output is exact for the "
-    "target at this precision.",
+    "activations and integer dot products (as llama.cpp runs them). auto (models.auto_precision): "
+    "on a TPU or GPU the checkpoint's own precision (a folder's stored dtype; bfloat16 for a GGUF, "
+    "which has no fast block product there); on a CPU the fastest: gguf_q8 for a registry model "
+    "or GGUF file on one CPU whose GGUF kernel builds (at batch > 1 only with its AVX-512 VNNI "
+    "multi-row build), else int8 (said in one line for a checkpoint folder). Output is exact for "
+    "the target at this precision.",
 )
 flags.DEFINE_enum(
     "draft_dtype",
@@ -352,10 +354,12 @@ def init_distributed() -> None:
     )
 
 
-def load_model(name: str, dtype: str, batch: int = 1, mesh=None):
-    """models.load at dtype (auto: models.fastest_precision for this batch and device count),
-    with the --attention_impl and --matmul_impl flags; placed on `mesh` as it is read (each
-    process reads only its own shards)."""
+def load_model(name: str, dtype: str, batch: int = 1, mesh=None, flag: str = "--target_dtype"):
+    """models.load at dtype (auto: models.auto_precision for this batch and device count; its
+    note, where it has one, is one line on stderr naming `flag`), with the --attention_impl and
+    --matmul_impl flags; placed on `mesh` as it is read (each process reads only its own shards)."""
+    import jax  # jax and the models are imported past flag parsing: --help answers without them
+
     import models
     from spec_jax import sharding
 
@@ -366,7 +370,10 @@ def load_model(name: str, dtype: str, batch: int = 1, mesh=None):
 
         if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
-        dtype = models.fastest_precision(name, batch, devices)
+        auto = models.auto_precision(name, batch, devices, flag=flag)
+        if auto.note and jax.process_index() == 0:
+            print(auto.note, file=sys.stderr)
+        dtype = auto.precision
     place = None if mesh is None else (lambda params: sharding.place_params(params, mesh))
     model = models.load(name, dtype=dtype, place=place)
     config = dataclasses.replace(
@@ -622,7 +629,7 @@ def load_models(prompts, mesh):
         check_gamma_fits(token_prompts, contexts)
     draft = None
     if FLAGS.draft != "none" and FLAGS.drafter in ("model", "hybrid"):
-        draft = load_model(FLAGS.draft, FLAGS.draft_dtype, batch, mesh)
+        draft = load_model(FLAGS.draft, FLAGS.draft_dtype, batch, mesh, flag="--draft_dtype")
         check_gamma_fits(token_prompts, {**contexts, "the draft's": draft.config.max_seq_len})
     if mesh is not None:  # placed once here; generate then uses the arrays as they are
         target = sharding.place(target, mesh)

@@ -14,8 +14,8 @@ exact commands instead of running them. See docs/pods.md.
 setup copies the code to ~/REMOTE_DIR on every worker and runs one bash script there
 (`set -euo pipefail`, safe to re-run): it installs python3.11 from the deadsnakes PPA if the
 image lacks it (TPU images on Ubuntu 22.04 ship python3 3.10; setup.py needs 3.11+), makes
-REMOTE_DIR/.venv with it, pip-installs the project and jax[tpu] at constraints.txt's jax
-version (`-c constraints.txt`), and fails unless `import jax; print(jax.devices())` finds the
+REMOTE_DIR/.venv with it, pip-installs the project with its tpu extra (jax[tpu] and libtpu,
+pinned by `-c constraints.txt`), and fails unless `import jax; print(jax.devices())` finds the
 TPU. run activates that .venv before the command, so `python` is its python 3.11.
 """
 
@@ -84,19 +84,9 @@ def _ssh(command: str) -> list[str]:
     return base + [f"--command={command}"]
 
 
-def pinned_version(package: str) -> str:
-    """The version constraints.txt pins `package` to (`package==VERSION`)."""
-    with open(os.path.join(ROOT, "constraints.txt")) as f:
-        for line in f:
-            name, _, version = line.split("#")[0].strip().partition("==")
-            if name == package and version:
-                return version
-    raise AssertionError(f"constraints.txt pins no version of {package}")
-
-
 def setup_script(remote: str) -> str:
     """The bash script setup runs in ~/`remote` on every worker: python3.11 (installed where
-    missing), a .venv made with it, the project and jax[tpu] installed into it, and a check that
+    missing), a .venv made with it, the project and its tpu extra installed into it, and a check that
     jax sees the TPU. Every step is safe to re-run; the first failure stops it (non-zero exit)."""
     python = f"{VENV}/bin/python"
     steps = [
@@ -107,8 +97,8 @@ def setup_script(remote: str) -> str:
         "sudo add-apt-repository -y ppa:deadsnakes/ppa; "
         f"{_APT} install {PYTHON} {PYTHON}-venv; fi",
         f"{PYTHON} -m venv {VENV}",
-        f"{python} -m pip install -c constraints.txt -e .",
-        f'{python} -m pip install -c constraints.txt "jax[tpu]=={pinned_version("jax")}"',
+        # setup.py's tpu extra: jax[tpu] and the libtpu that constraints.txt pins for its jax.
+        f'{python} -m pip install -c constraints.txt -e ".[tpu]"',
         # JAX_PLATFORMS=tpu: without it jax falls back to the CPU when the TPU does not come up.
         f'JAX_PLATFORMS=tpu {python} -c "import jax; print(jax.devices())"',
     ]

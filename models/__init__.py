@@ -1,6 +1,8 @@
 """Models: the Flax decoder, its configs, random models for tests, real models from the registry."""
 
 import dataclasses
+import json
+import pathlib
 from typing import Any
 
 import jax
@@ -189,26 +191,78 @@ def load(
     return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)
 
 
-def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
-    """The precision a model runs fastest at here, what the entry points' `auto` means.
+def fastest_precision(name: str, batch: int = 1, devices: int = 1, platform: str | None = None) -> str:
+    """auto_precision(...).precision: the precision the entry points' `auto` means."""
+    return auto_precision(name, batch, devices, platform).precision
 
-    gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a GGUF model on one CPU
-    whose GGUF kernel builds (models.kernels.gguf_matmul), at batch 1, and at larger batches
-    where the kernel has its multi-row build (AVX-512 VNNI: each weight block unpacked once for
-    up to 8 rows; without it every row is one ggml product, and int8's kernel, which reads each
-    weight once for all rows, wins). Measured on the 2-core EPYC (held-out prompts, 48 tokens,
-    end to end, plain decoding): batch 1 20.6 tokens/s at gguf_q8 against int8's best 13.8
-    (speculative, gamma 2); batch 4 34.0 against int8's 29.4 (gamma auto 30.8)
-    (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also for a random preset,
-    a mesh of several devices, TPU and GPU (where the GGUF precisions dequantize in XLA) and a
-    CPU without cmake or a compiler. The same for a local GGUF file as for a registry model;
-    int8 for a checkpoint folder or hub id (no GGUF blocks to read)."""
-    from models import sources
+
+def auto_precision(
+    name: str, batch: int = 1, devices: int = 1, platform: str | None = None, flag: str = "dtype"
+):
+    """What `auto` means for model `name` here (models.precision.choose_auto decides; this reads
+    the source): a models.precision.AutoPrecision, its precision and its start-up note.
+
+    platform: "cpu", "gpu" or "tpu"; None: the device traced for (models.kernels.target.current()).
+    On a TPU or GPU the checkpoint's own numbers: a folder's stored dtype (its config.json's
+    torch_dtype, else its first tensor's), a GGUF at bfloat16 (no fast block product there).
+    On a CPU the fastest: gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a GGUF
+    model on one CPU whose GGUF kernel builds (models.kernels.gguf_matmul), at batch 1, and at
+    larger batches where the kernel has its multi-row build (AVX-512 VNNI: each weight block
+    unpacked once for up to 8 rows; without it every row is one ggml product, and int8's kernel,
+    which reads each weight once for all rows, wins). Measured on the 2-core EPYC (held-out
+    prompts, 48 tokens, end to end, plain decoding): batch 1 20.6 tokens/s at gguf_q8 against
+    int8's best 13.8 (speculative, gamma 2); batch 4 34.0 against int8's 29.4 (gamma auto 30.8)
+    (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 for a random preset, a mesh
+    of several devices, a CPU without cmake or a compiler, and a checkpoint folder or hub id (no
+    GGUF blocks to read; the note names the flag for its own precision). The same for a local
+    GGUF file as for a registry model."""
+    from models import precision, sources
     from models.kernels import gguf_matmul, target
 
-    one_cpu = devices == 1 and target.current().platform == "cpu"
-    fits = one_cpu and sources.has_gguf(name) and gguf_matmul.available()
-    return "gguf_q8" if fits and (batch == 1 or gguf_matmul.multirow()) else "int8"
+    platform = target.current().platform if platform is None else platform
+    if name in RANDOM_PRESETS:
+        kind, stored = "random", None
+    elif sources.has_gguf(name):
+        kind, stored = "gguf", None
+    else:
+        kind, stored = "folder", _stored_dtype(name)
+    one_cpu = platform == "cpu" and devices == 1 and kind == "gguf"
+    kernel = one_cpu and gguf_matmul.available()
+    return precision.choose_auto(
+        platform,
+        kind,
+        stored,
+        batch=batch,
+        devices=devices,
+        gguf_kernel=kernel,
+        gguf_multirow=kernel and batch > 1 and gguf_matmul.multirow(),
+        flag=flag,
+    )
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _stored_dtype(name: str) -> str | None:
+    """A checkpoint folder's stored dtype ("bfloat16", "float16", "float32", ...): config.json's
+    torch_dtype (or dtype), else the first tensor's in its safetensors header; None where the
+    folder is not here (a hub id: nothing is downloaded to ask) or says neither."""
+    from models import hf_checkpoint, hf_config
+
+    folder = pathlib.Path(name).expanduser()
+    if not (folder / "config.json").is_file():
+        return None
+    cfg = hf_config.text_config(hf_checkpoint.read_config_json(folder))
+    stored = cfg.get("torch_dtype") or cfg.get("dtype")
+    if isinstance(stored, str):
+        return stored
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        dtypes = [v["dtype"] for k, v in header.items() if k != "__metadata__"]
+        if dtypes:
+            return _SAFETENSORS_DTYPES.get(dtypes[0], dtypes[0].lower())
+    return None
 
 
 __all__ = [
@@ -217,6 +271,7 @@ __all__ = [
     "cast",
     "check_source",
     "fastest_precision",
+    "auto_precision",
     "RANDOM_PRESETS",
     "known_models",
     "load",

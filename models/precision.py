@@ -23,6 +23,7 @@ the product): `cpu_kernels(config)` and `on_cpu`.
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 
 import flax.struct
@@ -33,6 +34,85 @@ import numpy as np
 PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
 GGUF_PRECISIONS = ("gguf", "gguf_q8")
 MATMUL_IMPLS = ("auto", "xla", "cpu_kernel")
+
+# What `auto` (models.auto_precision) decides from. Where a model's weights come from: "gguf" (a
+# registry model or a GGUF file: GGUF blocks), "folder" (a checkpoint folder or hub id: float
+# tensors of one stored dtype), "random" (a random preset: no checkpoint).
+SOURCE_KINDS = ("gguf", "folder", "random")
+AUTO_PLATFORMS = ("cpu", "gpu", "tpu")
+# Platforms whose products read GGUF blocks fast: ggml's CPU kernels (models.kernels.gguf_matmul).
+# On a TPU or GPU a block weight is dequantized by XLA in every step (no Pallas block kernel).
+FAST_BLOCK_PLATFORMS = ("cpu",)
+# A checkpoint folder's stored dtype -> the precision that holds its numbers exactly.
+FAITHFUL = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPrecision:
+    """What `auto` means for one model here: `precision` (one of PRECISIONS) and `note`, one line
+    for the entry point to print at start-up where the choice is not the checkpoint's own
+    numbers ("" where it is, or where there is no checkpoint)."""
+
+    precision: str
+    note: str = ""
+
+
+def choose_auto(
+    platform: str,
+    kind: str,
+    stored: str | None = None,
+    *,
+    batch: int = 1,
+    devices: int = 1,
+    gguf_kernel: bool = False,
+    gguf_multirow: bool = False,
+    flag: str = "dtype",
+) -> AutoPrecision:
+    """The precision `auto` means on `platform` (AUTO_PLATFORMS) for weights of `kind`
+    (SOURCE_KINDS); stored: a folder's stored dtype (FAITHFUL's keys; None: unknown); flag: how
+    the note names the setting (an entry point's flag, e.g. --target_dtype).
+
+    TPU and GPU: the checkpoint's own numbers. A folder runs at the precision that holds its
+    stored dtype (bfloat16 for bfloat16, float32 for float32 and float16), bfloat16 where it is
+    unknown; a GGUF runs at its own blocks (gguf) where FAST_BLOCK_PLATFORMS has a fast block
+    product, else at bfloat16 (its blocks dequantized once, at load), said in the note; a random
+    preset at bfloat16. int8 is always `dtype=int8` away.
+    CPU (one device): the fastest, as measured (models.fastest_precision's docstring): gguf_q8
+    for a GGUF where the GGUF kernel builds (gguf_kernel), at batch 1 or with its multi-row build
+    (gguf_multirow); else int8, with a note for a folder naming the faithful precision. A mesh of
+    several CPU devices: int8."""
+    if platform not in AUTO_PLATFORMS:
+        raise ValueError(f"platform must be one of {AUTO_PLATFORMS}, got {platform!r}")
+    if kind not in SOURCE_KINDS:
+        raise ValueError(f"kind must be one of {SOURCE_KINDS}, got {kind!r}")
+    faithful = FAITHFUL.get(stored, "bfloat16")
+    if platform != "cpu":
+        if kind == "folder":
+            known = stored in FAITHFUL
+            note = (
+                ""
+                if known
+                else f"{flag}=auto: bfloat16 (the checkpoint's stored dtype is {stored or 'not known here'})"
+            )
+            return AutoPrecision(faithful, note)
+        if kind == "gguf" and platform in FAST_BLOCK_PLATFORMS:
+            return AutoPrecision("gguf")
+        if kind == "gguf":
+            return AutoPrecision(
+                "bfloat16",
+                f"{flag}=auto: bfloat16, the GGUF's blocks dequantized at load (a {platform.upper()} has no "
+                f"fast GGUF block product); {flag}=gguf for the blocks themselves, {flag}=int8 for int8",
+            )
+        return AutoPrecision("bfloat16")
+    if kind == "gguf" and devices == 1 and gguf_kernel and (batch == 1 or gguf_multirow):
+        return AutoPrecision("gguf_q8")
+    if kind == "folder":
+        return AutoPrecision(
+            "int8",
+            f"{flag}=auto: int8 weights, the fastest on this CPU; {flag}={faithful} for the "
+            f"checkpoint's own numbers (stored as {stored or 'an unknown dtype'})",
+        )
+    return AutoPrecision("int8")
 
 
 @flax.struct.dataclass

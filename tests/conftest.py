@@ -16,8 +16,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # speculative loops: 13.4 -> 9.0 s of compilation; tests/test_decode.py 28 -> 17 s). The
 # subprocesses the tests start inherit the flags. Numerics do not depend on them: every
 # comparison in the suite is between programs compiled alike, or to a tolerance.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+# (models.jax_compat: jax 0.11's XLA has no switch for the emitters; set below, once the path
+# holds the compile-only backends.)
 # JAX's persistent compilation cache, which the entry points turn on (launch.common), stays off
 # for the CLI subprocesses the tests start: they would write into the user's $SPEC_JAX_CACHE, and
 # a compilation cache shared by the workers was tried and did not pay (542 s against 552 s for
@@ -33,6 +33,11 @@ COMPILE_DEPS = os.environ.get(
 )
 if os.path.isdir(COMPILE_DEPS) and COMPILE_DEPS not in sys.path:
     sys.path.append(COMPILE_DEPS)
+
+# XLA reads XLA_FLAGS when the first backend starts, so they may be set after jax is imported.
+from models import jax_compat  # noqa: E402
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {jax_compat.fast_compile_xla_flags()}".strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

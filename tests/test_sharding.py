@@ -405,8 +405,7 @@ def test_tpu_setup_dry_run_sends_the_exact_commands():
         f"{APT} install software-properties-common; sudo add-apt-repository -y ppa:deadsnakes/ppa; "
         f"{APT} install python3.11 python3.11-venv; fi; "
         "python3.11 -m venv .venv; "
-        ".venv/bin/python -m pip install -c constraints.txt -e .; "
-        f'.venv/bin/python -m pip install -c constraints.txt "jax[tpu]=={JAX_VERSION}"; '
+        '.venv/bin/python -m pip install -c constraints.txt -e ".[tpu]"; '
         'JAX_PLATFORMS=tpu .venv/bin/python -c "import jax; print(jax.devices())"'
     )
     assert _tpu_dry_run("setup") == [
@@ -469,8 +468,7 @@ def test_tpu_setup_installs_python311_makes_a_venv_installs_into_it_and_checks_j
         "sudo JAX_PLATFORMS= add-apt-repository -y ppa:deadsnakes/ppa",
         f"sudo JAX_PLATFORMS= {APT.removeprefix('sudo ')} install python3.11 python3.11-venv",
         "python3.11 JAX_PLATFORMS= -m venv .venv",
-        "python JAX_PLATFORMS= -m pip install -c constraints.txt -e .",
-        f"python JAX_PLATFORMS= -m pip install -c constraints.txt jax[tpu]=={JAX_VERSION}",
+        "python JAX_PLATFORMS= -m pip install -c constraints.txt -e .[tpu]",
         "python JAX_PLATFORMS=tpu -c import jax; print(jax.devices())",  # the .venv's python, last
     ]
 
@@ -483,8 +481,7 @@ def test_tpu_setup_rerun_skips_apt_and_reinstalls_into_the_same_venv(tmp_path):
     assert not [c for c in calls if c.startswith("sudo")], calls
     assert calls[1:] == [
         "python3.11 JAX_PLATFORMS= -m venv .venv",
-        "python JAX_PLATFORMS= -m pip install -c constraints.txt -e .",
-        f"python JAX_PLATFORMS= -m pip install -c constraints.txt jax[tpu]=={JAX_VERSION}",
+        "python JAX_PLATFORMS= -m pip install -c constraints.txt -e .[tpu]",
         "python JAX_PLATFORMS=tpu -c import jax; print(jax.devices())",
     ]
 
