@@ -535,14 +535,18 @@ def test_bad_inputs_fail_at_trace_time(shapes, message):
 # -------------------------------------------------------------------------- lowering for devices
 
 
+# Mosaic reads the TPU generation, and jax 0.11's Triton lowering the GPU's compute capability,
+# from the device traced for: give them an abstract one (jax 0.10's Triton lowering needs none).
+_ABSTRACT = {
+    "tpu": jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"),
+    "cuda": jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="cuda"),
+}
+
+
 def _lower(fn, platform, args):
-    traced = jax.jit(fn).trace(*args)
-    if platform != "tpu":
-        return traced.lower(lowering_platforms=(platform,)).as_text()
-    # Mosaic reads the TPU generation from the current device; give it an abstract TPU instead.
-    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    device = _ABSTRACT[platform]
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        return traced.lower(lowering_platforms=("tpu",)).as_text()
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 @pytest.mark.parametrize("backend, platform", [("tpu", "tpu"), ("gpu", "cuda")])
