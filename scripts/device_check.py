@@ -2,6 +2,8 @@
 
     python scripts/device_check.py --out=DIR            # on the GPU machine (docs/benchmarks.md)
     JAX_PLATFORMS=cpu python scripts/device_check.py --out=DIR --dry_run   # the same tables, tiny, CPU
+    JAX_PLATFORMS=cpu python scripts/device_check.py --out=DIR --num_layers=1 --vocab_size=4096 \
+        --sections=exactness,costs,walltime,prefill,batch    # the real head shapes' programs, CPU
 
 It runs with the machine's own Python and jax (the GPU machines at hand: Python 3.12, jax 0.11.2,
 no network), from a copy of the repository plus .devwheels/ (scripts/device_wheels.sh: the
@@ -106,9 +108,9 @@ class Plan:
     interpret: bool  # Pallas in interpret mode (a CPU)
 
 
-def make_plan(dry: bool, num_layers: int, platform: str) -> Plan:
-    """The real plan (the registry's Qwen shapes; num_layers > 0 cuts their depth, for a quick
-    shape check) or the dry run's."""
+def make_plan(dry: bool, num_layers: int, platform: str, vocab_size: int = 0) -> Plan:
+    """The real plan (the registry's Qwen shapes; num_layers / vocab_size > 0 cut their depth /
+    vocabulary, for a quick check of the real head shapes on a CPU) or the dry run's."""
     if dry:
         small = dict(vocab_size=512, num_kv_heads=2, head_dim=64, max_seq_len=4096, name="dry")
         target = models.ModelConfig(num_layers=2, d_model=256, num_heads=4, mlp_dim=512, **small)
@@ -118,9 +120,8 @@ def make_plan(dry: bool, num_layers: int, platform: str) -> Plan:
         sizes.update(new_tokens=12, chi2_rows=4000, repeats=3, bandwidth_mb=16, gamma_max=2, tree_sizes=(4,))
     else:
         target, draft = compile_targets.MODELS[TARGET], compile_targets.MODELS[DRAFT]
-        if num_layers:
-            target = dataclasses.replace(target, num_layers=num_layers)
-            draft = dataclasses.replace(draft, num_layers=num_layers)
+        cuts = {k: v for k, v in (("num_layers", num_layers), ("vocab_size", vocab_size)) if v}
+        target, draft = dataclasses.replace(target, **cuts), dataclasses.replace(draft, **cuts)
         sizes = dict(
             cache_slots=1024, batches=(8, 32), prefill=(512, 2048), contexts=(512, 2048, 8192, 32768)
         )
@@ -668,6 +669,7 @@ def parse(argv):
     parser.add_argument("--budget_s", type=float, default=None,
                         help="seconds after which the remaining sections are skipped (default 300, dry run 150)")  # fmt: skip
     parser.add_argument("--num_layers", type=int, default=0, help="cut the Qwen shapes' depth (0: their own)")
+    parser.add_argument("--vocab_size", type=int, default=0, help="cut their vocabulary (0: their own)")
     parser.add_argument(
         "--compilation_cache",
         default=None,
@@ -681,6 +683,8 @@ def parse(argv):
         parser.error(f"--sections: each one of {', '.join(SECTIONS)}, got {args.sections!r}")
     if not 0 <= args.num_layers <= 64:
         parser.error(f"--num_layers must be in [0, 64], got {args.num_layers}")
+    if not (args.vocab_size == 0 or 256 <= args.vocab_size <= 1 << 20):
+        parser.error(f"--vocab_size must be 0 or in [256, 1048576], got {args.vocab_size}")
     if args.budget_s is not None and not args.budget_s > 0:
         parser.error(f"--budget_s must be > 0, got {args.budget_s}")
     return args, names
@@ -707,7 +711,7 @@ def main(argv=None) -> int:
     if cache:  # before the first compile (spec_jax.executables)
         executables.enable_persistent_cache(cache)
     platform = jax.default_backend()
-    plan = make_plan(args.dry_run, args.num_layers, platform)
+    plan = make_plan(args.dry_run, args.num_layers, platform, args.vocab_size)
     budget = args.budget_s or (150.0 if args.dry_run else 300.0)
     results = {
         "dry_run": args.dry_run,

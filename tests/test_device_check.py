@@ -121,6 +121,7 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(monkeypatch):
         ("--sections=costs,nope", "--sections: each one of exactness, costs"),
         ("--num_layers=99", "--num_layers must be in [0, 64], got 99"),
         ("--budget_s=0", "--budget_s must be > 0, got 0.0"),
+        ("--vocab_size=8", "--vocab_size must be 0 or in [256, 1048576], got 8"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(tmp_path, capsys, flag, message):
