@@ -4,6 +4,17 @@ The project pins jax 0.10.2 (constraints.txt) and also runs on jax 0.11.x, the j
 machines at hand (scripts/device_check.py). What differs between the two is named here, so that
 the rest of the code asks this module instead of comparing versions itself. Nothing here imports
 jax: tests/conftest.py reads it before the backends start.
+
+What else differs under jax 0.11.2 (Python 3.12), found by running the suite's core files and
+scripts/device_check.py's dry run there, and needing no branch:
+- lowering a Triton (pallas_gpu) kernel on a host without a GPU needs the GPU named: jax 0.11
+  reads its compute capability from the device traced for (tests/test_kernels.py traces under an
+  abstract H100, which jax 0.10 accepts too); on a GPU nothing changes;
+- jax 0.11 warns that Pallas's Triton backend is deprecated in favour of Mosaic GPU (it still
+  lowers and runs: models/kernels' GPU kernels are Triton kernels);
+- pallas_tpu's interpret mode (pltpu.InterpretParams, CPU tests only) inside the scanned model
+  fails flax's nn.scan check ("broadcasted variable has a data dependency on the scan body"):
+  tests/test_kernels.py's slow-tier greedy loop under pallas_tpu; a real TPU runs no interpreter.
 """
 
 import importlib.metadata
