@@ -4,7 +4,7 @@ VENV := .venv
 ARGS ?=
 # The machine's accelerator: cpu (default), cuda (an NVIDIA GPU: the jax CUDA 12 plugin) or tpu
 # (libtpu): `make demo PLATFORM=cuda`, `make test PLATFORM=tpu` install setup.py's extra of that
-# name beside the rest (docs/usage.md, "On a GPU or TPU").
+# name beside the rest (docs/usage.md, "On a GPU or a TPU").
 PLATFORM ?= cpu
 PLATFORMS := cpu cuda tpu
 ifeq ($(filter $(PLATFORM),$(PLATFORMS)),)

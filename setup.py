@@ -33,7 +33,7 @@ setup(
         # Compile-only TPU and CUDA devices (docs/kernels.md). `make test` installs the same
         # packages into .venv-compile instead: in an environment they log at every jax start-up.
         "compile": ["libtpu", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"],
-        # Accelerators (docs/usage.md, "On a GPU or TPU"): `make test PLATFORM=cuda` / `PLATFORM=tpu`
+        # Accelerators (docs/usage.md, "On a GPU or a TPU"): `make test PLATFORM=cuda` / `PLATFORM=tpu`
         # install one of these beside the rest. cuda: the jax CUDA 12 plugin at the pinned jax's
         # version, with NVIDIA's CUDA libraries as wheels; tpu: jax's own tpu extra (libtpu).
         "cuda": ["jax[cuda12]", "jax-cuda12-plugin", "jax-cuda12-pjrt"],
