@@ -254,6 +254,8 @@ def read_prompts() -> list[Prompt]:
     if FLAGS.prompts_file is not None:
         prompts = _read_prompts_file()
     else:
+        if FLAGS.prompt is None:
+            print(f"no --prompt given; using the prompt {DEFAULT_PROMPT!r}", file=sys.stderr)
         prompts = [Prompt(text=DEFAULT_PROMPT if FLAGS.prompt is None else FLAGS.prompt)]
     return [_as_chat(p) for p in prompts] if FLAGS.chat else prompts
 
@@ -729,7 +731,9 @@ def main(argv):
         if prompt.messages is not None:  # "prompt" is the conversation as the template rendered it
             output["messages"] = list(prompt.messages)
         report["outputs"].append(output)
-        print(f"--- {'chat' if prompt.messages is not None else 'prompt'}: {prompt.shown!r}\n{text}\n")
+        print(
+            f"--- {'chat' if prompt.messages is not None else 'prompt'}: {prompt.shown!r}\n{common.terminal_text(text)}\n"
+        )
     print(summary_line(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats))
     warning = report_nonfinite(stats, [p.shown for p in prompts])
     if warning:

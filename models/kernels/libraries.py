@@ -25,13 +25,13 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
     """The path of a library named path.name whose sha256 matches the one stored beside it,
     built with compile_to(output path) where there is none (or it does not match).
 
-    It lives in path's folder when that folder is usable (_own_folder), else in a private
+    It lives in path's folder when that folder is usable (own_folder), else in a private
     temporary folder of this process. The build holds the library's file_lock (a second process
     waits, then finds it built) and removes what killed builds left. LibraryMismatch if the
     library still does not match after one build; compile_to's errors propagate."""
     from models import registry
 
-    folder = path.parent if _own_folder(path.parent) else _private_folder()
+    folder = path.parent if own_folder(path.parent) else _private_folder()
     path = folder / path.name
     if _matches(path):
         return path
@@ -62,7 +62,7 @@ def _matches(path: pathlib.Path) -> bool:
         return False
 
 
-def _own_folder(folder: pathlib.Path) -> bool:
+def own_folder(folder: pathlib.Path) -> bool:
     """Whether folder can be created and is safe to load libraries from: owned by this user and
     writable by no one else (so no one else can put a library, or its digest, there)."""
     try:
