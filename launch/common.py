@@ -62,13 +62,15 @@ def fail(message: str, code: int = 2):
 
 def _unavailable_errors() -> tuple:
     """Errors meaning data a command needs cannot be had (no registry access, a corrupted
-    download, a cache folder that cannot be written, a conversion killed for lack of memory):
-    the environment, not the flags."""
+    download, a cache folder that cannot be written, a conversion killed for lack of memory, a
+    truncated or corrupt GGUF file): the environment, not the flags."""
     from models.convert import ConversionError
+    from models.gguf_loader import GGUFFileError
     from models.registry import CacheNotWritableError, ChecksumMismatchError, DamagedCacheError, DownloadError
     from spec_jax.corpora import CorpusUnavailableError
 
     return (
+        GGUFFileError,
         DownloadError,
         ChecksumMismatchError,
         CacheNotWritableError,

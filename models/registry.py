@@ -155,6 +155,10 @@ class DamagedCacheError(RuntimeError):
         )
 
 
+class DamagedEntryWarning(UserWarning):
+    """A damaged cache entry was found and is being rebuilt (cached_entry, models.convert)."""
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike):
     """An exclusive advisory lock (fcntl.flock) on the file `path` (created, with its folder),
@@ -263,7 +267,7 @@ def cached_entry(
         if ok:
             return value
         if value is not None:
-            warnings.warn(f"damaged cache entry {path} ({value}); rebuilding it", stacklevel=2)
+            warnings.warn(f"damaged cache entry {path} ({value}); rebuilding it", DamagedEntryWarning, 2)
         # Writers of this entry hold the lock, so its temporary files (atomic_write's, beside a
         # file or inside a folder) are those of a writer that was killed: gigabytes, for features.
         leftovers = [*path.parent.glob(f".tmp-{glob.escape(path.name)}-*")]
