@@ -14,6 +14,7 @@ import signal
 import sys
 import tempfile
 import unicodedata
+import warnings
 
 from absl import app, flags, logging
 
@@ -164,6 +165,14 @@ def _report_interrupt(e: Interrupted) -> None:
     sys.exit(128 + e.signum)
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    """warnings.showwarning for the command line: `warning: MESSAGE`, one line on stderr."""
+    print(
+        f"warning: {str(message).splitlines()[0] if str(message) else category.__name__}",
+        file=file or sys.stderr,
+    )
+
+
 def run(main, compilation_cache: bool = True, config_overrides: bool = False):
     """app.run(main) where a ValueError from main is bad input (one line on stderr, exit code
     2) and data that cannot be fetched or cached is one line on stderr with exit code 1; SIGINT
@@ -187,6 +196,7 @@ def run(main, compilation_cache: bool = True, config_overrides: bool = False):
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
+    warnings.showwarning = _warning_line
     try:
         app.run(guarded, flags_parser=functools.partial(parse_flags, config_overrides=config_overrides))
     except Interrupted as e:
