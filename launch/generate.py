@@ -368,7 +368,7 @@ def load_model(name: str, dtype: str, batch: int = 1, mesh=None):
 
         if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
-        dtype = models.fastest_precision(name, batch, devices)
+        dtype = models.fastest_precision(name, batch, devices, tokens=batch * FLAGS.max_new_tokens)
     place = None if mesh is None else (lambda params: sharding.place_params(params, mesh))
     model = models.load(name, dtype=dtype, place=place)
     config = dataclasses.replace(

@@ -1,6 +1,7 @@
 """Models: the Flax decoder, its configs, random models for tests, real models from the registry."""
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -189,7 +190,7 @@ def load(
     return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)
 
 
-def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
+def fastest_precision(name: str, batch: int = 1, devices: int = 1, tokens: int | None = None) -> str:
     """The precision a model runs fastest at here, what the entry points' `auto` means.
 
     gguf_q8 (the GGUF file's own blocks, 8-bit activations) for a GGUF model on one CPU
@@ -202,13 +203,43 @@ def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
     (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 also for a random preset,
     a mesh of several devices, TPU and GPU (where the GGUF precisions dequantize in XLA) and a
     CPU without cmake or a compiler. The same for a local GGUF file as for a registry model;
-    int8 for a checkpoint folder or hub id (no GGUF blocks to read)."""
+    int8 for a checkpoint folder or hub id (no GGUF blocks to read). int8 also where the kernel
+    would not pay (gguf_kernel_pays: a toy model, or a run of `tokens` too short to pay for the
+    kernel's first build)."""
     from models import sources
     from models.kernels import gguf_matmul, target
 
     one_cpu = devices == 1 and target.current().platform == "cpu"
-    fits = one_cpu and sources.has_gguf(name) and gguf_matmul.available()
+    fits = one_cpu and sources.has_gguf(name) and gguf_kernel_pays(name, tokens) and gguf_matmul.available()
     return "gguf_q8" if fits and (batch == 1 or gguf_matmul.multirow()) else "int8"
+
+
+# A GGUF of fewer bytes is a toy (the test suite's, scripts/tiny_checkpoints.py's: kilobytes):
+# its steps are dispatch, not products, so the GGUF kernel gains nothing there; the smallest
+# registry model is 98 MB.
+SMALL_GGUF_BYTES = 32 << 20
+# Tokens a run must generate for the GGUF kernel's first build (ggml with cmake, then the
+# kernel: 90-110 s on the 2-core EPYC) to pay: at batch 1 gguf_q8 saves 1/13.8 - 1/20.6 s, about
+# 0.024 s, a token against int8 (fastest_precision's figures), so about 4,000 tokens.
+BUILD_PAYS_TOKENS = 4096
+
+
+def gguf_kernel_pays(name: str, tokens: int | None = None) -> bool:
+    """Whether running GGUF source `name` (a registry name or a GGUF file) on the GGUF kernel can
+    gain here, asking nothing that builds: False for a file under SMALL_GGUF_BYTES, and False
+    where the kernel's ggml build is not there yet (models.kernels.llama_cpp.built) and the run
+    generates fewer than BUILD_PAYS_TOKENS `tokens` (all rows together; None: not known, taken
+    as long). A precision that needs no build (int8) runs then; the build happens once, when a
+    run pays for it (or when a GGUF precision is asked for by name)."""
+    from models import registry
+    from models.kernels import llama_cpp
+
+    size = (
+        registry.MODELS[name].size if name in registry.MODELS else os.path.getsize(os.path.expanduser(name))
+    )
+    if size < SMALL_GGUF_BYTES:
+        return False
+    return tokens is None or tokens >= BUILD_PAYS_TOKENS or llama_cpp.built(llama_cpp.LIBRARIES)
 
 
 __all__ = [
@@ -217,6 +248,7 @@ __all__ = [
     "cast",
     "check_source",
     "fastest_precision",
+    "gguf_kernel_pays",
     "RANDOM_PRESETS",
     "known_models",
     "load",

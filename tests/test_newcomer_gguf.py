@@ -92,3 +92,41 @@ def test_the_cli_refuses_a_truncated_draft_in_one_line_exit_1_before_building(ti
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and str(bad) in lines[0] and "truncated" in lines[0], result.stderr
     assert not (tmp_path / "c").exists()  # nothing built, converted or cached
+
+
+# --- item 3: auto picks a precision that needs no build where the build cannot pay -------------
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """The GGUF kernel's availability check (which builds ggml and the kernel) made to fail the
+    test if called; the kernel counted as available otherwise. Returns a setter of `built`."""
+    from models.kernels import gguf_matmul, llama_cpp, target
+
+    monkeypatch.setattr(target, "current", lambda: type("T", (), {"platform": "cpu"})())
+    state = {"built": False, "asked": 0}
+
+    def available():
+        state["asked"] += 1
+        return True
+
+    monkeypatch.setattr(gguf_matmul, "available", available)
+    monkeypatch.setattr(gguf_matmul, "multirow", lambda: True)
+    monkeypatch.setattr(llama_cpp, "built", lambda *a, **k: state["built"])
+    return state
+
+
+def test_a_toy_gguf_runs_at_a_precision_that_needs_no_build(tiny_file, no_build):
+    """A 27-tensor draft.gguf built llama.cpp for 112 s (draft_dtype=auto chose gguf_q8)."""
+    no_build["built"] = True
+    assert models.fastest_precision(str(tiny_file)) == "int8"
+    assert models.fastest_precision(str(tiny_file), tokens=10**6) == "int8"
+    assert no_build["asked"] == 0  # nothing built or loaded to decide
+
+
+def test_a_short_run_before_the_kernel_is_built_needs_no_build(no_build):
+    big = "qwen2.5-coder-1.5b"
+    assert models.fastest_precision(big, tokens=64) == "int8" and no_build["asked"] == 0
+    assert models.fastest_precision(big, tokens=models.BUILD_PAYS_TOKENS) == "gguf_q8"  # a run that pays
+    no_build["built"] = True  # once built, every run uses it
+    assert models.fastest_precision(big, tokens=8) == "gguf_q8"
