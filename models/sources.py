@@ -190,7 +190,7 @@ def fetch_hub(repo_id: str) -> pathlib.Path:
     except ImportError:
         raise registry.DownloadError(
             f"{repo_id}: no such file or folder, and huggingface_hub is not installed to fetch it "
-            "as a Hugging Face hub id (pip install huggingface_hub)"
+            "as a Hugging Face hub id (install the hub extra: pip install 'spec-jax[hub]')"
         ) from None
     try:
         folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=list(HF_FILES))
