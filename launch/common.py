@@ -203,6 +203,13 @@ def run(main, compilation_cache: bool = True, config_overrides: bool = False):
         _report_interrupt(e)
 
 
+def note_default_prompt(missing: bool, prompt: str) -> None:
+    """Where no prompt was given (`missing`), one line on stderr naming the one used instead;
+    called once the flags and models are checked, so a refusal stays one line."""
+    if missing:
+        print(f"no --prompt given; using the prompt {prompt!r}", file=sys.stderr, flush=True)
+
+
 def terminal_text(text: str, stream=None) -> str:
     """text as printed to `stream` (default sys.stdout): on a terminal, each control character
     other than newline and tab escaped (`\\x1b`, `\\r`, ...) so generated text cannot move the

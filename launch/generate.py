@@ -254,8 +254,6 @@ def read_prompts() -> list[Prompt]:
     if FLAGS.prompts_file is not None:
         prompts = _read_prompts_file()
     else:
-        if FLAGS.prompt is None:
-            print(f"no --prompt given; using the prompt {DEFAULT_PROMPT!r}", file=sys.stderr)
         prompts = [Prompt(text=DEFAULT_PROMPT if FLAGS.prompt is None else FLAGS.prompt)]
     return [_as_chat(p) for p in prompts] if FLAGS.chat else prompts
 
@@ -713,6 +711,7 @@ def main(argv):
 
     mesh, prompts = check_flags()
     target, draft, token_prompts, texts = load_models(prompts, mesh)
+    common.note_default_prompt(FLAGS.prompt is None and FLAGS.prompts_file is None, DEFAULT_PROMPT)
     main_process = jax.process_index() == 0
 
     def print(*args, **kwargs):  # noqa: A001 - only process 0 prints

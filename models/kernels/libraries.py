@@ -13,6 +13,7 @@ import functools
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -40,6 +41,10 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
         if _matches(path):  # built by another process meanwhile
             return path
         registry.remove_dead_tmp(folder, label)
+        print(
+            f"building the kernel library {label} with a C++ compiler (once: seconds to a minute)",
+            file=sys.stderr,
+        )
         with registry.atomic_path(path, label=label, suffix=path.suffix) as tmp:
             compile_to(str(tmp))
             digest = registry.sha256_file(tmp)
