@@ -235,3 +235,14 @@ def test_a_compilation_cache_of_ones_own_is_used(tmp_path):
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     assert mine in pathlib.Path(result.stdout.strip()).parents
     assert len([p for p in mine.rglob("*") if p.is_file()]) >= 3
+
+
+def test_failure_modes_doc_shows_the_lines_the_code_prints():
+    """docs/failure_modes.md quotes the interrupt line, the rebuilt entry's warning and the GGUF
+    refusal as the code writes them (the tests above and in test_cache_safety /
+    test_newcomer_gguf check the code's side)."""
+    doc = (ROOT / "docs" / "failure_modes.md").read_text()
+    assert "interrupted (SIGINT); nothing written" in doc and "130" in doc and "143" in doc
+    assert "warning: damaged cache entry PATH: WHAT; rebuilding it" in doc
+    assert "truncated or corrupt: tensor 'blk.1.ffn_down.weight' needs bytes up to" in doc
+    assert "O_NOFOLLOW" in doc and "private temporary cache" in doc
