@@ -205,7 +205,7 @@ def run(main, compilation_cache: bool = True, config_overrides: bool = False):
 
 def note_default_prompt(missing: bool, prompt: str) -> None:
     """Where no prompt was given (`missing`), one line on stderr naming the one used instead;
-    called once the flags and models are checked, so a refusal stays one line."""
+    called once every flag and model is checked (before decoding), so a refusal stays one line."""
     if missing:
         print(f"no --prompt given; using the prompt {prompt!r}", file=sys.stderr, flush=True)
 

@@ -711,7 +711,6 @@ def main(argv):
 
     mesh, prompts = check_flags()
     target, draft, token_prompts, texts = load_models(prompts, mesh)
-    common.note_default_prompt(FLAGS.prompt is None and FLAGS.prompts_file is None, DEFAULT_PROMPT)
     main_process = jax.process_index() == 0
 
     def print(*args, **kwargs):  # noqa: A001 - only process 0 prints
@@ -722,6 +721,7 @@ def main(argv):
     draft_dtype = draft.config.dtype if draft is not None else FLAGS.draft_dtype  # auto resolved
     draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
     draft = build_draft(target, draft, stop_ids, draft_vocab)
+    common.note_default_prompt(FLAGS.prompt is None and FLAGS.prompts_file is None, DEFAULT_PROMPT)
     tokens, stats, compared = decode_all(target, draft, token_prompts, stop_ids, mesh)
     report = make_report(target, draft_dtype, draft_vocab, stop_ids, stats)
     for prompt, read, new, nonfinite in zip(prompts, texts, tokens, stats[metrics.NONFINITE], strict=True):
