@@ -6,13 +6,17 @@ setup(
     description="Speculative decoding in JAX: exact, batched, compiled, sharded.",
     python_requires=">=3.11",
     packages=find_packages(include=["spec_jax*", "models*", "training*", "experiments*", "launch*"]),
+    # Files the code opens beside itself (grep __file__): the kernels' C++ sources, compiled on
+    # first use (models/kernels/cpu_matmul.py, gguf_matmul.py). tests/test_install.py checks the
+    # wheel holds every one.
+    package_data={"models.kernels": ["*.cc", "*.h"], "experiments": ["prompts/*.jsonl"]},
+    # What the main job (launch.generate, launch.train, models, spec_jax) imports.
     install_requires=[
         "jax",
         "flax",
         "optax",
         "orbax-checkpoint",
         "numpy",
-        "chex",
         "absl-py",
         "ml_collections",
         "gguf",
@@ -20,11 +24,13 @@ setup(
         "tokenizers",
         "safetensors",  # Hugging Face checkpoint folders (models.hf_checkpoint)
         "tqdm",
-        "matplotlib",
-        "scipy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "ruff"],
+        "test": ["pytest", "pytest-xdist", "ruff", "chex"],
+        # The experiments' plots and statistics (launch.experiment, launch.bench).
+        "experiments": ["matplotlib", "scipy"],
+        # A Hugging Face hub id as --target / --draft (models.sources.fetch_hub).
+        "hub": ["huggingface_hub"],
         # tests/test_hf_sources.py and test_gguf_families.py build tiny transformers models to check the families
         # against (skipped without them). Never a runtime dependency: models.load reads a
         # checkpoint folder with safetensors and tokenizers alone. The exact torch pin: see

@@ -1,12 +1,20 @@
-"""Shared plumbing for the absl entry points: one-line errors with exit code 2, atomic writes,
-and JAX's persistent compilation cache (on unless --nocompilation_cache or
-$SPEC_JAX_COMPILATION_CACHE=0)."""
+"""Shared plumbing for the absl entry points: one-line errors with exit code 2, --help with exit
+code 0, SIGINT / SIGTERM as one line with exit code 130 / 143, atomic writes, and JAX's persistent
+compilation cache (on unless --nocompilation_cache or $SPEC_JAX_COMPILATION_CACHE=0; used only
+from a folder of this user's that no one else can write, else a private one for the run)."""
 
+import atexit
 import functools
 import json
 import math
 import os
+import pathlib
+import shutil
+import signal
 import sys
+import tempfile
+import unicodedata
+import warnings
 
 from absl import app, flags, logging
 
@@ -28,6 +36,24 @@ class UsageError(ValueError):
     """Bad input from the command line; reported as one line with exit code 2."""
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived (raised by the handler run installs; a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+# The files this process wrote for the user (write_json_atomic), named by the interrupt line.
+WRITTEN: list[str] = []
+HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
+
+
 def fail(message: str, code: int = 2):
     """One line on stderr (`PROG: error: MESSAGE`) and exit `code` (2: bad input)."""
     prog = os.path.basename(sys.argv[0]) if sys.argv else "spec-jax"
@@ -37,13 +63,15 @@ def fail(message: str, code: int = 2):
 
 def _unavailable_errors() -> tuple:
     """Errors meaning data a command needs cannot be had (no registry access, a corrupted
-    download, a cache folder that cannot be written, a conversion killed for lack of memory):
-    the environment, not the flags."""
+    download, a cache folder that cannot be written, a conversion killed for lack of memory, a
+    truncated or corrupt GGUF file): the environment, not the flags."""
     from models.convert import ConversionError
+    from models.gguf_loader import GGUFFileError
     from models.registry import CacheNotWritableError, ChecksumMismatchError, DamagedCacheError, DownloadError
     from spec_jax.corpora import CorpusUnavailableError
 
     return (
+        GGUFFileError,
         DownloadError,
         ChecksumMismatchError,
         CacheNotWritableError,
@@ -94,31 +122,61 @@ def parse_flags(argv, config_overrides: bool = False):
         return flags.FLAGS(argv)
     except (flags.Error, ValueError) as e:
         fail(str(e).splitlines()[0])
+    except SystemExit as e:  # absl's --help flags print the usage, then exit 1: asked for, so 0
+        if e.code == 1 and any(arg.lstrip("-").split("=")[0] in HELP_FLAGS for arg in argv[1:]):
+            sys.exit(0)
+        raise
 
 
 def enable_compilation_cache():
     """Turns on JAX's persistent compilation cache for this process (spec_jax.executables) unless
     --nocompilation_cache or $SPEC_JAX_COMPILATION_CACHE is 0/off/false/no; the env variable may
     also name the folder that holds the per-build folders (default $SPEC_JAX_CACHE/compilation).
-    Returns the cache folder, or None when off (also when the folder cannot be created: the run
-    goes on compiling everything, as without the cache)."""
+    The cache holds native code, so it gets the kernel folder's checks
+    (models.kernels.libraries.own_folder): a folder (or its parent) that another user owns,
+    that others can write, or that this user cannot write is not used; the run then uses a
+    private temporary cache (removed at exit) after one warning line on stderr. Returns the
+    folder in use, or None when off."""
+    from models.kernels import libraries
     from spec_jax import executables
 
     setting = os.environ.get(COMPILATION_CACHE_ENV, "").strip()
     folder = None
     if flags.FLAGS.compilation_cache and setting.lower() not in _OFF:
         folder = executables.persistent_cache_dir(None if setting.lower() in _ON else setting)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            folder = None
+        if not (libraries.own_folder(folder.parent) and libraries.own_folder(folder)):
+            print(
+                f"warning: not using the compilation cache {folder}: it must be a folder of yours that "
+                "you can write and no one else can; compiling into a private cache for this run",
+                file=sys.stderr,
+            )
+            folder = pathlib.Path(tempfile.mkdtemp(prefix="spec_jax-compilation-"))
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
     executables.enable_persistent_cache(folder)
     return folder
 
 
+def _report_interrupt(e: Interrupted) -> None:
+    """One line on stderr naming what was written, then exit 128 + the signal's number."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv else "spec-jax"
+    done = f"wrote {', '.join(WRITTEN)}" if WRITTEN else "nothing written"
+    print(f"\n{prog}: interrupted ({e}); {done}", file=sys.stderr)
+    sys.stderr.flush()
+    sys.exit(128 + e.signum)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None):
+    """warnings.showwarning for the command line: `warning: MESSAGE`, one line on stderr."""
+    print(
+        f"warning: {str(message).splitlines()[0] if str(message) else category.__name__}",
+        file=file or sys.stderr,
+    )
+
+
 def run(main, compilation_cache: bool = True, config_overrides: bool = False):
     """app.run(main) where a ValueError from main is bad input (one line on stderr, exit code
-    2) and data that cannot be fetched or cached is one line on stderr with exit code 1. With
+    2) and data that cannot be fetched or cached is one line on stderr with exit code 1; SIGINT
+    and SIGTERM are one line naming what was written (exit 130 / 143, no traceback). With
     compilation_cache (entry points that compile), the persistent compilation cache is enabled
     before main (enable_compilation_cache); config_overrides: see parse_flags."""
 
@@ -136,7 +194,33 @@ def run(main, compilation_cache: bool = True, config_overrides: bool = False):
                 raise
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__, code=1)
 
-    app.run(guarded, flags_parser=functools.partial(parse_flags, config_overrides=config_overrides))
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+    warnings.showwarning = _warning_line
+    try:
+        app.run(guarded, flags_parser=functools.partial(parse_flags, config_overrides=config_overrides))
+    except Interrupted as e:
+        _report_interrupt(e)
+
+
+def note_default_prompt(missing: bool, prompt: str) -> None:
+    """Where no prompt was given (`missing`), one line on stderr naming the one used instead;
+    called once every flag and model is checked (before decoding), so a refusal stays one line."""
+    if missing:
+        print(f"no --prompt given; using the prompt {prompt!r}", file=sys.stderr, flush=True)
+
+
+def terminal_text(text: str, stream=None) -> str:
+    """text as printed to `stream` (default sys.stdout): on a terminal, each control character
+    other than newline and tab escaped (`\\x1b`, `\\r`, ...) so generated text cannot move the
+    cursor, clear the screen or retitle the window; unchanged into a file or pipe."""
+    stream = sys.stdout if stream is None else stream
+    if not stream.isatty():
+        return text
+    return "".join(
+        ch.encode("unicode_escape").decode() if unicodedata.category(ch) == "Cc" and ch not in "\n\t" else ch
+        for ch in text
+    )
 
 
 def finite_json(value):
@@ -169,3 +253,4 @@ def write_json_atomic(path: str, payload) -> None:
     check_output_json(path)
     text = json.dumps(finite_json(payload), indent=2, allow_nan=False) + "\n"
     atomic_write(path, lambda f: f.write(text.encode()))
+    WRITTEN.append(path)

@@ -5,6 +5,7 @@ Examples:
   python -m launch.experiment --experiment=theory_vs_simulation --quick --output_dir=/tmp/out
   python -m launch.experiment --experiment=theory_vs_simulation --alphas=0.5,0.99 --gammas=1,20
   python -m launch.experiment --experiment=peer,decode,roofline   # one process: models load once
+  python -m launch.experiment --list   # the experiments' names, one line each with its title
 
 --alphas, --gammas, --num_rounds and --seed override the config of each experiment that has
 that setting; --config.KEY=VALUE overrides any other setting (e.g. --config.vocab_size=16), in
@@ -28,6 +29,7 @@ from launch import common
 FLAGS = flags.FLAGS
 
 flags.DEFINE_list("experiment", None, "Experiment names, comma-separated (see experiments.names()).")
+flags.DEFINE_bool("list", False, "Print each experiment's name and title, one a line, and exit.")
 flags.DEFINE_bool("quick", False, "Small sample counts and tiny models (what the test suite runs).")
 flags.DEFINE_string("output_dir", None, "Where the outputs go (default: experiments/results/).")
 flags.DEFINE_list("alphas", None, "Comma-separated acceptance rates in [0, 1], overriding the config.")
@@ -138,11 +140,22 @@ def run_named(names: list[str], flag: str = "experiment") -> int:
     return code
 
 
+def list_experiments() -> None:
+    """Prints `NAME  TITLE` for each registered experiment, sorted, one a line."""
+    width = max(map(len, experiments.names()))
+    for name in experiments.names():
+        print(f"{name:<{width}}  {experiments.load(name).TITLE}")
+
+
 def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.list:
+        return list_experiments()
     if not FLAGS.experiment:
-        raise common.UsageError(f"--experiment is required; known: {', '.join(experiments.names())}")
+        raise common.UsageError(
+            f"--experiment is required (--list names them); known: {', '.join(experiments.names())}"
+        )
     return run_named(FLAGS.experiment)
 
 

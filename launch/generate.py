@@ -370,7 +370,7 @@ def load_model(name: str, dtype: str, batch: int = 1, mesh=None, flag: str = "--
 
         if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
-        auto = models.auto_precision(name, batch, devices, flag=flag)
+        auto = models.auto_precision(name, batch, devices, flag=flag, tokens=batch * FLAGS.max_new_tokens)
         if auto.note and jax.process_index() == 0:
             print(auto.note, file=sys.stderr)
         dtype = auto.precision
@@ -728,6 +728,7 @@ def main(argv):
     draft_dtype = draft.config.dtype if draft is not None else FLAGS.draft_dtype  # auto resolved
     draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
     draft = build_draft(target, draft, stop_ids, draft_vocab)
+    common.note_default_prompt(FLAGS.prompt is None and FLAGS.prompts_file is None, DEFAULT_PROMPT)
     tokens, stats, compared = decode_all(target, draft, token_prompts, stop_ids, mesh)
     report = make_report(target, draft_dtype, draft_vocab, stop_ids, stats)
     for prompt, read, new, nonfinite in zip(prompts, texts, tokens, stats[metrics.NONFINITE], strict=True):
@@ -736,7 +737,9 @@ def main(argv):
         if prompt.messages is not None:  # "prompt" is the conversation as the template rendered it
             output["messages"] = list(prompt.messages)
         report["outputs"].append(output)
-        print(f"--- {'chat' if prompt.messages is not None else 'prompt'}: {prompt.shown!r}\n{text}\n")
+        print(
+            f"--- {'chat' if prompt.messages is not None else 'prompt'}: {prompt.shown!r}\n{common.terminal_text(text)}\n"
+        )
     print(summary_line(f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive", stats))
     warning = report_nonfinite(stats, [p.shown for p in prompts])
     if warning:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -191,13 +192,20 @@ def load(
     return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)
 
 
-def fastest_precision(name: str, batch: int = 1, devices: int = 1, platform: str | None = None) -> str:
+def fastest_precision(
+    name: str, batch: int = 1, devices: int = 1, platform: str | None = None, tokens: int | None = None
+) -> str:
     """auto_precision(...).precision: the precision the entry points' `auto` means."""
-    return auto_precision(name, batch, devices, platform).precision
+    return auto_precision(name, batch, devices, platform, tokens=tokens).precision
 
 
 def auto_precision(
-    name: str, batch: int = 1, devices: int = 1, platform: str | None = None, flag: str = "dtype"
+    name: str,
+    batch: int = 1,
+    devices: int = 1,
+    platform: str | None = None,
+    flag: str = "dtype",
+    tokens: int | None = None,
 ):
     """What `auto` means for model `name` here (models.precision.choose_auto decides; this reads
     the source): a models.precision.AutoPrecision, its precision and its start-up note.
@@ -215,7 +223,9 @@ def auto_precision(
     (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 for a random preset, a mesh
     of several devices, a CPU without cmake or a compiler, and a checkpoint folder or hub id (no
     GGUF blocks to read; the note names the flag for its own precision). The same for a local
-    GGUF file as for a registry model."""
+    GGUF file as for a registry model. On a CPU, int8 also where the GGUF kernel would not pay
+    (gguf_kernel_pays: a toy model, or a run of `tokens` too short to pay for the kernel's first
+    build)."""
     from models import precision, sources
     from models.kernels import gguf_matmul, target
 
@@ -227,7 +237,7 @@ def auto_precision(
     else:
         kind, stored = "folder", _stored_dtype(name)
     one_cpu = platform == "cpu" and devices == 1 and kind == "gguf"
-    kernel = one_cpu and gguf_matmul.available()
+    kernel = one_cpu and gguf_kernel_pays(name, tokens) and gguf_matmul.available()
     return precision.choose_auto(
         platform,
         kind,
@@ -265,6 +275,34 @@ def _stored_dtype(name: str) -> str | None:
     return None
 
 
+# A GGUF of fewer bytes is a toy (the test suite's, scripts/tiny_checkpoints.py's: kilobytes):
+# its steps are dispatch, not products, so the GGUF kernel gains nothing there; the smallest
+# registry model is 98 MB.
+SMALL_GGUF_BYTES = 32 << 20
+# Tokens a run must generate for the GGUF kernel's first build (ggml with cmake, then the
+# kernel: 90-110 s on the 2-core EPYC) to pay: at batch 1 gguf_q8 saves 1/13.8 - 1/20.6 s, about
+# 0.024 s, a token against int8 (fastest_precision's figures), so about 4,000 tokens.
+BUILD_PAYS_TOKENS = 4096
+
+
+def gguf_kernel_pays(name: str, tokens: int | None = None) -> bool:
+    """Whether running GGUF source `name` (a registry name or a GGUF file) on the GGUF kernel can
+    gain here, asking nothing that builds: False for a file under SMALL_GGUF_BYTES, and False
+    where the kernel's ggml build is not there yet (models.kernels.llama_cpp.built) and the run
+    generates fewer than BUILD_PAYS_TOKENS `tokens` (all rows together; None: not known, taken
+    as long). A precision that needs no build (int8) runs then; the build happens once, when a
+    run pays for it (or when a GGUF precision is asked for by name)."""
+    from models import registry
+    from models.kernels import llama_cpp
+
+    size = (
+        registry.MODELS[name].size if name in registry.MODELS else os.path.getsize(os.path.expanduser(name))
+    )
+    if size < SMALL_GGUF_BYTES:
+        return False
+    return tokens is None or tokens >= BUILD_PAYS_TOKENS or llama_cpp.built(llama_cpp.LIBRARIES)
+
+
 __all__ = [
     "ByteTokenizer",
     "ForwardOutput",
@@ -272,6 +310,7 @@ __all__ = [
     "check_source",
     "fastest_precision",
     "auto_precision",
+    "gguf_kernel_pays",
     "RANDOM_PRESETS",
     "known_models",
     "load",

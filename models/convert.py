@@ -65,6 +65,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+import warnings
 
 import jax
 import numpy as np
@@ -335,6 +336,10 @@ def load_converted(
     try:
         return _load_converted(name, cache_dir, progress, dtype, mmap)
     except _Damaged as e:
+        # docs/failure_modes.md: a damaged entry is named in a warning, then rebuilt once
+        warnings.warn(
+            f"damaged cache entry {e.path}: {e.what}; rebuilding it", registry.DamagedEntryWarning, 2
+        )
         try:
             e.rebuild()
         except _REBUILD_ERRORS as err:

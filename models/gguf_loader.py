@@ -24,14 +24,17 @@ comes (models.convert) holds one block; load_params fills the stacked arrays fro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import mmap
 import os
+import struct
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
@@ -64,10 +67,152 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 BLOCK_BYTES = 32 << 20
 
 
+class GGUFFileError(RuntimeError):
+    """A file that starts as a GGUF file but is not a whole, well-formed one (truncated,
+    corrupted, an unknown version or tensor type). The CLI reports it in one line naming the
+    file, exit code 1 (launch.common)."""
+
+
+# struct format of each fixed-size metadata value type (GGUFValueType: 8 is STRING, 9 ARRAY).
+_VALUE_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_VALUE_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _VALUE_FORMATS.items()}
+_READ_VERSIONS = (2, 3)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Header:
+    """A bounds-checked little-endian reader over a GGUF file's bytes (check_file)."""
+
+    def __init__(self, data, path):
+        self.data, self.at, self.path = data, 0, path
+
+    def take(self, fmt: str, what: str):
+        size = struct.calcsize(fmt)
+        if self.at + size > len(self.data):
+            raise GGUFFileError(f"{self.path}: truncated: the file ends inside {what} (at byte {self.at})")
+        values = struct.unpack_from(fmt, self.data, self.at)
+        self.at += size
+        return values[0] if len(values) == 1 else values
+
+    def skip(self, size: int, what: str):
+        if size > len(self.data) - self.at:
+            raise GGUFFileError(f"{self.path}: truncated: the file ends inside {what} (at byte {self.at})")
+        self.at += size
+
+    def string(self, what: str) -> bytes:
+        size = self.take("<Q", what)
+        start = self.at
+        self.skip(size, what)
+        return bytes(self.data[start : self.at])
+
+    def value(self, kind: int, what: str):
+        """One metadata value of type `kind` (an array's items skipped; returns None for it)."""
+        if kind == 8:
+            return self.string(what)
+        if kind == 9:
+            item, count = self.take("<IQ", what)
+            if item in _VALUE_SIZES:
+                return self.skip(count * _VALUE_SIZES[item], what)
+            if item not in (8, 9):
+                raise GGUFFileError(f"{self.path}: corrupt: {what} has unknown item type {item}")
+            for _ in range(count):
+                self.value(item, what)
+            return None
+        if kind not in _VALUE_SIZES:
+            raise GGUFFileError(f"{self.path}: corrupt: {what} has unknown value type {kind}")
+        return self.take(_VALUE_FORMATS[kind], what)
+
+
+def _tensor_bytes(h: _Header, name: str, dims: tuple, kind: int) -> int:
+    """Bytes of a tensor of shape dims (GGUF order) and type kind; GGUFFileError if unknown."""
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ValueError, KeyError):
+        raise GGUFFileError(f"{h.path}: corrupt: tensor {name!r} has unknown type {kind}") from None
+    if dims[0] % block:
+        raise GGUFFileError(f"{h.path}: corrupt: tensor {name!r} rows of {dims[0]} are not whole blocks")
+    return math.prod(dims) // block * size
+
+
+def check_file(path: str | os.PathLike) -> None:
+    """GGUFFileError in one line naming `path` and what is wrong unless it is a whole GGUF file:
+    the magic, a version this reader takes (2, 3), every metadata entry and tensor description
+    within the file, known tensor types, at most 4 dimensions, and each tensor's data (at its
+    aligned offset) inside the file. Reads the header only (no tensor data); results are
+    remembered per (path, size, modification time)."""
+    st = os.stat(path)
+    _check_file(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_file(path: str, size: int, mtime_ns: int) -> None:
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        try:
+            tensors, end, alignment = _read_header(_Header(data, path), size)
+        finally:
+            if size:
+                data.close()
+    start = -(-end // alignment) * alignment
+    for name, offset, nbytes in tensors:
+        if offset % alignment or start + offset + nbytes > size:
+            raise GGUFFileError(
+                f"{path}: truncated or corrupt: tensor {name!r} needs bytes up to "
+                f"{start + offset + nbytes}, the file has {size}"
+            )
+
+
+def _read_header(h: _Header, size: int) -> tuple[list, int, int]:
+    """([(tensor name, data offset, bytes)], where the header ends, the data's alignment) of the
+    file h reads; GGUFFileError where the header is cut short or not a GGUF header."""
+    if h.take("<4s", "the magic") != b"GGUF":
+        raise GGUFFileError(f"{h.path}: not a GGUF file (no GGUF magic)")
+    version = h.take("<I", "the version")
+    if version not in _READ_VERSIONS:
+        raise GGUFFileError(f"{h.path}: corrupt: GGUF version {version} (readable: 2, 3)")
+    count, kvs = h.take("<QQ", "the tensor and metadata counts")
+    if count > size or kvs > size:
+        raise GGUFFileError(f"{h.path}: corrupt: {count} tensors and {kvs} metadata entries in {size} bytes")
+    alignment = 32
+    for i in range(kvs):
+        key = h.string(f"metadata entry {i}")
+        kind = h.take("<I", f"metadata {key.decode(errors='replace')!r}")
+        value = h.value(kind, f"metadata {key.decode(errors='replace')!r}")
+        if key == b"general.alignment":
+            alignment = value
+    if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
+        raise GGUFFileError(f"{h.path}: corrupt: general.alignment {alignment!r} is not a power of two")
+    tensors = []
+    for i in range(count):
+        name = h.string(f"the tensor table (entry {i})").decode(errors="replace")
+        ndims = h.take("<I", f"the tensor table ({name!r})")
+        if not 1 <= ndims <= _MAX_DIMS:
+            raise GGUFFileError(f"{h.path}: corrupt: tensor {name!r} has {ndims} dimensions")
+        dims = h.take(f"<{ndims}Q", f"the tensor table ({name!r})")
+        kind, offset = h.take("<IQ", f"the tensor table ({name!r})")
+        dims = dims if ndims > 1 else (dims,)
+        tensors.append((name, offset, _tensor_bytes(h, name, dims, kind)))
+    return tensors, h.at, alignment
+
+
 def open_gguf(path_or_reader: PathOrReader) -> GGUFReader:
-    """A GGUFReader (memory-mapped; opening parses all metadata, ~9 s for a Qwen vocabulary)."""
+    """A GGUFReader (memory-mapped; opening parses all metadata, ~9 s for a Qwen vocabulary),
+    the file checked first (check_file: GGUFFileError in one line for a truncated or corrupt one)."""
     if isinstance(path_or_reader, GGUFReader):
         return path_or_reader
+    check_file(path_or_reader)
     return GGUFReader(os.fspath(path_or_reader), "r")
 
 

@@ -155,6 +155,10 @@ class DamagedCacheError(RuntimeError):
         )
 
 
+class DamagedEntryWarning(UserWarning):
+    """A damaged cache entry was found and is being rebuilt (cached_entry, models.convert)."""
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike):
     """An exclusive advisory lock (fcntl.flock) on the file `path` (created, with its folder),
@@ -163,12 +167,43 @@ def file_lock(path: str | os.PathLike):
     it held."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
+    try:  # never through a symbolic link: one planted in the cache would create its target
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if not path.is_symlink():
+            raise
+        raise CacheNotWritableError(
+            f"lock file {path} is a symbolic link; delete it (rm '{path}'): lock files must be plain files"
+        ) from e
+    with os.fdopen(fd, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _atomic_fd(path: pathlib.Path, label: str | None, suffix: str) -> Iterator[tuple[int, pathlib.Path]]:
+    """(open descriptor, name) of a new temporary file beside `path` (tempfile.mkstemp:
+    O_EXCL | O_NOFOLLOW, so never a file someone planted or a link's target), with the
+    permissions a new file of the user's gets (the umask's, not mkstemp's 0600); renamed over
+    `path` when the block ends without error, removed on any failure."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=tmp_prefix(label or path.name), suffix=suffix)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        yield fd, pathlib.Path(tmp)
+        os.close(fd)
+        fd = None
+        os.replace(tmp, path)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 @contextlib.contextmanager
@@ -178,30 +213,21 @@ def atomic_path(
     """A temporary file of a unique name (tempfile.mkstemp, named by tmp_prefix(label), label
     defaulting to the file's name) in `path`'s folder, for the block to fill; renamed over `path`
     (os.replace) when the block ends without error, with the permissions a new file of the user's
-    gets (the umask's, not mkstemp's 0600). A reader sees the old file or the new one, never half
-    of one; on any failure `path` is untouched and the temporary removed, and after a kill only
-    a dead `.tmp-` file is left (remove_dead_tmp). The one atomic write of this project's files:
-    atomic_write is its form for a writer of a file object, this one for a writer that takes a
-    path (a compiler, matplotlib)."""
-    path = pathlib.Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=tmp_prefix(label or path.name), suffix=suffix)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        os.close(fd)
-        yield pathlib.Path(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    gets. A reader sees the old file or the new one, never half of one; on any failure `path` is
+    untouched and the temporary removed, and after a kill only a dead `.tmp-` file is left
+    (remove_dead_tmp). The one atomic write of this project's files: atomic_write is its form for
+    a writer of a file object (which writes through the descriptor mkstemp opened, never
+    reopening the name), this one for a writer that takes a path (a compiler, matplotlib)."""
+    with _atomic_fd(pathlib.Path(path), label, suffix) as (_, tmp):
+        yield tmp
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
-    """Writes the file `path` all at once (atomic_path): write(f) fills the temporary file."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    """Writes the file `path` all at once (atomic_path): write(f) fills the temporary file,
+    through the descriptor that created it."""
+    with _atomic_fd(pathlib.Path(path), None, "") as (fd, _), os.fdopen(fd, "wb", closefd=False) as f:
         write(f)
+        f.flush()
 
 
 # What a loader raises on a cache entry that is not what was written: a truncated or edited
@@ -241,7 +267,7 @@ def cached_entry(
         if ok:
             return value
         if value is not None:
-            warnings.warn(f"damaged cache entry {path} ({value}); rebuilding it", stacklevel=2)
+            warnings.warn(f"damaged cache entry {path} ({value}); rebuilding it", DamagedEntryWarning, 2)
         # Writers of this entry hold the lock, so its temporary files (atomic_write's, beside a
         # file or inside a folder) are those of a writer that was killed: gigabytes, for features.
         leftovers = [*path.parent.glob(f".tmp-{glob.escape(path.name)}-*")]

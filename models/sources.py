@@ -95,14 +95,17 @@ class Source:
 
 def _local(path: pathlib.Path) -> Source:
     """The Source of an existing file or folder; ValueError in one line when it is neither a
-    GGUF file nor a checkpoint folder of a supported architecture."""
+    GGUF file nor a checkpoint folder of a supported architecture, gguf_loader.GGUFFileError
+    when it is a GGUF file cut short or corrupt (gguf_loader.check_file)."""
+    from models import gguf_loader, hf_checkpoint, hf_config
+
     resolved = path.resolve()
     if resolved.is_file():
         with open(resolved, "rb") as f:
             if f.read(4) != GGUF_MAGIC:
                 raise ValueError(f"{path}: not a GGUF file (it does not start with {GGUF_MAGIC!r})")
+        gguf_loader.check_file(resolved)  # a truncated or corrupt file: one line, before any build
         return Source("gguf", str(resolved))
-    from models import hf_checkpoint, hf_config
 
     try:
         cfg = hf_checkpoint.read_config_json(resolved)
@@ -187,7 +190,7 @@ def fetch_hub(repo_id: str) -> pathlib.Path:
     except ImportError:
         raise registry.DownloadError(
             f"{repo_id}: no such file or folder, and huggingface_hub is not installed to fetch it "
-            "as a Hugging Face hub id (pip install huggingface_hub)"
+            "as a Hugging Face hub id (install the hub extra: pip install 'spec-jax[hub]')"
         ) from None
     try:
         folder = huggingface_hub.snapshot_download(repo_id, allow_patterns=list(HF_FILES))

@@ -13,7 +13,7 @@ drafter's and the target's calls and the loop's own work (sampling and the rejec
 [gamma + 1, V], the commit, the drafter's state). Chunks are timed by work_clock: the process's
 CPU time on a CPU backend, so that other jobs on a shared machine do not sway the choice, wall
 time on an accelerator. A gamma is timed as the fastest of its last chunks. A gamma not yet run is predicted from the
-model calls measured offline (`Costs`, once per machine, pair, batch and cache size, cached
+model calls measured offline (`Costs`, once per machine, pair, batch bucket and cache-length bucket, cached
 under `$SPEC_JAX_CACHE/costs/`) at the measured plain round's rate, plus the round's own work as
 the nearest measured drafting gamma showed it (what its calls do not explain, taken to grow
 with gamma), or EXTRA_STEPS per draft before any drafting round ran. A call starts with
@@ -61,6 +61,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -146,6 +147,28 @@ class Costs:
 
 # How measure() turns repeats into a cost; part of the cache key, so a change re-measures.
 MEASURE_METHOD = "min of interleaved repeats; resume call"
+# The cache lengths costs are measured at: COST_SLOTS, or COST_SLOTS times a power of
+# COST_SLOTS_STEP for a longer cache (cost_slots). A call's cost hardly moves with the cache below
+# a few thousand slots (the weights' products dominate), so every prompt of an ordinary length
+# shares one measurement; a chunk's measured time corrects what is left once it runs.
+COST_SLOTS = 512
+COST_SLOTS_STEP = 8
+# What measuring the default pair's costs took on the 2-core EPYC (for the line that announces it).
+COST_MEASURE_SECONDS = 60
+
+
+def cost_slots(cache_slots: int) -> int:
+    """The cache length costs are measured at for a run of `cache_slots`: the smallest of
+    COST_SLOTS * COST_SLOTS_STEP^k (k >= 0) that holds it."""
+    slots = COST_SLOTS
+    while slots < cache_slots:
+        slots *= COST_SLOTS_STEP
+    return slots
+
+
+def cost_batch(batch: int) -> int:
+    """The batch costs are measured at for a run of `batch` rows: the next power of two."""
+    return 1 << max(batch - 1, 0).bit_length()
 
 
 def machine_key() -> dict:
@@ -240,13 +263,14 @@ def costs_for(
     the tree sizes' verify calls where tree_sizes is given (tree="auto"; part of the key).
 
     target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
-    The cache size is rounded up to a power of two, so prompts of similar length share a
-    measurement. A cached file is used only when it holds this key and costs that checked_costs
+    The costs are measured at a batch of cost_batch(batch) and a cache of cost_slots(cache_slots)
+    (one length for every prompt of an ordinary length: a prompt of a new length measures
+    nothing again), announced by one line on stderr. A cached file is used only when it holds this key and costs that checked_costs
     accepts; otherwise (with a warning) the costs are measured again. The file is written
     atomically (registry.atomic_write: a temporary file of a unique name, renamed into place);
     a cache that cannot be written is a warning, and the measured costs are used all the same.
     """
-    slots = 1 << max(cache_slots - 1, 1).bit_length()
+    slots, batch = cost_slots(cache_slots), cost_batch(batch)
     draft_key = drafter.cost_key(draft_params)
     key = {
         "machine": machine_key(),
@@ -270,6 +294,12 @@ def costs_for(
             warnings.warn(
                 f"gamma=auto: cached costs {path} are not usable ({e}); measuring again", stacklevel=2
             )
+    print(
+        f"gamma=auto: measuring {target.config.name}'s model calls at batch {batch} (once for this pair "
+        f"and precision; about {COST_MEASURE_SECONDS} s on a 2-core CPU; cached in {path.parent})",
+        file=sys.stderr,
+        flush=True,
+    )
     costs = measure(
         target,
         drafter,

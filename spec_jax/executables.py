@@ -17,9 +17,11 @@ library import never does.
 """
 
 import collections
+import contextlib
 import functools
 import os
 import pathlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -87,7 +89,8 @@ def compiled(
             if out_shardings is not None:
                 shardings["out_shardings"] = out_shardings
             jitted = jax.jit(fn_static, donate_argnums=donate_argnums, **shardings)
-            executable = jitted.lower(*args).compile()
+            with announced_if_slow(COMPILE_NOTICE):
+                executable = jitted.lower(*args).compile()
             with _LOCK:
                 _EXECUTABLES[key] = executable
                 _evict()
@@ -96,6 +99,37 @@ def compiled(
         with _LOCK:
             if _KEY_LOCKS.get(key) is key_lock:
                 del _KEY_LOCKS[key]
+
+
+# The one line a compilation that takes over SLOW_SECONDS prints (once per process).
+SLOW_SECONDS = 2.0
+COMPILE_NOTICE = (
+    "compiling the decoding programs for this batch and prompt-length bucket (about a minute on a "
+    "2-core CPU the first time; kept in the compilation cache for the next run)"
+)
+_ANNOUNCED: set = set()
+
+
+@contextlib.contextmanager
+def announced_if_slow(message: str, seconds: float = SLOW_SECONDS):
+    """Prints `message` as one line on stderr if the block is still running after `seconds`
+    (a timer thread; nothing for a fast block, e.g. a program the persistent cache had), at
+    most once per process and message."""
+
+    def announce():
+        with _LOCK:
+            if message in _ANNOUNCED:
+                return
+            _ANNOUNCED.add(message)
+        print(message, file=sys.stderr, flush=True)
+
+    timer = threading.Timer(seconds, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _lookup(key):

@@ -286,3 +286,55 @@ def test_a_checkpoint_that_cannot_be_read_back_is_converted_again(tiny, monkeypa
     model = models.load(spec.name, cache_dir=cache, progress=False, scan_layers=True)
     assert _same_params(model.params, original.params)
     assert _entry_id(entry) != before
+
+
+# --- issue 39: the warning a rebuilt entry promises, lock files and links -----------------------
+
+
+@pytest.mark.parametrize("damage", ["truncate a .npy", "garbage manifest"])
+def test_a_damaged_entry_that_is_rebuilt_is_named_in_a_warning(tiny, damage):
+    """docs/failure_modes.md, "A damaged entry": named in a warning, then rebuilt (it was rebuilt
+    without a word)."""
+    cache, spec, original = tiny
+    models.load(spec.name, cache_dir=cache, progress=False, scan_layers=True)
+    entry = cache / "converted" / spec.name
+    if damage == "garbage manifest":
+        (entry / MANIFEST).write_bytes(b"\x00garbage{")
+    else:
+        npy = max((entry / "params").rglob("*.npy"), key=lambda p: p.stat().st_size)
+        npy.write_bytes(npy.read_bytes()[:-9])
+    with pytest.warns(registry.DamagedEntryWarning, match=f"damaged cache entry {entry}.*rebuilding it"):
+        model = models.load(spec.name, cache_dir=cache, progress=False, scan_layers=True)
+    assert _same_params(model.params, original.params)
+
+
+def test_a_lock_file_planted_as_a_symlink_creates_nothing_outside_the_cache(tmp_path):
+    cache = tmp_path / "cache" / "gguf"
+    cache.mkdir(parents=True)
+    outside = tmp_path / "outside" / "created-by-the-lock"
+    outside.parent.mkdir()
+    (cache / ".lock-model").symlink_to(outside)
+    with (
+        pytest.raises(registry.CacheNotWritableError, match="symbolic link"),
+        registry.file_lock(cache / ".lock-model"),
+    ):
+        pass
+    assert not outside.exists()
+
+
+def test_atomic_write_never_writes_through_a_name_swapped_for_a_link(tmp_path, monkeypatch):
+    """The temporary file is written through the descriptor mkstemp created (O_EXCL, O_NOFOLLOW):
+    a link put in its place after it was made (a folder others can write) is never followed."""
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"theirs")
+    mkstemp = tempfile.mkstemp
+
+    def swapped(*args, **kwargs):
+        fd, name = mkstemp(*args, **kwargs)
+        os.remove(name)
+        os.symlink(outside, name)  # what an attacker racing the writer would do
+        return fd, name
+
+    monkeypatch.setattr(registry.tempfile, "mkstemp", swapped)
+    registry.atomic_write(tmp_path / "entry", lambda f: f.write(b"ours"))
+    assert outside.read_bytes() == b"theirs"

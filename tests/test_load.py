@@ -131,8 +131,7 @@ def test_a_local_gguf_file_converts_through_the_same_pipeline_as_the_registry_mo
     assert model.tokenizer.decode(model.tokenizer.encode("hi there")) == "hi there"
     entry = convert.converted_dir(str(path), tmp_path / "cache")
     assert entry.name.startswith("gguf-tiny.gguf-") and (entry / convert.MANIFEST).exists()
-    fastest = models.fastest_precision(str(path))
-    assert fastest == models.fastest_precision("smollm2-135m")  # a GGUF file is read as registry GGUFs are
+    assert models.fastest_precision(str(path)) == "int8"  # a toy: too small to gain from the GGUF kernel
     assert models.fastest_precision(str(tmp_path)) == "int8"  # a folder has no GGUF blocks
 
 

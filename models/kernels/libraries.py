@@ -13,6 +13,7 @@ import functools
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -25,13 +26,13 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
     """The path of a library named path.name whose sha256 matches the one stored beside it,
     built with compile_to(output path) where there is none (or it does not match).
 
-    It lives in path's folder when that folder is usable (_own_folder), else in a private
+    It lives in path's folder when that folder is usable (own_folder), else in a private
     temporary folder of this process. The build holds the library's file_lock (a second process
     waits, then finds it built) and removes what killed builds left. LibraryMismatch if the
     library still does not match after one build; compile_to's errors propagate."""
     from models import registry
 
-    folder = path.parent if _own_folder(path.parent) else _private_folder()
+    folder = path.parent if own_folder(path.parent) else _private_folder()
     path = folder / path.name
     if _matches(path):
         return path
@@ -40,6 +41,10 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
         if _matches(path):  # built by another process meanwhile
             return path
         registry.remove_dead_tmp(folder, label)
+        print(
+            f"building the kernel library {label} with a C++ compiler (once: seconds to a minute)",
+            file=sys.stderr,
+        )
         with registry.atomic_path(path, label=label, suffix=path.suffix) as tmp:
             compile_to(str(tmp))
             digest = registry.sha256_file(tmp)
@@ -62,7 +67,7 @@ def _matches(path: pathlib.Path) -> bool:
         return False
 
 
-def _own_folder(folder: pathlib.Path) -> bool:
+def own_folder(folder: pathlib.Path) -> bool:
     """Whether folder can be created and is safe to load libraries from: owned by this user and
     writable by no one else (so no one else can put a library, or its digest, there)."""
     try:

@@ -19,6 +19,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 
@@ -131,6 +132,10 @@ def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
 
     cmake = check_tools()
     src = source(cache_dir)
+    print(
+        f"building llama.cpp's {', '.join(targets)} with cmake (once: about 2 minutes on 2 cores)",
+        file=sys.stderr,
+    )
     with file_lock(root(cache_dir) / ".lock-build"):
         missing = [t for t in targets if not (folder / f".built-{t}").exists()]
         if not missing:

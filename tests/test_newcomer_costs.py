@@ -1,0 +1,42 @@
+"""Issue 39, item 2: gamma=auto's measured costs do not depend on the prompt's length. One
+measurement per pair, precision and batch bucket serves every prompt of an ordinary length (it
+was keyed on the cache length rounded to a power of two: a prompt of a new length measured every
+call again, 150 s before the first token), and measuring is announced in one line."""
+
+import pytest
+
+import models
+from spec_jax import autogamma
+from spec_jax.drafting import NoDrafter
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """measure() replaced by fixed costs; the list of (batch, cache_slots) it was called with."""
+    calls = []
+
+    def measure(target, drafter, params, *, batch, cache_slots, gamma_max, **kwargs):
+        calls.append((batch, cache_slots))
+        verify = (1.0,) + tuple(1.0 + 0.1 * g for g in range(1, gamma_max + 1))
+        return autogamma.Costs(step_seconds=0.01, draft1=0.0, draft2=0.0, verify=verify, resume=0.0)
+
+    monkeypatch.setattr(autogamma, "measure", measure)
+    return calls
+
+
+def test_prompts_of_new_lengths_reuse_one_measurement(tmp_path, measured, capsys):
+    target = models.random_model(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, seed=0)
+    for cache_slots in (20, 70, 133, 300, 511):  # prompts of five lengths, batch 1
+        autogamma.costs_for(target, NoDrafter(64), None, batch=1, cache_slots=cache_slots, cache_dir=tmp_path)
+    assert measured == [(1, autogamma.COST_SLOTS)]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("gamma=auto: measuring") and " s " in lines[0]
+
+
+def test_batches_share_a_power_of_two_bucket_and_long_caches_a_coarse_one(tmp_path, measured):
+    target = models.random_model(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, seed=0)
+    for batch in (3, 4):
+        autogamma.costs_for(target, NoDrafter(64), None, batch=batch, cache_slots=64, cache_dir=tmp_path)
+    for cache_slots in (600, 4000):
+        autogamma.costs_for(target, NoDrafter(64), None, batch=1, cache_slots=cache_slots, cache_dir=tmp_path)
+    assert measured == [(4, 512), (1, 4096)]
