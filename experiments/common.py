@@ -55,7 +55,7 @@ def _stdlib_functions(count: int) -> list[tuple[str, str]]:
     head counted them), one per file, in the split's order."""
     import ast
 
-    from spec_jax import corpora
+    from models import corpora
 
     _, test = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)
     found = []
@@ -78,7 +78,7 @@ def _stdlib_functions(count: int) -> list[tuple[str, str]]:
 
 def _news_articles(count: int) -> list[str]:
     """The openings (up to GROUNDED_SOURCE_CHARS, whole lines) of `count` held-out BBC articles."""
-    from spec_jax import corpora
+    from models import corpora
 
     _, test = corpora.split(corpora.documents("news"), corpora.TRIM_TEST_FRACTION)
     texts = []
@@ -130,7 +130,7 @@ def heldout_prompts(count: int = HELDOUT_PROMPTS) -> list[str]:
     sets are disjoint; no n-gram table or trimmed head counted their text."""
     import ast
 
-    from spec_jax import corpora
+    from models import corpora
 
     functions, articles = [], []
     _, code = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)

@@ -6,8 +6,8 @@ drafter: spec_jax.drafting.head (default_workdir, load_drafter).
 import numpy as np
 
 from experiments import common
-from models import registry
-from spec_jax import corpora
+from models import corpora, registry
+from spec_jax.drafting.tables import frequent_tokens
 from training import features
 
 
@@ -23,9 +23,7 @@ def token_ids(config, target) -> np.ndarray:
     ):
         return np.arange(vocab, dtype=np.int32)
     stops = list(getattr(target.tokenizer, "stop_ids", ()) or ())
-    return np.asarray(
-        corpora.frequent_tokens(config.target, target.tokenizer, vocab, config.vocab, always=stops)
-    )
+    return np.asarray(frequent_tokens(config.target, target.tokenizer, vocab, config.vocab, always=stops))
 
 
 def _sequences(config, target, split_index: int) -> list[list[int]]:

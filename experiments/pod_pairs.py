@@ -40,13 +40,13 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from experiments import framework
+from experiments import compile_loop, framework
 from experiments import predicted_speed as ps
 from models.config import ModelConfig
 from models.hf_config import config_from_hf
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
-from spec_jax import compile_loop, sharding, theory
+from spec_jax import sharding, theory
 from spec_jax.decode import layout
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.sampling import SamplingParams

@@ -62,11 +62,11 @@ import numpy as np
 
 import models.kernels
 from experiments import bench_roofline, framework
+from experiments.compile_loop import DEMO
 from models.kernels import compile_targets as ct
 from models.transformer import init_cache
 from models.weights import param_shapes
 from spec_jax import theory
-from spec_jax.compile_loop import DEMO
 from spec_jax.decode import layout
 from spec_jax.sampling import SamplingParams
 from spec_jax.timing import model_calls

@@ -24,7 +24,7 @@ table reports the mean accepted length per verify call of each, with the tree's 
 chain's.
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
-independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
+independent. Runs use experiments.per_prompt, which keeps the metrics per prompt.
 """
 
 import time
@@ -34,8 +34,9 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from experiments import common, framework
-from spec_jax import corpora, drafting, metrics, per_prompt
+from experiments import common, framework, per_prompt
+from models import corpora
+from spec_jax import drafting, metrics
 from spec_jax.drafting import ngram, suffix
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"

@@ -5,7 +5,7 @@ pair, the classifier, and the stop threshold chosen from its held-out curve.
 reads the draft head from `head_workdir` (default `$SPEC_JAX_CACHE/heads/TARGET/`), runs the
 loop greedily round by round with the head drafting `gamma_max` tokens on prompts cut from the
 corpora's training split, logs every draft position up to the first rejection
-(spec_jax.acceptance.log_rounds), trains the classifier on the rounds of most prompts and
+(training.acceptance.log_rounds), trains the classifier on the rounds of most prompts and
 chooses the threshold h on the rounds of the held-out prompts: the h with the most simulated
 tokens per unit of time, with this machine's measured call costs (spec_jax.autogamma), beside
 the best fixed gamma. It writes the acceptance head into HEAD_WORKDIR/acceptance/ (orbax),
@@ -21,8 +21,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments import common, framework
-from spec_jax import acceptance, autogamma, corpora
+from models import corpora
+from spec_jax import autogamma
 from spec_jax.drafting import head as head_drafting
+from training import acceptance
 
 TITLE = "Training an acceptance head (SpecDec++) that decides the draft length"
 

@@ -31,7 +31,8 @@ import tqdm
 
 import spec_jax
 from experiments import common, framework
-from spec_jax import corpora, metrics, theory, timing
+from models import corpora
+from spec_jax import metrics, theory, timing
 from spec_jax.sampling import SamplingParams
 
 TITLE = "Walltime speedup: Theorem 3.8's prediction against measurement, gamma 1..8"

@@ -40,8 +40,8 @@ def _unavailable_errors() -> tuple:
     download, a cache folder that cannot be written, a conversion killed for lack of memory):
     the environment, not the flags."""
     from models.convert import ConversionError
+    from models.corpora import CorpusUnavailableError
     from models.registry import CacheNotWritableError, ChecksumMismatchError, DamagedCacheError, DownloadError
-    from spec_jax.corpora import CorpusUnavailableError
 
     return (
         DownloadError,

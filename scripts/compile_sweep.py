@@ -11,7 +11,7 @@ compile-only devices; models/kernels/compile_targets.py) and prints a Markdown t
 
 Grid: kernel calls over B x S x T x model x dtype (T <= S), model steps (2 scanned layers) over
 --model_batches x --model_num_queries x model x dtype at S = --model_cache_len, and the whole
-speculative decoding program (spec_jax.compile_loop: spec_prefill and spec_loop of the Qwen pair at
+speculative decoding program (experiments.compile_loop: spec_prefill and spec_loop of the Qwen pair at
 full depth, at `make demo`'s shapes) over --loop_batches x dtype, each with the target's Pallas impl
 forced; where "auto" picks something else for the target (XLA attention on pre-Ampere GPUs) the
 model steps and the loop are compiled with "auto" too. "refused" is a trace-time ValueError of
@@ -37,8 +37,8 @@ _DEPS = os.environ.get("SPEC_JAX_COMPILE_DEPS", os.path.join(_ROOT, ".venv-compi
 if os.path.isdir(_DEPS):
     sys.path.append(_DEPS)
 
+from experiments import compile_loop  # noqa: E402
 from models.kernels import compile_targets as ct  # noqa: E402
-from spec_jax import compile_loop  # noqa: E402
 
 KINDS = (*ct.KINDS, "loop", "pods")
 
