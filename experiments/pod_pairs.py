@@ -418,13 +418,7 @@ COLUMNS_SHOWN = (
 
 
 def run(config) -> framework.Result | None:
-    ct.add_compile_deps()
-    if missing := ct.missing_packages():
-        print(
-            f"pod_pairs: skipped, compile-only TPU/GPU backends not installed ({', '.join(missing)}): "
-            f"{ct.INSTALL_HINT}",
-            file=sys.stderr,
-        )
+    if ct.skipped_without_backends("pod_pairs"):
         return None
     overrides = {"num_layers": config.num_layers} if config.num_layers else {}
     rows = []

@@ -569,13 +569,7 @@ def markdown(rows, best, calls, config, trees=()) -> str:
 
 
 def run(config) -> framework.Result | None:
-    ct.add_compile_deps()
-    if missing := ct.missing_packages():
-        print(
-            f"predicted_speed: skipped, compile-only TPU/GPU backends not installed ({', '.join(missing)}): "
-            f"{ct.INSTALL_HINT}",
-            file=sys.stderr,
-        )
+    if ct.skipped_without_backends("predicted_speed"):
         return None
     calls = []
     for target in config.targets:

@@ -18,6 +18,10 @@ def this_cpu_isa() -> str:
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 
+# The fields that fix the weights' shapes: a checkpoint (GGUF, safetensors) must agree on each.
+SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer of one of FAMILIES (its weights: models.weights.WEIGHTS).
@@ -89,16 +93,7 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, list):
                 object.__setattr__(self, field, tuple(value))
-        for field in (
-            "vocab_size",
-            "num_layers",
-            "d_model",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "mlp_dim",
-            "max_seq_len",
-        ):
+        for field in (*SHAPE_FIELDS, "max_seq_len"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")

@@ -257,6 +257,8 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     config: ModelConfig
 
+    # forward(config, params, ...) below takes these same arguments on purpose: it is the
+    # functional form of this call (Transformer(config).apply), which every caller uses.
     @nn.compact
     def __call__(
         self,
@@ -345,6 +347,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
+# The arguments of Transformer.__call__ (above) on purpose: forward is its functional form.
 def forward(
     config: ModelConfig,
     params,

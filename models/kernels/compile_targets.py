@@ -170,6 +170,21 @@ def missing_packages() -> list[str]:
     return [package for module, package in _PACKAGES if not installed(module)]
 
 
+def skipped_without_backends(name: str) -> bool:
+    """For what compiles for TPUs / GPUs on this host (the predicted_speed and pod_pairs
+    experiments): puts the compile-only backends on the path (add_compile_deps) and returns
+    False; True, having printed `NAME: skipped, ...` with INSTALL_HINT to stderr, where one of
+    them is not installed."""
+    add_compile_deps()
+    if missing := missing_packages():
+        print(
+            f"{name}: skipped, compile-only TPU/GPU backends not installed ({', '.join(missing)}): {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return True
+    return False
+
+
 @functools.cache
 def device(target):
     """A compile-only jax Device for a name in TARGETS or a GpuSpec; ValueError naming TARGETS else."""

@@ -123,6 +123,8 @@ class FlashBlockSizes:
                     raise ValueError(f"GPU {name}={value} must be a power of two >= 16 (Triton tiles)")
 
 
+# The same arguments as flash_decoding.flash_decoding on purpose: the dispatcher (models.kernels.attention) calls
+# either with one contract.
 def flash_attention(
     q,
     k,

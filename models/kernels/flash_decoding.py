@@ -159,6 +159,8 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
+# The same arguments as flash_attention.flash_attention on purpose: the dispatcher (models.kernels.attention) calls
+# either with one contract.
 def flash_decoding(
     q,
     k,
