@@ -171,22 +171,29 @@ def load(
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
     config = config.replace(scan_layers=scan_layers)
-    if dtype in GGUF_PRECISIONS:  # read per layer: a file's layers may hold different block types
-        if scan_layers:
-            try:
-                host_params = stack_layers(host_params, config.num_layers)
-            except ValueError:
-                raise ValueError(
-                    f"{name} at {dtype}: its layers hold different block types, so they cannot be "
-                    "stacked for scan_layers=True; load it with scan_layers=False"
-                ) from None
-    elif not scan_layers:
-        host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
+    host_params = _layer_layout(host_params, config, name, dtype)
     if place is not None:
         return Model(config=config, params=place(host_params), tokenizer=tokenizer)
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array
     return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)
+
+
+def _layer_layout(host_params, config, name: str, dtype: str):
+    """The host parameters in config.scan_layers' layout: stacked [L, ...] (a GGUF precision's
+    per-layer blocks stacked; ValueError where its layers hold different block types) or one
+    entry per layer (numpy views, no copy)."""
+    if dtype in GGUF_PRECISIONS:  # read per layer: a file's layers may hold different block types
+        if config.scan_layers:
+            try:
+                return stack_layers(host_params, config.num_layers)
+            except ValueError:
+                raise ValueError(
+                    f"{name} at {dtype}: its layers hold different block types, so they cannot be "
+                    "stacked for scan_layers=True; load it with scan_layers=False"
+                ) from None
+        return host_params
+    return host_params if config.scan_layers else unstack_layers(host_params, config.num_layers)
 
 
 def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:

@@ -37,7 +37,7 @@ class Settings:
     threshold: model / head / hybrid / suffix: a row stops drafting below this confidence.
     tree_depth, tree_width: model / head: the dynamic tree in tree rounds (generate's tree=N):
       depth D, K children per expanded node and K expanded per depth (width 0: the chain);
-      spec_jax.drafting.model.DynamicTree.
+      spec_jax.drafting.dynamic_tree.DynamicTree.
     sequences: unigram / bigram / suffix: token-id lists to fit the tables on.
     tables: suffix: a spec_jax.drafting.suffix.SuffixTables.
     corpus: unigram / bigram / suffix with neither sequences nor tables: fit on the training

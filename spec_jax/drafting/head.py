@@ -50,7 +50,8 @@ from spec_jax import sharding
 from spec_jax.autogamma import model_key
 from spec_jax.decode import PAD_ID
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
-from spec_jax.drafting.model import DynamicTree, TrimmedHead, on_ids
+from spec_jax.drafting.dynamic_tree import DynamicTree
+from spec_jax.drafting.model import TrimmedHead, on_ids
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 
@@ -208,16 +209,7 @@ class HeadDrafter(DynamicTree, Drafter):
         def position(i, hidden, drafting, survive, out):
             q, conf, entropy = self.distribution(params, hidden, sampling)
             token = draw_rows(keys[i], q)
-            keep = drafting
-            reject = jnp.zeros_like(conf)
-            if self.threshold > 0:
-                keep = keep & (conf >= self.threshold)
-            if self.stop_rejection > 0:
-                reject = acceptance_head.reject_probability(
-                    params.acceptance, acceptance_head.signals(hidden, conf, entropy, i)
-                )
-                survive = survive * (1.0 - reject)
-                keep = keep & (1.0 - survive <= self.stop_rejection)
+            keep, survive, reject = self.stop_rule(params, i, hidden, conf, entropy, drafting, survive)
             rows = (("tokens", token), ("q", q * keep[:, None]), ("hidden", hidden))
             rows += (("confidence", conf), ("entropy", entropy), ("reject", reject))
             out = {k: out[k].at[:, i].set(v.astype(out[k].dtype)) for k, v in rows}
@@ -245,6 +237,24 @@ class HeadDrafter(DynamicTree, Drafter):
         _, _, cache, _, _, out = jax.lax.while_loop(cond, body, carry)
         signals = {k: out[k] for k in ("hidden", "confidence", "entropy", "reject")}
         return out["tokens"], out["q"], signals, cache
+
+    def stop_rule(self, params: HeadParams, i: int, hidden, conf, entropy, drafting, survive):
+        """Which rows still draft at position i: (keep bool [B], survive [B], reject [B] float32).
+        A row keeps drafting while it was (drafting), its confidence is at least threshold (when
+        > 0), and with stop_rejection > 0 while the acceptance head's probability that some draft
+        so far is rejected, 1 - survive (survive: the product of 1 - reject), is at most it;
+        reject is 0 without an acceptance stop."""
+        keep = drafting
+        reject = jnp.zeros_like(conf)
+        if self.threshold > 0:
+            keep = keep & (conf >= self.threshold)
+        if self.stop_rejection > 0:
+            reject = acceptance_head.reject_probability(
+                params.acceptance, acceptance_head.signals(hidden, conf, entropy, i)
+            )
+            survive = survive * (1.0 - reject)
+            keep = keep & (1.0 - survive <= self.stop_rejection)
+        return keep, survive, reject
 
     def propose(self, params: HeadParams, state: HeadState, context_b2, length_b, gamma, sampling, keys_b):
         tokens, q, _, cache = self.draft_chain(params, state, length_b, gamma, sampling, keys_b)
