@@ -29,7 +29,7 @@ import ml_collections
 import spec_jax
 from experiments import common, framework
 from models import settings
-from spec_jax import metrics, timing
+from spec_jax import drafting, metrics, timing
 from spec_jax.decode import bucket_length
 from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
 
@@ -163,8 +163,6 @@ def schedule_order(arm: str):
 def drafts_for(target, config) -> dict:
     """{drafter name: what generate's `draft` gets} for config.drafters (spec_jax.drafting.build;
     the draft model is loaded once, only when one of them needs it)."""
-    from spec_jax import drafting
-
     drafters = tuple(config.drafters)
     model = None
     if {"model", "hybrid"} & set(drafters):

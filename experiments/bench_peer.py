@@ -27,6 +27,8 @@ import jax
 import ml_collections
 
 from experiments import bench_decode, common, framework
+from models import registry
+from models.kernels import llama_cpp
 from spec_jax import timing
 
 TITLE = (
@@ -71,8 +73,6 @@ class Peer:
 
 
 def _llama_bin_dir() -> str:
-    from models.kernels import llama_cpp
-
     return str(llama_cpp.build_dir() / "bin")
 
 
@@ -188,8 +188,6 @@ def peer_unavailable(python: str, peer: Peer, fake: bool = False) -> str | None:
             missing = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
             return f"{python} cannot import {'/'.join(peer.requires)} ({missing}). Install it with: {peer.install}"
     if peer.programs:
-        from models.kernels import llama_cpp
-
         try:
             if not llama_cpp.built(peer.programs):
                 llama_cpp.check_tools()
@@ -308,8 +306,6 @@ def run(config) -> framework.Result | None:
     if config.fake_peer:
         model_args = ["--fake"]
     else:
-        from models import registry
-
         paths = [str(registry.fetch_gguf(name)) for name in (config.target, config.draft)]
         model_args = [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
 

@@ -6,6 +6,7 @@ drafter: spec_jax.drafting.head (default_workdir, load_drafter).
 import numpy as np
 
 from experiments import common
+from experiments.common import TINY_MODELS
 from models import corpora, registry
 from spec_jax.drafting.tables import frequent_tokens
 from training import features
@@ -42,8 +43,6 @@ def feature_sets(config, target, progress: bool = True, cache_dir=None):
     """(train, eval) training.features.FeatureSet for a training config: windows of the corpora's
     training split (config.train_tokens) and of the held-out split (config.eval_tokens) through
     the target, computed once and cached under `$SPEC_JAX_CACHE/features/`."""
-    from experiments.common import TINY_MODELS
-
     if target.tokenizer is None:
         raise ValueError(f"target: {config.target!r} has no tokenizer to read the corpora with")
     sets = []

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import topologies
 from jax.sharding import Mesh
 
 from experiments import compile_loop, framework
@@ -175,8 +176,6 @@ class Slice:
 
 @functools.cache
 def _devices(s: Slice) -> tuple:
-    from jax.experimental import topologies
-
     if s.platform == "cuda":
         ct.device(f"gpu-{s.gpu}")  # registers the CUDA plugin where jax started without it
         config = ct.GPU_SPECS[s.gpu].target_config()

@@ -55,6 +55,7 @@ measured column: these are predictions only.
 import dataclasses
 import functools
 import sys
+import time
 
 import jax
 import ml_collections
@@ -66,7 +67,7 @@ from experiments.compile_loop import DEMO
 from models.kernels import compile_targets as ct
 from models.transformer import init_cache
 from models.weights import param_shapes
-from spec_jax import theory
+from spec_jax import sharding, theory
 from spec_jax.decode import layout
 from spec_jax.sampling import SamplingParams
 from spec_jax.timing import model_calls
@@ -230,8 +231,6 @@ def cache_slots(config, target_cfg) -> int:
 def call_costs(config, target_name: str, batch: int) -> list[dict]:
     """Compiles the target's decode step and verify calls and the draft's decode step for the
     device; one dict per call: name, tokens, flops, bytes, weight_bytes, compile seconds."""
-    import time
-
     target_cfg, draft_cfg = model_config(config, config.target), model_config(config, config.draft)
     slots = cache_slots(config, target_cfg)
     greedy = SamplingParams(0.0)
@@ -284,8 +283,6 @@ def analysed_costs(
         if mesh is None:
             compiled = ct.compile_for(fn, (param_shapes(c), cache), dev, donate_argnums=(1,))
         else:
-            from spec_jax import sharding
-
             params = param_shapes(c)
             args = (
                 with_shardings(params, sharding.param_shardings(params, mesh)),

@@ -32,7 +32,7 @@ import tqdm
 import spec_jax
 from experiments import common, framework
 from models import corpora
-from spec_jax import metrics, theory, timing
+from spec_jax import drafting, metrics, theory, timing
 from spec_jax.sampling import SamplingParams
 
 TITLE = "Walltime speedup: Theorem 3.8's prediction against measurement, gamma 1..8"
@@ -394,8 +394,6 @@ def figure(rows, summary):
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
     if config.drafter == "head":
-        from spec_jax import drafting
-
         draft = drafting.build("head", target, drafting.Settings(head_dtype=config.draft_dtype))
     else:
         draft = common.load_model(config.draft, config.draft_dtype)

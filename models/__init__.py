@@ -5,7 +5,10 @@ from typing import Any
 
 import jax
 
+from models import registry, sources, weights
 from models.config import ModelConfig
+from models.kernels import target
+from models.precision import GGUF_PRECISIONS, PRECISIONS
 from models.transformer import ForwardOutput, forward, init_cache, init_params, stack_layers, unstack_layers
 
 
@@ -60,8 +63,6 @@ def random_model(
 def cast(model: Model, dtype: str) -> Model:
     """A float32 model at another precision (models.precision.PRECISIONS): its weights cast or
     quantized the way `load(name, dtype=...)` does it. ValueError unless the model is float32."""
-    from models import weights
-
     if model.config.dtype != "float32":
         raise ValueError(
             f"cast: the model must be float32 (it is {model.config.dtype}); load it again instead"
@@ -107,8 +108,6 @@ RANDOM_PRESETS = {
 def known_models() -> list[str]:
     """Every model name models.load accepts: random presets and the registry's real models.
     models.load also takes paths and hub ids (models.sources.FORMS), which no list can hold."""
-    from models import registry
-
     return sorted(RANDOM_PRESETS) + sorted(registry.MODELS)
 
 
@@ -117,8 +116,6 @@ def check_source(name: str, known=None) -> None:
     name, an existing GGUF file or checkpoint folder of a supported architecture, or a hub id's
     form ("org/name"). Fetches, converts and loads nothing (the entry points call it first).
     `known`: the names an unknown name's message lists (default known_models())."""
-    from models import sources
-
     if name not in RANDOM_PRESETS:
         sources.check(name, known)
 
@@ -153,8 +150,6 @@ def load(
     memory maps of the cached checkpoint, so each process of a multi-host mesh reads only the
     slices its own devices hold. Default: every leaf onto the default device.
     """
-    from models.precision import GGUF_PRECISIONS, PRECISIONS
-
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
     if name in RANDOM_PRESETS:
@@ -162,7 +157,7 @@ def load(
             **RANDOM_PRESETS[name], dtype=dtype, name=name, scan_layers=scan_layers is not False
         )
         return model.replace(tokenizer=ByteTokenizer())
-    from models import convert, sources
+    from models import convert  # gguf, tokenizers: ~0.15 s of start-up, only to load a checkpoint
 
     source = sources.resolve(name, known=known_models())  # a hub id: downloaded, then a folder
     config, host_params, tokenizer = convert.load_converted(
@@ -210,8 +205,7 @@ def fastest_precision(name: str, batch: int = 1, devices: int = 1) -> str:
     a mesh of several devices, TPU and GPU (where the GGUF precisions dequantize in XLA) and a
     CPU without cmake or a compiler. The same for a local GGUF file as for a registry model;
     int8 for a checkpoint folder or hub id (no GGUF blocks to read)."""
-    from models import sources
-    from models.kernels import gguf_matmul, target
+    from models.kernels import gguf_matmul  # native libraries: ~20 ms of start-up
 
     one_cpu = devices == 1 and target.current().platform == "cpu"
     fits = one_cpu and sources.has_gguf(name) and gguf_matmul.available()

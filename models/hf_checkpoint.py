@@ -20,6 +20,7 @@ import pathlib
 from collections.abc import Iterator
 
 import numpy as np
+from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from models import weights
@@ -45,8 +46,6 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, pathlib.Path]:
         index = json.loads((folder / INDEX).read_text())["weight_map"]
         return {name: folder / file for name, file in index.items()}
     if (folder / SINGLE).is_file():
-        from safetensors import safe_open
-
         with safe_open(folder / SINGLE, "np") as f:
             return {name: folder / SINGLE for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     raise ValueError(f"{folder}: no {SINGLE} or {INDEX}")
@@ -77,8 +76,6 @@ def stream_params(
     """The folder's parameters in models.gguf_loader.stream_params' stream: (keys, shape,
     blocks) per leaf of the stacked layout, blocks float32 arrays (one tensor each) whose values
     in order are the leaf's. ValueError naming a missing or misshapen tensor."""
-    from safetensors import safe_open
-
     files = tensor_files(folder)
     prefix = _prefix(files)
     table = weights.weights_of(config)

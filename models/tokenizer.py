@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from models import chat_template
 from models.gguf_loader import PathOrReader, metadata_value, open_gguf
 
 _FORMAT = "spec_jax.tokenizer/1"
@@ -294,8 +295,6 @@ def render_chat_template(
     add_generation_prompt, tools=None, documents=None, and bos_token / eos_token where the
     tokenizer has them (left undefined otherwise, as transformers leaves them). ValueError
     with the template's own message where it refuses the conversation (raise_exception)."""
-    from models import chat_template  # jinja2: about 80 ms of start-up, only a chat needs it
-
     messages = validate_messages(messages)
     special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
     return chat_template.render(

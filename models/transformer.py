@@ -60,7 +60,7 @@ def rms_norm(cfg: ModelConfig, x, scale):
         return x32 * scale.astype(jnp.float32)
 
     if attention_impl(cfg) == "cpu":  # the CPU kernels: each row alone, fixed order
-        from models.kernels import cpu_matmul
+        from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
 
         def by_kernel(x, scale):
             return cpu_matmul.rms_norm(x, scale, cfg.rms_eps, cfg.cpu_isa)

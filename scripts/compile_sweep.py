@@ -132,7 +132,7 @@ def failures(results) -> str:
 def pod_table() -> str:
     """experiments/pod_pairs.py's full table (Markdown), run in this process (its files not written:
     `python -m launch.experiment --experiment=pod_pairs` writes them)."""
-    from experiments import framework, pod_pairs
+    from experiments import framework, pod_pairs  # pod_pairs loads jax: only for --kinds=pods
 
     start = time.perf_counter()
     result = pod_pairs.run(framework.make_config("pod_pairs"))

@@ -94,7 +94,7 @@ LOGIT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 def versions() -> dict:
-    import accelerate
+    import accelerate  # optional (the hf extra): torch, transformers
     import gguf
     import tokenizers
     import torch
@@ -115,7 +115,10 @@ def versions() -> dict:
 
 
 def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import (
+        PackageNotFoundError,
+        version,
+    )  # optional (the hf extra): torch, transformers
 
     try:
         return version(name)
@@ -129,7 +132,7 @@ def _floats(x) -> list:
 
 
 def record(name: str) -> dict:
-    import torch
+    import torch  # optional (the hf extra): torch, transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = registry.fetch_gguf(name)

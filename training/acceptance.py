@@ -27,6 +27,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from spec_jax import speculative
+from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting.acceptance_head import (  # noqa: F401 - the classifier, trained here
     HIDDEN,
     POSITIONS,
@@ -37,6 +39,7 @@ from spec_jax.drafting.acceptance_head import (  # noqa: F401 - the classifier, 
     signals,
 )
 from spec_jax.drafting.head import HeadDrafter
+from spec_jax.sampling import SamplingParams, row_keys
 
 
 @dataclasses.dataclass
@@ -89,10 +92,6 @@ def log_rounds(
     """Runs the loop round by round (greedy) with `drafter` (a HeadDrafter without stop rules)
     drafting gamma tokens, and logs every draft position reached. A round whose row stopped
     (stop token, max_new_tokens) is not logged: its acceptance was cut."""
-    from spec_jax import speculative
-    from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
-    from spec_jax.sampling import SamplingParams, row_keys
-
     drafter = dataclasses.replace(drafter, threshold=0.0, stop_rejection=0.0)
     recorder = RecordingDrafter(drafter.config, drafter.trimmed, gamma=gamma)
     xs, labels, round_ids, accepted_all, prompt_ids = [], [], [], [], []

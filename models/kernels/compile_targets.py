@@ -38,6 +38,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax._src import xla_bridge
+from jax._src.lib import xla_client
+from jax.experimental import topologies
 
 import models.kernels
 from models import transformer
@@ -188,8 +191,6 @@ def skipped_without_backends(name: str) -> bool:
 @functools.cache
 def device(target):
     """A compile-only jax Device for a name in TARGETS or a GpuSpec; ValueError naming TARGETS else."""
-    from jax.experimental import topologies
-
     if isinstance(target, GpuSpec):
         add_compile_deps()  # the pinned ptxas on PATH, whoever put the packages on sys.path
         config = target.target_config()
@@ -405,9 +406,6 @@ def cost_analysis(compiled) -> dict:
     if isinstance(costs, list | tuple):
         costs = costs[0] if costs else None
     if not costs:
-        from jax._src import xla_bridge
-        from jax._src.lib import xla_client
-
         (module,) = compiled.runtime_executable().hlo_modules()
         costs = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
     return {key: float(costs.get(key, 0.0)) for key in ("flops", "bytes accessed")}

@@ -41,12 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import models
 import spec_jax.drafting.acceptance_head as acceptance_head
 from models import draft_head, registry
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import output_head
-from spec_jax import sharding
+from spec_jax import sharding, timing
 from spec_jax.autogamma import model_key
 from spec_jax.decode import PAD_ID
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
@@ -314,8 +315,6 @@ class HeadDrafter(DynamicTree, Drafter):
 
     def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
         """A drafting step (width 1) and a 2-pair call (a round's observe call and first draft)."""
-        from spec_jax import timing
-
         return {
             w: timing.head_call(self, params, batch=batch, widths=[w], cache_slots=cache_slots, repeat=repeat)
             for w in widths
@@ -339,8 +338,7 @@ def load_drafter(
     also its acceptance head (WORKDIR/acceptance/, experiments/train_acceptance.py), stopping
     each row's draft at the threshold chosen in training. ValueError when there is none, it
     belongs to another target, or the acceptance head belongs to another draft head."""
-    import models
-    from spec_jax import head_checkpoint
+    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
 
     cfg = target.config
     workdir = pathlib.Path(workdir or default_workdir(cfg.name))
@@ -359,7 +357,7 @@ def load_drafter(
 
 def head_hash(workdir, target) -> str:
     """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
-    from spec_jax import head_checkpoint
+    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
 
     return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
 
@@ -367,9 +365,9 @@ def head_hash(workdir, target) -> str:
 def load_acceptance(workdir, head_sha256: str, width: int):
     """(AcceptanceParams, meta) from WORKDIR/acceptance/; ValueError if there is none or it was
     trained for another head (head_sha256: head_hash of the draft head in use)."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # ~0.5 s of start-up, only to load a trained head
 
-    from spec_jax import head_checkpoint
+    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
 
     folder = pathlib.Path(workdir) / "acceptance"
     mngr = head_checkpoint.checkpoint_reader(folder) if folder.is_dir() else None

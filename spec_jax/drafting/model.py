@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import Model
 from models.config import ModelConfig
 from models.transformer import forward, output_head
-from spec_jax import sharding
+from spec_jax import sharding, timing
 from spec_jax import tree as tree_lib
 from spec_jax.autogamma import model_key
 from spec_jax.decode import prefill
@@ -254,9 +255,6 @@ class ModelDrafter(DynamicTree, Drafter):
         )
 
     def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
-        from models import Model
-        from spec_jax import timing
-
         model_params, head = self.split_params(params)
         model = Model(config=self.config, params=model_params)
         return {
