@@ -4,6 +4,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.families import NAMES
+
 
 def this_cpu_isa() -> str:
     """The CPU kernels' build a config made here uses (models.kernels.cpu_matmul.isa:
@@ -14,8 +16,8 @@ def this_cpu_isa() -> str:
     return cpu_matmul.isa()
 
 
-# The decoder families a checkpoint may declare (Hugging Face model_type, GGUF architecture).
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# The decoder families a checkpoint may declare: models.families, one entry each.
+FAMILIES = NAMES
 
 
 # The fields that fix the weights' shapes: a checkpoint (GGUF, safetensors) must agree on each.
@@ -42,8 +44,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     # The decoder family (FAMILIES) the checkpoint declared: Qwen2 and Llama need none of the
-    # fields below; each other family sets the pieces it needs (models.hf_config.config_from_hf,
-    # models.gguf_loader.read_config) and the forward reads only those fields, never the name.
+    # fields below; each other family sets the pieces it needs (its models.families entry, read
+    # by models.hf_config and models.gguf_loader) and the forward reads only those fields, never
+    # the name.
     family: str = "qwen2"
     # Rotary frequency divisors of the global layers: inv_freq[j] / rope_freq_divisors[j]
     # (llama3 rope scaling; "linear" scaling is one divisor repeated); None: unscaled.
@@ -60,6 +63,12 @@ class ModelConfig:
     mlp_activation: str = "silu"  # of the gate: "silu" or "gelu_tanh" (Gemma)
     # Attention logits scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
     attention_scale: float | None = None
+    # Scalars a family may set (models.families' hf_scalars): embeddings times
+    # embedding_multiplier, each residual branch (attention, MLP) times residual_multiplier, the
+    # output logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Precision (models.precision): "float32", "bfloat16" (weights and activations), "int8"
     # (int8 matrices with per-row scales, float32 activations), "gguf" / "gguf_q8" (the GGUF
     # file's own blocks with float32 / 8-bit activations).

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from models import weights
 from models.config import ModelConfig
+from models.families import FAMILIES
 from models.gguf_loader import BLOCK_BYTES  # float32 bytes of one tensor's rows read at once
 
 INDEX = "model.safetensors.index.json"
@@ -79,7 +80,7 @@ def stream_params(
     files = tensor_files(folder)
     prefix = _prefix(files)
     table = weights.weights_of(config)
-    gemma_norms = config.family == "gemma3"
+    norm_offset = np.float32(FAMILIES[config.family].norm_offset)
     total = sum(config.num_layers if w.per_layer else 1 for w in table)
 
     def read(w: weights.Weight, layer: int | None, shape) -> Iterator[np.ndarray]:
@@ -102,8 +103,8 @@ def stream_params(
                 block = np.asarray(
                     tensor[r0 : min(rows, r0 + step)] if file_shape else tensor[...], np.float32
                 )
-                if gemma_norms and w.init == "ones":
-                    block = block + np.float32(1.0)  # Gemma's RMSNorm multiplies by 1 + w
+                if norm_offset and w.init == "ones":
+                    block = block + norm_offset  # Gemma's RMSNorm multiplies by 1 + w
                 yield block
 
     with tqdm(total=total, unit="tensor", desc="convert safetensors", disable=not progress) as bar:

@@ -27,6 +27,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from models import chat_template
+from models.families import FAMILIES
 from models.gguf_loader import PathOrReader, metadata_value, open_gguf
 
 _FORMAT = "spec_jax.tokenizer/1"
@@ -511,7 +512,9 @@ class Tokenizer:
 # gemma_tokenizer, and models/gemma/tokenization_gemma.py): a BPE with byte fallback whose merges
 # are derived from the vocabulary, best first in the order of the file (Gemma's scores do not
 # follow its merge order), spaces written as "▁" by the normalizer and back by the decoder.
-SENTENCEPIECE_ARCHS = ("gemma3",)
+SENTENCEPIECE_ARCHS = tuple(
+    a for f in FAMILIES.values() if f.gguf_vocab == "sentencepiece" for a in f.gguf_archs
+)
 
 
 def sentencepiece_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:

@@ -37,7 +37,8 @@ COMMON = dict(
 )
 # family -> (config class, its settings): Llama 3's rope scaling, Mistral's and Gemma 3's sliding
 # windows shorter than a short prompt, Gemma 3's local/global pattern, linear rope scaling and a
-# query scalar that is not head_dim. tests/test_hf_sources.py checks these against transformers.
+# query scalar that is not head_dim; Granite's scalars. tests/test_hf_sources.py checks these against
+# transformers.
 FAMILIES = {
     "llama": (
         "LlamaConfig",
@@ -62,6 +63,13 @@ FAMILIES = {
             sliding_window=4,
             query_pre_attn_scalar=24,
             rope_scaling={"rope_type": "linear", "factor": 8.0},
+        ),
+    ),
+    # models.families' worked example: four scalars, none of them 1 (nor head_dim ** -0.5).
+    "granite": (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.15, logits_scaling=2.5
         ),
     ),
 }
