@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from models.families import NAMES
+from models.precision import PRECISIONS
 
 
 def this_cpu_isa() -> str:
@@ -112,10 +113,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in ("float32", "bfloat16", "int8", "gguf", "gguf_q8"):
-            raise ValueError(
-                f"dtype must be one of float32, bfloat16, int8, gguf, gguf_q8, got {self.dtype!r}"
-            )
+        if self.dtype not in PRECISIONS:
+            raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
         if self.kind not in ("decoder", "draft_head"):
             raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):
