@@ -526,18 +526,7 @@ def markdown(rows, best, calls, config, trees=()) -> str:
         *tree_lines,
         "## Peaks used",
         "",
-        framework.dict_table(
-            [
-                {
-                    "target": t,
-                    "GB/s": PEAKS[t].bandwidth / 1e9,
-                    "TFLOP/s": PEAKS[t].flops / 1e12,
-                    "TensorCores per chip": PEAKS[t].tensorcores,
-                    "source": PEAKS[t].source,
-                }
-                for t in config.targets
-            ]
-        ),
+        _peaks_table(config.targets),
         "",
         "## Model calls (per compile-only device)",
         "",
@@ -545,24 +534,45 @@ def markdown(rows, best, calls, config, trees=()) -> str:
         "call must read (models.weights.read_bytes); bytes / weight_bytes above 1 is the activations, "
         "the cache, the warp over the vocabulary and whatever the compiler's fusions re-read.",
         "",
-        framework.dict_table(
-            [
-                {
-                    "target": c["target"],
-                    "batch": c["batch"],
-                    "call": c["call"],
-                    "impl": c["impl"],
-                    "GFLOP": c["flops"] / 1e9,
-                    "GB": c["bytes"] / 1e9,
-                    "bytes / weight_bytes": c["bytes"] / c["weight_bytes"],
-                    "roofline_ms": 1e3 * c["seconds"],
-                    "bound": c["bound"],
-                }
-                for c in calls
-            ]
-        ),
+        _calls_table(calls),
     ]
     return "\n".join(lines)
+
+
+def _peaks_table(targets) -> str:
+    """Each target's peak bandwidth and flops (PEAKS) and where they come from."""
+    return framework.dict_table(
+        [
+            {
+                "target": t,
+                "GB/s": PEAKS[t].bandwidth / 1e9,
+                "TFLOP/s": PEAKS[t].flops / 1e12,
+                "TensorCores per chip": PEAKS[t].tensorcores,
+                "source": PEAKS[t].source,
+            }
+            for t in targets
+        ]
+    )
+
+
+def _calls_table(calls) -> str:
+    """Each compiled model call's flops, bytes, share of weight bytes, roofline time and bound."""
+    return framework.dict_table(
+        [
+            {
+                "target": c["target"],
+                "batch": c["batch"],
+                "call": c["call"],
+                "impl": c["impl"],
+                "GFLOP": c["flops"] / 1e9,
+                "GB": c["bytes"] / 1e9,
+                "bytes / weight_bytes": c["bytes"] / c["weight_bytes"],
+                "roofline_ms": 1e3 * c["seconds"],
+                "bound": c["bound"],
+            }
+            for c in calls
+        ]
+    )
 
 
 def run(config) -> framework.Result | None:

@@ -144,6 +144,42 @@ def pod_table() -> str:
 
 
 def main(argv=None):
+    args = parse_args(argv)
+    jobs = build_cases(args)
+    print(f"{len(jobs)} compiles on {args.jobs} process(es)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    results = []
+    # Spawned, not forked: the parent has loaded libtpu (to ask what "auto" means per target), and a
+    # forked copy of its threads and locks aborts inside libtpu.
+    spawn = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) if args.jobs > 1 else None
+    outcomes = pool.map(_run, jobs, chunksize=4) if pool else map(_run, jobs)
+    for i, (target, case, result) in enumerate(outcomes, 1):
+        results.append((target, case, result))
+        mark = "" if result.ok else f"  {result.error[:160]}"
+        print(f"[{i}/{len(jobs)}] {target} {case.label()}: {result.status} {result.seconds:.1f}s{mark}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if pool:
+        pool.shutdown()
+    elapsed = time.perf_counter() - start
+    print(table(results))
+    print()
+    print(failures(results))
+    print(f"\n{len(results)} compiles in {elapsed / 60:.1f} min ({sum(r.ok for _, _, r in results)} ok)")
+    if "pods" in args.kinds:
+        print(f"\n{pod_table()}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(
+                [{"target": t, "kind": c.kind, **vars(c), "step": c.step, **vars(r)} for t, c, r in results],
+                f,
+                indent=1,
+            )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, each list parsed and checked (SystemExit naming a bad one, or the compile-only
+    backends that are not installed)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(ct.TARGETS))
     parser.add_argument("--models", default=",".join(ct.MODELS))
@@ -178,37 +214,7 @@ def main(argv=None):
         raise SystemExit(f"compile_sweep.py: error: --jobs must be >= 1, got {args.jobs}")
     if missing := ct.missing_packages():
         raise SystemExit(f"compile_sweep.py: error: {', '.join(missing)} not installed: {ct.INSTALL_HINT}")
-
-    jobs = build_cases(args)
-    print(f"{len(jobs)} compiles on {args.jobs} process(es)", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    results = []
-    # Spawned, not forked: the parent has loaded libtpu (to ask what "auto" means per target), and a
-    # forked copy of its threads and locks aborts inside libtpu.
-    spawn = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) if args.jobs > 1 else None
-    outcomes = pool.map(_run, jobs, chunksize=4) if pool else map(_run, jobs)
-    for i, (target, case, result) in enumerate(outcomes, 1):
-        results.append((target, case, result))
-        mark = "" if result.ok else f"  {result.error[:160]}"
-        print(f"[{i}/{len(jobs)}] {target} {case.label()}: {result.status} {result.seconds:.1f}s{mark}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if pool:
-        pool.shutdown()
-    elapsed = time.perf_counter() - start
-    print(table(results))
-    print()
-    print(failures(results))
-    print(f"\n{len(results)} compiles in {elapsed / 60:.1f} min ({sum(r.ok for _, _, r in results)} ok)")
-    if "pods" in args.kinds:
-        print(f"\n{pod_table()}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(
-                [{"target": t, "kind": c.kind, **vars(c), "step": c.step, **vars(r)} for t, c, r in results],
-                f,
-                indent=1,
-            )
+    return args
 
 
 if __name__ == "__main__":
