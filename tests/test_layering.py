@@ -1,7 +1,11 @@
 """The package layering, one way down: `models` (the model, its cache and its attention) imports
 no other package of the project; `spec_jax` (the decoding algorithms built on it) imports only
 `models`; `training` (the trained drafters' training) imports `models` and `spec_jax`, and neither
-imports it. So there is no cycle between packages to work around."""
+imports it. So there is no cycle between packages to work around.
+
+Below, what belongs where: spec_jax/ is the inference library (no module of it that only
+experiments/, scripts/ or training/ import; no optax), and the size limits (files of spec_jax/,
+functions outside tests/) with an allow-list that can only shrink."""
 
 import ast
 import pathlib
@@ -114,7 +118,8 @@ def transitive_imports(module: str) -> set[str]:
 
 def test_the_main_job_imports_nothing_from_experiments():
     """launch.generate (and what it imports, in any function) never reaches experiments/: the
-    drafters' data (corpora, VocabTrim counts, suffix tables, trained heads) is spec_jax's."""
+    drafters' data (models.corpora; VocabTrim counts and suffix tables, spec_jax.drafting.tables;
+    trained heads) is the library's."""
     reached = transitive_imports("launch.generate")
     assert "spec_jax.api" in reached and "launch.common" in reached  # the walk works
     offenders = sorted(m for m in reached if m.split(".")[0] == "experiments")
