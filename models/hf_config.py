@@ -122,7 +122,9 @@ def _rotary_fields(cfg: dict, family: Family, head_dim: int, max_positions: int)
     full = _rope(cfg, FULL, family.rope_theta)
     if family.local_rope_theta is None:
         return dict(
-            rope_theta=float(full["rope_theta"]), rope_freq_divisors=_divisors(full, head_dim, max_positions)
+            rope_theta=float(full["rope_theta"]),
+            rope_freq_divisors=_divisors(full, head_dim, max_positions),
+            rope_local_theta=None,
         )
     local = _rope(cfg, SLIDING, family.local_rope_theta)  # the local layers rotate apart
     if local["rope_type"] != "default":
