@@ -29,7 +29,7 @@ import ml_collections
 import spec_jax
 from experiments import common, framework
 from models import settings
-from spec_jax import metrics, timing
+from spec_jax import drafting, metrics, timing
 from spec_jax.decode import bucket_length
 from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
 
@@ -163,8 +163,6 @@ def schedule_order(arm: str):
 def drafts_for(target, config) -> dict:
     """{drafter name: what generate's `draft` gets} for config.drafters (spec_jax.drafting.build;
     the draft model is loaded once, only when one of them needs it)."""
-    from spec_jax import drafting
-
     drafters = tuple(config.drafters)
     model = None
     if {"model", "hybrid"} & set(drafters):
@@ -193,132 +191,172 @@ def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
     drafts = drafts_for(target, config)
     prompts = bench_prompts(target.tokenizer, config.num_prompts, config.prompt_set)
-    rows, identity, covered, checked = [], {"same": 0, "rows": 0}, set(), set()
+    rows, identity = [], Identity()
     cells = [(b, t) for b in config.batch_sizes for t in config.temperatures]
     for i, (batch, temperature) in enumerate(cells):
         batches = batches_for(prompts, batch, config.repeats)
-        sweep = config.full_sweep or i == 0
-        cell_gammas = config.gammas if sweep else (config.gamma,)
-        variants = {"autoregressive": (None, 0, "", 0)}  # (draft, gamma, drafter, tree)
-        for name, draft in drafts.items():
-            prefix = "" if name == "model" else f"{name} "
-            variants |= {f"{prefix}gamma {g}": (draft, g, name, 0) for g in cell_gammas}
-            if sweep:  # a tree's paths are at most N long: its gamma is N (api.GammaPolicy)
-                variants |= {f"{prefix}tree {n}": (draft, n, name, n) for n in config.trees}
-            if config.auto and i == 0:
-                variants[f"{prefix}gamma auto"] = (draft, "auto", name, 0)
-            if config.tree_auto and i == 0:
-                variants[f"{prefix}tree auto"] = (draft, "auto", name, "auto")
-
-        def one(inputs, draft_model, gamma, tree, temperature=temperature):
-            r, batch_prompts = inputs
-            return run_generate(
-                target,
-                batch_prompts,
-                draft_model,
-                gamma,
-                temperature,
-                config.max_new_tokens,
-                seed=r,
-                tree=tree,
-            )
-
-        fns = {
-            name: functools.partial(one, draft_model=d, gamma=g, tree=n)
-            for name, (d, g, _, n) in variants.items()
-        }
-        runs = timing.interleaved(fns, list(enumerate(batches)), [(0, b) for b in warmup_batches(batches)])
-        for result in runs.values():  # a loop first compiled in a timed repeat (auto's gammas): not timed
-            result["seconds"] = [
-                t - g.stats["compile_seconds"]
-                for t, g in zip(result["seconds"], result["results"], strict=True)
-            ]
-        ar_results = runs["autoregressive"]["results"]
-        ar_tps = ar_decode_tps = None
+        variants = _variants(drafts, config, i)
+        runs = _time_variants(target, config, variants, batches, temperature)
+        ar = None  # the autoregressive row (the first): the speedups' reference
         for name, (_, gamma, drafter, tree) in variants.items():
-            result = runs[name]
-            gens = result["results"]
-            stats = [g.stats for g in gens]
-            if any(s["compile_seconds"] for s in stats) and gamma != "auto":
-                print(f"warning: {name} compiled during a timed repeat", file=sys.stderr)
-            row = {
-                "variant": "autoregressive" if gamma == 0 else "speculative",
-                "drafter": drafter,
-                "prompt_set": config.prompt_set,
-                "target_dtype": config.target_dtype,
-                "draft_dtype": config.draft_dtype,
-                "draft_vocab": config.draft_vocab or "all",
-                "batch": batch,
-                "temperature": temperature,
-                "gamma": gamma,
-                "tree": tree,
-                **throughput(result["seconds"], [s["num_new_tokens"] for s in stats]),
-            }
-            ar_tps = ar_tps or row["tokens_per_s"]
-            row["speedup"] = row["tokens_per_s"] / ar_tps
-            # After the prompt: every token but each row's first (drawn from the prefill's logits)
-            # over the loop's seconds; long prompts make the prefill weigh on tokens_per_s.
-            decode_tokens = sum(s["num_new_tokens"] - len(g.tokens) for s, g in zip(stats, gens, strict=True))
-            row["decode_tokens_per_s"] = decode_tokens / sum(s["decode_seconds"] for s in stats)
-            ar_decode_tps = ar_decode_tps or row["decode_tokens_per_s"]
-            row["decode_speedup"] = row["decode_tokens_per_s"] / ar_decode_tps
-            # Repeat by repeat (the same batch of prompts as the autoregressive repeat; with
-            # batch 1, one prompt): the worst decode speedup over plain decoding.
-            ar_stats = [g.stats for g in ar_results]
-            row["worst_repeat_decode_speedup"] = min(
-                (s["num_new_tokens"] - len(g.tokens))
-                / s["decode_seconds"]
-                / ((a["num_new_tokens"] - len(g.tokens)) / a["decode_seconds"])
-                for s, a, g in zip(stats, ar_stats, gens, strict=True)
+            row = _row(
+                config, runs[name], runs["autoregressive"], ar, batch, temperature, gamma, drafter, tree
             )
-            if gamma == "auto":
-                # An acceptance head runs gamma auto at a fixed cap (no schedule): it decides each
-                # round's length itself, so gammas_used stays empty and drafted_per_round tells.
-                chunks = [c for s in stats for c in s.get("gamma_schedule", ())]
-                row["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=schedule_order))
-            if gamma:
-                pooled = metrics.pool(stats)
-                row.update({k: pooled[k] for k in ("acceptance_rate", "mean_accepted_length", "alpha_hat")})
-                row["drafted_per_round"] = pooled["num_draft_tokens"] / max(pooled["num_rounds"], 1)
-                if len(pooled.get("fraction_of_rounds_by_drafter", {})) > 1:
-                    row["rounds_served"] = " ".join(
-                        f"{k}:{v:.2f}" for k, v in pooled["fraction_of_rounds_by_drafter"].items()
-                    )
-                    row["acceptance_by_drafter"] = " ".join(
-                        f"{k}:{v:.3f}" for k, v in pooled["acceptance_rate_by_drafter"].items()
-                    )
-            ttft = timing.spread(1e3 * s["prefill_seconds"] for s in stats)
-            row.update(ttft_ms=ttft["median"], ttft_ms_min=ttft["min"], ttft_ms_max=ttft["max"])
-            row["compile_s"] = sum(g.stats["first_compile_seconds"] for g in result["warmup"])
+            if any(g.stats["compile_seconds"] for g in runs[name]["results"]) and gamma != "auto":
+                print(f"warning: {name} compiled during a timed repeat", file=sys.stderr)
             if gamma and temperature == 0:
-                same = sum(
-                    a == b
-                    for ar, sp in zip(ar_results, gens, strict=True)
-                    for a, b in zip(ar.tokens, sp.tokens, strict=True)
+                identity.add(
+                    row, runs[name]["results"], runs["autoregressive"]["results"], batches, tree, gamma
                 )
-                total = sum(len(g.tokens) for g in gens)
-                row["identical_to_ar"] = f"{same}/{total}"
-                identity["same"] += same
-                identity["rows"] += total
-                covered.update(tuple(p) for b in batches for p in b)
-                checked.add(f"tree {tree}" if tree else gamma)
+            ar = ar or row
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    summary = [
-        {
+    return identity.result(rows, config, len(prompts))
+
+
+def _variants(drafts: dict, config, cell: int) -> dict:
+    """name -> (draft, gamma, drafter, tree) of one cell: autoregressive, each drafter at each
+    gamma (the first cell, or every cell with full_sweep: all of config.gammas and the trees;
+    else config.gamma), and in the first cell gamma auto and tree auto where asked for."""
+    sweep = config.full_sweep or cell == 0
+    variants = {"autoregressive": (None, 0, "", 0)}
+    for name, draft in drafts.items():
+        prefix = "" if name == "model" else f"{name} "
+        variants |= {
+            f"{prefix}gamma {g}": (draft, g, name, 0) for g in (config.gammas if sweep else (config.gamma,))
+        }
+        if sweep:  # a tree's paths are at most N long: its gamma is N (api.GammaPolicy)
+            variants |= {f"{prefix}tree {n}": (draft, n, name, n) for n in config.trees}
+        if config.auto and cell == 0:
+            variants[f"{prefix}gamma auto"] = (draft, "auto", name, 0)
+        if config.tree_auto and cell == 0:
+            variants[f"{prefix}tree auto"] = (draft, "auto", name, "auto")
+    return variants
+
+
+def _time_variants(target, config, variants: dict, batches, temperature: float) -> dict:
+    """timing.interleaved's runs of every variant over the batches (repeat r seeded r), each
+    repeat's seconds less what it spent compiling (a loop first compiled in a timed repeat:
+    auto's gammas)."""
+
+    def one(inputs, draft_model, gamma, tree):
+        r, batch_prompts = inputs
+        return run_generate(
+            target, batch_prompts, draft_model, gamma, temperature, config.max_new_tokens, seed=r, tree=tree
+        )
+
+    fns = {
+        name: functools.partial(one, draft_model=d, gamma=g, tree=n)
+        for name, (d, g, _, n) in variants.items()
+    }
+    runs = timing.interleaved(fns, list(enumerate(batches)), [(0, b) for b in warmup_batches(batches)])
+    for result in runs.values():
+        result["seconds"] = [
+            t - g.stats["compile_seconds"] for t, g in zip(result["seconds"], result["results"], strict=True)
+        ]
+    return runs
+
+
+def _row(config, result, ar_result, ar_row, batch, temperature, gamma, drafter, tree) -> dict:
+    """One variant's row: throughput, decode speed, speedups over the autoregressive row
+    (ar_row; None: this is it), the worst repeat's, time to first token, compile time, and a
+    speculative variant's acceptance (_draft_fields)."""
+    gens = result["results"]
+    stats = [g.stats for g in gens]
+    row = {
+        "variant": "autoregressive" if gamma == 0 else "speculative",
+        "drafter": drafter,
+        "prompt_set": config.prompt_set,
+        "target_dtype": config.target_dtype,
+        "draft_dtype": config.draft_dtype,
+        "draft_vocab": config.draft_vocab or "all",
+        "batch": batch,
+        "temperature": temperature,
+        "gamma": gamma,
+        "tree": tree,
+        **throughput(result["seconds"], [s["num_new_tokens"] for s in stats]),
+    }
+    row["speedup"] = row["tokens_per_s"] / (ar_row or row)["tokens_per_s"]
+    # After the prompt: every token but each row's first (drawn from the prefill's logits) over
+    # the loop's seconds; long prompts make the prefill weigh on tokens_per_s.
+    decode_tokens = sum(s["num_new_tokens"] - len(g.tokens) for s, g in zip(stats, gens, strict=True))
+    row["decode_tokens_per_s"] = decode_tokens / sum(s["decode_seconds"] for s in stats)
+    row["decode_speedup"] = row["decode_tokens_per_s"] / (ar_row or row)["decode_tokens_per_s"]
+    # Repeat by repeat (the same batch of prompts as the autoregressive repeat; with batch 1,
+    # one prompt): the worst decode speedup over plain decoding.
+    row["worst_repeat_decode_speedup"] = min(
+        (s["num_new_tokens"] - len(g.tokens))
+        / s["decode_seconds"]
+        / ((a.stats["num_new_tokens"] - len(g.tokens)) / a.stats["decode_seconds"])
+        for s, a, g in zip(stats, ar_result["results"], gens, strict=True)
+    )
+    row |= _draft_fields(stats, gamma)
+    ttft = timing.spread(1e3 * s["prefill_seconds"] for s in stats)
+    row.update(ttft_ms=ttft["median"], ttft_ms_min=ttft["min"], ttft_ms_max=ttft["max"])
+    row["compile_s"] = sum(g.stats["first_compile_seconds"] for g in result["warmup"])
+    return row
+
+
+def _draft_fields(stats, gamma) -> dict:
+    """A speculative variant's pooled acceptance, drafts per round, the gammas gamma auto used
+    and, for a hybrid, each drafter's share of rounds and acceptance; {} for autoregressive."""
+    fields = {}
+    if gamma == "auto":
+        # An acceptance head runs gamma auto at a fixed cap (no schedule): it decides each
+        # round's length itself, so gammas_used stays empty and drafted_per_round tells.
+        chunks = [c for s in stats for c in s.get("gamma_schedule", ())]
+        fields["gammas_used"] = " ".join(sorted({str(g) for g, _ in chunks}, key=schedule_order))
+    if gamma:
+        pooled = metrics.pool(stats)
+        fields.update({k: pooled[k] for k in ("acceptance_rate", "mean_accepted_length", "alpha_hat")})
+        fields["drafted_per_round"] = pooled["num_draft_tokens"] / max(pooled["num_rounds"], 1)
+        if len(pooled.get("fraction_of_rounds_by_drafter", {})) > 1:
+            fields["rounds_served"] = " ".join(
+                f"{k}:{v:.2f}" for k, v in pooled["fraction_of_rounds_by_drafter"].items()
+            )
+            fields["acceptance_by_drafter"] = " ".join(
+                f"{k}:{v:.3f}" for k, v in pooled["acceptance_rate_by_drafter"].items()
+            )
+    return fields
+
+
+@dataclasses.dataclass
+class Identity:
+    """The greedy identity check over every greedy speculative variant: rows whose tokens equal
+    the autoregressive run's of the same batch, the prompts they covered, the gammas checked."""
+
+    same: int = 0
+    rows: int = 0
+    covered: set = dataclasses.field(default_factory=set)
+    checked: set = dataclasses.field(default_factory=set)
+
+    def add(self, row: dict, gens, ar_gens, batches, tree, gamma) -> None:
+        """Counts one variant's rows (row gets identical_to_ar)."""
+        same = sum(
+            a == b
+            for ar, sp in zip(ar_gens, gens, strict=True)
+            for a, b in zip(ar.tokens, sp.tokens, strict=True)
+        )
+        total = sum(len(g.tokens) for g in gens)
+        row["identical_to_ar"] = f"{same}/{total}"
+        self.same += same
+        self.rows += total
+        self.covered.update(tuple(p) for b in batches for p in b)
+        self.checked.add(f"tree {tree}" if tree else gamma)
+
+    def result(self, rows, config, num_prompts: int) -> framework.Result:
+        """The suite's Result: the rows, the check's summary, passed (None: no greedy cell)."""
+        summary = {
             "check": "greedy identity: speculative tokens == autoregressive tokens, same batch",
-            "identical_rows": f"{identity['same']}/{identity['rows']}"
-            if identity["rows"]
-            else "not run (no temperature 0)",
-            "prompts_covered": f"{len(covered)}/{len(prompts)}",
-            "gammas": ",".join(map(str, sorted(checked, key=str))),
+            "identical_rows": f"{self.same}/{self.rows}" if self.rows else "not run (no temperature 0)",
+            "prompts_covered": f"{len(self.covered)}/{num_prompts}",
+            "gammas": ",".join(map(str, sorted(self.checked, key=str))),
             "batch_sizes": ",".join(map(str, config.batch_sizes)),
         }
-    ]
-    if identity["rows"] and identity["same"] != identity["rows"]:
-        print("warning: greedy speculative output differs from autoregressive", file=sys.stderr)
-    return framework.Result.from_dicts(
-        rows,
-        sections={"greedy identity": summary},
-        passed=None if not identity["rows"] else identity["same"] == identity["rows"],
-    )
+        if self.rows and self.same != self.rows:
+            print("warning: greedy speculative output differs from autoregressive", file=sys.stderr)
+        return framework.Result.from_dicts(
+            rows,
+            sections={"greedy identity": [summary]},
+            passed=None if not self.rows else self.same == self.rows,
+        )

@@ -27,6 +27,8 @@ import jax
 import ml_collections
 
 from experiments import bench_decode, common, framework
+from models import registry
+from models.kernels import llama_cpp
 from spec_jax import timing
 
 TITLE = (
@@ -71,8 +73,6 @@ class Peer:
 
 
 def _llama_bin_dir() -> str:
-    from models.kernels import llama_cpp
-
     return str(llama_cpp.build_dir() / "bin")
 
 
@@ -188,8 +188,6 @@ def peer_unavailable(python: str, peer: Peer, fake: bool = False) -> str | None:
             missing = (probe.stderr.strip().splitlines() or ["import failed"])[-1]
             return f"{python} cannot import {'/'.join(peer.requires)} ({missing}). Install it with: {peer.install}"
     if peer.programs:
-        from models.kernels import llama_cpp
-
         try:
             if not llama_cpp.built(peer.programs):
                 llama_cpp.check_tools()
@@ -303,137 +301,194 @@ def run(config) -> framework.Result | None:
     if not peers:
         print("peer suite skipped: no peer library can run, so there is nothing to compare with")
         return None
-    threads = os.cpu_count()
-    n, gamma = config.max_new_tokens, config.gamma
+    cells = _run_cells(config, peers, python)
+    rows = _rows(cells)
+    return framework.Result.from_dicts(
+        [*rows.values(), _summary_row(rows, cells.families)],
+        sections={"greedy agreement with spec-jax autoregressive, per prompt": _agreement(cells)},
+        summary=_summary(config, cells, peers),
+    )
+
+
+@dataclasses.dataclass
+class Cells:
+    """What the interleaved runs of every system measured (run's steps read it).
+
+    runs: timing.interleaved's {system: {"results", "warmup"}}; ar: spec-jax's autoregressive
+    system, every other's reference; ours: spec-jax's systems; families: library -> its systems,
+    its plain one first; speculative: the systems that draft; precision: system -> its weights'
+    precision; differences: system -> per distinct prompt, where its output first differs from
+    ar's (None: the same); first_run: each distinct prompt -> the first repeat that ran it;
+    texts: the prompts' text; workers: peer key -> its worker's info; threads: the CPU threads.
+    """
+
+    runs: dict
+    ar: str
+    ours: list
+    families: dict
+    speculative: set
+    precision: dict
+    differences: dict
+    first_run: dict
+    texts: list
+    workers: dict
+    threads: int
+
+
+def _model_args(config, threads: int) -> list[str]:
+    """The workers' model flags: --fake, or both models' GGUF files and the thread count."""
     if config.fake_peer:
-        model_args = ["--fake"]
-    else:
-        from models import registry
+        return ["--fake"]
+    paths = [str(registry.fetch_gguf(name)) for name in (config.target, config.draft)]
+    return [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
 
-        paths = [str(registry.fetch_gguf(name)) for name in (config.target, config.draft)]
-        model_args = [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
 
+def _our_result(target, prompt, draft, gamma, max_new_tokens: int) -> dict:
+    """One spec-jax generate call on one prompt, timed whole (compile included where it
+    compiles): its tokens, seconds and the loop's stats."""
+    start = time.perf_counter()
+    gen = bench_decode.run_generate(target, [prompt], draft, gamma, 0.0, max_new_tokens)
+    seconds = time.perf_counter() - start
+    stats = gen.stats
+    return {
+        "tokens": gen.tokens[0],
+        "num_tokens": len(gen.tokens[0]),
+        "seconds": seconds,
+        "compile_seconds": stats["first_compile_seconds"],
+        "prefill_seconds": stats["prefill_seconds"],  # prefill + the first token
+        "decode_seconds": stats["decode_seconds"],
+        "decode_tokens": len(gen.tokens[0]) - 1,
+        "num_drafted": stats.get("num_draft_tokens", 0),
+        "num_accepted": stats.get("num_accepted_tokens", 0),
+    }
+
+
+def _start_workers(stack, config, peers, python: str, model_args, threads: int):
+    """({peer key: PeerWorker}, {peer key: its systems}), loaded one at a time, all before ours:
+    the loads' peaks never overlap. Each worker is closed when `stack` closes."""
+    workers, peer_systems = {}, {}
+    for peer in peers:
+        python_for_peer = worker_python(peer, python)
+        print(
+            f"peer: loading {peer.library} in {python_for_peer} ({threads} threads = CPU cores) ...",
+            flush=True,
+        )
+        workers[peer.key] = PeerWorker(python_for_peer, peer.module, model_args + peer.worker_args(config))
+        stack.callback(workers[peer.key].close)
+        peer_systems[peer.key] = peer.systems(config)
+    return workers, peer_systems
+
+
+def _run_cells(config, peers, python: str) -> Cells:
+    """Every system (spec-jax's and the peers') on the same prompts, interleaved, repeats
+    rotating over the prompts."""
+    threads, n, gamma = os.cpu_count(), config.max_new_tokens, config.gamma
     ar, spec = "spec-jax, autoregressive", f"spec-jax, speculative gamma {gamma}"
     auto = "spec-jax, speculative gamma auto" if config.auto else None
-    ours_systems = [ar, spec] + ([auto] if auto else [])
-    families = {"spec-jax": ours_systems}  # library -> its systems, the plain one first
+    ours = [ar, spec] + ([auto] if auto else [])
+    families = {"spec-jax": ours}  # library -> its systems, the plain one first
     with contextlib.ExitStack() as stack:
-        workers, peer_systems = {}, {}
-        for peer in peers:  # one at a time, all before ours: the loads' peaks never overlap
-            python_for_peer = worker_python(peer, python)
-            print(
-                f"peer: loading {peer.library} in {python_for_peer} ({threads} threads = CPU cores) ...",
-                flush=True,
-            )
-            workers[peer.key] = PeerWorker(
-                python_for_peer, peer.module, model_args + peer.worker_args(config)
-            )
-            stack.callback(workers[peer.key].close)
-            peer_systems[peer.key] = peer.systems(config)
-            families[peer.library] = [s.name for s in peer_systems[peer.key]]
+        workers, peer_systems = _start_workers(
+            stack, config, peers, python, _model_args(config, threads), threads
+        )
         target = common.load_model(config.target, config.target_dtype)
         draft = common.load_model(config.draft, config.draft_dtype)
         texts = common.prompt_set(config.prompt_set, config.num_prompts)
         prompts = [target.tokenizer.encode(t) for t in texts]
-
-        def ours(i, draft_model, gamma=gamma):  # the wall time of the whole generate call
-            start = time.perf_counter()
-            gen = bench_decode.run_generate(target, [prompts[i]], draft_model, gamma, 0.0, n)
-            seconds = time.perf_counter() - start
-            stats = gen.stats
-            return {
-                "tokens": gen.tokens[0],
-                "num_tokens": len(gen.tokens[0]),
-                "seconds": seconds,
-                "compile_seconds": stats["first_compile_seconds"],
-                "prefill_seconds": stats["prefill_seconds"],  # prefill + the first token
-                "decode_seconds": stats["decode_seconds"],
-                "decode_tokens": len(gen.tokens[0]) - 1,
-                "num_drafted": stats.get("num_draft_tokens", 0),
-                "num_accepted": stats.get("num_accepted_tokens", 0),
-            }
-
-        def peer_system(worker, system):
-            return lambda i: worker.generate(prompts[i], texts[i], n, system)
-
-        systems = {ar: lambda i: ours(i, None), spec: lambda i: ours(i, draft)}
-        speculative = {spec}
+        systems = {
+            ar: lambda i: _our_result(target, prompts[i], None, gamma, n),
+            spec: lambda i: _our_result(target, prompts[i], draft, gamma, n),
+        }
         if auto:
-            systems[auto] = lambda i: ours(i, draft, "auto")
-            speculative.add(auto)
+            systems[auto] = lambda i: _our_result(target, prompts[i], draft, "auto", n)
+        speculative = {spec, auto} - {None}
         for peer in peers:
+            families[peer.library] = [s.name for s in peer_systems[peer.key]]
             for system in peer_systems[peer.key]:
-                systems[system.name] = peer_system(workers[peer.key], system)
+                worker = workers[peer.key]
+                systems[system.name] = lambda i, w=worker, s=system: w.generate(prompts[i], texts[i], n, s)
                 if system.speculative:
                     speculative.add(system.name)
         repeat_prompts = [r % len(prompts) for r in range(config.repeats)]
-        warmup = [
-            prompts.index(b[0]) for b in bench_decode.warmup_batches([[prompts[i]] for i in repeat_prompts])
-        ]
-        runs = timing.interleaved(systems, repeat_prompts, warmup)
-
-    precision = dict.fromkeys(ours_systems, params_precision(target))
+        batches = bench_decode.warmup_batches([[prompts[i]] for i in repeat_prompts])
+        runs = timing.interleaved(systems, repeat_prompts, [prompts.index(b[0]) for b in batches])
+    precision = dict.fromkeys(ours, params_precision(target))
     for peer in peers:
         precision.update(dict.fromkeys(families[peer.library], workers[peer.key].info["precision"]))
     first_run = {}  # each distinct prompt -> the first repeat that ran it
     for r, i in enumerate(repeat_prompts):
         first_run.setdefault(i, r)
 
-    def difference(result, ar_tokens):
+    def difference(name, r):
+        result, ar_tokens = runs[name]["results"][r], runs[ar]["results"][r]["tokens"]
         if "tokens" in result:
             return first_difference(result["tokens"], ar_tokens)
         return first_text_difference(result["text"], ar_tokens, target.tokenizer.decode)
 
-    differences = {  # system -> per distinct prompt, where its output first differs from spec-jax AR's
-        name: [
-            difference(runs[name]["results"][r], runs[ar]["results"][r]["tokens"]) for r in first_run.values()
-        ]
-        for name in systems
+    differences = {name: [difference(name, r) for r in first_run.values()] for name in systems}
+    info = {key: w.info for key, w in workers.items()}
+    return Cells(
+        runs, ar, ours, families, speculative, precision, differences, first_run, texts, info, threads
+    )
+
+
+def _per_second(result) -> float:
+    return result["num_tokens"] / result["seconds"]
+
+
+def _row(cells: Cells, name: str) -> dict:
+    """One system's row: throughput, precision, prefill and decode speeds where it reports them,
+    its acceptance rate, and against spec-jax AR its paired speed ratio and greedy agreement."""
+    results = cells.runs[name]["results"]
+    counts = sorted({r["num_tokens"] for r in results})
+    row = {
+        "system": name,
+        "precision": cells.precision[name],
+        **bench_decode.throughput([r["seconds"] for r in results], [r["num_tokens"] for r in results]),
+        "new_tokens": str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}",
     }
+    if all("prefill_seconds" in r for r in results):
+        row["prefill_ms"] = timing.spread(1e3 * r["prefill_seconds"] for r in results)["median"]
+        row["decode_tokens_per_s"] = sum(r["decode_tokens"] for r in results) / sum(
+            r["decode_seconds"] for r in results
+        )
+    if name in cells.speculative and all("num_drafted" in r for r in results):
+        drafted = sum(r["num_drafted"] for r in results)
+        row["acceptance_rate"] = sum(r["num_accepted"] for r in results) / drafted if drafted else 0.0
+    if name != cells.ar:
+        ar_results = cells.runs[cells.ar]["results"]
+        paired = timing.spread(
+            _per_second(a) / _per_second(b) for a, b in zip(results, ar_results, strict=True)
+        )
+        same = sum(d is None for d in cells.differences[name])
+        row.update(
+            ratio_per_repeat=paired["median"],
+            ratio_per_repeat_min=paired["min"],
+            ratio_per_repeat_max=paired["max"],
+            greedy_same_as_spec_jax_ar=f"{same}/{len(cells.first_run)} prompts",
+        )
+    if name in cells.ours:
+        row["compile_s"] = sum(r["compile_seconds"] for r in cells.runs[name]["warmup"])
+    return row
 
-    def per_second(result):
-        return result["num_tokens"] / result["seconds"]
 
-    rows = {}
-    for name in systems:
-        results = runs[name]["results"]
-        counts = sorted({r["num_tokens"] for r in results})
-        row = {
-            "system": name,
-            "precision": precision[name],
-            **bench_decode.throughput([r["seconds"] for r in results], [r["num_tokens"] for r in results]),
-            "new_tokens": str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}",
-        }
-        if all("prefill_seconds" in r for r in results):
-            row["prefill_ms"] = timing.spread(1e3 * r["prefill_seconds"] for r in results)["median"]
-            row["decode_tokens_per_s"] = sum(r["decode_tokens"] for r in results) / sum(
-                r["decode_seconds"] for r in results
-            )
-        if name in speculative and all("num_drafted" in r for r in results):
-            drafted = sum(r["num_drafted"] for r in results)
-            row["acceptance_rate"] = sum(r["num_accepted"] for r in results) / drafted if drafted else 0.0
-        if name != ar:
-            paired = timing.spread(
-                per_second(a) / per_second(b) for a, b in zip(results, runs[ar]["results"], strict=True)
-            )
-            same = sum(d is None for d in differences[name])
-            row.update(
-                ratio_per_repeat=paired["median"],
-                ratio_per_repeat_min=paired["min"],
-                ratio_per_repeat_max=paired["max"],
-                greedy_same_as_spec_jax_ar=f"{same}/{len(first_run)} prompts",
-            )
-        if name in ours_systems:
-            row["compile_s"] = sum(r["compile_seconds"] for r in runs[name]["warmup"])
-        rows[name] = row
-    for baseline, *others in families.values():
+def _rows(cells: Cells) -> dict[str, dict]:
+    """system -> its row, with its speedup over its own library's plain system and over spec-jax AR."""
+    rows = {name: _row(cells, name) for name in cells.differences}
+    for baseline, *others in cells.families.values():
         rows[baseline]["speedup_over_own_baseline"] = 1.0
         for other in others:
             rows[other]["speedup_over_own_baseline"] = (
                 rows[other]["tokens_per_s"] / rows[baseline]["tokens_per_s"]
             )
     for row in rows.values():
-        row["over_spec_jax_ar"] = row["tokens_per_s"] / rows[ar]["tokens_per_s"]
+        row["over_spec_jax_ar"] = row["tokens_per_s"] / rows[cells.ar]["tokens_per_s"]
+    return rows
+
+
+def _summary_row(rows: dict, families: dict) -> dict:
+    """The fastest spec-jax system and its speed over each peer library's best (OpenVINO: its
+    speculative system)."""
 
     def speed(name):
         return rows[name]["tokens_per_s"]
@@ -451,25 +506,34 @@ def run(config) -> framework.Result | None:
         summary_row.update(
             best_llama_cpp=best_llama, fastest_spec_jax_over_best_llama_cpp=speed(fastest) / speed(best_llama)
         )
+    return summary_row
 
+
+def _agreement(cells: Cells) -> list[dict]:
+    """Per distinct prompt: whether each system's output is spec-jax AR's, or where it differs."""
     agreement = []
-    for k, i in enumerate(first_run):
-        entry = {"prompt": texts[i]}
-        for name in systems:
-            if name != ar:
-                entry[name] = "same" if differences[name][k] is None else f"differs at {differences[name][k]}"
+    for k, i in enumerate(cells.first_run):
+        entry = {"prompt": cells.texts[i]}
+        for name, where in cells.differences.items():
+            if name != cells.ar:
+                entry[name] = "same" if where[k] is None else f"differs at {where[k]}"
         agreement.append(entry)
+    return agreement
+
+
+def _summary(config, cells: Cells, peers) -> dict:
+    """The prompt set, each worker's info and peak memory, and the threads every library ran on."""
     summary = {"prompt_set": config.prompt_set}
     for peer in peers:
-        summary[f"{peer.key}_worker"] = {k: v for k, v in workers[peer.key].info.items() if k != "ready"}
-        rss = max(r.get("peak_rss_mb", 0) for name in families[peer.library] for r in runs[name]["results"])
+        summary[f"{peer.key}_worker"] = {k: v for k, v in cells.workers[peer.key].items() if k != "ready"}
+        rss = max(
+            r.get("peak_rss_mb", 0)
+            for name in cells.families[peer.library]
+            for r in cells.runs[name]["results"]
+        )
         summary[f"{peer.key}_worker_peak_rss_mb"] = round(rss)
     summary["threads"] = (
-        f"{threads} = os.cpu_count() (XLA:CPU; torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS; "
+        f"{cells.threads} = os.cpu_count() (XLA:CPU; torch.set_num_threads; OpenVINO INFERENCE_NUM_THREADS; "
         "llama.cpp -t and -tb)"
     )
-    return framework.Result.from_dicts(
-        [*rows.values(), summary_row],
-        sections={"greedy agreement with spec-jax autoregressive, per prompt": agreement},
-        summary=summary,
-    )
+    return summary

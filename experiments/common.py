@@ -1,9 +1,11 @@
 """Helpers shared by the model-based experiments and benchmark suites."""
 
+import ast
+
 import numpy as np
 
 import models
-from models import settings
+from models import corpora, settings
 
 # Tiny random models for the quick modes: they compile in seconds. Vocabulary 256 = bytes, so
 # models.ByteTokenizer drives them with text.
@@ -53,10 +55,6 @@ def _stdlib_functions(count: int) -> list[tuple[str, str]]:
     """(source, first argument) of `count` top-level functions of 6-20 lines with an argument,
     from the held-out standard-library files (corpora's test split: no n-gram table or trimmed
     head counted them), one per file, in the split's order."""
-    import ast
-
-    from spec_jax import corpora
-
     _, test = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)
     found = []
     for _, text in test:
@@ -78,8 +76,6 @@ def _stdlib_functions(count: int) -> list[tuple[str, str]]:
 
 def _news_articles(count: int) -> list[str]:
     """The openings (up to GROUNDED_SOURCE_CHARS, whole lines) of `count` held-out BBC articles."""
-    from spec_jax import corpora
-
     _, test = corpora.split(corpora.documents("news"), corpora.TRIM_TEST_FRACTION)
     texts = []
     for _, text in test[:count]:
@@ -128,10 +124,6 @@ def heldout_prompts(count: int = HELDOUT_PROMPTS) -> list[str]:
     the opening line of a held-out BBC News article (its title and first sentence). Taken from
     the END of the corpora's test split (the grounded prompts take from its start), so the three
     sets are disjoint; no n-gram table or trimmed head counted their text."""
-    import ast
-
-    from spec_jax import corpora
-
     functions, articles = [], []
     _, code = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)
     for _, text in reversed(code):

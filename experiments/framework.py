@@ -80,7 +80,7 @@ class Result:
 def new_figure(width: float, height: float, columns: int = 1):
     """(Figure, [axes]) for a Result's plot: a matplotlib Figure not tied to any GUI backend
     (saved by the framework as NAME.png), with `columns` axes side by side."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib: ~0.4 s of start-up, only for a figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
     return fig, list(fig.subplots(1, columns, squeeze=False)[0])
@@ -110,7 +110,7 @@ def git_revision(repo_root: str = REPO_ROOT) -> tuple[str, bool | None]:
 def machine_description() -> dict:
     """Platform, CPU model and count, memory, Python, jax/jaxlib/flax/numpy versions, backend
     and devices."""
-    import flax
+    import flax  # jax: ~0.5-0.9 s of start-up; launch.experiment --help stays fast
     import jax
     import jaxlib
     import numpy as np
@@ -179,7 +179,7 @@ def validate(module, config) -> None:
       TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those (or
                                              empty, where the full config's default is)
     ValueError("<key>: ...") on the first bad value."""
-    from experiments import common
+    from experiments import common  # jax: ~0.5-0.9 s of start-up; launch.experiment --help stays fast
     from models import settings
     from models.precision import PRECISIONS
 
@@ -311,7 +311,7 @@ def write_files_atomic(directory: str, writers: dict[str, Callable[[str], None]]
     Nothing is renamed until every writer has succeeded; on failure the temporaries are
     removed and earlier outputs stay as they were. Returns {filename: final path}.
     """
-    from models import registry
+    from models import registry  # jax: ~0.5-0.9 s of start-up; launch.experiment --help stays fast
 
     paths = {filename: os.path.join(directory, filename) for filename in writers}
     with contextlib.ExitStack() as stack:

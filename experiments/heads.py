@@ -6,8 +6,9 @@ drafter: spec_jax.drafting.head (default_workdir, load_drafter).
 import numpy as np
 
 from experiments import common
-from models import registry
-from spec_jax import corpora
+from experiments.common import TINY_MODELS
+from models import corpora, registry
+from spec_jax.drafting.tables import frequent_tokens
 from training import features
 
 
@@ -23,9 +24,7 @@ def token_ids(config, target) -> np.ndarray:
     ):
         return np.arange(vocab, dtype=np.int32)
     stops = list(getattr(target.tokenizer, "stop_ids", ()) or ())
-    return np.asarray(
-        corpora.frequent_tokens(config.target, target.tokenizer, vocab, config.vocab, always=stops)
-    )
+    return np.asarray(frequent_tokens(config.target, target.tokenizer, vocab, config.vocab, always=stops))
 
 
 def _sequences(config, target, split_index: int) -> list[list[int]]:
@@ -44,8 +43,6 @@ def feature_sets(config, target, progress: bool = True, cache_dir=None):
     """(train, eval) training.features.FeatureSet for a training config: windows of the corpora's
     training split (config.train_tokens) and of the held-out split (config.eval_tokens) through
     the target, computed once and cached under `$SPEC_JAX_CACHE/features/`."""
-    from experiments.common import TINY_MODELS
-
     if target.tokenizer is None:
         raise ValueError(f"target: {config.target!r} has no tokenizer to read the corpora with")
     sets = []

@@ -38,15 +38,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.experimental import topologies
 from jax.sharding import Mesh
 
-from experiments import framework
+from experiments import compile_loop, framework
 from experiments import predicted_speed as ps
 from models.config import ModelConfig
 from models.hf_config import config_from_hf
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
-from spec_jax import compile_loop, sharding, theory
+from spec_jax import sharding, theory
 from spec_jax.decode import layout
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.sampling import SamplingParams
@@ -175,8 +176,6 @@ class Slice:
 
 @functools.cache
 def _devices(s: Slice) -> tuple:
-    from jax.experimental import topologies
-
     if s.platform == "cuda":
         ct.device(f"gpu-{s.gpu}")  # registers the CUDA plugin where jax started without it
         config = ct.GPU_SPECS[s.gpu].target_config()
@@ -418,13 +417,7 @@ COLUMNS_SHOWN = (
 
 
 def run(config) -> framework.Result | None:
-    ct.add_compile_deps()
-    if missing := ct.missing_packages():
-        print(
-            f"pod_pairs: skipped, compile-only TPU/GPU backends not installed ({', '.join(missing)}): "
-            f"{ct.INSTALL_HINT}",
-            file=sys.stderr,
-        )
+    if ct.skipped_without_backends("pod_pairs"):
         return None
     overrides = {"num_layers": config.num_layers} if config.num_layers else {}
     rows = []

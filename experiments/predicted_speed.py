@@ -55,6 +55,7 @@ measured column: these are predictions only.
 import dataclasses
 import functools
 import sys
+import time
 
 import jax
 import ml_collections
@@ -62,11 +63,11 @@ import numpy as np
 
 import models.kernels
 from experiments import bench_roofline, framework
+from experiments.compile_loop import DEMO
 from models.kernels import compile_targets as ct
 from models.transformer import init_cache
 from models.weights import param_shapes
-from spec_jax import theory
-from spec_jax.compile_loop import DEMO
+from spec_jax import sharding, theory
 from spec_jax.decode import layout
 from spec_jax.sampling import SamplingParams
 from spec_jax.timing import model_calls
@@ -230,8 +231,6 @@ def cache_slots(config, target_cfg) -> int:
 def call_costs(config, target_name: str, batch: int) -> list[dict]:
     """Compiles the target's decode step and verify calls and the draft's decode step for the
     device; one dict per call: name, tokens, flops, bytes, weight_bytes, compile seconds."""
-    import time
-
     target_cfg, draft_cfg = model_config(config, config.target), model_config(config, config.draft)
     slots = cache_slots(config, target_cfg)
     greedy = SamplingParams(0.0)
@@ -284,8 +283,6 @@ def analysed_costs(
         if mesh is None:
             compiled = ct.compile_for(fn, (param_shapes(c), cache), dev, donate_argnums=(1,))
         else:
-            from spec_jax import sharding
-
             params = param_shapes(c)
             args = (
                 with_shardings(params, sharding.param_shardings(params, mesh)),
@@ -529,18 +526,7 @@ def markdown(rows, best, calls, config, trees=()) -> str:
         *tree_lines,
         "## Peaks used",
         "",
-        framework.dict_table(
-            [
-                {
-                    "target": t,
-                    "GB/s": PEAKS[t].bandwidth / 1e9,
-                    "TFLOP/s": PEAKS[t].flops / 1e12,
-                    "TensorCores per chip": PEAKS[t].tensorcores,
-                    "source": PEAKS[t].source,
-                }
-                for t in config.targets
-            ]
-        ),
+        _peaks_table(config.targets),
         "",
         "## Model calls (per compile-only device)",
         "",
@@ -548,34 +534,49 @@ def markdown(rows, best, calls, config, trees=()) -> str:
         "call must read (models.weights.read_bytes); bytes / weight_bytes above 1 is the activations, "
         "the cache, the warp over the vocabulary and whatever the compiler's fusions re-read.",
         "",
-        framework.dict_table(
-            [
-                {
-                    "target": c["target"],
-                    "batch": c["batch"],
-                    "call": c["call"],
-                    "impl": c["impl"],
-                    "GFLOP": c["flops"] / 1e9,
-                    "GB": c["bytes"] / 1e9,
-                    "bytes / weight_bytes": c["bytes"] / c["weight_bytes"],
-                    "roofline_ms": 1e3 * c["seconds"],
-                    "bound": c["bound"],
-                }
-                for c in calls
-            ]
-        ),
+        _calls_table(calls),
     ]
     return "\n".join(lines)
 
 
+def _peaks_table(targets) -> str:
+    """Each target's peak bandwidth and flops (PEAKS) and where they come from."""
+    return framework.dict_table(
+        [
+            {
+                "target": t,
+                "GB/s": PEAKS[t].bandwidth / 1e9,
+                "TFLOP/s": PEAKS[t].flops / 1e12,
+                "TensorCores per chip": PEAKS[t].tensorcores,
+                "source": PEAKS[t].source,
+            }
+            for t in targets
+        ]
+    )
+
+
+def _calls_table(calls) -> str:
+    """Each compiled model call's flops, bytes, share of weight bytes, roofline time and bound."""
+    return framework.dict_table(
+        [
+            {
+                "target": c["target"],
+                "batch": c["batch"],
+                "call": c["call"],
+                "impl": c["impl"],
+                "GFLOP": c["flops"] / 1e9,
+                "GB": c["bytes"] / 1e9,
+                "bytes / weight_bytes": c["bytes"] / c["weight_bytes"],
+                "roofline_ms": 1e3 * c["seconds"],
+                "bound": c["bound"],
+            }
+            for c in calls
+        ]
+    )
+
+
 def run(config) -> framework.Result | None:
-    ct.add_compile_deps()
-    if missing := ct.missing_packages():
-        print(
-            f"predicted_speed: skipped, compile-only TPU/GPU backends not installed ({', '.join(missing)}): "
-            f"{ct.INSTALL_HINT}",
-            file=sys.stderr,
-        )
+    if ct.skipped_without_backends("predicted_speed"):
         return None
     calls = []
     for target in config.targets:

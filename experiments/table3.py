@@ -24,7 +24,7 @@ table reports the mean accepted length per verify call of each, with the tree's 
 chain's.
 Confidence intervals: percentile bootstrap over prompts (each estimate is a ratio of sums
 over prompts, resampled with replacement), because positions within one prompt are not
-independent. Runs use spec_jax.per_prompt, which keeps the metrics per prompt.
+independent. Runs use experiments.per_prompt, which keeps the metrics per prompt.
 """
 
 import time
@@ -34,8 +34,9 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from experiments import common, framework
-from spec_jax import corpora, drafting, metrics, per_prompt
+from experiments import common, framework, per_prompt
+from models import corpora
+from spec_jax import drafting, metrics
 from spec_jax.drafting import ngram, suffix
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"
@@ -398,7 +399,18 @@ def markdown(cells, checks, config, passed) -> str:
         f"{config.num_prompts} prompts of {config.prompt_tokens} tokens, {config.max_new_tokens} "
         f"new tokens each, gamma {config.gamma}, the models at {config.dtype}.",
         "",
+        _alpha_table(cells, config, temps),
+        "",
+        *_ordering_section(checks, passed),
     ]
+    if trees:
+        lines += _trees_section(trees)
+    return "\n".join(lines + _data_section(cells, config))
+
+
+def _alpha_table(cells, config, temps) -> str:
+    """Table 3's cells: per (target, task, draft) alpha_hat and the observed acceptance with
+    their intervals, and n, at each temperature."""
     columns = ["target", "task", "draft"]
     for t in temps:
         columns += [f"alpha_hat (T={t:g})", f"accepted/scored (T={t:g})", f"n (T={t:g})"]
@@ -420,7 +432,12 @@ def markdown(cells, checks, config, passed) -> str:
                         c["num_scored_positions"],
                     ]
                 rows.append(row)
-    lines += [framework.markdown_table(columns, rows), ""]
+    return framework.markdown_table(columns, rows)
+
+
+def _ordering_section(checks, passed) -> list[str]:
+    """The ordering check's table and verdict (passed None: not checked, random models)."""
+    lines = []
     lines += ["## The ordering check", ""]
     lines += [
         framework.markdown_table(
@@ -446,33 +463,45 @@ def markdown(cells, checks, config, passed) -> str:
         lines.append(
             f"Ordering held in {held} of {len(checks)} cases: the check {'passed' if passed else 'FAILED'}."
         )
-    if trees:
-        lines += [
-            "",
-            "## Chains and trees at the same number of verified positions",
-            "",
-            "Mean accepted length per verify call (tokens a target call commits, the drafts accepted "
-            "plus the target's own), [95% percentile bootstrap interval over prompts], for a chain of "
-            "N drafts and a tree of N nodes (the draft's own tree: prompt lookup and suffix tries of "
-            "their matches, a draft model's EAGLE-2 expansion, around the chain it samples at "
-            "T > 0; any other draft proposes its chain); "
-            "seconds are the cell's wall time on this machine, compilation included.",
-            "",
-            framework.markdown_table(
-                [
-                    "target",
-                    "draft",
-                    "task",
-                    "T",
-                    "N",
-                    "chain",
-                    "tree",
-                    "tree / chain",
-                    "seconds (chain / tree)",
-                ],
-                trees,
-            ),
-        ]
+    return lines
+
+
+def _trees_section(trees) -> list[str]:
+    """Chains against trees at the same number of verified positions (tree_rows)."""
+    lines = []
+    lines += [
+        "",
+        "## Chains and trees at the same number of verified positions",
+        "",
+        "Mean accepted length per verify call (tokens a target call commits, the drafts accepted "
+        "plus the target's own), [95% percentile bootstrap interval over prompts], for a chain of "
+        "N drafts and a tree of N nodes (the draft's own tree: prompt lookup and suffix tries of "
+        "their matches, a draft model's EAGLE-2 expansion, around the chain it samples at "
+        "T > 0; any other draft proposes its chain); "
+        "seconds are the cell's wall time on this machine, compilation included.",
+        "",
+        framework.markdown_table(
+            [
+                "target",
+                "draft",
+                "task",
+                "T",
+                "N",
+                "chain",
+                "tree",
+                "tree / chain",
+                "seconds (chain / tree)",
+            ],
+            trees,
+        ),
+    ]
+    return lines
+
+
+def _data_section(cells, config) -> list[str]:
+    """What each (target, task)'s n-grams were fitted on and where its prompts came from, and
+    the n-gram smoothing."""
+    lines = []
     lines += ["", "## Data", ""]
     seen = set()
     for c in cells:
@@ -491,7 +520,7 @@ def markdown(cells, checks, config, passed) -> str:
         "accepted / drafted, the serving engines' metric: it counts drafts after a rejection as "
         "rejected, so it is below alpha for gamma > 1.",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def figure(cells, config):

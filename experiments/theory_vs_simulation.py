@@ -251,7 +251,38 @@ def run(config, verify_fn=None) -> framework.Result:
     # squares sum to a chi-square with one degree of freedom per cell.
     chi_square = float(sum(c["z_score"] ** 2 for c in cells))
     chi_square_p = float(scipy.stats.chi2.sf(chi_square, len(cells)))
+    markdown = _markdown(cells, config, failures, chi_square, chi_square_p)
+    summary = {
+        "passed": passed,
+        "cells": len(cells),
+        "rounds_per_cell": rounds,
+        "tolerance": config.tolerance,
+        "max_abs_relative_error": abs(worst["relative_error"]),
+        "worst_cell": {"alpha": worst["alpha"], "gamma": worst["gamma"], "z_score": worst["z_score"]},
+        "max_relative_std_error": worst_rel_se,
+        "max_abs_z_score": max(abs(c["z_score"]) for c in cells),
+        "chi_square_of_z_scores": chi_square,
+        "chi_square_p_value": chi_square_p,
+        "failing_cells": [(c["alpha"], c["gamma"]) for c in failures],
+    }
+    rows = [tuple(c[k] for k in COLUMNS) for c in cells]
+    return framework.Result(
+        columns=COLUMNS,
+        rows=rows,
+        markdown=markdown,
+        summary=summary,
+        figure=plot(cells, config),
+        passed=passed,
+    )
 
+
+def _markdown(cells, config, failures, chi_square: float, chi_square_p: float) -> str:
+    """The verdict, the worst cell against the standard errors, the chi-square of the z-scores,
+    and measured / theory per (gamma, alpha)."""
+    passed = not failures
+    worst = max(cells, key=lambda c: abs(c["relative_error"]))
+    worst_rel_se = max(c["std_error"] / c["expected_tokens"] for c in cells)
+    rounds = cells[0]["rounds"]
     alphas = list(config.alphas)
     by_cell = {(c["alpha"], c["gamma"]): c for c in cells}
     pivot = framework.markdown_table(
@@ -299,25 +330,4 @@ Reading the plot: {reading} Tokens per round grow with gamma but
 saturate at 1 / (1 - alpha) (2 for alpha 0.5, 20 for alpha 0.95), so a long draft only pays
 when alpha is high.
 """
-    summary = {
-        "passed": passed,
-        "cells": len(cells),
-        "rounds_per_cell": rounds,
-        "tolerance": config.tolerance,
-        "max_abs_relative_error": abs(worst["relative_error"]),
-        "worst_cell": {"alpha": worst["alpha"], "gamma": worst["gamma"], "z_score": worst["z_score"]},
-        "max_relative_std_error": worst_rel_se,
-        "max_abs_z_score": max(abs(c["z_score"]) for c in cells),
-        "chi_square_of_z_scores": chi_square,
-        "chi_square_p_value": chi_square_p,
-        "failing_cells": [(c["alpha"], c["gamma"]) for c in failures],
-    }
-    rows = [tuple(c[k] for k in COLUMNS) for c in cells]
-    return framework.Result(
-        columns=COLUMNS,
-        rows=rows,
-        markdown=markdown,
-        summary=summary,
-        figure=plot(cells, config),
-        passed=passed,
-    )
+    return markdown

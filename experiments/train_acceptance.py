@@ -5,7 +5,7 @@ pair, the classifier, and the stop threshold chosen from its held-out curve.
 reads the draft head from `head_workdir` (default `$SPEC_JAX_CACHE/heads/TARGET/`), runs the
 loop greedily round by round with the head drafting `gamma_max` tokens on prompts cut from the
 corpora's training split, logs every draft position up to the first rejection
-(spec_jax.acceptance.log_rounds), trains the classifier on the rounds of most prompts and
+(training.acceptance.log_rounds), trains the classifier on the rounds of most prompts and
 chooses the threshold h on the rounds of the held-out prompts: the h with the most simulated
 tokens per unit of time, with this machine's measured call costs (spec_jax.autogamma), beside
 the best fixed gamma. It writes the acceptance head into HEAD_WORKDIR/acceptance/ (orbax),
@@ -21,8 +21,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments import common, framework
-from spec_jax import acceptance, autogamma, corpora
+from models import corpora
+from spec_jax import step_costs
 from spec_jax.drafting import head as head_drafting
+from training import acceptance
 
 TITLE = "Training an acceptance head (SpecDec++) that decides the draft length"
 
@@ -100,6 +102,55 @@ def run(config) -> framework.Result:
     workdir = config.head_workdir or str(head_drafting.default_workdir(config.target))
     drafter, params = head_drafting.load_drafter(target, workdir)
     prompts = training_prompts(config, target.tokenizer)
+    log, train_log, held_log, trained = _log_and_train(config, target, drafter, params, prompts)
+    cache_len = 2 * (config.prompt_tokens + config.max_new_tokens + config.gamma_max)
+    costs = step_costs.costs_for(target, drafter, params, batch=config.batch_size, cache_slots=cache_len)
+    threshold, curve = acceptance.choose_threshold(trained.params, held_log, costs)
+    meta = {
+        "threshold": threshold,
+        "head_params_sha256": head_drafting.head_hash(workdir, target),
+        "gamma_max": config.gamma_max,
+        "curve": curve,
+        "config": json.loads(config.to_json_best_effort()),
+    }
+    save(pathlib.Path(workdir) / "acceptance", trained.params, meta)
+    fixed = [c for c in curve if "gamma" in c]
+    stops_curve = [c for c in curve if "threshold" in c]
+    best_fixed = max(fixed, key=lambda c: c["tokens_per_step"])
+    best_stop = max(stops_curve, key=lambda c: c["tokens_per_step"])
+    rate = float(np.mean(log.label)) if len(log.label) else float("nan")
+    summary = {
+        "threshold": threshold,
+        "rounds_logged": int(len(log.accepted)),
+        "examples": int(len(log.label)),
+        "rejection_rate": rate,
+        "held_out_rounds": int(len(held_log.accepted)),
+        "best_fixed_gamma": best_fixed,
+        "best_threshold": best_stop,
+        "predicted_gain_over_best_fixed": best_stop["tokens_per_step"] / best_fixed["tokens_per_step"],
+        "history": trained.history,
+        "costs": {"draft1": costs.draft1, "draft2": costs.draft2, "verify": list(costs.verify)},
+        "device": jax.devices()[0].device_kind,
+    }
+    return framework.Result.from_dicts(
+        stops_curve,
+        markdown=_markdown(
+            config,
+            len(prompts),
+            (log, train_log, held_log),
+            trained,
+            (threshold, best_stop, best_fixed),
+            costs,
+        ),
+        sections={"Fixed gamma (the same rounds, cut at gamma)": fixed},
+        summary=summary,
+        figure=_figure(stops_curve, best_fixed),
+    )
+
+
+def _log_and_train(config, target, drafter, params, prompts):
+    """(log, train_log, held_log, trained): the rounds logged at gamma_max, split by prompt (the
+    last held_out_fraction held out) and the classifier trained on the rest."""
     stops = list(getattr(target.tokenizer, "stop_ids", ()) or ()) or None
     log = acceptance.log_rounds(
         target,
@@ -122,21 +173,11 @@ def run(config) -> framework.Result:
         reject_weight=config.reject_weight,
         seed=config.seed,
     )
-    cache_len = 2 * (config.prompt_tokens + config.max_new_tokens + config.gamma_max)
-    costs = autogamma.costs_for(target, drafter, params, batch=config.batch_size, cache_slots=cache_len)
-    threshold, curve = acceptance.choose_threshold(trained.params, held_log, costs)
-    meta = {
-        "threshold": threshold,
-        "head_params_sha256": head_drafting.head_hash(workdir, target),
-        "gamma_max": config.gamma_max,
-        "curve": curve,
-        "config": json.loads(config.to_json_best_effort()),
-    }
-    save(pathlib.Path(workdir) / "acceptance", trained.params, meta)
-    fixed = [c for c in curve if "gamma" in c]
-    stops_curve = [c for c in curve if "threshold" in c]
-    best_fixed = max(fixed, key=lambda c: c["tokens_per_step"])
-    best_stop = max(stops_curve, key=lambda c: c["tokens_per_step"])
+    return log, train_log, held_log, trained
+
+
+def _figure(stops_curve, best_fixed):
+    """Simulated tokens per target step against the stop threshold, beside the best fixed gamma."""
     fig, (ax,) = framework.new_figure(7, 4)
     ax.plot(
         [c["threshold"] for c in stops_curve],
@@ -155,23 +196,17 @@ def run(config) -> framework.Result:
         ylabel="simulated tokens per target step",
     )
     ax.legend(fontsize=8)
+    return fig
+
+
+def _markdown(config, num_prompts: int, logs, trained, choice, costs) -> str:
+    """What was logged (from num_prompts prompts) and trained, the chosen threshold against the best fixed gamma, the costs."""
+    log, train_log, held_log = logs
+    threshold, best_stop, best_fixed = choice
     rate = float(np.mean(log.label)) if len(log.label) else float("nan")
-    summary = {
-        "threshold": threshold,
-        "rounds_logged": int(len(log.accepted)),
-        "examples": int(len(log.label)),
-        "rejection_rate": rate,
-        "held_out_rounds": int(len(held_log.accepted)),
-        "best_fixed_gamma": best_fixed,
-        "best_threshold": best_stop,
-        "predicted_gain_over_best_fixed": best_stop["tokens_per_step"] / best_fixed["tokens_per_step"],
-        "history": trained.history,
-        "costs": {"draft1": costs.draft1, "draft2": costs.draft2, "verify": list(costs.verify)},
-        "device": jax.devices()[0].device_kind,
-    }
-    markdown = (
+    return (
         f"Logged {len(log.accepted)} rounds ({len(log.label)} draft positions, {rate:.1%} rejected) of "
-        f"{len(prompts)} prompts at gamma {config.gamma_max}; trained on {len(train_log.accepted)} rounds, "
+        f"{num_prompts} prompts at gamma {config.gamma_max}; trained on {len(train_log.accepted)} rounds, "
         f"chose the threshold on {len(held_log.accepted)} held-out rounds. Held-out accuracy "
         f"{trained.history[-1]['held_out_accuracy']:.3f}.\n\n"
         f"Chosen threshold h = {threshold:g}: simulated {best_stop['tokens_per_step']:.3f} tokens per target "
@@ -181,11 +216,4 @@ def run(config) -> framework.Result:
         "benchmark measures it). Costs (target steps): draft step "
         f"{costs.draft1:.3f}, observe + first draft {costs.draft2:.3f}, verify "
         f"{', '.join(f'{v:.2f}' for v in costs.verify[1:])} for gamma 1..{len(costs.verify) - 1}."
-    )
-    return framework.Result.from_dicts(
-        stops_curve,
-        markdown=markdown,
-        sections={"Fixed gamma (the same rounds, cut at gamma)": fixed},
-        summary=summary,
-        figure=fig,
     )

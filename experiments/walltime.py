@@ -31,7 +31,8 @@ import tqdm
 
 import spec_jax
 from experiments import common, framework
-from spec_jax import corpora, metrics, theory, timing
+from models import corpora
+from spec_jax import drafting, metrics, theory, timing
 from spec_jax.sampling import SamplingParams
 
 TITLE = "Walltime speedup: Theorem 3.8's prediction against measurement, gamma 1..8"
@@ -192,6 +193,52 @@ def measure_runs(target, draft, prompts, config) -> dict:
     return {"warm": warm, "runs": runs}
 
 
+def _rate(run) -> float:
+    """A run's loop tokens per second of decoding."""
+    return run["loop_tokens"] / run["decode_seconds"]
+
+
+def _gamma_row(g, costs, stats, spec_runs, ar: dict, alpha: float, alpha_at: float) -> dict:
+    """gamma g's predictions (Theorem 3.8, verify- and cost-corrected) beside its measurements;
+    ar: the autoregressive runs' rates, median rate, end-to-end rate and seconds per step."""
+    c = costs["draft"] / costs["target"]
+    ar_rates, ar_rate, ar_e2e, ar_seconds_per_step = (
+        ar["rates"],
+        ar["rate"],
+        ar["e2e"],
+        ar["seconds_per_step"],
+    )
+    spec_rates = [_rate(r) for r in spec_runs]
+    pairs = [s / a for s, a in zip(spec_rates, ar_rates, strict=True)]  # repeat by repeat
+    rounds = sum(s["num_rounds"] for s in stats)
+    tokens_per_round = 1.0 + sum(s["num_accepted_tokens"] for s in stats) / rounds
+    expected = theory.expected_tokens(alpha, g)
+    v, d = costs[f"verify_{g}"] / costs["target"], costs[f"propose_{g}"] / costs["target"]
+    return {
+        "gamma": g,
+        "alpha": alpha,
+        "c": c,
+        "expected_tokens": expected,
+        "measured_tokens_per_round": tokens_per_round,
+        "verify_cost": v,
+        "draft_round_cost": d,
+        "predicted_speedup": theory.walltime_speedup(alpha, g, c),
+        "verify_corrected_speedup": theory.walltime_speedup(alpha, g, c, verify_cost=v),
+        "cost_corrected_speedup": expected / (d + v),
+        # A round's time in AR steps, both from the loops themselves.
+        "measured_round_cost": statistics.median(r["decode_seconds"] / r["calls"] for r in spec_runs)
+        / ar_seconds_per_step,
+        "measured_speedup": statistics.median(spec_rates) / ar_rate,
+        "measured_speedup_min": min(pairs),
+        "measured_speedup_max": max(pairs),
+        "measured_end_to_end_speedup": statistics.median(r["new_tokens"] / r["seconds"] for r in spec_runs)
+        / ar_e2e,
+        "alpha_hat_at_gamma": alpha_at,
+        "spec_loop_tokens_per_s": statistics.median(spec_rates),
+        "ar_loop_tokens_per_s": ar_rate,
+    }
+
+
 def analyse(costs: dict, measured: dict, config) -> tuple[list[dict], dict]:
     """Per-gamma predictions and measurements (rows) and the summary numbers."""
     warm = measured["warm"]
@@ -200,49 +247,15 @@ def analyse(costs: dict, measured: dict, config) -> tuple[list[dict], dict]:
     c = costs["draft"] / costs["target"]
     runs = measured["runs"]
 
-    def rate(run):
-        return run["loop_tokens"] / run["decode_seconds"]
-
-    ar_rates = [rate(r) for r in runs["ar"]]
+    ar_rates = [_rate(r) for r in runs["ar"]]
     ar_rate = statistics.median(ar_rates)
-    ar_e2e = statistics.median(r["new_tokens"] / r["seconds"] for r in runs["ar"])
-    ar_seconds_per_step = statistics.median(r["decode_seconds"] / r["calls"] for r in runs["ar"])
-    rows = []
-    for g in config.gammas:
-        spec_rates = [rate(r) for r in runs[g]]
-        pairs = [s / a for s, a in zip(spec_rates, ar_rates, strict=True)]  # repeat by repeat
-        stats = warm[g]["stats"]
-        rounds = sum(s["num_rounds"] for s in stats)
-        tokens_per_round = 1.0 + sum(s["num_accepted_tokens"] for s in stats) / rounds
-        expected = theory.expected_tokens(alpha, g)
-        v, d = costs[f"verify_{g}"] / costs["target"], costs[f"propose_{g}"] / costs["target"]
-        rows.append(
-            {
-                "gamma": g,
-                "alpha": alpha,
-                "c": c,
-                "expected_tokens": expected,
-                "measured_tokens_per_round": tokens_per_round,
-                "verify_cost": v,
-                "draft_round_cost": d,
-                "predicted_speedup": theory.walltime_speedup(alpha, g, c),
-                "verify_corrected_speedup": theory.walltime_speedup(alpha, g, c, verify_cost=v),
-                "cost_corrected_speedup": expected / (d + v),
-                # A round's time in AR steps, both from the loops themselves.
-                "measured_round_cost": statistics.median(r["decode_seconds"] / r["calls"] for r in runs[g])
-                / ar_seconds_per_step,
-                "measured_speedup": statistics.median(spec_rates) / ar_rate,
-                "measured_speedup_min": min(pairs),
-                "measured_speedup_max": max(pairs),
-                "measured_end_to_end_speedup": statistics.median(
-                    r["new_tokens"] / r["seconds"] for r in runs[g]
-                )
-                / ar_e2e,
-                "alpha_hat_at_gamma": alpha_at[g],
-                "spec_loop_tokens_per_s": statistics.median(spec_rates),
-                "ar_loop_tokens_per_s": ar_rate,
-            }
-        )
+    ar = dict(
+        rates=ar_rates,
+        rate=ar_rate,
+        e2e=statistics.median(r["new_tokens"] / r["seconds"] for r in runs["ar"]),
+        seconds_per_step=statistics.median(r["decode_seconds"] / r["calls"] for r in runs["ar"]),
+    )
+    rows = [_gamma_row(g, costs, warm[g]["stats"], runs[g], ar, alpha, alpha_at[g]) for g in config.gammas]
 
     def best(key):
         return max(rows, key=lambda r: r[key])["gamma"]
@@ -281,6 +294,13 @@ def markdown(rows, summary, config) -> str:
         "repeat-by-repeat ratios.",
         "",
     ]
+    lines.append(_prediction_table(rows))
+    return "\n".join(lines + _reading(rows, summary))
+
+
+def _prediction_table(rows) -> str:
+    """Per gamma: expected and measured tokens per round, v, d, round costs, the three
+    predictions and the measured speedup [min, max]."""
     table = [
         [
             r["gamma"],
@@ -297,24 +317,27 @@ def markdown(rows, summary, config) -> str:
         ]
         for r in rows
     ]
-    lines.append(
-        framework.markdown_table(
-            [
-                "gamma",
-                "E tokens/round",
-                "measured tokens/round",
-                "v",
-                "d",
-                "gamma c + 1",
-                "measured round cost",
-                "Thm 3.8",
-                "verify-corrected",
-                "cost-corrected",
-                "measured",
-            ],
-            table,
-        )
+    return framework.markdown_table(
+        [
+            "gamma",
+            "E tokens/round",
+            "measured tokens/round",
+            "v",
+            "d",
+            "gamma c + 1",
+            "measured round cost",
+            "Thm 3.8",
+            "verify-corrected",
+            "cost-corrected",
+            "measured",
+        ],
+        table,
     )
+
+
+def _reading(rows, summary) -> list[str]:
+    """The best gammas, where Theorem 3.8 is furthest off, and why predictions and measurement
+    differ."""
     worst = max(rows, key=lambda r: abs(r["predicted_speedup"] / r["measured_speedup"] - 1))
     corrected = max(rows, key=lambda r: abs(r["cost_corrected_speedup"] / r["measured_speedup"] - 1))
     shift = (
@@ -324,7 +347,7 @@ def markdown(rows, summary, config) -> str:
         if summary["best_gamma_verify_corrected"] == summary["optimal_gamma_theorem"]
         else ""
     )
-    lines += [
+    return [
         "",
         "## Reading",
         "",
@@ -352,7 +375,6 @@ def markdown(rows, summary, config) -> str:
         "tokens per round actually committed (acceptances are not i.i.d.: they cluster by context, "
         "and the last round of a row is cut at max_new_tokens), and timing noise on a shared machine.",
     ]
-    return "\n".join(lines)
 
 
 def figure(rows, summary):
@@ -393,8 +415,6 @@ def figure(rows, summary):
 def run(config) -> framework.Result:
     target = common.load_model(config.target, config.target_dtype)
     if config.drafter == "head":
-        from spec_jax import drafting
-
         draft = drafting.build("head", target, drafting.Settings(head_dtype=config.draft_dtype))
     else:
         draft = common.load_model(config.draft, config.draft_dtype)

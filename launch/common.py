@@ -66,9 +66,9 @@ def _unavailable_errors() -> tuple:
     download, a cache folder that cannot be written, a conversion killed for lack of memory, a
     truncated or corrupt GGUF file): the environment, not the flags."""
     from models.convert import ConversionError
+    from models.corpora import CorpusUnavailableError
     from models.gguf_loader import GGUFFileError
     from models.registry import CacheNotWritableError, ChecksumMismatchError, DamagedCacheError, DownloadError
-    from spec_jax.corpora import CorpusUnavailableError
 
     return (
         GGUFFileError,

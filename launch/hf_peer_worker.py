@@ -27,7 +27,7 @@ class HFBackend:
     """AutoModelForCausalLM from the GGUF files in `dtype`, greedy; the draft as assistant_model."""
 
     def __init__(self, target_gguf: str, draft_gguf: str, threads: int, dtype: str = "float32"):
-        import torch
+        import torch  # optional (the hf extra): only this peer uses it
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
 
@@ -48,7 +48,7 @@ class HFBackend:
         self.draft = load(draft_gguf)
 
     def info(self) -> dict:
-        import accelerate
+        import accelerate  # optional (the hf extra): only this peer uses it
         import transformers
         from transformers import GenerationConfig
 

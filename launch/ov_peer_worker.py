@@ -24,11 +24,14 @@ Requests are token ids (the same ids every system gets), fed as an input_ids ten
 """
 
 import fcntl
+import importlib.metadata
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
+
+import numpy as np
 
 from launch import peer_protocol
 
@@ -48,8 +51,7 @@ def requantize_gguf(src, dst, keep=OPENVINO_GGUF_TYPES) -> int:
     """Writes `dst`: the GGUF `src` with every tensor whose type is not in `keep` dequantized
     and requantized to Q8_0; other tensors, every metadata key (tokenizer included) and the
     tensor order unchanged. Returns how many tensors were requantized."""
-    import gguf
-    import numpy as np
+    import gguf  # optional: the OpenVINO peer's own environment
     from gguf import GGMLQuantizationType, quants
 
     q8 = GGMLQuantizationType.Q8_0
@@ -145,7 +147,7 @@ def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
 
 
 def _export_openvino_ir(gguf_path: pathlib.Path) -> None:
-    import openvino_genai
+    import openvino_genai  # optional: the OpenVINO peer's own environment
 
     openvino_genai.LLMPipeline(str(gguf_path), "CPU", enable_save_ov_model=True)
 
@@ -154,7 +156,7 @@ class OpenVINOBackend:
     """Two LLMPipelines on the CPU: the target alone, and the target with the draft model."""
 
     def __init__(self, target_gguf: str, draft_gguf: str, threads: int, num_assistant_tokens: int):
-        import openvino_genai
+        import openvino_genai  # optional: the OpenVINO peer's own environment
 
         self.ov_genai, self.threads = openvino_genai, threads
         self.num_assistant_tokens = num_assistant_tokens
@@ -171,7 +173,6 @@ class OpenVINOBackend:
         )
 
     def info(self) -> dict:
-        import importlib.metadata
 
         import openvino
 
@@ -194,7 +195,6 @@ class OpenVINOBackend:
         }
 
     def generate(self, request: peer_protocol.Request) -> dict:
-        import numpy as np
         import openvino
 
         config = self.ov_genai.GenerationConfig()

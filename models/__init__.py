@@ -8,7 +8,10 @@ from typing import Any
 
 import jax
 
+from models import precision, registry, sources, weights
 from models.config import ModelConfig
+from models.kernels import target
+from models.precision import GGUF_PRECISIONS, PRECISIONS
 from models.transformer import ForwardOutput, forward, init_cache, init_params, stack_layers, unstack_layers
 
 
@@ -63,8 +66,6 @@ def random_model(
 def cast(model: Model, dtype: str) -> Model:
     """A float32 model at another precision (models.precision.PRECISIONS): its weights cast or
     quantized the way `load(name, dtype=...)` does it. ValueError unless the model is float32."""
-    from models import weights
-
     if model.config.dtype != "float32":
         raise ValueError(
             f"cast: the model must be float32 (it is {model.config.dtype}); load it again instead"
@@ -110,8 +111,6 @@ RANDOM_PRESETS = {
 def known_models() -> list[str]:
     """Every model name models.load accepts: random presets and the registry's real models.
     models.load also takes paths and hub ids (models.sources.FORMS), which no list can hold."""
-    from models import registry
-
     return sorted(RANDOM_PRESETS) + sorted(registry.MODELS)
 
 
@@ -120,8 +119,6 @@ def check_source(name: str, known=None) -> None:
     name, an existing GGUF file or checkpoint folder of a supported architecture, or a hub id's
     form ("org/name"). Fetches, converts and loads nothing (the entry points call it first).
     `known`: the names an unknown name's message lists (default known_models())."""
-    from models import sources
-
     if name not in RANDOM_PRESETS:
         sources.check(name, known)
 
@@ -156,8 +153,6 @@ def load(
     memory maps of the cached checkpoint, so each process of a multi-host mesh reads only the
     slices its own devices hold. Default: every leaf onto the default device.
     """
-    from models.precision import GGUF_PRECISIONS, PRECISIONS
-
     if dtype not in PRECISIONS:
         raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
     if name in RANDOM_PRESETS:
@@ -165,7 +160,7 @@ def load(
             **RANDOM_PRESETS[name], dtype=dtype, name=name, scan_layers=scan_layers is not False
         )
         return model.replace(tokenizer=ByteTokenizer())
-    from models import convert, sources
+    from models import convert  # gguf, tokenizers: ~0.15 s of start-up, only to load a checkpoint
 
     source = sources.resolve(name, known=known_models())  # a hub id: downloaded, then a folder
     config, host_params, tokenizer = convert.load_converted(
@@ -174,22 +169,29 @@ def load(
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
     config = config.replace(scan_layers=scan_layers)
-    if dtype in GGUF_PRECISIONS:  # read per layer: a file's layers may hold different block types
-        if scan_layers:
-            try:
-                host_params = stack_layers(host_params, config.num_layers)
-            except ValueError:
-                raise ValueError(
-                    f"{name} at {dtype}: its layers hold different block types, so they cannot be "
-                    "stacked for scan_layers=True; load it with scan_layers=False"
-                ) from None
-    elif not scan_layers:
-        host_params = unstack_layers(host_params, config.num_layers)  # numpy views, no copy
+    host_params = _layer_layout(host_params, config, name, dtype)
     if place is not None:
         return Model(config=config, params=place(host_params), tokenizer=tokenizer)
     leaves, treedef = jax.tree.flatten(host_params)
     del host_params  # the list below now holds the only reference to each host array
     return Model(config=config, params=convert.to_device(leaves, treedef), tokenizer=tokenizer)
+
+
+def _layer_layout(host_params, config, name: str, dtype: str):
+    """The host parameters in config.scan_layers' layout: stacked [L, ...] (a GGUF precision's
+    per-layer blocks stacked; ValueError where its layers hold different block types) or one
+    entry per layer (numpy views, no copy)."""
+    if dtype in GGUF_PRECISIONS:  # read per layer: a file's layers may hold different block types
+        if config.scan_layers:
+            try:
+                return stack_layers(host_params, config.num_layers)
+            except ValueError:
+                raise ValueError(
+                    f"{name} at {dtype}: its layers hold different block types, so they cannot be "
+                    "stacked for scan_layers=True; load it with scan_layers=False"
+                ) from None
+        return host_params
+    return host_params if config.scan_layers else unstack_layers(host_params, config.num_layers)
 
 
 def fastest_precision(
@@ -226,8 +228,7 @@ def auto_precision(
     GGUF file as for a registry model. On a CPU, int8 also where the GGUF kernel would not pay
     (gguf_kernel_pays: a toy model, or a run of `tokens` too short to pay for the kernel's first
     build)."""
-    from models import precision, sources
-    from models.kernels import gguf_matmul, target
+    from models.kernels import gguf_matmul  # native libraries: ~20 ms of start-up
 
     platform = target.current().platform if platform is None else platform
     if name in RANDOM_PRESETS:
@@ -292,8 +293,7 @@ def gguf_kernel_pays(name: str, tokens: int | None = None) -> bool:
     generates fewer than BUILD_PAYS_TOKENS `tokens` (all rows together; None: not known, taken
     as long). A precision that needs no build (int8) runs then; the build happens once, when a
     run pays for it (or when a GGUF precision is asked for by name)."""
-    from models import registry
-    from models.kernels import llama_cpp
+    from models.kernels import llama_cpp  # native libraries: only asked for a GGUF source
 
     size = (
         registry.MODELS[name].size if name in registry.MODELS else os.path.getsize(os.path.expanduser(name))

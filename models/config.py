@@ -4,18 +4,25 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from models.families import NAMES
+from models.precision import PRECISIONS
+
 
 def this_cpu_isa() -> str:
     """The CPU kernels' build a config made here uses (models.kernels.cpu_matmul.isa:
     $SPEC_JAX_CPU_ISA, else the widest this CPU runs): ModelConfig.cpu_isa's default, read when
     a config is made, never while a program is traced."""
-    from models.kernels import cpu_matmul
+    from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
 
     return cpu_matmul.isa()
 
 
-# The decoder families a checkpoint may declare (Hugging Face model_type, GGUF architecture).
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# The decoder families a checkpoint may declare: models.families, one entry each.
+FAMILIES = NAMES
+
+
+# The fields that fix the weights' shapes: a checkpoint (GGUF, safetensors) must agree on each.
+SHAPE_FIELDS = ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +45,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 2048
     # The decoder family (FAMILIES) the checkpoint declared: Qwen2 and Llama need none of the
-    # fields below; each other family sets the pieces it needs (models.hf_config.config_from_hf,
-    # models.gguf_loader.read_config) and the forward reads only those fields, never the name.
+    # fields below; each other family sets the pieces it needs (its models.families entry, read
+    # by models.hf_config and models.gguf_loader) and the forward reads only those fields, never
+    # the name.
     family: str = "qwen2"
     # Rotary frequency divisors of the global layers: inv_freq[j] / rope_freq_divisors[j]
     # (llama3 rope scaling; "linear" scaling is one divisor repeated); None: unscaled.
@@ -56,6 +64,12 @@ class ModelConfig:
     mlp_activation: str = "silu"  # of the gate: "silu" or "gelu_tanh" (Gemma)
     # Attention logits scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5).
     attention_scale: float | None = None
+    # Scalars a family may set (models.families' hf_scalars): embeddings times
+    # embedding_multiplier, each residual branch (attention, MLP) times residual_multiplier, the
+    # output logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # Precision (models.precision): "float32", "bfloat16" (weights and activations), "int8"
     # (int8 matrices with per-row scales, float32 activations), "gguf" / "gguf_q8" (the GGUF
     # file's own blocks with float32 / 8-bit activations).
@@ -89,16 +103,7 @@ class ModelConfig:
             value = getattr(self, field)
             if isinstance(value, list):
                 object.__setattr__(self, field, tuple(value))
-        for field in (
-            "vocab_size",
-            "num_layers",
-            "d_model",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "mlp_dim",
-            "max_seq_len",
-        ):
+        for field in (*SHAPE_FIELDS, "max_seq_len"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
@@ -108,10 +113,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in ("float32", "bfloat16", "int8", "gguf", "gguf_q8"):
-            raise ValueError(
-                f"dtype must be one of float32, bfloat16, int8, gguf, gguf_q8, got {self.dtype!r}"
-            )
+        if self.dtype not in PRECISIONS:
+            raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
         if self.kind not in ("decoder", "draft_head"):
             raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):

@@ -70,8 +70,9 @@ import warnings
 import jax
 import numpy as np
 
-from models import gguf_loader, hf_checkpoint, hf_config, registry, sources
+from models import gguf_loader, hf_checkpoint, hf_config, precision, registry, sources, weights
 from models.config import ModelConfig
+from models.precision import Int8Weight
 from models.tokenizer import Tokenizer, from_hf_folder
 
 FORMAT_VERSION = 3  # 2: matrices [out, in]; 3: params/ as one .npy per leaf (was orbax)
@@ -296,8 +297,6 @@ def convert_in_child(
 
 def _int8_nodes(tree):
     """_restore reads a models.precision.Int8Weight as {"value", "scale"}: rebuild the node."""
-    from models.precision import Int8Weight
-
     if isinstance(tree, dict):
         if set(tree) == {"value", "scale"}:
             return Int8Weight(value=tree["value"], scale=tree["scale"])
@@ -353,8 +352,6 @@ def load_converted(
 
 
 def _load_converted(name: str, cache_dir, progress: bool, dtype: str, mmap: bool = False):
-    from models import precision
-
     source = sources.resolve(name, fetch=False)
     if dtype not in source.precisions:
         raise ValueError(
@@ -540,8 +537,6 @@ def _derive(
     rows along each leaf's first axis at a time), holding the model's lock; nothing to do if
     another process wrote it meanwhile (unless it is the entry `replace`, found damaged).
     _Damaged with `reconvert` if folder/params cannot be read."""
-    from models import weights
-
     derived = folder / f"params-{dtype}"
     with registry.file_lock(_lock(name, cache_dir)):
         entry, _ = _state(derived)

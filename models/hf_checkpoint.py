@@ -20,10 +20,12 @@ import pathlib
 from collections.abc import Iterator
 
 import numpy as np
+from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from models import weights
 from models.config import ModelConfig
+from models.families import FAMILIES
 from models.gguf_loader import BLOCK_BYTES  # float32 bytes of one tensor's rows read at once
 
 INDEX = "model.safetensors.index.json"
@@ -45,8 +47,6 @@ def tensor_files(folder: str | os.PathLike) -> dict[str, pathlib.Path]:
         index = json.loads((folder / INDEX).read_text())["weight_map"]
         return {name: folder / file for name, file in index.items()}
     if (folder / SINGLE).is_file():
-        from safetensors import safe_open
-
         with safe_open(folder / SINGLE, "np") as f:
             return {name: folder / SINGLE for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     raise ValueError(f"{folder}: no {SINGLE} or {INDEX}")
@@ -77,12 +77,10 @@ def stream_params(
     """The folder's parameters in models.gguf_loader.stream_params' stream: (keys, shape,
     blocks) per leaf of the stacked layout, blocks float32 arrays (one tensor each) whose values
     in order are the leaf's. ValueError naming a missing or misshapen tensor."""
-    from safetensors import safe_open
-
     files = tensor_files(folder)
     prefix = _prefix(files)
     table = weights.weights_of(config)
-    gemma_norms = config.family == "gemma3"
+    norm_offset = np.float32(FAMILIES[config.family].norm_offset)
     total = sum(config.num_layers if w.per_layer else 1 for w in table)
 
     def read(w: weights.Weight, layer: int | None, shape) -> Iterator[np.ndarray]:
@@ -105,8 +103,8 @@ def stream_params(
                 block = np.asarray(
                     tensor[r0 : min(rows, r0 + step)] if file_shape else tensor[...], np.float32
                 )
-                if gemma_norms and w.init == "ones":
-                    block = block + np.float32(1.0)  # Gemma's RMSNorm multiplies by 1 + w
+                if norm_offset and w.init == "ones":
+                    block = block + norm_offset  # Gemma's RMSNorm multiplies by 1 + w
                 yield block
 
     with tqdm(total=total, unit="tensor", desc="convert safetensors", disable=not progress) as bar:

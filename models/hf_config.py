@@ -1,4 +1,5 @@
-"""A Hugging Face `config.json` -> ModelConfig fields, for the families of models.config.FAMILIES.
+"""A Hugging Face `config.json` -> ModelConfig fields, for the families of models.families.FAMILIES
+(each family's differences are its entry there; this module reads them, never a family's name).
 
 `config_from_hf(cfg)` reads the keys transformers writes, in both of its formats: the rotary
 settings as `rope_theta` + `rope_scaling` (checkpoints on the hub) or as `rope_parameters`, flat
@@ -15,21 +16,10 @@ from typing import Any
 
 import numpy as np
 
-# HF model_type -> family. "gemma3" is the multimodal checkpoint: its text model is read from
-# `text_config` (models.hf_config.text_config).
-MODEL_TYPES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mistral": "mistral",
-    "gemma3_text": "gemma3",
-    "gemma3": "gemma3",
-}
+from models.families import FAMILIES, FULL, HF_MODEL_TYPES, SLIDING, Family
+
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3")
-# tie_word_embeddings when config.json omits it (each transformers config class's own default).
-TIED_BY_DEFAULT = {"llama": False, "qwen2": False, "qwen3": False, "mistral": False, "gemma3": True}
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def architecture(cfg: dict) -> str:
@@ -46,12 +36,12 @@ def text_config(cfg: dict) -> dict:
 
 
 def family_of(cfg: dict) -> str:
-    """models.config.FAMILIES entry of a config.json; ValueError naming any other architecture."""
-    family = MODEL_TYPES.get(cfg.get("model_type"))
+    """The models.families.FAMILIES name of a config.json; ValueError naming any other architecture."""
+    family = HF_MODEL_TYPES.get(cfg.get("model_type"))
     if family is None:
         raise ValueError(
             f"unsupported architecture {architecture(cfg)} (model_type {cfg.get('model_type')!r}); "
-            f"supported model types: {', '.join(MODEL_TYPES)}"
+            f"supported model types: {', '.join(HF_MODEL_TYPES)}"
         )
     return family
 
@@ -98,29 +88,20 @@ def _divisors(params: dict, head_dim: int, max_positions: int) -> tuple[float, .
     return tuple(float(d) for d in inv_freq / scaled)
 
 
-def _local_layers(cfg: dict, family: str, num_layers: int) -> tuple[int, ...]:
-    """Indices of the layers HF runs with its sliding-window mask."""
+def _local_layers(cfg: dict, family: Family, num_layers: int) -> tuple[int, ...]:
+    """Indices of the layers HF runs with its sliding-window mask: config.json's layer_types,
+    else the family's rule."""
     if cfg.get("layer_types"):
         types = list(cfg["layer_types"])
         if len(types) != num_layers or set(types) - {SLIDING, FULL}:
             raise ValueError(f"layer_types must be {num_layers} of {SLIDING!r} / {FULL!r}, got {types}")
         return tuple(i for i, t in enumerate(types) if t == SLIDING)
-    if family == "gemma3":
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        return tuple(i for i in range(num_layers) if (i + 1) % pattern)
-    if family == "mistral":
-        return tuple(range(num_layers)) if cfg.get("sliding_window") else ()
-    if family in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        return tuple(range(int(cfg.get("max_window_layers", 28)), num_layers))
-    return ()
+    return family.local_layers(cfg, num_layers)
 
 
-def config_from_hf(cfg: dict, name: str = "custom") -> dict[str, Any]:
-    """ModelConfig fields (without dtype and the run-time fields) of a transformers config.json
-    dict; `ModelConfig(**config_from_hf(cfg))` builds the config. ValueError naming what is not
-    supported."""
-    cfg = text_config(cfg)
-    family = family_of(cfg)
+def _check_supported(cfg: dict) -> str:
+    """ValueError naming what the decoder does not implement (soft-capping, MLP biases, partial
+    rotary embeddings, another activation); returns the activation's ModelConfig name."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:
             raise ValueError(f"{architecture(cfg)}: {key}={cfg[key]} is not supported")
@@ -133,23 +114,45 @@ def config_from_hf(cfg: dict, name: str = "custom") -> dict[str, Any]:
         raise ValueError(
             f"{architecture(cfg)}: activation {act!r} is not supported ({', '.join(ACTIVATIONS)})"
         )
+    return ACTIVATIONS[act]
+
+
+def _rotary_fields(cfg: dict, family: Family, head_dim: int, max_positions: int) -> dict:
+    """rope_theta, rope_freq_divisors and rope_local_theta of config.json `cfg`."""
+    full = _rope(cfg, FULL, family.rope_theta)
+    if family.local_rope_theta is None:
+        return dict(
+            rope_theta=float(full["rope_theta"]),
+            rope_freq_divisors=_divisors(full, head_dim, max_positions),
+            rope_local_theta=None,
+        )
+    local = _rope(cfg, SLIDING, family.local_rope_theta)  # the local layers rotate apart
+    if local["rope_type"] != "default":
+        raise ValueError(
+            f"{architecture(cfg)}: sliding layers' rope type {local['rope_type']!r} is not supported"
+        )
+    return dict(
+        rope_theta=float(full["rope_theta"]),
+        rope_freq_divisors=_divisors(full, head_dim, max_positions),
+        rope_local_theta=float(local["rope_theta"]),
+    )
+
+
+def config_from_hf(cfg: dict, name: str = "custom") -> dict[str, Any]:
+    """ModelConfig fields (without dtype and the run-time fields) of a transformers config.json
+    dict; `ModelConfig(**config_from_hf(cfg))` builds the config. ValueError naming what is not
+    supported."""
+    cfg = text_config(cfg)
+    family = FAMILIES[family_of(cfg)]
+    activation = _check_supported(cfg)
     num_heads = int(cfg["num_attention_heads"])
     d_model = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or d_model // num_heads)
     num_layers = int(cfg["num_hidden_layers"])
     max_positions = int(cfg.get("max_position_embeddings", 2048))
-    gemma = family == "gemma3"
-    full = _rope(cfg, FULL, 1_000_000.0 if gemma else 10_000.0)
     local_layers = _local_layers(cfg, family, num_layers)
-    local = _rope(cfg, SLIDING, 10_000.0) if gemma else None  # Gemma's local layers rotate apart
-    if local is not None and local["rope_type"] != "default":
-        raise ValueError(
-            f"{architecture(cfg)}: sliding layers' rope type {local['rope_type']!r} is not supported"
-        )
-    scalar = cfg.get("query_pre_attn_scalar")
-    attention_scale = float(scalar) ** -0.5 if gemma and scalar and int(scalar) != head_dim else None
-    return dict(
-        family=family,
+    fields = dict(
+        family=family_of(cfg),
         vocab_size=int(cfg["vocab_size"]),
         num_layers=num_layers,
         d_model=d_model,
@@ -157,19 +160,16 @@ def config_from_hf(cfg: dict, name: str = "custom") -> dict[str, Any]:
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=head_dim,
         mlp_dim=int(cfg["intermediate_size"]),
-        rope_theta=float(full["rope_theta"]),
-        rope_freq_divisors=_divisors(full, head_dim, max_positions),
+        **_rotary_fields(cfg, family, head_dim, max_positions),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", TIED_BY_DEFAULT[family])),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
         max_seq_len=max_positions,
         sliding_window=int(cfg["sliding_window"]) if local_layers else None,
         local_layers=local_layers,
-        rope_local_theta=float(local["rope_theta"]) if gemma else None,
-        qk_norm=family in ("qwen3", "gemma3"),
-        sandwich_norms=gemma,
-        embed_scale=gemma,
-        mlp_activation=ACTIVATIONS[act],
-        attention_scale=attention_scale,
+        qk_norm=False,
+        sandwich_norms=False,
+        embed_scale=False,
+        mlp_activation=activation,
         name=name,
     )
+    return fields | family.hf_fields(cfg, head_dim)  # the family's fixed fields win over config.json's

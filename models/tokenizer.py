@@ -22,11 +22,12 @@ import os
 import pathlib
 import struct
 from collections.abc import Iterable
-from datetime import datetime
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from models import chat_template
+from models.families import FAMILIES
 from models.gguf_loader import PathOrReader, metadata_value, open_gguf
 
 _FORMAT = "spec_jax.tokenizer/1"
@@ -155,18 +156,24 @@ def build_tokenizer(
     # Control tokens (<|im_start|>, <|endoftext|>) and user-defined ones (<tool_call>) are matched
     # whole in the text, as llama.cpp does; they must keep their vocabulary id, so only tokens that
     # are spelled in the byte alphabet (i.e. present in `vocab` under their own name) qualify.
-    special = [
-        AddedToken(t, normalized=False, special=True)
+    tok.add_special_tokens(_added_tokens(tokens, types, _CONTROL, vocab))
+    tok.add_tokens(_added_tokens(tokens, types, _USER_DEFINED, vocab))
+    return _with_bos(tok, tokens, bos_id, add_bos, exact_size=True)
+
+
+def _added_tokens(tokens: list[str], types: list[int], kind: int, vocab=None) -> list[AddedToken]:
+    """The tokens of GGUF token type `kind` (_CONTROL: special, _USER_DEFINED: plain), as
+    AddedTokens matched whole in the text; with `vocab`, only those it spells (their ids kept)."""
+    return [
+        AddedToken(t, normalized=False, special=kind == _CONTROL)
         for t, k in zip(tokens, types, strict=True)
-        if k == _CONTROL and t in vocab
+        if k == kind and (vocab is None or t in vocab)
     ]
-    user = [
-        AddedToken(t, normalized=False, special=False)
-        for t, k in zip(tokens, types, strict=True)
-        if k == _USER_DEFINED and t in vocab
-    ]
-    tok.add_special_tokens(special)
-    tok.add_tokens(user)
+
+
+def _with_bos(tok: HFTokenizer, tokens: list[str], bos_id, add_bos: bool, exact_size: bool) -> HFTokenizer:
+    """`tok` with the BOS token prepended when add_bos (ValueError if the file names no
+    bos_token_id); ValueError if it has more ids than the file lists (exact_size: other than)."""
     if add_bos:
         if bos_id is None:
             raise ValueError("add_bos_token is set but the file has no bos_token_id")
@@ -174,10 +181,9 @@ def build_tokenizer(
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise ValueError(
-            f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, the file lists {len(tokens)}"
-        )
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > len(tokens) or (exact_size and size != len(tokens)):
+        raise ValueError(f"tokenizer has {size} ids, the file lists {len(tokens)}")
     return tok
 
 
@@ -277,83 +283,6 @@ def validate_messages(messages) -> list[dict[str, str]]:
     return [dict(m) for m in messages]
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled_template(template: str):
-    """The template compiled as transformers compiles it (utils/chat_template_utils.py,
-    _cached_compile_jinja_template): a sandbox whose templates cannot change the objects they
-    are given, trim_blocks and lstrip_blocks, loop controls, a `{% generation %}` block that
-    renders its body, and the globals and filter chat templates use."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(jinja2.ext.Extension):
-        # transformers marks the assistant's text with it (to mask training loss); here it only renders
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-        def _body(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # not Jinja's own tojson, which escapes HTML characters (<, >, &, ')
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(format):  # noqa: A002 - the name templates call it with
-        return datetime.now().strftime(format)
-
-    class TemplateDict:  # dict() without the class's attributes
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    class TemplateNamespace(jinja2.utils.Namespace):  # no underscore attributes (CPython internals)
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            attrs = dict(*args, **kwargs)
-            for name in attrs:
-                TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check_name(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"a namespace attribute cannot start with '_': {name!r}"
-                )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals.update(
-        raise_exception=raise_exception,
-        strftime_now=strftime_now,
-        dict=TemplateDict(),
-        namespace=TemplateNamespace,
-    )
-    try:
-        return env.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ValueError(f"the chat template does not parse (line {e.lineno}: {e.message})") from None
-
-
 def render_chat_template(
     template: str,
     messages,
@@ -367,20 +296,16 @@ def render_chat_template(
     add_generation_prompt, tools=None, documents=None, and bos_token / eos_token where the
     tokenizer has them (left undefined otherwise, as transformers leaves them). ValueError
     with the template's own message where it refuses the conversation (raise_exception)."""
-    import jinja2
-
     messages = validate_messages(messages)
     special = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v is not None}
-    try:
-        return _compiled_template(template).render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **special,
-        )
-    except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"the chat template refused the messages: {e}") from None
+    return chat_template.render(
+        template,
+        messages=messages,
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **special,
+    )
 
 
 class Tokenizer:
@@ -587,7 +512,9 @@ class Tokenizer:
 # gemma_tokenizer, and models/gemma/tokenization_gemma.py): a BPE with byte fallback whose merges
 # are derived from the vocabulary, best first in the order of the file (Gemma's scores do not
 # follow its merge order), spaces written as "▁" by the normalizer and back by the decoder.
-SENTENCEPIECE_ARCHS = ("gemma3",)
+SENTENCEPIECE_ARCHS = tuple(
+    a for f in FAMILIES.values() if f.gguf_vocab == "sentencepiece" for a in f.gguf_archs
+)
 
 
 def sentencepiece_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
@@ -635,32 +562,11 @@ def sentencepiece_from_gguf(reader, tokens: list[str], bos_id: int | None, add_b
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     types = metadata_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    tok.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _CONTROL
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == _USER_DEFINED and t in vocab
-        ]
-    )
-    if add_bos:
-        if bos_id is None:
-            raise ValueError("add_bos_token is set but the file has no bos_token_id")
-        bos = tokens[bos_id]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
-    if tok.get_vocab_size(with_added_tokens=True) > len(tokens):
-        raise ValueError(
-            f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} ids, the file lists {len(tokens)}"
-        )
-    return tok
+    # Every control token is special here, whatever its spelling (unlike build_tokenizer),
+    # and the file may list more ids than the model's vocabulary holds (exact_size=False).
+    tok.add_special_tokens(_added_tokens(tokens, types, _CONTROL))
+    tok.add_tokens(_added_tokens(tokens, types, _USER_DEFINED, vocab))
+    return _with_bos(tok, tokens, bos_id, add_bos, exact_size=False)
 
 
 @functools.lru_cache(maxsize=16)

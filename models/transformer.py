@@ -60,7 +60,7 @@ def rms_norm(cfg: ModelConfig, x, scale):
         return x32 * scale.astype(jnp.float32)
 
     if attention_impl(cfg) == "cpu":  # the CPU kernels: each row alone, fixed order
-        from models.kernels import cpu_matmul
+        from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
 
         def by_kernel(x, scale):
             return cpu_matmul.rms_norm(x, scale, cfg.rms_eps, cfg.cpu_isa)
@@ -93,6 +93,8 @@ class Embedding(nn.Module):
         x = precision.lookup(self.embedding, tokens_bt).astype(self.config.jnp_dtype)
         if self.config.embed_scale:  # Gemma: times sqrt(D), rounded to the model's dtype first
             x = x * jnp.asarray(np.float32(self.config.d_model) ** 0.5, x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(self.config.embedding_multiplier, x.dtype)
         return x
 
     def attend(self, x_btd):
@@ -246,17 +248,28 @@ class DecoderLayer(nn.Module):
         )
         if cfg.sandwich_norms:
             attn_out = RMSNorm(cfg, name="post_attn_norm")(attn_out)
-        x = x + attn_out
+        x = x + _residual(cfg, attn_out)
         mlp_out = MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
         if cfg.sandwich_norms:
             mlp_out = RMSNorm(cfg, name="post_mlp_norm")(mlp_out)
-        x = x + mlp_out
+        x = x + _residual(cfg, mlp_out)
         return (x, cache), None
+
+
+def _residual(cfg: ModelConfig, branch):
+    """A residual branch's output as it is added: times residual_multiplier."""
+    return (
+        branch
+        if cfg.residual_multiplier == 1.0
+        else branch * jnp.asarray(cfg.residual_multiplier, branch.dtype)
+    )
 
 
 class Transformer(nn.Module):
     config: ModelConfig
 
+    # forward(config, params, ...) below takes these same arguments on purpose: it is the
+    # functional form of this call (Transformer(config).apply), which every caller uses.
     @nn.compact
     def __call__(
         self,
@@ -311,6 +324,8 @@ class Transformer(nn.Module):
                 logits = precision.linear(x, head, 1, cfg)
             else:  # an untied head is a second [V, D] table, read the way a tied one is
                 logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / jnp.asarray(cfg.logits_scaling, logits.dtype)
         return ForwardOutput(
             logits=logits.astype(jnp.float32), cache=cache, features=features_btd if with_features else None
         )
@@ -345,6 +360,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
+# The arguments of Transformer.__call__ (above) on purpose: forward is its functional form.
 def forward(
     config: ModelConfig,
     params,

@@ -11,7 +11,7 @@ compile-only devices; models/kernels/compile_targets.py) and prints a Markdown t
 
 Grid: kernel calls over B x S x T x model x dtype (T <= S), model steps (2 scanned layers) over
 --model_batches x --model_num_queries x model x dtype at S = --model_cache_len, and the whole
-speculative decoding program (spec_jax.compile_loop: spec_prefill and spec_loop of the Qwen pair at
+speculative decoding program (experiments.compile_loop: spec_prefill and spec_loop of the Qwen pair at
 full depth, at `make demo`'s shapes) over --loop_batches x dtype, each with the target's Pallas impl
 forced; where "auto" picks something else for the target (XLA attention on pre-Ampere GPUs) the
 model steps and the loop are compiled with "auto" too. "refused" is a trace-time ValueError of
@@ -37,8 +37,8 @@ _DEPS = os.environ.get("SPEC_JAX_COMPILE_DEPS", os.path.join(_ROOT, ".venv-compi
 if os.path.isdir(_DEPS):
     sys.path.append(_DEPS)
 
+from experiments import compile_loop  # noqa: E402
 from models.kernels import compile_targets as ct  # noqa: E402
-from spec_jax import compile_loop  # noqa: E402
 
 KINDS = (*ct.KINDS, "loop", "pods")
 
@@ -132,7 +132,7 @@ def failures(results) -> str:
 def pod_table() -> str:
     """experiments/pod_pairs.py's full table (Markdown), run in this process (its files not written:
     `python -m launch.experiment --experiment=pod_pairs` writes them)."""
-    from experiments import framework, pod_pairs
+    from experiments import framework, pod_pairs  # pod_pairs loads jax: only for --kinds=pods
 
     start = time.perf_counter()
     result = pod_pairs.run(framework.make_config("pod_pairs"))
@@ -144,6 +144,42 @@ def pod_table() -> str:
 
 
 def main(argv=None):
+    args = parse_args(argv)
+    jobs = build_cases(args)
+    print(f"{len(jobs)} compiles on {args.jobs} process(es)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    results = []
+    # Spawned, not forked: the parent has loaded libtpu (to ask what "auto" means per target), and a
+    # forked copy of its threads and locks aborts inside libtpu.
+    spawn = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) if args.jobs > 1 else None
+    outcomes = pool.map(_run, jobs, chunksize=4) if pool else map(_run, jobs)
+    for i, (target, case, result) in enumerate(outcomes, 1):
+        results.append((target, case, result))
+        mark = "" if result.ok else f"  {result.error[:160]}"
+        print(f"[{i}/{len(jobs)}] {target} {case.label()}: {result.status} {result.seconds:.1f}s{mark}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if pool:
+        pool.shutdown()
+    elapsed = time.perf_counter() - start
+    print(table(results))
+    print()
+    print(failures(results))
+    print(f"\n{len(results)} compiles in {elapsed / 60:.1f} min ({sum(r.ok for _, _, r in results)} ok)")
+    if "pods" in args.kinds:
+        print(f"\n{pod_table()}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(
+                [{"target": t, "kind": c.kind, **vars(c), "step": c.step, **vars(r)} for t, c, r in results],
+                f,
+                indent=1,
+            )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, each list parsed and checked (SystemExit naming a bad one, or the compile-only
+    backends that are not installed)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(ct.TARGETS))
     parser.add_argument("--models", default=",".join(ct.MODELS))
@@ -178,37 +214,7 @@ def main(argv=None):
         raise SystemExit(f"compile_sweep.py: error: --jobs must be >= 1, got {args.jobs}")
     if missing := ct.missing_packages():
         raise SystemExit(f"compile_sweep.py: error: {', '.join(missing)} not installed: {ct.INSTALL_HINT}")
-
-    jobs = build_cases(args)
-    print(f"{len(jobs)} compiles on {args.jobs} process(es)", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    results = []
-    # Spawned, not forked: the parent has loaded libtpu (to ask what "auto" means per target), and a
-    # forked copy of its threads and locks aborts inside libtpu.
-    spawn = multiprocessing.get_context("spawn")
-    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=spawn) if args.jobs > 1 else None
-    outcomes = pool.map(_run, jobs, chunksize=4) if pool else map(_run, jobs)
-    for i, (target, case, result) in enumerate(outcomes, 1):
-        results.append((target, case, result))
-        mark = "" if result.ok else f"  {result.error[:160]}"
-        print(f"[{i}/{len(jobs)}] {target} {case.label()}: {result.status} {result.seconds:.1f}s{mark}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if pool:
-        pool.shutdown()
-    elapsed = time.perf_counter() - start
-    print(table(results))
-    print()
-    print(failures(results))
-    print(f"\n{len(results)} compiles in {elapsed / 60:.1f} min ({sum(r.ok for _, _, r in results)} ok)")
-    if "pods" in args.kinds:
-        print(f"\n{pod_table()}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(
-                [{"target": t, "kind": c.kind, **vars(c), "step": c.step, **vars(r)} for t, c, r in results],
-                f,
-                indent=1,
-            )
+    return args
 
 
 if __name__ == "__main__":

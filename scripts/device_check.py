@@ -19,7 +19,7 @@ skipped with a note once --budget_s is spent:
   costs      at bfloat16 and int8, batch 1: the target step against the HBM read floor (weight
              bytes a step reads over the bandwidth of a measured device copy), verify at gamma
              1-8 and trees of 8 / 16 and the 0.5B draft's step c, in target steps
-             (spec_jax.autogamma.measure: min of interleaved repeats), beside
+             (spec_jax.step_costs.measure: min of interleaved repeats), beside
              experiments/predicted_speed's H100 prediction and Theorem 3.8 at its alpha
   walltime   the compiled loop (spec_jax.generate, greedy, gamma 4) with drafts of controlled
              acceptance (the target plus scaled noise, alpha about 0.6 / 0.8 / 0.9) against plain
@@ -61,7 +61,7 @@ import models  # noqa: E402
 import spec_jax  # noqa: E402
 from models import kernels, weights  # noqa: E402
 from models.kernels import compile_targets  # noqa: E402
-from spec_jax import autogamma, executables, theory, timing  # noqa: E402
+from spec_jax import executables, step_costs, theory, timing  # noqa: E402
 from spec_jax.drafting import as_drafter  # noqa: E402
 from spec_jax.drafting.lookup import PromptLookupDrafter  # noqa: E402
 
@@ -361,7 +361,7 @@ def section_costs(plan: Plan, state: dict) -> dict:
     for dtype in PRECISIONS:
         target, draft = model(plan, "target", dtype), model(plan, "draft", dtype)
         drafter, draft_params = as_drafter(draft, target)
-        costs = autogamma.measure(
+        costs = step_costs.measure(
             target, drafter, draft_params, batch=1, cache_slots=plan.cache_slots,
             gamma_max=plan.gamma_max, tree_sizes=plan.tree_sizes, repeats=plan.repeats,
         )  # fmt: skip
@@ -439,7 +439,7 @@ def section_walltime(plan: Plan, state: dict) -> dict:
     drafts = controlled_drafts(plan, target, prompt, gamma)
     # The costs depend on the shapes only, the same for every noise scale: measured once.
     drafter, draft_params = as_drafter(perturbed(target, drafts[0][1]), target)
-    costs = autogamma.measure(target, drafter, draft_params, batch=len(prompt), cache_slots=plan.cache_slots,
+    costs = step_costs.measure(target, drafter, draft_params, batch=len(prompt), cache_slots=plan.cache_slots,
                               gamma_max=gamma, repeats=plan.repeats)  # fmt: skip
     for want, scale, _ in drafts:
         draft = perturbed(target, scale)
@@ -471,7 +471,7 @@ def section_walltime(plan: Plan, state: dict) -> dict:
         f"tokens/s (prefill and compiles excluded), medians of {plan.repeats - 1} runs after one. The "
         "draft is the target plus noise (its shape: c about 1, so speculation cannot pay here; the "
         "check is the loop against Theorem 3.8, whose c and v are this pair's, measured by "
-        "spec_jax.autogamma.measure: min of interleaved repeats)."
+        "spec_jax.step_costs.measure: min of interleaved repeats)."
     )
     checks = {
         f"walltime identical to plain at alpha {r['alpha_wanted']}": r["identical_to_plain"] for r in rows

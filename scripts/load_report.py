@@ -26,7 +26,7 @@ def main():
     if args.cold:
         cache = tempfile.mkdtemp(prefix="spec_jax_cold_")
         os.environ["SPEC_JAX_CACHE"] = cache  # read by models.registry at call time
-    import models
+    import models  # after SPEC_JAX_CACHE is set for a cold run
 
     try:
         loaded = []

@@ -58,7 +58,7 @@ def rotating(isa: str, x, ws):
 
 def model_table(args, isas):
     """Model calls of args.model per build and width, timed interleaved; prints a table."""
-    import models
+    import models  # jax's models: only for the model table
     from spec_jax.sampling import SamplingParams
 
     widths = [int(w) for w in args.widths.split(",")]

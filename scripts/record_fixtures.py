@@ -94,7 +94,7 @@ LOGIT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 def versions() -> dict:
-    import accelerate
+    import accelerate  # optional (the hf extra): torch, transformers
     import gguf
     import tokenizers
     import torch
@@ -115,7 +115,10 @@ def versions() -> dict:
 
 
 def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import (
+        PackageNotFoundError,
+        version,
+    )  # optional (the hf extra): torch, transformers
 
     try:
         return version(name)
@@ -129,7 +132,7 @@ def _floats(x) -> list:
 
 
 def record(name: str) -> dict:
-    import torch
+    import torch  # optional (the hf extra): torch, transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = registry.fetch_gguf(name)
@@ -170,10 +173,24 @@ def record(name: str) -> dict:
         )
     model.eval()
     print(f"[{name}] model loaded in {time.time() - t0:.1f}s", flush=True)
+    out["hf_config"] = _hf_config(model)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    rng = np.random.default_rng(VOCAB_SEED)
+    vocab_ids = np.sort(rng.choice(vocab, NUM_VOCAB_IDS, replace=False))
+    out["vocab_ids"] = [int(i) for i in vocab_ids]
+    out["top_k"] = TOP_K
+    out["prompts"] = [_prompt_record(name, model, tok, text, vocab_ids) for text in PROMPTS]
+    return out
+
+
+def _hf_config(model) -> dict:
+    """The settings of the transformers model that the fixture's tests compare with ours."""
+    import torch  # optional (the hf extra): torch, transformers
+
     cfg = model.config
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    out["hf_config"] = {
+    return {
         "model_type": cfg.model_type,
         "vocab_size": cfg.vocab_size,
         "num_hidden_layers": cfg.num_hidden_layers,
@@ -189,35 +206,32 @@ def record(name: str) -> dict:
         "lm_head_is_embedding": bool(embed.data_ptr() == head.data_ptr() or torch.equal(embed, head)),
         "dtype": str(embed.dtype),
     }
-    vocab = int(head.shape[0])
-    rng = np.random.default_rng(VOCAB_SEED)
-    vocab_ids = np.sort(rng.choice(vocab, NUM_VOCAB_IDS, replace=False))
-    out["vocab_ids"] = [int(i) for i in vocab_ids]
-    out["top_k"] = TOP_K
-    prompts = []
-    for text in PROMPTS:
-        ids = tok(text, add_special_tokens=True)["input_ids"]
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float().numpy()  # [T, V]
-        top = np.argsort(-logits, axis=-1, kind="stable")[:, :TOP_K]
-        m = logits.max(-1, keepdims=True)
-        lse = (m[:, 0] + np.log(np.exp(logits - m).sum(-1))).astype(np.float32)
-        prompts.append(
-            {
-                "text": text,
-                "ids": [int(i) for i in ids],
-                "top1": [int(i) for i in logits.argmax(-1)],
-                "top_ids": [[int(i) for i in row] for row in top],
-                "top_logits": [_floats(np.take_along_axis(logits[t], top[t], -1)) for t in range(len(ids))],
-                "logits_at_vocab_ids": [_floats(logits[t, vocab_ids]) for t in range(len(ids))],
-                "logsumexp": _floats(lse),
-                "logit_std": _floats(logits.std(-1)),
-            }
-        )
-        greedy = tok.decode(logits.argmax(-1)[-1:])
-        print(f"[{name}] {text!r}: {len(ids)} tokens, next greedy token {greedy!r}", flush=True)
-    out["prompts"] = prompts
-    return out
+
+
+def _prompt_record(name: str, model, tok, text: str, vocab_ids) -> dict:
+    """One prompt's token ids and the model's logits at each position: top-1, the TOP_K best ids
+    and logits, the logits at vocab_ids, log-sum-exp and spread."""
+    import torch  # optional (the hf extra): torch, transformers
+
+    ids = tok(text, add_special_tokens=True)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float().numpy()  # [T, V]
+    top = np.argsort(-logits, axis=-1, kind="stable")[:, :TOP_K]
+    m = logits.max(-1, keepdims=True)
+    lse = (m[:, 0] + np.log(np.exp(logits - m).sum(-1))).astype(np.float32)
+    record = {
+        "text": text,
+        "ids": [int(i) for i in ids],
+        "top1": [int(i) for i in logits.argmax(-1)],
+        "top_ids": [[int(i) for i in row] for row in top],
+        "top_logits": [_floats(np.take_along_axis(logits[t], top[t], -1)) for t in range(len(ids))],
+        "logits_at_vocab_ids": [_floats(logits[t, vocab_ids]) for t in range(len(ids))],
+        "logsumexp": _floats(lse),
+        "logit_std": _floats(logits.std(-1)),
+    }
+    greedy = tok.decode(logits.argmax(-1)[-1:])
+    print(f"[{name}] {text!r}: {len(ids)} tokens, next greedy token {greedy!r}", flush=True)
+    return record
 
 
 def _rope_theta(cfg) -> float | None:

@@ -27,7 +27,7 @@ def count_collectives(hlo: str) -> dict[str, int]:
 
 
 def forward_collectives(config, mesh, batch, gamma):
-    import jax
+    import jax  # jax: after main sets XLA_FLAGS (the host device count)
     import jax.numpy as jnp
 
     from models.transformer import forward, init_cache, param_shapes
@@ -54,7 +54,7 @@ def main():
     parser.add_argument("--gamma", type=int, default=4)
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    import jax
+    import jax  # jax: after main sets XLA_FLAGS (the host device count)
 
     import models
     import spec_jax

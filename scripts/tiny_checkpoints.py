@@ -14,6 +14,7 @@ and speculates to the same tokens as plain decoding.
 """
 
 import argparse
+import json
 import pathlib
 import sys
 
@@ -36,7 +37,8 @@ COMMON = dict(
 )
 # family -> (config class, its settings): Llama 3's rope scaling, Mistral's and Gemma 3's sliding
 # windows shorter than a short prompt, Gemma 3's local/global pattern, linear rope scaling and a
-# query scalar that is not head_dim. tests/test_hf_sources.py checks these against transformers.
+# query scalar that is not head_dim; Granite's scalars. tests/test_hf_sources.py checks these against
+# transformers.
 FAMILIES = {
     "llama": (
         "LlamaConfig",
@@ -63,6 +65,13 @@ FAMILIES = {
             rope_scaling={"rope_type": "linear", "factor": 8.0},
         ),
     ),
+    # models.families' worked example: four scalars, none of them 1 (nor head_dim ** -0.5).
+    "granite": (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.15, logits_scaling=2.5
+        ),
+    ),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
@@ -72,7 +81,7 @@ CHAT_TEMPLATE = (
 
 def hf_model(family: str, num_layers: int = 4, seed: int = 0):
     """A random float32 transformers model of `family` (norm scales not all ones)."""
-    import torch
+    import torch  # optional (the hf extra), checked with a clear error in main
     import transformers
 
     cls, extra = FAMILIES[family]
@@ -92,8 +101,6 @@ def hf_model(family: str, num_layers: int = 4, seed: int = 0):
 
 def save(model, folder: pathlib.Path, tokenizer_json: str) -> pathlib.Path:
     """The model as a checkpoint folder with the tokenizer files and a chat template."""
-    import json
-
     model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tokenizer_json)
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
@@ -109,11 +116,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - optional (the hf extra), checked with a clear error in main
         import transformers  # noqa: F401
     except ImportError:
         parser.exit(2, "error: needs torch and transformers: pip install -c constraints.txt -e '.[hf]'\n")
-    import tiny_gguf
+    import tiny_gguf  # from tests/, on the path set above
 
     from models.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from models import kernels
 from models.settings import is_int
-from spec_jax import autogamma, sharding
+from spec_jax import autogamma, sharding, step_costs, tree_auto
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
 from spec_jax.executables import compiled
@@ -195,10 +195,10 @@ def _plan(target, prompts, options: Options) -> Plan:
     controller = None
     if policy.auto:
         batch = len(prompts)
-        costs = autogamma.costs_for(
+        costs = step_costs.costs_for(
             target, drafter, draft_params, batch=batch, cache_slots=cache_len, tree_sizes=policy.trees
         )
-        kind = autogamma.TreeController if policy.trees else autogamma.Controller
+        kind = tree_auto.TreeController if policy.trees else autogamma.Controller
         controller = kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
         if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
             drafter, draft_params = NoDrafter(target.config.vocab_size), None
@@ -307,13 +307,13 @@ class Runner:
             in_shardings=in_shardings,
             out_shardings=in_shardings[2],
         )
-        start, work = time.perf_counter(), autogamma.work_clock()
+        start, work = time.perf_counter(), step_costs.work_clock()
         state = jax.block_until_ready(fn(*args))
-        return state, compile_s, time.perf_counter() - start, autogamma.work_clock() - work
+        return state, compile_s, time.perf_counter() - start, step_costs.work_clock() - work
 
     def resume(self, draft_state, state: SpecState, synced_b, width: int):
         """(the drafter's state caught up on the text committed without it, compile seconds,
-        autogamma.work_clock seconds of the run)."""
+        step_costs.work_clock seconds of the run)."""
         synced = sharding.put(np.asarray(synced_b, np.int32), sharding.batch_sharding(self.mesh, 1))
         inputs = self.inputs
         args = (self.draft_params, draft_state, inputs.tokens, inputs.prompt_lens, state.out.tokens)
@@ -327,9 +327,9 @@ class Runner:
             in_shardings=in_shardings,
             out_shardings=in_shardings[1],
         )
-        start = autogamma.work_clock()
+        start = step_costs.work_clock()
         draft_state = jax.block_until_ready(fn(*args))
-        return draft_state, compile_s, autogamma.work_clock() - start
+        return draft_state, compile_s, step_costs.work_clock() - start
 
 
 def run(target, prompts, **options) -> tuple[SpecState, dict]:
@@ -385,7 +385,7 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
     Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
     the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
     ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"), "resume_seconds": what the catch-ups took by
-    autogamma.work_clock}). The controller sees each chunk's time by work_clock.
+    step_costs.work_clock}). The controller sees each chunk's time by work_clock.
     """
     max_new = runner.static.max_new_tokens
     catch_up = _CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
@@ -491,7 +491,7 @@ def generate(target, prompts, **options) -> Generation:
         its tree_depth and tree_width: spec_jax.drafting.model.ModelDrafter) in one target call
         with a tree mask (spec_jax.tree); gamma is then not used. "auto": each chunk of rounds
         runs plain decoding, a chain of 1..8 drafts or a tree of 4, 8 or 16 nodes, whichever
-        promises the most tokens per second (spec_jax.autogamma.TreeController); gamma is then
+        promises the most tokens per second (spec_jax.tree_auto.TreeController); gamma is then
         auto, whatever it says.
 
     Returns:

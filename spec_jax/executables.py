@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from models.registry import cache_root
 from models.settings import is_int
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -36,6 +37,21 @@ MAX_EXECUTABLES = 256  # compiled loops kept per process (least recently used ev
 _EXECUTABLES: dict = {}  # key -> executable, least recently used first (a plain dict keeps order)
 _LOCK = threading.Lock()  # guards _EXECUTABLES and _KEY_LOCKS
 _KEY_LOCKS: dict = {}  # key -> a lock held while that key compiles
+
+
+def _compile(fn_static: Callable, args: tuple, donate_argnums, in_shardings, out_shardings):
+    """jax.jit(fn_static) with the given shardings, lowered for args and compiled (announced
+    when slow); out_shardings may be a function of the result's shape tree."""
+    if callable(out_shardings):
+        out_shardings = out_shardings(jax.eval_shape(fn_static, *args))
+    shardings = {}
+    if in_shardings is not None:
+        shardings["in_shardings"] = tuple(in_shardings)
+    if out_shardings is not None:
+        shardings["out_shardings"] = out_shardings
+    jitted = jax.jit(fn_static, donate_argnums=donate_argnums, **shardings)
+    with announced_if_slow(COMPILE_NOTICE):
+        return jitted.lower(*args).compile()
 
 
 def compiled(
@@ -80,17 +96,9 @@ def compiled(
             if executable is not None:
                 return executable, 0.0
             start = time.perf_counter()
-            fn_static = functools.partial(fn, static)
-            if callable(out_shardings):
-                out_shardings = out_shardings(jax.eval_shape(fn_static, *args))
-            shardings = {}
-            if in_shardings is not None:
-                shardings["in_shardings"] = tuple(in_shardings)
-            if out_shardings is not None:
-                shardings["out_shardings"] = out_shardings
-            jitted = jax.jit(fn_static, donate_argnums=donate_argnums, **shardings)
-            with announced_if_slow(COMPILE_NOTICE):
-                executable = jitted.lower(*args).compile()
+            executable = _compile(
+                functools.partial(fn, static), args, donate_argnums, in_shardings, out_shardings
+            )
             with _LOCK:
                 _EXECUTABLES[key] = executable
                 _evict()
@@ -180,8 +188,7 @@ def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
     is never paired with another build of a library that registers the same names. A rebuilt
     library starts a new folder; the old one is left for `rm -rf` (docs/design.md).
     """
-    from models.kernels import builds
-    from models.registry import cache_root
+    from models.kernels import builds  # native libraries: ~20 ms of start-up
 
     base = cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
     return base / builds.build_digest()

@@ -34,10 +34,12 @@ import weakref
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import weights
+from models.cache import KVCache
 
 DATA = "data"
 MODEL = "model"
@@ -200,7 +202,6 @@ def state_shardings(state, mesh: Mesh, batch: int):
     replicated; any other array whose leading dimension is the batch is split over `data` (the
     loop's per-row arrays: tokens, lengths, done flags, the rows' PRNG keys); the rest replicated.
     """
-    from models.cache import KVCache
 
     def one(path, leaf):
         if isinstance(leaf, KVCache):
@@ -296,7 +297,6 @@ def placed_params(model, mesh: Mesh):
 
 def fetch(tree):
     """Host NumPy copies of a pytree of (possibly multi-host) arrays, the same on every process."""
-    from jax.experimental import multihost_utils
 
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:

@@ -6,10 +6,18 @@ the variants are timed in turn, round-robin with the starting variant rotating, 
 other work on a shared machine falls on all of them alike.
 """
 
+import concurrent.futures
+import os
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import draft_head
+from models.transformer import forward, init_cache
+from spec_jax.sampling import warp
 
 
 def spread(values) -> dict:
@@ -67,8 +75,6 @@ def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, re
     compile_seconds says what compiling it took. The program is model_calls(...) (its cost
     without running it: experiments/predicted_speed.py).
     """
-    from models.transformer import init_cache
-
     calls = model_calls(
         model.config,
         batch=batch,
@@ -101,10 +107,6 @@ def _repeated(one_call, *, batch: int, widths, cache_slots: int, out_width: int,
     """calls(params, cache) -> (cache, logits [B, out_width] of the last call): `repeat` times,
     each width in turn at the next positions from half the cache; one_call(params, cache,
     width, positions [B, width]) -> (logits [B, width or 1, out_width], cache)."""
-    import jax.numpy as jnp
-
-    from spec_jax.sampling import warp
-
     widths = tuple(int(w) for w in widths)
     start = cache_slots // 2
     if start + sum(widths) > cache_slots:
@@ -130,9 +132,6 @@ def _repeated(one_call, *, batch: int, widths, cache_slots: int, out_width: int,
 def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
     """The pure function model_call times: calls(params, cache) -> (cache, logits of the last
     call [B, V]) (see model_call for what it runs); jit it with the cache donated."""
-    import jax.numpy as jnp
-
-    from models.transformer import forward
 
     def one_call(params, cache, width, positions):
         out = forward(config, params, jnp.ones((batch, width), jnp.int32), positions, cache, head=head)
@@ -155,10 +154,6 @@ def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling
     call feeds widths[i] (feature, token) pairs per row through the head, and its last output
     through the (trimmed) output head: [1] a drafting step, [g + 1] the observe call of a round
     and its first draft. Same contract as model_call."""
-    import jax.numpy as jnp
-
-    from models import draft_head
-
     cfg = drafter.config
 
     def one_call(params, cache, width, positions):
@@ -189,12 +184,6 @@ def measure_bandwidth(megabytes: int, repeats: int) -> list[dict]:
     sum). Returns one dict per method: method, kind ("copy" / "read"), array_mb, gb_per_s
     (median) with _min / _max.
     """
-    import concurrent.futures
-    import os
-
-    import jax.numpy as jnp
-    import numpy as np
-
     if jax.default_backend() == "cpu":
         src = np.ones(megabytes * 2**20 // 8, np.float64)
         dst = np.zeros_like(src)  # written once, so no page faults inside the timed copies

@@ -15,6 +15,8 @@ information only (never on p or on the uniforms), which keeps every position exa
 
 import jax.numpy as jnp
 
+from spec_jax import tree
+
 
 def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
     """Applies the rule to each row: spec_jax.tree's rule on the chain (one rule for chains and
@@ -30,8 +32,6 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
       (num_accepted [B] int32 in [0, G], next_token [B] int32): the row commits
       draft_tokens[:num_accepted] and then next_token.
     """
-    from spec_jax import tree
-
     _, num_accepted, next_token = tree.verify_tree(tree.chain(draft_tokens_bg, q_bgv), p_bgv, keys_b)
     return num_accepted, next_token
 

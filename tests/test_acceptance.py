@@ -1,4 +1,4 @@
-"""The acceptance head (spec_jax.acceptance): logged rounds are labelled right, the classifier
+"""The acceptance head (training.acceptance): logged rounds are labelled right, the classifier
 learns where drafts get rejected, the threshold it picks beats every fixed gamma in the
 simulation that chose it, and drafting with it stays exact (greedy identity; chi-square at
 temperature 1)."""
@@ -12,9 +12,9 @@ from test_head import cycle_head, random_head
 from test_ngram import cycle_following_target
 
 import spec_jax
-from spec_jax import acceptance
-from spec_jax.autogamma import Costs
 from spec_jax.drafting.head import HeadDrafter, head_params
+from spec_jax.step_costs import Costs
+from training import acceptance
 
 VOCAB, GAMMA = 16, 6
 WRONG = {5: 9, 12: 2}  # the cycle head's draft after reading 5 or 12 is rejected

@@ -15,7 +15,7 @@ from conftest import apply, perturbed
 
 import models
 import spec_jax
-from spec_jax import autogamma
+from spec_jax import autogamma, step_costs
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.speculative import committed_text
@@ -26,7 +26,7 @@ END = autogamma.END
 
 
 def costs(draft, verify_slope=0.1, gamma_max=8, resume=0.0):
-    return autogamma.Costs(
+    return step_costs.Costs(
         step_seconds=0.01,
         draft1=draft,
         draft2=draft,
@@ -72,9 +72,9 @@ def test_the_cached_costs_are_keyed_by_the_kernel_build(monkeypatch):
     keys = {}
     for isa in cpu_matmul.ISAS:  # the key names the build; nothing is built or run
         monkeypatch.setenv(cpu_matmul.ISA_ENV, isa)
-        keys[isa] = autogamma.machine_key()
+        keys[isa] = step_costs.machine_key()
         assert f"-{isa}-" in keys[isa]["cpu_matmul"]
-    assert autogamma.cache_path(keys["avx2"]) != autogamma.cache_path(keys["avx512"])
+    assert step_costs.cache_path(keys["avx2"]) != step_costs.cache_path(keys["avx512"])
 
 
 @pytest.fixture
@@ -86,13 +86,13 @@ def measured(monkeypatch):
         calls.append(gamma_max)
         return costs(draft=0.05, gamma_max=gamma_max)
 
-    monkeypatch.setattr(autogamma, "measure", measure)
+    monkeypatch.setattr(step_costs, "measure", measure)
     return calls
 
 
 def cached_costs(target, cache_dir):
     drafter = NoDrafter(target.config.vocab_size)
-    return autogamma.costs_for(
+    return step_costs.costs_for(
         target, drafter, None, batch=1, cache_slots=64, gamma_max=8, cache_dir=cache_dir
     )
 
@@ -139,8 +139,8 @@ def test_two_threads_write_the_cost_cache_through_their_own_temporary_files(
     import threading
 
     barrier = threading.Barrier(2)
-    measure = autogamma.measure
-    monkeypatch.setattr(autogamma, "measure", lambda *a, **k: barrier.wait(5) * 0 or measure(*a, **k))
+    measure = step_costs.measure
+    monkeypatch.setattr(step_costs, "measure", lambda *a, **k: barrier.wait(5) * 0 or measure(*a, **k))
     sources, errors = [], []
     replace = os.replace
     monkeypatch.setattr(os, "replace", lambda src, dst: sources.append(str(src)) or replace(src, dst))
@@ -354,7 +354,7 @@ def scripted(monkeypatch):
     """generate(gamma="auto") with fixed costs (a cheap draft: gamma 1-4 pay at high acceptance)
     and Scripted chunk times; returns the Scripted class to adjust."""
     fixed = costs(draft=0.05, verify_slope=0.2, resume=0.5)
-    monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: fixed)
+    monkeypatch.setattr(step_costs, "costs_for", lambda *a, **k: fixed)
     monkeypatch.setattr(autogamma, "Controller", Scripted)
     monkeypatch.setattr(Scripted, "extra", 0.0)
     return Scripted

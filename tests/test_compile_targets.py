@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import pytest
 
 import models.kernels
+from experiments import compile_loop
 from models.kernels import common, flash_attention, flash_decoding
 from models.kernels import compile_targets as ct
 from models.kernels import target as target_lib
 from models.kernels.flash_decoding import DecodeBlockSizes
-from spec_jax import compile_loop
 from spec_jax.drafting.model import ModelDrafter
 
 _missing = ct.missing_packages()
@@ -75,7 +75,7 @@ def test_compiles_for_target(target, case):
     assert result.impl == ct.pallas_impl(target)
 
 
-# The whole speculative decoding program (spec_jax/compile_loop.py: spec_loop, the while_loop of
+# The whole speculative decoding program (experiments/compile_loop.py: spec_loop, the while_loop of
 # draft -> verify -> commit rounds) of the Qwen pair at full depth, at `make demo`'s shapes: one TPU
 # and the 99 KiB GPU class, both batch sizes between them, bfloat16 and int8 (make demo's default). spec_prefill and the other
 # targets: scripts/compile_sweep.py --kinds=loop.

@@ -1,4 +1,4 @@
-"""The data caches built from the corpora (spec_jax.corpora: the vocabulary-trim ids, the
+"""The data caches built from the corpora (models.corpora and spec_jax.drafting.tables: the vocabulary-trim ids, the
 suffix tables, the news wheel; training.features: a draft head's training features): a damaged
 entry is detected, named and rebuilt once, two builders of one entry build it once, and the news
 wheel's sha256 is checked on every use.
@@ -16,9 +16,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from models import registry
-from spec_jax import corpora
-from spec_jax.drafting import ngram
+from models import corpora, registry
+from spec_jax.drafting import tables as drafting_tables
 from training import features
 
 VOCAB = 50
@@ -40,7 +39,7 @@ def builds(monkeypatch):
 
 
 def trim_ids(tmp_path):
-    return corpora.frequent_tokens("tiny", None, VOCAB, 6, always=(0,), cache_dir=tmp_path)
+    return drafting_tables.frequent_tokens("tiny", None, VOCAB, 6, always=(0,), cache_dir=tmp_path)
 
 
 def test_a_damaged_vocab_trim_file_is_named_and_rebuilt_once(tmp_path, builds):
@@ -68,7 +67,7 @@ def test_a_vocab_trim_file_of_the_wrong_content_is_rebuilt(tmp_path, builds):
 def test_a_cache_entry_that_is_damaged_again_after_its_rebuild_is_one_damaged_cache_error(
     tmp_path, builds, monkeypatch
 ):
-    monkeypatch.setattr(ngram, "most_frequent", lambda *a: np.arange(3))  # not the 6 ids asked for
+    monkeypatch.setattr(drafting_tables, "most_frequent", lambda *a: np.arange(3))  # not the 6 ids asked for
     with pytest.raises(registry.DamagedCacheError, match=r"vocab_trim/tiny-6-0\.npy.*rm -rf"):
         trim_ids(tmp_path)
 
@@ -102,7 +101,7 @@ def test_a_killed_writers_temporary_files_are_removed_at_the_next_build(tmp_path
 
 
 def suffix(tmp_path):
-    return corpora.suffix_tables("tiny", None, VOCAB, 2, cache_dir=tmp_path)
+    return drafting_tables.suffix_tables("tiny", None, VOCAB, 2, cache_dir=tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte"])
@@ -117,7 +116,7 @@ def test_a_damaged_suffix_table_file_is_rebuilt_once(tmp_path, builds, damage):
     path.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match=f"damaged cache entry {path}"):
         again = suffix(tmp_path)
-    for field in corpora.SUFFIX_TABLE_FIELDS:
+    for field in drafting_tables.SUFFIX_TABLE_FIELDS:
         np.testing.assert_array_equal(getattr(again, field), getattr(tables, field))
     assert len(builds) == 2
 

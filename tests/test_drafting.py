@@ -18,7 +18,7 @@ import pytest
 
 import models
 import spec_jax
-from spec_jax import autogamma, drafting
+from spec_jax import drafting, step_costs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16]]
@@ -67,7 +67,7 @@ def test_a_drafter_defined_in_a_test_file_decodes_greedily_as_plain_decoding():
 def test_gamma_auto_measures_and_keys_a_new_drafters_costs_by_its_hooks(tmp_path):
     target = tiny_target()
     drafter, params = toy_draft(target)
-    costs = autogamma.costs_for(
+    costs = step_costs.costs_for(
         target, drafter, params, batch=1, cache_slots=32, gamma_max=2, cache_dir=tmp_path
     )
     assert costs.draft1 == costs.draft2 == costs.resume == 0.0  # no cost_calls: free
@@ -108,7 +108,14 @@ def test_a_drafter_defined_in_a_test_file_runs_on_an_8_device_mesh():
     assert result["spec"] == result["plain"]
 
 
-CALLERS = ("spec_jax/speculative.py", "spec_jax/api.py", "spec_jax/sharding.py", "spec_jax/autogamma.py")
+CALLERS = (
+    "spec_jax/speculative.py",
+    "spec_jax/api.py",
+    "spec_jax/sharding.py",
+    "spec_jax/autogamma.py",
+    "spec_jax/tree_auto.py",
+    "spec_jax/step_costs.py",
+)
 
 
 @pytest.mark.parametrize("path", CALLERS)

@@ -18,7 +18,8 @@ import spec_jax.verify
 from experiments import common, framework, table3, walltime
 from experiments import theory_vs_simulation as tvs
 from experiments.table1 import PUBLISHED
-from spec_jax import corpora, theory
+from models import corpora
+from spec_jax import theory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVENANCE_LINES = (

@@ -23,7 +23,7 @@ from conftest import apply, cache_with_kernels  # noqa: E402
 
 import models  # noqa: E402
 import spec_jax  # noqa: E402
-from models import convert  # noqa: E402
+from models import convert, families, hf_config  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 from scripts import tiny_checkpoints  # noqa: E402  (the tiny checkpoints of every family)
 
@@ -129,6 +129,24 @@ def test_greedy_speculative_decoding_of_folders_equals_transformers_greedy_decod
 
 def _entry(cache, folder) -> pathlib.Path:
     return convert.converted_dir(str(folder), cache)
+
+
+def test_granite_is_added_through_its_family_entry_alone():
+    """The recipe's worked example (docs/design.md, "Adding a model family"): Granite is one entry
+    in models.families.FAMILIES (its config.json mapping) plus its tiny checkpoint in
+    scripts/tiny_checkpoints.FAMILIES; no other module of models/ names it, and the two tests
+    above, run for every family, compare its logits and its greedy speculative decoding with
+    transformers'."""
+    named = sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "models").rglob("*.py")
+        if "granite" in p.read_text().lower()
+    )
+    assert named == ["models/families.py"]
+    assert "granite" in FAMILIES and "granite" in families.FAMILIES
+    config = models.ModelConfig(**hf_config.config_from_hf(_hf_model("granite", 2).config.to_dict()))
+    assert (config.embedding_multiplier, config.residual_multiplier, config.logits_scaling) == (3.0, 0.4, 2.5)
+    assert config.attention_scale == 0.15
 
 
 def test_a_folders_cache_entry_is_reused_and_converted_again_after_the_folder_changes(checkpoints, tmp_path):

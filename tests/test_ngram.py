@@ -8,7 +8,7 @@ from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import per_prompt
+from experiments import per_prompt
 from spec_jax.drafting import ngram
 from spec_jax.sampling import SamplingParams, row_keys
 

@@ -1,4 +1,4 @@
-"""tree="auto" (spec_jax.autogamma.TreeController): chunk by chunk, plain decoding, chains or
+"""tree="auto" (spec_jax.tree_auto.TreeController): chunk by chunk, plain decoding, chains or
 token trees, by expected tokens per second from the costs and the running acceptance; greedy
 output equals plain decoding whatever it chooses.
 
@@ -15,7 +15,7 @@ import pytest
 from conftest import cli_case
 
 import spec_jax
-from spec_jax import autogamma, theory
+from spec_jax import autogamma, step_costs, theory, tree_auto
 from spec_jax import tree as tree_lib
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 
@@ -27,7 +27,7 @@ SIZES = autogamma.TREE_SIZES
 def costs(tree_verify, chain_slope=0.02, gamma_max=autogamma.GAMMA_MAX):
     """A drafter without a model (drafting is free): chain verify calls 1 + slope * g target
     steps, tree verify calls as given ({N: steps})."""
-    return autogamma.Costs(
+    return step_costs.Costs(
         step_seconds=0.01,
         draft1=0.0,
         draft2=0.0,
@@ -40,7 +40,7 @@ CHEAP = {4: 1.05, 8: 1.1, 16: 1.3}  # a tree verifies almost as cheaply as a dec
 EXPENSIVE = {4: 3.0, 8: 6.0, 16: 12.0}  # trees lose at any yield their drafter has here
 
 
-class TreeScripted(autogamma.TreeController):
+class TreeScripted(tree_auto.TreeController):
     """A TreeController whose chunks take what the costs say instead of what the clock says: a
     chain's round its calls, a tree's round `actual[N]` target steps (default: its calls)."""
 
@@ -118,11 +118,11 @@ def oracle_params(plain_gen):
 @pytest.fixture
 def scripted(monkeypatch):
     """generate(tree="auto") with the costs set by set_costs and TreeScripted chunk times."""
-    monkeypatch.setattr(autogamma, "TreeController", TreeScripted)
+    monkeypatch.setattr(tree_auto, "TreeController", TreeScripted)
     monkeypatch.setattr(TreeScripted, "actual", {})
 
     def set_costs(fixed, actual=None):
-        monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: fixed)
+        monkeypatch.setattr(step_costs, "costs_for", lambda *a, **k: fixed)
         monkeypatch.setattr(TreeScripted, "actual", actual or {})
 
     return set_costs
@@ -174,13 +174,13 @@ def test_a_tree_whose_measured_rounds_lose_is_dropped_for_the_chain(
     assert gen.tokens == plain.tokens
     schedule = gen.stats["gamma_schedule"]
     kinds = rounds_by_kind(schedule)
-    assert kinds["tree"] <= len(SIZES) * autogamma.TREE_PROBE_ROUNDS * 2, schedule
+    assert kinds["tree"] <= len(SIZES) * tree_auto.TREE_PROBE_ROUNDS * 2, schedule
     assert kinds["chain"] > 3 * kinds["tree"] and isinstance(schedule[-1][0], int), schedule
 
     def chains_time(self, nodes):
         return self.round_seconds(min(nodes, self.gamma_max))
 
-    monkeypatch.setattr(autogamma.TreeController, "tree_round_seconds", chains_time)
+    monkeypatch.setattr(tree_auto.TreeController, "tree_round_seconds", chains_time)
     broken = run_auto(tiny_target, plain)
     assert broken.tokens == plain.tokens
     schedule = broken.stats["gamma_schedule"]
@@ -195,22 +195,22 @@ def test_a_drafter_that_never_matches_decodes_plainly(tiny_target, plain, script
     schedule = gen.stats["gamma_schedule"]
     kinds = rounds_by_kind(schedule)
     assert schedule[-1][0] == 0 and kinds["plain"] > 3 * (kinds["chain"] + kinds["tree"]), schedule
-    assert kinds["tree"] <= autogamma.TREE_PROBE_ROUNDS, schedule  # one short try at most
+    assert kinds["tree"] <= tree_auto.TREE_PROBE_ROUNDS, schedule  # one short try at most
 
 
 def test_an_untried_tree_runs_only_when_its_prior_beats_the_best_arm():
     """The prior 1 + TREE_BONUS * (E(alpha, N) - 1): at alpha 0 a tree promises plain
     decoding's one token; at a good alpha with a cheap verify it beats the chains."""
-    controller = autogamma.TreeController(costs(CHEAP), autogamma.GAMMA_MAX)
+    controller = tree_auto.TreeController(costs(CHEAP), autogamma.GAMMA_MAX)
     controller.overlap, controller.weight = np.zeros(1), np.full(1, 100.0)  # alpha 0
     assert controller.tree_yields(8) == pytest.approx([1.0])
     controller.overlap = np.full(1, 80.0)  # alpha 0.8
     expected = float(theory.expected_tokens(0.8, 8))
-    assert controller.tree_yields(8) == pytest.approx([1.0 + autogamma.TREE_BONUS * (expected - 1.0)])
+    assert controller.tree_yields(8) == pytest.approx([1.0 + tree_auto.TREE_BONUS * (expected - 1.0)])
     end = np.full(1, autogamma.END)
     chains = controller.rates(controller.alphas(), end)
     assert controller.tree_rate(8, end) > autogamma.SWITCH_GAIN * chains.max()
-    costly = autogamma.TreeController(costs(EXPENSIVE), autogamma.GAMMA_MAX)
+    costly = tree_auto.TreeController(costs(EXPENSIVE), autogamma.GAMMA_MAX)
     costly.overlap, costly.weight = controller.overlap, controller.weight
     assert max(costly.tree_rate(n, end) for n in SIZES) < costly.rates(costly.alphas(), end).max()
 
@@ -224,11 +224,11 @@ def test_tree_auto_measures_the_tree_widths_under_its_own_key(tiny_target, tmp_p
         calls.append(tree_sizes)
         return dataclasses.replace(costs(CHEAP), tree_verify=costs(CHEAP).tree_verify if tree_sizes else ())
 
-    monkeypatch.setattr(autogamma, "measure", measure)
+    monkeypatch.setattr(step_costs, "measure", measure)
     drafter = NoDrafter(tiny_target.config.vocab_size)
 
     def cached(tree_sizes=()):
-        return autogamma.costs_for(
+        return step_costs.costs_for(
             tiny_target, drafter, None, batch=1, cache_slots=64, tree_sizes=tree_sizes, cache_dir=tmp_path
         )
 
@@ -238,13 +238,13 @@ def test_tree_auto_measures_the_tree_widths_under_its_own_key(tiny_target, tmp_p
     assert calls == [(), SIZES]  # two keys, each measured once
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
     with pytest.raises(ValueError, match="tree_verify is for trees of"):
-        autogamma.checked_costs(dataclasses.asdict(costs(CHEAP)), autogamma.GAMMA_MAX, (4, 8))
+        step_costs.checked_costs(dataclasses.asdict(costs(CHEAP)), autogamma.GAMMA_MAX, (4, 8))
 
 
 def test_measure_times_the_verify_call_of_each_tree_size(tiny_target):
     from spec_jax.drafting import NoDrafter
 
-    got = autogamma.measure(
+    got = step_costs.measure(
         tiny_target, NoDrafter(64), None, batch=1, cache_slots=64, gamma_max=2, tree_sizes=(4, 16), repeats=1
     )
     assert [n for n, _ in got.tree_verify] == [4, 16] and all(v > 0 for _, v in got.tree_verify)

@@ -16,7 +16,7 @@ import spec_jax
 from spec_jax import executables
 from spec_jax import tree as tree_lib
 from spec_jax.decode import pad_prompts
-from spec_jax.drafting import model as model_lib
+from spec_jax.drafting import dynamic_tree as dynamic_tree_lib
 from spec_jax.drafting.build import Settings, build
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.sampling import SamplingParams, row_keys
@@ -173,7 +173,7 @@ def test_trees_of_the_draft_model_sample_the_targets_distribution_exactly(pair, 
 def test_top_k_nodes_carrying_the_drafts_q_instead_of_a_point_mass_fail(pair, monkeypatch):  # noqa: F811
     """The broken variant: the tree's nodes are the draft's top-k tokens (deterministic) but
     claim to be draws from the draft's q, so the rule's min(1, p/q) and residuals are wrong."""
-    monkeypatch.setattr(model_lib, "node_q", lambda tokens_bn, parent_q_bnv: parent_q_bnv)
+    monkeypatch.setattr(dynamic_tree_lib, "node_q", lambda tokens_bn, parent_q_bnv: parent_q_bnv)
     monkeypatch.setattr(executables, "_EXECUTABLES", {})
     counts, _, target = tree_counts(pair, WARPS[0])
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
@@ -243,7 +243,7 @@ def test_bad_tree_settings_are_refused_naming_them(target, draft, settings, matc
 def test_a_spine_ranked_by_its_score_is_caught_by_the_proposal_check(target, draft, monkeypatch):
     """The broken variant: the drawn spine ranked among the candidates by its own score (so
     whether a drawn node is in the tree depends on what it drew) fails the proposal check."""
-    monkeypatch.setattr(model_lib, "tree_rank", lambda score, spine, depth: score)
+    monkeypatch.setattr(dynamic_tree_lib, "tree_rank", lambda score, spine, depth: score)
     with pytest.raises(AssertionError, match="spine"):
         test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(target, draft, 1.0)
 
@@ -251,6 +251,6 @@ def test_a_spine_ranked_by_its_score_is_caught_by_the_proposal_check(target, dra
 def test_node_q_of_the_drafts_distribution_is_caught_by_the_proposal_check(target, draft, monkeypatch):
     """The broken variant of the proposal check: nodes claiming the draft's q (top-k tokens
     handed to the rule as if sampled) fail it at temperature 1."""
-    monkeypatch.setattr(model_lib, "node_q", lambda tokens_bn, parent_q_bnv: parent_q_bnv)
+    monkeypatch.setattr(dynamic_tree_lib, "node_q", lambda tokens_bn, parent_q_bnv: parent_q_bnv)
     with pytest.raises(AssertionError, match="point mass"):
         test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_distinct(target, draft, 1.0)

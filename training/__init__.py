@@ -11,6 +11,7 @@ imports it (tests/test_layering.py checks both).
   evaluation.py  held-out accepted length of a head drafting as in the loop
   checkpoint.py  orbax checkpoints of a run, and resuming from them
   head.py        the draft-head training loop (train)
+  acceptance.py  the acceptance head (SpecDec++): logged rounds, its optax loop, the threshold
 """
 
 from training.config import default_config, head_config, validate

@@ -12,7 +12,7 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.target = "qwen2.5-coder-1.5b"
     c.target_dtype = "int8"  # the precision whose features the head learns (models.precision)
-    c.corpora = ("code", "news")  # spec_jax.corpora tasks; their training split only
+    c.corpora = ("code", "news")  # models.corpora tasks; their training split only
     c.train_tokens = 150_000
     c.eval_tokens = 16_384  # from the held-out split
     c.seq_len = 256

@@ -110,7 +110,7 @@ def attention(
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths, window, tree)
     if impl == "cpu":
-        from models.kernels import cpu_matmul
+        from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
 
         if cpu_isa is None:
             raise ValueError("attention impl cpu: name the CPU kernel library's build (cpu_isa)")

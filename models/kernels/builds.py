@@ -16,14 +16,14 @@ llama_cpp's build of ggml).
 import hashlib
 import platform
 
+from models.kernels import cpu_matmul, gguf_matmul, llama_cpp
+
 
 def build_digest() -> str:
     """16 hex digits naming the builds of every kernel library programs may call, and the CPU
     they and XLA's code are built for: cpu_matmul's library names for each ISA (source, compiler
     flags and jax version), gguf_matmul's library name (likewise), llama.cpp's build folder name (its version, compilers, CPU flags and
     cmake options), the machine and its /proc/cpuinfo flags. Nothing is built or loaded."""
-    from models.kernels import cpu_matmul, gguf_matmul, llama_cpp
-
     flags = cpu_matmul._cpu_flags()
     parts = [
         *(cpu_matmul.library_path(isa_name=name).name for name in sorted(cpu_matmul.ISAS)),

@@ -20,6 +20,8 @@ not -inf, so that `m_prev - m_next` is never inf - inf), running sum `l` and unn
 so a row that sees no key keeps l == 0 and its output is defined as zeros.
 """
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -256,6 +258,17 @@ def check_target(backend: str, target: target_lib.Target, interpret) -> None:
         )
 
 
+def checked_target(backend, q, k, v, q_positions, kv_lengths, target, interpret) -> target_lib.Target:
+    """Every check of a kernel call's backend, inputs and target (ValueError naming what is
+    wrong); returns the Target the kernel tiles for (resolve_target)."""
+    check_backend(backend)
+    check_inputs(q, k, v, q_positions, kv_lengths)
+    check_kernel_inputs(q, k, v)
+    target = resolve_target(target)
+    check_target(backend, target, interpret)
+    return target
+
+
 def tpu_interpret(interpret):
     """TPU kernels use strided ref loads, which only the TPU interpreter (not interpret=True) models."""
     return pltpu.InterpretParams() if interpret is True else interpret
@@ -272,24 +285,47 @@ def init_tpu_state(m_ref, l_ref, acc_ref) -> None:
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
+def tpu_flash_setup(kernel_fn, dtype, kvh, rows, d, block_k, vmem_bytes, what, target, **static):
+    """What both flash TPU kernels (flash_attention, flash_decoding) are called with, over KVH kv
+    heads of R query rows each and a (parallel, parallel, arbitrary) grid. Returns (kernel,
+    scratch_shapes, compiler_params): kernel_fn bound to `static` (windowed, tree, num_keys), the
+    scale D**-0.5 and the MXU dtype (dtype, or f32 on a TPU without bf16 matmuls); the scratch
+    m, l [KVH, R, 128] f32, acc [KVH, R, D] f32, plus [block_k * KVH, D] f32 x2 for bfloat16 with
+    KVH > 1; Mosaic params with a VMEM limit of vmem_bytes (ValueError naming `what` if it cannot
+    fit)."""
+    scratch = [
+        pltpu.VMEM((kvh, rows, TPU_LANES), jnp.float32),
+        pltpu.VMEM((kvh, rows, TPU_LANES), jnp.float32),
+        pltpu.VMEM((kvh, rows, d), jnp.float32),
+    ]
+    if dtype == jnp.bfloat16 and kvh > 1:
+        scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
+    params = tpu_compiler_params(("parallel", "parallel", "arbitrary"), vmem_bytes, what, target)
+    mxu_dtype = dtype if target.tpu_bf16_matmul else jnp.float32
+    kernel = functools.partial(kernel_fn, scale=d**-0.5, mxu_dtype=mxu_dtype, **static)
+    return kernel, scratch, params
+
+
+def tpu_attend_refs(
+    q_ref, k_ref, v_ref, limit_ref, start_ref, tree_refs, kv_start, m_ref, l_ref, acc_ref, f32_kv_refs,
+    **static,
+):  # fmt: skip
+    """tpu_attend_block reading the rows' limit, [start] and [tree] from their [R, 1] refs (None
+    where the kernel has no window / no tree) and the f32 key/value scratch from f32_kv_refs
+    (empty unless bfloat16 with KVH > 1); static: num_keys, scale, mxu_dtype."""
+    kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
+    row_start = None if start_ref is None else start_ref[...]
+    row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
+    tpu_attend_block(
+        q_ref, k_ref, v_ref, limit_ref[...], row_start, row_tree, kv_start, m_ref, l_ref, acc_ref,
+        kf_ref, vf_ref, **static,
+    )  # fmt: skip
+
+
 def tpu_attend_block(
-    q_ref,
-    k_ref,
-    v_ref,
-    limit,
-    row_start,
-    tree,
-    kv_start,
-    m_ref,
-    l_ref,
-    acc_ref,
-    kf_ref,
-    vf_ref,
-    *,
-    num_keys: int,
-    scale: float,
-    mxu_dtype,
-) -> None:
+    q_ref, k_ref, v_ref, limit, row_start, tree, kv_start, m_ref, l_ref, acc_ref, kf_ref, vf_ref,
+    *, num_keys: int, scale: float, mxu_dtype,
+) -> None:  # fmt: skip
     """Mosaic: online-softmax update of every kv head's query rows with one block of keys.
 
     Args:
@@ -308,7 +344,7 @@ def tpu_attend_block(
     """
     kvh, rows, _ = q_ref.shape
     block_k = k_ref.shape[0] // kvh
-    precision = dot_precision(q_ref.dtype)
+    precision = dot_precision(q_ref.dtype)  # of the inputs' dtype, not the MXU's
     key_pos = kv_start + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)  # [R, block_k]
     visible = visible_keys(key_pos, limit, row_start, tree)
     if kf_ref is not None:
@@ -327,29 +363,35 @@ def tpu_attend_block(
         v = v_src[rows_h, :].astype(mxu_dtype)
         if num_keys % block_k:
             v = jnp.where(in_cache, v, jnp.zeros_like(v))
-        s = lax.dot_general(
-            q_ref[h].astype(mxu_dtype),
-            k,
-            (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=precision,
-        )  # [R, block_k]
-        s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
-        m_prev = m_ref[h][:, :1]  # [R, 1]
-        l_prev = l_ref[h][:, :1]
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - m_next), 0.0)  # [R, block_k]
-        alpha = jnp.exp(m_prev - m_next)  # [R, 1]
-        pv = lax.dot_general(
-            p.astype(v.dtype),
-            v,
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-            precision=precision,
-        )  # [R, D]
-        acc_ref[h] = alpha * acc_ref[h] + pv
-        m_ref[h] = jnp.broadcast_to(m_next, (rows, TPU_LANES))
-        l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), (rows, TPU_LANES))
+        _tpu_update_head(
+            q_ref[h].astype(mxu_dtype), k, v, visible, scale, precision, (m_ref, l_ref, acc_ref), h
+        )
+
+
+def _tpu_update_head(q, k, v, visible, scale: float, precision, state_refs, h: int) -> None:
+    """One kv head's online-softmax step: q [R, D], k, v [block_k, D] in the MXU dtype, visible
+    [R, block_k] bool; updates row h of the running max / sum [KVH, R, 128] and acc [KVH, R, D]."""
+    m_ref, l_ref, acc_ref = state_refs
+    rows = q.shape[0]
+    s = lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision
+    )  # [R, block_k]
+    s = jnp.where(visible, s * scale, DEFAULT_MASK_VALUE)
+    m_prev = m_ref[h][:, :1]  # [R, 1]
+    l_prev = l_ref[h][:, :1]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - m_next), 0.0)  # [R, block_k]
+    alpha = jnp.exp(m_prev - m_next)  # [R, 1]
+    pv = lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=precision,
+    )  # [R, D]
+    acc_ref[h] = alpha * acc_ref[h] + pv
+    m_ref[h] = jnp.broadcast_to(m_next, (rows, TPU_LANES))
+    l_ref[h] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True), (rows, TPU_LANES))
 
 
 def gpu_attend_blocks(

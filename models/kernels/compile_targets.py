@@ -38,6 +38,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax._src import xla_bridge
+from jax._src.lib import xla_client
+from jax.experimental import topologies
 
 import models.kernels
 from models import transformer
@@ -170,11 +173,24 @@ def missing_packages() -> list[str]:
     return [package for module, package in _PACKAGES if not installed(module)]
 
 
+def skipped_without_backends(name: str) -> bool:
+    """For what compiles for TPUs / GPUs on this host (the predicted_speed and pod_pairs
+    experiments): puts the compile-only backends on the path (add_compile_deps) and returns
+    False; True, having printed `NAME: skipped, ...` with INSTALL_HINT to stderr, where one of
+    them is not installed."""
+    add_compile_deps()
+    if missing := missing_packages():
+        print(
+            f"{name}: skipped, compile-only TPU/GPU backends not installed ({', '.join(missing)}): {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return True
+    return False
+
+
 @functools.cache
 def device(target):
     """A compile-only jax Device for a name in TARGETS or a GpuSpec; ValueError naming TARGETS else."""
-    from jax.experimental import topologies
-
     if isinstance(target, GpuSpec):
         add_compile_deps()  # the pinned ptxas on PATH, whoever put the packages on sys.path
         config = target.target_config()
@@ -390,9 +406,6 @@ def cost_analysis(compiled) -> dict:
     if isinstance(costs, list | tuple):
         costs = costs[0] if costs else None
     if not costs:
-        from jax._src import xla_bridge
-        from jax._src.lib import xla_client
-
         (module,) = compiled.runtime_executable().hlo_modules()
         costs = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
     return {key: float(costs.get(key, 0.0)) for key in ("flops", "bytes accessed")}

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import machine
+from models.kernels import libraries
+from models.registry import cache_root
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 ROWWISE_SOURCE = SOURCE.with_name("cpu_rowwise.cc")  # in the same library: attention, RMSNorm
@@ -101,8 +103,6 @@ def compiler_flags(isa_name: str | None = None) -> tuple:
 
 def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
     """Where the built library for this source, ISA, these flags and this jaxlib is cached."""
-    from models.registry import cache_root
-
     isa_name = isa_name or isa()
     flags = " ".join(compiler_flags(isa_name))
     sources = SOURCE.read_bytes() + ROWWISE_SOURCE.read_bytes() + PARALLEL_HEADER.read_bytes()
@@ -114,8 +114,6 @@ def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
     """Compiles cpu_matmul.cc for isa_name (default: isa()), if not cached; the library's path
     (libraries.verified_build: checked against its stored sha256; a private temporary folder
     where the cache folder cannot be used)."""
-    from models.kernels import libraries
-
     isa_name = isa_name or isa()
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 

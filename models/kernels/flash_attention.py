@@ -123,6 +123,8 @@ class FlashBlockSizes:
                     raise ValueError(f"GPU {name}={value} must be a power of two >= 16 (Triton tiles)")
 
 
+# The same arguments as flash_decoding.flash_decoding on purpose: the dispatcher (models.kernels.attention) calls
+# either with one contract.
 def flash_attention(
     q,
     k,
@@ -167,11 +169,7 @@ def flash_attention(
 def _flash_attention(
     q, k, v, q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target
 ):
-    common.check_backend(backend)
-    common.check_inputs(q, k, v, q_positions, kv_lengths)
-    common.check_kernel_inputs(q, k, v)
-    target = common.resolve_target(target)
-    common.check_target(backend, target, interpret)
+    target = common.checked_target(backend, q, k, v, q_positions, kv_lengths, target, interpret)
     group, kvh = q.shape[2] // k.shape[2], k.shape[2]
     if block_sizes is None:
         block_sizes = FlashBlockSizes.default(backend, q.shape[-1], q.dtype, target, group, kvh)
@@ -212,12 +210,9 @@ def _tpu_kernel(*refs, windowed: bool, tree: bool, num_keys: int, scale: float, 
 
     @pl.when(block < nblocks_ref[b * pl.num_programs(1) + qi])
     def _attend():
-        kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
-        row_start = None if start_ref is None else start_ref[...]
-        row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
-        common.tpu_attend_block(
-            q_ref, k_ref, v_ref, limit_ref[...], row_start, row_tree, block * block_k, m_ref, l_ref,
-            acc_ref, kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
+        common.tpu_attend_refs(
+            q_ref, k_ref, v_ref, limit_ref, start_ref, tree_refs, block * block_k, m_ref, l_ref, acc_ref,
+            f32_kv_refs, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(ki == pl.num_programs(2) - 1)
@@ -234,6 +229,33 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
+def _tpu_tiles(q, limit, start, tree, block_q: int, g: int):
+    """The flash TPU kernel's query tiles, nq = ceil(T / block_q), R = G * block_q rows each.
+    Returns (q_tiles [B, nq, KVH, R, D] (row g * block_q + i is query i of head (kv, g)), the rows'
+    (limit, start or None, tree or None) padded to [B, nq, 1, block_q] (padded rows get 0: limit
+    0, they see nothing), tile_rows: [B, nq, 1, block_q] -> [B, nq, R, 1])."""
+    b, t, h, d = q.shape
+    nq = common.cdiv(t, block_q)
+    t_pad, kvh, rows = nq * block_q, h // g, g * block_q
+    q_tiles = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
+    q_tiles = (
+        q_tiles.reshape(b, nq, block_q, kvh, g, d).transpose(0, 1, 3, 4, 2, 5).reshape(b, nq, kvh, rows, d)
+    )
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)
+
+    def tile_rows(x):
+        return jnp.broadcast_to(x, (b, nq, g, block_q)).reshape(b, nq, rows, 1)
+
+    padded = (
+        pad(limit),
+        None if start is None else pad(start),
+        None if tree is None else tuple(map(pad, tree)),
+    )
+    return q_tiles, padded, tile_rows
+
+
 def _tpu_flash_attention(q, k, v, limit, start, tree, block_sizes: FlashBlockSizes, interpret, target):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
@@ -244,22 +266,7 @@ def _tpu_flash_attention(q, k, v, limit, start, tree, block_sizes: FlashBlockSiz
     nq, nk = common.cdiv(t, block_q), common.cdiv(s, block_k)
     rows = g * block_q
     t_pad = nq * block_q
-
-    # [B, T, H, D] -> [B, nq, KVH, G * block_q, D]: row g * block_q + i is query i of head (kv, g).
-    q_tiles = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0)))
-    q_tiles = (
-        q_tiles.reshape(b, nq, block_q, kvh, g, d).transpose(0, 1, 3, 4, 2, 5).reshape(b, nq, kvh, rows, d)
-    )
-
-    def pad(x):  # [B, T] -> [B, nq, 1, block_q]; padded rows get 0 (limit 0: they see nothing)
-        return jnp.pad(x, ((0, 0), (0, t_pad - t))).reshape(b, nq, 1, block_q)
-
-    def tile_rows(x):  # [B, nq, 1, block_q] -> [B, nq, R, 1], row g * block_q + i is query i
-        return jnp.broadcast_to(x, (b, nq, g, block_q)).reshape(b, nq, rows, 1)
-
-    limit_pad = pad(limit)
-    start_pad = None if start is None else pad(start)
-    tree_pad = None if tree is None else tuple(map(pad, tree))
+    q_tiles, (limit_pad, start_pad, tree_pad), tile_rows = _tpu_tiles(q, limit, start, tree, block_q, g)
     span_start, span_limit = common.key_span(limit_pad, start_pad, tree_pad, t, s)
     nblocks = ((jnp.max(span_limit, axis=(2, 3)) + block_k - 1) // block_k).reshape(b * nq)  # [B * nq]
     prefetch = [nblocks]
@@ -275,29 +282,11 @@ def _tpu_flash_attention(q, k, v, limit, start, tree, block_sizes: FlashBlockSiz
         block = ki + first_ref[0][bi * nq + qi] if first_ref else ki
         return bi, jnp.minimum(block, last), 0
 
-    upcast = q.dtype == jnp.bfloat16 and kvh > 1
-    scratch = [
-        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
-        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
-        pltpu.VMEM((kvh, rows, d), jnp.float32),
-    ]
-    if upcast:
-        scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
-    params = common.tpu_compiler_params(
-        ("parallel", "parallel", "arbitrary"),
-        tpu_vmem_bytes(kvh, rows, d, block_k, q.dtype),
-        f"flash_attention(block_q={block_q}, block_k={block_k}, H={h}, KVH={kvh}, D={d})",
-        target,
-    )
-    mxu_dtype = q.dtype if target.tpu_bf16_matmul else jnp.float32
-    kernel = functools.partial(
-        _tpu_kernel,
-        windowed=start is not None,
-        tree=tree is not None,
-        num_keys=s,
-        scale=d**-0.5,
-        mxu_dtype=mxu_dtype,
-    )
+    kernel, scratch, params = common.tpu_flash_setup(
+        _tpu_kernel, q.dtype, kvh, rows, d, block_k, tpu_vmem_bytes(kvh, rows, d, block_k, q.dtype),
+        f"flash_attention(block_q={block_q}, block_k={block_k}, H={h}, KVH={kvh}, D={d})", target,
+        windowed=start is not None, tree=tree is not None, num_keys=s,
+    )  # fmt: skip
     row_spec = pl.BlockSpec((None, None, rows, 1), lambda bi, qi, ki, *_: (bi, qi, 0, 0))
     out = pl.pallas_call(
         kernel,

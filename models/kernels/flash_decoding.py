@@ -159,6 +159,8 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
+# The same arguments as flash_attention.flash_attention on purpose: the dispatcher (models.kernels.attention) calls
+# either with one contract.
 def flash_decoding(
     q,
     k,
@@ -204,11 +206,7 @@ def flash_decoding(
 def _flash_decoding(
     q, k, v, q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target
 ):
-    common.check_backend(backend)
-    common.check_inputs(q, k, v, q_positions, kv_lengths)
-    common.check_kernel_inputs(q, k, v)
-    target = common.resolve_target(target)
-    common.check_target(backend, target, interpret)
+    target = common.checked_target(backend, q, k, v, q_positions, kv_lengths, target, interpret)
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -272,12 +270,9 @@ def _tpu_kernel(*refs, windowed: bool, tree: bool, num_keys: int, scale: float, 
 
     @pl.when(needed)
     def _attend():
-        kf_ref, vf_ref = f32_kv_refs if f32_kv_refs else (None, None)
-        row_start = None if start_ref is None else start_ref[...]
-        row_tree = None if tree_refs is None else tuple(x[...] for x in tree_refs)
-        common.tpu_attend_block(
-            q_ref, k_ref, v_ref, limit_ref[...], row_start, row_tree, block * block_k, m_ref, l_ref,
-            acc_ref, kf_ref, vf_ref, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
+        common.tpu_attend_refs(
+            q_ref, k_ref, v_ref, limit_ref, start_ref, tree_refs, block * block_k, m_ref, l_ref, acc_ref,
+            f32_kv_refs, num_keys=num_keys, scale=scale, mxu_dtype=mxu_dtype,
         )  # fmt: skip
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -287,6 +282,22 @@ def _tpu_kernel(*refs, windowed: bool, tree: bool, num_keys: int, scale: float, 
         lse_ref[...] = common.log_sum_exp(m_ref[...], row_sum)
 
 
+def _tpu_prefetch(limit_rows, start_rows, tree_rows, num_queries, num_keys, block_k, num_splits):
+    """(prefetch, row_inputs) of the flash-decoding TPU kernel: the scalar-prefetched int32 [B]
+    arrays (nblocks, the end of the key blocks holding a visible key; with a window also first,
+    the first of them, and per_split, how many each chunk takes: never more than
+    blocks_per_split) and the rows' [B, R] inputs (limit, [start], [tree first, bits])."""
+    span_start, span_limit = common.key_span(limit_rows, start_rows, tree_rows, num_queries, num_keys)
+    nblocks = (jnp.max(span_limit, axis=1) + block_k - 1) // block_k  # [B]
+    prefetch, row_inputs = [nblocks], [limit_rows]
+    if start_rows is not None:
+        first = common.first_key_block(span_limit, span_start, block_k, axis=1)  # [B]
+        per_split = (jnp.maximum(nblocks - first, 0) + num_splits - 1) // num_splits  # [B]
+        prefetch += [first, per_split]
+        row_inputs.append(start_rows)
+    return prefetch, row_inputs + list(tree_rows or [])
+
+
 def _tpu_partials(
     q_rows, k, v, limit_rows, start_rows, tree_rows, num_queries, block_k, num_splits, blocks_per_split,
     interpret, target,
@@ -294,16 +305,9 @@ def _tpu_partials(
     """Returns o_parts [B, KVH, C, R, D] f32 and lse [B, KVH, C, R] f32 (C = num_splits)."""
     b, kvh, rows, d = q_rows.shape
     s = k.shape[1]
-    span_start, span_limit = common.key_span(limit_rows, start_rows, tree_rows, num_queries, s)
-    nblocks = (jnp.max(span_limit, axis=1) + block_k - 1) // block_k  # [B]
-    prefetch, row_inputs = [nblocks], [limit_rows]
-    if start_rows is not None:
-        first = common.first_key_block(span_limit, span_start, block_k, axis=1)  # [B]
-        # The needed blocks shared out over the chunks; never more than blocks_per_split each.
-        per_split = (jnp.maximum(nblocks - first, 0) + num_splits - 1) // num_splits  # [B]
-        prefetch += [first, per_split]
-        row_inputs.append(start_rows)
-    row_inputs += tree_rows or []
+    prefetch, row_inputs = _tpu_prefetch(
+        limit_rows, start_rows, tree_rows, num_queries, s, block_k, num_splits
+    )
     k_rows = k.reshape(b, s * kvh, d)  # free: heads interleaved per key
     v_rows = v.reshape(b, s * kvh, d)
 
@@ -317,29 +321,11 @@ def _tpu_partials(
         block = first_ref[bi] + split * per + jnp.minimum(j, jnp.maximum(per - 1, 0))
         return bi, jnp.minimum(block, last), 0
 
-    upcast = q_rows.dtype == jnp.bfloat16 and kvh > 1
-    scratch = [
-        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
-        pltpu.VMEM((kvh, rows, common.TPU_LANES), jnp.float32),
-        pltpu.VMEM((kvh, rows, d), jnp.float32),
-    ]
-    if upcast:
-        scratch += [pltpu.VMEM((block_k * kvh, d), jnp.float32)] * 2
-    params = common.tpu_compiler_params(
-        ("parallel", "parallel", "arbitrary"),
-        tpu_vmem_bytes(kvh, rows, d, block_k, q_rows.dtype),
-        f"flash_decoding(block_k={block_k}, KVH={kvh}, rows={rows})",
-        target,
-    )
-    mxu_dtype = q_rows.dtype if target.tpu_bf16_matmul else jnp.float32
-    kernel = functools.partial(
-        _tpu_kernel,
-        windowed=start_rows is not None,
-        tree=tree_rows is not None,
-        num_keys=s,
-        scale=d**-0.5,
-        mxu_dtype=mxu_dtype,
-    )
+    kernel, scratch, params = common.tpu_flash_setup(
+        _tpu_kernel, q_rows.dtype, kvh, rows, d, block_k, tpu_vmem_bytes(kvh, rows, d, block_k, q_rows.dtype),
+        f"flash_decoding(block_k={block_k}, KVH={kvh}, rows={rows})", target,
+        windowed=start_rows is not None, tree=tree_rows is not None, num_keys=s,
+    )  # fmt: skip
     row_spec = pl.BlockSpec((None, rows, 1), lambda bi, c, j, *_: (bi, 0, 0))
     o_parts, lse = pl.pallas_call(
         kernel,

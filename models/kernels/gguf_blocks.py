@@ -165,7 +165,7 @@ SUPPORTED: frozenset[int] = frozenset(_FORMATS)
 
 def _type_name(ggml_type: int) -> str:
     try:
-        from gguf.constants import GGMLQuantizationType
+        from gguf.constants import GGMLQuantizationType  # gguf: ~45 ms of start-up, only for GGUF blocks
 
         return GGMLQuantizationType(ggml_type).name
     except (ImportError, ValueError):

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.kernels import libraries, llama_cpp
+
 SOURCE = pathlib.Path(__file__).with_name("gguf_matmul.cc")
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 MATMUL_TARGET, ROWS_TARGET = "spec_jax_gguf_matmul", "spec_jax_gguf_rows"
@@ -39,8 +41,6 @@ class KernelUnavailable(RuntimeError):
 def library_path(cache_dir=None) -> pathlib.Path:
     """Where the library for this source, ggml build and jaxlib is cached (inside the ggml build
     folder, whose name already keys the compiler, the CPU and the llama.cpp version)."""
-    from models.kernels import llama_cpp
-
     sources = SOURCE.read_bytes() + SOURCE.with_name("cpu_parallel.h").read_bytes()
     digest = hashlib.sha256(sources + " ".join(FLAGS).encode() + jax.__version__.encode())
     return llama_cpp.build_dir(cache_dir) / "spec_jax" / f"gguf_matmul-{digest.hexdigest()[:16]}.so"
@@ -49,8 +49,6 @@ def library_path(cache_dir=None) -> pathlib.Path:
 def build(cache_dir=None) -> pathlib.Path:
     """Builds ggml (models.kernels.llama_cpp) and this kernel against it, if not cached
     (libraries.verified_build: checked against its stored sha256 before each load)."""
-    from models.kernels import libraries, llama_cpp
-
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelUnavailable(f"built for x86-64 Linux, this is {platform.system()} {platform.machine()}")
     try:
@@ -118,7 +116,10 @@ def available() -> bool:
 
 def row_bytes(ggml_type: int, k: int) -> int:
     """Bytes of one row of k values in a GGUF block format."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import (
+        GGML_QUANT_SIZES,
+        GGMLQuantizationType,
+    )  # gguf: ~45 ms of start-up, only for GGUF blocks
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     if k % block:
@@ -143,7 +144,7 @@ def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
     """Q4_K rows [O, Y] (O a multiple of 8) -> the same bytes with each group of 8 rows'
     blocks interleaved (ggml's block_q4_Kx8, as llama.cpp's CPU backend repacks Q4_K): what
     matmul(..., interleaved=True) reads."""
-    from gguf import GGMLQuantizationType as T
+    from gguf import GGMLQuantizationType as T  # gguf: ~45 ms of start-up, only for GGUF blocks
 
     library = _library()
     if isinstance(library, str):

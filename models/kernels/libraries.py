@@ -17,6 +17,8 @@ import sys
 import tempfile
 from collections.abc import Callable
 
+from models import registry
+
 
 class LibraryMismatch(OSError):
     """A library's bytes do not match the sha256 stored beside it, even after building it again."""
@@ -30,8 +32,6 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
     temporary folder of this process. The build holds the library's file_lock (a second process
     waits, then finds it built) and removes what killed builds left. LibraryMismatch if the
     library still does not match after one build; compile_to's errors propagate."""
-    from models import registry
-
     folder = path.parent if own_folder(path.parent) else _private_folder()
     path = folder / path.name
     if _matches(path):
@@ -59,8 +59,6 @@ def _digest_path(path: pathlib.Path) -> pathlib.Path:
 
 
 def _matches(path: pathlib.Path) -> bool:
-    from models import registry
-
     try:
         return _digest_path(path).read_text().strip() == registry.sha256_file(path)
     except OSError:

@@ -23,7 +23,8 @@ import sys
 import tarfile
 import tempfile
 
-from models import machine
+from models import machine, registry
+from models.registry import cache_root, file_lock
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -46,15 +47,11 @@ class Unavailable(RuntimeError):
 
 
 def root(cache_dir=None) -> pathlib.Path:
-    from models.registry import cache_root
-
     return cache_root(cache_dir) / "llama.cpp"
 
 
 def source(cache_dir=None) -> pathlib.Path:
     """The vendored llama.cpp source folder of the pinned sdist (downloaded and extracted once)."""
-    from models import registry
-
     base = root(cache_dir)
     folder = base / f"src-{VERSION}"
     done = folder / ".complete"
@@ -128,7 +125,6 @@ def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
     folder = build_dir(cache_dir)
     if built(targets, cache_dir):
         return folder
-    from models.registry import file_lock
 
     cmake = check_tools()
     src = source(cache_dir)

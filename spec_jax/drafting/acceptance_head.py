@@ -1,4 +1,4 @@
-"""The acceptance head's classifier (SpecDec++; trained by spec_jax.acceptance): at each draft
+"""The acceptance head's classifier (SpecDec++; trained by training.acceptance): at each draft
 position, the probability that the draft is rejected given that every draft before it was
 accepted, from what the draft head knows there. spec_jax.drafting.head.HeadDrafter reads it to
 stop a row's draft (stop_rejection)."""

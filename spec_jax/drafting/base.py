@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax import sharding
+from spec_jax import tree as tree_lib
 from spec_jax.sampling import SamplingParams
 
 # Drafters without a model (n-gram tables, prompt lookup, suffix) can read any context length.
@@ -102,8 +103,6 @@ class Drafter(abc.ABC):
         all-zero q marks an empty slot). Default: the chain of `propose` with gamma = nodes, so
         every drafter runs a tree round. The loop verifies the tree in one target call and then
         calls `accepted`."""
-        from spec_jax import tree as tree_lib
-
         proposal = Proposal(*self.propose(params, state, context_b2, length_b, nodes, sampling, keys_b))
         return TreeProposal(tree_lib.chain(proposal.tokens, proposal.q), proposal.state)
 

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from models import corpora
 from models.settings import is_int, is_number
 from spec_jax.drafting.base import Drafter
 from spec_jax.drafting.head import HeadDrafter, load_drafter
@@ -19,6 +20,7 @@ from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter
 from spec_jax.drafting.model import ModelDrafter, trim_vocabulary
 from spec_jax.drafting.ngram import fit_bigram, fit_unigram
 from spec_jax.drafting.suffix import SuffixDrafter, SuffixTables, fit_suffix_tables
+from spec_jax.drafting.tables import frequent_tokens, suffix_tables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +31,17 @@ class Settings:
       e.g. a vocabulary-trimmed one); head: a (HeadDrafter, HeadParams) pair, or None to load
       the trained head from head_dir.
     draft_vocab: model / hybrid: VocabTrim, the draft proposes only this many tokens (the most
-      frequent of the training corpora, spec_jax.corpora.frequent_tokens, plus stop_ids); 0: all.
+      frequent of the training corpora, spec_jax.drafting.tables.frequent_tokens, plus stop_ids); 0: all.
     stop_ids: the target's stop tokens (kept by VocabTrim).
     max_ngram: prompt_lookup / suffix / hybrid: the longest suffix matched.
     threshold: model / head / hybrid / suffix: a row stops drafting below this confidence.
     tree_depth, tree_width: model / head: the dynamic tree in tree rounds (generate's tree=N):
       depth D, K children per expanded node and K expanded per depth (width 0: the chain);
-      spec_jax.drafting.model.DynamicTree.
+      spec_jax.drafting.dynamic_tree.DynamicTree.
     sequences: unigram / bigram / suffix: token-id lists to fit the tables on.
     tables: suffix: a spec_jax.drafting.suffix.SuffixTables.
     corpus: unigram / bigram / suffix with neither sequences nor tables: fit on the training
-      split of the corpora (spec_jax.corpora; cached), as the CLI does.
+      split of the corpora (models.corpora; tables cached by spec_jax.drafting.tables), as the CLI does.
     head_dir, head_dtype, acceptance: head: the trained head's workdir (None: the default for
       the target), its precision (None: the target's), and whether its acceptance head decides
       each row's draft length (spec_jax.drafting.head.load_drafter).
@@ -122,20 +124,16 @@ def _model(target, settings: Settings, kind: str = "model") -> tuple[ModelDrafte
 
 
 def _frequent_tokens(draft, settings: Settings):
-    from spec_jax import corpora
-
     vocab, count, stops = draft.config.vocab_size, settings.draft_vocab, list(settings.stop_ids)
     if not len(stops) < count <= vocab:
         raise ValueError(
             f"draft_vocab must be 0 or in [{len(stops) + 1}, {vocab}] (more than the stop tokens), got {count}"
         )
-    return corpora.frequent_tokens(draft.config.name, draft.tokenizer, vocab, count, always=stops)
+    return frequent_tokens(draft.config.name, draft.tokenizer, vocab, count, always=stops)
 
 
 def _sequences(target, settings: Settings, kind: str):
     if settings.sequences is None and settings.corpus:
-        from spec_jax import corpora
-
         return corpora.training_sequences(target.tokenizer)
     if settings.sequences is None:
         raise ValueError(f"drafter {kind!r} needs sequences (token-id lists) to fit its table on")
@@ -147,9 +145,7 @@ def _suffix(target, settings: Settings):
     if tables is None and settings.sequences is not None:
         tables = fit_suffix_tables(settings.sequences, vocab, settings.max_ngram)
     elif tables is None and settings.corpus:
-        from spec_jax import corpora
-
-        tables = corpora.suffix_tables(target.config.name, target.tokenizer, vocab, settings.max_ngram)
+        tables = suffix_tables(target.config.name, target.tokenizer, vocab, settings.max_ngram)
     if tables is not None and not isinstance(tables, SuffixTables):
         raise ValueError(
             f"tables must be a spec_jax.drafting.suffix.SuffixTables, got {type(tables).__name__}"

@@ -41,17 +41,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import models
 import spec_jax.drafting.acceptance_head as acceptance_head
 from models import draft_head, registry
 from models.cache import KVCache
 from models.config import ModelConfig
 from models.transformer import output_head
-from spec_jax import sharding
-from spec_jax.autogamma import model_key
+from spec_jax import sharding, timing
 from spec_jax.decode import PAD_ID
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
-from spec_jax.drafting.model import DynamicTree, TrimmedHead, on_ids
+from spec_jax.drafting.dynamic_tree import DynamicTree
+from spec_jax.drafting.model import TrimmedHead, on_ids
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
+from spec_jax.step_costs import model_key
 
 
 @flax.struct.dataclass
@@ -208,16 +210,7 @@ class HeadDrafter(DynamicTree, Drafter):
         def position(i, hidden, drafting, survive, out):
             q, conf, entropy = self.distribution(params, hidden, sampling)
             token = draw_rows(keys[i], q)
-            keep = drafting
-            reject = jnp.zeros_like(conf)
-            if self.threshold > 0:
-                keep = keep & (conf >= self.threshold)
-            if self.stop_rejection > 0:
-                reject = acceptance_head.reject_probability(
-                    params.acceptance, acceptance_head.signals(hidden, conf, entropy, i)
-                )
-                survive = survive * (1.0 - reject)
-                keep = keep & (1.0 - survive <= self.stop_rejection)
+            keep, survive, reject = self.stop_rule(params, i, hidden, conf, entropy, drafting, survive)
             rows = (("tokens", token), ("q", q * keep[:, None]), ("hidden", hidden))
             rows += (("confidence", conf), ("entropy", entropy), ("reject", reject))
             out = {k: out[k].at[:, i].set(v.astype(out[k].dtype)) for k, v in rows}
@@ -245,6 +238,24 @@ class HeadDrafter(DynamicTree, Drafter):
         _, _, cache, _, _, out = jax.lax.while_loop(cond, body, carry)
         signals = {k: out[k] for k in ("hidden", "confidence", "entropy", "reject")}
         return out["tokens"], out["q"], signals, cache
+
+    def stop_rule(self, params: HeadParams, i: int, hidden, conf, entropy, drafting, survive):
+        """Which rows still draft at position i: (keep bool [B], survive [B], reject [B] float32).
+        A row keeps drafting while it was (drafting), its confidence is at least threshold (when
+        > 0), and with stop_rejection > 0 while the acceptance head's probability that some draft
+        so far is rejected, 1 - survive (survive: the product of 1 - reject), is at most it;
+        reject is 0 without an acceptance stop."""
+        keep = drafting
+        reject = jnp.zeros_like(conf)
+        if self.threshold > 0:
+            keep = keep & (conf >= self.threshold)
+        if self.stop_rejection > 0:
+            reject = acceptance_head.reject_probability(
+                params.acceptance, acceptance_head.signals(hidden, conf, entropy, i)
+            )
+            survive = survive * (1.0 - reject)
+            keep = keep & (1.0 - survive <= self.stop_rejection)
+        return keep, survive, reject
 
     def propose(self, params: HeadParams, state: HeadState, context_b2, length_b, gamma, sampling, keys_b):
         tokens, q, _, cache = self.draft_chain(params, state, length_b, gamma, sampling, keys_b)
@@ -304,8 +315,6 @@ class HeadDrafter(DynamicTree, Drafter):
 
     def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
         """A drafting step (width 1) and a 2-pair call (a round's observe call and first draft)."""
-        from spec_jax import timing
-
         return {
             w: timing.head_call(self, params, batch=batch, widths=[w], cache_slots=cache_slots, repeat=repeat)
             for w in widths
@@ -329,8 +338,7 @@ def load_drafter(
     also its acceptance head (WORKDIR/acceptance/, experiments/train_acceptance.py), stopping
     each row's draft at the threshold chosen in training. ValueError when there is none, it
     belongs to another target, or the acceptance head belongs to another draft head."""
-    import models
-    from spec_jax import head_checkpoint
+    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
 
     cfg = target.config
     workdir = pathlib.Path(workdir or default_workdir(cfg.name))
@@ -349,7 +357,7 @@ def load_drafter(
 
 def head_hash(workdir, target) -> str:
     """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
-    from spec_jax import head_checkpoint
+    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
 
     return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
 
@@ -357,9 +365,9 @@ def head_hash(workdir, target) -> str:
 def load_acceptance(workdir, head_sha256: str, width: int):
     """(AcceptanceParams, meta) from WORKDIR/acceptance/; ValueError if there is none or it was
     trained for another head (head_sha256: head_hash of the draft head in use)."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # ~0.5 s of start-up, only to load a trained head
 
-    from spec_jax import head_checkpoint
+    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
 
     folder = pathlib.Path(workdir) / "acceptance"
     mngr = head_checkpoint.checkpoint_reader(folder) if folder.is_dir() else None

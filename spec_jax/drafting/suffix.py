@@ -106,10 +106,47 @@ def fit_suffix_tables(
         raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
     if not is_int(min_count) or min_count < 1:
         raise ValueError(f"min_count must be an integer >= 1, got {min_count!r}")
+    keys, nexts = _ngram_successors(_token_arrays(sequences, vocab_size), max_ngram)
+    pair_key, pair_next, pair_count, key_index, totals = _successor_counts(keys, nexts)
+    keep_key = totals >= min_count
+    kept = np.flatnonzero(keep_key)
+    if num_buckets is None:
+        num_buckets = int(min(MAX_BUCKETS, max(2, 1 << int(np.ceil(np.log2(max(2 * kept.size, 2)))))))
+    if not is_int(num_buckets) or num_buckets < 2 or num_buckets & (num_buckets - 1):
+        raise ValueError(f"num_buckets must be a power of two >= 2, got {num_buckets!r}")
+    # per n-gram: its successors by count (descending), then id; the first `slots` of each kept one
+    order = np.lexsort((pair_next, -pair_count, key_index))
+    sorted_index = key_index[order]
+    rank = np.arange(order.size) - np.searchsorted(sorted_index, sorted_index, side="left")
+    chosen = order[(rank < slots) & keep_key[sorted_index]]
+    chosen_rank = rank[(rank < slots) & keep_key[sorted_index]]
+    unique_keys = pair_key[np.concatenate([[True], pair_key[1:] != pair_key[:-1]])]
+    bucket, table_keys, owns = _bucket_owners(unique_keys, totals, kept, num_buckets)
+    ids = np.zeros((num_buckets, slots), np.int32)
+    counts = np.zeros((num_buckets, slots), np.float32)
+    pair_owner = key_index[chosen]
+    take = owns[pair_owner]
+    rows = bucket[pair_owner[take]]
+    ids[rows, chosen_rank[take]] = pair_next[chosen[take]]
+    counts[rows, chosen_rank[take]] = pair_count[chosen[take]]
+    return SuffixTables(
+        keys=jnp.asarray(table_keys), next_ids=jnp.asarray(ids), next_counts=jnp.asarray(counts)
+    )
+
+
+def _token_arrays(sequences, vocab_size: int) -> list[np.ndarray]:
+    """The sequences as int64 arrays; ValueError naming the first that is not flat token ids."""
     arrays = [np.asarray(s, np.int64) for s in sequences]
     for i, a in enumerate(arrays):
         if a.ndim != 1 or (a.size and (a.min() < 0 or a.max() >= vocab_size)):
             raise ValueError(f"sequences[{i}] must be a flat list of token ids in [0, {vocab_size})")
+    return arrays
+
+
+def _ngram_successors(arrays, max_ngram: int):
+    """(key uint64 [M], next int64 [M]) over every n-gram (n = 1 .. max_ngram) of every array and
+    the token after it: key packs the n-gram's two 32-bit hashes (newest token first, _roll).
+    ValueError if no array has two tokens."""
     keys1, keys2, nexts = [], [], []
     for a in arrays:
         a32 = a.astype(np.uint32)
@@ -125,8 +162,14 @@ def fit_suffix_tables(
             nexts.append(a[n:])
     if not nexts:
         raise ValueError("sequences: no sequence has two tokens, so there is nothing to count")
-    k1, k2, nx = np.concatenate(keys1), np.concatenate(keys2), np.concatenate(nexts)
-    key = (k1.astype(np.uint64) << np.uint64(32)) | k2.astype(np.uint64)
+    k1, k2 = np.concatenate(keys1), np.concatenate(keys2)
+    return (k1.astype(np.uint64) << np.uint64(32)) | k2.astype(np.uint64), np.concatenate(nexts)
+
+
+def _successor_counts(key, nx):
+    """The distinct (n-gram, successor) pairs, sorted by key then successor: (pair_key,
+    pair_next, pair_count [P], key_index [P]: each pair's n-gram's index among the distinct
+    keys, totals [K] float64: each n-gram's count)."""
     order = np.lexsort((nx, key))
     key, nx = key[order], nx[order]
     # runs of equal (key, next): one successor and its count
@@ -134,27 +177,17 @@ def fit_suffix_tables(
     starts = np.flatnonzero(new_pair)
     pair_key, pair_next = key[starts], nx[starts]
     pair_count = np.diff(np.concatenate([starts, [key.size]]))
-    # per n-gram: total count, successors by count (descending), then id
-    new_key = np.concatenate([[True], pair_key[1:] != pair_key[:-1]])
-    key_index = np.cumsum(new_key) - 1
-    totals = np.bincount(key_index, weights=pair_count)
-    keep_key = totals >= min_count
-    order = np.lexsort((pair_next, -pair_count, key_index))
-    sorted_index = key_index[order]
-    first_of_key = np.searchsorted(sorted_index, sorted_index, side="left")
-    rank = np.arange(order.size) - first_of_key
-    chosen = order[(rank < slots) & keep_key[sorted_index]]
-    chosen_rank = rank[(rank < slots) & keep_key[sorted_index]]
-    unique_keys = pair_key[new_key]
-    kept = np.flatnonzero(keep_key)
-    if num_buckets is None:
-        num_buckets = int(min(MAX_BUCKETS, max(2, 1 << int(np.ceil(np.log2(max(2 * kept.size, 2)))))))
-    if not is_int(num_buckets) or num_buckets < 2 or num_buckets & (num_buckets - 1):
-        raise ValueError(f"num_buckets must be a power of two >= 2, got {num_buckets!r}")
+    key_index = np.cumsum(np.concatenate([[True], pair_key[1:] != pair_key[:-1]])) - 1
+    return pair_key, pair_next, pair_count, key_index, np.bincount(key_index, weights=pair_count)
+
+
+def _bucket_owners(unique_keys, totals, kept, num_buckets: int):
+    """(bucket int64 [K]: each n-gram's bucket, table_keys uint32 [num_buckets, 2]: the two
+    hashes of each bucket's owner, owns bool [K]). One n-gram per bucket: the most frequent
+    (then the smaller key) of the kept ones that hash to it."""
     h1 = (unique_keys >> np.uint64(32)).astype(np.uint32)
     h2 = (unique_keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)
     bucket = (_finalize(np, h1) & np.uint32(num_buckets - 1)).astype(np.int64)
-    # one n-gram per bucket: the most frequent (then the smaller key) of those that want it
     by_bucket = kept[np.lexsort((unique_keys[kept], -totals[kept], bucket[kept]))]
     winner = by_bucket[np.concatenate([[True], bucket[by_bucket][1:] != bucket[by_bucket][:-1]])]
     owns = np.zeros(unique_keys.size, bool)
@@ -162,16 +195,7 @@ def fit_suffix_tables(
     table_keys = np.zeros((num_buckets, 2), np.uint32)
     table_keys[bucket[winner], 0] = h1[winner]
     table_keys[bucket[winner], 1] = h2[winner]
-    ids = np.zeros((num_buckets, slots), np.int32)
-    counts = np.zeros((num_buckets, slots), np.float32)
-    pair_owner = key_index[chosen]
-    take = owns[pair_owner]
-    rows = bucket[pair_owner[take]]
-    ids[rows, chosen_rank[take]] = pair_next[chosen[take]]
-    counts[rows, chosen_rank[take]] = pair_count[chosen[take]]
-    return SuffixTables(
-        keys=jnp.asarray(table_keys), next_ids=jnp.asarray(ids), next_counts=jnp.asarray(counts)
-    )
+    return bucket, table_keys, owns
 
 
 def context_hashes(buffer_bs, length_b, max_ngram: int):

@@ -13,7 +13,7 @@ Training data are logged rounds of the real pair (`log_rounds`): the loop runs r
 with the head drafting gamma_max tokens, and every draft position up to the first rejection
 is one example (label 1: rejected). The classifier trains with optax (AdamW, class-weighted
 binary cross-entropy); `choose_threshold` then picks h on held-out logged rounds: with the
-measured call costs (spec_jax.autogamma.Costs) it simulates each round stopped where h says
+measured call costs (spec_jax.step_costs.Costs) it simulates each round stopped where h says
 (committed tokens min(accepted, k) + 1, cost of k drafts and a verify call over k + 1
 positions) and takes the h with the most tokens per unit of time, beside every fixed gamma.
 """
@@ -27,6 +27,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from spec_jax import speculative
+from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting.acceptance_head import (  # noqa: F401 - the classifier, trained here
     HIDDEN,
     POSITIONS,
@@ -37,6 +39,7 @@ from spec_jax.drafting.acceptance_head import (  # noqa: F401 - the classifier, 
     signals,
 )
 from spec_jax.drafting.head import HeadDrafter
+from spec_jax.sampling import SamplingParams, row_keys
 
 
 @dataclasses.dataclass
@@ -89,10 +92,6 @@ def log_rounds(
     """Runs the loop round by round (greedy) with `drafter` (a HeadDrafter without stop rules)
     drafting gamma tokens, and logs every draft position reached. A round whose row stopped
     (stop token, max_new_tokens) is not logged: its acceptance was cut."""
-    from spec_jax import speculative
-    from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
-    from spec_jax.sampling import SamplingParams, row_keys
-
     drafter = dataclasses.replace(drafter, threshold=0.0, stop_rejection=0.0)
     recorder = RecordingDrafter(drafter.config, drafter.trimmed, gamma=gamma)
     xs, labels, round_ids, accepted_all, prompt_ids = [], [], [], [], []

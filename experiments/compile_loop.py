@@ -5,7 +5,8 @@ compile-only devices (libtpu, XLA's CUDA plugin). This module does the same for 
 `spec_jax.generate` runs: `spec_prefill` (both models read the padded prompts) and `spec_loop`
 (the while_loop of draft -> verify -> commit rounds), for a target / draft pair of registered
 model configs, with abstract parameters (`models.weights.param_shapes`) placed on the device:
-no weights are needed. It lives here, not beside the kernels' checks, because `models` imports
+no weights are needed. It lives in experiments/ (the benchmarks and scripts/compile_sweep.py use
+it; the inference library does not), not beside the kernels' checks, because `models` imports
 nothing from `spec_jax`.
 
 DEMO is what `make demo` runs (launch.generate's defaults): the Qwen2.5-Coder pair, gamma 4, 64

@@ -1,0 +1,280 @@
+"""The measured costs gamma=auto (spec_jax.autogamma) plans with: each model call of a round in
+target decode steps, measured once per machine, model pair, precision, batch bucket and
+cache-length bucket, and cached under `$SPEC_JAX_CACHE/costs/`; and the clock chunks are timed by.
+
+This module measures and caches; it chooses nothing. The controllers that choose each chunk's
+gamma or tree from these costs are spec_jax.autogamma's.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from models import machine, registry
+from spec_jax import theory, timing
+
+GAMMA_MAX = 8  # the longest chain whose verify call is measured: the largest gamma auto considers
+RESUME_WIDTH = 32  # a drafter catches up on at most this many positions per call
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Measured costs in target decode steps: draft1 / draft2 a drafter call over 1 / 2 tokens
+    per row, verify[g] the target's call over g + 1 tokens per row (verify[0] = 1 by definition),
+    resume a drafter call over RESUME_WIDTH tokens per row (catching up after plain decoding; 0
+    for drafters without a model), tree_verify the target's call over N + 1 tokens per row for
+    each tree size N of tree="auto" ((N, cost) pairs; empty for chains alone). step_seconds is the
+    target decode step they are relative to."""
+
+    step_seconds: float
+    draft1: float
+    draft2: float
+    verify: tuple[float, ...]
+    resume: float = 0.0  # a drafter call catching up on RESUME_WIDTH positions per row
+    tree_verify: tuple[tuple[int, float], ...] = ()
+
+    def draft_cost(self, gamma: int) -> float:
+        """The drafter's calls of a chain of gamma drafts, in target steps."""
+        return self.draft2 + (gamma - 1) * self.draft1 if gamma else 0.0
+
+    def round_cost(self, gamma: int) -> float:
+        """A round of gamma drafts, in target steps (gamma 0: one decode step)."""
+        if gamma == 0:
+            return 1.0
+        return self.draft_cost(gamma) + self.verify[gamma]
+
+    def tree_round_cost(self, nodes: int) -> float:
+        """A tree round of `nodes` node slots, in target steps: the target's call over nodes + 1
+        tokens (timed as a causal call of that width: what the tree mask adds shows once the
+        tree ran) and the drafter's calls of a chain of `nodes` drafts, what the default
+        propose_tree makes. For a drafter that builds its tree otherwise this is an
+        approximation: the draft model's EAGLE-2 tree makes min(tree_depth, N) calls (N at the
+        default depth of 16), wider than a chain's (up to tree_width nodes per depth above), so
+        it is priced low until it ran (and then by its measured rounds)."""
+        return self.draft_cost(nodes) + dict(self.tree_verify)[nodes]
+
+    def rate(self, alpha: float, gamma: int) -> float:
+        """Expected committed tokens per target-step time of rounds of gamma drafts."""
+        tokens = 1.0 if gamma == 0 else float(theory.expected_tokens(alpha, gamma))
+        return tokens / self.round_cost(gamma)
+
+    def best_gamma(self, alpha: float, gamma_max: int | None = None) -> int:
+        """The gamma in 0..gamma_max with the highest rate (the smallest such gamma on ties)."""
+        top = len(self.verify) - 1 if gamma_max is None else min(gamma_max, len(self.verify) - 1)
+        rates = [self.rate(alpha, g) for g in range(top + 1)]
+        return int(np.argmax(rates))
+
+
+# How measure() turns repeats into a cost; part of the cache key, so a change re-measures.
+MEASURE_METHOD = "min of interleaved repeats; resume call"
+# The cache lengths costs are measured at: COST_SLOTS, or COST_SLOTS times a power of
+# COST_SLOTS_STEP for a longer cache (cost_slots). A call's cost hardly moves with the cache below
+# a few thousand slots (the weights' products dominate), so every prompt of an ordinary length
+# shares one measurement; a chunk's measured time corrects what is left once it runs.
+COST_SLOTS = 512
+COST_SLOTS_STEP = 8
+# What measuring the default pair's costs took on the 2-core EPYC (for the line that announces it).
+COST_MEASURE_SECONDS = 60
+
+
+def cost_slots(cache_slots: int) -> int:
+    """The cache length costs are measured at for a run of `cache_slots`: the smallest of
+    COST_SLOTS * COST_SLOTS_STEP^k (k >= 0) that holds it."""
+    slots = COST_SLOTS
+    while slots < cache_slots:
+        slots *= COST_SLOTS_STEP
+    return slots
+
+
+def cost_batch(batch: int) -> int:
+    """The batch costs are measured at for a run of `batch` rows: the next power of two."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+def machine_key() -> dict:
+    """What the costs depend on besides the models: the device, the core count, jax, and the
+    CPU matmul kernel's build: its source and the instruction set it is built for
+    ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale). A
+    model's own build (ModelConfig.cpu_isa) is in model_key."""
+    from models.kernels import cpu_matmul
+
+    device = jax.devices()[0]
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "cpu": machine.cpu_model(),
+        "cores": os.cpu_count(),
+        "jax": jax.__version__,
+        "cpu_matmul": cpu_matmul.library_path().stem if jax.default_backend() == "cpu" else None,
+    }
+
+
+def model_key(config) -> dict:
+    return {
+        k: getattr(config, k)
+        for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
+        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
+    }
+
+
+def cache_path(key: dict, cache_dir=None):
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return registry.cache_root(cache_dir) / "costs" / f"{digest}.json"
+
+
+def measure(
+    target,
+    drafter,
+    draft_params,
+    *,
+    batch: int,
+    cache_slots: int,
+    gamma_max: int = GAMMA_MAX,
+    tree_sizes: tuple[int, ...] = (),
+    repeats: int = 5,
+) -> Costs:
+    """Times the target's calls over 1..gamma_max + 1 tokens (and N + 1 for each N of
+    tree_sizes) and the drafter's calls over 1, 2 and RESUME_WIDTH tokens, those it has
+    (Drafter.cost_calls: a draft model all three, a draft head a drafting step and a 2-pair
+    call, drafters without a model none: they count as free), the fastest of interleaved repeats
+    after a warm-up (spec_jax.timing.model_call)."""
+    widest = max((gamma_max, *tree_sizes)) + 1
+    slots = max(cache_slots, 2 * (widest + 1), 2 * RESUME_WIDTH)
+    repeat = 4  # calls per timed program, so that dispatch is not counted
+    fns = {
+        ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
+        for w in sorted({*range(1, gamma_max + 2), *(n + 1 for n in tree_sizes)})
+    }
+    calls = drafter.cost_calls(
+        draft_params, (1, 2, RESUME_WIDTH), batch=batch, cache_slots=slots, repeat=repeat
+    )
+    fns.update({("draft", w): fn for w, fn in calls.items()})
+    # The fastest of the interleaved repeats: on a machine shared with other work, each call's
+    # least disturbed time, so that the cost ratios do not follow the load of the moment.
+    times = timing.timed_interleaved(fns, repeats)
+    step = times[("target", 1)]["min"]
+
+    def rel(key):
+        return times[key]["min"] / step if key in times else 0.0
+
+    verify = (1.0,) + tuple(rel(("target", g + 1)) for g in range(1, gamma_max + 1))
+    return Costs(
+        step_seconds=step / repeat,
+        draft1=rel(("draft", 1)),
+        draft2=rel(("draft", 2)),
+        verify=verify,
+        resume=rel(("draft", RESUME_WIDTH)),
+        tree_verify=tuple((n, rel(("target", n + 1))) for n in tree_sizes),
+    )
+
+
+def costs_for(
+    target,
+    drafter,
+    draft_params,
+    *,
+    batch: int,
+    cache_slots: int,
+    gamma_max: int = GAMMA_MAX,
+    tree_sizes: tuple[int, ...] = (),
+    cache_dir=None,
+) -> Costs:
+    """Cached costs for this machine, pair, batch and cache size (measured on first use), with
+    the tree sizes' verify calls where tree_sizes is given (tree="auto"; part of the key).
+
+    target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
+    Measured at a batch of cost_batch(batch) and a cache of cost_slots(cache_slots) (a prompt of
+    a new length measures nothing again), announced by one line on stderr. A cached file is used
+    only when it holds this key and costs that checked_costs accepts, else (with a warning) the
+    costs are measured again. The file is written atomically (registry.atomic_write); a cache
+    that cannot be written is a warning, and the measured costs are used all the same."""
+    slots, batch = cost_slots(cache_slots), cost_batch(batch)
+    draft_key = drafter.cost_key(draft_params)
+    key = {
+        "machine": machine_key(),
+        "target": model_key(target.config),
+        "draft": draft_key,
+        "batch": batch,
+        "cache_slots": slots,
+        "gamma_max": gamma_max,
+        "method": MEASURE_METHOD,
+    }
+    if tree_sizes:  # only then, so that the chains' cached costs keep their key
+        key["tree_sizes"] = list(tree_sizes)
+    path = cache_path(key, cache_dir)
+    cached = _cached_costs(path, key, gamma_max, tree_sizes)
+    if cached is not None:
+        return cached
+    print(
+        f"gamma=auto: measuring {target.config.name}'s model calls at batch {batch} (once for this pair "
+        f"and precision; about {COST_MEASURE_SECONDS} s on a 2-core CPU; cached in {path.parent})",
+        file=sys.stderr,
+        flush=True,
+    )
+    costs = measure(
+        target,
+        drafter,
+        draft_params,
+        batch=batch,
+        cache_slots=slots,
+        gamma_max=gamma_max,
+        tree_sizes=tree_sizes,
+    )
+    try:
+        payload = json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        registry.atomic_write(path, lambda f: f.write(payload.encode()))
+    except OSError as e:  # the costs are measured: use them, and measure again next time
+        warnings.warn(f"gamma=auto: could not cache the measured costs in {path} ({e})", stacklevel=2)
+    return costs
+
+
+def _cached_costs(path, key: dict, gamma_max: int, tree_sizes: tuple[int, ...]) -> "Costs | None":
+    """The costs cached at path for key, or None (with a warning where a file is there but
+    stale, damaged or edited)."""
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if saved["key"] != json.loads(json.dumps(key, default=str)):
+            raise ValueError("it was measured for another key")
+        return checked_costs(saved["costs"], gamma_max, tree_sizes)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # stale, damaged or edited
+        warnings.warn(f"gamma=auto: cached costs {path} are not usable ({e}); measuring again", stacklevel=3)
+        return None
+
+
+def checked_costs(saved: dict, gamma_max: int, tree_sizes: tuple[int, ...] = ()) -> Costs:
+    """Costs from their saved fields, or ValueError where they cannot be measured costs: a
+    verify list of other than gamma_max + 1 entries or not starting at 1, tree verify costs of
+    other sizes than tree_sizes, a step time or verify cost that is not finite and positive, a
+    drafter cost that is not finite and non-negative."""
+    trees = tuple((int(n), float(v)) for n, v in saved.get("tree_verify", ()))
+    costs = Costs(**{**saved, "verify": tuple(float(v) for v in saved["verify"]), "tree_verify": trees})
+    if len(costs.verify) != gamma_max + 1 or costs.verify[0] != 1.0:
+        raise ValueError(f"verify has {len(costs.verify)} entries, not 1.0 and {gamma_max} more")
+    if tuple(n for n, _ in trees) != tuple(tree_sizes):
+        raise ValueError(f"tree_verify is for trees of {[n for n, _ in trees]} nodes, not {list(tree_sizes)}")
+    positive = (costs.step_seconds, *costs.verify, *(v for _, v in trees))
+    free = (costs.draft1, costs.draft2, costs.resume)
+    if not all(isinstance(v, float | int) and math.isfinite(v) for v in positive + free):
+        raise ValueError("a cost is not a finite number")
+    if min(positive) <= 0 or min(free) < 0:
+        raise ValueError("a cost is not positive")
+    return costs
+
+
+def work_clock() -> float:
+    """The clock gamma=auto times chunks with, in seconds: this process's CPU time on a CPU
+    backend (the work of all its threads, not the time other jobs on a shared machine take from
+    it, so that the choice does not follow their load), wall time on an accelerator (whose work
+    the host does not see)."""
+    return time.process_time() if jax.default_backend() == "cpu" else time.perf_counter()
