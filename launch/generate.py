@@ -510,7 +510,7 @@ def gamma_from_flag():
 
 def tree_from_flag():
     """--tree as an int in [0, MAX_TREE_NODES] or "auto"; UsageError naming the flag otherwise."""
-    from spec_jax.api import MAX_TREE_NODES
+    from spec_jax.request import MAX_TREE_NODES
 
     return int_or_auto(
         "tree", 0, MAX_TREE_NODES, f"0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto'"

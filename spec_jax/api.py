@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import kernels
 from models.settings import is_int
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
 from spec_jax.executables import compiled
 from spec_jax.metrics import NONFINITE, nonfinite_rows
+from spec_jax.request import speculation_bound
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
@@ -90,33 +90,27 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
             f"context of {target.config.max_seq_len} tokens"
         )
     stop_id_list(eos_id, vocab)
-    if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
-        raise ValueError(
-            f"tree must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}"
-        )
     if drafter is None:
+        speculation_bound("auto", tree)  # the tree setting is checked without a drafter too
         return
-    shown = gamma
-    if tree == "auto":  # gamma is auto too; the longest path is the largest tree's or chain's
-        gamma, shown = autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})"
-    elif tree:
-        gamma, shown = tree, None
-    elif gamma == "auto":
-        gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
-    elif not is_int(gamma) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+    bound, shown, name = speculation_bound(gamma, tree)
+    check_pairing(vocab, drafter)
+    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
+    check_gamma(bound, longest, max_new_tokens, contexts, name=name, shown=shown)
+
+
+def check_pairing(vocab: int, drafter: Drafter) -> None:
+    """The draft/target pairing check on the vocabularies (the tokenizers are checked where a
+    draft model becomes a drafter: spec_jax.drafting.paired_vocab): ValueError unless the
+    drafter proposes over the target's vocabulary of `vocab` tokens."""
     if drafter.vocab_size != vocab:
         raise ValueError(
             f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
             "speculative decoding needs one shared vocabulary"
         )
-    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
-    check_gamma(gamma, longest, max_new_tokens, contexts, name="tree" if tree else "gamma", shown=shown)
 
 
 VERIFY_WIDTHS = ("auto", "ends", "all")
-# A tree call scores the root and N nodes, one bit each in the attention's int32 mask.
-MAX_TREE_NODES = kernels.MAX_TREE_QUERIES - 1
 
 
 def resolve_verify_widths(verify_widths: str, drafter: Drafter) -> str:
@@ -146,13 +140,12 @@ class GammaPolicy:
     def of(cls, gamma, drafter: Drafter | None, tree: int | str = 0) -> "GammaPolicy":
         if drafter is None:
             return cls(0)
+        bound, _, _ = speculation_bound(gamma, tree)
         if tree == "auto":
-            return cls(autogamma.TREE_AUTO_MAX, auto=True, trees=autogamma.TREE_SIZES)
-        if tree:  # a tree round's paths are at most its node count long
-            return cls(tree)
-        if gamma == "auto":  # with a learned stop (an acceptance head), gamma is its fixed cap
-            return cls(autogamma.GAMMA_MAX, auto=drafter.stop_rejection <= 0)
-        return cls(gamma)
+            return cls(bound, auto=True, trees=autogamma.TREE_SIZES)
+        # A tree round's paths are at most its node count long; with a learned stop (an
+        # acceptance head), gamma=auto's gamma is its fixed cap.
+        return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
 
 
 @dataclasses.dataclass
@@ -270,10 +263,12 @@ class Runner:
     draft_params: Any
     inputs: PrefillInputs
 
-    def prefill(self, active) -> tuple[SpecState, float, float]:
-        """(state after prefill, compile seconds, prefill seconds)."""
-        args = (self.target_params, self.draft_params, self.inputs, active)
-        batch = self.inputs.tokens.shape[0]
+    def prefill(self, active, inputs: PrefillInputs | None = None) -> tuple[SpecState, float, float]:
+        """(state after prefill, compile seconds, prefill seconds) of inputs (default the
+        call's; spec_jax.engine prefills one request at a time into its table)."""
+        inputs = self.inputs if inputs is None else inputs
+        args = (self.target_params, self.draft_params, inputs, active)
+        batch = inputs.tokens.shape[0]
         fn, compile_s = compiled(
             "spec_prefill",
             _prefill_marking_padding_done,
@@ -368,54 +363,30 @@ def run(target, prompts, **options) -> tuple[SpecState, dict]:
 
 
 def _observed(state: SpecState):
-    """Host copies of what gamma=auto reads between chunks: (done, generated, length, overlap
-    sums, scored positions, target calls)."""
+    """Host copies of what gamma=auto reads between chunks: (done, generated, length, budget,
+    overlap sums, scored positions, target calls)."""
     m = state.metrics
     return sharding.fetch(
-        (state.out.done, state.out.num_generated, state.length)
+        (state.out.done, state.out.num_generated, state.length, state.out.budget)
         + (m.row_overlap_sum, m.row_overlap_count, m.target_calls)
     )
 
 
 def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecState):
-    """gamma=auto's host loop: chunks of rounds, each gamma (tree="auto": or tree) chosen by the
-    controller (spec_jax.autogamma) from the chunks before it. Plain chunks run without the drafter, whose
-    state waits aside; before it drafts again it catches up on the text committed meanwhile.
+    """gamma=auto's host loop: auto_chunk until every row is done.
 
     Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
     the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"), "resume_seconds": what the catch-ups took by
-    autogamma.work_clock}). The controller sees each chunk's time by work_clock.
+    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
+    "resume_seconds": what the catch-ups took by autogamma.work_clock}).
     """
-    max_new = runner.static.max_new_tokens
     catch_up = _CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
     compile_s = 0.0
     start = time.perf_counter()
     before = _observed(state)
     while not bool(np.all(before[0])):
-        done, generated, length = before[:3]
-        arm, rounds = controller.next_chunk(np.where(done, 0, max_new - generated))
-        gamma, tree = autogamma.arm_shape(arm)
-        state, c = catch_up.before_chunk(state, gamma, done, length, controller)
-        state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
-        compile_s += c + c_loop
-        after = _observed(state)
-        controller.observe(
-            autogamma.Chunk(
-                gamma=gamma,
-                rounds=int(after[5] - before[5]),
-                seconds=seconds,
-                active_b=~done,
-                committed_b=after[1] - generated,
-                overlap_b=after[3] - before[3],
-                scored_b=after[4] - before[4],
-                remaining_b=np.where(after[0], 0, max_new - after[1]),
-                tree=tree,
-            )
-        )
-        if gamma:  # its last round began at most gamma + 1 tokens back
-            catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
-        before = after
+        state, before, c = auto_chunk(controller, runner, catch_up, state, before)
+        compile_s += c
     decode_s = time.perf_counter() - start - compile_s
     return (
         state,
@@ -423,6 +394,37 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
         decode_s,
         {"gamma_schedule": controller.schedule, "resume_seconds": catch_up.seconds},
     )
+
+
+def auto_chunk(controller, runner: Runner, catch_up: "_CatchUp", state: SpecState, before, max_rounds=None):
+    """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
+    (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
+    run without the drafter, whose state waits aside (catch_up); before it drafts again it
+    catches up on the text committed meanwhile. before: _observed(state). The controller sees
+    the chunk's time by work_clock. Returns (state, _observed(state), compile seconds)."""
+    done, generated, length, budget = before[:4]
+    arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
+    gamma, tree = autogamma.arm_shape(arm)
+    state, c = catch_up.before_chunk(state, gamma, done, length, controller)
+    rounds = rounds if max_rounds is None else min(rounds, max_rounds)
+    state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
+    after = _observed(state)
+    controller.observe(
+        autogamma.Chunk(
+            gamma=gamma,
+            rounds=int(after[6] - before[6]),
+            seconds=seconds,
+            active_b=~done,
+            committed_b=after[1] - generated,
+            overlap_b=after[4] - before[4],
+            scored_b=after[5] - before[5],
+            remaining_b=np.where(after[0], 0, after[3] - after[1]),
+            tree=tree,
+        )
+    )
+    if gamma:  # its last round began at most gamma + 1 tokens back
+        catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
+    return state, after, c + c_loop
 
 
 @dataclasses.dataclass
