@@ -21,7 +21,7 @@ from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
 from spec_jax.executables import compiled
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import speculation_bound
+from spec_jax.request import Request, speculation_bound
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
@@ -33,6 +33,7 @@ class Generation:
 
     tokens: list[list[int]]
     stats: dict[str, Any]
+    text: list[str] | None = None  # each prompt's new text (special tokens skipped); None: no tokenizer
 
     @property
     def nonfinite_rows(self) -> list[int]:
@@ -46,14 +47,14 @@ class Options:
     """generate's (and run's) keyword arguments, as generate documents them."""
 
     draft: Any = None
-    gamma: int | str = 4
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    gamma: int | str = "auto"
+    max_new_tokens: int = Request.max_tokens
+    temperature: float = Request.temperature
+    top_k: int = Request.top_k
+    top_p: float = Request.top_p
+    seed: int = Request.seed
     row_ids: Any = None
-    eos_id: Any = None
+    eos_id: Any = "auto"
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
     tree: int | str = 0
@@ -167,6 +168,7 @@ class Plan:
     width: int
     cache_len: int
     stop_ids: list[int]
+    sources: tuple = ()  # the drafter's sources (the metrics' names), as given
 
 
 def _plan(target, prompts, options: Options) -> Plan:
@@ -178,6 +180,7 @@ def _plan(target, prompts, options: Options) -> Plan:
     if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
         raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
     policy = GammaPolicy.of(options.gamma, drafter, options.tree)
+    sources = () if drafter is None else drafter.sources
     drafter = NoDrafter(target.config.vocab_size) if drafter is None else drafter
     mesh = sharding.default_mesh() if options.mesh is None else options.mesh
     sharding.check_mesh(mesh)
@@ -210,6 +213,7 @@ def _plan(target, prompts, options: Options) -> Plan:
         width,
         cache_len,
         stop_ids,
+        sources,
     )
 
 
@@ -328,10 +332,17 @@ class Runner:
 
 
 def run(target, prompts, **options) -> tuple[SpecState, dict]:
-    """What generate does (the same arguments), returning the final loop state as device arrays
-    (caches included, with their shardings; rows past len(prompts) pad the data axis) and the
-    timings dict."""
-    options = Options(**options)
+    """What generate does (the same arguments; prompts as token ids), returning the final loop
+    state as device arrays (caches included, with their shardings; rows past len(prompts) pad
+    the data axis) and the timings dict."""
+    state, timings, _ = _run(target, prompts, Options(**options))
+    return state, timings
+
+
+def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
+    """run's (state, timings), and the Plan it ran."""
+    if options.eos_id == "auto":  # the model's stop tokens
+        options = dataclasses.replace(options, eos_id=model_stop_ids(target))
     plan = _plan(target, prompts, options)
     target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
     config = sharding.for_mesh(target.config, plan.mesh)
@@ -359,7 +370,38 @@ def run(target, prompts, **options) -> tuple[SpecState, dict]:
         decode_seconds=decode_s,
         **timings,
     )
-    return state, timings
+    return state, timings, plan
+
+
+def model_stop_ids(target) -> list[int] | None:
+    """The target tokenizer's stop tokens (eos, eot, the family's end tokens), or None without one."""
+    tokenizer = getattr(target, "tokenizer", None)
+    return None if tokenizer is None else list(tokenizer.stop_ids)
+
+
+def token_prompts(target, prompts) -> list:
+    """generate's prompts as token-id lists: a text (or a list of them) by the target's
+    tokenizer, a conversation ([{"role", "content"}, ...], or a list of them) through its chat
+    template (tokenizer.encode_chat), token-id lists as they are. ValueError naming the prompt
+    where the model has no tokenizer (or no chat template) to read it."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
+    ):
+        prompts = [prompts]  # one text, or one conversation
+    if not isinstance(prompts, list | tuple):
+        return prompts  # validate names it
+    tokenizer = getattr(target, "tokenizer", None)
+    out = []
+    for i, p in enumerate(prompts):
+        chat = isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)
+        if not isinstance(p, str) and not chat:
+            out.append(p)
+            continue
+        if tokenizer is None:
+            what = "a text" if isinstance(p, str) else "a conversation"
+            raise ValueError(f"prompts[{i}] is {what}, but the target has no tokenizer: pass token ids")
+        out.append(tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_chat(list(p)))
+    return out
 
 
 def _observed(state: SpecState):
@@ -503,19 +545,21 @@ def generate(target, prompts, **options) -> Generation:
       a row that stopped early because the target's logits became NaN or infinite
       (Generation.nonfinite_rows lists them).
     """
-    state, timings = run(target, prompts, **options)
+    prompts = token_prompts(target, prompts)
+    state, timings, plan = _run(target, prompts, Options(**options))
     num_rows = len(prompts)
     out, counts, nonfinite, metrics = sharding.fetch(
         (state.out.tokens, state.out.num_generated, state.out.nonfinite, state.metrics)
     )
     new_tokens = [out[i, : counts[i]].tolist() for i in range(num_rows)]
     total = int(counts[:num_rows].sum())
-    draft = options.get("draft")
-    stats = metrics.to_dict(() if draft is None else as_drafter(draft)[0].sources)
+    stats = metrics.to_dict(plan.sources)
     stats.update(
         timings,
         num_new_tokens=total,
         tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
     stats[NONFINITE] = nonfinite[:num_rows].tolist()
-    return Generation(tokens=new_tokens, stats=stats)
+    tokenizer = getattr(target, "tokenizer", None)
+    text = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+    return Generation(tokens=new_tokens, stats=stats, text=text)

@@ -97,6 +97,28 @@ class _Row:
     first_token_at: float | None = None
 
 
+def encode_prompt(target, request: Request) -> list[int]:
+    """The request's prompt as token ids for target: a text by its tokenizer, a conversation by
+    its chat template, token ids checked against its vocabulary; RequestError naming the
+    prompt's field where the model cannot read it."""
+    if request.prompt_ids is not None:
+        ids = list(request.prompt_ids)
+        vocab = target.config.vocab_size
+        if max(ids) >= vocab:
+            raise RequestError("prompt_ids", f"prompt_ids must be token ids in [0, {vocab}), got {max(ids)}")
+        return ids
+    field = "prompt" if request.prompt is not None else "messages"
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
+    if request.prompt is not None:
+        return tokenizer.encode(request.prompt)
+    try:
+        return tokenizer.encode_chat(list(request.messages))
+    except ValueError as e:  # no chat template, or the template refuses the conversation
+        raise RequestError("messages", f"messages: {e}") from None
+
+
 def _write_row(table, row, b, batch: int):
     """table (a loop state or its drafter state, batch `batch`) with its row b replaced by
     row's only row, along each leaf's batch axis (sharding.batch_axis); leaves without one
@@ -214,25 +236,8 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------
     def encode(self, request: Request) -> list[int]:
-        """The request's prompt as token ids (a text by the tokenizer, a conversation by its chat
-        template); RequestError naming the prompt where the model cannot read it."""
-        if request.prompt_ids is not None:
-            ids = list(request.prompt_ids)
-            vocab = self.target.config.vocab_size
-            if max(ids) >= vocab:
-                raise RequestError(
-                    "prompt_ids", f"prompt_ids must be token ids in [0, {vocab}), got {max(ids)}"
-                )
-            return ids
-        field = "prompt" if request.prompt is not None else "messages"
-        if self.tokenizer is None:
-            raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
-        if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
-        try:
-            return self.tokenizer.encode_chat(list(request.messages))
-        except ValueError as e:  # no chat template, or the template refuses the conversation
-            raise RequestError("messages", f"messages: {e}") from None
+        """The request's prompt as token ids (encode_prompt)."""
+        return encode_prompt(self.target, request)
 
     def stop_ids_of(self, request: Request) -> tuple[int, ...]:
         """The request's stop ids: its own, or the model's stop tokens (none without a tokenizer)."""
@@ -501,3 +506,39 @@ class Engine:
             ttft_seconds=list(self._ttft),
         )
         return out
+
+
+def request_for(prompt, **fields) -> Request:
+    """A Request for one prompt as spec_jax.generate takes it: a text, a conversation
+    ([{"role", "content"}, ...]) or token ids; fields: the Request's others (max_tokens, ...)."""
+    if isinstance(prompt, str):
+        return Request(prompt=prompt, **fields)
+    if isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):
+        return Request(messages=tuple(prompt), **fields)
+    return Request(prompt_ids=tuple(int(t) for t in prompt), **fields)
+
+
+def stream(
+    target, prompts, draft=None, *, gamma="auto", tree=0, max_batch=8, mesh=None, **fields
+) -> Iterator[tuple[int, Update]]:
+    """Generates for each prompt (a text, a conversation, token ids, or a list of them) on an
+    Engine, yielding (prompt index, Update) as chunks of rounds finish: each Update carries the
+    prompt's new token ids and text since its last one; the last has finished set.
+
+    fields: the Request's (max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
+    speculate), one value for every prompt; the defaults are Request's (greedy, the model's
+    stop tokens). Each prompt's tokens equal spec_jax.generate's for it alone with the same
+    settings (seed: its own, row id 0)."""
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
+    )
+    prompts = [prompts] if single else list(prompts)
+    requests = [request_for(p, **fields).validate() for p in prompts]
+    longest = max(len(encode_prompt(target, r)) for r in requests)
+    context = longest + max(r.max_tokens for r in requests)
+    engine = Engine(
+        target, draft, max_batch=max_batch, gamma=gamma, tree=tree, mesh=mesh, max_context=context
+    )
+    index = {engine.submit(r).id: i for i, r in enumerate(requests)}
+    for update in engine.drain():
+        yield index[update.handle.id], update

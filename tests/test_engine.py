@@ -6,8 +6,11 @@ occupant, a row whose logits turn NaN)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_gguf
 
 import spec_jax
+from models.cache import KVCache
+from models.tokenizer import Tokenizer
 from spec_jax import engine as engine_lib
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -145,8 +148,6 @@ def test_write_row_replaces_every_per_row_leaf_and_keeps_shared_ones():
     """_write_row on a toy state: batch leaves (leading axis, a cache's axis 1) take the row;
     scalars and leaves of another leading size keep the table's (a [G] metric with G == B
     included: the row's own has G entries, not 1)."""
-    from models.cache import KVCache
-
     b = 3
     table = {
         "cache": KVCache(k=jnp.zeros((2, b, 4, 1, 2)), v=jnp.zeros((2, b, 4, 1, 2))),
@@ -272,3 +273,52 @@ def test_submit_checks_the_request_against_the_model_and_the_queue(tiny_target):
     with pytest.raises(QueueFull):
         engine.submit(Request(prompt_ids=(3,), max_tokens=4))
     assert engine.stats()["queue_depth"] == 2
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """The tiny GGUF model with its byte-level tokenizer and a chat template."""
+    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
+    model = tiny_gguf.write(path, chat_template=CHAT_TEMPLATE)
+    return model.replace(tokenizer=Tokenizer.from_gguf(path))
+
+
+def test_generate_takes_texts_and_conversations_and_returns_text_with_the_clis_defaults(text_model):
+    """Three lines for a notebook: strings in, text out; greedy with the model's stop tokens."""
+    tok = text_model.tokenizer
+    gen = spec_jax.generate(text_model, "def f(x):", max_new_tokens=8)
+    ids = spec_jax.generate(
+        text_model, [tok.encode("def f(x):")], max_new_tokens=8, temperature=0.0, eos_id=list(tok.stop_ids)
+    )
+    assert gen.tokens == ids.tokens and gen.text == [tok.decode(ids.tokens[0], skip_special_tokens=True)]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = spec_jax.generate(text_model, [messages, "x"], max_new_tokens=4)
+    by_ids = spec_jax.generate(text_model, [tok.encode_chat(messages), tok.encode("x")], max_new_tokens=4)
+    assert chat.tokens == by_ids.tokens and len(chat.text) == 2
+
+
+def test_stream_yields_each_prompts_text_in_pieces_that_add_up_to_generate(text_model):
+    prompts = ["def f(x):", "hello", [{"role": "user", "content": "hi"}]]
+    pieces: dict = {}
+    finished = {}
+    for i, update in spec_jax.stream(text_model, prompts, max_tokens=10, max_batch=2):
+        pieces.setdefault(i, []).append(update.text)
+        finished[i] = update.finish_reason if update.finished else None
+    gen = spec_jax.generate(text_model, prompts, max_new_tokens=10)
+    assert ["".join(pieces[i]) for i in range(3)] == gen.text
+    assert all(finished[i] in ("stop", "length") for i in range(3))
+    assert max(len(p) for p in pieces.values()) > 1  # it streamed: more than one piece
+
+
+def test_a_stop_string_ends_the_text_before_it(text_model):
+    alone_text = spec_jax.generate(text_model, "hello", max_new_tokens=16, eos_id=None).text[0]
+    stop = alone_text[5:7]
+    assert stop and alone_text.find(stop) >= 1
+    engine = Engine(text_model, None, max_batch=2, max_context=64)
+    h = engine.submit(Request(prompt="hello", max_tokens=16, stop=(stop,), stop_ids=()))
+    updates = list(engine.drain())
+    assert "".join(u.text for u in updates) == alone_text[: alone_text.find(stop)]
+    assert updates[-1].finished and updates[-1].finish_reason == "stop" and updates[-1].handle is h
