@@ -21,7 +21,7 @@ from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
 from spec_jax.executables import compiled
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import Request, speculation_bound
+from spec_jax.request import Request, encode_prompt, request_for, speculation_bound
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
@@ -382,29 +382,25 @@ def model_stop_ids(target) -> list[int] | None:
 def token_prompts(target, prompts) -> list:
     """generate's prompts as token-id lists: a text (or a list of them) by the target's
     tokenizer, a conversation ([{"role", "content"}, ...], or a list of them) through its chat
-    template (tokenizer.encode_chat), token-id lists as they are. ValueError naming the prompt
-    where the model has no tokenizer (or no chat template) to read it."""
+    template (spec_jax.request.encode_prompt), token-id lists as they are (validate checks
+    them). RequestError naming the prompt where the model has no tokenizer (or no chat
+    template) to read it."""
     if isinstance(prompts, str) or (
         isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
     ):
         prompts = [prompts]  # one text, or one conversation
     if not isinstance(prompts, list | tuple):
         return prompts  # validate names it
-    tokenizer = getattr(target, "tokenizer", None)
-    out = []
-    for i, p in enumerate(prompts):
-        chat = isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)
-        if not isinstance(p, str) and not chat:
-            out.append(p)
-            continue
-        if tokenizer is None:
-            what = "a text" if isinstance(p, str) else "a conversation"
-            raise ValueError(f"prompts[{i}] is {what}, but the target has no tokenizer: pass token ids")
-        out.append(tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_chat(list(p)))
-    return out
+    is_text = [
+        isinstance(p, str) or (isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p))
+        for p in prompts
+    ]
+    return [
+        encode_prompt(target, request_for(p)) if text else p for p, text in zip(prompts, is_text, strict=True)
+    ]
 
 
-def _observed(state: SpecState):
+def observed(state: SpecState):
     """Host copies of what gamma=auto reads between chunks: (done, generated, length, budget,
     overlap sums, scored positions, target calls)."""
     m = state.metrics
@@ -422,10 +418,10 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
     ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
     "resume_seconds": what the catch-ups took by autogamma.work_clock}).
     """
-    catch_up = _CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
+    catch_up = CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
     compile_s = 0.0
     start = time.perf_counter()
-    before = _observed(state)
+    before = observed(state)
     while not bool(np.all(before[0])):
         state, before, c = auto_chunk(controller, runner, catch_up, state, before)
         compile_s += c
@@ -438,19 +434,19 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
     )
 
 
-def auto_chunk(controller, runner: Runner, catch_up: "_CatchUp", state: SpecState, before, max_rounds=None):
+def auto_chunk(controller, runner: Runner, catch_up: "CatchUp", state: SpecState, before, max_rounds=None):
     """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
     (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
     run without the drafter, whose state waits aside (catch_up); before it drafts again it
-    catches up on the text committed meanwhile. before: _observed(state). The controller sees
-    the chunk's time by work_clock. Returns (state, _observed(state), compile seconds)."""
+    catches up on the text committed meanwhile. before: observed(state). The controller sees
+    the chunk's time by work_clock. Returns (state, observed(state), compile seconds)."""
     done, generated, length, budget = before[:4]
     arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
     gamma, tree = autogamma.arm_shape(arm)
     state, c = catch_up.before_chunk(state, gamma, done, length, controller)
     rounds = rounds if max_rounds is None else min(rounds, max_rounds)
     state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
-    after = _observed(state)
+    after = observed(state)
     controller.observe(
         autogamma.Chunk(
             gamma=gamma,
@@ -470,7 +466,7 @@ def auto_chunk(controller, runner: Runner, catch_up: "_CatchUp", state: SpecStat
 
 
 @dataclasses.dataclass
-class _CatchUp:
+class CatchUp:
     """The drafter's state while plain chunks run without it (stash), and the text it follows:
     every row's committed tokens below `synced` (at prefill: the prompt)."""
 
@@ -560,6 +556,11 @@ def generate(target, prompts, **options) -> Generation:
         tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
     stats[NONFINITE] = nonfinite[:num_rows].tolist()
+    return Generation(tokens=new_tokens, stats=stats, text=decoded(target, new_tokens))
+
+
+def decoded(target, tokens: list[list[int]]) -> list[str] | None:
+    """Each token list's text by the target's tokenizer (special tokens skipped), or None
+    without one."""
     tokenizer = getattr(target, "tokenizer", None)
-    text = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
-    return Generation(tokens=new_tokens, stats=stats, text=text)
+    return None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

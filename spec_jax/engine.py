@@ -48,7 +48,7 @@ import numpy as np
 from spec_jax import api, autogamma, sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
 from spec_jax.drafting import NoDrafter, as_drafter, check_gamma
-from spec_jax.request import MAX_STOP_IDS, Request, RequestError
+from spec_jax.request import MAX_STOP_IDS, Request, RequestError, encode_prompt, request_for
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
 
@@ -95,28 +95,6 @@ class _Row:
     sent_tokens: int = 0  # tokens already handed out in Updates
     sent_text: str = ""  # text already handed out
     first_token_at: float | None = None
-
-
-def encode_prompt(target, request: Request) -> list[int]:
-    """The request's prompt as token ids for target: a text by its tokenizer, a conversation by
-    its chat template, token ids checked against its vocabulary; RequestError naming the
-    prompt's field where the model cannot read it."""
-    if request.prompt_ids is not None:
-        ids = list(request.prompt_ids)
-        vocab = target.config.vocab_size
-        if max(ids) >= vocab:
-            raise RequestError("prompt_ids", f"prompt_ids must be token ids in [0, {vocab}), got {max(ids)}")
-        return ids
-    field = "prompt" if request.prompt is not None else "messages"
-    tokenizer = target.tokenizer
-    if tokenizer is None:
-        raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
-    if request.prompt is not None:
-        return tokenizer.encode(request.prompt)
-    try:
-        return tokenizer.encode_chat(list(request.messages))
-    except ValueError as e:  # no chat template, or the template refuses the conversation
-        raise RequestError("messages", f"messages: {e}") from None
 
 
 def _write_row(table, row, b, batch: int):
@@ -349,7 +327,7 @@ class Engine:
         self._counters["compile_seconds"] += compile_s
         self._state = state.replace(plain=jnp.zeros(b, bool))
         if self.controller is not None:
-            self._catch_up = api._CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
+            self._catch_up = api.CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
 
     def _inputs(self, keys, budgets) -> PrefillInputs:
         inputs = PrefillInputs(
@@ -416,7 +394,7 @@ class Engine:
         if self.controller is None:
             self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
         else:
-            observed = api._observed(self._state)
+            observed = api.observed(self._state)
             self._state, _, compile_s = api.auto_chunk(
                 self.controller, self._runner, self._catch_up, self._state, observed, self._chunk
             )
@@ -506,16 +484,6 @@ class Engine:
             ttft_seconds=list(self._ttft),
         )
         return out
-
-
-def request_for(prompt, **fields) -> Request:
-    """A Request for one prompt as spec_jax.generate takes it: a text, a conversation
-    ([{"role", "content"}, ...]) or token ids; fields: the Request's others (max_tokens, ...)."""
-    if isinstance(prompt, str):
-        return Request(prompt=prompt, **fields)
-    if isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):
-        return Request(messages=tuple(prompt), **fields)
-    return Request(prompt_ids=tuple(int(t) for t in prompt), **fields)
 
 
 def stream(
