@@ -11,6 +11,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
+from spec_jax import autogamma
 from spec_jax import engine as engine_lib
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -322,3 +323,25 @@ def test_a_stop_string_ends_the_text_before_it(text_model):
     updates = list(engine.drain())
     assert "".join(u.text for u in updates) == alone_text[: alone_text.find(stop)]
     assert updates[-1].finished and updates[-1].finish_reason == "stop" and updates[-1].handle is h
+
+
+def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
+    tiny_target, tiny_draft, monkeypatch
+):
+    """gamma=auto on the table (costs fixed, drafting cheap): chunks switch between plain
+    decoding (the drafter's states set aside, new rows' states written there) and drafting
+    (caught up first); every greedy request still equals itself alone."""
+    cheap = autogamma.Costs(
+        step_seconds=0.01,
+        draft1=0.01,
+        draft2=0.01,
+        verify=(1.0,) + tuple(1.0 + 0.02 * g for g in range(1, 9)),
+    )
+    monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: cheap)
+    requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:6]]
+    engine = Engine(tiny_target, tiny_draft, max_batch=3, gamma="auto", max_context=CONTEXT)
+    tokens, reasons, handles = run_staggered(engine, requests, [0, 0, 1, 2, 3, 3])
+    for h in handles:
+        assert tokens[h.id] == alone(tiny_target, tiny_draft, h.request)
+    gammas = {g for g, _ in engine.controller.schedule}
+    assert 0 in gammas and gammas - {0}, engine.controller.schedule
