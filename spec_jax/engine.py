@@ -118,6 +118,7 @@ def _mark_done(state: SpecState, rows_b) -> SpecState:
 
 _write = jax.jit(_write_row, static_argnums=3, donate_argnums=0)
 _done = jax.jit(_mark_done, donate_argnums=0)
+_row_keys = jax.jit(row_keys)  # compiled once, not traced per admission
 
 
 class Engine:
@@ -179,6 +180,7 @@ class Engine:
         self._slots: list[_Row | None] = [None] * max_batch
         self._outbox: list[Update] = []
         self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
+        self._inputs_stale = False  # the host's table of prompts and stop ids changed
         self._chunk = MIN_CHUNK
         self._state = None  # the table's SpecState (built at the first admission)
         self._catch_up = None
@@ -278,12 +280,14 @@ class Engine:
         """Admits waiting requests into free slots (their first tokens come back at once) or,
         when none was admitted, runs one chunk of rounds over the table. Returns the Updates
         of every request that produced tokens or finished since the last step."""
+        start = time.perf_counter()
         admitted = self._admit()
         if not admitted and any(r is not None for r in self._slots):
             self._run_chunk()
         if self._state is not None and any(r is not None for r in self._slots):
             self._collect()
         updates, self._outbox = self._outbox, []
+        self._counters["step_seconds"] += time.perf_counter() - start
         return updates
 
     def drain(self) -> Iterator[Update]:
@@ -326,6 +330,10 @@ class Engine:
         state, compile_s, _ = self._runner.prefill(active)
         self._counters["compile_seconds"] += compile_s
         self._state = state.replace(plain=jnp.zeros(b, bool))
+        m = state.metrics
+        self._counted = np.asarray(
+            sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens))
+        )
         if self.controller is not None:
             self._catch_up = api.CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
 
@@ -354,7 +362,7 @@ class Engine:
             tokens=jnp.asarray(tokens),
             prompt_lens=jnp.asarray([len(ids)], jnp.int32),
             stop_ids=jnp.asarray(stops),
-            keys=row_keys(jax.random.key(request.seed), [0]),
+            keys=_row_keys(jax.random.key(request.seed), np.zeros(1, np.uint32)),  # generate's row 0
             budgets=jnp.asarray([request.max_tokens], jnp.int32),
         )
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
@@ -374,7 +382,7 @@ class Engine:
         self._host["tokens"][b, : len(ids)] = ids
         self._host["prompt_lens"][b] = len(ids)
         self._host["stop_ids"][b] = stops[0]
-        self._runner.inputs = self._inputs(self._runner.inputs.keys, self._runner.inputs.budgets)
+        self._inputs_stale = True  # placed again once, before the next chunk
         if self.controller is not None:
             self.controller.forget(np.arange(self.max_batch) == b)
             self._catch_up.synced[b] = len(ids)
@@ -383,13 +391,15 @@ class Engine:
 
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table (freed rows first marked done)."""
+        if self._inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
+            self._runner.inputs = self._inputs(self._runner.inputs.keys, self._runner.inputs.budgets)
+            self._inputs_stale = False
         if self._stop_rows.any():
             self._state = _done(
                 self._state, sharding.put(self._stop_rows, sharding.batch_sharding(self.mesh, 1))
             )
             self._stop_rows[:] = False
         self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
-        before = sharding.fetch(self._state.metrics)
         start = time.perf_counter()
         if self.controller is None:
             self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
@@ -398,13 +408,16 @@ class Engine:
             self._state, _, compile_s = api.auto_chunk(
                 self.controller, self._runner, self._catch_up, self._state, observed, self._chunk
             )
-        after = sharding.fetch(self._state.metrics)
+        m = self._state.metrics  # the table's scalar counters: no admission writes them
+        after = np.asarray(sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens)))
+        rounds, drafted, accepted = (after - self._counted).tolist()
+        self._counted = after
         self._counters["compile_seconds"] += compile_s
         self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
         self._counters["chunks"] += 1
-        self._counters["rounds"] += int(after.target_calls - before.target_calls)
-        self._counters["draft_tokens_total"] += int(after.num_draft_tokens - before.num_draft_tokens)
-        self._counters["accepted_tokens_total"] += int(after.num_accepted_tokens - before.num_accepted_tokens)
+        self._counters["rounds"] += rounds
+        self._counters["draft_tokens_total"] += drafted
+        self._counters["accepted_tokens_total"] += accepted
 
     def _collect(self) -> None:
         """Each busy row's new tokens and text into the outbox; finished rows free their slots."""
@@ -474,8 +487,9 @@ class Engine:
         """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
         accepted_tokens_total, queue_depth, slots_busy, max_batch, chunks, rounds, the seconds
-        of compilation, prefills and decoding (chunks), and ttft_seconds: each request's time
-        from submit to its first token (a list, in finishing order of their first tokens)."""
+        of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
+        step_seconds - compile - prefill - decode is the host's own work between chunks), and
+        ttft_seconds: each request's time from submit to its first token (a list)."""
         out = dict(self._counters)
         out.update(
             queue_depth=len(self._queue),
