@@ -172,7 +172,7 @@ class Plan:
 
 
 def _plan(target, prompts, options: Options) -> Plan:
-    """Validates the call and decides what runs (Plan)."""
+    """Validates the call and decides what runs (Plan; its controller: `measured`)."""
     drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft, target)
     validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id, options.tree)
     num_rows = len(prompts)
@@ -188,23 +188,13 @@ def _plan(target, prompts, options: Options) -> Plan:
     prompts = list(prompts) + [prompts[0]] * padding
     row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
     width, cache_len = layout(target.config, prompts, options.max_new_tokens, policy.gamma)
-    controller = None
-    if policy.auto:
-        batch = len(prompts)
-        costs = autogamma.costs_for(
-            target, drafter, draft_params, batch=batch, cache_slots=cache_len, tree_sizes=policy.trees
-        )
-        kind = autogamma.TreeController if policy.trees else autogamma.Controller
-        controller = kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
-        if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
-            drafter, draft_params = NoDrafter(target.config.vocab_size), None
     sampling = SamplingParams(float(options.temperature), options.top_k, float(options.top_p))
     stop_ids = stop_id_list(options.eos_id, target.config.vocab_size)
     return Plan(
         drafter,
         draft_params,
         policy,
-        controller,
+        None,
         sampling,
         mesh,
         num_rows,
@@ -215,6 +205,32 @@ def _plan(target, prompts, options: Options) -> Plan:
         stop_ids,
         sources,
     )
+
+
+def measured(target, plan: Plan) -> Plan:
+    """The plan with gamma=auto's controller (None unless the policy is auto), from the costs
+    measured for its batch and cache size (autogamma.costs_for: measured once per machine,
+    pair and size, then cached); a drafter that would not pay even with a good draft is
+    dropped (plain decoding)."""
+    policy = plan.policy
+    if not policy.auto:
+        return plan
+    batch = len(plan.prompts)
+    costs = autogamma.costs_for(
+        target,
+        plan.drafter,
+        plan.draft_params,
+        batch=batch,
+        cache_slots=plan.cache_len,
+        tree_sizes=policy.trees,
+    )
+    kind = autogamma.TreeController if policy.trees else autogamma.Controller
+    controller = kind(costs, policy.gamma, batch=batch, resumable=plan.drafter.resumable)
+    if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
+        return dataclasses.replace(
+            plan, controller=controller, drafter=NoDrafter(target.config.vocab_size), draft_params=None
+        )
+    return dataclasses.replace(plan, controller=controller)
 
 
 def _place(target, plan: Plan, seed: int):
@@ -343,7 +359,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
     """run's (state, timings), and the Plan it ran."""
     if options.eos_id == "auto":  # the model's stop tokens
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
-    plan = _plan(target, prompts, options)
+    plan = measured(target, _plan(target, prompts, options))
     target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
     config = sharding.for_mesh(target.config, plan.mesh)
     widths = resolve_verify_widths(options.verify_widths, drafter)
