@@ -345,3 +345,30 @@ def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
         assert tokens[h.id] == alone(tiny_target, tiny_draft, h.request)
     gammas = {g for g, _ in engine.controller.schedule}
     assert 0 in gammas and gammas - {0}, engine.controller.schedule
+
+
+def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_target, tiny_draft):
+    """tree=4: sampled rows equal spec_jax.generate(tree=4) alone; a speculate=False row among
+    them equals plain decoding alone (its tree's q zeroed)."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=3, tree=4, max_context=CONTEXT)
+    requests = [
+        Request(prompt_ids=(5, 9, 2), max_tokens=10, seed=3, temperature=1.0, stop_ids=()),
+        Request(
+            prompt_ids=(7, 3, 8, 11), max_tokens=10, seed=4, temperature=1.0, stop_ids=(), speculate=False
+        ),
+        Request(prompt_ids=(30,), max_tokens=10, seed=5, temperature=1.0, stop_ids=()),
+    ]
+    handles = [engine.submit(r) for r in requests]
+    tokens = {}
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    for h in handles:
+        r = h.request
+        if r.speculate:
+            expected = spec_jax.generate(
+                tiny_target, [list(r.prompt_ids)], draft=tiny_draft, tree=4, max_new_tokens=10,
+                temperature=1.0, seed=r.seed, eos_id=None,
+            ).tokens[0]  # fmt: skip
+        else:
+            expected = _alone(tiny_target, None, r.prompt_ids, 10, r.seed, 1.0)
+        assert tokens[h] == expected, h.id
