@@ -2,7 +2,7 @@
 at concurrency 8).
 
   .venv/bin/python scripts/engine_overhead.py [--target=random] [--draft=random-draft] \
-      [--requests=16] [--max_batch=8] [--max_tokens=48] [--gamma=3]
+      [--requests=16] [--max_batch=8] [--max_tokens=48] [--gamma=3] [--max_context=0]
 
 Submits --requests greedy requests of 40-token prompts at once to an Engine of --max_batch
 slots (after a warm-up that compiles everything) and drains it. Prints one JSON line: tokens,
@@ -34,13 +34,20 @@ def main() -> None:
     parser.add_argument("--max_batch", type=int, default=8)
     parser.add_argument("--max_tokens", type=int, default=48)
     parser.add_argument("--gamma", default="3")
+    parser.add_argument("--max_context", type=int, default=0, help="tokens per slot (0: prompt + max_tokens)")
     args = parser.parse_args()
     target = models.load(args.target, dtype=args.dtype)
     draft = None if args.draft == "none" else models.load(args.draft, dtype=args.dtype)
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     vocab = target.config.vocab_size
     prompts = [tuple((i * 37 + j * 11) % (vocab - 1) + 1 for j in range(40)) for i in range(args.requests)]
-    engine = Engine(target, draft, max_batch=args.max_batch, gamma=gamma, max_context=40 + args.max_tokens)
+    engine = Engine(
+        target,
+        draft,
+        max_batch=args.max_batch,
+        gamma=gamma,
+        max_context=args.max_context or 40 + args.max_tokens,
+    )
     for p in prompts[: args.max_batch]:  # warm-up: every program compiled
         engine.submit(Request(prompt_ids=p, max_tokens=8, stop_ids=()))
     list(engine.drain())

@@ -47,7 +47,7 @@ import numpy as np
 
 from spec_jax import api, autogamma, sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
-from spec_jax.drafting import NoDrafter, as_drafter, check_gamma
+from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import MAX_STOP_IDS, Request, RequestError, encode_prompt, request_for
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
@@ -193,15 +193,21 @@ class Engine:
         contexts = {"the target's": self.target.config.max_seq_len}
         if drafter is not None:
             contexts["the draft's"] = drafter.max_seq_len
-        tightest = min(contexts.values()) - policy.gamma
+        owner, context = min(contexts.items(), key=lambda item: item[1])
+        tightest = context - policy.gamma
         if max_context is None:
             return min(tightest, DEFAULT_CONTEXT)
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
-            raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
-        if policy.gamma:
-            check_gamma(policy.gamma, max_context, 0, contexts, name="max_context + gamma")
-        elif max_context > tightest:
-            raise ValueError(f"max_context must be at most the target's context of {tightest} tokens")
+        if (
+            isinstance(max_context, bool)
+            or not isinstance(max_context, int)
+            or not 2 <= max_context <= tightest
+        ):
+            room = f"{owner} context of {context} tokens" + (
+                f" less {policy.gamma} for a round's drafts" if policy.gamma else ""
+            )
+            raise ValueError(
+                f"max_context must be an integer in [2, {tightest}] ({room}), got {max_context!r}"
+            )
         return max_context
 
     # --- properties ------------------------------------------------------------------------

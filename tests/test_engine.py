@@ -372,3 +372,13 @@ def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_
         else:
             expected = _alone(tiny_target, None, r.prompt_ids, 10, r.seed, 1.0)
         assert tokens[h] == expected, h.id
+
+
+def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
+    context = tiny_target.config.max_seq_len
+    with pytest.raises(ValueError, match=rf"max_context must be an integer in \[2, {context - 3}\] .*less 3"):
+        Engine(tiny_target, tiny_draft, gamma=3, max_context=context)
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1, got 0"):
+        Engine(tiny_target, None, max_batch=0)
+    with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto'"):
+        Engine(tiny_target, tiny_draft, gamma=0)
