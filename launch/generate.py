@@ -4,6 +4,7 @@ Examples:
   python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
   python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
   python -m launch.generate --chat --prompt="Reverse a string in Python."  # the target's chat template
+  python -m launch.generate --stream --prompts_file=prompts.jsonl --batch_size=4  # text as it comes (spec_jax.engine)
   python -m launch.generate --drafter=hybrid --max_ngram=3 --draft_threshold=0.3 ...  # lookup, then the model
   python -m launch.generate --drafter=suffix --draft_threshold=0.4 ...   # no model: text seen before
   python -m launch.generate --mesh=data:2,model:4 ...             # tensor + data parallel
