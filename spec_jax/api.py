@@ -518,20 +518,23 @@ def generate(target, prompts, **options) -> Generation:
 
     Args:
       target: a models.Model.
-      prompts: list of token-id lists (ragged lengths are fine); a conversation is
-        target.tokenizer.encode_chat(messages), its text in the model's chat template (messages:
-        [{"role": str, "content": str}, ...]) with no second BOS.
+      prompts: a text, a conversation ([{"role": str, "content": str}, ...], rendered with the
+        target's chat template: target.tokenizer.encode_chat), or a list of texts,
+        conversations and token-id lists (ragged lengths are fine); texts need the target's
+        tokenizer.
       draft: None (plain autoregressive decoding), a models.Model, or a (drafter, params) pair
         such as spec_jax.drafting.ngram.fit_bigram returns (see as_drafter).
       gamma: draft tokens per round (static: a new gamma compiles a new loop), or "auto"
-        (spec_jax.autogamma; with a draft head's acceptance head, the most it may draft, 8).
+        (the default; spec_jax.autogamma; with a draft head's acceptance head, the most it
+        may draft, 8).
+      max_new_tokens: new tokens per prompt at most (default 64).
       temperature, top_k, top_p: the warp, applied identically to target and draft; any
-        positive temperature samples (0 is greedy).
+        positive temperature samples (0, the default, is greedy).
       seed, row_ids: row b draws its randomness from fold_in(key(seed), row_ids[b]) alone
         (row_ids default 0..B-1), so a prompt's sample does not depend on the other prompts of
         its batch: pass each prompt's index in a larger list to make batching invisible.
-      eos_id: None, one token id, or a sequence of them (e.g. tokenizer.stop_ids): a row stops
-        after generating any of them.
+      eos_id: "auto" (the default: the target tokenizer's stop_ids, none without a tokenizer),
+        None, one token id, or a sequence of them: a row stops after generating any of them.
       mesh: None (one device: a 1x1 mesh) or a Mesh with axes ("data", "model")
         (spec_jax.sharding.make_mesh): both models and both caches are sharded by
         spec_jax.sharding's rule table and the loop runs under one jit with explicit in/out
@@ -551,7 +554,8 @@ def generate(target, prompts, **options) -> Generation:
         auto, whatever it says.
 
     Returns:
-      Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the
+      Generation(tokens, stats, text): text, each prompt's new text (special tokens skipped;
+      None without a tokenizer). stats holds the metrics schema of spec_jax.metrics, the
       timings compile_seconds, prefill_seconds, decode_seconds, tokens_per_second (new tokens
       over prefill + decode), and num_new_tokens; stats["nonfinite_logits"] flags, per prompt,
       a row that stopped early because the target's logits became NaN or infinite
