@@ -253,6 +253,10 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
                 f"{self.max_context} tokens",
             )
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(
+                "stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}"
+            )
         if len(self._queue) >= self.max_queue:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request)
@@ -359,7 +363,8 @@ class Engine:
         if self._state is None:
             self._table()
         request, ids = row.handle.request, row.prompt_ids
-        width, _ = layout(self.target.config, [ids], request.max_tokens, self._runner.static.gamma)
+        # generate's width for the request alone (its length bucket), within the slot
+        width = min(layout(self.target.config, [ids], request.max_tokens, 0)[0], self.max_context)
         tokens = np.full((1, width), PAD_ID, np.int32)
         tokens[0, : len(ids)] = ids
         stops = np.full((1, MAX_STOP_IDS), -1, np.int32)

@@ -382,3 +382,13 @@ def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
         Engine(tiny_target, None, max_batch=0)
     with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto'"):
         Engine(tiny_target, tiny_draft, gamma=0)
+
+
+def test_a_prompt_whose_length_bucket_exceeds_the_slot_is_prefilled_within_it(tiny_target, tiny_draft):
+    """max_context 24, a 20-token prompt (bucket 32): the prefill's width is capped at the slot
+    (nothing written past its cache), and the tokens are still the request's alone."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=GAMMA, max_context=24)
+    request = Request(prompt_ids=tuple(range(3, 23)), max_tokens=4, seed=2, stop_ids=())
+    h = engine.submit(request)
+    tokens = [t for u in engine.drain() if u.handle is h for t in u.token_ids]
+    assert tokens == alone(tiny_target, tiny_draft, request)
