@@ -158,8 +158,8 @@ flags.DEFINE_bool(
     "stream",
     False,
     "Print each prompt's text as it comes (the prompts run on spec_jax.engine.Engine, --batch_size "
-    "rows at a time, a finished row's slot taken by the next prompt at once). Greedy output is "
-    "the same as without --stream; sampling draws prompt i from seed --seed + i.",
+    "rows at a time, a finished row's slot taken by the next prompt at once); the output is the "
+    "same as without --stream.",
 )
 flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
 flags.DEFINE_string(
@@ -684,7 +684,7 @@ def stream_all(
     settings = dict(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k)
     settings.update(top_p=FLAGS.top_p, stop_ids=tuple(stop_ids))
     handles = [
-        engine.submit(Request(prompt_ids=tuple(p), seed=FLAGS.seed + i, **settings))
+        engine.submit(Request(prompt_ids=tuple(p), seed=FLAGS.seed, **settings), row_id=i)
         for i, p in enumerate(token_prompts)
     ]
     index = {h.id: i for i, h in enumerate(handles)}

@@ -90,6 +90,7 @@ class _Row:
     prompt_ids: list[int]
     stop_ids: tuple[int, ...]
     submitted: float
+    row_id: int = 0  # the request's keys: fold_in(key(seed), row_id)
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     sent_tokens: int = 0  # tokens already handed out in Updates
@@ -236,9 +237,11 @@ class Engine:
             )
         return tuple(request.stop_ids)
 
-    def submit(self, request: Request) -> Handle:
+    def submit(self, request: Request, row_id: int = 0) -> Handle:
         """Queues a request (validated against the model) and returns its Handle. RequestError
-        naming the field at fault; QueueFull when max_queue requests wait already."""
+        naming the field at fault; QueueFull when max_queue requests wait already. row_id:
+        the request draws from fold_in(key(seed), row_id), as spec_jax.generate's prompt of
+        that row id does (launch.generate --stream passes each prompt's index in its file)."""
         request.validate()
         ids = self.encode(request)
         stop_ids = self.stop_ids_of(request)
@@ -260,7 +263,7 @@ class Engine:
         if len(self._queue) >= self.max_queue:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request)
-        self._queue.append(_Row(handle, ids, stop_ids, time.perf_counter()))
+        self._queue.append(_Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
         return handle
@@ -373,7 +376,7 @@ class Engine:
             tokens=jnp.asarray(tokens),
             prompt_lens=jnp.asarray([len(ids)], jnp.int32),
             stop_ids=jnp.asarray(stops),
-            keys=_row_keys(jax.random.key(request.seed), np.zeros(1, np.uint32)),  # generate's row 0
+            keys=_row_keys(jax.random.key(request.seed), np.asarray([row.row_id], np.uint32)),
             budgets=jnp.asarray([request.max_tokens], jnp.int32),
         )
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
