@@ -24,19 +24,22 @@ for --grace_period seconds, cancels the rest, and exits 0 with one line.
 import asyncio
 import json
 import signal
+import sys
 import time
 
 import uvicorn
 from absl import flags
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from spec_jax.engine import QueueFull
-from spec_jax.request import RequestError
+from spec_jax.request import Request, RequestError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from launch import common
+from launch import generate as generate_flags  # the model, drafter and precision flags
 from launch.serve_engine import EngineWorker, Metrics, Stream
 from launch.serve_schema import (
     ApiError,
@@ -255,3 +258,85 @@ class _Server(uvicorn.Server):
         else:
             self.force_exit = True
         self.should_exit = True
+
+
+def load_engine():
+    """The Engine from launch.generate's model, drafter and precision flags, with --max_batch row
+    slots and a queue of --max_queue (the flags checked before anything loads)."""
+    from spec_jax.engine import Engine
+
+    mesh, _ = generate_flags.check_flags()
+    target = generate_flags.load_model(FLAGS.target, FLAGS.target_dtype, FLAGS.max_batch, mesh)
+    draft = None
+    if FLAGS.draft != "none" and FLAGS.drafter in ("model", "hybrid"):
+        draft = generate_flags.load_model(FLAGS.draft, FLAGS.draft_dtype, FLAGS.max_batch, mesh)
+    stop_ids = generate_flags.stop_ids_from_flag(target.tokenizer, target.config.vocab_size)
+    draft_vocab = generate_flags.draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
+    drafter = generate_flags.build_draft(target, draft, stop_ids, draft_vocab)
+    return Engine(
+        target,
+        drafter,
+        max_batch=FLAGS.max_batch,
+        max_queue=FLAGS.max_queue,
+        gamma=generate_flags.gamma_from_flag(),
+        tree=generate_flags.tree_from_flag(),
+        mesh=mesh,
+    )
+
+
+def warm_up(engine) -> None:
+    """One greedy two-token request through the engine, so that the first client does not wait
+    for the table's prefill and the loop to compile."""
+    engine.submit(Request(prompt_ids=(0,), max_tokens=2))
+    for _ in engine.drain():
+        pass
+
+
+def serve(engine, model: str, host: str, port: int, grace: float, context: int) -> str:
+    """Serves `engine` until SIGTERM / SIGINT; returns the one line that says how it stopped."""
+    warm_up(engine)
+    metrics = Metrics(model)
+    worker = EngineWorker(engine, metrics).start()
+    app = make_app(worker, metrics, model, context)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=grace + 10
+    )
+    server = _Server(config, worker, grace)
+    print(
+        f"launch.serve: serving {model} on http://{host}:{port}/v1 ({engine_slots(engine)} slots)", flush=True
+    )
+    server.run()
+    if server.signal_name is None:  # uvicorn stopped by itself (e.g. the port was taken)
+        worker.shutdown(0)
+        worker.join(timeout=30)
+        raise common.UsageError(f"--host={host} --port={port}: the server could not start or stopped")
+    worker.join(timeout=grace + 30)
+    c = worker.counts
+    return (
+        f"launch.serve: {server.signal_name}: stopped taking requests; {c['finished']} finished, "
+        f"{c['cancelled']} cancelled, {c['error']} failed within the {grace:g} s grace period"
+    )
+
+
+def engine_slots(engine) -> int:
+    return int(engine.stats().get("max_batch", FLAGS.max_batch))
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    engine = load_engine()
+    model = FLAGS.model_name or FLAGS.target
+    context = int(getattr(engine, "max_context", 0) or 0)
+    line = serve(engine, model, FLAGS.host, FLAGS.port, FLAGS.grace_period, context)
+    print(line, flush=True)
+    sys.stdout.flush()
+
+
+def cli():
+    """The command line: main under launch.common.run (bad flags: one line, exit 2)."""
+    common.run(main)
+
+
+if __name__ == "__main__":
+    cli()

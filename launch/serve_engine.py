@@ -17,12 +17,14 @@ import threading
 import time
 import traceback
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from spec_jax.engine import QueueFull, Update
 from spec_jax.request import Request, RequestError
 
 PREFIX = "spec_jax"
+prometheus_client.disable_created_metrics()  # no `_created` sample beside every counter
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
@@ -65,9 +67,6 @@ class Metrics:
         self.finished = Counter(
             f"{PREFIX}_requests_finished", "Requests ended, by finish reason", ["reason"], registry=r
         )
-        self.prompt_tokens = Counter(
-            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram(
             f"{PREFIX}_time_to_first_token_seconds",
@@ -94,9 +93,6 @@ class Metrics:
         self.finished.labels(reason=update.finish_reason or "unknown").inc()
         self.running.dec()
         self.e2e.observe(now - stream.arrived)
-        prompt = getattr(stream.handle, "prompt_tokens", None)
-        if prompt is not None:
-            self.prompt_tokens.inc(prompt)
         if stream.first_token is not None and stream.tokens > 1:
             self.tpot.observe((now - stream.first_token) / (stream.tokens - 1))
 
@@ -106,9 +102,15 @@ class _EngineCollector:
     queue depth, busy slots and the slot count."""
 
     COUNTERS = {
+        "prompt_tokens_total": "Prompt tokens of the requests submitted to the engine",
         "draft_tokens_total": "Tokens the drafter proposed",
         "accepted_tokens_total": "Drafted tokens the target accepted",
-        "rounds_total": "Speculative rounds run (target calls of the compiled loop)",
+        "rounds": "Rounds run (target calls of the compiled loop)",
+        "chunks": "Chunks of rounds run (host round trips)",
+        "decode_seconds": "Seconds in chunks of the compiled loop, compilation excluded",
+        "prefill_seconds": "Seconds in prefills, compilation excluded",
+        "compile_seconds": "Seconds compiling",
+        "step_seconds": "Seconds in Engine.step() calls (the engine thread's whole work per step)",
     }
     GAUGES = {
         "queue_depth": "Requests waiting for a slot",
@@ -123,7 +125,7 @@ class _EngineCollector:
         stats = self.metrics.engine_stats
         for key, doc in self.COUNTERS.items():
             if key in stats:
-                yield CounterMetricFamily(f"{PREFIX}_{key[: -len('_total')]}", doc, value=stats[key])
+                yield CounterMetricFamily(f"{PREFIX}_{key.removesuffix('_total')}", doc, value=stats[key])
         for key, doc in self.GAUGES.items():
             if key in stats:
                 yield GaugeMetricFamily(f"{PREFIX}_{key}", doc, value=stats[key])
@@ -159,6 +161,7 @@ class EngineWorker:
         self._deadline: float | None = None  # set by shutdown(): cancel all at this time
         self.accepting = True
         self.counts = {"finished": 0, "cancelled": 0, "error": 0}
+        self._step_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="spec-jax-engine", daemon=True)
 
     def start(self) -> "EngineWorker":
@@ -253,6 +256,7 @@ class EngineWorker:
             )
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             updates = self.engine.step()
         except Exception as e:  # a bug in the engine: fail what runs, keep serving
@@ -265,7 +269,9 @@ class EngineWorker:
                 )
                 self._deliver(self._streams[handle], fail)
             return
-        self.metrics.engine_stats = dict(self.engine.stats())
+        self._step_seconds += time.perf_counter() - start
+        stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, int | float)}
+        self.metrics.engine_stats = stats | {"step_seconds": self._step_seconds}
         for update in updates:
             stream = self._streams.get(update.handle)
             if stream is not None:  # None: cancelled here already

@@ -59,8 +59,8 @@ class ChatMessage(BaseModel):
     name: str | None = None  # accepted as OpenAI does; the chat templates here do not render it
 
 
-# A float field takes an integer too (JSON has one number type), nothing else.
-Number = Annotated[float, Field(strict=False, allow_inf_nan=False)]
+# A float field takes an integer too (strict pydantic does: JSON has one number type), not "0".
+Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Sampling(BaseModel):
