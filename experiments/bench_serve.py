@@ -280,9 +280,11 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
         "errors": len(outcomes) - len(ok),
     }
     if system.ours:
-        drafted = after.get("spec_jax_draft_tokens_total", 0) - before.get("spec_jax_draft_tokens_total", 0)
-        accepted = after.get("spec_jax_accepted_tokens_total", 0) - before.get(
-            "spec_jax_accepted_tokens_total", 0
+        drafted = after.get("spec_jax_engine_draft_tokens_total", 0) - before.get(
+            "spec_jax_engine_draft_tokens_total", 0
+        )
+        accepted = after.get("spec_jax_engine_accepted_tokens_total", 0) - before.get(
+            "spec_jax_engine_accepted_tokens_total", 0
         )
     else:
         drafted, accepted = sum(o.drafted for o in ok), sum(o.accepted for o in ok)

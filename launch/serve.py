@@ -245,11 +245,17 @@ class _Server(uvicorn.Server):
     """uvicorn's server whose SIGTERM / SIGINT starts the engine's grace period and then exits
     normally (uvicorn alone re-raises the signal after shutting down: exit code 143)."""
 
-    def __init__(self, config: uvicorn.Config, worker: EngineWorker, grace: float):
+    def __init__(self, config: uvicorn.Config, worker: EngineWorker, grace: float, ready_line: str):
         super().__init__(config)
+        self.ready_line = ready_line
         self.worker = worker
         self.grace = grace
         self.signal_name: str | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: the line a script may wait for
+            print(self.ready_line, flush=True)
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.signal_name is None:
@@ -301,10 +307,8 @@ def serve(engine, model: str, host: str, port: int, grace: float, context: int) 
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=grace + 10
     )
-    server = _Server(config, worker, grace)
-    print(
-        f"launch.serve: serving {model} on http://{host}:{port}/v1 ({engine_slots(engine)} slots)", flush=True
-    )
+    ready = f"launch.serve: serving {model} on http://{host}:{port}/v1 ({engine_slots(engine)} slots)"
+    server = _Server(config, worker, grace, ready)
     server.run()
     if server.signal_name is None:  # uvicorn stopped by itself (e.g. the port was taken)
         worker.shutdown(0)

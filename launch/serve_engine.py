@@ -102,6 +102,7 @@ class _EngineCollector:
     queue depth, busy slots and the slot count."""
 
     COUNTERS = {
+        "requests_total": "Requests the engine accepted (submitted)",
         "prompt_tokens_total": "Prompt tokens of the requests submitted to the engine",
         "draft_tokens_total": "Tokens the drafter proposed",
         "accepted_tokens_total": "Drafted tokens the target accepted",
@@ -125,10 +126,12 @@ class _EngineCollector:
         stats = self.metrics.engine_stats
         for key, doc in self.COUNTERS.items():
             if key in stats:
-                yield CounterMetricFamily(f"{PREFIX}_{key.removesuffix('_total')}", doc, value=stats[key])
+                yield CounterMetricFamily(
+                    f"{PREFIX}_engine_{key.removesuffix('_total')}", doc, value=stats[key]
+                )
         for key, doc in self.GAUGES.items():
             if key in stats:
-                yield GaugeMetricFamily(f"{PREFIX}_{key}", doc, value=stats[key])
+                yield GaugeMetricFamily(f"{PREFIX}_engine_{key}", doc, value=stats[key])
         if stats.get("draft_tokens_total"):
             rate = stats["accepted_tokens_total"] / stats["draft_tokens_total"]
             yield GaugeMetricFamily(
@@ -210,6 +213,7 @@ class EngineWorker:
                 return
             if self._streams:
                 self._step()
+            self._publish()
 
     def _take_inbox(self, block: bool) -> None:
         """Handles every submit and cancel waiting (waiting up to a second for one when `block`)."""
@@ -270,12 +274,15 @@ class EngineWorker:
                 self._deliver(self._streams[handle], fail)
             return
         self._step_seconds += time.perf_counter() - start
-        stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, int | float)}
-        self.metrics.engine_stats = stats | {"step_seconds": self._step_seconds}
         for update in updates:
             stream = self._streams.get(update.handle)
             if stream is not None:  # None: cancelled here already
                 self._deliver(stream, update)
+
+    def _publish(self) -> None:
+        """The engine's numeric counters (and this thread's step seconds) for /metrics."""
+        stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, int | float)}
+        self.metrics.engine_stats = stats | {"step_seconds": self._step_seconds}
 
     def _cancel_handle_quietly(self, handle) -> None:
         with contextlib.suppress(Exception):  # the engine already failed; its state is unknown

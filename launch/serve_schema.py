@@ -76,6 +76,7 @@ class _Sampling(BaseModel):
     top_k: int | None = None  # an extension, as vLLM's
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # as vLLM's: these ids end it (default: the model's stop tokens)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -135,7 +136,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "literal", "none", 
 
 
 # Request's fields that a body spells differently
-_BODY_NAME = {"prompt_ids": "prompt", "speculate": "spec_jax.speculate"}
+_BODY_NAME = {"prompt_ids": "prompt", "speculate": "spec_jax.speculate", "stop_ids": "stop_token_ids"}
 
 
 def to_request(body: CompletionBody | ChatBody) -> Request:
@@ -160,6 +161,7 @@ def to_request(body: CompletionBody | ChatBody) -> Request:
         ("top_k", body.top_k),
         ("seed", body.seed),
         ("stop", body.stop),
+        ("stop_ids", body.stop_token_ids),
     ):
         if value is not None:
             fields[name] = value
