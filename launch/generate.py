@@ -28,6 +28,7 @@ logits become NaN or infinite stops there: one warning line on stderr names it, 
 
 import builtins
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -151,6 +152,13 @@ flags.DEFINE_bool(
     False,
     "Also run plain decoding of the target; report the speedup and whether outputs match (both "
     "modes are run once on the first batch first, untimed, so neither pays the first execution).",
+)
+flags.DEFINE_bool(
+    "stream",
+    False,
+    "Print each prompt's text as it comes (the prompts run on spec_jax.engine.Engine, --batch_size "
+    "rows at a time, a finished row's slot taken by the next prompt at once). Greedy output is "
+    "the same as without --stream; sampling draws prompt i from seed --seed + i.",
 )
 flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
 flags.DEFINE_string(
@@ -455,17 +463,14 @@ def check_sampling_flags() -> None:
 def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
     """--gamma within the one bound every drafter has (spec_jax.drafting.check_gamma): prompt +
     --max_new_tokens + gamma within each context of `contexts` (the target's, and a draft
-    model's once loaded), checked before the draft model and the drafters' tables are loaded."""
-    from spec_jax import autogamma, drafting
+    model's once loaded), checked before the draft model and the drafters' tables are loaded.
+    How far a round may write (--gamma, --tree) is spec_jax.request.speculation_bound's rule."""
+    from spec_jax import drafting
+    from spec_jax.request import speculation_bound
 
-    gamma, shown, name = gamma_from_flag(), FLAGS.gamma, "--gamma"
-    tree = tree_from_flag()
-    if tree == "auto":  # the largest tree or chain auto may run
-        gamma, shown, name = autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})", "--tree"
-    elif tree:  # a tree round writes up to --tree nodes past the committed text
-        gamma, shown, name = tree, tree, "--tree"
-    elif gamma == "auto":
-        gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
+    gamma, shown, name = speculation_bound(
+        gamma_from_flag(), tree_from_flag(), gamma_name="--gamma", tree_name="--tree"
+    )
     longest = max(len(p) for p in token_prompts)
     try:
         drafting.check_gamma(gamma, longest, FLAGS.max_new_tokens, contexts, name=name, shown=shown)
@@ -510,7 +515,7 @@ def gamma_from_flag():
 
 def tree_from_flag():
     """--tree as an int in [0, MAX_TREE_NODES] or "auto"; UsageError naming the flag otherwise."""
-    from spec_jax.api import MAX_TREE_NODES
+    from spec_jax.request import MAX_TREE_NODES
 
     return int_or_auto(
         "tree", 0, MAX_TREE_NODES, f"0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto'"
@@ -561,6 +566,8 @@ def check_flags():
     gamma_from_flag()
     tree = tree_from_flag()
     draft_vocab_from_flag(2**31 - 1)  # the syntax, before anything is loaded
+    if FLAGS.stream and FLAGS.compare_autoregressive:
+        raise common.UsageError("--stream and --compare_autoregressive cannot be combined")
     if FLAGS.acceptance_head and FLAGS.drafter != "head":
         raise common.UsageError("--acceptance_head needs --drafter=head")
     if tree and FLAGS.draft == "none" and FLAGS.drafter == "model":
@@ -654,6 +661,49 @@ def decode_all(target, draft, token_prompts, stop_ids, mesh):
     return tokens, stats, (ar_tokens, ar_stats)
 
 
+def stream_all(
+    target, draft, token_prompts, stop_ids, mesh, headers, print_fn
+) -> tuple[list[list[int]], dict]:
+    """--stream: the prompts as Requests on one Engine, each prompt's header then its text
+    printed as it comes (prompt by prompt, in order: a later prompt's pieces wait until the
+    ones before it are done). Returns (each prompt's tokens, the engine's stats)."""
+    from spec_jax import engine as engine_lib
+    from spec_jax.request import Request
+
+    engine = engine_lib.Engine(
+        target,
+        draft,
+        max_batch=FLAGS.batch_size,
+        max_queue=len(token_prompts),
+        gamma=gamma_from_flag(),
+        tree=tree_from_flag(),
+        mesh=mesh,
+        max_context=max(len(p) for p in token_prompts) + FLAGS.max_new_tokens,
+    )
+    settings = dict(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k)
+    settings.update(top_p=FLAGS.top_p, stop_ids=tuple(stop_ids))
+    handles = [
+        engine.submit(Request(prompt_ids=tuple(p), seed=FLAGS.seed + i, **settings))
+        for i, p in enumerate(token_prompts)
+    ]
+    index = {h.id: i for i, h in enumerate(handles)}
+    tokens, pending, done, shown = [[] for _ in handles], [[] for _ in handles], set(), 0
+    print_fn(headers[0])
+    for update in engine.drain():
+        i = index[update.handle.id]
+        tokens[i] += update.token_ids
+        pending[i].append(update.text)
+        done |= {i} if update.finished else set()
+        while shown < len(handles) and (pending[shown] or shown in done):
+            print_fn("".join(pending[shown]), end="\n\n" if shown in done else "", flush=True)
+            pending[shown] = []
+            if shown in done:
+                shown += 1
+                if shown < len(handles):
+                    print_fn(headers[shown])
+    return tokens, engine.stats()
+
+
 def summary_line(label: str, s: dict) -> str:
     """One line of a run's stats: tokens, speed, timings, acceptance, sources, gamma=auto chunks."""
     line = (
@@ -721,6 +771,8 @@ def main(argv):
     draft_dtype = draft.config.dtype if draft is not None else FLAGS.draft_dtype  # auto resolved
     draft_vocab = draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
     draft = build_draft(target, draft, stop_ids, draft_vocab)
+    if FLAGS.stream:
+        return main_stream(target, draft, prompts, texts, token_prompts, stop_ids, mesh, print, main_process)
     tokens, stats, compared = decode_all(target, draft, token_prompts, stop_ids, mesh)
     report = make_report(target, draft_dtype, draft_vocab, stop_ids, stats)
     for prompt, read, new, nonfinite in zip(prompts, texts, tokens, stats[metrics.NONFINITE], strict=True):
@@ -746,6 +798,30 @@ def main(argv):
         report.update(autoregressive_stats=ar_stats, speedup=speedup, identical_to_autoregressive=identical)
     if FLAGS.output_json and main_process:
         common.write_json_atomic(FLAGS.output_json, report)
+
+
+def main_stream(target, draft, prompts, texts, token_prompts, stop_ids, mesh, print_fn, main_process) -> None:
+    """--stream's output: each prompt's header, then its text as it comes; a summary line;
+    --output_json with each prompt's tokens and text and the engine's stats."""
+    start = time.perf_counter()
+    headers = [f"--- {'chat' if p.messages is not None else 'prompt'}: {p.shown!r}" for p in prompts]
+    tokens, stats = stream_all(target, draft, token_prompts, stop_ids, mesh, headers, print_fn)
+    seconds = time.perf_counter() - start
+    total = sum(len(t) for t in tokens)
+    mode = f"speculative ({FLAGS.drafter})" if draft is not None else "autoregressive"
+    line = f"streamed {mode}: {total} tokens in {seconds:.2f} s ({total / seconds:.2f} tokens/s)"
+    if stats.get("draft_tokens_total"):
+        line += f", acceptance rate {stats['accepted_tokens_total'] / stats['draft_tokens_total']:.3f}"
+    print_fn(line)
+    if FLAGS.output_json and main_process:
+        decode = functools.partial(target.tokenizer.decode, skip_special_tokens=FLAGS.skip_special_tokens)
+        outputs = [
+            {"prompt": read, "tokens": new, "text": decode(new)}
+            for read, new in zip(texts, tokens, strict=True)
+        ]
+        common.write_json_atomic(
+            FLAGS.output_json, {"target": FLAGS.target, "stats": stats, "outputs": outputs}
+        )
 
 
 def cli():

@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import kernels
 from models.settings import is_int
 from spec_jax import autogamma, sharding
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
 from spec_jax.executables import compiled
 from spec_jax.metrics import NONFINITE, nonfinite_rows
+from spec_jax.request import Request, speculation_bound
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
@@ -33,6 +33,7 @@ class Generation:
 
     tokens: list[list[int]]
     stats: dict[str, Any]
+    text: list[str] | None = None  # each prompt's new text (special tokens skipped); None: no tokenizer
 
     @property
     def nonfinite_rows(self) -> list[int]:
@@ -46,14 +47,14 @@ class Options:
     """generate's (and run's) keyword arguments, as generate documents them."""
 
     draft: Any = None
-    gamma: int | str = 4
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    gamma: int | str = "auto"
+    max_new_tokens: int = Request.max_tokens
+    temperature: float = Request.temperature
+    top_k: int = Request.top_k
+    top_p: float = Request.top_p
+    seed: int = Request.seed
     row_ids: Any = None
-    eos_id: Any = None
+    eos_id: Any = "auto"
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
     tree: int | str = 0
@@ -90,33 +91,27 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
             f"context of {target.config.max_seq_len} tokens"
         )
     stop_id_list(eos_id, vocab)
-    if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
-        raise ValueError(
-            f"tree must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}"
-        )
     if drafter is None:
+        speculation_bound("auto", tree)  # the tree setting is checked without a drafter too
         return
-    shown = gamma
-    if tree == "auto":  # gamma is auto too; the longest path is the largest tree's or chain's
-        gamma, shown = autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})"
-    elif tree:
-        gamma, shown = tree, None
-    elif gamma == "auto":
-        gamma, shown = autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})"
-    elif not is_int(gamma) or gamma < 1:
-        raise ValueError(f"gamma must be an integer >= 1 or 'auto', got {gamma!r}")
+    bound, shown, name = speculation_bound(gamma, tree)
+    check_pairing(vocab, drafter)
+    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
+    check_gamma(bound, longest, max_new_tokens, contexts, name=name, shown=shown)
+
+
+def check_pairing(vocab: int, drafter: Drafter) -> None:
+    """The draft/target pairing check on the vocabularies (the tokenizers are checked where a
+    draft model becomes a drafter: spec_jax.drafting.paired_vocab): ValueError unless the
+    drafter proposes over the target's vocabulary of `vocab` tokens."""
     if drafter.vocab_size != vocab:
         raise ValueError(
             f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
             "speculative decoding needs one shared vocabulary"
         )
-    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
-    check_gamma(gamma, longest, max_new_tokens, contexts, name="tree" if tree else "gamma", shown=shown)
 
 
 VERIFY_WIDTHS = ("auto", "ends", "all")
-# A tree call scores the root and N nodes, one bit each in the attention's int32 mask.
-MAX_TREE_NODES = kernels.MAX_TREE_QUERIES - 1
 
 
 def resolve_verify_widths(verify_widths: str, drafter: Drafter) -> str:
@@ -146,13 +141,12 @@ class GammaPolicy:
     def of(cls, gamma, drafter: Drafter | None, tree: int | str = 0) -> "GammaPolicy":
         if drafter is None:
             return cls(0)
+        bound, _, _ = speculation_bound(gamma, tree)
         if tree == "auto":
-            return cls(autogamma.TREE_AUTO_MAX, auto=True, trees=autogamma.TREE_SIZES)
-        if tree:  # a tree round's paths are at most its node count long
-            return cls(tree)
-        if gamma == "auto":  # with a learned stop (an acceptance head), gamma is its fixed cap
-            return cls(autogamma.GAMMA_MAX, auto=drafter.stop_rejection <= 0)
-        return cls(gamma)
+            return cls(bound, auto=True, trees=autogamma.TREE_SIZES)
+        # A tree round's paths are at most its node count long; with a learned stop (an
+        # acceptance head), gamma=auto's gamma is its fixed cap.
+        return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
 
 
 @dataclasses.dataclass
@@ -174,6 +168,7 @@ class Plan:
     width: int
     cache_len: int
     stop_ids: list[int]
+    sources: tuple = ()  # the drafter's sources (the metrics' names), as given
 
 
 def _plan(target, prompts, options: Options) -> Plan:
@@ -185,6 +180,7 @@ def _plan(target, prompts, options: Options) -> Plan:
     if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
         raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
     policy = GammaPolicy.of(options.gamma, drafter, options.tree)
+    sources = () if drafter is None else drafter.sources
     drafter = NoDrafter(target.config.vocab_size) if drafter is None else drafter
     mesh = sharding.default_mesh() if options.mesh is None else options.mesh
     sharding.check_mesh(mesh)
@@ -217,6 +213,7 @@ def _plan(target, prompts, options: Options) -> Plan:
         width,
         cache_len,
         stop_ids,
+        sources,
     )
 
 
@@ -270,10 +267,12 @@ class Runner:
     draft_params: Any
     inputs: PrefillInputs
 
-    def prefill(self, active) -> tuple[SpecState, float, float]:
-        """(state after prefill, compile seconds, prefill seconds)."""
-        args = (self.target_params, self.draft_params, self.inputs, active)
-        batch = self.inputs.tokens.shape[0]
+    def prefill(self, active, inputs: PrefillInputs | None = None) -> tuple[SpecState, float, float]:
+        """(state after prefill, compile seconds, prefill seconds) of inputs (default the
+        call's; spec_jax.engine prefills one request at a time into its table)."""
+        inputs = self.inputs if inputs is None else inputs
+        args = (self.target_params, self.draft_params, inputs, active)
+        batch = inputs.tokens.shape[0]
         fn, compile_s = compiled(
             "spec_prefill",
             _prefill_marking_padding_done,
@@ -333,10 +332,17 @@ class Runner:
 
 
 def run(target, prompts, **options) -> tuple[SpecState, dict]:
-    """What generate does (the same arguments), returning the final loop state as device arrays
-    (caches included, with their shardings; rows past len(prompts) pad the data axis) and the
-    timings dict."""
-    options = Options(**options)
+    """What generate does (the same arguments; prompts as token ids), returning the final loop
+    state as device arrays (caches included, with their shardings; rows past len(prompts) pad
+    the data axis) and the timings dict."""
+    state, timings, _ = _run(target, prompts, Options(**options))
+    return state, timings
+
+
+def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
+    """run's (state, timings), and the Plan it ran."""
+    if options.eos_id == "auto":  # the model's stop tokens
+        options = dataclasses.replace(options, eos_id=model_stop_ids(target))
     plan = _plan(target, prompts, options)
     target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
     config = sharding.for_mesh(target.config, plan.mesh)
@@ -364,58 +370,65 @@ def run(target, prompts, **options) -> tuple[SpecState, dict]:
         decode_seconds=decode_s,
         **timings,
     )
-    return state, timings
+    return state, timings, plan
+
+
+def model_stop_ids(target) -> list[int] | None:
+    """The target tokenizer's stop tokens (eos, eot, the family's end tokens), or None without one."""
+    tokenizer = getattr(target, "tokenizer", None)
+    return None if tokenizer is None else list(tokenizer.stop_ids)
+
+
+def token_prompts(target, prompts) -> list:
+    """generate's prompts as token-id lists: a text (or a list of them) by the target's
+    tokenizer, a conversation ([{"role", "content"}, ...], or a list of them) through its chat
+    template (tokenizer.encode_chat), token-id lists as they are. ValueError naming the prompt
+    where the model has no tokenizer (or no chat template) to read it."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
+    ):
+        prompts = [prompts]  # one text, or one conversation
+    if not isinstance(prompts, list | tuple):
+        return prompts  # validate names it
+    tokenizer = getattr(target, "tokenizer", None)
+    out = []
+    for i, p in enumerate(prompts):
+        chat = isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)
+        if not isinstance(p, str) and not chat:
+            out.append(p)
+            continue
+        if tokenizer is None:
+            what = "a text" if isinstance(p, str) else "a conversation"
+            raise ValueError(f"prompts[{i}] is {what}, but the target has no tokenizer: pass token ids")
+        out.append(tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_chat(list(p)))
+    return out
 
 
 def _observed(state: SpecState):
-    """Host copies of what gamma=auto reads between chunks: (done, generated, length, overlap
-    sums, scored positions, target calls)."""
+    """Host copies of what gamma=auto reads between chunks: (done, generated, length, budget,
+    overlap sums, scored positions, target calls)."""
     m = state.metrics
     return sharding.fetch(
-        (state.out.done, state.out.num_generated, state.length)
+        (state.out.done, state.out.num_generated, state.length, state.out.budget)
         + (m.row_overlap_sum, m.row_overlap_count, m.target_calls)
     )
 
 
 def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecState):
-    """gamma=auto's host loop: chunks of rounds, each gamma (tree="auto": or tree) chosen by the
-    controller (spec_jax.autogamma) from the chunks before it. Plain chunks run without the drafter, whose
-    state waits aside; before it drafts again it catches up on the text committed meanwhile.
+    """gamma=auto's host loop: auto_chunk until every row is done.
 
     Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
     the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"), "resume_seconds": what the catch-ups took by
-    autogamma.work_clock}). The controller sees each chunk's time by work_clock.
+    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
+    "resume_seconds": what the catch-ups took by autogamma.work_clock}).
     """
-    max_new = runner.static.max_new_tokens
     catch_up = _CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
     compile_s = 0.0
     start = time.perf_counter()
     before = _observed(state)
     while not bool(np.all(before[0])):
-        done, generated, length = before[:3]
-        arm, rounds = controller.next_chunk(np.where(done, 0, max_new - generated))
-        gamma, tree = autogamma.arm_shape(arm)
-        state, c = catch_up.before_chunk(state, gamma, done, length, controller)
-        state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
-        compile_s += c + c_loop
-        after = _observed(state)
-        controller.observe(
-            autogamma.Chunk(
-                gamma=gamma,
-                rounds=int(after[5] - before[5]),
-                seconds=seconds,
-                active_b=~done,
-                committed_b=after[1] - generated,
-                overlap_b=after[3] - before[3],
-                scored_b=after[4] - before[4],
-                remaining_b=np.where(after[0], 0, max_new - after[1]),
-                tree=tree,
-            )
-        )
-        if gamma:  # its last round began at most gamma + 1 tokens back
-            catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
-        before = after
+        state, before, c = auto_chunk(controller, runner, catch_up, state, before)
+        compile_s += c
     decode_s = time.perf_counter() - start - compile_s
     return (
         state,
@@ -423,6 +436,37 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
         decode_s,
         {"gamma_schedule": controller.schedule, "resume_seconds": catch_up.seconds},
     )
+
+
+def auto_chunk(controller, runner: Runner, catch_up: "_CatchUp", state: SpecState, before, max_rounds=None):
+    """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
+    (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
+    run without the drafter, whose state waits aside (catch_up); before it drafts again it
+    catches up on the text committed meanwhile. before: _observed(state). The controller sees
+    the chunk's time by work_clock. Returns (state, _observed(state), compile seconds)."""
+    done, generated, length, budget = before[:4]
+    arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
+    gamma, tree = autogamma.arm_shape(arm)
+    state, c = catch_up.before_chunk(state, gamma, done, length, controller)
+    rounds = rounds if max_rounds is None else min(rounds, max_rounds)
+    state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
+    after = _observed(state)
+    controller.observe(
+        autogamma.Chunk(
+            gamma=gamma,
+            rounds=int(after[6] - before[6]),
+            seconds=seconds,
+            active_b=~done,
+            committed_b=after[1] - generated,
+            overlap_b=after[4] - before[4],
+            scored_b=after[5] - before[5],
+            remaining_b=np.where(after[0], 0, after[3] - after[1]),
+            tree=tree,
+        )
+    )
+    if gamma:  # its last round began at most gamma + 1 tokens back
+        catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
+    return state, after, c + c_loop
 
 
 @dataclasses.dataclass
@@ -501,19 +545,21 @@ def generate(target, prompts, **options) -> Generation:
       a row that stopped early because the target's logits became NaN or infinite
       (Generation.nonfinite_rows lists them).
     """
-    state, timings = run(target, prompts, **options)
+    prompts = token_prompts(target, prompts)
+    state, timings, plan = _run(target, prompts, Options(**options))
     num_rows = len(prompts)
     out, counts, nonfinite, metrics = sharding.fetch(
         (state.out.tokens, state.out.num_generated, state.out.nonfinite, state.metrics)
     )
     new_tokens = [out[i, : counts[i]].tolist() for i in range(num_rows)]
     total = int(counts[:num_rows].sum())
-    draft = options.get("draft")
-    stats = metrics.to_dict(() if draft is None else as_drafter(draft)[0].sources)
+    stats = metrics.to_dict(plan.sources)
     stats.update(
         timings,
         num_new_tokens=total,
         tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
     stats[NONFINITE] = nonfinite[:num_rows].tolist()
-    return Generation(tokens=new_tokens, stats=stats)
+    tokenizer = getattr(target, "tokenizer", None)
+    text = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+    return Generation(tokens=new_tokens, stats=stats, text=text)

@@ -171,14 +171,19 @@ class Output:
     # bool [B]: the row stopped because the target's logits it drew from were NaN or infinite
     # (commit's nonfinite_b); its tokens are those committed before.
     nonfinite: jax.Array
+    budget: jax.Array  # int32 [B]: the most tokens the row may generate (<= N)
 
 
-def new_output(batch: int, max_new_tokens: int, slack: int) -> Output:
+def new_output(batch: int, max_new_tokens: int, slack: int, budget_b=None) -> Output:
+    """An empty Output of [batch, max_new_tokens + slack] tokens; budget_b (int32 [B], default
+    max_new_tokens for every row): the most tokens each row may generate."""
+    budget = jnp.full((batch,), max_new_tokens, jnp.int32) if budget_b is None else budget_b
     return Output(
         tokens=jnp.full((batch, max_new_tokens + slack), PAD_ID, jnp.int32),
         num_generated=jnp.zeros((batch,), jnp.int32),
         done=jnp.zeros((batch,), jnp.bool_),
         nonfinite=jnp.zeros((batch,), jnp.bool_),
+        budget=jnp.asarray(budget, jnp.int32),
     )
 
 
@@ -187,8 +192,9 @@ def commit(
 ) -> tuple[Output, jax.Array]:
     """Appends the first counts[b] of the new tokens [B, C] to each row that is not done.
 
-    A row stops at max_new_tokens and after the first of its new tokens that is in stop_ids
-    [Z] (entries < 0 are padding; an empty or all-negative set disables stopping). Where
+    A row stops at max_new_tokens (an int, or int32 [B]: each row's own) and after the first of
+    its new tokens that is in stop_ids [Z] or [B, Z] (each row's own set; entries < 0 are
+    padding; an empty or all-negative set disables stopping). Where
     nonfinite_b [B] (bool, optional) is set, the row's next token after its counts[b] would
     come from non-finite target logits: unless it stops first for the reasons above, it stops
     there, flagged in Output.nonfinite. Returns (output, committed [B]): how many tokens each
@@ -197,7 +203,8 @@ def commit(
     c = new_bc.shape[1]
     idx = jnp.arange(c)[None, :]
     counts = jnp.where(out.done, 0, jnp.minimum(counts_b, max_new_tokens - out.num_generated))
-    is_stop = jnp.any((new_bc[..., None] == stop_ids_z) & (stop_ids_z >= 0), axis=-1)  # [B, C]
+    stops = stop_ids_z if stop_ids_z.ndim == 1 else stop_ids_z[:, None, :]  # [Z] or [B, 1, Z]
+    is_stop = jnp.any((new_bc[..., None] == stops) & (stops >= 0), axis=-1)  # [B, C]
     is_stop = is_stop & (idx < counts[:, None])
     first_stop = jnp.argmax(is_stop, axis=1)
     hit_stop = jnp.any(is_stop, axis=1)
@@ -208,7 +215,7 @@ def commit(
     num_generated = out.num_generated + counts
     done = out.done | hit_stop | (num_generated >= max_new_tokens)
     bad = jnp.zeros_like(done) if nonfinite_b is None else nonfinite_b & ~done
-    output = Output(
+    output = out.replace(
         tokens=tokens, num_generated=num_generated, done=done | bad, nonfinite=out.nonfinite | bad
     )
     return output, counts
@@ -218,8 +225,9 @@ def commit(
 class PrefillInputs:
     tokens: jax.Array  # int32 [B, P]
     prompt_lens: jax.Array  # int32 [B]
-    stop_ids: jax.Array  # int32 [E]: a row stops after generating any of these (-1: padding)
+    stop_ids: jax.Array  # int32 [E] or [B, E]: a row stops after generating any of these (-1: padding)
     keys: jax.Array  # [B] PRNG keys, one per row
+    budgets: jax.Array | None = None  # int32 [B]: each row's most new tokens (None: max_new_tokens)
 
 
 def first_token(logits_bv, inputs: PrefillInputs, sampling: SamplingParams, max_new_tokens: int):
@@ -228,11 +236,12 @@ def first_token(logits_bv, inputs: PrefillInputs, sampling: SamplingParams, max_
     keys, draw_keys = split_rows(inputs.keys, 2)
     token = draw_rows(draw_keys, warp(logits_bv, sampling))
     nonfinite = ~jnp.all(jnp.isfinite(logits_bv), axis=-1)
+    empty = new_output(token.shape[0], max_new_tokens, 0, inputs.budgets)
     out, _ = commit(
-        new_output(token.shape[0], max_new_tokens, 0),
+        empty,
         token[:, None],
         jnp.where(nonfinite, 0, 1),
-        max_new_tokens,
+        empty.budget,
         inputs.stop_ids,
         nonfinite,
     )

@@ -206,12 +206,21 @@ def state_shardings(state, mesh: Mesh, batch: int):
         if isinstance(leaf, KVCache):
             return KVCache(k=cache_sharding(leaf.k.shape, mesh), v=cache_sharding(leaf.v.shape, mesh))
         keys = weights.path_keys(path)
-        shape = np.shape(leaf)
-        if "metrics" in keys or not shape or shape[0] != batch or batch % mesh.shape[DATA]:
+        if "metrics" in keys or batch_axis(path, np.shape(leaf), batch) is None or batch % mesh.shape[DATA]:
             return replicated(mesh)
-        return batch_sharding(mesh, len(shape))
+        return batch_sharding(mesh, len(np.shape(leaf)))
 
     return jax.tree_util.tree_map_with_path(one, state, is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def batch_axis(path, shape: tuple, batch: int) -> int | None:
+    """The axis of a loop state's leaf (at `path`, of `shape`) that indexes its rows, or None
+    (scalars, a leaf shared by the rows): axis 1 of a KV cache's k and v ([L, B, S, K, E]),
+    else axis 0 where the leading dimension is the batch."""
+    keys = weights.path_keys(path)
+    if len(keys) >= 1 and keys[-1] in ("k", "v") and len(shape) == 5:
+        return 1 if shape[1] == batch else None
+    return 0 if shape and shape[0] == batch else None
 
 
 def put(tree, shardings):

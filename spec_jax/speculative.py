@@ -46,6 +46,10 @@ class SpecState:
     length: jax.Array  # int32 [B], n: committed tokens, prompt included
     keys: jax.Array  # [B] PRNG keys, one chain per row
     metrics: SpecMetrics
+    # bool [B] or None: rows that decode plainly inside a drafting loop (their drafts' q is
+    # zeroed, so the rule draws from p alone, with the keys plain decoding uses: the same
+    # tokens as gamma = 0). spec_jax.engine sets it per request (Request.speculate).
+    plain: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +143,7 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     proposal = static.drafter.propose_tree(
         draft_params, state.draft_state, context, state.length, n, static.sampling, draft_keys
     )
-    tree = proposal.tree
+    tree = proposal.tree.replace(q=_unproposed(proposal.tree.q, state.plain))
     tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
     features = static.drafter.reads_features
     out = forward(
@@ -201,6 +205,7 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     drafts, q, draft_state = static.drafter.propose(
         draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_keys
     )
+    q = _unproposed(q, state.plain)
 
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, G + 1]
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
@@ -290,7 +295,7 @@ def _finish_round(
     (commit), then the last two committed tokens, the length and the metrics move on.
     draft_steps: the drafter's batched calls this round (default gamma, a chain's)."""
     gamma = static.gamma
-    out, committed = commit(state.out, new, usable, static.max_new_tokens, stop_ids, nonfinite)
+    out, committed = commit(state.out, new, usable, state.out.budget, stop_ids, nonfinite)
     if observe is not None:
         draft_state = observe(committed)
 
@@ -319,7 +324,13 @@ def _finish_round(
         length=state.length + committed,
         keys=keys,
         metrics=metrics,
+        plain=state.plain,
     )
+
+
+def _unproposed(q_bnv, plain_b):
+    """q with the rows of plain_b (SpecState.plain; None: none) zeroed: they propose nothing."""
+    return q_bnv if plain_b is None else jnp.where(plain_b[:, None, None], 0.0, q_bnv).astype(q_bnv.dtype)
 
 
 def spec_loop(

@@ -58,6 +58,7 @@ BAD_INPUT = [
     (["--attention_impl=cuda"], "attention impl"),
     (["--stop_ids=1,x"], "--stop_ids"),
     (["--stop_ids=600"], "--stop_ids"),
+    (["--stream", "--compare_autoregressive"], "--stream and --compare_autoregressive"),
     (
         ["--drafter=lookahead"],
         "--drafter=lookahead: value should be one of <model|head|prompt_lookup|suffix|hybrid",
@@ -241,6 +242,23 @@ def test_a_prompts_sample_depends_on_the_seed_and_its_index_not_the_batch_size(t
     }
     assert outputs[1] == outputs[2] == outputs[3]
     assert outputs[1][0] != outputs[1][1]
+
+
+def test_stream_prints_each_prompt_as_it_comes_and_greedy_equals_the_batch_run(tmp_path):
+    """--stream (the engine, 2 slots for 3 prompts): the same greedy tokens as the batch path,
+    each prompt's header and text printed in order, and a streamed summary line."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello world"}\n{"prompt": "x"}\n')
+    common = [*RANDOM_PAIR, f"--prompts_file={prompts}", "--batch_size=2", "--max_new_tokens=7"]
+    runs = [common + [f"--output_json={tmp_path / 'batch.json'}"]]
+    runs.append(common + ["--stream", f"--output_json={tmp_path / 'stream.json'}"])
+    result = run_python(MANY_RUNS, json.dumps(runs))
+    assert result.returncode == 0, result.stderr
+    batch, stream = (json.loads((tmp_path / f"{n}.json").read_text())["outputs"] for n in ("batch", "stream"))
+    assert [o["tokens"] for o in stream] == [o["tokens"] for o in batch]
+    streamed = result.stdout[result.stdout.index("acceptance rate") :]  # after the batch run's summary
+    headers = [streamed.index(f"--- prompt: {p!r}") for p in ("abc", "hello world", "x")]
+    assert headers == sorted(headers) and "streamed speculative (model): 21 tokens" in streamed
 
 
 def test_bad_prompts_file_line_is_reported_with_its_number(case_files):

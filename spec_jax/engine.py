@@ -1,0 +1,544 @@
+"""The engine: one object that outlives a call, for requests that come and go (continuous
+batching at the granularity of chunks of rounds).
+
+It owns the placed target and drafter, the compiled programs (spec_jax.api.Runner: the
+prefill, the loop, the drafter's catch-up), the measured costs (gamma=auto's Controller, sized
+for the table) and a table of B row slots: one SpecState of batch B, each row a slot with its
+KV cache, drafter state, output buffer, budget and stop ids.
+
+  submit(request) -> Handle     validates the request against the model, queues it
+  step() -> [Update]            admits waiting requests into free slots (each prefilled alone,
+                                at batch 1, then written into its row), or else runs one chunk
+                                of rounds of the ONE compiled loop (spec_jax.speculative.spec_loop)
+                                over the table; returns each request's new tokens and text
+  cancel(handle)                frees the request's slot at once
+  drain() -> iterator           step() until nothing waits or runs
+
+Invariants (docs/design.md, "The engine"):
+- A free slot is done in the loop state: its rows compute but commit nothing.
+- Admitting a request writes EVERY per-row leaf of its batch-1 prefill state into its slot
+  (the batch axis of each leaf: spec_jax.sharding.batch_axis), so nothing of a previous
+  occupant survives: its cache, drafter state, tokens, budget, keys and per-row metrics.
+- Exactness: a request's tokens do not depend on what else runs. Its row draws from keys
+  derived from its own seed (row id 0: what spec_jax.generate gives the request alone), stops
+  at its own budget (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute
+  each row bit-identically whatever the batch. Rows of one chunk share the warp (temperature,
+  top-k, top-p are static settings of the compiled loop): a request with another warp waits
+  until the table's rows are done. With gamma=auto a greedy request's tokens are still its
+  own; a sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness
+  across concurrency holds for a fixed gamma.
+- The chunk length adapts: MIN_CHUNK rounds while requests wait (a finished row's slot is
+  soon free), doubling up to MAX_CHUNK while the table is stable (few host round trips).
+
+Not thread-safe: one thread owns an Engine.
+"""
+
+import collections
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax import api, autogamma, sharding
+from spec_jax.decode import PAD_ID, PrefillInputs, layout
+from spec_jax.drafting import NoDrafter, as_drafter, check_gamma
+from spec_jax.request import MAX_STOP_IDS, Request, RequestError
+from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.speculative import SpecState, SpecStatic
+
+DEFAULT_CONTEXT = 2048  # tokens per slot (prompt + new tokens) unless max_context says otherwise
+MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
+NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
+
+
+class QueueFull(RuntimeError):
+    """submit() with max_queue requests already waiting."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Handle:
+    """A submitted request: .id (unique per engine), .request. Hashable by identity."""
+
+    id: int
+    request: Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """A request's progress since its last Update: its new token ids and their text (stop
+    strings cut); finished with finish_reason "stop" | "length" | "cancelled" | "error"."""
+
+    handle: Handle
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Row:
+    """A request on the host: waiting (slot None) or in a slot."""
+
+    handle: Handle
+    prompt_ids: list[int]
+    stop_ids: tuple[int, ...]
+    submitted: float
+    slot: int | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    sent_tokens: int = 0  # tokens already handed out in Updates
+    sent_text: str = ""  # text already handed out
+    first_token_at: float | None = None
+
+
+def encode_prompt(target, request: Request) -> list[int]:
+    """The request's prompt as token ids for target: a text by its tokenizer, a conversation by
+    its chat template, token ids checked against its vocabulary; RequestError naming the
+    prompt's field where the model cannot read it."""
+    if request.prompt_ids is not None:
+        ids = list(request.prompt_ids)
+        vocab = target.config.vocab_size
+        if max(ids) >= vocab:
+            raise RequestError("prompt_ids", f"prompt_ids must be token ids in [0, {vocab}), got {max(ids)}")
+        return ids
+    field = "prompt" if request.prompt is not None else "messages"
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
+    if request.prompt is not None:
+        return tokenizer.encode(request.prompt)
+    try:
+        return tokenizer.encode_chat(list(request.messages))
+    except ValueError as e:  # no chat template, or the template refuses the conversation
+        raise RequestError("messages", f"messages: {e}") from None
+
+
+def _write_row(table, row, b, batch: int):
+    """table (a loop state or its drafter state, batch `batch`) with its row b replaced by
+    row's only row, along each leaf's batch axis (sharding.batch_axis); leaves without one
+    (scalars, shared arrays) keep the table's."""
+
+    def one(path, t, r):
+        axis = sharding.batch_axis(path, t.shape, batch)
+        if axis is None or r.ndim != t.ndim or r.shape[axis] != 1:
+            return t
+        return jax.lax.dynamic_update_slice_in_dim(t, r, b, axis)
+
+    return jax.tree_util.tree_map_with_path(one, table, row)
+
+
+def _mark_done(state: SpecState, rows_b) -> SpecState:
+    """state with the rows of rows_b (bool [B]) done: the loop commits nothing more for them."""
+    return state.replace(out=state.out.replace(done=state.out.done | rows_b))
+
+
+_write = jax.jit(_write_row, static_argnums=3, donate_argnums=0)
+_done = jax.jit(_mark_done, donate_argnums=0)
+
+
+class Engine:
+    """Serves Requests on one target (and drafter) with a table of max_batch row slots (module
+    docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop);
+    mesh: as generate's; max_context: tokens per slot, prompt plus new tokens (default the
+    target's context, at most DEFAULT_CONTEXT); max_queue: requests that may wait."""
+
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        gamma: int | str = "auto",
+        tree: int | str = 0,
+        mesh=None,
+        max_context: int | None = None,
+        verify_widths: str = "auto",
+    ):
+        for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.target, self.max_batch, self.max_queue = target, max_batch, max_queue
+        drafter, draft_params = (None, None) if draft is None else as_drafter(draft, target)
+        policy = api.GammaPolicy.of(gamma, drafter, tree)
+        vocab = target.config.vocab_size
+        if drafter is not None:
+            api.check_pairing(vocab, drafter)
+        self.mesh = sharding.default_mesh() if mesh is None else mesh
+        sharding.check_mesh(self.mesh)
+        self.max_context = self._context(drafter, policy, max_context)
+        drafter = NoDrafter(vocab) if drafter is None else drafter
+        cache_len = self.max_context + policy.gamma
+        self.controller = None
+        if policy.auto:  # measured once per engine, for the table's batch (free rows compute too)
+            costs = autogamma.costs_for(
+                target, drafter, draft_params, batch=max_batch, cache_slots=cache_len, tree_sizes=policy.trees
+            )
+            kind = autogamma.TreeController if policy.trees else autogamma.Controller
+            self.controller = kind(costs, policy.gamma, batch=max_batch, resumable=drafter.resumable)
+        target_params = sharding.placed_params(target, self.mesh)
+        draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
+        drafter = drafter.for_mesh(self.mesh)
+        static = SpecStatic(
+            sharding.for_mesh(target.config, self.mesh),
+            drafter,
+            SamplingParams(0.0),
+            policy.gamma,
+            self.max_context,
+            cache_len,
+            api.resolve_verify_widths(verify_widths, drafter),
+            tree_nodes=tree if policy.gamma and not policy.auto else 0,
+        )
+        self._runner = api.Runner(static, self.mesh, target_params, draft_params, None)
+        self._ids = itertools.count()
+        self._queue: collections.deque[_Row] = collections.deque()
+        self._slots: list[_Row | None] = [None] * max_batch
+        self._outbox: list[Update] = []
+        self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
+        self._chunk = MIN_CHUNK
+        self._state = None  # the table's SpecState (built at the first admission)
+        self._catch_up = None
+        self._counters = collections.Counter()
+        self._ttft: list[float] = []
+
+    def _context(self, drafter, policy, max_context) -> int:
+        """Tokens per slot: max_context (default min(the target's context, DEFAULT_CONTEXT)),
+        checked so that a round's drafts past it fit every model's context."""
+        contexts = {"the target's": self.target.config.max_seq_len}
+        if drafter is not None:
+            contexts["the draft's"] = drafter.max_seq_len
+        tightest = min(contexts.values()) - policy.gamma
+        if max_context is None:
+            return min(tightest, DEFAULT_CONTEXT)
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
+        if policy.gamma:
+            check_gamma(policy.gamma, max_context, 0, contexts, name="max_context + gamma")
+        elif max_context > tightest:
+            raise ValueError(f"max_context must be at most the target's context of {tightest} tokens")
+        return max_context
+
+    # --- properties ------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def idle(self) -> bool:
+        """Nothing waits, runs, or has an Update to hand out."""
+        return not self._queue and not self._outbox and all(r is None for r in self._slots)
+
+    # --- requests --------------------------------------------------------------------------
+    def encode(self, request: Request) -> list[int]:
+        """The request's prompt as token ids (encode_prompt)."""
+        return encode_prompt(self.target, request)
+
+    def stop_ids_of(self, request: Request) -> tuple[int, ...]:
+        """The request's stop ids: its own, or the model's stop tokens (none without a tokenizer)."""
+        if request.stop_ids is None:
+            return tuple(self.tokenizer.stop_ids) if self.tokenizer is not None else ()
+        vocab = self.target.config.vocab_size
+        if any(i >= vocab for i in request.stop_ids):
+            raise RequestError(
+                "stop_ids", f"stop_ids must be token ids in [0, {vocab}), got {list(request.stop_ids)}"
+            )
+        return tuple(request.stop_ids)
+
+    def submit(self, request: Request) -> Handle:
+        """Queues a request (validated against the model) and returns its Handle. RequestError
+        naming the field at fault; QueueFull when max_queue requests wait already."""
+        request.validate()
+        ids = self.encode(request)
+        stop_ids = self.stop_ids_of(request)
+        if len(ids) >= self.max_context:
+            raise RequestError(
+                "prompt",
+                f"prompt ({len(ids)} tokens) leaves no room in the context of {self.max_context} tokens",
+            )
+        if len(ids) + request.max_tokens > self.max_context:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
+                f"{self.max_context} tokens",
+            )
+        if len(self._queue) >= self.max_queue:
+            raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
+        handle = Handle(next(self._ids), request)
+        self._queue.append(_Row(handle, ids, stop_ids, time.perf_counter()))
+        self._counters["requests_total"] += 1
+        self._counters["prompt_tokens_total"] += len(ids)
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """Ends the request now: a waiting one leaves the queue, a running one frees its slot.
+        Its last Update (from the next step) says "cancelled". A finished request: nothing."""
+        for row in self._queue:
+            if row.handle is handle:
+                self._queue.remove(row)
+                return self._finish(row, "cancelled")
+        for b, row in enumerate(self._slots):
+            if row is not None and row.handle is handle:
+                self._stop_rows[b] = True
+                return self._finish(row, "cancelled")
+        return None
+
+    def _finish(self, row: _Row, reason: str, error: str | None = None, text: str = "", tokens=()) -> None:
+        """Frees the row's slot and queues its last Update."""
+        if row.slot is not None:
+            self._slots[row.slot] = None
+        self._outbox.append(Update(row.handle, list(tokens), text, True, reason, error))
+        self._counters[f"finished_{reason}"] += 1
+
+    # --- stepping --------------------------------------------------------------------------
+    def step(self) -> list[Update]:
+        """Admits waiting requests into free slots (their first tokens come back at once) or,
+        when none was admitted, runs one chunk of rounds over the table. Returns the Updates
+        of every request that produced tokens or finished since the last step."""
+        admitted = self._admit()
+        if not admitted and any(r is not None for r in self._slots):
+            self._run_chunk()
+        if self._state is not None and any(r is not None for r in self._slots):
+            self._collect()
+        updates, self._outbox = self._outbox, []
+        return updates
+
+    def drain(self) -> Iterator[Update]:
+        """step() until nothing waits or runs, yielding every Update."""
+        while not self.idle:
+            yield from self.step()
+
+    def _admit(self) -> int:
+        """Prefills waiting requests into free slots, in order; a request whose warp differs
+        from the running rows' waits (and those after it) until the table is empty."""
+        admitted = 0
+        while self._queue and None in self._slots:
+            row = self._queue[0]
+            busy = any(r is not None for r in self._slots)
+            if row.handle.request.sampling != self._runner.static.sampling:
+                if busy:
+                    break
+                self._set_sampling(row.handle.request.sampling)
+            self._queue.popleft()
+            self._insert(row, self._slots.index(None))
+            admitted += 1
+        return admitted
+
+    def _set_sampling(self, sampling: SamplingParams) -> None:
+        self._runner.static = dataclasses.replace(self._runner.static, sampling=sampling)
+        self._state = None  # built again for the new loop (its rows are all free)
+        self._catch_up = None
+
+    def _table(self) -> None:
+        """The empty table: B free rows (done), prefilled from one-token prompts."""
+        b, width = self.max_batch, self.max_context
+        self._host = dict(
+            tokens=np.full((b, width), PAD_ID, np.int32),
+            prompt_lens=np.ones(b, np.int32),
+            stop_ids=np.full((b, MAX_STOP_IDS), -1, np.int32),
+        )
+        inputs = self._inputs(row_keys(jax.random.key(0), np.arange(b)), np.ones(b, np.int32))
+        self._runner.inputs = inputs
+        active = sharding.put(np.zeros(b, bool), sharding.batch_sharding(self.mesh, 1))
+        state, compile_s, _ = self._runner.prefill(active)
+        self._counters["compile_seconds"] += compile_s
+        self._state = state.replace(plain=jnp.zeros(b, bool))
+        if self.controller is not None:
+            self._catch_up = api._CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
+
+    def _inputs(self, keys, budgets) -> PrefillInputs:
+        inputs = PrefillInputs(
+            tokens=jnp.asarray(self._host["tokens"]),
+            prompt_lens=jnp.asarray(self._host["prompt_lens"]),
+            stop_ids=jnp.asarray(self._host["stop_ids"]),
+            keys=keys,
+            budgets=jnp.asarray(budgets, jnp.int32),
+        )
+        return sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, self.max_batch))
+
+    def _insert(self, row: _Row, b: int) -> None:
+        """Prefills the request alone (batch 1, the engine's cache length) and writes its state
+        into slot b: every per-row leaf, so nothing of the slot's previous occupant is read."""
+        if self._state is None:
+            self._table()
+        request, ids = row.handle.request, row.prompt_ids
+        width, _ = layout(self.target.config, [ids], request.max_tokens, self._runner.static.gamma)
+        tokens = np.full((1, width), PAD_ID, np.int32)
+        tokens[0, : len(ids)] = ids
+        stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
+        stops[0, : len(row.stop_ids)] = row.stop_ids
+        inputs = PrefillInputs(
+            tokens=jnp.asarray(tokens),
+            prompt_lens=jnp.asarray([len(ids)], jnp.int32),
+            stop_ids=jnp.asarray(stops),
+            keys=row_keys(jax.random.key(request.seed), [0]),
+            budgets=jnp.asarray([request.max_tokens], jnp.int32),
+        )
+        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
+        active = sharding.put(np.ones(1, bool), sharding.batch_sharding(self.mesh, 1))
+        one, compile_s, prefill_s = self._runner.prefill(active, inputs)
+        self._counters["compile_seconds"] += compile_s
+        self._counters["prefill_seconds"] += prefill_s
+        one = one.replace(plain=jnp.asarray([not request.speculate]))
+        slot = jnp.asarray(b, jnp.int32)
+        stash = self._catch_up.stash if self._catch_up is not None else None
+        if stash is not None:  # a plain chunk holds the drafter's states aside
+            self._catch_up.stash = _write(stash, one.draft_state, slot, self.max_batch)
+            one = one.replace(draft_state=())
+        self._state = _write(self._state, one, slot, self.max_batch)
+        self._stop_rows[b] = False
+        self._host["tokens"][b] = PAD_ID
+        self._host["tokens"][b, : len(ids)] = ids
+        self._host["prompt_lens"][b] = len(ids)
+        self._host["stop_ids"][b] = stops[0]
+        self._runner.inputs = self._inputs(self._runner.inputs.keys, self._runner.inputs.budgets)
+        if self.controller is not None:
+            self.controller.forget(np.arange(self.max_batch) == b)
+            self._catch_up.synced[b] = len(ids)
+        row.slot = b
+        self._slots[b] = row
+
+    def _run_chunk(self) -> None:
+        """One chunk of rounds over the table (freed rows first marked done)."""
+        if self._stop_rows.any():
+            self._state = _done(
+                self._state, sharding.put(self._stop_rows, sharding.batch_sharding(self.mesh, 1))
+            )
+            self._stop_rows[:] = False
+        self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
+        before = sharding.fetch(self._state.metrics)
+        start = time.perf_counter()
+        if self.controller is None:
+            self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
+        else:
+            observed = api._observed(self._state)
+            self._state, _, compile_s = api.auto_chunk(
+                self.controller, self._runner, self._catch_up, self._state, observed, self._chunk
+            )
+        after = sharding.fetch(self._state.metrics)
+        self._counters["compile_seconds"] += compile_s
+        self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
+        self._counters["chunks"] += 1
+        self._counters["rounds"] += int(after.target_calls - before.target_calls)
+        self._counters["draft_tokens_total"] += int(after.num_draft_tokens - before.num_draft_tokens)
+        self._counters["accepted_tokens_total"] += int(after.num_accepted_tokens - before.num_accepted_tokens)
+
+    def _collect(self) -> None:
+        """Each busy row's new tokens and text into the outbox; finished rows free their slots."""
+        tokens, counts, done, nonfinite = sharding.fetch(
+            (
+                self._state.out.tokens,
+                self._state.out.num_generated,
+                self._state.out.done,
+                self._state.out.nonfinite,
+            )
+        )
+        now = time.perf_counter()
+        for b, row in enumerate(self._slots):
+            if row is None:
+                continue
+            row.tokens = tokens[b, : counts[b]].tolist()
+            if row.tokens and row.first_token_at is None:
+                row.first_token_at = now
+                self._ttft.append(now - row.submitted)
+            reason = None
+            if done[b]:
+                hit_stop = bool(row.tokens) and row.tokens[-1] in row.stop_ids
+                reason = "error" if nonfinite[b] else "stop" if hit_stop else "length"
+            self._emit(row, reason)
+
+    def _emit(self, row: _Row, reason: str | None) -> None:
+        """Queues the row's Update (new tokens, new text; a stop string ends it as "stop")."""
+        text, cut = self._text(row, final=reason is not None)
+        if cut is not None:
+            row.tokens, reason = row.tokens[:cut], "stop"
+            if row.slot is not None:
+                self._stop_rows[row.slot] = True
+        new_tokens, new_text = row.tokens[row.sent_tokens :], text[len(row.sent_text) :]
+        row.sent_tokens, row.sent_text = len(row.tokens), text
+        self._counters["generation_tokens_total"] += len(new_tokens)
+        if reason is not None:
+            error = NONFINITE_ERROR if reason == "error" else None
+            return self._finish(row, reason, error, new_text, new_tokens)
+        if new_tokens or new_text:
+            self._outbox.append(Update(row.handle, new_tokens, new_text, False, None))
+        return None
+
+    def _text(self, row: _Row, final: bool) -> tuple[str, int | None]:
+        """(the row's text that may be handed out, the token count to cut at or None): stop
+        strings end the text before their match; text that may still become a stop string
+        or a multi-byte character waits for more tokens unless final."""
+        if self.tokenizer is None:
+            return "", None
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        text = decode(row.tokens)
+        stops = row.handle.request.stop
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            at = min(hits)[0]
+            cut = next(
+                k for k in range(1, len(row.tokens) + 1) if any(s in decode(row.tokens[:k]) for s in stops)
+            )
+            return text[:at], cut
+        if final:
+            return text, None
+        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        text = text[: len(text) - hold]
+        return text.rstrip("\ufffd"), None
+
+    # --- counters --------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
+        prompt_tokens_total, generation_tokens_total, draft_tokens_total,
+        accepted_tokens_total, queue_depth, slots_busy, max_batch, chunks, rounds, the seconds
+        of compilation, prefills and decoding (chunks), and ttft_seconds: each request's time
+        from submit to its first token (a list, in finishing order of their first tokens)."""
+        out = dict(self._counters)
+        out.update(
+            queue_depth=len(self._queue),
+            slots_busy=sum(r is not None for r in self._slots),
+            max_batch=self.max_batch,
+            ttft_seconds=list(self._ttft),
+        )
+        return out
+
+
+def request_for(prompt, **fields) -> Request:
+    """A Request for one prompt as spec_jax.generate takes it: a text, a conversation
+    ([{"role", "content"}, ...]) or token ids; fields: the Request's others (max_tokens, ...)."""
+    if isinstance(prompt, str):
+        return Request(prompt=prompt, **fields)
+    if isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):
+        return Request(messages=tuple(prompt), **fields)
+    return Request(prompt_ids=tuple(int(t) for t in prompt), **fields)
+
+
+def stream(
+    target, prompts, draft=None, *, gamma="auto", tree=0, max_batch=8, mesh=None, **fields
+) -> Iterator[tuple[int, Update]]:
+    """Generates for each prompt (a text, a conversation, token ids, or a list of them) on an
+    Engine, yielding (prompt index, Update) as chunks of rounds finish: each Update carries the
+    prompt's new token ids and text since its last one; the last has finished set.
+
+    fields: the Request's (max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
+    speculate), one value for every prompt; the defaults are Request's (greedy, the model's
+    stop tokens). Each prompt's tokens equal spec_jax.generate's for it alone with the same
+    settings (seed: its own, row id 0)."""
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
+    )
+    prompts = [prompts] if single else list(prompts)
+    requests = [request_for(p, **fields).validate() for p in prompts]
+    longest = max(len(encode_prompt(target, r)) for r in requests)
+    context = longest + max(r.max_tokens for r in requests)
+    engine = Engine(
+        target, draft, max_batch=max_batch, gamma=gamma, tree=tree, mesh=mesh, max_context=context
+    )
+    index = {engine.submit(r).id: i for i, r in enumerate(requests)}
+    for update in engine.drain():
+        yield index[update.handle.id], update

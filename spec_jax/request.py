@@ -1,0 +1,172 @@
+"""One request, validated once: what every front end (spec_jax.generate, launch.generate, the
+server) builds, with its ranges and defaults defined here and nowhere else.
+
+The defaults are the command line's: greedy unless asked (temperature 0), the model's stop
+tokens (stop_ids None), speculation on. A Request checks what it can without a model
+(`validate`); the engine checks the rest against its model (the vocabulary, the context) when
+the request is submitted (spec_jax.engine.Engine.submit). Errors are RequestError: a
+ValueError that names the field at fault and its allowed range.
+
+The rule for how far a round may write past the committed text (the gamma / tree settings:
+`speculation_bound`) is here too, the one copy that spec_jax.api and launch.generate use.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+from models import kernels
+from models.settings import is_int
+from models.tokenizer import validate_messages
+from spec_jax import autogamma
+from spec_jax.sampling import SamplingParams, validate_sampling
+
+MAX_STOP_IDS = 16  # stop token ids per request (the loop holds [B, MAX_STOP_IDS])
+MAX_STOP_STRINGS = 8
+SEED_RANGE = (-(2**63), 2**63 - 1)  # jax.random.key takes a 64-bit seed
+# A tree call scores the root and N nodes, one bit each in the attention's int32 mask.
+MAX_TREE_NODES = kernels.MAX_TREE_QUERIES - 1
+
+
+class RequestError(ValueError):
+    """A request's field is out of range: .field names it ("max_tokens", "prompt", ...),
+    .message (== str(error)) says the allowed range."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """One generation request. Exactly one of prompt (a text), messages (a conversation,
+    rendered with the model's chat template) or prompt_ids (token ids) is given.
+
+    max_tokens: new tokens at most (>= 1). temperature >= 0 (0: greedy), top_k >= 0 (0: off),
+    top_p in (0, 1]: the warp of spec_jax.sampling. seed: the request's randomness depends on
+    it alone (not on its slot or on other requests). stop: strings that end the text (the
+    text stops before the match). stop_ids: token ids that end it (None: the model's stop
+    tokens). speculate: False decodes this request plainly, without drafts.
+    """
+
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] | None = None
+    speculate: bool = True
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The request's warp (static settings of the loop that runs it)."""
+        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p))
+
+    def validate(self) -> "Request":
+        """Returns self, or raises RequestError naming the first field out of range (the
+        checks that need no model)."""
+        _check_prompt(self)
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise RequestError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+                raise RequestError(name, f"{name} must be a number, got {value!r}")
+        if isinstance(self.top_k, bool) or not is_int(self.top_k):
+            raise RequestError("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        try:
+            validate_sampling(self.temperature, self.top_k, self.top_p)
+        except ValueError as e:
+            raise RequestError(str(e).split()[0], str(e)) from None
+        if (
+            isinstance(self.seed, bool)
+            or not is_int(self.seed)
+            or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise RequestError("seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        _check_stops(self)
+        if not isinstance(self.speculate, bool):
+            raise RequestError("speculate", f"speculate must be true or false, got {self.speculate!r}")
+        return self
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> "Request":
+        """A validated Request from JSON-like fields (lists become tuples); RequestError naming
+        an unknown field or the first one out of range."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in fields:
+            if name not in known:
+                raise RequestError(name, f"unknown field {name!r}; known: {', '.join(sorted(known))}")
+        values = dict(fields)
+        for name in ("messages", "prompt_ids", "stop", "stop_ids"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
+        if isinstance(values.get("stop"), str):  # OpenAI's "stop" may be one string
+            values["stop"] = (values["stop"],)
+        return cls(**values).validate()
+
+
+def _check_prompt(r: Request) -> None:
+    given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(r, name) is not None]
+    if len(given) != 1:
+        raise RequestError(
+            "prompt", f"give exactly one of prompt, messages, prompt_ids (got {given or 'none'})"
+        )
+    if r.prompt is not None and (not isinstance(r.prompt, str) or not r.prompt):
+        raise RequestError("prompt", f"prompt must be a non-empty string, got {r.prompt!r}")
+    if r.messages is not None:
+        try:
+            validate_messages(list(r.messages) if isinstance(r.messages, tuple | list) else r.messages)
+        except ValueError as e:
+            raise RequestError("messages", f"messages: {e}") from None
+    if r.prompt_ids is not None:
+        ids = r.prompt_ids
+        if not isinstance(ids, tuple | list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
+            raise RequestError(
+                "prompt_ids", "prompt_ids must be a non-empty list of token ids (integers >= 0)"
+            )
+
+
+def _check_stops(r: Request) -> None:
+    stop = r.stop
+    if not isinstance(stop, tuple | list) or len(stop) > MAX_STOP_STRINGS:
+        raise RequestError("stop", f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {stop!r}")
+    if not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop", f"stop strings must be non-empty strings, got {stop!r}")
+    ids = r.stop_ids
+    if ids is None:
+        return
+    if (
+        not isinstance(ids, tuple | list)
+        or len(ids) > MAX_STOP_IDS
+        or not all(is_int(i) and i >= 0 for i in ids)
+    ):
+        raise RequestError(
+            "stop_ids", f"stop_ids must be at most {MAX_STOP_IDS} token ids (integers >= 0), got {ids!r}"
+        )
+
+
+def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> tuple[int, Any, str]:
+    """The one gamma / tree rule: (the most tokens a round may write past the committed text,
+    what an error message shows was asked for, the setting that bounds it). tree: 0 (chains),
+    a node count in [1, MAX_TREE_NODES] or "auto" (then gamma is auto too; the largest tree or
+    chain auto may run); gamma: an integer >= 1 or "auto" (up to autogamma.GAMMA_MAX).
+    RequestError naming gamma_name / tree_name where a value is out of range."""
+    if tree != "auto" and (isinstance(tree, bool) or not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
+        raise RequestError(
+            tree_name,
+            f"{tree_name} must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}",
+        )
+    if tree == "auto":
+        return autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})", tree_name
+    if tree:  # a tree round writes up to its node count past the text
+        return tree, tree, tree_name
+    if gamma == "auto":
+        return autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})", gamma_name
+    if isinstance(gamma, bool) or not is_int(gamma) or gamma < 1:
+        raise RequestError(gamma_name, f"{gamma_name} must be an integer >= 1 or 'auto', got {gamma!r}")
+    return gamma, gamma, gamma_name

@@ -1,0 +1,324 @@
+"""The engine (spec_jax.engine): continuous batching whose rows are exact. Every request's tokens
+equal spec_jax.generate's for that request alone, whatever else runs (greedy and seeded
+sampling, staggered arrivals, rows finishing early, cancelled rows, a slot's previous
+occupant, a row whose logits turn NaN)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny_gguf
+
+import spec_jax
+from models.cache import KVCache
+from models.tokenizer import Tokenizer
+from spec_jax import engine as engine_lib
+from spec_jax.engine import Engine, QueueFull
+from spec_jax.request import Request, RequestError
+
+pytestmark = pytest.mark.xdist_group("tiny_target")
+
+GAMMA = 3
+CONTEXT = 64
+# (prompt, max_tokens, seed): one prompt bucket (<= 16 tokens), two budgets (rows end early).
+REQUESTS = [
+    ([5, 9, 2], 12, 3),
+    ([7, 3, 8, 11, 4], 5, 4),
+    ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], 12, 5),
+    ([30], 5, 6),
+    ([17, 40, 2, 2], 12, 7),
+    ([60, 61, 62], 5, 8),
+    ([9, 9, 9, 9, 9, 1], 12, 9),
+    ([44, 12], 5, 10),
+    ([3, 33, 13], 12, 11),
+    ([25], 12, 12),
+]
+
+
+_ALONE: dict = {}
+
+
+def _alone(target, draft, prompt: tuple, max_tokens: int, seed: int, temperature: float, gamma=GAMMA):
+    """spec_jax.generate's tokens for the request alone (memoized per models and request)."""
+    key = (id(target), id(draft), prompt, max_tokens, seed, temperature, gamma)
+    if key not in _ALONE:
+        _ALONE[key] = (
+            target,
+            draft,
+            _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma),
+        )
+    return _ALONE[key][2]
+
+
+def _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma):
+    gen = spec_jax.generate(
+        target,
+        [list(prompt)],
+        draft=draft,
+        gamma=gamma,
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        eos_id=None,
+    )
+    return gen.tokens[0]
+
+
+def alone(target, draft, request: Request, gamma=GAMMA):
+    return _alone(
+        target, draft, request.prompt_ids, request.max_tokens, request.seed, request.temperature, gamma
+    )
+
+
+def run_staggered(engine: Engine, requests: list[Request], arrivals: list[int]):
+    """Submits requests[i] before step arrivals[i] (steps counted from 0) and drains the engine.
+    Returns ({handle id: tokens}, {handle id: finish reason}, handles)."""
+    tokens, reasons, handles = {}, {}, []
+    step = 0
+    pending = sorted(zip(arrivals, range(len(requests)), strict=True))
+    while pending or not engine.idle:
+        while pending and pending[0][0] <= step:
+            handles.append(engine.submit(requests[pending.pop(0)[1]]))
+        for u in engine.step():
+            tokens.setdefault(u.handle.id, []).extend(u.token_ids)
+            if u.finished:
+                reasons[u.handle.id] = u.finish_reason
+        step += 1
+    return tokens, reasons, handles
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+def test_each_request_equals_itself_alone_at_any_concurrency(
+    tiny_target, tiny_draft, temperature, concurrency
+):
+    requests = [
+        Request(prompt_ids=tuple(p), max_tokens=m, seed=s, temperature=temperature, stop_ids=())
+        for p, m, s in REQUESTS
+    ]
+    engine = Engine(tiny_target, tiny_draft, max_batch=concurrency, gamma=GAMMA, max_context=CONTEXT)
+    arrivals = [0, 0, 1, 1, 2, 4, 4, 5, 9, 9]  # staggered: some join a running table
+    tokens, reasons, handles = run_staggered(engine, requests, arrivals)
+    assert len(handles) == len(requests)
+    for h in handles:
+        assert tokens[h.id] == alone(tiny_target, tiny_draft, h.request), (h.id, concurrency)
+        assert reasons[h.id] == "length"
+    stats = engine.stats()
+    assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0
+    assert stats["generation_tokens_total"] == sum(m for _, m, _ in REQUESTS)
+    assert stats["finished_length"] == len(REQUESTS)
+
+
+def test_a_row_that_stops_frees_its_slot_and_a_waiting_request_takes_it(tiny_target, tiny_draft):
+    """Stop ids end rows early; with one slot, the next request runs in it right after."""
+    first, second = REQUESTS[0], REQUESTS[2]
+    reference = alone(tiny_target, tiny_draft, Request(prompt_ids=tuple(first[0]), max_tokens=12, seed=3))
+    stop = reference[3]  # the row stops at its first occurrence
+    engine = Engine(tiny_target, tiny_draft, max_batch=1, gamma=GAMMA, max_context=CONTEXT)
+    a = engine.submit(Request(prompt_ids=tuple(first[0]), max_tokens=12, seed=3, stop_ids=(stop,)))
+    b = engine.submit(Request(prompt_ids=tuple(second[0]), max_tokens=12, seed=5, stop_ids=()))
+    tokens, reasons = {}, {}
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+        reasons[u.handle] = u.finish_reason if u.finished else None
+    assert tokens[a] == reference[: reference.index(stop) + 1] and reasons[a] == "stop"
+    assert tokens[b] == alone(tiny_target, tiny_draft, b.request) and reasons[b] == "length"
+
+
+def test_a_slot_holds_nothing_of_its_previous_occupant(tiny_target, tiny_draft):
+    """A long request, then a short one in the same (only) slot: the short one's tokens equal
+    its own alone, and its row of the table holds only its own tokens (a slot not reset
+    would keep the long one's tokens, count or done flag)."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=1, gamma=GAMMA, max_context=CONTEXT)
+    long = engine.submit(Request(prompt_ids=tuple(range(1, 40)), max_tokens=20, seed=1, stop_ids=()))
+    list(engine.drain())
+    short = Request(prompt_ids=(30,), max_tokens=5, seed=6, stop_ids=())
+    h = engine.submit(short)
+    first = [t for u in engine.step() for t in u.token_ids]  # admitted: the prefill's first token
+    assert len(first) == 1
+    out = engine._state.out
+    assert int(out.num_generated[0]) == 1 and not bool(out.done[0]) and int(out.budget[0]) == 5
+    assert np.all(np.asarray(out.tokens[0, 1:]) == 0)
+    assert int(engine._state.length[0]) == 2
+    tokens = [t for u in engine.drain() if u.handle is h for t in u.token_ids]
+    assert first + tokens == alone(tiny_target, tiny_draft, short)
+    assert long.id == 0 and h.id == 1
+
+
+def test_write_row_replaces_every_per_row_leaf_and_keeps_shared_ones():
+    """_write_row on a toy state: batch leaves (leading axis, a cache's axis 1) take the row;
+    scalars and leaves of another leading size keep the table's (a [G] metric with G == B
+    included: the row's own has G entries, not 1)."""
+    b = 3
+    table = {
+        "cache": KVCache(k=jnp.zeros((2, b, 4, 1, 2)), v=jnp.zeros((2, b, 4, 1, 2))),
+        "tokens": jnp.zeros((b, 5), jnp.int32),
+        "count": jnp.zeros((), jnp.int32),
+        "per_position": jnp.zeros((b,), jnp.int32),
+    }
+    row = {
+        "cache": KVCache(k=jnp.ones((2, 1, 4, 1, 2)), v=jnp.ones((2, 1, 4, 1, 2))),
+        "tokens": jnp.ones((1, 5), jnp.int32),
+        "count": jnp.ones((), jnp.int32),
+        "per_position": jnp.ones((b,), jnp.int32),
+    }
+    out = engine_lib._write_row(table, row, 1, b)
+    np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 1, 0], [0, 1, 0]])
+    np.testing.assert_array_equal(out["tokens"][:, 0], [0, 1, 0])
+    assert int(out["count"]) == 0
+    np.testing.assert_array_equal(out["per_position"], [0, 0, 0])
+
+
+def test_cancel_frees_the_slot_at_once_and_the_others_are_unaffected(tiny_target, tiny_draft):
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=GAMMA, max_context=CONTEXT)
+    requests = [Request(prompt_ids=tuple(p), max_tokens=12, seed=s, stop_ids=()) for p, _, s in REQUESTS[:3]]
+    handles = [engine.submit(r) for r in requests]
+    first = engine.step()  # the first two are admitted
+    assert engine.stats()["slots_busy"] == 2
+    engine.cancel(handles[0])
+    assert engine.stats()["slots_busy"] == 1  # at once
+    tokens, last = {}, {}
+    for u in [*first, *engine.drain()]:
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+        last[u.handle] = u
+    assert last[handles[0]].finished and last[handles[0]].finish_reason == "cancelled"
+    for h in handles[1:]:
+        assert tokens[h] == alone(tiny_target, tiny_draft, h.request)
+    # A waiting request cancelled never runs.
+    waiting = [engine.submit(r) for r in requests]
+    engine.cancel(waiting[2])
+    updates = [u for u in engine.drain() if u.handle is waiting[2]]
+    assert [(u.token_ids, u.finish_reason) for u in updates] == [([], "cancelled")]
+
+
+def test_a_request_without_speculation_decodes_as_plain_decoding_beside_speculating_rows(
+    tiny_target, tiny_draft
+):
+    """speculate=False inside a drafting table: the tokens of plain decoding alone (sampled:
+    the rows' random streams are plain decoding's, so this fails unless the row drafts nothing)."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=3, gamma=GAMMA, max_context=CONTEXT)
+    plain = Request(
+        prompt_ids=(5, 9, 2), max_tokens=12, seed=3, temperature=1.0, speculate=False, stop_ids=()
+    )
+    spec = Request(prompt_ids=(7, 3, 8), max_tokens=12, seed=4, temperature=1.0, stop_ids=())
+    hp, hs = engine.submit(plain), engine.submit(spec)
+    tokens = {}
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    assert tokens[hp] == _alone(tiny_target, None, (5, 9, 2), 12, 3, 1.0)
+    assert tokens[hp] != alone(tiny_target, tiny_draft, plain)  # the speculative sample differs
+    assert tokens[hs] == alone(tiny_target, tiny_draft, spec)
+
+
+def poisoned(model, token: int):
+    """The model with a NaN embedding row for `token` (tests/test_nonfinite.py)."""
+    params = dict(model.params)
+    params["embed"] = {"embedding": model.params["embed"]["embedding"].at[token].set(jnp.nan)}
+    return model.replace(params=params)
+
+
+def test_nonfinite_logits_end_that_request_with_an_error_and_the_others_go_on(tiny_target, tiny_draft):
+    a = Request(prompt_ids=(5, 9, 2), max_tokens=12, seed=3, stop_ids=())
+    b = Request(prompt_ids=(7, 3, 8, 11, 4), max_tokens=12, seed=4, stop_ids=())
+    clean_a, clean_b = alone(tiny_target, tiny_draft, a), alone(tiny_target, tiny_draft, b)
+    read_by_b = set(b.prompt_ids) | set(clean_b)
+    k, bad = next(
+        (k, t)
+        for k, t in enumerate(clean_a[:-1])
+        if k >= 1 and t not in read_by_b and t not in a.prompt_ids and t not in clean_a[:k]
+    )
+    target = poisoned(tiny_target, bad)
+    engine = Engine(target, tiny_draft, max_batch=2, gamma=GAMMA, max_context=CONTEXT)
+    ha, hb = engine.submit(a), engine.submit(b)
+    tokens, last = {}, {}
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+        last[u.handle] = u
+    assert last[ha].finish_reason == "error" and "NaN" in last[ha].error
+    assert tokens[ha] == clean_a[: k + 1] == _alone(target, tiny_draft, a.prompt_ids, 12, 3, 0.0)
+    assert last[hb].finish_reason == "length" and tokens[hb] == clean_b
+
+
+def test_a_request_with_another_warp_waits_for_the_table_then_runs_exactly(tiny_target, tiny_draft):
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
+    greedy = Request(prompt_ids=(5, 9, 2), max_tokens=12, seed=3, stop_ids=())
+    sampled = Request(prompt_ids=(7, 3, 8), max_tokens=5, seed=4, temperature=1.0, stop_ids=())
+    hg, hs = engine.submit(greedy), engine.submit(sampled)
+    first = engine.step()
+    assert engine.stats()["slots_busy"] == 1 and engine.stats()["queue_depth"] == 1
+    tokens = {}
+    for u in [*first, *engine.drain()]:
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    assert tokens[hg] == alone(tiny_target, tiny_draft, greedy)
+    assert tokens[hs] == alone(tiny_target, tiny_draft, sampled)
+
+
+def test_submit_checks_the_request_against_the_model_and_the_queue(tiny_target):
+    engine = Engine(tiny_target, None, max_batch=1, max_queue=2, max_context=32)
+    with pytest.raises(
+        RequestError, match=r"prompt \(30 tokens\) \+ max_tokens \(5\) exceeds the context of 32"
+    ) as e:
+        engine.submit(Request(prompt_ids=tuple([1] * 30), max_tokens=5))
+    assert e.value.field == "max_tokens"
+    with pytest.raises(RequestError, match="prompt_ids") as e:
+        engine.submit(Request(prompt_ids=(1, 64)))
+    assert e.value.field == "prompt_ids"
+    with pytest.raises(RequestError, match="no tokenizer") as e:
+        engine.submit(Request(prompt="hello"))
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestError) as e:
+        engine.submit(Request(prompt_ids=(1,), temperature=-1.0))
+    assert e.value.field == "temperature"
+    engine.submit(Request(prompt_ids=(1,), max_tokens=4))
+    engine.submit(Request(prompt_ids=(2,), max_tokens=4))
+    with pytest.raises(QueueFull):
+        engine.submit(Request(prompt_ids=(3,), max_tokens=4))
+    assert engine.stats()["queue_depth"] == 2
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    """The tiny GGUF model with its byte-level tokenizer and a chat template."""
+    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
+    model = tiny_gguf.write(path, chat_template=CHAT_TEMPLATE)
+    return model.replace(tokenizer=Tokenizer.from_gguf(path))
+
+
+def test_generate_takes_texts_and_conversations_and_returns_text_with_the_clis_defaults(text_model):
+    """Three lines for a notebook: strings in, text out; greedy with the model's stop tokens."""
+    tok = text_model.tokenizer
+    gen = spec_jax.generate(text_model, "def f(x):", max_new_tokens=8)
+    ids = spec_jax.generate(
+        text_model, [tok.encode("def f(x):")], max_new_tokens=8, temperature=0.0, eos_id=list(tok.stop_ids)
+    )
+    assert gen.tokens == ids.tokens and gen.text == [tok.decode(ids.tokens[0], skip_special_tokens=True)]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = spec_jax.generate(text_model, [messages, "x"], max_new_tokens=4)
+    by_ids = spec_jax.generate(text_model, [tok.encode_chat(messages), tok.encode("x")], max_new_tokens=4)
+    assert chat.tokens == by_ids.tokens and len(chat.text) == 2
+
+
+def test_stream_yields_each_prompts_text_in_pieces_that_add_up_to_generate(text_model):
+    prompts = ["def f(x):", "hello", [{"role": "user", "content": "hi"}]]
+    pieces: dict = {}
+    finished = {}
+    for i, update in spec_jax.stream(text_model, prompts, max_tokens=10, max_batch=2):
+        pieces.setdefault(i, []).append(update.text)
+        finished[i] = update.finish_reason if update.finished else None
+    gen = spec_jax.generate(text_model, prompts, max_new_tokens=10)
+    assert ["".join(pieces[i]) for i in range(3)] == gen.text
+    assert all(finished[i] in ("stop", "length") for i in range(3))
+    assert max(len(p) for p in pieces.values()) > 1  # it streamed: more than one piece
+
+
+def test_a_stop_string_ends_the_text_before_it(text_model):
+    alone_text = spec_jax.generate(text_model, "hello", max_new_tokens=16, eos_id=None).text[0]
+    stop = alone_text[5:7]
+    assert stop and alone_text.find(stop) >= 1
+    engine = Engine(text_model, None, max_batch=2, max_context=64)
+    h = engine.submit(Request(prompt="hello", max_tokens=16, stop=(stop,), stop_ids=()))
+    updates = list(engine.drain())
+    assert "".join(u.text for u in updates) == alone_text[: alone_text.find(stop)]
+    assert updates[-1].finished and updates[-1].finish_reason == "stop" and updates[-1].handle is h
