@@ -9,7 +9,7 @@ ARGS ?=
 
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,hf]'
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,hf,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)

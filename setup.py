@@ -33,6 +33,9 @@ setup(
         # Compile-only TPU and CUDA devices (docs/kernels.md). `make test` installs the same
         # packages into .venv-compile instead: in an environment they log at every jax start-up.
         "compile": ["libtpu", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12"],
+        # launch.serve (the OpenAI-compatible server) and its tests and bench (experiments/bench_serve.py:
+        # the `openai` client, which brings httpx2). `make test` installs it.
+        "serve": ["starlette", "uvicorn", "pydantic", "prometheus-client", "openai"],
         # Only for recording reference fixtures (scripts/record_fixtures.py); never for tests.
         "reference": ["torch==2.13.0", "transformers", "accelerate"],
     },
