@@ -58,7 +58,7 @@ flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every i
 flags.DEFINE_integer("port", 8000, "TCP port to listen on.", lower_bound=1, upper_bound=65535)
 flags.DEFINE_integer("max_batch", 8, "Row slots: requests decoded together.", lower_bound=1, upper_bound=256)
 flags.DEFINE_integer(
-    "max_queue", 64, "Requests waiting for a slot beyond max_batch; one more is answered 429.", lower_bound=0
+    "max_queue", 64, "Requests waiting for a slot beyond max_batch; one more is answered 429.", lower_bound=1
 )
 flags.DEFINE_float(
     "grace_period",
