@@ -280,16 +280,30 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
         "errors": len(outcomes) - len(ok),
     }
     if system.ours:
-        drafted = after.get("spec_jax_engine_draft_tokens_total", 0) - before.get(
-            "spec_jax_engine_draft_tokens_total", 0
-        )
-        accepted = after.get("spec_jax_engine_accepted_tokens_total", 0) - before.get(
-            "spec_jax_engine_accepted_tokens_total", 0
+        delta = {
+            k: after.get(f"spec_jax_engine_{k}_total", 0) - before.get(f"spec_jax_engine_{k}_total", 0)
+            for k in _ENGINE
+        }
+        drafted, accepted = delta["draft_tokens"], delta["accepted_tokens"]
+        # The engine's host work per step beyond its compiled calls, as a share of decoding
+        device = delta["decode_seconds"] + delta["prefill_seconds"] + delta["compile_seconds"]
+        row["host_overhead_share"] = (
+            (delta["step_seconds"] - device) / delta["decode_seconds"] if delta["decode_seconds"] else None
         )
     else:
         drafted, accepted = sum(o.drafted for o in ok), sum(o.accepted for o in ok)
     row["acceptance"] = accepted / drafted if drafted else None
     return row
+
+
+_ENGINE = (
+    "draft_tokens",
+    "accepted_tokens",
+    "decode_seconds",
+    "prefill_seconds",
+    "compile_seconds",
+    "step_seconds",
+)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -182,8 +182,9 @@ async def _events(
     try:
         while True:
             update = await stream.get()
-            if update.error is not None:
-                yield _sse(ApiError(500, update.error, type="server_error", code=update.finish_reason).body())
+            failure = _failure(update)
+            if failure is not None:
+                yield _sse(failure.body())
                 break
             if update.text or update.finished or first:
                 reason = _finish_reason(update)
@@ -219,15 +220,31 @@ async def _whole(
     except asyncio.CancelledError:
         worker.cancel(stream)
         raise
-    if update.error is not None:
-        error = ApiError(500, update.error, type="server_error", code=update.finish_reason)
-        return JSONResponse(error.body(), 500)
+    failure = _failure(update)
+    if failure is not None:
+        return JSONResponse(failure.body(), failure.status)
     use = usage_body(_prompt_tokens(stream), stream.tokens)
     return JSONResponse(completion(rid, model, chat, "".join(pieces), _finish_reason(update), use))
 
 
+def _failure(update) -> ApiError | None:
+    """The error a request's last Update reports: the engine's (e.g. non-finite logits: 500), or
+    a cancellation by the server (its grace period ran out: 503); None for a request that ended
+    normally."""
+    if update.error is not None:
+        return ApiError(500, update.error, type="server_error", code=update.finish_reason)
+    if update.finish_reason == "cancelled":
+        return ApiError(
+            503,
+            "cancelled: the server shut down before this request finished",
+            type="server_error",
+            code="cancelled",
+        )
+    return None
+
+
 def _finish_reason(update) -> str | None:
-    """OpenAI's finish_reason: "stop" or "length" (a cancelled request reads as "stop")."""
+    """OpenAI's finish_reason: "stop" or "length"."""
     if not update.finished:
         return None
     return "length" if update.finish_reason == "length" else "stop"
