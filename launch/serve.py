@@ -30,8 +30,6 @@ import time
 import uvicorn
 from absl import flags
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from spec_jax.engine import QueueFull
-from spec_jax.request import Request, RequestError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
@@ -52,6 +50,8 @@ from launch.serve_schema import (
     to_request,
 )
 from launch.serve_schema import usage as usage_body
+from spec_jax.engine import QueueFull
+from spec_jax.request import Request, RequestError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
