@@ -23,12 +23,12 @@ import pytest
 import tiny_gguf
 import uvicorn
 from conftest import perturbed
-from spec_jax.engine import Engine
 
 import models
 from experiments.bench_serve import free_port, prometheus_values
 from launch.serve import make_app, warm_up
 from launch.serve_engine import EngineWorker, Metrics
+from spec_jax.engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny"
@@ -331,3 +331,17 @@ def test_sigterm_finishes_what_runs_and_exits_0_with_one_line(tiny_pair, tmp_pat
         "launch.serve: SIGTERM: stopped taking requests; 1 finished, 0 cancelled, 0 failed within the 20 s grace period"
     ]
     assert "Traceback" not in err, err
+
+
+def test_what_the_grace_period_cuts_ends_with_an_error_and_new_requests_get_503(small_server):
+    # Last of small_server's tests: it shuts that server's engine thread down.
+    body = {"model": MODEL, "prompt": "a b", "max_tokens": 200, "stop_token_ids": [], "stream": True}
+    with httpx2.stream("POST", small_server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        small_server.worker.shutdown(0)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert json.loads(rest[-2][5:])["error"]["code"] == "cancelled" and rest[-1] == "data: [DONE]"
+    refused = small_server.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert httpx2.get(small_server.url + "/health").status_code == 503
