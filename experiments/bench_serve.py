@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -178,7 +179,8 @@ async def stream_one(
     end = time.perf_counter()
     tokens = tokens if tokens is not None else len(pieces)
     ttft = None if first is None else first - start
-    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    # as vLLM's bench: (latency - time to first token) / (tokens - 1)
+    tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
     return Outcome(200, tokens, ttft, tpot, end - start, "".join(pieces), drafted, accepted)
 
 
@@ -406,8 +408,8 @@ def _start_systems(config, stack: contextlib.ExitStack, log_dir: str) -> list[Sy
 
 def run(config) -> framework.Result | None:
     prompts = common.prompt_set(config.prompt_set, config.num_prompts)
-    log_dir = os.path.join(ROOT, "experiments", "results", "serve", "logs")
-    os.makedirs(log_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix="spec-jax-bench-serve-")  # the servers' output, kept for a look
+    print(f"serve: the servers' logs are in {log_dir}", flush=True)
     checks, summary = (
         [],
         {"prompt_set": config.prompt_set, "slots": config.slots, "max_tokens": config.max_tokens},
