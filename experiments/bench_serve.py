@@ -150,7 +150,7 @@ async def stream_one(
     """One streamed completion (greedy, usage asked for) as an Outcome; never raises for HTTP or
     connection errors (they are the Outcome's status)."""
     start = time.perf_counter()
-    first = last = None
+    first = None
     pieces, tokens, drafted, accepted = [], None, 0, 0
     try:
         stream = await client.completions.create(
@@ -166,7 +166,6 @@ async def stream_one(
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].text:
                 first = first or now
-                last = now
                 pieces.append(chunk.choices[0].text)
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
