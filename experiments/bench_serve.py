@@ -8,7 +8,7 @@ in a build folder of its own with the server on). For each concurrency c, each r
 held-out prompts (greedy, `max_tokens` each) through c concurrent streams, to one system and then
 the other (which goes first alternates). Per system and concurrency it reports output tokens/s
 (all output tokens / the run's wall time), time to first token and time per output token (p50,
-p99: per request, (last token - first token) / (tokens - 1)), acceptance (ours: the change of
+p99: per request, as vLLM's bench: (latency - TTFT) / (tokens - 1)), acceptance (ours: the change of
 /metrics' accepted / drafted counters over the runs; llama-server: its `timings` draft counts where
 it reports them) and errors. Then an overload check on our server: twice its slots in concurrent
 streams plus bursts, against a short queue: every request must complete or get 429, never a 5xx

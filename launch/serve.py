@@ -43,6 +43,7 @@ from launch.serve_schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    StreamOptions,
     chunk,
     completion,
     parse_body,
@@ -136,10 +137,10 @@ async def _generate(
         metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
         return JSONResponse(e.body(), e.status, headers=e.headers)
     metrics.requests.labels(endpoint=endpoint, status="200").inc()
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    options = body.stream_options or StreamOptions()
     rid = request_id(chat)
     if body.stream:
-        events = _events(worker, stream, rid, model, chat, include_usage)
+        events = _events(worker, stream, rid, model, chat, options)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -172,11 +173,12 @@ def _unavailable() -> ApiError:
 
 
 async def _events(
-    worker: EngineWorker, stream: Stream, rid: str, model: str, chat: bool, include_usage: bool
+    worker: EngineWorker, stream: Stream, rid: str, model: str, chat: bool, options: StreamOptions
 ):
-    """The server-sent events of one streamed request: a chunk per Update with text (and the last),
-    an error event if the request failed, an optional usage chunk, then `data: [DONE]`. A client
-    that leaves ends this generator: its request is cancelled and its slot freed."""
+    """The server-sent events of one streamed request: a chunk per Update with text (and the last;
+    each with the usage so far if options.continuous_usage_stats), an error event if the request
+    failed, a usage chunk if options.include_usage, then `data: [DONE]`. A client that leaves
+    ends this generator: its request is cancelled and its slot freed."""
     created = int(time.time())
     first = True
     try:
@@ -187,11 +189,13 @@ async def _events(
                 yield _sse(failure.body())
                 break
             if update.text or update.finished or first:
-                reason = _finish_reason(update)
-                yield _sse(chunk(rid, model, created, chat, update.text, reason, first))
+                piece = chunk(rid, model, created, chat, update.text, _finish_reason(update), first)
+                if options.continuous_usage_stats:
+                    piece["usage"] = usage_body(_prompt_tokens(stream), stream.tokens)
+                yield _sse(piece)
                 first = False
             if update.finished:
-                if include_usage:
+                if options.include_usage:
                     tail = chunk(rid, model, created, chat, "", None, False) | {"choices": []}
                     yield _sse(tail | {"usage": usage_body(_prompt_tokens(stream), stream.tokens)})
                 break

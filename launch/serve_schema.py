@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
+
 from spec_jax.request import Request, RequestError
 
 
@@ -50,6 +51,7 @@ class SpecJaxOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
 
 
 class ChatMessage(BaseModel):
@@ -77,6 +79,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # as vLLM's: these ids end it (default: the model's stop tokens)
+    ignore_eos: bool = False  # as vLLM's: no stop tokens (unless stop_token_ids names some)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
@@ -161,7 +164,7 @@ def to_request(body: CompletionBody | ChatBody) -> Request:
         ("top_k", body.top_k),
         ("seed", body.seed),
         ("stop", body.stop),
-        ("stop_ids", body.stop_token_ids),
+        ("stop_ids", [] if body.ignore_eos and body.stop_token_ids is None else body.stop_token_ids),
     ):
         if value is not None:
             fields[name] = value
