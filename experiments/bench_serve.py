@@ -19,6 +19,7 @@ or a lost request, and /health must answer 200 afterwards. A load tool from the 
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -45,6 +46,9 @@ MODEL_KEYS = ("target", "draft")
 INT_RANGES = {"num_prompts": (1, 64), "max_tokens": (1, 4096), "repeats": (1, 100), "slots": (1, 64)}
 TUPLE_RANGES = {"concurrency": (int, 1, 64)}
 PEERS = ("llama",)
+# guidellm pulls in versions of huggingface_hub, click and rich other than this project's, so it
+# lives in a venv of its own (gitignored); --config.guidellm=.venv-guidellm/bin/guidellm runs it.
+GUIDELLM_INSTALL = "python3 -m venv .venv-guidellm && .venv-guidellm/bin/pip install guidellm==0.8.1"
 
 
 def get_config(quick: bool = False) -> ml_collections.ConfigDict:
@@ -60,7 +64,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.peers = () if quick else PEERS  # llama-server needs the GGUF files: not in quick mode
     config.serve_flags = ""  # more launch.serve flags, space-separated (e.g. "--gamma=4")
     config.overload = True
-    config.guidellm = ""  # the guidellm executable (a venv of its own), or "" to skip it
+    config.guidellm = ""  # the guidellm executable (GUIDELLM_INSTALL), or "" to skip it
     return config
 
 
@@ -238,15 +242,27 @@ def start_ours(config, port: int, log_dir: str, slots: int, max_queue: int) -> S
 
 
 def start_llama_server(config, port: int, log_dir: str) -> ServerProcess:
-    """llama-server on the pair's GGUF files: -np slots, continuous batching, the draft model,
-    a context of 4096 tokens per slot, os.cpu_count() threads."""
+    """llama-server on the pair's GGUF files: -np slots, continuous batching, the draft model
+    (draft-simple, its default of up to 3 drafts a round), a context of 4096 tokens per slot,
+    os.cpu_count() threads."""
     from models import registry
     from models.kernels import llama_cpp
 
     binary = llama_cpp.build(("llama-server",), server=True) / "bin" / "llama-server"
     target, draft = (str(registry.fetch_gguf(name)) for name in (config.target, config.draft))
     threads = str(os.cpu_count() or 2)
-    cmd = [str(binary), "-m", target, "-md", draft, "-np", str(config.slots), "-cb"]
+    cmd = [
+        str(binary),
+        "-m",
+        target,
+        "-md",
+        draft,
+        "--spec-type",
+        "draft-simple",
+        "-np",
+        str(config.slots),
+        "-cb",
+    ]
     cmd += [
         "-c",
         str(4096 * config.slots),
@@ -384,6 +400,52 @@ async def overload(url: str, model: str, prompts: list[str], slots: int, max_tok
     }
 
 
+def guidellm(
+    executable: str, system: System, prompts: list[str], concurrency: int, max_tokens: int, folder: str
+) -> dict:
+    """One guidellm run (the registry's load tool, in its own venv) on `system`: the prompts through
+    `concurrency` concurrent streams, max_tokens each. Returns its output tokens/s, TTFT and TPOT
+    (median, p99) and request counts, read from its JSON report."""
+    data = os.path.join(folder, "prompts.jsonl")
+    with open(data, "w") as f:
+        # guidellm then asks for exactly max_tokens (it sends ignore_eos, as vLLM's bench does)
+        f.writelines(json.dumps({"prompt": p, "output_tokens_count": max_tokens}) + "\n" for p in prompts)
+    report = os.path.join(folder, f"guidellm-{system.server.port}-{concurrency}.json")
+    backend = (
+        f"kind=openai_http,target={system.server.url},model={system.model},request_format=/v1/completions"
+    )
+    cmd = [executable, "run", "--backend", backend, "--profile", f"kind=concurrent,streams={concurrency}"]
+    cmd += [
+        "--data",
+        f"kind=json_file,path={data}",
+        "--constraint",
+        f"kind=max_requests,count={len(prompts)}",
+    ]
+    cmd += ["--output", f"kind=json,path={report}", "--disable-progress", "--disable-console"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S * 4, cwd=folder)
+    if proc.returncode or not os.path.exists(report):
+        return {"system": system.name, "tool": "guidellm", "error": (proc.stderr or proc.stdout)[-300:]}
+    with open(report) as f:
+        bench = json.load(f)["benchmarks"][0]
+    m, made = bench["metrics"], bench["scheduler_metrics"]["requests_made"]
+
+    def ok(key, q):
+        return round(m[key]["successful"]["percentiles"][q], 1)
+
+    return {
+        "system": system.name,
+        "tool": "guidellm 0.8.1",
+        "concurrency": concurrency,
+        "output_tokens_per_s": round(m["output_tokens_per_second"]["successful"]["mean"], 2),
+        "ttft_p50_ms": ok("time_to_first_token_ms", "p50"),
+        "ttft_p99_ms": ok("time_to_first_token_ms", "p99"),
+        "tpot_p50_ms": ok("time_per_output_token_ms", "p50"),
+        "tpot_p99_ms": ok("time_per_output_token_ms", "p99"),
+        "requests": made["total"],
+        "errors": made["errored"] + made["incomplete"],
+    }
+
+
 def _start_systems(config, stack: contextlib.ExitStack, log_dir: str) -> list[System]:
     """Our server (slots, a queue of as many) and the peers that can run here, all ready."""
     ours = start_ours(config, free_port(), log_dir, config.slots, max_queue=config.slots)
@@ -426,6 +488,10 @@ def run(config) -> framework.Result | None:
                 checks.append(
                     {"check": f"greedy texts the same as {peer.name}'s", "result": f"{same}/{len(prompts)}"}
                 )
+        if config.guidellm:
+            top = max(config.concurrency)
+            loads = [guidellm(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems]
+            summary["guidellm"] = loads
         if config.overload:
             result = asyncio.run(
                 overload(ours.server.url, ours.model, prompts, config.slots, config.max_tokens)
@@ -441,4 +507,8 @@ def run(config) -> framework.Result | None:
         last = output.strip().splitlines()[-1] if output.strip() else ""
         checks.append({"check": "SIGTERM: exit code and last line", "result": f"{code}: {last}"})
         summary["sigterm"] = {"exit_code": code, "last_line": last}
-    return framework.Result.from_dicts(rows, sections={"checks": checks}, summary=summary)
+    sections = {
+        "checks": checks,
+        "the same load from guidellm (the registry's load tool)": summary.get("guidellm"),
+    }
+    return framework.Result.from_dicts(rows, sections=sections, summary=summary)
