@@ -43,7 +43,13 @@ STARTUP_TIMEOUT_S = 900  # loading the pair and compiling, on a busy 2-core mach
 REQUEST_TIMEOUT_S = 600
 
 MODEL_KEYS = ("target", "draft")
-INT_RANGES = {"num_prompts": (1, 64), "max_tokens": (1, 4096), "repeats": (1, 100), "slots": (1, 64)}
+INT_RANGES = {
+    "num_prompts": (1, 64),
+    "max_tokens": (1, 4096),
+    "repeats": (1, 100),
+    "slots": (1, 64),
+    "context": (64, 32768),
+}
 TUPLE_RANGES = {"concurrency": (int, 1, 64)}
 PEERS = ("llama",)
 # guidellm pulls in versions of huggingface_hub, click and rich other than this project's, so it
@@ -61,6 +67,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.concurrency = (1, 2) if quick else (1, 4, 8)
     config.repeats = 1
     config.slots = 2 if quick else 8  # --max_batch and llama-server's -np
+    config.context = 256 if quick else 1024  # tokens per slot: --max_context, llama-server's -c / -np
     config.peers = () if quick else PEERS  # llama-server needs the GGUF files: not in quick mode
     config.serve_flags = ""  # more launch.serve flags, space-separated (e.g. "--gamma=4")
     config.overload = True
@@ -236,6 +243,7 @@ class System:
 def start_ours(config, port: int, log_dir: str, slots: int, max_queue: int) -> ServerProcess:
     cmd = [sys.executable, "-m", "launch.serve", f"--target={config.target}", f"--draft={config.draft}"]
     cmd += [f"--port={port}", f"--max_batch={slots}", f"--max_queue={max_queue}", "--grace_period=5"]
+    cmd += [f"--max_context={config.context}"]
     cmd += config.serve_flags.split()
     env = {**os.environ, "PYTHONPATH": ROOT}
     return ServerProcess(cmd, port, os.path.join(log_dir, f"serve-{port}.log"), env=env)
@@ -243,7 +251,7 @@ def start_ours(config, port: int, log_dir: str, slots: int, max_queue: int) -> S
 
 def start_llama_server(config, port: int, log_dir: str) -> ServerProcess:
     """llama-server on the pair's GGUF files: -np slots, continuous batching, the draft model
-    (draft-simple, its default of up to 3 drafts a round), a context of 4096 tokens per slot,
+    (draft-simple, its default of up to 3 drafts a round), a context of config.context tokens per slot,
     os.cpu_count() threads."""
     from models import registry
     from models.kernels import llama_cpp

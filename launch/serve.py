@@ -67,6 +67,13 @@ flags.DEFINE_float(
     "On SIGTERM: seconds the running requests may take before they are cancelled.",
     lower_bound=0,
 )
+flags.DEFINE_integer(
+    "max_context",
+    None,
+    "Tokens per slot, prompt plus new tokens (default: the target's context, at most 2048); the KV "
+    "caches and the compiled loop are sized for it.",
+    lower_bound=2,
+)
 flags.DEFINE_string("model_name", None, "The model id clients send (default: --target as given).")
 
 RETRY_AFTER_S = 1  # the Retry-After of a 429 or a 503
@@ -308,6 +315,7 @@ def load_engine():
         gamma=generate_flags.gamma_from_flag(),
         tree=generate_flags.tree_from_flag(),
         mesh=mesh,
+        max_context=FLAGS.max_context,
     )
 
 
@@ -352,8 +360,7 @@ def main(argv):
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     engine = load_engine()
     model = FLAGS.model_name or FLAGS.target
-    context = int(getattr(engine, "max_context", 0) or 0)
-    line = serve(engine, model, FLAGS.host, FLAGS.port, FLAGS.grace_period, context)
+    line = serve(engine, model, FLAGS.host, FLAGS.port, FLAGS.grace_period, engine.max_context)
     print(line, flush=True)
     sys.stdout.flush()
 
