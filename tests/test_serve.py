@@ -345,3 +345,26 @@ def test_what_the_grace_period_cuts_ends_with_an_error_and_new_requests_get_503(
     refused = small_server.post("/v1/completions", {"model": MODEL, "prompt": "x"})
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert httpx2.get(small_server.url + "/health").status_code == 503
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--port=0", "--port"),
+        ("--max_batch=0", "--max_batch"),
+        ("--grace_period=-1", "--grace_period"),
+        ("--target=nope", "--target"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_before_loading_anything(flag, says):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.serve", flag],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
