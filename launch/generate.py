@@ -4,6 +4,7 @@ Examples:
   python -m launch.generate --target=random --draft=random-draft --prompt="def f(x):"
   python -m launch.generate --prompts_file=prompts.jsonl --temperature=0 --compare_autoregressive
   python -m launch.generate --chat --prompt="Reverse a string in Python."  # the target's chat template
+  python -m launch.generate --stream --prompts_file=prompts.jsonl --batch_size=4  # text as it comes (spec_jax.engine)
   python -m launch.generate --drafter=hybrid --max_ngram=3 --draft_threshold=0.3 ...  # lookup, then the model
   python -m launch.generate --drafter=suffix --draft_threshold=0.4 ...   # no model: text seen before
   python -m launch.generate --mesh=data:2,model:4 ...             # tensor + data parallel
@@ -157,8 +158,8 @@ flags.DEFINE_bool(
     "stream",
     False,
     "Print each prompt's text as it comes (the prompts run on spec_jax.engine.Engine, --batch_size "
-    "rows at a time, a finished row's slot taken by the next prompt at once). Greedy output is "
-    "the same as without --stream; sampling draws prompt i from seed --seed + i.",
+    "rows at a time, a finished row's slot taken by the next prompt at once); the output is the "
+    "same as without --stream.",
 )
 flags.DEFINE_string("output_json", None, "Write tokens, text and stats here.")
 flags.DEFINE_string(
@@ -683,7 +684,7 @@ def stream_all(
     settings = dict(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k)
     settings.update(top_p=FLAGS.top_p, stop_ids=tuple(stop_ids))
     handles = [
-        engine.submit(Request(prompt_ids=tuple(p), seed=FLAGS.seed + i, **settings))
+        engine.submit(Request(prompt_ids=tuple(p), seed=FLAGS.seed, **settings), row_id=i)
         for i, p in enumerate(token_prompts)
     ]
     index = {h.id: i for i, h in enumerate(handles)}

@@ -21,7 +21,7 @@ from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
 from spec_jax.executables import compiled
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import Request, speculation_bound
+from spec_jax.request import Request, encode_prompt, request_for, speculation_bound
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
@@ -172,7 +172,7 @@ class Plan:
 
 
 def _plan(target, prompts, options: Options) -> Plan:
-    """Validates the call and decides what runs (Plan)."""
+    """Validates the call and decides what runs (Plan; its controller: `measured`)."""
     drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft, target)
     validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id, options.tree)
     num_rows = len(prompts)
@@ -188,23 +188,13 @@ def _plan(target, prompts, options: Options) -> Plan:
     prompts = list(prompts) + [prompts[0]] * padding
     row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
     width, cache_len = layout(target.config, prompts, options.max_new_tokens, policy.gamma)
-    controller = None
-    if policy.auto:
-        batch = len(prompts)
-        costs = autogamma.costs_for(
-            target, drafter, draft_params, batch=batch, cache_slots=cache_len, tree_sizes=policy.trees
-        )
-        kind = autogamma.TreeController if policy.trees else autogamma.Controller
-        controller = kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
-        if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
-            drafter, draft_params = NoDrafter(target.config.vocab_size), None
     sampling = SamplingParams(float(options.temperature), options.top_k, float(options.top_p))
     stop_ids = stop_id_list(options.eos_id, target.config.vocab_size)
     return Plan(
         drafter,
         draft_params,
         policy,
-        controller,
+        None,
         sampling,
         mesh,
         num_rows,
@@ -215,6 +205,32 @@ def _plan(target, prompts, options: Options) -> Plan:
         stop_ids,
         sources,
     )
+
+
+def measured(target, plan: Plan) -> Plan:
+    """The plan with gamma=auto's controller (None unless the policy is auto), from the costs
+    measured for its batch and cache size (autogamma.costs_for: measured once per machine,
+    pair and size, then cached); a drafter that would not pay even with a good draft is
+    dropped (plain decoding)."""
+    policy = plan.policy
+    if not policy.auto:
+        return plan
+    batch = len(plan.prompts)
+    costs = autogamma.costs_for(
+        target,
+        plan.drafter,
+        plan.draft_params,
+        batch=batch,
+        cache_slots=plan.cache_len,
+        tree_sizes=policy.trees,
+    )
+    kind = autogamma.TreeController if policy.trees else autogamma.Controller
+    controller = kind(costs, policy.gamma, batch=batch, resumable=plan.drafter.resumable)
+    if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
+        return dataclasses.replace(
+            plan, controller=controller, drafter=NoDrafter(target.config.vocab_size), draft_params=None
+        )
+    return dataclasses.replace(plan, controller=controller)
 
 
 def _place(target, plan: Plan, seed: int):
@@ -343,7 +359,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
     """run's (state, timings), and the Plan it ran."""
     if options.eos_id == "auto":  # the model's stop tokens
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
-    plan = _plan(target, prompts, options)
+    plan = measured(target, _plan(target, prompts, options))
     target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
     config = sharding.for_mesh(target.config, plan.mesh)
     widths = resolve_verify_widths(options.verify_widths, drafter)
@@ -382,29 +398,25 @@ def model_stop_ids(target) -> list[int] | None:
 def token_prompts(target, prompts) -> list:
     """generate's prompts as token-id lists: a text (or a list of them) by the target's
     tokenizer, a conversation ([{"role", "content"}, ...], or a list of them) through its chat
-    template (tokenizer.encode_chat), token-id lists as they are. ValueError naming the prompt
-    where the model has no tokenizer (or no chat template) to read it."""
+    template (spec_jax.request.encode_prompt), token-id lists as they are (validate checks
+    them). RequestError naming the prompt where the model has no tokenizer (or no chat
+    template) to read it."""
     if isinstance(prompts, str) or (
         isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
     ):
         prompts = [prompts]  # one text, or one conversation
     if not isinstance(prompts, list | tuple):
         return prompts  # validate names it
-    tokenizer = getattr(target, "tokenizer", None)
-    out = []
-    for i, p in enumerate(prompts):
-        chat = isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)
-        if not isinstance(p, str) and not chat:
-            out.append(p)
-            continue
-        if tokenizer is None:
-            what = "a text" if isinstance(p, str) else "a conversation"
-            raise ValueError(f"prompts[{i}] is {what}, but the target has no tokenizer: pass token ids")
-        out.append(tokenizer.encode(p) if isinstance(p, str) else tokenizer.encode_chat(list(p)))
-    return out
+    is_text = [
+        isinstance(p, str) or (isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p))
+        for p in prompts
+    ]
+    return [
+        encode_prompt(target, request_for(p)) if text else p for p, text in zip(prompts, is_text, strict=True)
+    ]
 
 
-def _observed(state: SpecState):
+def observed(state: SpecState):
     """Host copies of what gamma=auto reads between chunks: (done, generated, length, budget,
     overlap sums, scored positions, target calls)."""
     m = state.metrics
@@ -422,10 +434,10 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
     ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
     "resume_seconds": what the catch-ups took by autogamma.work_clock}).
     """
-    catch_up = _CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
+    catch_up = CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
     compile_s = 0.0
     start = time.perf_counter()
-    before = _observed(state)
+    before = observed(state)
     while not bool(np.all(before[0])):
         state, before, c = auto_chunk(controller, runner, catch_up, state, before)
         compile_s += c
@@ -438,19 +450,19 @@ def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSt
     )
 
 
-def auto_chunk(controller, runner: Runner, catch_up: "_CatchUp", state: SpecState, before, max_rounds=None):
+def auto_chunk(controller, runner: Runner, catch_up: "CatchUp", state: SpecState, before, max_rounds=None):
     """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
     (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
     run without the drafter, whose state waits aside (catch_up); before it drafts again it
-    catches up on the text committed meanwhile. before: _observed(state). The controller sees
-    the chunk's time by work_clock. Returns (state, _observed(state), compile seconds)."""
+    catches up on the text committed meanwhile. before: observed(state). The controller sees
+    the chunk's time by work_clock. Returns (state, observed(state), compile seconds)."""
     done, generated, length, budget = before[:4]
     arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
     gamma, tree = autogamma.arm_shape(arm)
     state, c = catch_up.before_chunk(state, gamma, done, length, controller)
     rounds = rounds if max_rounds is None else min(rounds, max_rounds)
     state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
-    after = _observed(state)
+    after = observed(state)
     controller.observe(
         autogamma.Chunk(
             gamma=gamma,
@@ -470,7 +482,7 @@ def auto_chunk(controller, runner: Runner, catch_up: "_CatchUp", state: SpecStat
 
 
 @dataclasses.dataclass
-class _CatchUp:
+class CatchUp:
     """The drafter's state while plain chunks run without it (stash), and the text it follows:
     every row's committed tokens below `synced` (at prefill: the prompt)."""
 
@@ -506,20 +518,23 @@ def generate(target, prompts, **options) -> Generation:
 
     Args:
       target: a models.Model.
-      prompts: list of token-id lists (ragged lengths are fine); a conversation is
-        target.tokenizer.encode_chat(messages), its text in the model's chat template (messages:
-        [{"role": str, "content": str}, ...]) with no second BOS.
+      prompts: a text, a conversation ([{"role": str, "content": str}, ...], rendered with the
+        target's chat template: target.tokenizer.encode_chat), or a list of texts,
+        conversations and token-id lists (ragged lengths are fine); texts need the target's
+        tokenizer.
       draft: None (plain autoregressive decoding), a models.Model, or a (drafter, params) pair
         such as spec_jax.drafting.ngram.fit_bigram returns (see as_drafter).
       gamma: draft tokens per round (static: a new gamma compiles a new loop), or "auto"
-        (spec_jax.autogamma; with a draft head's acceptance head, the most it may draft, 8).
+        (the default; spec_jax.autogamma; with a draft head's acceptance head, the most it
+        may draft, 8).
+      max_new_tokens: new tokens per prompt at most (default 64).
       temperature, top_k, top_p: the warp, applied identically to target and draft; any
-        positive temperature samples (0 is greedy).
+        positive temperature samples (0, the default, is greedy).
       seed, row_ids: row b draws its randomness from fold_in(key(seed), row_ids[b]) alone
         (row_ids default 0..B-1), so a prompt's sample does not depend on the other prompts of
         its batch: pass each prompt's index in a larger list to make batching invisible.
-      eos_id: None, one token id, or a sequence of them (e.g. tokenizer.stop_ids): a row stops
-        after generating any of them.
+      eos_id: "auto" (the default: the target tokenizer's stop_ids, none without a tokenizer),
+        None, one token id, or a sequence of them: a row stops after generating any of them.
       mesh: None (one device: a 1x1 mesh) or a Mesh with axes ("data", "model")
         (spec_jax.sharding.make_mesh): both models and both caches are sharded by
         spec_jax.sharding's rule table and the loop runs under one jit with explicit in/out
@@ -539,7 +554,8 @@ def generate(target, prompts, **options) -> Generation:
         auto, whatever it says.
 
     Returns:
-      Generation(tokens, stats). stats holds the metrics schema of spec_jax.metrics, the
+      Generation(tokens, stats, text): text, each prompt's new text (special tokens skipped;
+      None without a tokenizer). stats holds the metrics schema of spec_jax.metrics, the
       timings compile_seconds, prefill_seconds, decode_seconds, tokens_per_second (new tokens
       over prefill + decode), and num_new_tokens; stats["nonfinite_logits"] flags, per prompt,
       a row that stopped early because the target's logits became NaN or infinite
@@ -560,6 +576,11 @@ def generate(target, prompts, **options) -> Generation:
         tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
     stats[NONFINITE] = nonfinite[:num_rows].tolist()
+    return Generation(tokens=new_tokens, stats=stats, text=decoded(target, new_tokens))
+
+
+def decoded(target, tokens: list[list[int]]) -> list[str] | None:
+    """Each token list's text by the target's tokenizer (special tokens skipped), or None
+    without one."""
     tokenizer = getattr(target, "tokenizer", None)
-    text = None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
-    return Generation(tokens=new_tokens, stats=stats, text=text)
+    return None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]

@@ -47,8 +47,8 @@ import numpy as np
 
 from spec_jax import api, autogamma, sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
-from spec_jax.drafting import NoDrafter, as_drafter, check_gamma
-from spec_jax.request import MAX_STOP_IDS, Request, RequestError
+from spec_jax.drafting import NoDrafter, as_drafter
+from spec_jax.request import MAX_STOP_IDS, Request, RequestError, encode_prompt, request_for
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
 
@@ -90,33 +90,12 @@ class _Row:
     prompt_ids: list[int]
     stop_ids: tuple[int, ...]
     submitted: float
+    row_id: int = 0  # the request's keys: fold_in(key(seed), row_id)
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     sent_tokens: int = 0  # tokens already handed out in Updates
     sent_text: str = ""  # text already handed out
     first_token_at: float | None = None
-
-
-def encode_prompt(target, request: Request) -> list[int]:
-    """The request's prompt as token ids for target: a text by its tokenizer, a conversation by
-    its chat template, token ids checked against its vocabulary; RequestError naming the
-    prompt's field where the model cannot read it."""
-    if request.prompt_ids is not None:
-        ids = list(request.prompt_ids)
-        vocab = target.config.vocab_size
-        if max(ids) >= vocab:
-            raise RequestError("prompt_ids", f"prompt_ids must be token ids in [0, {vocab}), got {max(ids)}")
-        return ids
-    field = "prompt" if request.prompt is not None else "messages"
-    tokenizer = target.tokenizer
-    if tokenizer is None:
-        raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
-    if request.prompt is not None:
-        return tokenizer.encode(request.prompt)
-    try:
-        return tokenizer.encode_chat(list(request.messages))
-    except ValueError as e:  # no chat template, or the template refuses the conversation
-        raise RequestError("messages", f"messages: {e}") from None
 
 
 def _write_row(table, row, b, batch: int):
@@ -140,6 +119,7 @@ def _mark_done(state: SpecState, rows_b) -> SpecState:
 
 _write = jax.jit(_write_row, static_argnums=3, donate_argnums=0)
 _done = jax.jit(_mark_done, donate_argnums=0)
+_row_keys = jax.jit(row_keys)  # compiled once, not traced per admission
 
 
 class Engine:
@@ -201,6 +181,7 @@ class Engine:
         self._slots: list[_Row | None] = [None] * max_batch
         self._outbox: list[Update] = []
         self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
+        self._inputs_stale = False  # the host's table of prompts and stop ids changed
         self._chunk = MIN_CHUNK
         self._state = None  # the table's SpecState (built at the first admission)
         self._catch_up = None
@@ -213,15 +194,21 @@ class Engine:
         contexts = {"the target's": self.target.config.max_seq_len}
         if drafter is not None:
             contexts["the draft's"] = drafter.max_seq_len
-        tightest = min(contexts.values()) - policy.gamma
+        owner, context = min(contexts.items(), key=lambda item: item[1])
+        tightest = context - policy.gamma
         if max_context is None:
             return min(tightest, DEFAULT_CONTEXT)
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 2:
-            raise ValueError(f"max_context must be an integer >= 2, got {max_context!r}")
-        if policy.gamma:
-            check_gamma(policy.gamma, max_context, 0, contexts, name="max_context + gamma")
-        elif max_context > tightest:
-            raise ValueError(f"max_context must be at most the target's context of {tightest} tokens")
+        if (
+            isinstance(max_context, bool)
+            or not isinstance(max_context, int)
+            or not 2 <= max_context <= tightest
+        ):
+            room = f"{owner} context of {context} tokens" + (
+                f" less {policy.gamma} for a round's drafts" if policy.gamma else ""
+            )
+            raise ValueError(
+                f"max_context must be an integer in [2, {tightest}] ({room}), got {max_context!r}"
+            )
         return max_context
 
     # --- properties ------------------------------------------------------------------------
@@ -250,9 +237,11 @@ class Engine:
             )
         return tuple(request.stop_ids)
 
-    def submit(self, request: Request) -> Handle:
+    def submit(self, request: Request, row_id: int = 0) -> Handle:
         """Queues a request (validated against the model) and returns its Handle. RequestError
-        naming the field at fault; QueueFull when max_queue requests wait already."""
+        naming the field at fault; QueueFull when max_queue requests wait already. row_id:
+        the request draws from fold_in(key(seed), row_id), as spec_jax.generate's prompt of
+        that row id does (launch.generate --stream passes each prompt's index in its file)."""
         request.validate()
         ids = self.encode(request)
         stop_ids = self.stop_ids_of(request)
@@ -267,10 +256,14 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
                 f"{self.max_context} tokens",
             )
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(
+                "stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}"
+            )
         if len(self._queue) >= self.max_queue:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request)
-        self._queue.append(_Row(handle, ids, stop_ids, time.perf_counter()))
+        self._queue.append(_Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
         return handle
@@ -300,12 +293,14 @@ class Engine:
         """Admits waiting requests into free slots (their first tokens come back at once) or,
         when none was admitted, runs one chunk of rounds over the table. Returns the Updates
         of every request that produced tokens or finished since the last step."""
+        start = time.perf_counter()
         admitted = self._admit()
         if not admitted and any(r is not None for r in self._slots):
             self._run_chunk()
         if self._state is not None and any(r is not None for r in self._slots):
             self._collect()
         updates, self._outbox = self._outbox, []
+        self._counters["step_seconds"] += time.perf_counter() - start
         return updates
 
     def drain(self) -> Iterator[Update]:
@@ -348,8 +343,12 @@ class Engine:
         state, compile_s, _ = self._runner.prefill(active)
         self._counters["compile_seconds"] += compile_s
         self._state = state.replace(plain=jnp.zeros(b, bool))
+        m = state.metrics
+        self._counted = np.asarray(
+            sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens))
+        )
         if self.controller is not None:
-            self._catch_up = api._CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
+            self._catch_up = api.CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
 
     def _inputs(self, keys, budgets) -> PrefillInputs:
         inputs = PrefillInputs(
@@ -367,7 +366,8 @@ class Engine:
         if self._state is None:
             self._table()
         request, ids = row.handle.request, row.prompt_ids
-        width, _ = layout(self.target.config, [ids], request.max_tokens, self._runner.static.gamma)
+        # generate's width for the request alone (its length bucket), within the slot
+        width = min(layout(self.target.config, [ids], request.max_tokens, 0)[0], self.max_context)
         tokens = np.full((1, width), PAD_ID, np.int32)
         tokens[0, : len(ids)] = ids
         stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
@@ -376,7 +376,7 @@ class Engine:
             tokens=jnp.asarray(tokens),
             prompt_lens=jnp.asarray([len(ids)], jnp.int32),
             stop_ids=jnp.asarray(stops),
-            keys=row_keys(jax.random.key(request.seed), [0]),
+            keys=_row_keys(jax.random.key(request.seed), np.asarray([row.row_id], np.uint32)),
             budgets=jnp.asarray([request.max_tokens], jnp.int32),
         )
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
@@ -396,7 +396,7 @@ class Engine:
         self._host["tokens"][b, : len(ids)] = ids
         self._host["prompt_lens"][b] = len(ids)
         self._host["stop_ids"][b] = stops[0]
-        self._runner.inputs = self._inputs(self._runner.inputs.keys, self._runner.inputs.budgets)
+        self._inputs_stale = True  # placed again once, before the next chunk
         if self.controller is not None:
             self.controller.forget(np.arange(self.max_batch) == b)
             self._catch_up.synced[b] = len(ids)
@@ -405,28 +405,33 @@ class Engine:
 
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table (freed rows first marked done)."""
+        if self._inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
+            self._runner.inputs = self._inputs(self._runner.inputs.keys, self._runner.inputs.budgets)
+            self._inputs_stale = False
         if self._stop_rows.any():
             self._state = _done(
                 self._state, sharding.put(self._stop_rows, sharding.batch_sharding(self.mesh, 1))
             )
             self._stop_rows[:] = False
         self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
-        before = sharding.fetch(self._state.metrics)
         start = time.perf_counter()
         if self.controller is None:
             self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
         else:
-            observed = api._observed(self._state)
+            observed = api.observed(self._state)
             self._state, _, compile_s = api.auto_chunk(
                 self.controller, self._runner, self._catch_up, self._state, observed, self._chunk
             )
-        after = sharding.fetch(self._state.metrics)
+        m = self._state.metrics  # the table's scalar counters: no admission writes them
+        after = np.asarray(sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens)))
+        rounds, drafted, accepted = (after - self._counted).tolist()
+        self._counted = after
         self._counters["compile_seconds"] += compile_s
         self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
         self._counters["chunks"] += 1
-        self._counters["rounds"] += int(after.target_calls - before.target_calls)
-        self._counters["draft_tokens_total"] += int(after.num_draft_tokens - before.num_draft_tokens)
-        self._counters["accepted_tokens_total"] += int(after.num_accepted_tokens - before.num_accepted_tokens)
+        self._counters["rounds"] += rounds
+        self._counters["draft_tokens_total"] += drafted
+        self._counters["accepted_tokens_total"] += accepted
 
     def _collect(self) -> None:
         """Each busy row's new tokens and text into the outbox; finished rows free their slots."""
@@ -496,8 +501,9 @@ class Engine:
         """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
         accepted_tokens_total, queue_depth, slots_busy, max_batch, chunks, rounds, the seconds
-        of compilation, prefills and decoding (chunks), and ttft_seconds: each request's time
-        from submit to its first token (a list, in finishing order of their first tokens)."""
+        of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
+        step_seconds - compile - prefill - decode is the host's own work between chunks), and
+        ttft_seconds: each request's time from submit to its first token (a list)."""
         out = dict(self._counters)
         out.update(
             queue_depth=len(self._queue),
@@ -506,16 +512,6 @@ class Engine:
             ttft_seconds=list(self._ttft),
         )
         return out
-
-
-def request_for(prompt, **fields) -> Request:
-    """A Request for one prompt as spec_jax.generate takes it: a text, a conversation
-    ([{"role", "content"}, ...]) or token ids; fields: the Request's others (max_tokens, ...)."""
-    if isinstance(prompt, str):
-        return Request(prompt=prompt, **fields)
-    if isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):
-        return Request(messages=tuple(prompt), **fields)
-    return Request(prompt_ids=tuple(int(t) for t in prompt), **fields)
 
 
 def stream(

@@ -170,3 +170,35 @@ def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> t
     if isinstance(gamma, bool) or not is_int(gamma) or gamma < 1:
         raise RequestError(gamma_name, f"{gamma_name} must be an integer >= 1 or 'auto', got {gamma!r}")
     return gamma, gamma, gamma_name
+
+
+def request_for(prompt, **fields) -> Request:
+    """A Request for one prompt as spec_jax.generate takes it: a text, a conversation
+    ([{"role", "content"}, ...]) or token ids; fields: the Request's others (max_tokens, ...)."""
+    if isinstance(prompt, str):
+        return Request(prompt=prompt, **fields)
+    if isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):
+        return Request(messages=tuple(prompt), **fields)
+    return Request(prompt_ids=tuple(int(t) for t in prompt), **fields)
+
+
+def encode_prompt(target, request: Request) -> list[int]:
+    """The request's prompt as token ids for target: a text by its tokenizer, a conversation by
+    its chat template, token ids checked against its vocabulary; RequestError naming the
+    prompt's field where the model cannot read it."""
+    if request.prompt_ids is not None:
+        ids = list(request.prompt_ids)
+        vocab = target.config.vocab_size
+        if max(ids) >= vocab:
+            raise RequestError("prompt_ids", f"prompt_ids must be token ids in [0, {vocab}), got {max(ids)}")
+        return ids
+    field = "prompt" if request.prompt is not None else "messages"
+    tokenizer = target.tokenizer
+    if tokenizer is None:
+        raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
+    if request.prompt is not None:
+        return tokenizer.encode(request.prompt)
+    try:
+        return tokenizer.encode_chat(list(request.messages))
+    except ValueError as e:  # no chat template, or the template refuses the conversation
+        raise RequestError("messages", f"messages: {e}") from None

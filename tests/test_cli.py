@@ -244,12 +244,19 @@ def test_a_prompts_sample_depends_on_the_seed_and_its_index_not_the_batch_size(t
     assert outputs[1][0] != outputs[1][1]
 
 
-def test_stream_prints_each_prompt_as_it_comes_and_greedy_equals_the_batch_run(tmp_path):
-    """--stream (the engine, 2 slots for 3 prompts): the same greedy tokens as the batch path,
-    each prompt's header and text printed in order, and a streamed summary line."""
+def test_stream_prints_each_prompt_as_it_comes_and_equals_the_batch_run(tmp_path):
+    """--stream (the engine, 2 slots for 3 prompts): the same sampled tokens as the batch path
+    (prompt i draws from (--seed, i) either way), each prompt's header and text printed in
+    order, and a streamed summary line."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "abc"}\n{"prompt": "hello world"}\n{"prompt": "x"}\n')
-    common = [*RANDOM_PAIR, f"--prompts_file={prompts}", "--batch_size=2", "--max_new_tokens=7"]
+    common = [
+        *RANDOM_PAIR,
+        f"--prompts_file={prompts}",
+        "--batch_size=2",
+        "--max_new_tokens=7",
+        "--temperature=1",
+    ]
     runs = [common + [f"--output_json={tmp_path / 'batch.json'}"]]
     runs.append(common + ["--stream", f"--output_json={tmp_path / 'stream.json'}"])
     result = run_python(MANY_RUNS, json.dumps(runs))

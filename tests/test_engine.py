@@ -11,6 +11,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
+from spec_jax import autogamma
 from spec_jax import engine as engine_lib
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -322,3 +323,72 @@ def test_a_stop_string_ends_the_text_before_it(text_model):
     updates = list(engine.drain())
     assert "".join(u.text for u in updates) == alone_text[: alone_text.find(stop)]
     assert updates[-1].finished and updates[-1].finish_reason == "stop" and updates[-1].handle is h
+
+
+def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
+    tiny_target, tiny_draft, monkeypatch
+):
+    """gamma=auto on the table (costs fixed, drafting cheap): chunks switch between plain
+    decoding (the drafter's states set aside, new rows' states written there) and drafting
+    (caught up first); every greedy request still equals itself alone."""
+    cheap = autogamma.Costs(
+        step_seconds=0.01,
+        draft1=0.01,
+        draft2=0.01,
+        verify=(1.0,) + tuple(1.0 + 0.02 * g for g in range(1, 9)),
+    )
+    monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: cheap)
+    requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:6]]
+    engine = Engine(tiny_target, tiny_draft, max_batch=3, gamma="auto", max_context=CONTEXT)
+    tokens, reasons, handles = run_staggered(engine, requests, [0, 0, 1, 2, 3, 3])
+    for h in handles:
+        assert tokens[h.id] == alone(tiny_target, tiny_draft, h.request)
+    gammas = {g for g, _ in engine.controller.schedule}
+    assert 0 in gammas and gammas - {0}, engine.controller.schedule
+
+
+def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_target, tiny_draft):
+    """tree=4: sampled rows equal spec_jax.generate(tree=4) alone; a speculate=False row among
+    them equals plain decoding alone (its tree's q zeroed)."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=3, tree=4, max_context=CONTEXT)
+    requests = [
+        Request(prompt_ids=(5, 9, 2), max_tokens=10, seed=3, temperature=1.0, stop_ids=()),
+        Request(
+            prompt_ids=(7, 3, 8, 11), max_tokens=10, seed=4, temperature=1.0, stop_ids=(), speculate=False
+        ),
+        Request(prompt_ids=(30,), max_tokens=10, seed=5, temperature=1.0, stop_ids=()),
+    ]
+    handles = [engine.submit(r) for r in requests]
+    tokens = {}
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    for h in handles:
+        r = h.request
+        if r.speculate:
+            expected = spec_jax.generate(
+                tiny_target, [list(r.prompt_ids)], draft=tiny_draft, tree=4, max_new_tokens=10,
+                temperature=1.0, seed=r.seed, eos_id=None,
+            ).tokens[0]  # fmt: skip
+        else:
+            expected = _alone(tiny_target, None, r.prompt_ids, 10, r.seed, 1.0)
+        assert tokens[h] == expected, h.id
+
+
+def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
+    context = tiny_target.config.max_seq_len
+    with pytest.raises(ValueError, match=rf"max_context must be an integer in \[2, {context - 3}\] .*less 3"):
+        Engine(tiny_target, tiny_draft, gamma=3, max_context=context)
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1, got 0"):
+        Engine(tiny_target, None, max_batch=0)
+    with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto'"):
+        Engine(tiny_target, tiny_draft, gamma=0)
+
+
+def test_a_prompt_whose_length_bucket_exceeds_the_slot_is_prefilled_within_it(tiny_target, tiny_draft):
+    """max_context 24, a 20-token prompt (bucket 32): the prefill's width is capped at the slot
+    (nothing written past its cache), and the tokens are still the request's alone."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=GAMMA, max_context=24)
+    request = Request(prompt_ids=tuple(range(3, 23)), max_tokens=4, seed=2, stop_ids=())
+    h = engine.submit(request)
+    tokens = [t for u in engine.drain() if u.handle is h for t in u.token_ids]
+    assert tokens == alone(tiny_target, tiny_draft, request)
