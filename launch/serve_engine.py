@@ -111,7 +111,7 @@ class _EngineCollector:
         "decode_seconds": "Seconds in chunks of the compiled loop, compilation excluded",
         "prefill_seconds": "Seconds in prefills, compilation excluded",
         "compile_seconds": "Seconds compiling",
-        "step_seconds": "Seconds in Engine.step() calls (the engine thread's whole work per step)",
+        "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill and compile: the host's own work)",
     }
     GAUGES = {
         "queue_depth": "Requests waiting for a slot",
@@ -164,7 +164,6 @@ class EngineWorker:
         self._deadline: float | None = None  # set by shutdown(): cancel all at this time
         self.accepting = True
         self.counts = {"finished": 0, "cancelled": 0, "error": 0}
-        self._step_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="spec-jax-engine", daemon=True)
 
     def start(self) -> "EngineWorker":
@@ -260,7 +259,6 @@ class EngineWorker:
             )
 
     def _step(self) -> None:
-        start = time.perf_counter()
         try:
             updates = self.engine.step()
         except Exception as e:  # a bug in the engine: fail what runs, keep serving
@@ -273,16 +271,15 @@ class EngineWorker:
                 )
                 self._deliver(self._streams[handle], fail)
             return
-        self._step_seconds += time.perf_counter() - start
         for update in updates:
             stream = self._streams.get(update.handle)
             if stream is not None:  # None: cancelled here already
                 self._deliver(stream, update)
 
     def _publish(self) -> None:
-        """The engine's numeric counters (and this thread's step seconds) for /metrics."""
-        stats = {k: v for k, v in self.engine.stats().items() if isinstance(v, int | float)}
-        self.metrics.engine_stats = stats | {"step_seconds": self._step_seconds}
+        """The engine's numeric counters for /metrics."""
+        stats = self.engine.stats()
+        self.metrics.engine_stats = {k: v for k, v in stats.items() if isinstance(v, int | float)}
 
     def _cancel_handle_quietly(self, handle) -> None:
         with contextlib.suppress(Exception):  # the engine already failed; its state is unknown
