@@ -20,6 +20,7 @@ import traceback
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from spec_jax.engine import QueueFull, Update
 from spec_jax.request import Request, RequestError
 
