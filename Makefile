@@ -11,7 +11,7 @@ ifeq ($(filter $(PLATFORM),$(PLATFORMS)),)
 $(error PLATFORM must be one of: $(PLATFORMS); got '$(PLATFORM)')
 endif
 comma := ,
-EXTRAS := test,hf,experiments,hub$(if $(filter-out cpu,$(PLATFORM)),$(comma)$(PLATFORM))
+EXTRAS := test,hf,experiments,hub,serve$(if $(filter-out cpu,$(PLATFORM)),$(comma)$(PLATFORM))
 STAMP := $(VENV)/.installed-$(PLATFORM)
 
 .PHONY: demo test test-slow lint

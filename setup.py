@@ -44,6 +44,9 @@ setup(
         # version, with NVIDIA's CUDA libraries as wheels; tpu: jax's own tpu extra (libtpu).
         "cuda": ["jax[cuda12]", "jax-cuda12-plugin", "jax-cuda12-pjrt"],
         "tpu": ["jax[tpu]", "libtpu"],
+        # launch.serve (the OpenAI-compatible server) and its tests and bench (experiments/bench_serve.py:
+        # the `openai` client, which brings httpx2). `make test` installs it.
+        "serve": ["starlette", "uvicorn", "pydantic", "prometheus-client", "openai"],
         # Only for recording reference fixtures (scripts/record_fixtures.py); never for tests.
         "reference": ["torch==2.13.0", "transformers", "accelerate"],
     },

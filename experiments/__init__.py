@@ -40,8 +40,9 @@ EXPERIMENTS = {
     "decode": "experiments.bench_decode",
     "roofline": "experiments.bench_roofline",
     "attention": "experiments.bench_attention",
+    "serve": "experiments.bench_serve",
 }
-BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention")
+BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention", "serve")
 
 
 def names() -> list[str]:

@@ -40,6 +40,9 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_SERVER=OFF",
 )
 LIBRARIES = ("ggml-base", "ggml-cpu")  # what the GGUF matmul kernel links
+# `llama-server` (the serving peer, experiments/bench_serve.py) is built in a folder of its own with
+# the server on, so the libraries' folder above (and what was compiled against it) stays as it is.
+SERVER_OPTIONS = tuple(o.replace("LLAMA_BUILD_SERVER=OFF", "LLAMA_BUILD_SERVER=ON") for o in CMAKE_OPTIONS)
 
 
 class Unavailable(RuntimeError):
@@ -86,7 +89,7 @@ def source(cache_dir=None) -> pathlib.Path:
     return folder / "vendor" / "llama.cpp"
 
 
-def _compiler_key() -> str:
+def _compiler_key(options=CMAKE_OPTIONS) -> str:
     """What a build depends on besides the source: the compilers and the CPU it is native for."""
     parts = []
     for tool in ("cc", "c++"):
@@ -95,17 +98,18 @@ def _compiler_key() -> str:
     info = machine.cpuinfo()
     if info is not None:  # the line as /proc/cpuinfo writes it (the key of existing builds)
         parts.append(f"flags\t\t: {info['flags']}" if "flags" in info else "")
-    parts.extend(CMAKE_OPTIONS)
+    parts.extend(options)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
 
-def build_dir(cache_dir=None) -> pathlib.Path:
-    return root(cache_dir) / f"build-{VERSION}-{_compiler_key()}"
+def build_dir(cache_dir=None, server: bool = False) -> pathlib.Path:
+    """The build folder (server: the one configured with SERVER_OPTIONS)."""
+    return root(cache_dir) / f"build-{VERSION}-{_compiler_key(SERVER_OPTIONS if server else CMAKE_OPTIONS)}"
 
 
-def built(targets=LIBRARIES, cache_dir=None) -> bool:
+def built(targets=LIBRARIES, cache_dir=None, server: bool = False) -> bool:
     """Whether every one of the cmake targets is already built (build() will not compile)."""
-    return all((build_dir(cache_dir) / f".built-{t}").exists() for t in targets)
+    return all((build_dir(cache_dir, server) / f".built-{t}").exists() for t in targets)
 
 
 def check_tools() -> str:
@@ -119,11 +123,12 @@ def check_tools() -> str:
     return cmake
 
 
-def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
+def build(targets=LIBRARIES, cache_dir=None, server: bool = False) -> pathlib.Path:
     """Builds the cmake targets (once each; cached) and returns the folder holding their outputs
-    (`bin/`: the programs and the shared libraries). Targets already built need no cmake."""
-    folder = build_dir(cache_dir)
-    if built(targets, cache_dir):
+    (`bin/`: the programs and the shared libraries). Targets already built need no cmake. server:
+    in the folder configured with SERVER_OPTIONS (the only one that has the `llama-server` target)."""
+    folder = build_dir(cache_dir, server)
+    if built(targets, cache_dir, server):
         return folder
 
     cmake = check_tools()
@@ -138,7 +143,8 @@ def build(targets=LIBRARIES, cache_dir=None) -> pathlib.Path:
             return folder
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         if not (folder / "CMakeCache.txt").exists():
-            _run([cmake, "-S", str(src), "-B", str(folder), *generator, *CMAKE_OPTIONS])
+            options = SERVER_OPTIONS if server else CMAKE_OPTIONS
+            _run([cmake, "-S", str(src), "-B", str(folder), *generator, *options])
         jobs = str(os.cpu_count() or 2)
         _run([cmake, "--build", str(folder), "--parallel", jobs, "--target", *missing])
         for t in missing:

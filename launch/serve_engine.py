@@ -1,0 +1,314 @@
+"""The engine's thread for `launch.serve`, and the server's Prometheus metrics.
+
+One worker thread owns the `spec_jax.engine.Engine` (which is not thread-safe): submits and
+cancels reach it through a thread-safe queue, and each request's `Update`s go back to that
+request's asyncio queue on the server's event loop (`loop.call_soon_threadsafe`). The HTTP layer
+never touches the engine. A request's outcome is always delivered: its updates end with one whose
+`finished` is true (stop, length, cancelled or error), also when the engine raises or the server
+shuts down.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import queue
+import sys
+import threading
+import time
+import traceback
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from spec_jax.engine import QueueFull, Update
+from spec_jax.request import Request, RequestError
+
+PREFIX = "spec_jax"
+prometheus_client.disable_created_metrics()  # no `_created` sample beside every counter
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class Stream:
+    """One request's side of the worker: its asyncio queue of Updates and its timings (perf_counter
+    seconds). `done` once its finished Update has been queued."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
+        self.loop = loop
+        self.request = request
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.handle = None
+        self.arrived = time.perf_counter()
+        self.first_token: float | None = None
+        self.tokens = 0
+        self.done = False
+
+    def put(self, update: Update) -> None:
+        """From the worker thread: hand `update` to the event loop."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+    async def get(self) -> Update:
+        return await self.queue.get()
+
+
+class Metrics:
+    """The server's Prometheus metrics (in a registry of its own), rendered by GET /metrics: HTTP
+    requests by endpoint and status, tokens, time to first token, time per output token, and the
+    engine's own counters (acceptance, queue depth, slot occupancy) read from `Engine.stats()`."""
+
+    def __init__(self, model: str):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished", "Requests ended, by finish reason", ["reason"], registry=r
+        )
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "(last token - first token) / (tokens - 1), per request",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.running = Gauge(f"{PREFIX}_requests_running", "Requests submitted and not finished", registry=r)
+        Gauge(f"{PREFIX}_model_info", "The served model", ["model"], registry=r).labels(model=model).set(1)
+        self.engine_stats: dict = {}  # the worker's latest Engine.stats(), replaced whole
+        r.register(_EngineCollector(self))
+
+    def observe_finish(self, stream: Stream, update: Update, now: float) -> None:
+        """Counts a request that ended (its last Update)."""
+        self.finished.labels(reason=update.finish_reason or "unknown").inc()
+        self.running.dec()
+        self.e2e.observe(now - stream.arrived)
+        if stream.first_token is not None and stream.tokens > 1:
+            self.tpot.observe((now - stream.first_token) / (stream.tokens - 1))
+
+
+class _EngineCollector:
+    """Engine.stats() as metrics: draft and accepted tokens (acceptance = accepted / draft),
+    queue depth, busy slots and the slot count."""
+
+    COUNTERS = {
+        "requests_total": "Requests the engine accepted (submitted)",
+        "prompt_tokens_total": "Prompt tokens of the requests submitted to the engine",
+        "draft_tokens_total": "Tokens the drafter proposed",
+        "accepted_tokens_total": "Drafted tokens the target accepted",
+        "rounds": "Rounds run (target calls of the compiled loop)",
+        "chunks": "Chunks of rounds run (host round trips)",
+        "decode_seconds": "Seconds in chunks of the compiled loop, compilation excluded",
+        "prefill_seconds": "Seconds in prefills, compilation excluded",
+        "compile_seconds": "Seconds compiling",
+        "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill and compile: the host's own work)",
+    }
+    GAUGES = {
+        "queue_depth": "Requests waiting for a slot",
+        "slots_busy": "Row slots holding a request",
+        "max_batch": "Row slots in the engine's table",
+    }
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.engine_stats
+        for key, doc in self.COUNTERS.items():
+            if key in stats:
+                yield CounterMetricFamily(
+                    f"{PREFIX}_engine_{key.removesuffix('_total')}", doc, value=stats[key]
+                )
+        for key, doc in self.GAUGES.items():
+            if key in stats:
+                yield GaugeMetricFamily(f"{PREFIX}_engine_{key}", doc, value=stats[key])
+        if stats.get("draft_tokens_total"):
+            rate = stats["accepted_tokens_total"] / stats["draft_tokens_total"]
+            yield GaugeMetricFamily(
+                f"{PREFIX}_acceptance_rate", "accepted / draft tokens since start", value=rate
+            )
+
+
+@dataclasses.dataclass
+class _Submit:
+    stream: Stream
+    done: asyncio.Future
+
+
+@dataclasses.dataclass
+class _Cancel:
+    stream: Stream
+
+
+class EngineWorker:
+    """The thread that owns the engine. `submit` (from the event loop) returns a Stream, or raises
+    RequestError (the engine's model checks, e.g. the context) or QueueFull; `cancel` ends a
+    request and frees its slot; `shutdown(grace)` stops taking requests and cancels what still
+    runs `grace` seconds later; `join()` waits for the thread to end."""
+
+    def __init__(self, engine, metrics: Metrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict = {}  # handle -> Stream, while running
+        self._deadline: float | None = None  # set by shutdown(): cancel all at this time
+        self.accepting = True
+        self.counts = {"finished": 0, "cancelled": 0, "error": 0}
+        self._thread = threading.Thread(target=self._run, name="spec-jax-engine", daemon=True)
+
+    def start(self) -> "EngineWorker":
+        self._thread.start()
+        return self
+
+    async def submit(self, request: Request) -> Stream:
+        loop = asyncio.get_running_loop()
+        stream = Stream(loop, request)
+        done = loop.create_future()
+        self._inbox.put(_Submit(stream, done))
+        try:
+            await done  # the worker sets the handle, or RequestError / QueueFull
+        except asyncio.CancelledError:  # the client left before its request was admitted
+            self._inbox.put(_Cancel(stream))  # after the _Submit: the handle is set by then
+            raise
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        if not stream.done:
+            self._inbox.put(_Cancel(stream))
+
+    def shutdown(self, grace: float) -> None:
+        """Stops taking requests; what runs may finish for `grace` seconds, then is cancelled; the
+        thread ends once nothing runs."""
+        self.accepting = False
+        self._deadline = time.monotonic() + grace
+        self._inbox.put(None)  # wake the thread
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits for the thread; whether it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def busy(self) -> int:
+        return len(self._streams)
+
+    def _run(self) -> None:
+        while True:
+            self._take_inbox(block=not self._streams and self._deadline is None)
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                for handle in list(self._streams):
+                    self._cancel_handle(handle)
+            if self._deadline is not None and not self._streams:
+                return
+            if self._streams:
+                self._step()
+            self._publish()
+
+    def _take_inbox(self, block: bool) -> None:
+        """Handles every submit and cancel waiting (waiting up to a second for one when `block`)."""
+        items = []
+        try:
+            items.append(self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait())
+            while True:
+                items.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        for item in items:
+            if isinstance(item, _Submit):
+                self._admit(item)
+            elif isinstance(item, _Cancel) and item.stream.handle in self._streams:
+                self._cancel_handle(item.stream.handle)
+
+    def _admit(self, item: _Submit) -> None:
+        loop = item.stream.loop
+        if not self.accepting:
+            error = QueueFull("the server is shutting down")
+        else:
+            try:
+                item.stream.handle = self.engine.submit(item.stream.request)
+                error = None
+            except (RequestError, QueueFull) as e:
+                error = e
+        if error is not None:
+            loop.call_soon_threadsafe(_settle, item.done, error)
+            return
+        self._streams[item.stream.handle] = item.stream
+        self.metrics.running.inc()
+        loop.call_soon_threadsafe(_settle, item.done, None)
+
+    def _cancel_handle(self, handle) -> None:
+        """Cancels in the engine (its slot is freed at once) and ends the stream as cancelled."""
+        stream = self._streams.get(handle)
+        try:
+            self.engine.cancel(handle)
+        except Exception:  # the request may have just finished inside the engine
+            traceback.print_exc(file=sys.stderr)
+        if stream is not None:
+            self._deliver(
+                stream, Update(handle=handle, token_ids=[], text="", finished=True, finish_reason="cancelled")
+            )
+
+    def _step(self) -> None:
+        try:
+            updates = self.engine.step()
+        except Exception as e:  # a bug in the engine: fail what runs, keep serving
+            traceback.print_exc(file=sys.stderr)
+            message = f"the engine failed: {type(e).__name__}: {e}"
+            for handle in list(self._streams):
+                self._cancel_handle_quietly(handle)
+                fail = Update(
+                    handle=handle, token_ids=[], text="", finished=True, finish_reason="error", error=message
+                )
+                self._deliver(self._streams[handle], fail)
+            return
+        for update in updates:
+            stream = self._streams.get(update.handle)
+            if stream is not None:  # None: cancelled here already
+                self._deliver(stream, update)
+
+    def _publish(self) -> None:
+        """The engine's numeric counters for /metrics."""
+        stats = self.engine.stats()
+        self.metrics.engine_stats = {k: v for k, v in stats.items() if isinstance(v, int | float)}
+
+    def _cancel_handle_quietly(self, handle) -> None:
+        with contextlib.suppress(Exception):  # the engine already failed; its state is unknown
+            self.engine.cancel(handle)
+
+    def _deliver(self, stream: Stream, update: Update) -> None:
+        now = time.perf_counter()
+        if update.token_ids:
+            if stream.first_token is None:
+                stream.first_token = now
+                self.metrics.ttft.observe(now - stream.arrived)
+            stream.tokens += len(update.token_ids)
+            self.metrics.generation_tokens.inc(len(update.token_ids))
+        if update.finished:
+            stream.done = True
+            del self._streams[update.handle]
+            self.metrics.observe_finish(stream, update, now)
+            reason = update.finish_reason
+            self.counts[
+                "cancelled" if reason == "cancelled" else "error" if reason == "error" else "finished"
+            ] += 1
+        stream.put(update)
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

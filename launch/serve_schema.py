@@ -1,0 +1,218 @@
+"""The OpenAI-compatible request and response bodies of `launch.serve`, as typed pydantic models,
+the one place where an HTTP body becomes the engine's `spec_jax.request.Request`, and the
+OpenAI-style error body.
+
+A body is checked in three steps, all before the engine sees it: JSON syntax, the schema (types,
+OpenAI's ranges, unknown fields refused as OpenAI refuses them), then `Request.validate()` (the
+project's ranges and defaults, defined once in spec_jax.request). Each failure is an `ApiError`
+whose body names the field: `{"error": {"message", "type", "param", "code"}}`.
+
+Defaults are the project's, not OpenAI's: a field left out takes `Request`'s default (greedy,
+the model's stop tokens, 64 new tokens), so the server, `launch.generate` and `spec_jax.generate`
+answer the same. The extension field `spec_jax` carries this project's per-request settings:
+`{"spec_jax": {"speculate": false}}` decodes that request plainly (same tokens, no drafting).
+"""
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from spec_jax.request import Request, RequestError
+
+
+@dataclasses.dataclass
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body; `param` names the field at fault (None: the body)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    type: str = "invalid_request_error"
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def body(self) -> dict:
+        """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class SpecJaxOptions(BaseModel):
+    """The `spec_jax` extension field: this project's per-request settings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    speculate: bool | None = None  # False: this request decodes plainly (its tokens are the same)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None  # accepted as OpenAI does; the chat templates here do not render it
+
+
+# A float field takes an integer too (strict pydantic does: JSON has one number type), not "0".
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints share, with their types (strict: "5" is not 5). Their ranges are
+    Request's (spec_jax.request), checked by to_request; only what OpenAI's API has and this server
+    does not do is refused here (n > 1, penalties, logit_bias, logprobs, tools)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    max_tokens: int | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: int | None = None  # an extension, as vLLM's
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # as vLLM's: these ids end it (default: the model's stop tokens)
+    ignore_eos: bool = False  # as vLLM's: no stop tokens (unless stop_token_ids names some)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+    logit_bias: Annotated[dict, Field(max_length=0)] | None = None
+    user: str | None = None
+    spec_jax: SpecJaxOptions | None = None
+
+
+class CompletionBody(_Sampling):
+    """POST /v1/completions. `prompt`: a string or one list of token ids (a batch of prompts is
+    refused: send one request each)."""
+
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int] | None
+    echo: Literal[False] = False
+    logprobs: None = None
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+
+class ChatBody(_Sampling):
+    """POST /v1/chat/completions; `max_completion_tokens` is OpenAI's newer name of max_tokens."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = None
+    logprobs: Literal[False] | None = None
+    tools: Annotated[list, Field(max_length=0)] | None = None
+
+
+def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
+    """The body as `schema`; ApiError 400 naming the field (or the JSON syntax error's place)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ApiError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return schema.model_validate(data)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in _field_path(first["loc"])) or None
+        got = "" if first["type"] == "missing" else f", got {json.dumps(first.get('input'))[:80]}"
+        raise ApiError(400, f"{param}: {first['msg']}{got}", param=param) from None
+
+
+def _field_path(loc: tuple) -> tuple:
+    """pydantic's error location without the union-member tags it inserts ("str", "list[int]")."""
+    return tuple(
+        p for p in loc if isinstance(p, int) or not any(c in p for c in "[]()") and p not in _TYPE_TAGS
+    )
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "literal", "none", "function-after"}
+
+
+# Request's fields that a body spells differently
+_BODY_NAME = {"prompt_ids": "prompt", "speculate": "spec_jax.speculate", "stop_ids": "stop_token_ids"}
+
+
+def to_request(body: CompletionBody | ChatBody) -> Request:
+    """The engine's Request for a parsed body: only the fields the client set (the rest take
+    Request's defaults), validated by Request.from_dict (the ranges); ApiError 400 naming the
+    body's field."""
+    fields: dict[str, Any] = {}
+    if isinstance(body, ChatBody):
+        fields["messages"] = [{"role": m.role, "content": m.content} for m in body.messages]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    else:
+        prompt = body.prompt
+        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+            fields["prompt_ids"] = prompt
+        else:
+            fields["prompt"] = prompt if not isinstance(prompt, list) else prompt[0]
+        max_tokens = body.max_tokens
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", body.temperature),
+        ("top_p", body.top_p),
+        ("top_k", body.top_k),
+        ("seed", body.seed),
+        ("stop", body.stop),
+        ("stop_ids", [] if body.ignore_eos and body.stop_token_ids is None else body.stop_token_ids),
+    ):
+        if value is not None:
+            fields[name] = value
+    if body.spec_jax is not None and body.spec_jax.speculate is not None:
+        fields["speculate"] = body.spec_jax.speculate
+    try:
+        return Request.from_dict(fields)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=_BODY_NAME.get(e.field, e.field)) from None
+
+
+def request_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def chunk(rid: str, model: str, created: int, chat: bool, text: str, finish: str | None, first: bool) -> dict:
+    """One streamed chunk, as OpenAI's: text_completion (a `text` piece) or chat.completion.chunk
+    (a `delta`; the first one carries the assistant's role)."""
+    if chat:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion(rid: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
+    """The whole (non-streamed) response: text_completion or chat.completion."""
+    created = int(time.time())
+    if chat:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use}

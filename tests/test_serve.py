@@ -1,0 +1,370 @@
+"""launch.serve, the OpenAI-compatible server, through the real `openai` client and raw HTTP: its
+endpoints, streaming, stop strings and chat; what bad input and faults get (400/404/429 bodies
+that name the field, a disconnected stream's slot freed, non-finite logits ending one request);
+outputs at concurrency 8 the same as each request alone; SIGTERM exiting 0 with one line.
+
+The servers run in this process (uvicorn in a thread, the engine in its own) on 127.0.0.1 and a
+free port, on the tiny GGUF model (a byte-level tokenizer and a chat template) and a perturbed
+copy of it as the draft; one subprocess test covers the command line and SIGTERM."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2
+import jax.numpy as jnp
+import openai
+import pytest
+import tiny_gguf
+import uvicorn
+from conftest import perturbed
+
+import models
+from experiments.bench_serve import free_port, prometheus_values
+from launch.serve import make_app, warm_up
+from launch.serve_engine import EngineWorker, Metrics
+from spec_jax.engine import Engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+PROMPTS = [
+    "def f(x):",
+    "hello world",
+    "import numpy",
+    "The cat sat",
+    "for i in range(10):",
+    "class A:",
+    "print(1 + 2)",
+    "Once upon a time",
+]
+GAMMA = 2  # fixed: seeded sampling is then exact at any concurrency (spec_jax.engine)
+pytestmark = pytest.mark.xdist_group("serve")
+
+
+class Server:
+    """make_app over an Engine, served by uvicorn in a thread of this process on 127.0.0.1."""
+
+    def __init__(self, engine: Engine):
+        warm_up(engine)
+        self.engine = engine
+        self.metrics = Metrics(MODEL)
+        self.worker = EngineWorker(engine, self.metrics).start()
+        app = make_app(self.worker, self.metrics, MODEL, engine.max_context)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def post(self, path: str, body, **kwargs) -> httpx2.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx2.post(self.url + path, content=content, timeout=60, **kwargs)
+
+    def metric(self, name: str) -> float:
+        return prometheus_values(self.url).get(name, 0.0)
+
+    def close(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(30)
+        self.worker.shutdown(0)
+        self.worker.join(30)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "tiny.gguf"
+    tiny_gguf.write(path, chat_template=CHAT_TEMPLATE, add_bos=True)
+    target = models.load(str(path))
+    return path, target, perturbed(target, 0.1, seed=7)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair):
+    _, target, draft = tiny_pair
+    s = Server(Engine(target, draft, max_batch=8, max_queue=8, gamma=GAMMA, max_context=256))
+    yield s
+    s.close()
+
+
+NO_STOP_IDS = {"stop_token_ids": []}  # vLLM's field: no stop tokens, so the text runs to max_tokens
+
+
+def complete(server: Server, prompt: str, **kwargs):
+    return server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **kwargs)
+
+
+def test_completion_chat_and_models_answer_as_openai_does(server):
+    r = complete(server, PROMPTS[0])
+    assert r.object == "text_completion" and r.model == MODEL and len(r.choices) == 1
+    assert r.choices[0].finish_reason in ("stop", "length") and isinstance(r.choices[0].text, str)
+    assert r.usage.completion_tokens >= 1
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12
+    )
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens >= 1
+    # The chat template's prompt gives the same tokens as that text sent as a completion.
+    rendered = server.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    ids = server.engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    same = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=12)
+    assert same.choices[0].text == chat.choices[0].message.content, rendered
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx2.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_stream_joins_to_the_whole_answer_and_ends_with_done(server):
+    whole = complete(server, PROMPTS[1])
+    chunks = list(complete(server, PROMPTS[1], stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    raw = server.post(
+        "/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "stream": True}
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.text.rstrip().endswith("data: [DONE]")
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True
+    )
+    deltas = list(chat)
+    assert deltas[0].choices[0].delta.role == "assistant"
+
+
+def test_a_stop_string_ends_the_text_before_it(server):
+    text = complete(server, PROMPTS[2], extra_body=NO_STOP_IDS).choices[0].text
+    at = next(
+        i
+        for i in range(1, len(text) - 1)
+        if text[i : i + 2].isprintable() and "\ufffd" not in text[i : i + 2]
+    )
+    stop = text[at : at + 2]
+    for stream in (False, True):
+        r = complete(server, PROMPTS[2], stop=[stop], extra_body=NO_STOP_IDS, stream=stream)
+        got = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+        assert got == text[: text.find(stop)], (stop, text)
+
+
+def answers(server: Server, concurrent: bool, **kwargs) -> list[tuple[str, int]]:
+    """(text, completion tokens) of each of PROMPTS: one at a time, or all at once."""
+    if not concurrent:
+        out = [complete(server, p, seed=i, **kwargs) for i, p in enumerate(PROMPTS)]
+        return [(r.choices[0].text, r.usage.completion_tokens) for r in out]
+
+    async def all_at_once():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        async with client:
+            calls = [
+                client.completions.create(model=MODEL, prompt=p, max_tokens=24, seed=i, **kwargs)
+                for i, p in enumerate(PROMPTS)
+            ]
+            return await asyncio.gather(*calls)
+
+    return [(r.choices[0].text, r.usage.completion_tokens) for r in asyncio.run(all_at_once())]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_outputs_at_concurrency_8_are_each_requests_alone(server, temperature):
+    alone = answers(server, False, temperature=temperature)
+    together = answers(server, True, temperature=temperature)
+    assert together == alone
+    assert len(set(alone)) > 1  # the prompts differ: a mixed-up order would show
+    if temperature == 0:  # speculation off for a request: the same tokens
+        plain = complete(server, PROMPTS[0], seed=0, extra_body={"spec_jax": {"speculate": False}})
+        assert (plain.choices[0].text, plain.usage.completion_tokens) == alone[0]
+
+
+def test_a_disconnected_stream_is_cancelled_and_frees_its_slot(server):
+    cancelled = server.metric("spec_jax_requests_finished_total")
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "stop_token_ids": [], "stream": True}
+    with httpx2.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data:"))
+    assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
+    deadline = time.monotonic() + 30
+    values = {}
+    while time.monotonic() < deadline:
+        values = prometheus_values(server.url)
+        if values.get("spec_jax_engine_slots_busy") == 0 and server.worker.busy == 0:
+            break
+        time.sleep(0.1)
+    assert values.get("spec_jax_engine_slots_busy") == 0, values
+    text = httpx2.get(server.url + "/metrics").text
+    assert 'spec_jax_requests_finished_total{reason="cancelled"}' in text, cancelled
+
+
+BAD = [
+    (b'{"model": "tiny", "prompt": "x",', 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt", "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "n"),
+    ({"model": MODEL, "prompt": "x", "max_token": 5}, 400, "max_token", "max_token"),
+    (
+        {"model": MODEL, "prompt": "x", "spec_jax": {"speculate": "no"}},
+        400,
+        "spec_jax.speculate",
+        "speculate",
+    ),
+    ({"model": MODEL}, 400, "prompt", "prompt"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
+    ({"model": MODEL, "prompt": "x" * 300}, 400, "prompt", "context of 256 tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 1000}, 400, "max_tokens", "context of 256 tokens"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "says"), BAD)
+def test_bad_requests_get_an_openai_error_naming_the_field_and_never_reach_the_engine(
+    server, body, status, param, says
+):
+    before = server.engine.stats()["requests_total"]
+    r = server.post("/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and says in error["message"]
+    assert server.engine.stats()["requests_total"] == before
+
+
+def test_the_openai_client_raises_its_own_errors_for_them(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1
+        )
+    assert e.value.body["param"] == "max_tokens"
+    assert httpx2.get(server.url + "/nope").json()["error"]["message"].startswith("GET /nope")
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_pair):
+    """Two slots, a queue of two, and a target whose embedding of "Q" is NaN: a prompt with Q has
+    non-finite logits."""
+    _, target, draft = tiny_pair
+    q = target.tokenizer.encode("Q")[-1]
+    params = dict(target.params)
+    params["embed"] = {"embedding": target.params["embed"]["embedding"].at[q].set(jnp.nan)}
+    s = Server(
+        Engine(target.replace(params=params), draft, max_batch=2, max_queue=2, gamma=GAMMA, max_context=256)
+    )
+    yield s
+    s.close()
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_the_rest_complete(small_server):
+    body = {"model": MODEL, "prompt": "a b c", "max_tokens": 150, "stop_token_ids": []}
+
+    async def burst():
+        async with httpx2.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                *(client.post(small_server.url + "/v1/completions", json=body) for _ in range(8))
+            )
+
+    replies = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in replies)
+    assert set(statuses) == {200, 429}, statuses  # how many get in depends on when slots free
+    refused = next(r for r in replies if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert all(r.json()["usage"]["completion_tokens"] == 150 for r in replies if r.status_code == 200)
+    assert httpx2.get(small_server.url + "/health").status_code == 200
+
+
+def test_non_finite_logits_end_that_request_with_an_error_and_the_other_goes_on(small_server):
+    body = {"model": MODEL, "max_tokens": 40, "stop_token_ids": []}
+
+    async def pair():
+        async with httpx2.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(
+                client.post(small_server.url + "/v1/completions", json=body | {"prompt": "a Q b"}),
+                client.post(small_server.url + "/v1/completions", json=body | {"prompt": "a b"}),
+            )
+
+    bad, good = asyncio.run(pair())
+    assert bad.status_code == 500 and "NaN" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 40
+    streamed = small_server.post("/v1/completions", body | {"prompt": "Q", "stream": True})
+    assert '"error"' in streamed.text and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_sigterm_finishes_what_runs_and_exits_0_with_one_line(tiny_pair, tmp_path):
+    path, _, _ = tiny_pair
+    port = free_port()
+    cmd = [sys.executable, "-m", "launch.serve", f"--target={path}", "--draft=none", f"--port={port}"]
+    cmd += ["--max_batch=2", "--grace_period=20", "--model_name=tiny", "--nocompilation_cache"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = proc.stdout.readline()
+        assert started.startswith("launch.serve: serving tiny on"), started + proc.stderr.read()
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 200, "stop_token_ids": [], "stream": True}
+        with httpx2.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert (
+            rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
+        )
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines() == [
+        "launch.serve: SIGTERM: stopped taking requests; 1 finished, 0 cancelled, 0 failed within the 20 s grace period"
+    ]
+    assert "Traceback" not in err, err
+
+
+def test_what_the_grace_period_cuts_ends_with_an_error_and_new_requests_get_503(small_server):
+    # Last of small_server's tests: it shuts that server's engine thread down.
+    body = {"model": MODEL, "prompt": "a b", "max_tokens": 200, "stop_token_ids": [], "stream": True}
+    with httpx2.stream("POST", small_server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        small_server.worker.shutdown(0)
+        rest = [line for line in lines if line.startswith("data:")]
+    assert json.loads(rest[-2][5:])["error"]["code"] == "cancelled" and rest[-1] == "data: [DONE]"
+    refused = small_server.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert httpx2.get(small_server.url + "/health").status_code == 503
+
+
+@pytest.mark.parametrize(
+    ("flag", "says"),
+    [
+        ("--port=0", "--port"),
+        ("--max_batch=0", "--max_batch"),
+        ("--grace_period=-1", "--grace_period"),
+        ("--target=nope", "--target"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line_before_loading_anything(flag, says):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.serve", flag],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
