@@ -40,8 +40,9 @@ EXPERIMENTS = {
     "decode": "experiments.bench_decode",
     "roofline": "experiments.bench_roofline",
     "attention": "experiments.bench_attention",
+    "profile": "experiments.bench_profile",
 }
-BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention")
+BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention", "profile")
 
 
 def names() -> list[str]:
