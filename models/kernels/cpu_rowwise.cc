@@ -50,6 +50,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int64_t kInlineWork = 1 << 18;  // query x key x head-dim products below which attention runs inline
+
 inline float Sum8(__m256 v) {  // a fixed tree: 4 + 4, 2 + 2, 1 + 1
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -186,6 +188,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buf
     }
     OneQuery(q + item * d, k + base, v + base, rows.data(), n, d, scale, scores.data(), out + item * d);
   };
+  // A call whose work is a few microseconds (a decode step's 12 heads over a short context) runs
+  // on the calling thread: waking a pool thread cost more than it saved. Which thread computes a
+  // query never changes its bits.
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, std::min<int64_t>(kvlen[b], keys));
+  if (items * longest * d < kInlineWork) {
+    for (int64_t i = 0; i < items; ++i) body(i);
+    return ffi::Error::Success();
+  }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, items / (4 * threads));
   spec_jax::ParallelChunks(pool, (items + chunk - 1) / chunk, [&](int64_t c) {
