@@ -41,8 +41,9 @@ EXPERIMENTS = {
     "roofline": "experiments.bench_roofline",
     "attention": "experiments.bench_attention",
     "serve": "experiments.bench_serve",
+    "profile": "experiments.bench_profile",
 }
-BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention", "serve")
+BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention", "serve", "profile")
 
 
 def names() -> list[str]:

@@ -211,7 +211,10 @@ class Attention(nn.Module):
             attend = functools.partial(
                 kernels.attention, window=window, tree=tree_bt, interpret=cfg.attention_interpret
             )
-            args = (q_bthe, cache.k[layer], cache.v[layer], positions_bt, kv_lengths_b)
+            # The whole stacked cache and the layer: the CPU kernel reads the layer's live slots in
+            # place, where its slice was a copy of every slot per layer and call.
+            args = (q_bthe, cache.k, cache.v, positions_bt, kv_lengths_b)
+            attend = functools.partial(attend, layer=layer)
             if attention_impl(cfg) == "cpu":
                 cpu = functools.partial(attend, impl="cpu", cpu_isa=cfg.cpu_isa)
                 out_bthe = on_cpu(cfg, cpu, functools.partial(attend, impl=cfg.attention_impl), *args)

@@ -39,7 +39,7 @@ def read_report(folder, suite):
     return report
 
 
-@pytest.mark.parametrize("suite", ["loop", "overhead"])
+@pytest.mark.parametrize("suite", ["loop", "overhead", "profile"])
 def test_bench_suite_runs_and_writes_results(tmp_path, suite):
     result = bench(f"--suite={suite}", "--quick", f"--output_dir={tmp_path}")
     assert result.returncode == 0, result.stderr

@@ -387,6 +387,27 @@ def test_cpu_kernel_window_keeps_its_bits():
         np.testing.assert_array_equal(np.asarray(alone)[:, 0], windowed[:, t])
 
 
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
+def test_attention_at_a_layer_of_the_stacked_cache_is_that_layers_attention_bit_for_bit(impl):
+    """layer=l with k, v [L, B, S, KVH, D] gives the bits of the call on k[l], v[l] (the CPU
+    kernel reads the layer in place; the others slice it), a traced layer too; layers differ."""
+    cpu_isa = _cpu_isa() if impl == "cpu" else None
+    q, k, v, pos, lens = _window_inputs(16, 3, lengths=(40, 1, 17), s=48)
+    stacked_k = jnp.stack([k, 2 * k, k[:, ::-1]])
+    stacked_v = jnp.stack([v, v[:, ::-1], 3 * v])
+    attend = jax.jit(functools.partial(kernels.attention, impl=impl, cpu_isa=cpu_isa))
+    for layer in (0, 1, 2):
+        alone = np.asarray(attend(q, stacked_k[layer], stacked_v[layer], pos, lens))
+        at_python_int = attend(q, stacked_k, stacked_v, pos, lens, layer=layer)
+        at_traced = attend(q, stacked_k, stacked_v, pos, lens, layer=jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(at_python_int), alone, err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(np.asarray(at_traced), alone, err_msg=f"layer {layer}, traced")
+    assert not np.array_equal(
+        np.asarray(attend(q, stacked_k, stacked_v, pos, lens, layer=1)),
+        np.asarray(attend(q, stacked_k, stacked_v, pos, lens, layer=2)),
+    )
+
+
 @pytest.mark.parametrize("backend", ["gpu", "tpu"])
 @pytest.mark.parametrize("kernel", ["flash_attention", "flash_decoding"])
 def test_blocks_outside_the_window_are_never_read(backend, kernel):

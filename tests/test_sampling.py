@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_jax.sampling import SamplingParams, draw, warp
+from spec_jax.sampling import SamplingParams, argmax, draw, draw_rows, row_keys, warp
 
 LOGITS = jax.random.normal(jax.random.key(0), (4, 50)) * 2.0
 
@@ -64,6 +64,32 @@ def test_draw_never_returns_a_zero_probability_token():
     tokens = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(1), 4000), probs)
     allowed = set(np.nonzero(np.asarray(probs[0]))[0])
     assert set(np.asarray(tokens).tolist()) == allowed
+
+
+def test_argmax_is_numpys_first_maximum_with_ties_infinities_and_nans():
+    rows = np.array(
+        [[1, 3, 3, 2], [np.nan, 1, np.nan, 5], [-np.inf] * 4, [1, np.inf, np.inf, 0], [0, -1, np.nan, 7]],
+        np.float32,
+    )
+    rows = np.concatenate([rows, np.asarray(LOGITS[:, :4])])
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(rows)), np.argmax(rows, axis=-1))
+
+
+def test_draw_rows_of_point_masses_returns_what_the_draw_returns():
+    """Rows with one nonzero entry (greedy's one-hot rows, or an entry that is inf, NaN or
+    negative) skip the draw's random numbers and return its result, for every key; a batch with
+    one row that is not a point mass draws every row as before."""
+    probs = np.zeros((5, 30), np.float32)
+    for row, (col, value) in enumerate([(3, 1.0), (29, np.inf), (0, np.nan), (7, -2.0), (12, 1.0)]):
+        probs[row, col] = value
+    mixed = probs.copy()
+    mixed[4, 20] = 0.5  # row 4: two tokens
+    for seed in range(20):
+        keys = row_keys(jax.random.key(seed), jnp.arange(5))
+        for p in (probs, mixed):
+            np.testing.assert_array_equal(
+                np.asarray(jax.jit(draw_rows)(keys, p)), np.asarray(jax.vmap(draw)(keys, p))
+            )
 
 
 @pytest.mark.parametrize(

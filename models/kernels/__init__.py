@@ -98,15 +98,21 @@ def attention(
     impl: str = "auto",
     interpret=False,
     cpu_isa=None,
+    layer=None,
 ):
     """Returns [B, T, H, D] in q's dtype; see the module docstring for the masking contract,
     `window` and `tree`. cpu_isa: the CPU kernel library's build that impl "cpu" calls
-    (cpu_matmul.ISAS; a model passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise."""
+    (cpu_matmul.ISAS; a model passes its ModelConfig.cpu_isa); required for "cpu", unused otherwise.
+    layer: None, or an int32 scalar (Python or traced) with k and v a model's stacked cache
+    [L, B, S, KVH, D]: the keys and values are that layer's (impl "cpu" reads them in place,
+    the others take the layer's slice)."""
     impl = resolve_impl(impl)
+    if layer is not None and impl != "cpu":
+        k, v, layer = k[layer], v[layer], None
     check_window(window)
     check_tree(tree, q.shape)
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[2]}")
+    if q.shape[2] % k.shape[-2]:
+        raise ValueError(f"num query heads {q.shape[2]} is not a multiple of kv heads {k.shape[-2]}")
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths, window, tree)
     if impl == "cpu":
@@ -118,7 +124,7 @@ def attention(
             raise ValueError(
                 "attention impl cpu: the CPU kernel library is unavailable here (see the warning)"
             )
-        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window, tree)
+        return cpu_matmul.attention(q, k, v, q_positions, kv_lengths, cpu_isa, window, tree, layer)
     backend = "tpu" if impl == "pallas_tpu" else "gpu"
     # A folded decode tile that cannot fit the GPU's shared memory (many query rows x a wide head)
     # goes to flash_attention, which tiles the queries.

@@ -186,21 +186,27 @@ def matmul(x_mi, w_oi, scale_o, isa_name: str):
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 
 
-def attention(q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str, window=None, tree=None):
+def attention(
+    q_bthd, k_bskd, v_bskd, q_positions_bt, kv_lengths_b, isa_name: str, window=None, tree=None, layer=None
+):
     """The attention contract of models.kernels (float32 inside; out in q's dtype), each query
     computed alone in one fixed order (cpu_rowwise.cc): a query's result is the same bits
     whatever the number of queries in the call. window: None or an int32 scalar (Python or
     traced), an operand of the call; None passes the largest int32, which leaves every query's
     keys (and so its bits) as without a window. tree: None or int32 [B, T] ancestor bits
     (models.kernels' `tree`), an operand of the call (empty for None): a tree node's result is the
-    same bits as the same query decoded with its path laid out contiguously. The build of
+    same bits as the same query decoded with its path laid out contiguously. layer: None (k and
+    v [B, S, KVH, D]) or an int32 scalar (Python or traced): k and v are a model's stacked cache
+    [L, B, S, KVH, D], read at that layer in place (no copy of the layer's slice). The build of
     isa_name must be available()."""
     out = jax.ShapeDtypeStruct(q_bthd.shape, jnp.float32)
     call = jax.ffi.ffi_call(rowwise_target("attention", isa_name), out, vmap_method="sequential")
+    if layer is None:
+        k_bskd, v_bskd, layer = k_bskd[None], v_bskd[None], 0
     f32 = (x.astype(jnp.float32) for x in (q_bthd, k_bskd, v_bskd))
     window = jnp.iinfo(jnp.int32).max if window is None else window
     tree = jnp.zeros((0,), jnp.int32) if tree is None else tree
-    ints = (q_positions_bt, kv_lengths_b, window, tree)
+    ints = (q_positions_bt, kv_lengths_b, window, tree, layer)
     return call(*f32, *(jnp.asarray(x).astype(jnp.int32) for x in ints)).astype(q_bthd.dtype)
 
 

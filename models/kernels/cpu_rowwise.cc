@@ -2,7 +2,9 @@
 // order: attention and RMSNorm, called through jax.ffi (models/kernels/cpu_matmul.py builds this
 // file into the CPU kernel library with the products).
 //
-// Attention, under the contract of models/kernels/__init__.py:
+// Attention, under the contract of models/kernels/__init__.py, on a model's stacked cache: k and v
+// are [L, B, S, KVH, D] read at the int32 scalar operand `layer` (a lone layer is L = 1), so no
+// layer's slice is copied for the call, and each query reads only the slots its mask lets it see:
 //
 //   out[b, t, h] = softmax_s(q[b, t, h] . k[b, s, h / G] / sqrt(D)) . v[b, s, h / G]
 //   over s <= q_positions[b, t], s < kv_lengths[b] and q_positions[b, t] - s < window;
@@ -47,6 +49,8 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+constexpr int64_t kInlineWork = 1 << 18;  // query x key x head-dim products below which attention runs inline
 
 inline float Sum8(__m256 v) {  // a fixed tree: 4 + 4, 2 + 2, 1 + 1
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -137,23 +141,27 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buffer<ffi::F32> k_buf,
                      ffi::Buffer<ffi::F32> v_buf, ffi::Buffer<ffi::S32> qpos_buf, ffi::Buffer<ffi::S32> kvlen_buf,
-                     ffi::Buffer<ffi::S32> window_buf, ffi::Buffer<ffi::S32> tree_buf,
+                     ffi::Buffer<ffi::S32> window_buf, ffi::Buffer<ffi::S32> tree_buf, ffi::Buffer<ffi::S32> layer_buf,
                      ffi::ResultBuffer<ffi::F32> out_buf) {
-  const auto qd = q_buf.dimensions(), kd = k_buf.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || !SameDims(v_buf.dimensions(), kd) || qd[0] != kd[0] || qd[3] != kd[3] ||
-      kd[2] == 0 || qd[2] % kd[2] != 0 || qpos_buf.element_count() != qd[0] * qd[1] ||
-      kvlen_buf.element_count() != qd[0] || window_buf.element_count() != 1 ||
+  // k and v are [L, B, S, KVH, D], read at layer `layer` (the model's whole stacked cache: no
+  // copy of the layer's slice, and only the live slots of it are read).
+  const auto qd = q_buf.dimensions(), kd5 = k_buf.dimensions();
+  if (qd.size() != 4 || kd5.size() != 5 || !SameDims(v_buf.dimensions(), kd5) || qd[0] != kd5[1] ||
+      qd[3] != kd5[4] || kd5[3] == 0 || qd[2] % kd5[3] != 0 || qpos_buf.element_count() != qd[0] * qd[1] ||
+      kvlen_buf.element_count() != qd[0] || window_buf.element_count() != 1 || layer_buf.element_count() != 1 ||
       (tree_buf.element_count() != 0 && (tree_buf.element_count() != qd[0] * qd[1] || qd[1] > 32)) ||
       !SameDims(out_buf->dimensions(), qd)) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "spec_jax attention expects q [B, T, H, D], k and v [B, S, KVH, D] with KVH dividing H, "
+                      "spec_jax attention expects q [B, T, H, D], k and v [L, B, S, KVH, D] with KVH dividing H, "
                       "q_positions [B, T], kv_lengths [B], window [], tree empty or [B, T] with T <= 32, "
-                      "out [B, T, H, D]");
+                      "layer [], out [B, T, H, D]");
   }
-  const int64_t batch = qd[0], t_dim = qd[1], heads = qd[2], d = qd[3], keys = kd[1], kv_heads = kd[2];
+  const int64_t batch = qd[0], t_dim = qd[1], heads = qd[2], d = qd[3], keys = kd5[2], kv_heads = kd5[3];
   const int64_t group = heads / kv_heads, kv_stride = kv_heads * d;
+  const int64_t layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, kd5[0] - 1);
   const float scale = static_cast<float>(std::pow(static_cast<double>(d), -0.5));
-  const float *q = q_buf.typed_data(), *k = k_buf.typed_data(), *v = v_buf.typed_data();
+  const int64_t layer_offset = layer * batch * keys * kv_stride;
+  const float *q = q_buf.typed_data(), *k = k_buf.typed_data() + layer_offset, *v = v_buf.typed_data() + layer_offset;
   const int32_t *qpos = qpos_buf.typed_data(), *kvlen = kvlen_buf.typed_data();
   const int64_t window = window_buf.typed_data()[0];
   const int32_t* tree = tree_buf.element_count() ? tree_buf.typed_data() : nullptr;
@@ -180,6 +188,15 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q_buf, ffi::Buf
     }
     OneQuery(q + item * d, k + base, v + base, rows.data(), n, d, scale, scores.data(), out + item * d);
   };
+  // A call whose work is a few microseconds (a decode step's 12 heads over a short context) runs
+  // on the calling thread: waking a pool thread cost more than it saved. Which thread computes a
+  // query never changes its bits.
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, std::min<int64_t>(kvlen[b], keys));
+  if (items * longest * d < kInlineWork) {
+    for (int64_t i = 0; i < items; ++i) body(i);
+    return ffi::Error::Success();
+  }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t chunk = std::max<int64_t>(1, items / (4 * threads));
   spec_jax::ParallelChunks(pool, (items + chunk - 1) / chunk, [&](int64_t c) {
@@ -220,6 +237,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
