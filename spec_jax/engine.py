@@ -1,7 +1,7 @@
 """The engine: one object that outlives a call, for requests that come and go (continuous
 batching at the granularity of chunks of rounds).
 
-It owns the placed target and drafter, the compiled programs (spec_jax.api.Runner: the
+It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
 prefill, the loop, the drafter's catch-up), the measured costs (gamma=auto's Controller, sized
 for the table) and a table of B row slots: one SpecState of batch B, each row a slot with its
 KV cache, drafter state, output buffer, budget and stop ids.
@@ -49,6 +49,7 @@ from spec_jax import api, sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import MAX_STOP_IDS, Request, RequestError, encode_prompt, request_for
+from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
 
@@ -171,7 +172,7 @@ class Engine:
             api.resolve_verify_widths(verify_widths, drafter),
             tree_nodes=tree if policy.gamma and not policy.auto else 0,
         )
-        self._runner = api.Runner(static, self.mesh, target_params, draft_params, None)
+        self._runner = Runner(static, self.mesh, target_params, draft_params, None)
         self._ids = itertools.count()
         self._queue: collections.deque[_Row] = collections.deque()
         self._slots: list[_Row | None] = [None] * max_batch
@@ -344,7 +345,7 @@ class Engine:
             sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens))
         )
         if self.controller is not None:
-            self._catch_up = api.CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
+            self._catch_up = CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
 
     def _inputs(self, keys, budgets) -> PrefillInputs:
         inputs = PrefillInputs(
@@ -414,9 +415,9 @@ class Engine:
         if self.controller is None:
             self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
         else:
-            observed = api.observed(self._state)
-            self._state, _, compile_s = api.auto_chunk(
-                self.controller, self._runner, self._catch_up, self._state, observed, self._chunk
+            before = observed(self._state)
+            self._state, _, compile_s = auto_chunk(
+                self.controller, self._runner, self._catch_up, self._state, before, self._chunk
             )
         m = self._state.metrics  # the table's scalar counters: no admission writes them
         after = np.asarray(sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens)))
