@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.settings import is_int
 from spec_jax import autogamma, sharding, step_costs, tree_auto
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
-from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
+from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import Request, encode_prompt, request_for, speculation_bound
+from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, validate
 from spec_jax.runner import Runner, decode_auto
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
@@ -57,57 +56,6 @@ class Options:
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
     tree: int | str = 0
-
-
-def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
-    """Raises ValueError naming the argument and its allowed range (drafter: a drafter or None)."""
-    if not isinstance(prompts, list | tuple) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    vocab = target.config.vocab_size
-    for i, p in enumerate(prompts):
-        if isinstance(p, str) or (isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)):
-            what = "a text" if isinstance(p, str) else "a conversation"
-            raise ValueError(
-                f"prompts[{i}] is {what}; prompts are token ids: target.tokenizer.encode(text), or "
-                "target.tokenizer.encode_chat(messages) for a conversation in the model's chat template"
-            )
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        arr = np.asarray(p)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must be a flat list of integer token ids")
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(
-                f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
-                f"min {arr.min()}, max {arr.max()}"
-            )
-    if not is_int(max_new_tokens) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > target.config.max_seq_len:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"context of {target.config.max_seq_len} tokens"
-        )
-    stop_id_list(eos_id, vocab)
-    if drafter is None:
-        speculation_bound("auto", tree)  # the tree setting is checked without a drafter too
-        return
-    bound, shown, name = speculation_bound(gamma, tree)
-    check_pairing(vocab, drafter)
-    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
-    check_gamma(bound, longest, max_new_tokens, contexts, name=name, shown=shown)
-
-
-def check_pairing(vocab: int, drafter: Drafter) -> None:
-    """The draft/target pairing check on the vocabularies (the tokenizers are checked where a
-    draft model becomes a drafter: spec_jax.drafting.paired_vocab): ValueError unless the
-    drafter proposes over the target's vocabulary of `vocab` tokens."""
-    if drafter.vocab_size != vocab:
-        raise ValueError(
-            f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
-            "speculative decoding needs one shared vocabulary"
-        )
 
 
 VERIFY_WIDTHS = ("auto", "ends", "all")

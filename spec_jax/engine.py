@@ -48,7 +48,7 @@ import numpy as np
 from spec_jax import api, sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.request import MAX_STOP_IDS, Request, RequestError, encode_prompt, request_for
+from spec_jax.request import MAX_STOP_IDS, Request, RequestError, check_pairing, encode_prompt, request_for
 from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
@@ -150,7 +150,7 @@ class Engine:
         policy = api.GammaPolicy.of(gamma, drafter, tree)
         vocab = target.config.vocab_size
         if drafter is not None:
-            api.check_pairing(vocab, drafter)
+            check_pairing(vocab, drafter)
         self.mesh = sharding.default_mesh() if mesh is None else mesh
         sharding.check_mesh(self.mesh)
         self.max_context = self._context(drafter, policy, max_context)
