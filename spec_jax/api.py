@@ -96,6 +96,25 @@ class GammaPolicy:
         return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
 
 
+def spec_static(
+    target, mesh, drafter: Drafter, sampling, policy: GammaPolicy, options, cache_len: int
+) -> SpecStatic:
+    """The loop's static settings: the target's config for the mesh, the placed drafter, the
+    policy's static gamma, options' max_new_tokens and verify_widths (resolve_verify_widths) and
+    tree (its node slots only for a fixed gamma with a drafter; options: Options or any object
+    with those fields), the cache length."""
+    return SpecStatic(
+        sharding.for_mesh(target.config, mesh),
+        drafter,
+        sampling,
+        policy.gamma,
+        options.max_new_tokens,
+        cache_len,
+        resolve_verify_widths(options.verify_widths, drafter),
+        tree_nodes=options.tree if policy.gamma and not policy.auto else 0,
+    )
+
+
 @dataclasses.dataclass
 class Plan:
     """What a call runs, decided before anything is placed: the drafter (NoDrafter for plain
@@ -215,18 +234,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
     plan = measured(target, _plan(target, prompts, options))
     target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
-    config = sharding.for_mesh(target.config, plan.mesh)
-    widths = resolve_verify_widths(options.verify_widths, drafter)
-    static = SpecStatic(
-        config,
-        drafter,
-        plan.sampling,
-        plan.policy.gamma,
-        options.max_new_tokens,
-        plan.cache_len,
-        widths,
-        tree_nodes=options.tree if plan.policy.gamma and not plan.policy.auto else 0,
-    )
+    static = spec_static(target, plan.mesh, drafter, plan.sampling, plan.policy, options, plan.cache_len)
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
     state, prefill_compile_s, prefill_s = runner.prefill(active)
     if plan.controller is None:
@@ -320,7 +328,12 @@ def generate(target, prompts, **options) -> Generation:
     """
     prompts = token_prompts(target, prompts)
     state, timings, plan = _run(target, prompts, Options(**options))
-    num_rows = len(prompts)
+    return _generation(target, state, timings, plan, len(prompts))
+
+
+def _generation(target, state: SpecState, timings: dict, plan: Plan, num_rows: int) -> Generation:
+    """generate's Generation of the final loop state for its first num_rows rows (the rest pad
+    the data axis): the new tokens, the metrics, timings and rates, the text."""
     out, counts, nonfinite, metrics = sharding.fetch(
         (state.out.tokens, state.out.num_generated, state.out.nonfinite, state.metrics)
     )
