@@ -70,8 +70,8 @@ def table_counters(state: SpecState) -> np.ndarray:
 
 
 def stop_ids_for(request: Request, tokenizer, vocab: int) -> tuple[int, ...]:
-    """The request's stop ids: its own (RequestError unless each is in [0, vocab)), or the
-    model's stop tokens (none without a tokenizer)."""
+    """The request's stop ids: its own (RequestError naming stop_ids where one is past the
+    vocabulary of `vocab` tokens), or the model's stop tokens (none without a tokenizer)."""
     if request.stop_ids is None:
         return tuple(tokenizer.stop_ids) if tokenizer is not None else ()
     if any(i >= vocab for i in request.stop_ids):
