@@ -626,12 +626,13 @@ def load_models(prompts, mesh):
     before a draft model or a drafter's tables are loaded; both models placed on the mesh once;
     the draft's tokenizer checked against the target's."""
     from models.tokenizer import check_pair
-    from spec_jax import api, sharding
+    from spec_jax import sharding
+    from spec_jax.request import validate
 
     batch = min(FLAGS.batch_size, len(prompts))
     target = load_model(FLAGS.target, FLAGS.target_dtype, batch, mesh)
     token_prompts, texts = encode_prompts(target.tokenizer, prompts)
-    api.validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)
+    validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)
     contexts = {"the target's": target.config.max_seq_len}
     if FLAGS.drafter != "model" or FLAGS.draft != "none":
         check_gamma_fits(token_prompts, contexts)

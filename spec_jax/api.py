@@ -8,22 +8,20 @@ the prefill, run the loop in chunks (one chunk unless gamma is auto).
 """
 
 import dataclasses
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.settings import is_int
 from spec_jax import autogamma, sharding, step_costs, tree_auto
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
-from spec_jax.drafting import Drafter, NoDrafter, as_drafter, check_gamma
-from spec_jax.executables import compiled
+from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import Request, encode_prompt, request_for, speculation_bound
+from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, validate
+from spec_jax.runner import Runner, decode_auto
 from spec_jax.sampling import SamplingParams, row_keys
-from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
+from spec_jax.speculative import SpecState, SpecStatic
 
 
 @dataclasses.dataclass
@@ -58,57 +56,6 @@ class Options:
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
     tree: int | str = 0
-
-
-def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
-    """Raises ValueError naming the argument and its allowed range (drafter: a drafter or None)."""
-    if not isinstance(prompts, list | tuple) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    vocab = target.config.vocab_size
-    for i, p in enumerate(prompts):
-        if isinstance(p, str) or (isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)):
-            what = "a text" if isinstance(p, str) else "a conversation"
-            raise ValueError(
-                f"prompts[{i}] is {what}; prompts are token ids: target.tokenizer.encode(text), or "
-                "target.tokenizer.encode_chat(messages) for a conversation in the model's chat template"
-            )
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        arr = np.asarray(p)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must be a flat list of integer token ids")
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(
-                f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
-                f"min {arr.min()}, max {arr.max()}"
-            )
-    if not is_int(max_new_tokens) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > target.config.max_seq_len:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"context of {target.config.max_seq_len} tokens"
-        )
-    stop_id_list(eos_id, vocab)
-    if drafter is None:
-        speculation_bound("auto", tree)  # the tree setting is checked without a drafter too
-        return
-    bound, shown, name = speculation_bound(gamma, tree)
-    check_pairing(vocab, drafter)
-    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
-    check_gamma(bound, longest, max_new_tokens, contexts, name=name, shown=shown)
-
-
-def check_pairing(vocab: int, drafter: Drafter) -> None:
-    """The draft/target pairing check on the vocabularies (the tokenizers are checked where a
-    draft model becomes a drafter: spec_jax.drafting.paired_vocab): ValueError unless the
-    drafter proposes over the target's vocabulary of `vocab` tokens."""
-    if drafter.vocab_size != vocab:
-        raise ValueError(
-            f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
-            "speculative decoding needs one shared vocabulary"
-        )
 
 
 VERIFY_WIDTHS = ("auto", "ends", "all")
@@ -147,6 +94,25 @@ class GammaPolicy:
         # A tree round's paths are at most its node count long; with a learned stop (an
         # acceptance head), gamma=auto's gamma is its fixed cap.
         return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
+
+
+def spec_static(
+    target, mesh, drafter: Drafter, sampling, policy: GammaPolicy, options, cache_len: int
+) -> SpecStatic:
+    """The loop's static settings: the target's config for the mesh, the placed drafter, the
+    policy's static gamma, options' max_new_tokens and verify_widths (resolve_verify_widths) and
+    tree (its node slots only for a fixed gamma with a drafter; options: Options or any object
+    with those fields), the cache length."""
+    return SpecStatic(
+        sharding.for_mesh(target.config, mesh),
+        drafter,
+        sampling,
+        policy.gamma,
+        options.max_new_tokens,
+        cache_len,
+        resolve_verify_widths(options.verify_widths, drafter),
+        tree_nodes=options.tree if policy.gamma and not policy.auto else 0,
+    )
 
 
 @dataclasses.dataclass
@@ -254,101 +220,6 @@ def _place(target, plan: Plan, seed: int):
     return target_params, draft_params, inputs, active, plan.drafter.for_mesh(mesh)
 
 
-def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b) -> SpecState:
-    """spec_prefill with the rows where active is False marked done: rows added only to fill the
-    data axis never run a round or count in the metrics."""
-    state = spec_prefill(static, params, draft_params, inputs)
-    return state.replace(out=state.out.replace(done=state.out.done | ~active_b))
-
-
-def _shardings_of(tree):
-    return jax.tree.map(lambda x: x.sharding, tree)
-
-
-def _resume_drafter(
-    static, draft_params, draft_state, tokens_bp, prompt_lens_b, out_tokens_bn, length_b, synced_b
-):
-    """The drafter's `resume` on the committed text. static: (drafter, cache length, width)."""
-    drafter, cache_len, width = static
-    text_bs = committed_text(tokens_bp, prompt_lens_b, out_tokens_bn, length_b, cache_len)
-    return drafter.resume(draft_params, draft_state, text_bs, synced_b, length_b, width)
-
-
-@dataclasses.dataclass
-class Runner:
-    """The compiled programs of one call on its placed arguments: the prefill, the loop (one
-    executable per static settings, each chunk's gamma), and a drafter's catch-up."""
-
-    static: SpecStatic
-    mesh: jax.sharding.Mesh
-    target_params: Any
-    draft_params: Any
-    inputs: PrefillInputs
-
-    def prefill(self, active, inputs: PrefillInputs | None = None) -> tuple[SpecState, float, float]:
-        """(state after prefill, compile seconds, prefill seconds) of inputs (default the
-        call's; spec_jax.engine prefills one request at a time into its table)."""
-        inputs = self.inputs if inputs is None else inputs
-        args = (self.target_params, self.draft_params, inputs, active)
-        batch = inputs.tokens.shape[0]
-        fn, compile_s = compiled(
-            "spec_prefill",
-            _prefill_marking_padding_done,
-            self.static,
-            args,
-            in_shardings=_shardings_of(args),
-            out_shardings=lambda state_shape: sharding.state_shardings(state_shape, self.mesh, batch),
-        )
-        start = time.perf_counter()
-        state = jax.block_until_ready(fn(*args))
-        return state, compile_s, time.perf_counter() - start
-
-    def loop(self, state: SpecState, max_rounds: int, gamma: int | None = None, tree: int = 0):
-        """(state after up to max_rounds rounds, compile seconds, wall seconds, work_clock
-        seconds); gamma: this chunk's (0: plain decoding, without the drafter); tree: its tree
-        rounds' node slots (0: chains; a tree's gamma is its node count)."""
-        static, draft_params = self.static, self.draft_params
-        if gamma is not None:
-            drafter = static.drafter if gamma else NoDrafter(static.config.vocab_size)
-            static = dataclasses.replace(static, drafter=drafter, gamma=gamma, tree_nodes=tree)
-            draft_params = draft_params if gamma else None
-        rounds = sharding.put(jnp.asarray(max_rounds, jnp.int32), sharding.replicated(self.mesh))
-        args = (self.target_params, draft_params, state, self.inputs.stop_ids, rounds)
-        in_shardings = _shardings_of(args)
-        fn, compile_s = compiled(
-            "spec_loop",
-            spec_loop,
-            static,
-            args,
-            donate_argnums=(2,),
-            in_shardings=in_shardings,
-            out_shardings=in_shardings[2],
-        )
-        start, work = time.perf_counter(), step_costs.work_clock()
-        state = jax.block_until_ready(fn(*args))
-        return state, compile_s, time.perf_counter() - start, step_costs.work_clock() - work
-
-    def resume(self, draft_state, state: SpecState, synced_b, width: int):
-        """(the drafter's state caught up on the text committed without it, compile seconds,
-        step_costs.work_clock seconds of the run)."""
-        synced = sharding.put(np.asarray(synced_b, np.int32), sharding.batch_sharding(self.mesh, 1))
-        inputs = self.inputs
-        args = (self.draft_params, draft_state, inputs.tokens, inputs.prompt_lens, state.out.tokens)
-        args += (state.length, synced)
-        in_shardings = _shardings_of(args)
-        fn, compile_s = compiled(
-            "drafter_resume",
-            _resume_drafter,
-            (self.static.drafter, self.static.cache_len, width),
-            args,
-            in_shardings=in_shardings,
-            out_shardings=in_shardings[1],
-        )
-        start = step_costs.work_clock()
-        draft_state = jax.block_until_ready(fn(*args))
-        return draft_state, compile_s, step_costs.work_clock() - start
-
-
 def run(target, prompts, **options) -> tuple[SpecState, dict]:
     """What generate does (the same arguments; prompts as token ids), returning the final loop
     state as device arrays (caches included, with their shardings; rows past len(prompts) pad
@@ -363,25 +234,14 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
     plan = measured(target, _plan(target, prompts, options))
     target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
-    config = sharding.for_mesh(target.config, plan.mesh)
-    widths = resolve_verify_widths(options.verify_widths, drafter)
-    static = SpecStatic(
-        config,
-        drafter,
-        plan.sampling,
-        plan.policy.gamma,
-        options.max_new_tokens,
-        plan.cache_len,
-        widths,
-        tree_nodes=options.tree if plan.policy.gamma and not plan.policy.auto else 0,
-    )
+    static = spec_static(target, plan.mesh, drafter, plan.sampling, plan.policy, options, plan.cache_len)
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
     state, prefill_compile_s, prefill_s = runner.prefill(active)
     if plan.controller is None:
         state, loop_compile_s, decode_s, _ = runner.loop(state, np.iinfo(np.int32).max)
         timings = {}
     else:
-        state, loop_compile_s, decode_s, timings = _decode_auto(plan.controller, runner, state)
+        state, loop_compile_s, decode_s, timings = decode_auto(plan.controller, runner, state)
     timings = dict(
         compile_seconds=prefill_compile_s + loop_compile_s,
         prefill_seconds=prefill_s,
@@ -416,103 +276,6 @@ def token_prompts(target, prompts) -> list:
     return [
         encode_prompt(target, request_for(p)) if text else p for p, text in zip(prompts, is_text, strict=True)
     ]
-
-
-def observed(state: SpecState):
-    """Host copies of what gamma=auto reads between chunks: (done, generated, length, budget,
-    overlap sums, scored positions, target calls)."""
-    m = state.metrics
-    return sharding.fetch(
-        (state.out.done, state.out.num_generated, state.length, state.out.budget)
-        + (m.row_overlap_sum, m.row_overlap_count, m.target_calls)
-    )
-
-
-def _decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecState):
-    """gamma=auto's host loop: auto_chunk until every row is done.
-
-    Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
-    the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
-    "resume_seconds": what the catch-ups took by step_costs.work_clock}).
-    """
-    catch_up = CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
-    compile_s = 0.0
-    start = time.perf_counter()
-    before = observed(state)
-    while not bool(np.all(before[0])):
-        state, before, c = auto_chunk(controller, runner, catch_up, state, before)
-        compile_s += c
-    decode_s = time.perf_counter() - start - compile_s
-    return (
-        state,
-        compile_s,
-        decode_s,
-        {"gamma_schedule": controller.schedule, "resume_seconds": catch_up.seconds},
-    )
-
-
-def auto_chunk(controller, runner: Runner, catch_up: "CatchUp", state: SpecState, before, max_rounds=None):
-    """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
-    (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
-    run without the drafter, whose state waits aside (catch_up); before it drafts again it
-    catches up on the text committed meanwhile. before: observed(state). The controller sees
-    the chunk's time by work_clock. Returns (state, observed(state), compile seconds)."""
-    done, generated, length, budget = before[:4]
-    arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
-    gamma, tree = autogamma.arm_shape(arm)
-    state, c = catch_up.before_chunk(state, gamma, done, length, controller)
-    rounds = rounds if max_rounds is None else min(rounds, max_rounds)
-    state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
-    after = observed(state)
-    controller.observe(
-        autogamma.Chunk(
-            gamma=gamma,
-            rounds=int(after[6] - before[6]),
-            seconds=seconds,
-            active_b=~done,
-            committed_b=after[1] - generated,
-            overlap_b=after[4] - before[4],
-            scored_b=after[5] - before[5],
-            remaining_b=np.where(after[0], 0, after[3] - after[1]),
-            tree=tree,
-        )
-    )
-    if gamma:  # its last round began at most gamma + 1 tokens back
-        catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
-    return state, after, c + c_loop
-
-
-@dataclasses.dataclass
-class CatchUp:
-    """The drafter's state while plain chunks run without it (stash), and the text it follows:
-    every row's committed tokens below `synced` (at prefill: the prompt)."""
-
-    runner: Runner
-    synced: np.ndarray
-    stash: Any = None
-    seconds: float = 0.0  # work_clock seconds of the catch-ups
-
-    def before_chunk(self, state: SpecState, gamma: int, done, length, controller):
-        """(the state a chunk of gamma starts from, compile seconds): a plain chunk sets the
-        drafter's state aside; a drafting chunk after plain ones catches it up first."""
-        if gamma == 0 and self.stash is None:
-            self.stash, state = state.draft_state, state.replace(draft_state=())
-        if not gamma or self.stash is None:
-            return state, 0.0
-        # The drafter catches up on the last RESUME_WINDOW positions at most: a model drafter's
-        # cache then holds stale entries before them, which changes its drafts and acceptance
-        # but never the output (the rule is exact for any draft).
-        self.synced = np.maximum(self.synced, length - 2 - autogamma.RESUME_WINDOW)
-        gap = int(np.max(np.where(done, 0, length - 2 - self.synced), initial=0))
-        compile_s = 0.0
-        if gap > 0:
-            width = min(autogamma.RESUME_WIDTH, 1 << (gap - 1).bit_length())
-            self.stash, compile_s, seconds = self.runner.resume(self.stash, state, self.synced, width)
-            self.seconds += seconds
-            controller.observe_resume(seconds, -(-gap // width))
-        state, self.stash = state.replace(draft_state=self.stash), None
-        return state, compile_s
 
 
 def generate(target, prompts, **options) -> Generation:
@@ -565,7 +328,12 @@ def generate(target, prompts, **options) -> Generation:
     """
     prompts = token_prompts(target, prompts)
     state, timings, plan = _run(target, prompts, Options(**options))
-    num_rows = len(prompts)
+    return _generation(target, state, timings, plan, len(prompts))
+
+
+def _generation(target, state: SpecState, timings: dict, plan: Plan, num_rows: int) -> Generation:
+    """generate's Generation of the final loop state for its first num_rows rows (the rest pad
+    the data axis): the new tokens, the metrics, timings and rates, the text."""
     out, counts, nonfinite, metrics = sharding.fetch(
         (state.out.tokens, state.out.num_generated, state.out.nonfinite, state.metrics)
     )

@@ -1,7 +1,7 @@
 """The engine: one object that outlives a call, for requests that come and go (continuous
 batching at the granularity of chunks of rounds).
 
-It owns the placed target and drafter, the compiled programs (spec_jax.api.Runner: the
+It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
 prefill, the loop, the drafter's catch-up), the measured costs (gamma=auto's Controller, sized
 for the table) and a table of B row slots: one SpecState of batch B, each row a slot with its
 KV cache, drafter state, output buffer, budget and stop ids.
@@ -35,7 +35,6 @@ Not thread-safe: one thread owns an Engine.
 
 import collections
 import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import Iterator
@@ -45,14 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import api, sharding
-from spec_jax.decode import PAD_ID, PrefillInputs, layout
+from spec_jax import api, rows, sharding
+from spec_jax.decode import layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.request import MAX_STOP_IDS, Request, RequestError, encode_prompt, request_for
+from spec_jax.request import Request, check_pairing, encode_prompt, request_for
+from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams, row_keys
-from spec_jax.speculative import SpecState, SpecStatic
 
-DEFAULT_CONTEXT = 2048  # tokens per slot (prompt + new tokens) unless max_context says otherwise
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 
@@ -82,51 +80,11 @@ class Update:
     error: str | None = None
 
 
-@dataclasses.dataclass
-class _Row:
-    """A request on the host: waiting (slot None) or in a slot."""
-
-    handle: Handle
-    prompt_ids: list[int]
-    stop_ids: tuple[int, ...]
-    submitted: float
-    row_id: int = 0  # the request's keys: fold_in(key(seed), row_id)
-    slot: int | None = None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    sent_tokens: int = 0  # tokens already handed out in Updates
-    sent_text: str = ""  # text already handed out
-    first_token_at: float | None = None
-
-
-def _write_row(table, row, b, batch: int):
-    """table (a loop state or its drafter state, batch `batch`) with its row b replaced by
-    row's only row, along each leaf's batch axis (sharding.batch_axis); leaves without one
-    (scalars, shared arrays) keep the table's."""
-
-    def one(path, t, r):
-        axis = sharding.batch_axis(path, t.shape, batch)
-        if axis is None or r.ndim != t.ndim or r.shape[axis] != 1:
-            return t
-        return jax.lax.dynamic_update_slice_in_dim(t, r, b, axis)
-
-    return jax.tree_util.tree_map_with_path(one, table, row)
-
-
-def _mark_done(state: SpecState, rows_b) -> SpecState:
-    """state with the rows of rows_b (bool [B]) done: the loop commits nothing more for them."""
-    return state.replace(out=state.out.replace(done=state.out.done | rows_b))
-
-
-_write = jax.jit(_write_row, static_argnums=3, donate_argnums=0)
-_done = jax.jit(_mark_done, donate_argnums=0)
-_row_keys = jax.jit(row_keys)  # compiled once, not traced per admission
-
-
 class Engine:
     """Serves Requests on one target (and drafter) with a table of max_batch row slots (module
     docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop);
     mesh: as generate's; max_context: tokens per slot, prompt plus new tokens (default the
-    target's context, at most DEFAULT_CONTEXT); max_queue: requests that may wait."""
+    target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_queue: requests that may wait."""
 
     def __init__(
         self,
@@ -149,10 +107,10 @@ class Engine:
         policy = api.GammaPolicy.of(gamma, drafter, tree)
         vocab = target.config.vocab_size
         if drafter is not None:
-            api.check_pairing(vocab, drafter)
+            check_pairing(vocab, drafter)
         self.mesh = sharding.default_mesh() if mesh is None else mesh
         sharding.check_mesh(self.mesh)
-        self.max_context = self._context(drafter, policy, max_context)
+        self.max_context = rows.slot_context(target, drafter, policy.gamma, max_context)
         drafter = NoDrafter(vocab) if drafter is None else drafter
         cache_len = self.max_context + policy.gamma
         self.controller = None
@@ -161,20 +119,12 @@ class Engine:
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
-        static = SpecStatic(
-            sharding.for_mesh(target.config, self.mesh),
-            drafter,
-            SamplingParams(0.0),
-            policy.gamma,
-            self.max_context,
-            cache_len,
-            api.resolve_verify_widths(verify_widths, drafter),
-            tree_nodes=tree if policy.gamma and not policy.auto else 0,
-        )
-        self._runner = api.Runner(static, self.mesh, target_params, draft_params, None)
+        settings = api.Options(max_new_tokens=self.max_context, verify_widths=verify_widths, tree=tree)
+        static = api.spec_static(target, self.mesh, drafter, SamplingParams(0.0), policy, settings, cache_len)
+        self._runner = Runner(static, self.mesh, target_params, draft_params, None)
         self._ids = itertools.count()
-        self._queue: collections.deque[_Row] = collections.deque()
-        self._slots: list[_Row | None] = [None] * max_batch
+        self._queue: collections.deque[rows.Row] = collections.deque()
+        self._slots: list[rows.Row | None] = [None] * max_batch
         self._outbox: list[Update] = []
         self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
         self._inputs_stale = False  # the host's table of prompts and stop ids changed
@@ -183,29 +133,6 @@ class Engine:
         self._catch_up = None
         self._counters = collections.Counter()
         self._ttft: list[float] = []
-
-    def _context(self, drafter, policy, max_context) -> int:
-        """Tokens per slot: max_context (default min(the target's context, DEFAULT_CONTEXT)),
-        checked so that a round's drafts past it fit every model's context."""
-        contexts = {"the target's": self.target.config.max_seq_len}
-        if drafter is not None:
-            contexts["the draft's"] = drafter.max_seq_len
-        owner, context = min(contexts.items(), key=lambda item: item[1])
-        tightest = context - policy.gamma
-        if max_context is None:
-            return min(tightest, DEFAULT_CONTEXT)
-        if (
-            isinstance(max_context, bool)
-            or not isinstance(max_context, int)
-            or not 2 <= max_context <= tightest
-        ):
-            room = f"{owner} context of {context} tokens" + (
-                f" less {policy.gamma} for a round's drafts" if policy.gamma else ""
-            )
-            raise ValueError(
-                f"max_context must be an integer in [2, {tightest}] ({room}), got {max_context!r}"
-            )
-        return max_context
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -224,14 +151,7 @@ class Engine:
 
     def stop_ids_of(self, request: Request) -> tuple[int, ...]:
         """The request's stop ids: its own, or the model's stop tokens (none without a tokenizer)."""
-        if request.stop_ids is None:
-            return tuple(self.tokenizer.stop_ids) if self.tokenizer is not None else ()
-        vocab = self.target.config.vocab_size
-        if any(i >= vocab for i in request.stop_ids):
-            raise RequestError(
-                "stop_ids", f"stop_ids must be token ids in [0, {vocab}), got {list(request.stop_ids)}"
-            )
-        return tuple(request.stop_ids)
+        return rows.stop_ids_for(request, self.tokenizer, self.target.config.vocab_size)
 
     def submit(self, request: Request, row_id: int = 0) -> Handle:
         """Queues a request (validated against the model) and returns its Handle. RequestError
@@ -241,25 +161,11 @@ class Engine:
         request.validate()
         ids = self.encode(request)
         stop_ids = self.stop_ids_of(request)
-        if len(ids) >= self.max_context:
-            raise RequestError(
-                "prompt",
-                f"prompt ({len(ids)} tokens) leaves no room in the context of {self.max_context} tokens",
-            )
-        if len(ids) + request.max_tokens > self.max_context:
-            raise RequestError(
-                "max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) exceeds the context of "
-                f"{self.max_context} tokens",
-            )
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise RequestError(
-                "stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}"
-            )
+        rows.check_room(ids, stop_ids, request, self.max_context)
         if len(self._queue) >= self.max_queue:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request)
-        self._queue.append(_Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
+        self._queue.append(rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
         return handle
@@ -277,7 +183,9 @@ class Engine:
                 return self._finish(row, "cancelled")
         return None
 
-    def _finish(self, row: _Row, reason: str, error: str | None = None, text: str = "", tokens=()) -> None:
+    def _finish(
+        self, row: rows.Row, reason: str, error: str | None = None, text: str = "", tokens=()
+    ) -> None:
         """Frees the row's slot and queues its last Update."""
         if row.slot is not None:
             self._slots[row.slot] = None
@@ -328,35 +236,19 @@ class Engine:
     def _table(self) -> None:
         """The empty table: B free rows (done), prefilled from one-token prompts."""
         b, width = self.max_batch, self.max_context
-        self._host = dict(
-            tokens=np.full((b, width), PAD_ID, np.int32),
-            prompt_lens=np.ones(b, np.int32),
-            stop_ids=np.full((b, MAX_STOP_IDS), -1, np.int32),
+        self._host = rows.HostTable.empty(b, width)
+        self._runner.inputs = self._host.inputs(
+            row_keys(jax.random.key(0), np.arange(b)), np.ones(b), self.mesh
         )
-        inputs = self._inputs(row_keys(jax.random.key(0), np.arange(b)), np.ones(b, np.int32))
-        self._runner.inputs = inputs
         active = sharding.put(np.zeros(b, bool), sharding.batch_sharding(self.mesh, 1))
         state, compile_s, _ = self._runner.prefill(active)
         self._counters["compile_seconds"] += compile_s
         self._state = state.replace(plain=jnp.zeros(b, bool))
-        m = state.metrics
-        self._counted = np.asarray(
-            sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens))
-        )
+        self._counted = rows.table_counters(state)
         if self.controller is not None:
-            self._catch_up = api.CatchUp(self._runner, self._host["prompt_lens"].astype(np.int64))
+            self._catch_up = CatchUp(self._runner, self._host.prompt_lens.astype(np.int64))
 
-    def _inputs(self, keys, budgets) -> PrefillInputs:
-        inputs = PrefillInputs(
-            tokens=jnp.asarray(self._host["tokens"]),
-            prompt_lens=jnp.asarray(self._host["prompt_lens"]),
-            stop_ids=jnp.asarray(self._host["stop_ids"]),
-            keys=keys,
-            budgets=jnp.asarray(budgets, jnp.int32),
-        )
-        return sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, self.max_batch))
-
-    def _insert(self, row: _Row, b: int) -> None:
+    def _insert(self, row: rows.Row, b: int) -> None:
         """Prefills the request alone (batch 1, the engine's cache length) and writes its state
         into slot b: every per-row leaf, so nothing of the slot's previous occupant is read."""
         if self._state is None:
@@ -364,17 +256,7 @@ class Engine:
         request, ids = row.handle.request, row.prompt_ids
         # generate's width for the request alone (its length bucket), within the slot
         width = min(layout(self.target.config, [ids], request.max_tokens, 0)[0], self.max_context)
-        tokens = np.full((1, width), PAD_ID, np.int32)
-        tokens[0, : len(ids)] = ids
-        stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
-        stops[0, : len(row.stop_ids)] = row.stop_ids
-        inputs = PrefillInputs(
-            tokens=jnp.asarray(tokens),
-            prompt_lens=jnp.asarray([len(ids)], jnp.int32),
-            stop_ids=jnp.asarray(stops),
-            keys=_row_keys(jax.random.key(request.seed), np.asarray([row.row_id], np.uint32)),
-            budgets=jnp.asarray([request.max_tokens], jnp.int32),
-        )
+        inputs, stops = rows.one_row_inputs(row, width)
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
         active = sharding.put(np.ones(1, bool), sharding.batch_sharding(self.mesh, 1))
         one, compile_s, prefill_s = self._runner.prefill(active, inputs)
@@ -384,14 +266,11 @@ class Engine:
         slot = jnp.asarray(b, jnp.int32)
         stash = self._catch_up.stash if self._catch_up is not None else None
         if stash is not None:  # a plain chunk holds the drafter's states aside
-            self._catch_up.stash = _write(stash, one.draft_state, slot, self.max_batch)
+            self._catch_up.stash = rows.write_row_jit(stash, one.draft_state, slot, self.max_batch)
             one = one.replace(draft_state=())
-        self._state = _write(self._state, one, slot, self.max_batch)
+        self._state = rows.write_row_jit(self._state, one, slot, self.max_batch)
         self._stop_rows[b] = False
-        self._host["tokens"][b] = PAD_ID
-        self._host["tokens"][b, : len(ids)] = ids
-        self._host["prompt_lens"][b] = len(ids)
-        self._host["stop_ids"][b] = stops[0]
+        self._host.set_row(b, ids, stops[0])
         self._inputs_stale = True  # placed again once, before the next chunk
         if self.controller is not None:
             self.controller.forget(np.arange(self.max_batch) == b)
@@ -402,10 +281,12 @@ class Engine:
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table (freed rows first marked done)."""
         if self._inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
-            self._runner.inputs = self._inputs(self._runner.inputs.keys, self._runner.inputs.budgets)
+            self._runner.inputs = self._host.inputs(
+                self._runner.inputs.keys, self._runner.inputs.budgets, self.mesh
+            )
             self._inputs_stale = False
         if self._stop_rows.any():
-            self._state = _done(
+            self._state = rows.mark_done_jit(
                 self._state, sharding.put(self._stop_rows, sharding.batch_sharding(self.mesh, 1))
             )
             self._stop_rows[:] = False
@@ -414,12 +295,11 @@ class Engine:
         if self.controller is None:
             self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
         else:
-            observed = api.observed(self._state)
-            self._state, _, compile_s = api.auto_chunk(
-                self.controller, self._runner, self._catch_up, self._state, observed, self._chunk
+            before = observed(self._state)
+            self._state, _, compile_s = auto_chunk(
+                self.controller, self._runner, self._catch_up, self._state, before, self._chunk
             )
-        m = self._state.metrics  # the table's scalar counters: no admission writes them
-        after = np.asarray(sharding.fetch((m.target_calls, m.num_draft_tokens, m.num_accepted_tokens)))
+        after = rows.table_counters(self._state)
         rounds, drafted, accepted = (after - self._counted).tolist()
         self._counted = after
         self._counters["compile_seconds"] += compile_s
@@ -453,9 +333,11 @@ class Engine:
                 reason = "error" if nonfinite[b] else "stop" if hit_stop else "length"
             self._emit(row, reason)
 
-    def _emit(self, row: _Row, reason: str | None) -> None:
+    def _emit(self, row: rows.Row, reason: str | None) -> None:
         """Queues the row's Update (new tokens, new text; a stop string ends it as "stop")."""
-        text, cut = self._text(row, final=reason is not None)
+        text, cut = rows.visible_text(
+            self.tokenizer, row.tokens, row.handle.request.stop, final=reason is not None
+        )
         if cut is not None:
             row.tokens, reason = row.tokens[:cut], "stop"
             if row.slot is not None:
@@ -469,28 +351,6 @@ class Engine:
         if new_tokens or new_text:
             self._outbox.append(Update(row.handle, new_tokens, new_text, False, None))
         return None
-
-    def _text(self, row: _Row, final: bool) -> tuple[str, int | None]:
-        """(the row's text that may be handed out, the token count to cut at or None): stop
-        strings end the text before their match; text that may still become a stop string
-        or a multi-byte character waits for more tokens unless final."""
-        if self.tokenizer is None:
-            return "", None
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
-        text = decode(row.tokens)
-        stops = row.handle.request.stop
-        hits = [(text.find(s), s) for s in stops if s in text]
-        if hits:
-            at = min(hits)[0]
-            cut = next(
-                k for k in range(1, len(row.tokens) + 1) if any(s in decode(row.tokens[:k]) for s in stops)
-            )
-            return text[:at], cut
-        if final:
-            return text, None
-        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        text = text[: len(text) - hold]
-        return text.rstrip("\ufffd"), None
 
     # --- counters --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

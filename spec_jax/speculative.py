@@ -200,7 +200,6 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
     gamma = static.gamma
     keys, draft_keys, verify_keys = split_rows(state.keys, 3)
     active = ~state.out.done
-
     context = jnp.stack([state.prev_token, state.last_token], axis=1)
     drafts, q, draft_state = static.drafter.propose(
         draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_keys

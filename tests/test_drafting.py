@@ -111,6 +111,7 @@ def test_a_drafter_defined_in_a_test_file_runs_on_an_8_device_mesh():
 CALLERS = (
     "spec_jax/speculative.py",
     "spec_jax/api.py",
+    "spec_jax/runner.py",
     "spec_jax/sharding.py",
     "spec_jax/autogamma.py",
     "spec_jax/tree_auto.py",

@@ -11,8 +11,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
-from spec_jax import engine as engine_lib
-from spec_jax import step_costs
+from spec_jax import rows, step_costs
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
 
@@ -146,7 +145,7 @@ def test_a_slot_holds_nothing_of_its_previous_occupant(tiny_target, tiny_draft):
 
 
 def test_write_row_replaces_every_per_row_leaf_and_keeps_shared_ones():
-    """_write_row on a toy state: batch leaves (leading axis, a cache's axis 1) take the row;
+    """rows.write_row on a toy state: batch leaves (leading axis, a cache's axis 1) take the row;
     scalars and leaves of another leading size keep the table's (a [G] metric with G == B
     included: the row's own has G entries, not 1)."""
     b = 3
@@ -162,7 +161,7 @@ def test_write_row_replaces_every_per_row_leaf_and_keeps_shared_ones():
         "count": jnp.ones((), jnp.int32),
         "per_position": jnp.ones((b,), jnp.int32),
     }
-    out = engine_lib._write_row(table, row, 1, b)
+    out = rows.write_row(table, row, 1, b)
     np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 1, 0], [0, 1, 0]])
     np.testing.assert_array_equal(out["tokens"][:, 0], [0, 1, 0])
     assert int(out["count"]) == 0

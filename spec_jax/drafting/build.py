@@ -97,7 +97,7 @@ def paired_vocab(target, draft) -> int:
     """ModelDrafter.vocab for a draft model of target: the target's vocabulary size where the
     draft's is smaller (a prefix), else 0. Where both models have a tokenizer, ValueError
     (models.tokenizer.check_pair) unless the draft's vocabulary is the target's or a prefix of
-    it; a larger draft without tokenizers is refused by the size check (api.validate)."""
+    it; a larger draft without tokenizers is refused by the size check (spec_jax.request.validate)."""
     from models.tokenizer import check_pair  # the tokenizers library, only where a pair is made
 
     target_vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
