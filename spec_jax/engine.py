@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import api, rows, sharding
+from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import layout
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import Request, check_pairing, encode_prompt, request_for
@@ -53,10 +53,11 @@ from spec_jax.sampling import SamplingParams, row_keys
 
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
+TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
 
 
 class QueueFull(RuntimeError):
-    """submit() with max_queue requests already waiting."""
+    """submit() with max_queue requests already waiting beyond the free slots."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,7 +116,8 @@ class Engine:
         cache_len = self.max_context + policy.gamma
         self.controller = None
         if policy.auto:  # measured once per engine, for the table's batch (free rows compute too)
-            self.controller = api.controller_for(target, drafter, draft_params, policy, max_batch, cache_len)
+            slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
+            self.controller = api.controller_for(target, drafter, draft_params, policy, max_batch, slots)
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
@@ -132,7 +134,7 @@ class Engine:
         self._state = None  # the table's SpecState (built at the first admission)
         self._catch_up = None
         self._counters = collections.Counter()
-        self._ttft: list[float] = []
+        self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
 
     # --- properties ------------------------------------------------------------------------
     @property
@@ -162,7 +164,8 @@ class Engine:
         ids = self.encode(request)
         stop_ids = self.stop_ids_of(request)
         rows.check_room(ids, stop_ids, request, self.max_context)
-        if len(self._queue) >= self.max_queue:
+        room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
+        if len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request)
         self._queue.append(rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
@@ -359,7 +362,7 @@ class Engine:
         accepted_tokens_total, queue_depth, slots_busy, max_batch, chunks, rounds, the seconds
         of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
         step_seconds - compile - prefill - decode is the host's own work between chunks), and
-        ttft_seconds: each request's time from submit to its first token (a list)."""
+        ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""
         out = dict(self._counters)
         out.update(
             queue_depth=len(self._queue),

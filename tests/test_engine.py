@@ -268,11 +268,12 @@ def test_submit_checks_the_request_against_the_model_and_the_queue(tiny_target):
     with pytest.raises(RequestError) as e:
         engine.submit(Request(prompt_ids=(1,), temperature=-1.0))
     assert e.value.field == "temperature"
-    engine.submit(Request(prompt_ids=(1,), max_tokens=4))
-    engine.submit(Request(prompt_ids=(2,), max_tokens=4))
+    # max_queue waiting beyond the free slot: 1 + 2 requests are taken, the next is refused
+    for i in range(3):
+        engine.submit(Request(prompt_ids=(i + 1,), max_tokens=4))
     with pytest.raises(QueueFull):
-        engine.submit(Request(prompt_ids=(3,), max_tokens=4))
-    assert engine.stats()["queue_depth"] == 2
+        engine.submit(Request(prompt_ids=(4,), max_tokens=4))
+    assert engine.stats()["queue_depth"] == 3
 
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"

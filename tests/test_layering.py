@@ -176,7 +176,7 @@ def test_spec_jax_imports_no_optimizer():
 # size as a ceiling: an offender may shrink, not grow, and no new one may join. Delete an entry
 # when its file is split; never add one.
 MAX_FILE_LINES = 400
-FILE_LINES_ALLOWED = {"spec_jax/api.py": 519}
+FILE_LINES_ALLOWED: dict[str, int] = {}
 MAX_FUNCTION_LINES = 60
 FUNCTION_LINES_ALLOWED = {
     "models/gguf_loader.py:read_config": 61,
