@@ -192,7 +192,11 @@ def _plan(target, prompts, options: Options) -> Plan:
     prompts = list(prompts) + [prompts[0]] * padding
     row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
     width, cache_len = layout(
-        target.config, prompts, options.max_new_tokens, policy.gamma, drafter.reads_features
+        sharding.for_mesh(target.config, mesh),
+        prompts,
+        options.max_new_tokens,
+        policy.gamma,
+        drafter.reads_features,
     )
     controller = None
     if policy.auto:
