@@ -153,7 +153,13 @@ def _plan(target, prompts, options: Options) -> Plan:
     padding = -num_rows % mesh.shape[sharding.DATA]
     prompts = list(prompts) + [prompts[0]] * padding
     row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
-    width, cache_len = layout(target.config, prompts, options.max_new_tokens, policy.gamma)
+    width, cache_len = layout(
+        sharding.for_mesh(target.config, mesh),
+        prompts,
+        options.max_new_tokens,
+        policy.gamma,
+        drafter.reads_features,
+    )
     sampling = SamplingParams(float(options.temperature), options.top_k, float(options.top_p))
     stop_ids = stop_id_list(options.eos_id, target.config.vocab_size)
     return Plan(

@@ -16,11 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.kernels import target as kernel_target
 from models.settings import is_int
-from models.transformer import ForwardOutput, forward, init_cache
+from models.transformer import ForwardOutput, attention_impl, forward, init_cache, on_cpu
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
 
 MIN_BUCKET = 16
+# The smallest bucket on the CPU kernels' path (layout): prompts up to it share their programs.
+COARSE_WIDTH = 256
 PREFILL_CHUNK = 16  # positions per model call of a row-wise prefill (prefill_rows)
 PAD_ID = 0
 
@@ -38,13 +41,34 @@ def pad_prompts(prompts: list[list[int]], width: int) -> tuple[np.ndarray, np.nd
     return tokens, np.array([len(p) for p in prompts], np.int32)
 
 
-def layout(config, prompts, max_new_tokens: int, gamma: int) -> tuple[int, int]:
+def layout(config, prompts, max_new_tokens: int, gamma: int, reads_features: bool = False) -> tuple[int, int]:
     """(prompt width, cache length): prompts are right-padded to their length bucket (capped so
     the cache fits the model's context), and the cache holds the width, the new tokens and
-    the gamma drafts a last round may write past them (gamma = 0 for plain decoding)."""
+    the gamma drafts a last round may write past them (gamma = 0 for plain decoding).
+
+    Where the model runs on the CPU kernels (coarse_layout) the bucket has a floor of
+    COARSE_WIDTH, so that prompts of every length up to it share one prefill and one loop
+    program (a new length compiles nothing): the row-wise prefill stops at each row's own
+    length and the CPU attention reads only each row's live slots, so the padding costs no
+    work. reads_features (a drafter that reads the target's features over the whole padded
+    prompt, whose work grows with the width) keeps the prompt width tight there; the cache
+    length stays coarse, so the loop programs are still shared."""
     longest = max(len(p) for p in prompts)
-    width = min(bucket_length(longest), max(longest, config.max_seq_len - max_new_tokens))
-    return width, width + max_new_tokens + gamma
+    cap = max(longest, config.max_seq_len - max_new_tokens)
+    width = min(bucket_length(longest), cap)
+    if not coarse_layout(config):
+        return width, width + max_new_tokens + gamma
+    coarse = min(bucket_length(longest, COARSE_WIDTH), cap)
+    return (width if reads_features else coarse), coarse + max_new_tokens + gamma
+
+
+def coarse_layout(config) -> bool:
+    """Whether layout pads to COARSE_WIDTH: where calls run on the CPU kernels, as prefill and
+    models.transformer.attention_impl decide (its "cpu" attention, in a program lowered for a
+    CPU: the device traced for, models.kernels.target.current)."""
+    if attention_impl(config) != "cpu":
+        return False
+    return config.attention_impl == "cpu" or kernel_target.current().platform == "cpu"
 
 
 def stop_id_list(eos_id, vocab: int) -> list[int]:
@@ -72,8 +96,6 @@ def prefill(
     (every row padded to the longest prompt's bucket). Elsewhere (TPU, GPU, a mesh) one call
     over the batch.
     """
-    from models.transformer import attention_impl, on_cpu
-
     batch, width = tokens_bp.shape
     cache = init_cache(config, batch, cache_len)
 

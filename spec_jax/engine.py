@@ -258,7 +258,8 @@ class Engine:
             self._table()
         request, ids = row.handle.request, row.prompt_ids
         # generate's width for the request alone (its length bucket), within the slot
-        width = min(layout(self.target.config, [ids], request.max_tokens, 0)[0], self.max_context)
+        features = self._runner.static.drafter.reads_features
+        width = min(layout(self.target.config, [ids], request.max_tokens, 0, features)[0], self.max_context)
         inputs, stops = rows.one_row_inputs(row, width)
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
         active = sharding.put(np.ones(1, bool), sharding.batch_sharding(self.mesh, 1))

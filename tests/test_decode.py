@@ -72,8 +72,37 @@ def test_no_retrace_for_a_new_prompt_in_the_same_bucket(tiny_target):
     gen = spec_jax.generate(tiny_target, [[9, 8, 7, 6, 5], [3], [1] * 16, [2, 2]], **kwargs)
     assert dict(executables.TRACE_COUNTS) == before
     assert gen.stats["compile_seconds"] == 0.0
-    spec_jax.generate(tiny_target, [[1] * 20, [2], [3], [4]], **kwargs)  # next bucket (no other test uses it)
+    xla = tiny_target.replace(config=tiny_target.config.replace(attention_impl="xla"))  # a tight layout
+    spec_jax.generate(xla, PROMPTS, **kwargs)
+    before = dict(executables.TRACE_COUNTS)
+    spec_jax.generate(xla, [[1] * 20, [2], [3], [4]], **kwargs)  # next bucket (no other test uses it)
     assert executables.TRACE_COUNTS["spec_loop"] == before["spec_loop"] + 1
+
+
+def test_a_prompt_of_a_new_length_compiles_nothing_on_the_cpu_path(tiny_target):
+    """On the CPU kernels' path (decode.coarse_layout) prompts in other 16/32 buckets reuse the
+    prefill and the loop compiled for the first one. (Batch 2: no other test compiles it.)"""
+    kwargs = dict(max_new_tokens=MAX_NEW, temperature=0.0)
+    spec_jax.generate(tiny_target, [[5] * 3, [7]], **kwargs)
+    before = dict(executables.TRACE_COUNTS)
+    for n in (20, 40):
+        gen = spec_jax.generate(tiny_target, [[5] * n, [7]], **kwargs)
+        assert gen.stats["compile_seconds"] == 0.0
+    assert dict(executables.TRACE_COUNTS) == before
+    assert decode.coarse_layout(tiny_target.config)  # the path this test is about
+
+
+def test_layout_is_coarse_on_the_cpu_path_and_tight_elsewhere(tiny_target):
+    config = tiny_target.config.replace(max_seq_len=4096)
+    n_new, gamma = 64, 4
+    assert {decode.layout(config, [[1] * n, [2]], n_new, gamma) for n in (1, 17, 100, 256)} == {(256, 324)}
+    assert decode.layout(config, [[1] * 257], n_new, gamma) == (512, 580)
+    # a drafter that reads the prompt's features: a tight width, the coarse cache
+    assert decode.layout(config, [[1] * 20], n_new, gamma, reads_features=True) == (32, 324)
+    xla = config.replace(attention_impl="xla")
+    assert decode.layout(xla, [[1] * 20], n_new, gamma) == (32, 32 + n_new + gamma)
+    # capped so that the cache fits the context
+    assert decode.layout(config.replace(max_seq_len=64), [[1] * 3], 13, gamma) == (51, 51 + 13 + gamma)
 
 
 def test_bucket_lengths_are_powers_of_two():
