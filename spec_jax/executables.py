@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from models.registry import cache_root
+from models import registry  # read through the module: tests patch its cache_root
 from models.settings import is_int
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -190,7 +190,9 @@ def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
     """
     from models.kernels import builds  # native libraries: ~20 ms of start-up
 
-    base = cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
+    base = (
+        registry.cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
+    )
     return base / builds.build_digest()
 
 

@@ -384,8 +384,8 @@ import sys
 import jax.numpy as jnp
 from launch import common, generate
 load = generate.load_model
-def poisoned(name, dtype, *args):
-    model = load(name, dtype, *args)
+def poisoned(name, dtype, *args, **kwargs):
+    model = load(name, dtype, *args, **kwargs)
     table = model.params["embed"]["embedding"]
     return model.replace(params={**model.params, "embed": {"embedding": table.at[ord("Z")].set(jnp.nan)}})
 generate.load_model = poisoned
@@ -438,8 +438,8 @@ class Renamed(models.ByteTokenizer):
     def id_to_token(self, i):
         return "hi" if i == 65 else super().id_to_token(i)
 load = generate.load_model
-def paired(name, dtype, *args):
-    model = load(name, dtype, *args)
+def paired(name, dtype, *args, **kwargs):
+    model = load(name, dtype, *args, **kwargs)
     if name != "random-draft":
         return model
     if mode == "renamed":
@@ -483,7 +483,7 @@ path = log.with_suffix(".gguf")
 tiny_gguf.write(path, chat_template=sys.argv.pop(1), add_bos=True)
 tokenizer = Tokenizer.from_gguf(path)
 load = generate.load_model
-generate.load_model = lambda *args: load(*args).replace(tokenizer=tokenizer)
+generate.load_model = lambda *args, **kwargs: load(*args, **kwargs).replace(tokenizer=tokenizer)
 spec_generate = spec_jax.generate
 def recorded(target, prompts, **options):
     with log.open("a") as f:

@@ -34,9 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import machine
+from models import (
+    machine,
+    registry,  # read through the module: tests patch its cache_root
+)
 from models.kernels import libraries
-from models.registry import cache_root
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_matmul.cc")
 ROWWISE_SOURCE = SOURCE.with_name("cpu_rowwise.cc")  # in the same library: attention, RMSNorm
@@ -107,7 +109,7 @@ def library_path(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:
     flags = " ".join(compiler_flags(isa_name))
     sources = SOURCE.read_bytes() + ROWWISE_SOURCE.read_bytes() + PARALLEL_HEADER.read_bytes()
     digest = hashlib.sha256(sources + flags.encode() + jax.__version__.encode())
-    return cache_root(cache_dir) / "kernels" / f"cpu_matmul-{isa_name}-{digest.hexdigest()[:16]}.so"
+    return registry.cache_root(cache_dir) / "kernels" / f"cpu_matmul-{isa_name}-{digest.hexdigest()[:16]}.so"
 
 
 def build(cache_dir=None, isa_name: str | None = None) -> pathlib.Path:

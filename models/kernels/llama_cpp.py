@@ -24,7 +24,6 @@ import tarfile
 import tempfile
 
 from models import machine, registry
-from models.registry import cache_root, file_lock
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -50,7 +49,7 @@ class Unavailable(RuntimeError):
 
 
 def root(cache_dir=None) -> pathlib.Path:
-    return cache_root(cache_dir) / "llama.cpp"
+    return registry.cache_root(cache_dir) / "llama.cpp"
 
 
 def source(cache_dir=None) -> pathlib.Path:
@@ -137,7 +136,7 @@ def build(targets=LIBRARIES, cache_dir=None, server: bool = False) -> pathlib.Pa
         f"building llama.cpp's {', '.join(targets)} with cmake (once: about 2 minutes on 2 cores)",
         file=sys.stderr,
     )
-    with file_lock(root(cache_dir) / ".lock-build"):
+    with registry.file_lock(root(cache_dir) / ".lock-build"):
         missing = [t for t in targets if not (folder / f".built-{t}").exists()]
         if not missing:
             return folder
