@@ -69,6 +69,16 @@ def perturbed(model: models.Model, scale: float, seed: int) -> models.Model:
     return model.replace(params=jax.tree.unflatten(treedef, noisy))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_jit_caches():
+    """After each test module, jax's caches of traced and compiled programs are dropped
+    (jax.clear_caches): a worker that kept every module's programs grew past 8 GB of memory in
+    `make test`, and XLA's compiler crashed in it (spec_jax.executables' own bounded cache of the
+    loops, which the tiny_target group shares across modules, is kept)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return models.random_model(vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, seed=0)
