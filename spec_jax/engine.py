@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int
 from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import layout
 from spec_jax.drafting import NoDrafter, as_drafter
@@ -101,7 +102,7 @@ class Engine:
         verify_widths: str = "auto",
     ):
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.target, self.max_batch, self.max_queue = target, max_batch, max_queue
         drafter, draft_params = (None, None) if draft is None else as_drafter(draft, target)
@@ -136,7 +137,6 @@ class Engine:
         self._counters = collections.Counter()
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
 
-    # --- properties ------------------------------------------------------------------------
     @property
     def tokenizer(self):
         return self.target.tokenizer

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from models import kernels
-from models.settings import is_int
+from models.settings import is_int, is_number
 from models.tokenizer import validate_messages
 from spec_jax import autogamma
 from spec_jax.decode import stop_id_list
@@ -81,22 +81,18 @@ class Request:
             raise RequestError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            if not is_number(value) or math.isnan(value):
                 raise RequestError(name, f"{name} must be a number, got {value!r}")
-        if isinstance(self.top_k, bool) or not is_int(self.top_k):
+        if not is_int(self.top_k):
             raise RequestError("top_k", f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         try:
             validate_sampling(self.temperature, self.top_k, self.top_p)
         except ValueError as e:
             raise RequestError(str(e).split()[0], str(e)) from None
-        if (
-            isinstance(self.seed, bool)
-            or not is_int(self.seed)
-            or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
-        ):
+        if not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise RequestError("seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         _check_stops(self)
-        if not isinstance(self.speculate, bool):
+        if type(self.speculate) is not bool:  # not 0 or 1
             raise RequestError("speculate", f"speculate must be true or false, got {self.speculate!r}")
         return self
 
@@ -163,7 +159,7 @@ def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> t
     a node count in [1, MAX_TREE_NODES] or "auto" (then gamma is auto too; the largest tree or
     chain auto may run); gamma: an integer >= 1 or "auto" (up to autogamma.GAMMA_MAX).
     RequestError naming gamma_name / tree_name where a value is out of range."""
-    if tree != "auto" and (isinstance(tree, bool) or not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
+    if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
         raise RequestError(
             tree_name,
             f"{tree_name} must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}",
@@ -174,7 +170,7 @@ def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> t
         return tree, tree, tree_name
     if gamma == "auto":
         return autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})", gamma_name
-    if isinstance(gamma, bool) or not is_int(gamma) or gamma < 1:
+    if not is_int(gamma) or gamma < 1:
         raise RequestError(gamma_name, f"{gamma_name} must be an integer >= 1 or 'auto', got {gamma!r}")
     return gamma, gamma, gamma_name
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int
 from spec_jax import sharding
 from spec_jax.decode import PAD_ID, PrefillInputs
 from spec_jax.request import MAX_STOP_IDS, Request, RequestError
@@ -111,7 +112,7 @@ def slot_context(target, drafter, gamma: int, max_context) -> int:
     tightest = context - gamma
     if max_context is None:
         return min(tightest, DEFAULT_CONTEXT)
-    if isinstance(max_context, bool) or not isinstance(max_context, int) or not 2 <= max_context <= tightest:
+    if not is_int(max_context) or not 2 <= max_context <= tightest:
         room = f"{owner} context of {context} tokens" + (
             f" less {gamma} for a round's drafts" if gamma else ""
         )
