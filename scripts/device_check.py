@@ -277,7 +277,9 @@ def first_token_chi2(plan: Plan) -> dict:
         m.replace(config=dataclasses.replace(m.config, matmul_impl="xla")) for m in (target, draft)
     )
     prompt = [1, 5, 2]
-    gen = spec_jax.generate(target, [prompt] * plan.chi2_rows, draft=draft, gamma=2, max_new_tokens=2, seed=0)
+    gen = spec_jax.generate(
+        target, [prompt] * plan.chi2_rows, draft=draft, gamma=2, max_new_tokens=2, seed=0, temperature=1.0
+    )
     counts = np.bincount([t[0] for t in gen.tokens], minlength=8)
     out = models.forward(
         target.config,
