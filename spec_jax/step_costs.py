@@ -103,7 +103,7 @@ def machine_key() -> dict:
     """What the costs depend on besides the models: the device, the core count, jax, and the
     CPU matmul kernel's build: its source and the instruction set it is built for
     ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale). A
-    model's own build (ModelConfig.cpu_isa) is in model_key."""
+    model's own build (ModelConfig.cpu_isa) is in timing.model_key."""
     from models.kernels import cpu_matmul
 
     device = jax.devices()[0]
@@ -114,14 +114,6 @@ def machine_key() -> dict:
         "cores": os.cpu_count(),
         "jax": jax.__version__,
         "cpu_matmul": cpu_matmul.library_path().stem if jax.default_backend() == "cpu" else None,
-    }
-
-
-def model_key(config) -> dict:
-    return {
-        k: getattr(config, k)
-        for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
-        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
     }
 
 
@@ -200,7 +192,7 @@ def costs_for(
     draft_key = drafter.cost_key(draft_params)
     key = {
         "machine": machine_key(),
-        "target": model_key(target.config),
+        "target": timing.model_key(target.config),
         "draft": draft_key,
         "batch": batch,
         "cache_slots": slots,

@@ -53,7 +53,6 @@ from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 from spec_jax.drafting.dynamic_tree import DynamicTree
 from spec_jax.drafting.model import TrimmedHead, on_ids
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
-from spec_jax.step_costs import model_key
 
 
 @flax.struct.dataclass
@@ -322,7 +321,7 @@ class HeadDrafter(DynamicTree, Drafter):
         }
 
     def cost_key(self, params):
-        return {**model_key(self.config), "kind": "draft_head", "head_rows": int(params.out.ids.shape[0])}
+        return {**timing.model_key(self.config), "kind": "draft_head", "head_rows": int(params.out.ids.shape[0])}
 
 
 def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
