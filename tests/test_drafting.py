@@ -67,9 +67,8 @@ def test_a_drafter_defined_in_a_test_file_decodes_greedily_as_plain_decoding():
 def test_gamma_auto_measures_and_keys_a_new_drafters_costs_by_its_hooks(tmp_path):
     target = tiny_target()
     drafter, params = toy_draft(target)
-    costs = step_costs.costs_for(
-        target, drafter, params, batch=1, cache_slots=32, gamma_max=2, cache_dir=tmp_path
-    )
+    sizes = step_costs.CostSizes(batch=1, cache_slots=32, gamma_max=2)
+    costs = step_costs.costs_for(target, drafter, params, sizes, cache_dir=tmp_path)
     assert costs.draft1 == costs.draft2 == costs.resume == 0.0  # no cost_calls: free
     assert len(costs.verify) == 3 and costs.step_seconds > 0
     (saved,) = (tmp_path / "costs").glob("*.json")
