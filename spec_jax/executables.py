@@ -30,6 +30,7 @@ from typing import Any
 import jax
 
 from models import registry  # read through the module: tests patch its cache_root
+from models.kernels import builds
 from models.settings import is_int
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -205,8 +206,6 @@ def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
     is never paired with another build of a library that registers the same names. A rebuilt
     library starts a new folder; the old one is left for `rm -rf` (docs/design.md).
     """
-    from models.kernels import builds  # native libraries: ~20 ms of start-up
-
     base = (
         registry.cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
     )
