@@ -104,7 +104,7 @@ def run(config) -> framework.Result:
     prompts = training_prompts(config, target.tokenizer)
     log, train_log, held_log, trained = _log_and_train(config, target, drafter, params, prompts)
     cache_len = 2 * (config.prompt_tokens + config.max_new_tokens + config.gamma_max)
-    costs = step_costs.costs_for(target, drafter, params, batch=config.batch_size, cache_slots=cache_len)
+    costs = step_costs.costs_for(target, drafter, params, step_costs.CostSizes(config.batch_size, cache_len))
     threshold, curve = acceptance.choose_threshold(trained.params, held_log, costs)
     meta = {
         "threshold": threshold,

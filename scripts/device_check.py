@@ -363,10 +363,8 @@ def section_costs(plan: Plan, state: dict) -> dict:
     for dtype in PRECISIONS:
         target, draft = model(plan, "target", dtype), model(plan, "draft", dtype)
         drafter, draft_params = as_drafter(draft, target)
-        costs = step_costs.measure(
-            target, drafter, draft_params, batch=1, cache_slots=plan.cache_slots,
-            gamma_max=plan.gamma_max, tree_sizes=plan.tree_sizes, repeats=plan.repeats,
-        )  # fmt: skip
+        sizes = step_costs.CostSizes(1, plan.cache_slots, plan.gamma_max, plan.tree_sizes)
+        costs = step_costs.measure(target, drafter, draft_params, sizes, repeats=plan.repeats)
         state[f"costs_{dtype}"] = costs
         floor = weight_bytes_per_step(target) / copy
         steps.append(
@@ -441,8 +439,8 @@ def section_walltime(plan: Plan, state: dict) -> dict:
     drafts = controlled_drafts(plan, target, prompt, gamma)
     # The costs depend on the shapes only, the same for every noise scale: measured once.
     drafter, draft_params = as_drafter(perturbed(target, drafts[0][1]), target)
-    costs = step_costs.measure(target, drafter, draft_params, batch=len(prompt), cache_slots=plan.cache_slots,
-                              gamma_max=gamma, repeats=plan.repeats)  # fmt: skip
+    sizes = step_costs.CostSizes(len(prompt), plan.cache_slots, gamma_max=gamma)
+    costs = step_costs.measure(target, drafter, draft_params, sizes, repeats=plan.repeats)
     for want, scale, _ in drafts:
         draft = perturbed(target, scale)
         gens = [

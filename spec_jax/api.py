@@ -183,9 +183,8 @@ def controller_for(target, drafter: Drafter, draft_params, policy: GammaPolicy, 
     """gamma=auto's controller for an auto policy (tree_auto.TreeController where it weighs
     trees, else autogamma.Controller), from the costs step_costs.costs_for measured (once per
     machine, pair and size buckets, then cached) for this batch and cache size."""
-    costs = step_costs.costs_for(
-        target, drafter, draft_params, batch=batch, cache_slots=cache_slots, tree_sizes=policy.trees
-    )
+    sizes = step_costs.CostSizes(batch, cache_slots, tree_sizes=policy.trees)
+    costs = step_costs.costs_for(target, drafter, draft_params, sizes)
     kind = tree_auto.TreeController if policy.trees else autogamma.Controller
     return kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
 

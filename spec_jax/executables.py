@@ -5,8 +5,8 @@
 seconds its compilation took (0 when it came from the cache). Threads share the cache: a
 second thread asking for a loop that is compiling waits for it instead of compiling it again.
 The cache holds the MAX_EXECUTABLES most recently used loops (`set_max_executables(n)` changes
-the bound; the least recently used are dropped). TRACE_COUNTS counts how often each loop body
-was traced (a retrace means a recompile); tests read it.
+the bound; the least recently used are dropped). TRACE_COUNTS counts, by name, how often
+`compiled` traced a function to compile it (a retrace means a recompile); tests read it.
 
 Across processes: `enable_persistent_cache(folder)` turns on JAX's persistent compilation
 cache for every program this process compiles from then on (the loops here, and every other
@@ -30,6 +30,7 @@ from typing import Any
 import jax
 
 from models import registry  # read through the module: tests patch its cache_root
+from models.kernels import builds
 from models.settings import is_int
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -97,7 +98,11 @@ def compiled(
                 return executable, 0.0
             start = time.perf_counter()
             executable = _compile(
-                functools.partial(fn, static), args, donate_argnums, in_shardings, out_shardings
+                functools.partial(_counting_traces(name, fn), static),
+                args,
+                donate_argnums,
+                in_shardings,
+                out_shardings,
             )
             with _LOCK:
                 _EXECUTABLES[key] = executable
@@ -107,6 +112,19 @@ def compiled(
         with _LOCK:
             if _KEY_LOCKS.get(key) is key_lock:
                 del _KEY_LOCKS[key]
+
+
+def _counting_traces(name: str, fn: Callable) -> Callable:
+    """fn, counting each trace of it in TRACE_COUNTS[name] (jax runs the Python function only
+    when it traces: for the shapes of out_shardings, and to lower); under fn's name, which names
+    the compiled program (jit_spec_loop) and its file in the persistent cache."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        TRACE_COUNTS[name] += 1
+        return fn(*args)
+
+    return traced
 
 
 # The one line a compilation that takes over SLOW_SECONDS prints (once per process).
@@ -188,8 +206,6 @@ def persistent_cache_dir(root: str | os.PathLike | None = None) -> pathlib.Path:
     is never paired with another build of a library that registers the same names. A rebuilt
     library starts a new folder; the old one is left for `rm -rf` (docs/design.md).
     """
-    from models.kernels import builds  # native libraries: ~20 ms of start-up
-
     base = (
         registry.cache_root() / PERSISTENT_CACHE_FOLDER if root is None else pathlib.Path(root).expanduser()
     )

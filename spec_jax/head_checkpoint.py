@@ -4,6 +4,8 @@ format that `training` writes and the head drafter reads.
   WORKDIR/best/STEP/   the head with the best held-out accepted length (orbax), with `meta`: the
                        training config, the head's config, the target it was trained for
                        (target_identity) and the drafted token ids
+  WORKDIR/acceptance/STEP/  its acceptance head (load_acceptance), with `meta`: the stop
+                       threshold and the params_hash of the draft head it was trained for
 
 Decoding reads it here so that `spec_jax` needs nothing from `training` (the layering test).
 """
@@ -87,3 +89,26 @@ def load_head(workdir, target, step: int | None = None):
     params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
     head = models.Model(config=hcfg.replace(matmul_impl="auto"), params=params)
     return head, np.asarray(meta["token_ids"], np.int32), meta
+
+
+def load_acceptance(workdir, head_sha256: str, like):
+    """(params, meta) of the acceptance head in WORKDIR/acceptance/ (experiments/train_acceptance.py
+    writes it), its params restored to the shapes and dtypes of `like` (a pytree of arrays).
+    ValueError if there is none, or it was trained for another draft head than the one whose
+    parameters hash to head_sha256 (params_hash)."""
+    folder = pathlib.Path(workdir) / "acceptance"
+    mngr = checkpoint_reader(folder) if folder.is_dir() else None
+    step = mngr.latest_step() if mngr is not None else None
+    if step is None:
+        raise ValueError(
+            f"no acceptance head in {folder} (train one with python -m launch.train "
+            "--config=launch/configs/acceptance_head.py)"
+        )
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if meta["head_params_sha256"] != head_sha256:
+        raise ValueError(
+            f"the acceptance head in {folder} was trained for another draft head; train it again"
+        )
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
+    return params, meta

@@ -218,7 +218,7 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
 
 def check_pairing(vocab: int, drafter: Drafter) -> None:
     """The draft/target pairing check on the vocabularies (the tokenizers are checked where a
-    draft model becomes a drafter: spec_jax.drafting.paired_vocab): ValueError unless the
+    draft model becomes a drafter: spec_jax.drafting.build.paired_vocab): ValueError unless the
     drafter proposes over the target's vocabulary of `vocab` tokens."""
     if drafter.vocab_size != vocab:
         raise ValueError(

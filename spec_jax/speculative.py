@@ -18,7 +18,8 @@ go on unchanged.
 """
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -30,7 +31,6 @@ from models.transformer import forward
 from spec_jax import tree as tree_lib
 from spec_jax.decode import PAD_ID, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafting.base import Drafter
-from spec_jax.executables import TRACE_COUNTS
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import SamplingParams, split_rows, warp
 from spec_jax.verify import draft_lengths, finite_prefix, overlap, verify
@@ -81,7 +81,6 @@ class SpecStatic:
 
 def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs) -> SpecState:
     """Both models read the prompts; the first new token is drawn from the target's logits."""
-    TRACE_COUNTS["spec_prefill"] += 1
     drafter = static.drafter
     # The target's features of the prompt for a drafter that reads them (else None).
     target = prefill(
@@ -130,94 +129,90 @@ def committed_text(tokens_bp, prompt_lens_b, out_tokens_bn, length_b, slots: int
     return jnp.where(j < length_b[:, None], text, PAD_ID).astype(jnp.int32)
 
 
-def tree_round(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
-    """One tree round for every row (rows already done compute but commit nothing): the drafter's
-    tree of N slots (spec_jax.tree), scored in one target call with the tree mask, verified by
-    verify_tree, the accepted path's keys and values moved to where a chain's would be
-    (tree.compact), the drafter told the path (Drafter.accepted); a drafter that reads_features
-    observes the target's features along the path, as after a chain of the path's tokens."""
-    n = static.tree_nodes
-    keys, draft_keys, verify_keys = split_rows(state.keys, 3)
-    active = ~state.out.done
-    context = jnp.stack([state.prev_token, state.last_token], axis=1)
-    proposal = static.drafter.propose_tree(
-        draft_params, state.draft_state, context, state.length, n, static.sampling, draft_keys
-    )
-    tree = proposal.tree.replace(q=_unproposed(proposal.tree.q, state.plain))
-    tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
-    features = static.drafter.reads_features
-    out = forward(
-        static.config, params, tokens, positions, state.target_cache, with_features=features, tree=bits
-    )
-    p = warp(out.logits, static.sampling)  # [B, N + 1, V]: after the root, then after each node
-    path, num_accepted, next_token = tree_lib.verify_tree(tree, p, verify_keys)
-    # The rule read p at the root and along the path: the chain's positions, in path order.
-    finite = tree_lib.path_rows(jnp.all(jnp.isfinite(out.logits), axis=-1), path, num_accepted)
-    usable = finite_prefix(finite, num_accepted)
-    nonfinite = active & (usable <= num_accepted)
-    new = tree_lib.path_tokens(tree, path, num_accepted, next_token)
-    root = state.length - 1
-    target_cache = tree_lib.compact(out.cache, root, path, num_accepted)
-    draft_state = static.drafter.accepted(
-        draft_params, proposal.state, tree, path, num_accepted, state.length
-    )
-    observe = None
-    if features:  # the path's pairs (feature at n-1+i, committed token at n+i), as a chain's
+class RoundResult(NamedTuple):
+    """What a round body (chain_round, tree_round) hands _finish_round: per row, C candidate
+    tokens of which the first `usable` may be committed, what the metrics count, and the
+    caches after the round."""
 
-        def observe(committed):
-            path_features = tree_lib.path_rows(out.features, path, num_accepted)  # [B, N + 1, D]
-            return static.drafter.observe(
-                draft_params, draft_state, path_features, new, root, jnp.maximum(committed, 1)
-            )
-
-    # alpha along the path: each scored depth's p against the q of the node taken there.
-    q_taken, num_scored = tree_lib.taken_q(tree, path, num_accepted)
-    p_path = tree_lib.path_rows(p, path, num_accepted)[:, :n]
-    return _finish_round(
-        static,
-        state,
-        stop_ids,
-        keys,
-        new,
-        usable,
-        nonfinite,
-        jnp.sum(tree.present, axis=1).astype(jnp.int32),
-        num_accepted,
-        overlap(p_path, q_taken),
-        target_cache,
-        draft_state,
-        active,
-        observe,
-        num_scored=num_scored,
-        draft_steps=static.drafter.tree_calls(n),
-    )
+    new: jax.Array  # int32 [B, C]: the accepted drafts, then the token the rule drew
+    usable: jax.Array  # int32 [B]: how many of `new` were drawn from finite target logits
+    nonfinite: jax.Array  # bool [B]: active rows that reached non-finite logits (they stop)
+    num_drafted: jax.Array  # int32 [B]: drafts proposed (a tree: its nodes)
+    num_accepted: jax.Array  # int32 [B]
+    overlap: jax.Array  # float32 [B, G]: sum_x min(p, q) at each scored draft position
+    target_cache: KVCache
+    draft_state: Any
+    # committed int32 [B] -> the drafter's state after it observed the round's target features
+    # (a drafter that reads_features; None: draft_state stands).
+    observe: Callable[[jax.Array], Any] | None = None
+    num_scored: jax.Array | None = None  # int32 [B]: a tree's depths that enter alpha (None: a chain's)
+    draft_steps: int | None = None  # the drafter's batched calls this round (None: gamma, a chain's)
 
 
 def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_ids) -> SpecState:
-    """One round for every row (rows already done compute but commit nothing)."""
-    if static.tree_nodes:
-        return tree_round(static, params, draft_params, state, stop_ids)
-    gamma = static.gamma
+    """One round for every row (rows already done compute but commit nothing): a chain of gamma
+    drafts (chain_round) or, with tree_nodes, a token tree (tree_round); then the commit."""
     keys, draft_keys, verify_keys = split_rows(state.keys, 3)
     active = ~state.out.done
+    body = tree_round if static.tree_nodes else chain_round
+    result = body(static, params, draft_params, state, active, draft_keys, verify_keys)
+    return _finish_round(static, state, stop_ids, active, keys, result)
+
+
+def chain_round(static: SpecStatic, params, draft_params, state: SpecState, active, draft_keys, verify_keys):
+    """The RoundResult of a chain: the drafter proposes up to gamma drafts per row, the target
+    scores them in one call (_score_chain), the rule accepts a prefix and draws one more."""
+    gamma = static.gamma
     context = jnp.stack([state.prev_token, state.last_token], axis=1)
     drafts, q, draft_state = static.drafter.propose(
         draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_keys
     )
     q = _unproposed(q, state.plain)
+    num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
+    p, finite, target_cache, target_features = _score_chain(
+        static, params, state, drafts, num_drafted, active
+    )
+    num_accepted, next_token = verify(drafts, q, p, verify_keys)
+    usable, nonfinite = _finite_tokens(finite, num_accepted, active)
 
+    idx = jnp.arange(gamma + 1)[None, :]
+    drafts_ext = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G + 1]
+    new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
+    observe = None
+    if static.drafter.reads_features:  # the pairs (feature at n-1+i, token at n+i), i < committed, are real
+
+        def observe(committed):
+            return static.drafter.observe(
+                draft_params, draft_state, target_features, new, state.length - 1, jnp.maximum(committed, 1)
+            )
+
+    return RoundResult(
+        new=new,
+        usable=usable,
+        nonfinite=nonfinite,
+        num_drafted=num_drafted,
+        num_accepted=num_accepted,
+        overlap=overlap(p[:, :gamma], q),
+        target_cache=target_cache,
+        draft_state=draft_state,
+        observe=observe,
+    )
+
+
+def _score_chain(static: SpecStatic, params, state: SpecState, drafts, num_drafted, active):
+    """(p [B, G + 1, V], finite [B, G + 1] (the logits at the position were all finite), the
+    target cache, features [B, G + 1, D] or None): the target scores [t_{n-1}, drafts] at
+    n-1 .. n-1+G, in the narrowest call that covers every active row's drafts where the drafter
+    proposes variable lengths (a round where no row proposed anything is one decode step)."""
+    gamma = static.gamma
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, G + 1]
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
-    num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
-
     features = static.drafter.reads_features
 
     def score(width, cache):
-        """(p [B, G + 1, V], finite [B, G + 1] (the logits at the position were all finite),
-        cache, features [B, G + 1, D] or None) from a target call over the first `width`
-        positions, the last one repeated up to G + 1: every active row proposed at most
-        width - 1 drafts, so the rule reads nothing past position width - 1 and the row
-        commits at most width tokens."""
+        """A target call over the first `width` positions, the last one repeated up to G + 1:
+        every active row proposed at most width - 1 drafts, so the rule reads nothing past
+        position width - 1 and the row commits at most width tokens."""
         out = forward(
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
@@ -227,76 +222,85 @@ def spec_round(static: SpecStatic, params, draft_params, state: SpecState, stop_
         f = jnp.pad(out.features, pad, mode="edge") if features else None
         return p, finite, out.cache, f
 
-    if gamma and static.drafter.variable_length:
-        # The narrowest target call that covers every active row's drafts (a round where no
-        # row proposed anything is one decode step).
-        widths = static.widths()
-        needed = jnp.max(jnp.where(active, num_drafted, 0)) + 1
-        branch = jnp.searchsorted(jnp.asarray(widths), needed)
-        p, finite, target_cache, target_features = jax.lax.switch(
-            branch, [lambda cache, w=w: score(w, cache) for w in widths], state.target_cache
-        )
-    else:
-        p, finite, target_cache, target_features = score(gamma + 1, state.target_cache)  # [B, G + 1, V]
-    num_accepted, next_token = verify(drafts, q, p, verify_keys)
-    # A row that reached non-finite logits commits the tokens drawn before them and stops.
-    usable = finite_prefix(finite, num_accepted)
-    nonfinite = active & (usable <= num_accepted)
+    if not (gamma and static.drafter.variable_length):
+        return score(gamma + 1, state.target_cache)
+    widths = static.widths()
+    needed = jnp.max(jnp.where(active, num_drafted, 0)) + 1
+    branch = jnp.searchsorted(jnp.asarray(widths), needed)
+    return jax.lax.switch(branch, [lambda cache, w=w: score(w, cache) for w in widths], state.target_cache)
 
-    idx = jnp.arange(gamma + 1)[None, :]
-    drafts_ext = jnp.concatenate([drafts, next_token[:, None]], axis=1)  # [B, G + 1]
-    new = jnp.where(idx < num_accepted[:, None], drafts_ext, next_token[:, None])  # [B, G + 1]
+
+def tree_round(static: SpecStatic, params, draft_params, state: SpecState, active, draft_keys, verify_keys):
+    """The RoundResult of a tree: the drafter's tree of N slots (spec_jax.tree), scored in one
+    target call with the tree mask, verified by verify_tree, the accepted path's keys and values
+    moved to where a chain's would be (tree.compact), the drafter told the path
+    (Drafter.accepted); a drafter that reads_features observes the target's features along the
+    path, as after a chain of the path's tokens."""
+    n, drafter = static.tree_nodes, static.drafter
+    context = jnp.stack([state.prev_token, state.last_token], axis=1)
+    proposal = drafter.propose_tree(
+        draft_params, state.draft_state, context, state.length, n, static.sampling, draft_keys
+    )
+    tree = proposal.tree.replace(q=_unproposed(proposal.tree.q, state.plain))
+    tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
+    features = drafter.reads_features
+    out = forward(
+        static.config, params, tokens, positions, state.target_cache, with_features=features, tree=bits
+    )
+    p = warp(out.logits, static.sampling)  # [B, N + 1, V]: after the root, then after each node
+    path, num_accepted, next_token = tree_lib.verify_tree(tree, p, verify_keys)
+    # The rule read p at the root and along the path: the chain's positions, in path order.
+    finite = tree_lib.path_rows(jnp.all(jnp.isfinite(out.logits), axis=-1), path, num_accepted)
+    usable, nonfinite = _finite_tokens(finite, num_accepted, active)
+    new = tree_lib.path_tokens(tree, path, num_accepted, next_token)
+    root = state.length - 1
+    target_cache = tree_lib.compact(out.cache, root, path, num_accepted)
+    draft_state = drafter.accepted(draft_params, proposal.state, tree, path, num_accepted, state.length)
     observe = None
-    if features:  # the pairs (feature at n-1+i, committed token at n+i), i < committed, are real
+    if features:  # the path's pairs (feature at n-1+i, committed token at n+i), as a chain's
 
         def observe(committed):
-            return static.drafter.observe(
-                draft_params, draft_state, target_features, new, state.length - 1, jnp.maximum(committed, 1)
+            path_features = tree_lib.path_rows(out.features, path, num_accepted)  # [B, N + 1, D]
+            return drafter.observe(
+                draft_params, draft_state, path_features, new, root, jnp.maximum(committed, 1)
             )
 
-    return _finish_round(
-        static,
-        state,
-        stop_ids,
-        keys,
-        new,
-        usable,
-        nonfinite,
-        num_drafted,
-        num_accepted,
-        overlap(p[:, :gamma], q),
-        target_cache,
-        draft_state,
-        active,
-        observe,
+    # alpha along the path: each scored depth's p against the q of the node taken there.
+    q_taken, num_scored = tree_lib.taken_q(tree, path, num_accepted)
+    p_path = tree_lib.path_rows(p, path, num_accepted)[:, :n]
+    return RoundResult(
+        new=new,
+        usable=usable,
+        nonfinite=nonfinite,
+        num_drafted=jnp.sum(tree.present, axis=1).astype(jnp.int32),
+        num_accepted=num_accepted,
+        overlap=overlap(p_path, q_taken),
+        target_cache=target_cache,
+        draft_state=draft_state,
+        observe=observe,
+        num_scored=num_scored,
+        draft_steps=drafter.tree_calls(n),
     )
 
 
+def _finite_tokens(finite_bc, num_accepted_b, active_b):
+    """(usable [B], nonfinite [B]): a row that reached non-finite target logits commits the
+    tokens drawn before them (spec_jax.verify.finite_prefix) and stops; finite_bc: bool [B, C],
+    the logits the rule read at each of the row's positions were all finite."""
+    usable = finite_prefix(finite_bc, num_accepted_b)
+    return usable, active_b & (usable <= num_accepted_b)
+
+
 def _finish_round(
-    static: SpecStatic,
-    state: SpecState,
-    stop_ids,
-    keys,
-    new,
-    usable,
-    nonfinite,
-    num_drafted,
-    num_accepted,
-    overlap_bg,
-    target_cache,
-    draft_state,
-    active,
-    observe=None,
-    num_scored=None,
-    draft_steps=None,
+    static: SpecStatic, state: SpecState, stop_ids, active, keys, result: RoundResult
 ) -> SpecState:
     """What every round ends with: the row commits the first `usable` of its new tokens [B, C]
     (commit), then the last two committed tokens, the length and the metrics move on.
-    draft_steps: the drafter's batched calls this round (default gamma, a chain's)."""
-    gamma = static.gamma
-    out, committed = commit(state.out, new, usable, state.out.budget, stop_ids, nonfinite)
-    if observe is not None:
-        draft_state = observe(committed)
+    active: bool [B], the rows not done before the round; keys: the rows' keys after it."""
+    new, draft_state = result.new, result.draft_state
+    out, committed = commit(state.out, new, result.usable, state.out.budget, stop_ids, result.nonfinite)
+    if result.observe is not None:
+        draft_state = result.observe(committed)
 
     # The new last two committed tokens; a row that committed nothing keeps its own.
     last = jnp.take_along_axis(new, jnp.maximum(committed - 1, 0)[:, None], axis=1)[:, 0]
@@ -304,18 +308,18 @@ def _finish_round(
     prev = jnp.where(committed >= 2, before_last, state.last_token)
     moved = committed > 0
     metrics = state.metrics.update(
-        active & ~nonfinite,  # a row's round that met non-finite logits counts no acceptance
-        num_drafted,
-        num_accepted,
-        overlap_bg,
+        active & ~result.nonfinite,  # a row's round that met non-finite logits counts no acceptance
+        result.num_drafted,
+        result.num_accepted,
+        result.overlap,
         committed,
-        gamma if draft_steps is None else draft_steps,
+        static.gamma if result.draft_steps is None else result.draft_steps,
         # A plain round (gamma 0, as gamma=auto may end with) is served by no drafter source.
-        static.drafter.served(draft_state, new.shape[0]) if gamma else jnp.full_like(state.length, -1),
-        num_scored,
+        static.drafter.served(draft_state, new.shape[0]) if static.gamma else jnp.full_like(state.length, -1),
+        result.num_scored,
     )
     return SpecState(
-        target_cache=target_cache,
+        target_cache=result.target_cache,
         draft_state=draft_state,
         out=out,
         prev_token=jnp.where(moved, prev, state.prev_token),
@@ -337,7 +341,6 @@ def spec_loop(
 ) -> SpecState:
     """Runs rounds until every row is done, or for max_rounds rounds (an int32 scalar; gamma=auto
     runs the loop in chunks), as one lax.while_loop."""
-    TRACE_COUNTS["spec_loop"] += 1
     limit = jnp.iinfo(jnp.int32).max if max_rounds is None else max_rounds
 
     def body(carry):
@@ -352,8 +355,8 @@ def spec_loop(
 
 def stepper(static: SpecStatic, params, draft_params, inputs: PrefillInputs):
     """(state after prefill, step): the loop one round at a time, each round a compiled call
-    (step(state) -> state), for what inspects the state between rounds (tests, logging rounds:
-    spec_jax.acceptance). generate runs the same rounds inside one while_loop."""
+    (step(state) -> state), for what inspects the state between rounds (tests; training.acceptance
+    logs rounds with it). generate runs the same rounds inside one while_loop."""
     state = jax.jit(spec_prefill, static_argnums=0)(static, params, draft_params, inputs)
     round_fn = jax.jit(spec_round, static_argnums=0)
     return state, lambda state: round_fn(static, params, draft_params, state, inputs.stop_ids)

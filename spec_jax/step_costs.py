@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from models import machine, registry
+from models.kernels import cpu_matmul
 from spec_jax import theory, timing
 
 GAMMA_MAX = 8  # the longest chain whose verify call is measured: the largest gamma auto considers
@@ -103,9 +104,7 @@ def machine_key() -> dict:
     """What the costs depend on besides the models: the device, the core count, jax, and the
     CPU matmul kernel's build: its source and the instruction set it is built for
     ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale). A
-    model's own build (ModelConfig.cpu_isa) is in model_key."""
-    from models.kernels import cpu_matmul
-
+    model's own build (ModelConfig.cpu_isa) is in timing.model_key."""
     device = jax.devices()[0]
     return {
         "backend": jax.default_backend(),
@@ -117,37 +116,39 @@ def machine_key() -> dict:
     }
 
 
-def model_key(config) -> dict:
-    return {
-        k: getattr(config, k)
-        for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
-        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
-    }
-
-
 def cache_path(key: dict, cache_dir=None):
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return registry.cache_root(cache_dir) / "costs" / f"{digest}.json"
 
 
-def measure(
-    target,
-    drafter,
-    draft_params,
-    *,
-    batch: int,
-    cache_slots: int,
-    gamma_max: int = GAMMA_MAX,
-    tree_sizes: tuple[int, ...] = (),
-    repeats: int = 5,
-) -> Costs:
+@dataclasses.dataclass(frozen=True)
+class CostSizes:
+    """The sizes a pair's calls are measured at: `batch` rows, a cache of `cache_slots`, the
+    target's verify calls of chains of 1..gamma_max drafts and of trees of each size in
+    tree_sizes (tree="auto"; empty for chains alone)."""
+
+    batch: int
+    cache_slots: int
+    gamma_max: int = GAMMA_MAX
+    tree_sizes: tuple[int, ...] = ()
+
+    def bucketed(self) -> "CostSizes":
+        """The sizes costs_for measures a run of these at: cost_batch(batch) rows and a cache of
+        cost_slots(cache_slots), so that runs of nearby sizes share one measurement."""
+        return dataclasses.replace(
+            self, batch=cost_batch(self.batch), cache_slots=cost_slots(self.cache_slots)
+        )
+
+
+def measure(target, drafter, draft_params, sizes: CostSizes, repeats: int = 5) -> Costs:
     """Times the target's calls over 1..gamma_max + 1 tokens (and N + 1 for each N of
     tree_sizes) and the drafter's calls over 1, 2 and RESUME_WIDTH tokens, those it has
     (Drafter.cost_calls: a draft model all three, a draft head a drafting step and a 2-pair
     call, drafters without a model none: they count as free), the fastest of interleaved repeats
-    after a warm-up (spec_jax.timing.model_call)."""
+    after a warm-up (spec_jax.timing.model_call), at `sizes` as they are."""
+    batch, gamma_max, tree_sizes = sizes.batch, sizes.gamma_max, sizes.tree_sizes
     widest = max((gamma_max, *tree_sizes)) + 1
-    slots = max(cache_slots, 2 * (widest + 1), 2 * RESUME_WIDTH)
+    slots = max(sizes.cache_slots, 2 * (widest + 1), 2 * RESUME_WIDTH)
     repeat = 4  # calls per timed program, so that dispatch is not counted
     fns = {
         ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
@@ -176,58 +177,39 @@ def measure(
     )
 
 
-def costs_for(
-    target,
-    drafter,
-    draft_params,
-    *,
-    batch: int,
-    cache_slots: int,
-    gamma_max: int = GAMMA_MAX,
-    tree_sizes: tuple[int, ...] = (),
-    cache_dir=None,
-) -> Costs:
+def costs_for(target, drafter, draft_params, sizes: CostSizes, cache_dir=None) -> Costs:
     """Cached costs for this machine, pair, batch and cache size (measured on first use), with
-    the tree sizes' verify calls where tree_sizes is given (tree="auto"; part of the key).
+    the tree sizes' verify calls where sizes.tree_sizes is given (tree="auto"; part of the key).
 
     target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
-    Measured at a batch of cost_batch(batch) and a cache of cost_slots(cache_slots) (a prompt of
-    a new length measures nothing again), announced by one line on stderr. A cached file is used
-    only when it holds this key and costs that checked_costs accepts, else (with a warning) the
-    costs are measured again. The file is written atomically (registry.atomic_write); a cache
-    that cannot be written is a warning, and the measured costs are used all the same."""
-    slots, batch = cost_slots(cache_slots), cost_batch(batch)
-    draft_key = drafter.cost_key(draft_params)
+    Measured at sizes.bucketed() (a prompt of a new length measures nothing again), announced
+    by one line on stderr. A cached file is used only when it holds this key and costs that
+    checked_costs accepts, else (with a warning) the costs are measured again. The file is
+    written atomically (registry.atomic_write); a cache that cannot be written is a warning, and
+    the measured costs are used all the same."""
+    sizes = sizes.bucketed()
     key = {
         "machine": machine_key(),
-        "target": model_key(target.config),
-        "draft": draft_key,
-        "batch": batch,
-        "cache_slots": slots,
-        "gamma_max": gamma_max,
+        "target": timing.model_key(target.config),
+        "draft": drafter.cost_key(draft_params),
+        "batch": sizes.batch,
+        "cache_slots": sizes.cache_slots,
+        "gamma_max": sizes.gamma_max,
         "method": MEASURE_METHOD,
     }
-    if tree_sizes:  # only then, so that the chains' cached costs keep their key
-        key["tree_sizes"] = list(tree_sizes)
+    if sizes.tree_sizes:  # only then, so that the chains' cached costs keep their key
+        key["tree_sizes"] = list(sizes.tree_sizes)
     path = cache_path(key, cache_dir)
-    cached = _cached_costs(path, key, gamma_max, tree_sizes)
+    cached = _cached_costs(path, key, sizes.gamma_max, sizes.tree_sizes)
     if cached is not None:
         return cached
     print(
-        f"gamma=auto: measuring {target.config.name}'s model calls at batch {batch} (once for this pair "
-        f"and precision; about {COST_MEASURE_SECONDS} s on a 2-core CPU; cached in {path.parent})",
+        f"gamma=auto: measuring {target.config.name}'s model calls at batch {sizes.batch} (once for this "
+        f"pair and precision; about {COST_MEASURE_SECONDS} s on a 2-core CPU; cached in {path.parent})",
         file=sys.stderr,
         flush=True,
     )
-    costs = measure(
-        target,
-        drafter,
-        draft_params,
-        batch=batch,
-        cache_slots=slots,
-        gamma_max=gamma_max,
-        tree_sizes=tree_sizes,
-    )
+    costs = measure(target, drafter, draft_params, sizes)
     try:
         payload = json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,16 @@ def timed(fn, repeats: int) -> dict:
     return timed_interleaved({"fn": fn}, repeats)["fn"]
 
 
+def model_key(config) -> dict:
+    """What a call of the model of `config` costs depends on (part of the key measured costs are
+    cached under: spec_jax.step_costs, and the drafters' Drafter.cost_key)."""
+    return {
+        k: getattr(config, k)
+        for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
+        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
+    }
+
+
 def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
     """A zero-argument function timing what the loops' model calls cost, nothing else.
 

@@ -82,9 +82,9 @@ def measured(monkeypatch):
     """costs_for with measure() replaced by fixed costs; returns the list of measure calls."""
     calls = []
 
-    def measure(*args, gamma_max, **kwargs):
-        calls.append(gamma_max)
-        return costs(draft=0.05, gamma_max=gamma_max)
+    def measure(target, drafter, params, sizes, **kwargs):
+        calls.append(sizes.gamma_max)
+        return costs(draft=0.05, gamma_max=sizes.gamma_max)
 
     monkeypatch.setattr(step_costs, "measure", measure)
     return calls
@@ -92,9 +92,8 @@ def measured(monkeypatch):
 
 def cached_costs(target, cache_dir):
     drafter = NoDrafter(target.config.vocab_size)
-    return step_costs.costs_for(
-        target, drafter, None, batch=1, cache_slots=64, gamma_max=8, cache_dir=cache_dir
-    )
+    sizes = step_costs.CostSizes(batch=1, cache_slots=64, gamma_max=8)
+    return step_costs.costs_for(target, drafter, None, sizes, cache_dir=cache_dir)
 
 
 @pytest.mark.parametrize(

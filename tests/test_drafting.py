@@ -67,9 +67,8 @@ def test_a_drafter_defined_in_a_test_file_decodes_greedily_as_plain_decoding():
 def test_gamma_auto_measures_and_keys_a_new_drafters_costs_by_its_hooks(tmp_path):
     target = tiny_target()
     drafter, params = toy_draft(target)
-    costs = step_costs.costs_for(
-        target, drafter, params, batch=1, cache_slots=32, gamma_max=2, cache_dir=tmp_path
-    )
+    sizes = step_costs.CostSizes(batch=1, cache_slots=32, gamma_max=2)
+    costs = step_costs.costs_for(target, drafter, params, sizes, cache_dir=tmp_path)
     assert costs.draft1 == costs.draft2 == costs.resume == 0.0  # no cost_calls: free
     assert len(costs.verify) == 3 and costs.step_seconds > 0
     (saved,) = (tmp_path / "costs").glob("*.json")
@@ -135,3 +134,26 @@ def test_the_loop_api_sharding_and_autogamma_ask_no_drafter_its_class(path):
             if "draft" in text.lower():
                 offenders.append(f"line {node.lineno}: {text}")
     assert not offenders, f"{path} probes drafters: {offenders}"
+
+
+CAPABILITIES = ("TreeDrafting", "TargetFeatures", "Resumption", "MeshPlacement", "CostMeasurement")
+# What every round of the loop needs, declared on Drafter itself (vocab_size is annotated only).
+ROUND_MEMBERS = {"max_seq_len", "prefill_calls", "variable_length", "stop_rejection", "sources", "init"}
+ROUND_MEMBERS |= {"propose", "served"}
+
+
+def test_the_drafter_base_holds_what_every_round_needs_and_composes_documented_capabilities():
+    """A drafter author sees what is optional: each capability is a class with a docstring that
+    says who calls it and what its default does, and each of its hooks has a default and says it."""
+    assert [c.__name__ for c in drafting.Drafter.__bases__] == [*CAPABILITIES, "ABC"]
+    own = {name for name in vars(drafting.Drafter) if not name.startswith("_")}
+    assert own == ROUND_MEMBERS
+    declared = set()
+    for cls in drafting.Drafter.__bases__[:-1]:
+        assert "Default" in cls.__doc__ and "Optional" in cls.__doc__, cls.__name__
+        hooks = {name: m for name, m in vars(cls).items() if not name.startswith("_")}
+        assert hooks and not declared & set(hooks)  # each hook on one capability
+        declared |= set(hooks)
+        for name, member in hooks.items():
+            assert not callable(member) or "Default" in member.__doc__, f"{cls.__name__}.{name}"
+    assert drafting.Drafter.__abstractmethods__ == {"propose"}  # the one hook without a default

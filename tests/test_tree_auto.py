@@ -220,17 +220,18 @@ def test_tree_auto_measures_the_tree_widths_under_its_own_key(tiny_target, tmp_p
 
     calls = []
 
-    def measure(*args, gamma_max, tree_sizes=(), **kwargs):
-        calls.append(tree_sizes)
-        return dataclasses.replace(costs(CHEAP), tree_verify=costs(CHEAP).tree_verify if tree_sizes else ())
+    def measure(target, drafter, params, sizes, **kwargs):
+        calls.append(sizes.tree_sizes)
+        return dataclasses.replace(
+            costs(CHEAP), tree_verify=costs(CHEAP).tree_verify if sizes.tree_sizes else ()
+        )
 
     monkeypatch.setattr(step_costs, "measure", measure)
     drafter = NoDrafter(tiny_target.config.vocab_size)
 
     def cached(tree_sizes=()):
-        return step_costs.costs_for(
-            tiny_target, drafter, None, batch=1, cache_slots=64, tree_sizes=tree_sizes, cache_dir=tmp_path
-        )
+        sizes = step_costs.CostSizes(batch=1, cache_slots=64, tree_sizes=tree_sizes)
+        return step_costs.costs_for(tiny_target, drafter, None, sizes, cache_dir=tmp_path)
 
     assert cached().tree_verify == ()
     assert dict(cached(SIZES).tree_verify) == CHEAP
@@ -244,9 +245,8 @@ def test_tree_auto_measures_the_tree_widths_under_its_own_key(tiny_target, tmp_p
 def test_measure_times_the_verify_call_of_each_tree_size(tiny_target):
     from spec_jax.drafting import NoDrafter
 
-    got = step_costs.measure(
-        tiny_target, NoDrafter(64), None, batch=1, cache_slots=64, gamma_max=2, tree_sizes=(4, 16), repeats=1
-    )
+    sizes = step_costs.CostSizes(batch=1, cache_slots=64, gamma_max=2, tree_sizes=(4, 16))
+    got = step_costs.measure(tiny_target, NoDrafter(64), None, sizes, repeats=1)
     assert [n for n, _ in got.tree_verify] == [4, 16] and all(v > 0 for _, v in got.tree_verify)
     assert got.tree_round_cost(16) == dict(got.tree_verify)[16]  # a drafter without a model: free
 

@@ -1,5 +1,9 @@
-"""The drafter interface: every hook the loop (spec_jax.speculative), the API (spec_jax.api),
-sharding and gamma=auto (spec_jax.autogamma) use, with its default.
+"""The drafter interface: `Drafter`, what every round of the loop (spec_jax.speculative) needs,
+composed with the optional capabilities, each a small class with its default behaviour:
+`TreeDrafting` (tree rounds), `TargetFeatures` (a drafter that reads the target's features),
+`Resumption` (catching up after plain chunks of gamma=auto), `MeshPlacement` (a mesh) and
+`CostMeasurement` (what gamma=auto times). A drafter overrides only what it has; the defaults
+make every drafter run everywhere.
 
 A drafter is a frozen (hashable) dataclass of static settings subclassing `Drafter`, so it can
 be a static argument of jax.jit; its arrays (model parameters, n-gram tables) and its state (a
@@ -12,8 +16,7 @@ The loop calls `init` once after the prompt and `propose` once per round with th
 committed tokens. Feeding both, at positions n-2 and n-1, keeps a drafter's cache equal to the
 committed prefix in every case: after a fully accepted round the drafter has not yet seen its
 own last draft (it is token n-2 now), and after a rejection the rejected entries past n-2 are
-overwritten before they can be read. A drafter that `reads_features` gets the target's prompt
-features in `init` and each round's features and committed tokens in `observe`.
+overwritten before they can be read.
 
 A drafter may propose fewer than gamma tokens in a row: the positions it does not propose get
 q = 0 (spec_jax.verify), and then `variable_length` is True, so that the loop checks for a
@@ -21,16 +24,6 @@ round where no row proposed anything (the target then scores one position, not g
 `sources` names what served a row's round (spec_jax.drafting.hybrid.HybridDrafter has two and
 says which served each row with `served`); the metrics count rounds, drafts and acceptances
 per source.
-
-A tree round (spec_jax.tree) asks `propose_tree` for a tree of N node slots per row (by default
-the chain of `propose`), verifies every node in one target call with a tree mask, and tells the
-drafter which path each row accepted with `accepted`; a drafter that keeps its own copy of the
-text or a cache of its tree's nodes brings it up to date there.
-
-gamma=auto runs plain chunks (gamma 0, no drafter) between drafting chunks; a `resumable`
-drafter then catches up on the text committed without it (`resume`); one that is not (a draft
-head, which reads the target's features) makes plain decoding final for the call. It times
-the calls `cost_calls` returns and caches them under `cost_key`.
 """
 
 import abc
@@ -63,15 +56,112 @@ class TreeProposal(NamedTuple):
     state: Any
 
 
-class Drafter(abc.ABC):
-    """The base of every drafter; the class attributes are the defaults of its settings."""
+class TreeDrafting:
+    """Optional: proposing a token tree. The loop's tree rounds (spec_jax.speculative.tree_round,
+    for generate(tree=N) and tree="auto") call propose_tree, verify every node in one target
+    call with a tree mask, then call `accepted` with the path each row took; the metrics count
+    tree_calls. Default: the chain of `propose` as a tree, so every drafter runs tree rounds; a
+    drafter that keeps its own copy of the text or a cache of its tree's nodes overrides
+    `accepted` to bring it up to date."""
+
+    def propose_tree(
+        self, params: Any, state: Any, context_b2, length_b, nodes: int, sampling: SamplingParams, keys_b
+    ) -> TreeProposal:
+        """A token tree of `nodes` slots per row (spec_jax.tree: a slot's parent comes before it;
+        all-zero q marks an empty slot). Default: the chain of `propose` with gamma = nodes."""
+        proposal = Proposal(*self.propose(params, state, context_b2, length_b, nodes, sampling, keys_b))
+        return TreeProposal(tree_lib.chain(proposal.tokens, proposal.q), proposal.state)
+
+    def tree_calls(self, nodes: int) -> int:
+        """The batched drafting calls propose_tree makes for a tree of `nodes` slots (counted in
+        the metrics' draft_calls). Default: the chain's, one per node."""
+        return nodes
+
+    def accepted(self, params: Any, state: Any, tree: Any, path_bn, count_b, length_b) -> Any:
+        """The state after a tree round: row b accepted the nodes path_bn[b, :count_b[b]] (slots,
+        root child first) of `tree`, whose tokens are now committed at positions length_b[b] ..
+        length_b[b] + count_b[b] - 1 (length_b: the committed length before the round). Default:
+        the state as it is, right for a chain (propose wrote its drafts where they are committed)."""
+        return state
+
+
+class TargetFeatures:
+    """Optional: reading the target's features (a draft head, spec_jax.drafting.head). Where
+    reads_features is True the loop's prefill hands `init` the target's features of the prompt,
+    and after every round the loop calls `observe` with the features of the positions the
+    target scored (the API and the engine keep the prompt's width for such a drafter:
+    spec_jax.decode.layout). Default: reads no features; observe keeps the state."""
+
+    reads_features: ClassVar[bool] = False  # init takes the prompt's features; observe is called
+
+    def observe(self, params: Any, state: Any, features_bcd, tokens_bc, start_b, count_b) -> Any:
+        """The state after a round: the target's features of the C positions it scored from
+        start_b and the tokens committed after them, of which count_b [B] (in [1, C]) are real.
+        Default: the state as it is."""
+        return state
+
+
+class Resumption:
+    """Optional: catching up on text committed without the drafter. gamma=auto runs plain chunks
+    (gamma 0, no drafter) between drafting chunks; before drafting again, spec_jax.runner's
+    CatchUp calls `resume` of a resumable drafter. Default: not resumable, so gamma=auto makes
+    plain decoding final for the call once it chose it (a draft head, which would need the
+    target's features of the text it missed)."""
+
+    resumable: ClassVar[bool] = False  # `resume` can catch up on text committed without it
+
+    def resume(self, params: Any, state: Any, text_bs, synced_b, length_b, width: int) -> Any:
+        """A resumable drafter's state after the loop committed text without it.
+
+        text_bs: int32 [B, S] every row's committed tokens at their positions (below length_b,
+        padding past it); synced_b: the state followed the text below this position; width: a
+        static size for catching up (the longest gap length - 2 - synced, rounded up to a power
+        of two and capped). The result must be a state `propose` can continue from at length_b.
+        Default: NotImplementedError (resumable is False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot resume (resumable is False)")
+
+
+class MeshPlacement:
+    """Optional: placement on a mesh (spec_jax.sharding). spec_jax.api and spec_jax.engine place
+    the draft parameters by param_shardings and run the drafter as for_mesh returns it.
+    Default: the drafter as it is, every parameter array replicated (right for tables)."""
+
+    def for_mesh(self, mesh) -> "Drafter":
+        """The drafter as it runs on mesh (a model's config adapted by sharding.for_mesh).
+        Default: itself."""
+        return self
+
+    def param_shardings(self, params: Any, mesh):
+        """A pytree of shardings matching params. Default: every array replicated."""
+        return jax.tree.map(lambda _: sharding.replicated(mesh), params)
+
+
+class CostMeasurement:
+    """Optional: what gamma=auto times (spec_jax.step_costs.measure runs cost_calls; costs_for
+    caches the costs under a key that holds cost_key). Default: no calls (a drafter without a
+    model drafts for free), keyed by the class name."""
+
+    def cost_calls(self, params: Any, widths, *, batch: int, cache_slots: int, repeat: int) -> dict:
+        """{width: a timing.model_call-style runner of the drafter's call over `width` tokens per
+        row} for the widths it has a call of; the rest cost nothing. Default: {}."""
+        return {}
+
+    def cost_key(self, params: Any):
+        """What the measured costs depend on (part of their cache key; timing.model_key for a
+        model). Default: the class name."""
+        return type(self).__name__
+
+
+class Drafter(TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasurement, abc.ABC):
+    """The base of every drafter: what every round of the loop needs (the class attributes are
+    the defaults of its settings), and the optional capabilities it composes, each with its
+    default (TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasurement)."""
 
     vocab_size: int  # the drafted vocabulary: the target's
     max_seq_len: int = UNBOUNDED_CONTEXT  # the longest context the drafter can read
     prefill_calls: int = 0  # batched calls `init` makes (counted in the metrics' draft_calls)
-    reads_features: ClassVar[bool] = False  # init takes the prompt's features; observe is called
     variable_length: bool = False  # rows may propose fewer than gamma drafts (q = 0 past them)
-    resumable: ClassVar[bool] = False  # `resume` can catch up on text committed without it
     # A learned stop (an acceptance head) decides each round's length: 0 = none. Then gamma is
     # its cap (gamma="auto" means the largest), and every verification width is compiled.
     stop_rejection: float = 0.0
@@ -96,66 +186,9 @@ class Drafter(abc.ABC):
         keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
         """
 
-    def propose_tree(
-        self, params: Any, state: Any, context_b2, length_b, nodes: int, sampling: SamplingParams, keys_b
-    ) -> TreeProposal:
-        """A token tree of `nodes` slots per row (spec_jax.tree: a slot's parent comes before it;
-        all-zero q marks an empty slot). Default: the chain of `propose` with gamma = nodes, so
-        every drafter runs a tree round. The loop verifies the tree in one target call and then
-        calls `accepted`."""
-        proposal = Proposal(*self.propose(params, state, context_b2, length_b, nodes, sampling, keys_b))
-        return TreeProposal(tree_lib.chain(proposal.tokens, proposal.q), proposal.state)
-
-    def tree_calls(self, nodes: int) -> int:
-        """The batched drafting calls propose_tree makes for a tree of `nodes` slots (counted in
-        the metrics' draft_calls). Default: the chain's, one per node."""
-        return nodes
-
-    def accepted(self, params: Any, state: Any, tree: Any, path_bn, count_b, length_b) -> Any:
-        """The state after a tree round: row b accepted the nodes path_bn[b, :count_b[b]] (slots,
-        root child first) of `tree`, whose tokens are now committed at positions length_b[b] ..
-        length_b[b] + count_b[b] - 1 (length_b: the committed length before the round). Default:
-        the state as it is, right for a chain (propose wrote its drafts where they are committed)."""
-        return state
-
-    def observe(self, params: Any, state: Any, features_bcd, tokens_bc, start_b, count_b) -> Any:
-        """The state after a round (a drafter that reads_features): the target's features of the
-        C positions it scored from start_b and the tokens committed after them, of which count_b
-        [B] (in [1, C]) are real. Default: the state as it is."""
-        return state
-
     def served(self, state: Any, batch: int):
         """int32 [B]: the index in `sources` of what served each row's last round."""
         return jnp.zeros((batch,), jnp.int32)
-
-    def resume(self, params: Any, state: Any, text_bs, synced_b, length_b, width: int) -> Any:
-        """A resumable drafter's state after the loop committed text without it.
-
-        text_bs: int32 [B, S] every row's committed tokens at their positions (below length_b,
-        padding past it); synced_b: the state followed the text below this position; width: a
-        static size for catching up (the longest gap length - 2 - synced, rounded up to a power
-        of two and capped). The result must be a state `propose` can continue from at length_b.
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot resume (resumable is False)")
-
-    # --- placement on a mesh (spec_jax.sharding) ---------------------------------------------
-    def for_mesh(self, mesh) -> "Drafter":
-        """The drafter as it runs on mesh (a model's config adapted by sharding.for_mesh)."""
-        return self
-
-    def param_shardings(self, params: Any, mesh):
-        """A pytree of shardings matching params: by default every array replicated (tables)."""
-        return jax.tree.map(lambda _: sharding.replicated(mesh), params)
-
-    # --- what gamma=auto times (spec_jax.autogamma) ------------------------------------------
-    def cost_calls(self, params: Any, widths, *, batch: int, cache_slots: int, repeat: int) -> dict:
-        """{width: a timing.model_call-style runner of the drafter's call over `width` tokens per
-        row} for the widths it has a call of; the rest cost nothing (no model: the default)."""
-        return {}
-
-    def cost_key(self, params: Any):
-        """What the measured costs depend on (part of their cache key)."""
-        return type(self).__name__
 
 
 def check_gamma(

@@ -13,6 +13,7 @@ from typing import Any
 
 from models import corpora
 from models.settings import is_int, is_number
+from models.tokenizer import check_pair
 from spec_jax.drafting.base import Drafter
 from spec_jax.drafting.head import HeadDrafter, load_drafter
 from spec_jax.drafting.hybrid import HybridDrafter
@@ -77,7 +78,7 @@ class Settings:
 def as_drafter(draft, target=None) -> tuple[Drafter, Any]:
     """(drafter, params): a Model becomes (ModelDrafter(config), its params), paired with
     target where one is given (`paired_vocab`); a (drafter, params) pair (e.g. from build or
-    spec_jax.drafting.fit_bigram) is used as it is."""
+    spec_jax.drafting.ngram.fit_bigram) is used as it is."""
     if hasattr(draft, "config") and hasattr(draft, "params"):
         vocab = 0 if target is None else paired_vocab(target, draft)
         draft = ModelDrafter(draft.config, vocab=vocab), draft.params
@@ -98,8 +99,6 @@ def paired_vocab(target, draft) -> int:
     draft's is smaller (a prefix), else 0. Where both models have a tokenizer, ValueError
     (models.tokenizer.check_pair) unless the draft's vocabulary is the target's or a prefix of
     it; a larger draft without tokenizers is refused by the size check (spec_jax.request.validate)."""
-    from models.tokenizer import check_pair  # the tokenizers library, only where a pair is made
-
     target_vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
     if getattr(target, "tokenizer", None) is not None and getattr(draft, "tokenizer", None) is not None:
         check_pair(target.tokenizer, draft.tokenizer, target_vocab, draft_vocab)
@@ -198,8 +197,8 @@ def build(kind: str, target, settings: Settings = Settings()) -> tuple[Drafter, 
                      tree of settings.tree_depth and tree_width
       head           a draft head on the target's features: settings.draft, or the trained one
                      (load_drafter), stopping each row below the threshold
-      prompt_lookup  spec_jax.drafting.PromptLookupDrafter(max_ngram): no model
-      suffix         spec_jax.drafting.SuffixDrafter(max_ngram, threshold): the row's own
+      prompt_lookup  spec_jax.drafting.lookup.PromptLookupDrafter(max_ngram): no model
+      suffix         spec_jax.drafting.suffix.SuffixDrafter(max_ngram, threshold): the row's own
                      text, and settings.tables (or tables fitted on settings.sequences or the
                      corpora); a row stops where the top successor frequency is below threshold
       hybrid         prompt lookup, and the draft model where it finds nothing

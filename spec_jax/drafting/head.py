@@ -53,7 +53,6 @@ from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 from spec_jax.drafting.dynamic_tree import DynamicTree
 from spec_jax.drafting.model import TrimmedHead, on_ids
 from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
-from spec_jax.step_costs import model_key
 
 
 @flax.struct.dataclass
@@ -322,7 +321,11 @@ class HeadDrafter(DynamicTree, Drafter):
         }
 
     def cost_key(self, params):
-        return {**model_key(self.config), "kind": "draft_head", "head_rows": int(params.out.ids.shape[0])}
+        return {
+            **timing.model_key(self.config),
+            "kind": "draft_head",
+            "head_rows": int(params.out.ids.shape[0]),
+        }
 
 
 def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
@@ -338,7 +341,7 @@ def load_drafter(
     also its acceptance head (WORKDIR/acceptance/, experiments/train_acceptance.py), stopping
     each row's draft at the threshold chosen in training. ValueError when there is none, it
     belongs to another target, or the acceptance head belongs to another draft head."""
-    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
+    from spec_jax import head_checkpoint  # orbax: ~0.2 s of start-up (-X importtime), only to load a head
 
     cfg = target.config
     workdir = pathlib.Path(workdir or default_workdir(cfg.name))
@@ -357,37 +360,16 @@ def load_drafter(
 
 def head_hash(workdir, target) -> str:
     """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
-    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
+    from spec_jax import head_checkpoint  # orbax: ~0.2 s of start-up (-X importtime), only to load a head
 
     return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
 
 
 def load_acceptance(workdir, head_sha256: str, width: int):
-    """(AcceptanceParams, meta) from WORKDIR/acceptance/; ValueError if there is none or it was
-    trained for another head (head_sha256: head_hash of the draft head in use)."""
-    import orbax.checkpoint as ocp  # ~0.5 s of start-up, only to load a trained head
+    """(AcceptanceParams, meta) from WORKDIR/acceptance/ (head_checkpoint.load_acceptance); width:
+    the target's d_model. ValueError if there is none or it was trained for another head
+    (head_sha256: head_hash of the draft head in use)."""
+    from spec_jax import head_checkpoint  # orbax: ~0.2 s of start-up (-X importtime), only to load a head
 
-    from spec_jax import head_checkpoint  # orbax: ~0.5 s of start-up, only to load a trained head
-
-    folder = pathlib.Path(workdir) / "acceptance"
-    mngr = head_checkpoint.checkpoint_reader(folder) if folder.is_dir() else None
-    step = mngr.latest_step() if mngr is not None else None
-    if step is None:
-        raise ValueError(
-            f"no acceptance head in {folder} (train one with python -m launch.train "
-            "--config=launch/configs/acceptance_head.py)"
-        )
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if meta["head_params_sha256"] != head_sha256:
-        raise ValueError(
-            f"the acceptance head in {folder} was trained for another draft head; train it again"
-        )
-    abstract = jax.tree.map(
-        ocp.utils.to_shape_dtype_struct,
-        acceptance_head.init(
-            np.zeros((2, width + 2 + acceptance_head.POSITIONS), np.float32),
-            0,
-        ),
-    )
-    params = mngr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))["params"]
-    return params, meta
+    like = acceptance_head.init(np.zeros((2, width + 2 + acceptance_head.POSITIONS), np.float32), 0)
+    return head_checkpoint.load_acceptance(workdir, head_sha256, like)

@@ -21,7 +21,6 @@ from spec_jax.decode import prefill
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 from spec_jax.drafting.dynamic_tree import DynamicTree
 from spec_jax.sampling import draw_rows, split_rows, warp
-from spec_jax.step_costs import model_key
 
 
 @flax.struct.dataclass
@@ -266,7 +265,7 @@ class ModelDrafter(DynamicTree, Drafter):
 
     def cost_key(self, params):
         rows = int(params.head.ids.shape[0]) if self.trimmed else self.config.vocab_size
-        return {**model_key(self.config), "head_rows": rows}
+        return {**timing.model_key(self.config), "head_rows": rows}
 
 
 def top_probability(logits_bv):
