@@ -8,6 +8,8 @@ import struct
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 import tiny_gguf
 
@@ -130,3 +132,33 @@ def test_a_short_run_before_the_kernel_is_built_needs_no_build(no_build):
     assert models.fastest_precision(big, tokens=models.BUILD_PAYS_TOKENS) == "gguf_q8"  # a run that pays
     no_build["built"] = True  # once built, every run uses it
     assert models.fastest_precision(big, tokens=8) == "gguf_q8"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_blocks_load_from_the_header_index_without_parsing_the_vocabulary(tmp_path, monkeypatch, arch):
+    """Issue 39, first output in seconds: load_block_params reads a file through check_file's
+    index (GGUFReader took ~8 s per Qwen file to parse the vocabulary before anything was read),
+    and gets the same arrays as through a GGUFReader; the index's scalar metadata are
+    metadata_value's."""
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write(path, arch, qkv_bias=arch != "llama")  # llama files carry no biases
+    reader = gguf_loader.GGUFReader(str(path), "r")
+    config = models.ModelConfig(**gguf_loader.read_config(reader)).replace(dtype="gguf_q8")
+    expected = gguf_loader.load_block_params(reader, config, progress=False)
+    index = gguf_loader.check_file(path)
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # the reader's own
+    scalars = {k for k, f in fields.items() if f.types and f.types[0] != gguf_loader.GGUFValueType.ARRAY}
+    assert set(index.metadata) == scalars
+    assert all(index.metadata[k] == gguf_loader.metadata_value(reader, k) for k in scalars)
+
+    class NoReader:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("GGUFReader opened")
+
+    monkeypatch.setattr(gguf_loader, "GGUFReader", NoReader)
+    got = gguf_loader.load_block_params(str(path), config, progress=False)
+    flat_e, tree_e = jax.tree.flatten(expected)
+    flat_g, tree_g = jax.tree.flatten(got)
+    assert tree_e == tree_g and len(flat_g) > 0
+    for e, g in zip(flat_e, flat_g, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
