@@ -17,7 +17,7 @@ import pytest
 from conftest import cache_with_kernels
 
 import experiments
-from launch import common, runtime
+from launch import common
 from spec_jax import executables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
