@@ -36,6 +36,8 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from experiments import common, framework
+from models import registry
+from models.kernels import llama_cpp
 
 TITLE = "Benchmark serve: launch.serve against llama-server, concurrent streamed requests"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,9 +255,6 @@ def start_llama_server(config, port: int, log_dir: str) -> ServerProcess:
     """llama-server on the pair's GGUF files: -np slots, continuous batching, the draft model
     (draft-simple, its default of up to 3 drafts a round), a context of config.context tokens per slot,
     os.cpu_count() threads."""
-    from models import registry
-    from models.kernels import llama_cpp
-
     binary = llama_cpp.build(("llama-server",), server=True) / "bin" / "llama-server"
     target, draft = (str(registry.fetch_gguf(name)) for name in (config.target, config.draft))
     threads = str(os.cpu_count() or 2)
@@ -460,8 +459,6 @@ def _start_systems(config, stack: contextlib.ExitStack, log_dir: str) -> list[Sy
     stack.callback(ours.stop)
     systems = [System("spec-jax launch.serve", ours, config.target, ours=True)]
     if "llama" in config.peers:
-        from models.kernels import llama_cpp
-
         try:
             server = start_llama_server(config, free_port(), log_dir)
         except llama_cpp.Unavailable as e:

@@ -28,9 +28,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax
+import jax
+import jaxlib
 import ml_collections
+import numpy as np
 
 import experiments
+from experiments import common
+from models import machine, registry, settings
+from models.precision import PRECISIONS
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,7 +87,9 @@ class Result:
 def new_figure(width: float, height: float, columns: int = 1):
     """(Figure, [axes]) for a Result's plot: a matplotlib Figure not tied to any GUI backend
     (saved by the framework as NAME.png), with `columns` axes side by side."""
-    from matplotlib.figure import Figure  # matplotlib: ~0.4 s of start-up, only for a figure
+    # Late: matplotlib is an optional dependency (the experiments extra; launch.train imports this
+    # module without it) and costs 0.5 s of start-up after jax (measured), paid only for a figure.
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(width, height), layout="constrained")
     return fig, list(fig.subplots(1, columns, squeeze=False)[0])
@@ -110,13 +119,6 @@ def git_revision(repo_root: str = REPO_ROOT) -> tuple[str, bool | None]:
 def machine_description() -> dict:
     """Platform, CPU model and count, memory, Python, jax/jaxlib/flax/numpy versions, backend
     and devices."""
-    import flax  # jax: ~0.5-0.9 s of start-up; launch.experiment --help stays fast
-    import jax
-    import jaxlib
-    import numpy as np
-
-    from models import machine
-
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -179,10 +181,6 @@ def validate(module, config) -> None:
       TUPLE_RANGES = {"key": (int | float, low, high)}   each a non-empty tuple of those (or
                                              empty, where the full config's default is)
     ValueError("<key>: ...") on the first bad value."""
-    from experiments import common  # jax: ~0.5-0.9 s of start-up; launch.experiment --help stays fast
-    from models import settings
-    from models.precision import PRECISIONS
-
     for key in getattr(module, "MODEL_KEYS", ()):
         common.check_model_name(key, config[key])
     for key in getattr(module, "DTYPE_KEYS", ()):
@@ -311,8 +309,6 @@ def write_files_atomic(directory: str, writers: dict[str, Callable[[str], None]]
     Nothing is renamed until every writer has succeeded; on failure the temporaries are
     removed and earlier outputs stay as they were. Returns {filename: final path}.
     """
-    from models import registry  # jax: ~0.5-0.9 s of start-up; launch.experiment --help stays fast
-
     paths = {filename: os.path.join(directory, filename) for filename in writers}
     with contextlib.ExitStack() as stack:
         temporaries = {name: stack.enter_context(registry.atomic_path(paths[name])) for name in writers}

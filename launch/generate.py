@@ -36,16 +36,27 @@ import socket
 import sys
 import time
 
+import jax
 from absl import flags
 
-from launch import common
+import models
+import spec_jax
+from launch import common, runtime
+from models import config as model_config
+from models import kernels, precision, registry
+from models.precision import PRECISIONS
+from models.tokenizer import check_pair, validate_messages
+from spec_jax import drafting, metrics, sampling, sharding
+from spec_jax import engine as engine_lib
 from spec_jax.drafting.build import DRAFTERS
 from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
+from spec_jax.request import MAX_TREE_NODES, Request, speculation_bound, validate
 
+# Every import is at the top: the flags' own choices (DRAFTERS, MAX_NGRAM_LIMIT, PRECISIONS) are
+# the library's, and importing them imports jax, so importing the rest late would save nothing
+# (--help: a median of 1.9 s wall, 1.2 s CPU, on the 2-core EPYC with these imports at the top or
+# inside the functions, measured).
 FLAGS = flags.FLAGS
-# models.precision.PRECISIONS, written out so that --help and bad flags answer without importing
-# jax (tests/test_gguf_precision.py checks the two agree).
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
 
 flags.DEFINE_string(
     "target",
@@ -270,8 +281,6 @@ def read_prompts() -> list[Prompt]:
 
 
 def _read_prompts_file() -> list[Prompt]:
-    from models.tokenizer import validate_messages
-
     if not os.path.exists(FLAGS.prompts_file) or os.path.isdir(FLAGS.prompts_file):
         raise common.UsageError(f"--prompts_file: no such file: {FLAGS.prompts_file}")
     prompts = []
@@ -342,8 +351,6 @@ def init_distributed() -> None:
     explicit = [FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id]
     if not FLAGS.distributed and all(v is None for v in explicit):
         return
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU hosts; other backends ignore it
     if any(v is not None for v in explicit):
         if any(v is None for v in explicit):
@@ -367,16 +374,9 @@ def load_model(name: str, dtype: str, batch: int = 1, mesh=None, flag: str = "--
     """models.load at dtype (auto: models.auto_precision for this batch and device count; its
     note, where it has one, is one line on stderr naming `flag`), with the --attention_impl and
     --matmul_impl flags; placed on `mesh` as it is read (each process reads only its own shards)."""
-    import jax  # jax and the models are imported past flag parsing: --help answers without them
-
-    import models
-    from spec_jax import sharding
-
     devices = 1 if mesh is None else mesh.devices.size
 
     if dtype == "auto":
-        from models import registry
-
         if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
         auto = models.auto_precision(name, batch, devices, flag=flag, tokens=batch * FLAGS.max_new_tokens)
@@ -427,8 +427,6 @@ def draft_vocab_from_flag(vocab: int) -> int:
 def build_draft(target, draft, stop_ids, draft_vocab: int):
     """What generate's `draft` gets for --drafter (spec_jax.drafting.build; None: plain decoding,
     --drafter=model --draft=none); UsageError naming the flag on a bad value."""
-    from spec_jax import drafting
-
     if FLAGS.drafter == "model" and draft is None:
         return None
     settings = drafting.Settings(
@@ -454,14 +452,12 @@ def check_model_names() -> None:
     file, a checkpoint folder or a hub id; before anything is loaded or downloaded)."""
     for flag, name in (("--target", FLAGS.target), ("--draft", FLAGS.draft)):
         if not (flag == "--draft" and name == "none"):
-            common.check_model_flag(flag, name)
+            runtime.check_model_flag(flag, name)
 
 
 def check_sampling_flags() -> None:
     """--temperature, --top_k and --top_p by the warp's own rule (spec_jax.sampling), before
     anything is loaded: the flags' bounds let nan and inf through."""
-    from spec_jax import sampling
-
     try:
         sampling.validate_sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
     except ValueError as e:
@@ -473,9 +469,6 @@ def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
     --max_new_tokens + gamma within each context of `contexts` (the target's, and a draft
     model's once loaded), checked before the draft model and the drafters' tables are loaded.
     How far a round may write (--gamma, --tree) is spec_jax.request.speculation_bound's rule."""
-    from spec_jax import drafting
-    from spec_jax.request import speculation_bound
-
     gamma, shown, name = speculation_bound(
         gamma_from_flag(), tree_from_flag(), gamma_name="--gamma", tree_name="--tree"
     )
@@ -489,8 +482,6 @@ def check_gamma_fits(token_prompts, contexts: dict[str, int]) -> None:
 def report_nonfinite(stats, prompts) -> str | None:
     """The one-line warning naming the prompts whose target logits became NaN or infinite (each
     stopped there: its output is cut short), or None when there are none."""
-    from spec_jax import metrics
-
     rows = metrics.nonfinite_rows(stats)
     if not rows:
         return None
@@ -523,8 +514,6 @@ def gamma_from_flag():
 
 def tree_from_flag():
     """--tree as an int in [0, MAX_TREE_NODES] or "auto"; UsageError naming the flag otherwise."""
-    from spec_jax.request import MAX_TREE_NODES
-
     return int_or_auto(
         "tree", 0, MAX_TREE_NODES, f"0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto'"
     )
@@ -533,9 +522,6 @@ def tree_from_flag():
 def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
     """Decodes in batches of --batch_size (a smaller last batch compiles its own loop). Prompt i
     of the list draws from (--seed, i) alone, so outputs do not depend on the batch size."""
-    import spec_jax
-    from spec_jax import metrics
-
     outputs, stats = [], []
     size = FLAGS.batch_size
     for start in range(0, len(token_prompts), size):
@@ -565,11 +551,6 @@ def run_batches(target, draft, token_prompts, stop_ids, mesh=None):
 
 def check_flags():
     """(mesh or None, prompt texts): every flag checked before anything is loaded or downloaded."""
-    import models
-    from models import config as model_config
-    from models import kernels, precision, registry
-    from spec_jax import sharding
-
     kernels.resolve_impl(FLAGS.attention_impl)  # fail fast on a bad name
     gamma_from_flag()
     tree = tree_from_flag()
@@ -625,10 +606,6 @@ def load_models(prompts, mesh):
     (encode_prompts)): the prompts checked against the target (and --gamma against its context)
     before a draft model or a drafter's tables are loaded; both models placed on the mesh once;
     the draft's tokenizer checked against the target's."""
-    from models.tokenizer import check_pair
-    from spec_jax import sharding
-    from spec_jax.request import validate
-
     batch = min(FLAGS.batch_size, len(prompts))
     target = load_model(FLAGS.target, FLAGS.target_dtype, batch, mesh)
     token_prompts, texts = encode_prompts(target.tokenizer, prompts)
@@ -676,9 +653,6 @@ def stream_all(
     """--stream: the prompts as Requests on one Engine, each prompt's header then its text
     printed as it comes (prompt by prompt, in order: a later prompt's pieces wait until the
     ones before it are done). Returns (each prompt's tokens, the engine's stats)."""
-    from spec_jax import engine as engine_lib
-    from spec_jax.request import Request
-
     engine = engine_lib.Engine(
         target,
         draft,
@@ -764,10 +738,6 @@ def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     init_distributed()  # before anything touches a jax backend
-    import jax
-
-    from spec_jax import metrics
-
     mesh, prompts = check_flags()
     target, draft, token_prompts, texts = load_models(prompts, mesh)
     main_process = jax.process_index() == 0
@@ -809,7 +779,7 @@ def main(argv):
         )
         report.update(autoregressive_stats=ar_stats, speedup=speedup, identical_to_autoregressive=identical)
     if FLAGS.output_json and main_process:
-        common.write_json_atomic(FLAGS.output_json, report)
+        runtime.write_json_atomic(FLAGS.output_json, report)
 
 
 def main_stream(target, draft, prompts, texts, token_prompts, stop_ids, mesh, print_fn, main_process) -> None:
@@ -831,7 +801,7 @@ def main_stream(target, draft, prompts, texts, token_prompts, stop_ids, mesh, pr
             {"prompt": read, "tokens": new, "text": decode(new)}
             for read, new in zip(texts, tokens, strict=True)
         ]
-        common.write_json_atomic(
+        runtime.write_json_atomic(
             FLAGS.output_json, {"target": FLAGS.target, "stats": stats, "outputs": outputs}
         )
 

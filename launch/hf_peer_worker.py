@@ -14,6 +14,7 @@ max_new_tokens. A speculative request is HF's assisted generation with the draft
 `assistant_model`, with HF's own defaults for the assistant (what a user gets).
 """
 
+import importlib.metadata
 import os
 import sys
 
@@ -27,19 +28,22 @@ class HFBackend:
     """AutoModelForCausalLM from the GGUF files in `dtype`, greedy; the draft as assistant_model."""
 
     def __init__(self, target_gguf: str, draft_gguf: str, threads: int, dtype: str = "float32"):
-        import torch  # optional (the hf extra): only this peer uses it
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging
+        # Optional dependency, imported late: torch and transformers (the hf extra) are this peer's
+        # alone and may be missing where the bench runs the worker with --fake.
+        import torch
+        import transformers
 
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        logging.disable_progress_bar()  # stderr is the bench's console
+        transformers.utils.logging.disable_progress_bar()  # stderr is the bench's console
         torch.set_num_threads(threads)
-        self.torch, self.dtype = torch, dtype
+        self.torch, self.transformers, self.dtype = torch, transformers, dtype
 
         def load(path):
             folder, name = os.path.split(os.path.abspath(path))
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=getattr(torch, dtype)
+            )
             model.generation_config.eos_token_id = None  # never stop early: exactly max_new_tokens
             model.generation_config.pad_token_id = 0
             return model.eval()
@@ -48,18 +52,15 @@ class HFBackend:
         self.draft = load(draft_gguf)
 
     def info(self) -> dict:
-        import accelerate  # optional (the hf extra): only this peer uses it
-        import transformers
-        from transformers import GenerationConfig
-
         config = self.draft.generation_config  # HF reads the assistant settings from the assistant
-        defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # what None means
+        generation_config = self.transformers.GenerationConfig
+        defaults = getattr(generation_config, "_get_default_generation_params", dict)()  # what None means
         return {
             "versions": {
                 "python": sys.version.split()[0],
                 "torch": self.torch.__version__,
-                "transformers": transformers.__version__,
-                "accelerate": accelerate.__version__,
+                "transformers": self.transformers.__version__,
+                "accelerate": importlib.metadata.version("accelerate"),
             },
             "threads": self.torch.get_num_threads(),
             "precision": self.dtype,

@@ -31,7 +31,9 @@ import shutil
 import sys
 import tempfile
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType, quants
 
 from launch import peer_protocol
 
@@ -51,9 +53,6 @@ def requantize_gguf(src, dst, keep=OPENVINO_GGUF_TYPES) -> int:
     """Writes `dst`: the GGUF `src` with every tensor whose type is not in `keep` dequantized
     and requantized to Q8_0; other tensors, every metadata key (tokenizer included) and the
     tensor order unchanged. Returns how many tensors were requantized."""
-    import gguf  # optional: the OpenVINO peer's own environment
-    from gguf import GGMLQuantizationType, quants
-
     q8 = GGMLQuantizationType.Q8_0
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -104,14 +103,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
+def draft_for_openvino(path: str | os.PathLike, export) -> pathlib.Path:
     """A folder `openvino_genai.draft_model` can load, holding the draft GGUF `path`'s weights.
 
     draft_model() reads only OpenVINO IR folders, not GGUF files, and the GGUF reader rejects
     some tensor types; so, once, in a temporary folder beside `path`: write NAME.q8_0.gguf
     (`path` with those tensors requantized to Q8_0, requantize_gguf), then `export(that gguf)`
-    (default: an LLMPipeline with enable_save_ov_model, which serializes the model it builds
-    from the GGUF, tokenizer included, into the GGUF's folder), then rename the folder into
+    (OpenVINOBackend's: an LLMPipeline with enable_save_ov_model, which serializes the model it
+    builds from the GGUF, tokenizer included, into the GGUF's folder), then rename the folder into
     place (draft_folder(path)), so a folder at the final path is whole. Returns that folder."""
     path = pathlib.Path(path)
     final = draft_folder(path)
@@ -132,7 +131,7 @@ def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
         try:
             converted = tmp / (path.name.removesuffix(".gguf") + ".q8_0.gguf")
             count = requantize_gguf(path, converted)
-            (export or _export_openvino_ir)(converted)
+            export(converted)
             if not (tmp / "openvino_model.xml").exists():
                 raise RuntimeError(f"exporting {converted.name} wrote no openvino_model.xml")
             tmp.chmod(0o755)
@@ -146,21 +145,18 @@ def draft_for_openvino(path: str | os.PathLike, export=None) -> pathlib.Path:
     return final
 
 
-def _export_openvino_ir(gguf_path: pathlib.Path) -> None:
-    import openvino_genai  # optional: the OpenVINO peer's own environment
-
-    openvino_genai.LLMPipeline(str(gguf_path), "CPU", enable_save_ov_model=True)
-
-
 class OpenVINOBackend:
     """Two LLMPipelines on the CPU: the target alone, and the target with the draft model."""
 
     def __init__(self, target_gguf: str, draft_gguf: str, threads: int, num_assistant_tokens: int):
-        import openvino_genai  # optional: the OpenVINO peer's own environment
+        # Optional dependency, imported late: OpenVINO is this peer's own environment's alone and
+        # may be missing where the bench runs the worker with --fake (or tests read its GGUF steps).
+        import openvino
+        import openvino_genai
 
-        self.ov_genai, self.threads = openvino_genai, threads
+        self.ov, self.ov_genai, self.threads = openvino, openvino_genai, threads
         self.num_assistant_tokens = num_assistant_tokens
-        self.draft_path = draft_for_openvino(draft_gguf)
+        self.draft_path = draft_for_openvino(draft_gguf, export=self.export_ir)
         scheduler = openvino_genai.SchedulerConfig()
         scheduler.enable_prefix_caching = False  # a repeated prompt must cost what a new one does
         properties = {"INFERENCE_NUM_THREADS": threads}
@@ -172,15 +168,17 @@ class OpenVINOBackend:
             str(target_gguf), "CPU", draft_model=draft, scheduler_config=scheduler, **properties
         )
 
+    def export_ir(self, gguf_path: pathlib.Path) -> None:
+        """draft_for_openvino's export: OpenVINO GenAI builds the model from `gguf_path` and
+        serializes it as IR into its folder."""
+        self.ov_genai.LLMPipeline(str(gguf_path), "CPU", enable_save_ov_model=True)
+
     def info(self) -> dict:
-
-        import openvino
-
-        core = openvino.Core()
+        core = self.ov.Core()
         return {
             "versions": {
                 "python": sys.version.split()[0],
-                "openvino": openvino.get_version(),
+                "openvino": self.ov.get_version(),
                 "openvino_genai": importlib.metadata.version("openvino-genai"),
                 "gguf": importlib.metadata.version("gguf"),
             },
@@ -195,8 +193,6 @@ class OpenVINOBackend:
         }
 
     def generate(self, request: peer_protocol.Request) -> dict:
-        import openvino
-
         config = self.ov_genai.GenerationConfig()
         config.max_new_tokens = request.max_new_tokens
         config.do_sample = False
@@ -207,7 +203,7 @@ class OpenVINOBackend:
             config.num_assistant_tokens = self.num_assistant_tokens
             pipe = self.speculative
         ids = np.asarray([request.prompt], dtype=np.int64)
-        inputs = self.ov_genai.TokenizedInputs(openvino.Tensor(ids), openvino.Tensor(np.ones_like(ids)))
+        inputs = self.ov_genai.TokenizedInputs(self.ov.Tensor(ids), self.ov.Tensor(np.ones_like(ids)))
         return {"tokens": list(pipe.generate(inputs, config).tokens[0])}
 
 

@@ -51,7 +51,7 @@ from launch.serve_schema import (
     to_request,
 )
 from launch.serve_schema import usage as usage_body
-from spec_jax.engine import QueueFull
+from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
 
 FLAGS = flags.FLAGS
@@ -297,8 +297,6 @@ class _Server(uvicorn.Server):
 def load_engine():
     """The Engine from launch.generate's model, drafter and precision flags, with --max_batch row
     slots and a queue of --max_queue (the flags checked before anything loads)."""
-    from spec_jax.engine import Engine
-
     mesh, _ = generate_flags.check_flags()
     target = generate_flags.load_model(FLAGS.target, FLAGS.target_dtype, FLAGS.max_batch, mesh)
     draft = None

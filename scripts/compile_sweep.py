@@ -37,7 +37,7 @@ _DEPS = os.environ.get("SPEC_JAX_COMPILE_DEPS", os.path.join(_ROOT, ".venv-compi
 if os.path.isdir(_DEPS):
     sys.path.append(_DEPS)
 
-from experiments import compile_loop  # noqa: E402
+from experiments import compile_loop, framework, pod_pairs  # noqa: E402
 from models.kernels import compile_targets as ct  # noqa: E402
 
 KINDS = (*ct.KINDS, "loop", "pods")
@@ -132,8 +132,6 @@ def failures(results) -> str:
 def pod_table() -> str:
     """experiments/pod_pairs.py's full table (Markdown), run in this process (its files not written:
     `python -m launch.experiment --experiment=pod_pairs` writes them)."""
-    from experiments import framework, pod_pairs  # pod_pairs loads jax: only for --kinds=pods
-
     start = time.perf_counter()
     result = pod_pairs.run(framework.make_config("pod_pairs"))
     if result is None:

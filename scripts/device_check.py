@@ -480,12 +480,14 @@ def section_walltime(plan: Plan, state: dict) -> dict:
 
 
 def section_attention(plan: Plan, state: dict) -> dict:
-    import ml_collections  # .devwheels on the GPU machine; experiments.bench_attention's configs
-
+    # Late, so that the GPU machine's missing packages fail this section alone (sections are
+    # guarded): the experiments' stack (ml_collections from .devwheels, experiments.framework's
+    # imports) is needed by no other section.
     from experiments import bench_attention
 
     cfg = plan.target
-    config = ml_collections.ConfigDict(
+    config = bench_attention.get_config(quick=plan.dry)
+    config.update(
         dict(impl="auto", interpret=plan.interpret, seq_lens=plan.contexts, num_queries=plan.attention_queries,
              batch_sizes=plan.attention_batches, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
              head_dim=cfg.head_dim, dtype="float32" if plan.dry else "bfloat16", repeats=plan.repeats,

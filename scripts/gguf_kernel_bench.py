@@ -26,6 +26,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -35,8 +36,6 @@ from spec_jax import timing  # noqa: E402
 
 def paths(ggml_type: int) -> dict:
     """name -> (ggml_dot, interleaved) for the kernel's paths of ggml_type."""
-    from gguf import GGMLQuantizationType as T  # gguf: ~45 ms of start-up, only for a GGUF type
-
     if ggml_type == T.Q4_K.value:
         return {
             "interleaved": (False, True),
@@ -57,8 +56,6 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rotate_mb", type=int, default=256, help="weight copies cycled per shape (MB)")
     args = parser.parse_args()
-    from gguf import GGMLQuantizationType as T  # gguf: ~45 ms of start-up, only for a GGUF type
-
     if not gguf_matmul.available():
         parser.error("the GGUF kernel is unavailable here (see the warning above)")
     rows = [int(m) for m in args.rows.split(",")]

@@ -14,6 +14,8 @@ import shutil
 import tempfile
 import time
 
+import models
+
 
 def main():
     parser = argparse.ArgumentParser(
@@ -26,7 +28,6 @@ def main():
     if args.cold:
         cache = tempfile.mkdtemp(prefix="spec_jax_cold_")
         os.environ["SPEC_JAX_CACHE"] = cache  # read by models.registry at call time
-    import models  # after SPEC_JAX_CACHE is set for a cold run
 
     try:
         loaded = []

@@ -31,9 +31,11 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+import models  # noqa: E402
 from models import machine, precision  # noqa: E402
 from models.kernels import cpu_matmul  # noqa: E402
 from spec_jax import timing  # noqa: E402
+from spec_jax.sampling import SamplingParams  # noqa: E402
 
 
 def weights(n: int, k: int, dtype: str, copies: int, rng):
@@ -58,9 +60,6 @@ def rotating(isa: str, x, ws):
 
 def model_table(args, isas):
     """Model calls of args.model per build and width, timed interleaved; prints a table."""
-    import models  # jax's models: only for the model table
-    from spec_jax.sampling import SamplingParams
-
     widths = [int(w) for w in args.widths.split(",")]
     print(
         "| model | weights | T | "

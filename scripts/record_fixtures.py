@@ -36,8 +36,16 @@ import pathlib
 import platform
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
 
+# The reference stack: this script runs only in .venv-ref, which has all of it (see above).
+import accelerate
+import gguf
 import numpy as np
+import tokenizers
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -94,12 +102,6 @@ LOGIT_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 def versions() -> dict:
-    import accelerate  # optional (the hf extra): torch, transformers
-    import gguf
-    import tokenizers
-    import torch
-    import transformers
-
     def version_of(mod):
         return getattr(mod, "__version__", None) or _dist_version(mod.__name__)
 
@@ -115,11 +117,6 @@ def versions() -> dict:
 
 
 def _dist_version(name: str) -> str | None:
-    from importlib.metadata import (
-        PackageNotFoundError,
-        version,
-    )  # optional (the hf extra): torch, transformers
-
     try:
         return version(name)
     except PackageNotFoundError:
@@ -132,9 +129,6 @@ def _floats(x) -> list:
 
 
 def record(name: str) -> dict:
-    import torch  # optional (the hf extra): torch, transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = registry.fetch_gguf(name)
     spec = registry.get_spec(name)
     t0 = time.time()
@@ -185,8 +179,6 @@ def record(name: str) -> dict:
 
 def _hf_config(model) -> dict:
     """The settings of the transformers model that the fixture's tests compare with ours."""
-    import torch  # optional (the hf extra): torch, transformers
-
     cfg = model.config
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
@@ -211,8 +203,6 @@ def _hf_config(model) -> dict:
 def _prompt_record(name: str, model, tok, text: str, vocab_ids) -> dict:
     """One prompt's token ids and the model's logits at each position: top-1, the TOP_K best ids
     and logits, the logits at vocab_ids, log-sum-exp and spread."""
-    import torch  # optional (the hf extra): torch, transformers
-
     ids = tok(text, add_special_tokens=True)["input_ids"]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].float().numpy()  # [T, V]

@@ -15,8 +15,16 @@ import os
 import re
 import sys
 
+import jax
+import jax.numpy as jnp
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import models  # noqa: E402
+import spec_jax  # noqa: E402
+from models.transformer import forward, init_cache, param_shapes  # noqa: E402
+from spec_jax import sharding  # noqa: E402
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -27,12 +35,6 @@ def count_collectives(hlo: str) -> dict[str, int]:
 
 
 def forward_collectives(config, mesh, batch, gamma):
-    import jax  # jax: after main sets XLA_FLAGS (the host device count)
-    import jax.numpy as jnp
-
-    from models.transformer import forward, init_cache, param_shapes
-    from spec_jax import sharding
-
     params = param_shapes(config)
     cache = jax.eval_shape(lambda: init_cache(config, batch, 256))
     tokens = jax.ShapeDtypeStruct((batch, gamma + 1), jnp.int32)
@@ -53,13 +55,8 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--gamma", type=int, default=4)
     args = parser.parse_args()
+    # Read when jax first starts its backend (the line below), not when it is imported.
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    import jax  # jax: after main sets XLA_FLAGS (the host device count)
-
-    import models
-    import spec_jax
-    from spec_jax import sharding
-
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices")
     shapes = {
         "divisible (16 q / 8 kv heads)": dict(num_heads=16, num_kv_heads=8),

@@ -18,9 +18,19 @@ import json
 import pathlib
 import sys
 
+try:  # optional (the hf extra): main says how to install it where it is missing
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
+
+import tiny_gguf  # noqa: E402  (from tests/, on the path set above)
+
+from models.tokenizer import Tokenizer  # noqa: E402
 
 VOCAB = 259  # tiny_gguf's byte-level vocabulary
 EOS = 257  # its "<|endoftext|>"
@@ -81,9 +91,6 @@ CHAT_TEMPLATE = (
 
 def hf_model(family: str, num_layers: int = 4, seed: int = 0):
     """A random float32 transformers model of `family` (norm scales not all ones)."""
-    import torch  # optional (the hf extra), checked with a clear error in main
-    import transformers
-
     cls, extra = FAMILIES[family]
     if family == "gemma3":
         kinds = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -115,15 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="folder to write into (created)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    try:
-        import torch  # noqa: F401 - optional (the hf extra), checked with a clear error in main
-        import transformers  # noqa: F401
-    except ImportError:
+    if torch is None or transformers is None:
         parser.exit(2, "error: needs torch and transformers: pip install -c constraints.txt -e '.[hf]'\n")
-    import tiny_gguf  # from tests/, on the path set above
-
-    from models.tokenizer import Tokenizer
-
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = out / "draft.gguf"

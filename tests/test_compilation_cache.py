@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache at the entry points (launch.common.enable_compilation_cache):
+"""JAX's persistent compilation cache at the entry points (launch.runtime.enable_compilation_cache):
 a second process loads every program the first compiled, the off switches write nothing, and a
 rebuilt kernel library gets a folder of its own.
 

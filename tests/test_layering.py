@@ -9,9 +9,11 @@ functions outside tests/) with an allow-list that can only shrink; and the order
 modules (SPEC_JAX_LAYERS)."""
 
 import ast
+import io
 import pathlib
 import subprocess
 import sys
+import tokenize
 
 from test_import_cycles import import_graph
 
@@ -314,3 +316,89 @@ def test_the_size_checks_find_a_long_function_and_a_grown_offender(tmp_path):
     assert found == {"models/m.py:C.f": MAX_FUNCTION_LINES + 1}
     assert _over(found, {"models/m.py:C.f": MAX_FUNCTION_LINES + 1}) == {}
     assert _over(found, {"models/m.py:C.f": MAX_FUNCTION_LINES}) == found
+
+
+# Imports at the top of the module (issue 40), except where a measured start-up cost or an
+# optional dependency needs a late one; then a comment on the import's line, or on the line just
+# above it (or above the run of import lines it ends), says which. The ceilings are today's
+# counts and may only shrink; spec_jax/ and models/ join the table when their work merges.
+LATE_IMPORT_CEILINGS = {"launch": 6, "experiments": 1, "scripts": 1, "training": 0}
+
+
+def late_imports(root: pathlib.Path, folders) -> dict[str, list[tuple[str, bool]]]:
+    """{folder: [("path:line", whether a comment says why), ...]} for every import statement
+    inside a function body (methods and nested functions too) in the .py files under `folders`."""
+    found = {}
+    for folder in folders:
+        found[folder] = []
+        for path in sorted((root / folder).rglob("*.py")):
+            source = path.read_text()
+            commented = {
+                tok.start[0]
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                if tok.type == tokenize.COMMENT
+            }
+            lines = source.splitlines()
+            comment_lines = {n for n in commented if lines[n - 1].lstrip().startswith("#")}
+            imports = [
+                node
+                for function in ast.walk(ast.parse(source, filename=str(path)))
+                if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for node in ast.walk(function)
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+            ]
+            import_lines = {n for node in imports for n in range(node.lineno, node.end_lineno + 1)}
+            for node in sorted(set(imports), key=lambda n: n.lineno):
+                first = node.lineno
+                while first - 1 in import_lines:  # the run of import lines this one ends
+                    first -= 1
+                says_why = first - 1 in comment_lines or any(
+                    n in commented for n in range(node.lineno, node.end_lineno + 1)
+                )
+                found[folder].append((f"{path.relative_to(root)}:{node.lineno}", says_why))
+    return found
+
+
+def test_late_imports_are_few_and_each_says_why():
+    found = late_imports(ROOT, LATE_IMPORT_CEILINGS)
+    uncommented = [where for imports in found.values() for where, says_why in imports if not says_why]
+    assert not uncommented, (
+        f"late imports without a comment saying why (start-up cost or optional): {uncommented}"
+    )
+    over = {f: [w for w, _ in found[f]] for f, n in LATE_IMPORT_CEILINGS.items() if len(found[f]) > n}
+    assert not over, f"more late imports than the ceilings {LATE_IMPORT_CEILINGS} (import at the top): {over}"
+
+
+def test_the_late_import_check_finds_an_uncommented_one(tmp_path):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "m.py").write_text(
+        "import os  # module level: not counted\n"
+        "\n"
+        "def a():\n"
+        "    import json\n"
+        "\n"
+        "def b():\n"
+        "    # optional: torch\n"
+        "    import torch\n"
+        "    import transformers\n"
+        "\n"
+        "    import sys\n"
+        "\n"
+        "class C:\n"
+        "    def m(self):\n"
+        "        def inner():\n"
+        "            from gguf import (  # optional: gguf\n"
+        "                quants,\n"
+        "            )\n"
+        "        x = '# not a comment'; import csv\n"
+    )
+    assert late_imports(tmp_path, ["launch"]) == {
+        "launch": [
+            ("launch/m.py:4", False),
+            ("launch/m.py:8", True),
+            ("launch/m.py:9", True),
+            ("launch/m.py:11", False),
+            ("launch/m.py:16", True),
+            ("launch/m.py:19", False),
+        ]
+    }

@@ -196,7 +196,7 @@ def test_a_hub_id_without_huggingface_hub_is_one_clear_error(tmp_path, monkeypat
 
 @pytest.mark.parametrize("flag", ["--target", "--draft"])
 def test_what_a_model_flag_refuses_is_one_line_naming_the_flag(tmp_path, flag):
-    from launch import common
+    from launch import common, runtime
 
     not_gguf = tmp_path / "weights.gguf"
     not_gguf.write_bytes(b"nope")
@@ -206,8 +206,8 @@ def test_what_a_model_flag_refuses_is_one_line_naming_the_flag(tmp_path, flag):
         (tmp_path, "not a Hugging Face checkpoint folder (no config.json)"),
     ]:
         with pytest.raises(common.UsageError) as info:
-            common.check_model_flag(flag, str(value))
+            runtime.check_model_flag(flag, str(value))
         assert str(info.value).startswith(f"{flag}: ") and message in str(info.value)
         assert "\n" not in str(info.value)
     for fine in ("random", "smollm2-135m", "someorg/somemodel"):  # a hub id is fetched by models.load
-        common.check_model_flag(flag, fine)
+        runtime.check_model_flag(flag, fine)

@@ -174,13 +174,13 @@ def test_a_signal_is_one_line_exit_128_plus_it_and_writes_no_output_file(tmp_pat
 
 # --- the compilation cache ------------------------------------------------------------------------
 
-# Enables the cache as the entry points do (launch.common.enable_compilation_cache), compiles a
+# Enables the cache as the entry points do (launch.runtime.enable_compilation_cache), compiles a
 # program and prints the folder in use. argv[1]: "deny-write" makes the folder read-only to
 # this process (os.access; root can write anywhere, so a chmod cannot show it).
 COMPILE = """
 import os, sys
 from absl import flags
-from launch import common
+from launch import common, runtime
 from spec_jax import executables
 from models.kernels import libraries
 if sys.argv[1] == "deny-write":
@@ -188,7 +188,7 @@ if sys.argv[1] == "deny-write":
     libraries.os.access = lambda p, mode, **k: False if mode == os.W_OK and "shared" in str(p) else access(p, mode, **k)
 flags.FLAGS(["x"])
 common.warnings.showwarning = common._warning_line
-folder = common.enable_compilation_cache()
+folder = runtime.enable_compilation_cache()
 import jax, jax.numpy as jnp
 for i in range(3):
     jax.jit(lambda x: x * (i + 2) + 1)(jnp.arange(4.0)).block_until_ready()
