@@ -12,7 +12,7 @@ Across processes: `enable_persistent_cache(folder)` turns on JAX's persistent co
 cache for every program this process compiles from then on (the loops here, and every other
 jitted call); `persistent_cache_dir()` is the project's folder for it,
 `$SPEC_JAX_CACHE/compilation/<digest of the kernel libraries' builds>/`. The entry points in
-launch/ call both once, before anything compiles (launch.common.enable_compilation_cache); a
+launch/ call both once, before anything compiles (launch.runtime.enable_compilation_cache); a
 library import never does.
 """
 
