@@ -39,13 +39,11 @@ import time
 from absl import flags
 
 from launch import common
+from models.precision import PRECISIONS
 from spec_jax.drafting.build import DRAFTERS
 from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
 
 FLAGS = flags.FLAGS
-# models.precision.PRECISIONS, written out so that --help and bad flags answer without importing
-# jax (tests/test_gguf_precision.py checks the two agree).
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
 
 flags.DEFINE_string(
     "target",
