@@ -5,7 +5,8 @@ imports it. So there is no cycle between packages to work around.
 
 Below, what belongs where: spec_jax/ is the inference library (no module of it that only
 experiments/, scripts/ or training/ import; no optax), and the size limits (files of spec_jax/,
-functions outside tests/) with an allow-list that can only shrink."""
+functions outside tests/) and the imports inside function bodies, with allow-lists that can only
+shrink."""
 
 import ast
 import pathlib
@@ -232,3 +233,42 @@ def test_the_size_checks_find_a_long_function_and_a_grown_offender(tmp_path):
     assert found == {"models/m.py:C.f": MAX_FUNCTION_LINES + 1}
     assert _over(found, {"models/m.py:C.f": MAX_FUNCTION_LINES + 1}) == {}
     assert _over(found, {"models/m.py:C.f": MAX_FUNCTION_LINES}) == found
+
+
+# Imports inside function bodies, per folder: at most this many, each with a comment on its
+# line saying why it is late (an optional dependency, a measured start-up cost, a cycle). models/:
+# models.load's import of models.convert (run as `python -m models.convert`, which warns when
+# the package imported it already) and models.sources' optional huggingface_hub.
+LATE_IMPORTS_ALLOWED = {"models": 2}
+
+
+def late_imports(root: pathlib.Path, folder: str) -> dict[str, str]:
+    """{"path:line": the line} of every import statement inside a function body under `folder`."""
+    found = {}
+    for path in sorted((root / folder).rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines), filename=str(path))):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        found[f"{path.relative_to(root)}:{node.lineno}"] = lines[node.lineno - 1]
+    return found
+
+
+def test_models_imports_at_the_top_except_a_few_late_imports_each_saying_why():
+    for folder, allowed in LATE_IMPORTS_ALLOWED.items():
+        found = late_imports(ROOT, folder)
+        assert len(found) <= allowed, f"{folder}/: {len(found)} imports in function bodies: {found}"
+        silent = [k for k, line in found.items() if "#" not in line]
+        assert not silent, f"late imports without a comment saying why: {silent}"
+
+
+def test_the_late_import_check_finds_an_import_in_a_nested_function(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.py").write_text(
+        "import os\n\n\ndef f():\n    def g():\n        import json  # why\n\n    from os import path\n"
+    )
+    assert late_imports(tmp_path, "models") == {
+        "models/m.py:6": "        import json  # why",
+        "models/m.py:8": "    from os import path",
+    }
