@@ -8,10 +8,9 @@ from typing import Any
 
 import jax
 
-from models import precision, registry, sources, weights
+from models import hf_checkpoint, hf_config, precision, registry, sources, weights
 from models.config import ModelConfig
-from models.kernels import target
-from models.precision import GGUF_PRECISIONS, PRECISIONS
+from models.kernels import gguf_matmul, llama_cpp, target
 from models.transformer import ForwardOutput, forward, init_cache, init_params, stack_layers, unstack_layers
 
 
@@ -153,14 +152,13 @@ def load(
     memory maps of the cached checkpoint, so each process of a multi-host mesh reads only the
     slices its own devices hold. Default: every leaf onto the default device.
     """
-    if dtype not in PRECISIONS:
-        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+    precision.of(dtype)  # ValueError naming the precisions
     if name in RANDOM_PRESETS:
         model = random_model(
             **RANDOM_PRESETS[name], dtype=dtype, name=name, scan_layers=scan_layers is not False
         )
         return model.replace(tokenizer=ByteTokenizer())
-    from models import convert  # gguf, tokenizers: ~0.15 s of start-up, only to load a checkpoint
+    from models import convert  # late: at start-up, `python -m models.convert` would warn (runpy)
 
     source = sources.resolve(name, known=known_models())  # a hub id: downloaded, then a folder
     config, host_params, tokenizer = convert.load_converted(
@@ -181,7 +179,7 @@ def _layer_layout(host_params, config, name: str, dtype: str):
     """The host parameters in config.scan_layers' layout: stacked [L, ...] (a GGUF precision's
     per-layer blocks stacked; ValueError where its layers hold different block types) or one
     entry per layer (numpy views, no copy)."""
-    if dtype in GGUF_PRECISIONS:  # read per layer: a file's layers may hold different block types
+    if precision.of(dtype).from_gguf:  # read per layer: a file's layers may hold different block types
         if config.scan_layers:
             try:
                 return stack_layers(host_params, config.num_layers)
@@ -228,8 +226,6 @@ def auto_precision(
     GGUF file as for a registry model. On a CPU, int8 also where the GGUF kernel would not pay
     (gguf_kernel_pays: a toy model, or a run of `tokens` too short to pay for the kernel's first
     build)."""
-    from models.kernels import gguf_matmul  # native libraries: ~20 ms of start-up
-
     platform = target.current().platform if platform is None else platform
     if name in RANDOM_PRESETS:
         kind, stored = "random", None
@@ -258,8 +254,6 @@ def _stored_dtype(name: str) -> str | None:
     """A checkpoint folder's stored dtype ("bfloat16", "float16", "float32", ...): config.json's
     torch_dtype (or dtype), else the first tensor's in its safetensors header; None where the
     folder is not here (a hub id: nothing is downloaded to ask) or says neither."""
-    from models import hf_checkpoint, hf_config
-
     folder = pathlib.Path(name).expanduser()
     if not (folder / "config.json").is_file():
         return None
@@ -293,8 +287,6 @@ def gguf_kernel_pays(name: str, tokens: int | None = None) -> bool:
     generates fewer than BUILD_PAYS_TOKENS `tokens` (all rows together; None: not known, taken
     as long). A precision that needs no build (int8) runs then; the build happens once, when a
     run pays for it (or when a GGUF precision is asked for by name)."""
-    from models.kernels import llama_cpp  # native libraries: only asked for a GGUF source
-
     size = (
         registry.MODELS[name].size if name in registry.MODELS else os.path.getsize(os.path.expanduser(name))
     )

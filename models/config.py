@@ -2,18 +2,15 @@
 
 import dataclasses
 
-import jax.numpy as jnp
-
+from models import precision
 from models.families import NAMES
-from models.precision import PRECISIONS
+from models.kernels import cpu_matmul
 
 
 def this_cpu_isa() -> str:
     """The CPU kernels' build a config made here uses (models.kernels.cpu_matmul.isa:
     $SPEC_JAX_CPU_ISA, else the widest this CPU runs): ModelConfig.cpu_isa's default, read when
     a config is made, never while a program is traced."""
-    from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
-
     return cpu_matmul.isa()
 
 
@@ -113,8 +110,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in PRECISIONS:
-            raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
+        precision.of(self.dtype)  # ValueError naming the precisions
         if self.kind not in ("decoder", "draft_head"):
             raise ValueError(f"kind must be one of decoder, draft_head, got {self.kind!r}")
         if self.matmul_impl not in ("auto", "xla", "cpu_kernel"):
@@ -145,8 +141,9 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        """The activation, KV cache and unquantized weight dtype: bfloat16 for bfloat16, else float32."""
-        return jnp.dtype(jnp.bfloat16 if self.dtype == "bfloat16" else jnp.float32)
+        """The activation, KV cache and unquantized weight dtype (models.precision.TABLE's
+        activations: bfloat16 for bfloat16, else float32)."""
+        return precision.of(self.dtype).dtype
 
     @property
     def is_decoder(self) -> bool:

@@ -3,10 +3,12 @@
 An entry holds everything that differs between families: how a Hugging Face config.json maps
 onto ModelConfig (hf_model_types, the settings the family fixes, defaults config.json may omit,
 its sliding layers, its attention scale, extra scalars read from config.json), how a GGUF file
-names it (gguf_archs, whether llama.cpp permuted its q / k rows, its vocabulary's kind), and
-how its checkpoint stores the norms (norm_offset). The weight names are the same for every
-family (models.weights.WEIGHTS). models.hf_config, models.hf_checkpoint and models.tokenizer
-read this table; no other module names a family.
+names it and what llama.cpp fixes for it (gguf_archs, whether llama.cpp permuted its q / k
+rows, its vocabulary's kind, its MLP activation, sliding layers and attention scale), and how
+its checkpoint stores the norms (norm_offset). The weight names are the same for every family
+(models.weights.WEIGHTS), and so are the GGUF metadata keys of the shapes
+(models.gguf_loader.GGUF_KEYS). models.hf_config, models.hf_checkpoint, models.gguf_loader and
+models.tokenizer read this table; no other module names a family.
 
 Adding a family (docs/design.md, "Adding a model family"): one entry here, and its tiny
 checkpoint in scripts/tiny_checkpoints.FAMILIES, which tests/test_hf_sources.py compares with
@@ -35,8 +37,13 @@ def _qwen_local_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
     return ()
 
 
+# Gemma 3's default sliding_window_pattern (transformers' Gemma3TextConfig, llama.cpp's
+# llama_model_gemma3): every 6th layer global, the others local.
+GEMMA3_SWA_PATTERN = 6
+
+
 def _gemma3_local_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
-    pattern = int(cfg.get("sliding_window_pattern", 6))
+    pattern = int(cfg.get("sliding_window_pattern", GEMMA3_SWA_PATTERN))
     return tuple(i for i in range(num_layers) if (i + 1) % pattern)
 
 
@@ -51,6 +58,44 @@ def _gemma3_attention_scale(cfg: dict, head_dim: int) -> float | None:
 
 def _granite_attention_scale(cfg: dict, head_dim: int) -> float | None:
     return float(cfg.get("attention_multiplier", head_dim**-0.5))
+
+
+# GGUF metadata: meta(key, default) is the file's value of "{general.architecture}.{key}".
+Meta = Callable[[str, Any], Any]
+
+
+def _no_gguf_local_layers(meta: Meta, num_layers: int) -> tuple[tuple[int, ...], int | None]:
+    return (), None
+
+
+def _gemma3_gguf_local_layers(meta: Meta, num_layers: int) -> tuple[tuple[int, ...], int | None]:
+    """(local layers, window) of a Gemma 3 file as llama.cpp reads them: no sliding window (all
+    global) without `attention.sliding_window`; else `attention.sliding_window_pattern`, either a
+    per-layer array of flags or a period n (layer i local when i % n < n - 1; default 6)."""
+    window = int(meta("attention.sliding_window", 0) or 0)
+    if window <= 0:
+        return (), None
+    pattern = meta("attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {num_layers} layers")
+        local = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        n = int(pattern)
+        local = tuple(i for i in range(num_layers) if n == 0 or i % n < n - 1)
+    return local, (window if local else None)
+
+
+def _no_gguf_attention_scale(shape: dict) -> float | None:
+    return None
+
+
+def _gemma3_gguf_attention_scale(shape: dict) -> float | None:
+    """llama.cpp scales Gemma 3's queries by head_dim ** -0.5, except the 27B's (62 layers):
+    (d_model / heads) ** -0.5, its query_pre_attn_scalar (gemma_pytorch's config)."""
+    if shape["num_layers"] != 62:
+        return None
+    return float(shape["d_model"] // shape["num_heads"]) ** -0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +118,11 @@ class Family:
     gguf_permuted_qk: llama.cpp's converter permuted the q / k rows (LlamaModel.permute).
     gguf_vocab: "bpe" (tokenizer.ggml.pre picks the pre-tokenizer, models.tokenizer) or
       "sentencepiece".
+    gguf_activation: the MLP's activation (ModelConfig.mlp_activation), which llama.cpp fixes
+      per architecture (a GGUF file does not name it).
+    gguf_local_layers(meta, num_layers): (local layers, window) of a GGUF file (meta: Meta).
+    gguf_attention_scale(shape): ModelConfig.attention_scale of a GGUF file from its d_model,
+      num_heads and num_layers (None: head_dim ** -0.5).
     """
 
     hf_model_types: tuple[str, ...]
@@ -87,6 +137,9 @@ class Family:
     gguf_archs: tuple[str, ...] = ()
     gguf_permuted_qk: bool = False
     gguf_vocab: str = "bpe"
+    gguf_activation: str = "silu"
+    gguf_local_layers: Callable[[Meta, int], tuple[tuple[int, ...], int | None]] = _no_gguf_local_layers
+    gguf_attention_scale: Callable[[dict], float | None] = _no_gguf_attention_scale
 
     def hf_fields(self, cfg: dict, head_dim: int) -> dict[str, Any]:
         """The ModelConfig fields of config.json `cfg` that this entry decides: its fixed ones,
@@ -96,6 +149,22 @@ class Family:
             **{field: float(cfg.get(key, default)) for field, (key, default) in self.hf_scalars.items()},
             attention_scale=self.attention_scale(cfg, head_dim),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", self.tied_by_default)),
+        )
+
+    def gguf_fields(self, meta: Meta, shape: dict) -> dict[str, Any]:
+        """The ModelConfig fields of a GGUF file that this entry decides: its fixed ones, the MLP
+        activation, the sliding layers with their window and rope base (`rope.freq_base_swa`,
+        default local_rope_theta) and the attention scale. shape: the fields read from the
+        file's shape keys (num_layers, d_model, num_heads)."""
+        local_layers, window = self.gguf_local_layers(meta, shape["num_layers"])
+        local_theta = meta("rope.freq_base_swa", self.local_rope_theta) if local_layers else None
+        return dict(
+            self.fixed,
+            mlp_activation=self.gguf_activation,
+            sliding_window=window,
+            local_layers=local_layers,
+            rope_local_theta=None if local_theta is None else float(local_theta),
+            attention_scale=self.gguf_attention_scale(shape),
         )
 
 
@@ -126,6 +195,9 @@ FAMILIES: dict[str, Family] = {
         norm_offset=1.0,
         gguf_archs=("gemma3",),
         gguf_vocab="sentencepiece",
+        gguf_activation="gelu_tanh",
+        gguf_local_layers=_gemma3_gguf_local_layers,
+        gguf_attention_scale=_gemma3_gguf_attention_scale,
     ),
     # IBM Granite 3: Llama's layers with four scalars (embeddings, residual branches, attention
     # logits, output logits).
@@ -144,3 +216,7 @@ FAMILIES: dict[str, Family] = {
 NAMES = tuple(FAMILIES)
 # config.json model_type -> family
 HF_MODEL_TYPES = {t: name for name, f in FAMILIES.items() for t in f.hf_model_types}
+# GGUF general.architecture -> family. Mistral's HF checkpoints are written as "llama" by
+# llama.cpp's converter; its "mistral3" / "mistral4" (Mistral's own format, with yarn rope and
+# attention temperature scaling) are not supported.
+GGUF_ARCHS = {a: name for name, f in FAMILIES.items() for a in f.gguf_archs}

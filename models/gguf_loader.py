@@ -9,12 +9,13 @@ GGUF conventions this module undoes:
     layout (pairs (j, j + Dh/2)) to GPT-J's interleaved layout (pairs (2j, 2j + 1)). Our model
     uses rotate-half, so we apply the inverse (`unpermute_llama_rows`). qwen2, qwen3 and gemma3
     files are written without that permutation (llama.cpp rotates them as NeoX, rotate-half).
-  * Family settings llama.cpp reads from the file or fixes per architecture (read_config): a
-    Llama 3 file's rope scaling is its `rope_freqs.weight` tensor, the divisors of the rotary
-    frequencies (ModelConfig.rope_freq_divisors); linear scaling is `rope.scaling.factor`. Gemma 3's
-    norm scales are stored with Gemma's 1 already added (the converter's norm_shift), so they are
-    read as they are; its local layers are every layer but each 6th (llama.cpp's default
-    `sliding_window_pattern`), rotating with base `rope.freq_base_swa` (default 10000).
+  * Settings llama.cpp reads from the file or fixes per architecture (read_config): the shape
+    keys every architecture has (GGUF_KEYS); a Llama 3 file's rope scaling is its
+    `rope_freqs.weight` tensor, the divisors of the rotary frequencies
+    (ModelConfig.rope_freq_divisors); linear scaling is `rope.scaling.factor`. What an
+    architecture fixes is its family's entry in models.families (Family.gguf_fields: Gemma 3's
+    activation, local layers and their rope base `rope.freq_base_swa`). Gemma 3's norm scales are
+    stored with Gemma's 1 already added (the converter's norm_shift), so they are read as they are.
 
 Peak memory: stream_params reads the file one block of rows at a time (BLOCK_BYTES of float32,
 read with pread, not through the memory map), so a conversion that writes each block out as it
@@ -38,8 +39,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from models import weights
-from models.config import ModelConfig
+from models import precision, weights
+from models.config import SHAPE_FIELDS, ModelConfig
+from models.families import FAMILIES, GGUF_ARCHS
 
 PathOrReader = str | os.PathLike | GGUFReader
 
@@ -51,16 +53,23 @@ CONFIG_FIELDS = (
     "sandwich_norms", "embed_scale", "mlp_activation", "attention_scale",
 )  # fmt: skip
 
-# general.architecture -> models.config.FAMILIES. Mistral's HF checkpoints are written as
-# "llama" by llama.cpp's converter; its "mistral3" / "mistral4" (Mistral's own format, with yarn
-# rope and attention temperature scaling) are not supported.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
-# Architectures whose q / k rows llama.cpp's converter permuted (LlamaModel.permute).
-PERMUTED_ARCHS = ("llama",)
-# llama.cpp's defaults for Gemma 3 (llama_model_gemma3::load_arch_hparams, llama-hparams.h):
-# every GEMMA3_SWA_PATTERN-th layer global, the others local with rope base 10000.
-GEMMA3_SWA_PATTERN = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# general.architecture values read (models.families.GGUF_ARCHS: each family's gguf_archs).
+SUPPORTED_ARCHS = tuple(GGUF_ARCHS)
+# Architectures whose q / k rows llama.cpp's converter permuted (a family's gguf_permuted_qk).
+PERMUTED_ARCHS = tuple(a for a, family in GGUF_ARCHS.items() if FAMILIES[family].gguf_permuted_qk)
+# ModelConfig field -> (its metadata key under "{arch}.", its type, its default; REQUIRED: the
+# file must hold it): the keys llama.cpp writes for every architecture. num_kv_heads and
+# head_dim default to num_heads and d_model / num_heads (read_config).
+REQUIRED = object()
+GGUF_KEYS = {
+    "d_model": ("embedding_length", int, REQUIRED),
+    "num_heads": ("attention.head_count", int, REQUIRED),
+    "num_layers": ("block_count", int, REQUIRED),
+    "mlp_dim": ("feed_forward_length", int, REQUIRED),
+    "rms_eps": ("attention.layer_norm_rms_epsilon", float, REQUIRED),
+    "rope_theta": ("rope.freq_base", float, 10000.0),
+    "max_seq_len": ("context_length", int, 2048),
+}
 
 # Bytes of float32 dequantized at once (stream_params): what a conversion holds beyond its
 # fixed costs, whatever the size of the tensor (the 1.5B's embedding is 933 MB of float32).
@@ -275,64 +284,56 @@ def _tensors(reader: GGUFReader) -> dict:
 def read_config(path_or_reader: PathOrReader, name: str | None = None) -> dict:
     """ModelConfig fields (CONFIG_FIELDS) from a GGUF file's metadata and tensor list, read as
     llama.cpp reads them for the file's architecture (SUPPORTED_ARCHS; ValueError naming any
-    other, or a setting the decoder does not implement).
+    other, or a setting the decoder does not implement): the shape keys of GGUF_KEYS, what the
+    tensor list shows, and what the architecture's family fixes (models.families'
+    Family.gguf_fields).
 
     `ModelConfig(**read_config(path))` builds the config. `name` defaults to `general.name`.
     """
     reader = open_gguf(path_or_reader)
     arch = _require(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
     tensors = _tensors(reader)
-    d_model = int(_require(reader, f"{arch}.embedding_length"))
-    num_heads = int(_require(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(metadata_value(reader, f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(metadata_value(reader, f"{arch}.attention.key_length", d_model // num_heads))
-    num_layers = int(_require(reader, f"{arch}.block_count"))
-    rope_dims = metadata_value(reader, f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise ValueError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
-    if "token_embd.weight" in tensors:
-        # GGUF lists shapes fastest axis first: [D, V].
-        vocab_size = int(tensors["token_embd.weight"].shape[1])
-    else:
-        vocab_size = len(_require(reader, "tokenizer.ggml.tokens"))
-    gemma = arch == "gemma3"
-    softcap = metadata_value(reader, f"{arch}.final_logit_softcapping")
-    if softcap:
-        raise ValueError(f"GGUF {arch}: final_logit_softcapping={softcap} is not supported")
-    local_layers, window, local_theta = (), None, None
-    if gemma:
-        local_layers, window = _gemma3_local_layers(reader, num_layers)
-        if local_layers:
-            local_theta = float(metadata_value(reader, f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
-    return dict(
-        vocab_size=vocab_size,
-        num_layers=num_layers,
-        d_model=d_model,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        mlp_dim=int(_require(reader, f"{arch}.feed_forward_length")),
-        rope_theta=float(metadata_value(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+
+    def meta(key: str, default: Any = REQUIRED) -> Any:
+        if default is REQUIRED:
+            return _require(reader, f"{arch}.{key}")
+        return metadata_value(reader, f"{arch}.{key}", default)
+
+    shape = {field: kind(meta(key, default)) for field, (key, kind, default) in GGUF_KEYS.items()}
+    shape["num_kv_heads"] = int(meta("attention.head_count_kv", shape["num_heads"]))
+    shape["head_dim"] = int(meta("attention.key_length", shape["d_model"] // shape["num_heads"]))
+    _check_supported(arch, meta, shape["head_dim"])
+    fields = dict(qk_norm=False, sandwich_norms=False, embed_scale=False)  # unless the family fixes them
+    fields |= FAMILIES[GGUF_ARCHS[arch]].gguf_fields(meta, shape) | shape
+    # The file's tensors say whether it has q / k / v biases and an output head, whatever its family.
+    return fields | dict(
+        vocab_size=_vocab_size(reader, tensors),
         qkv_bias="blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        max_seq_len=int(metadata_value(reader, f"{arch}.context_length", 2048)),
         name=name or str(metadata_value(reader, "general.name", arch)),
-        family=arch,
-        rope_freq_divisors=_rope_divisors(reader, arch, tensors, head_dim),
-        sliding_window=window,
-        local_layers=local_layers,
-        rope_local_theta=local_theta,
-        qk_norm=arch in ("qwen3", "gemma3"),
-        sandwich_norms=gemma,
-        embed_scale=gemma,
-        mlp_activation="gelu_tanh" if gemma else "silu",
-        # llama.cpp scales Gemma 3's queries by head_dim ** -0.5, except the 27B (62 layers):
-        # (d_model / heads) ** -0.5, its query_pre_attn_scalar (gemma_pytorch's config).
-        attention_scale=float(d_model // num_heads) ** -0.5 if gemma and num_layers == 62 else None,
+        family=GGUF_ARCHS[arch],
+        rope_freq_divisors=_rope_divisors(reader, arch, tensors, shape["head_dim"]),
     )
+
+
+def _check_supported(arch: str, meta, head_dim: int) -> None:
+    """ValueError naming what the decoder does not implement: partial rotary embeddings, logit
+    soft-capping (meta: read_config's metadata reader)."""
+    rope_dims = meta("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
+    softcap = meta("final_logit_softcapping", None)
+    if softcap:
+        raise ValueError(f"GGUF {arch}: final_logit_softcapping={softcap} is not supported")
+
+
+def _vocab_size(reader: GGUFReader, tensors: dict) -> int:
+    """The embedding's rows (GGUF lists shapes fastest axis first: [D, V]), else the token list's length."""
+    if "token_embd.weight" in tensors:
+        return int(tensors["token_embd.weight"].shape[1])
+    return len(_require(reader, "tokenizer.ggml.tokens"))
 
 
 def _rope_divisors(reader: GGUFReader, arch: str, tensors: dict, head_dim: int):
@@ -353,24 +354,6 @@ def _rope_divisors(reader: GGUFReader, arch: str, tensors: dict, head_dim: int):
     if factor and float(factor) != 1.0:
         divisors = (np.ones(head_dim // 2) if divisors is None else divisors) * float(factor)
     return None if divisors is None else tuple(float(d) for d in divisors)
-
-
-def _gemma3_local_layers(reader: GGUFReader, num_layers: int) -> tuple[tuple[int, ...], int | None]:
-    """(local layers, window) of a Gemma 3 file as llama.cpp reads them: no sliding window (all
-    global) without `attention.sliding_window`; else `attention.sliding_window_pattern`, either a
-    per-layer array of flags or a period n (layer i local when i % n < n - 1; default 6)."""
-    window = int(metadata_value(reader, "gemma3.attention.sliding_window", 0) or 0)
-    if window <= 0:
-        return (), None
-    pattern = metadata_value(reader, "gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
-    if isinstance(pattern, list):
-        if len(pattern) != num_layers:
-            raise ValueError(f"sliding_window_pattern has {len(pattern)} flags for {num_layers} layers")
-        local = tuple(i for i, flag in enumerate(pattern) if flag)
-    else:
-        n = int(pattern)
-        local = tuple(i for i in range(num_layers) if n == 0 or i % n < n - 1)
-    return local, (window if local else None)
 
 
 def permute_llama_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -416,19 +399,7 @@ def _checked_config(reader: GGUFReader, config: ModelConfig | dict | None) -> Mo
     file_config = read_config(reader)
     cfg = file_config if config is None else config
     cfg = dict(cfg) if isinstance(cfg, dict) else dataclasses.asdict(cfg)
-    for key in (
-        "vocab_size",
-        "num_layers",
-        "d_model",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "mlp_dim",
-        "qkv_bias",
-        "tie_embeddings",
-        "qk_norm",
-        "sandwich_norms",
-    ):
+    for key in (*SHAPE_FIELDS, "qkv_bias", "tie_embeddings", "qk_norm", "sandwich_norms"):
         if cfg[key] != file_config[key]:
             raise ValueError(f"config {key}={cfg[key]!r} does not match the GGUF file ({file_config[key]!r})")
     return ModelConfig(**{k: v for k, v in cfg.items() if k in ModelConfig.__dataclass_fields__})
@@ -525,11 +496,9 @@ def load_block_params(path_or_reader: PathOrReader, config: ModelConfig, progres
     tensor's own rows of blocks (no dequantization; for arch "llama" the q / k rows un-permuted,
     whole rows of blocks); norms and biases dequantized to float32. A matrix stored as F32 is
     kept as a float32 array."""
-    from models.precision import GGUF_PRECISIONS, BlockWeight, for_cpu_kernel
-
-    if config.dtype not in GGUF_PRECISIONS:
+    if config.dtype not in precision.GGUF_PRECISIONS:
         raise ValueError(
-            f"load_block_params: config.dtype must be one of {GGUF_PRECISIONS}, got {config.dtype!r}"
+            f"load_block_params: config.dtype must be one of {precision.GGUF_PRECISIONS}, got {config.dtype!r}"
         )
     if isinstance(path_or_reader, GGUFReader):
         reader = path_or_reader
@@ -565,13 +534,13 @@ def load_block_params(path_or_reader: PathOrReader, config: ModelConfig, progres
             value = unpermute_llama_rows(value, cfg[w.llama_permuted_heads])
         if not blocks:
             return np.ascontiguousarray(value.reshape(spec.shape), np.float32)
-        block = BlockWeight(
+        block = precision.BlockWeight(
             data=np.ascontiguousarray(value).reshape(*out_shape, -1),
             ggml_type=int(tensor.tensor_type),
             in_shape=tuple(spec.shape[len(spec.shape) - w.contract :]),
-            quantize_x=config.dtype == "gguf_q8",
+            quantize_x=precision.of(config.dtype).quantize_x,
         )
-        return for_cpu_kernel(block, table=w.init == "embedding")
+        return precision.for_cpu_kernel(block, table=w.init == "embedding")
 
     leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
     out = []

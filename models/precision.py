@@ -1,6 +1,7 @@
 """Weight precision: float32, bfloat16 or int8 weights, and the one matrix product every layer uses.
 
-A model's precision is `ModelConfig.dtype`:
+A model's precision is `ModelConfig.dtype`, the name of one entry of TABLE (a Precision: its
+activations' dtype and how its matrices are held), which every entry point reads:
   float32   float32 weights and activations (the converted checkpoint as it is);
   bfloat16  bfloat16 weights and activations, products accumulated in float32;
   int8      int8 matrices (every weight of the table with `contract` > 0: projections, MLP,
@@ -14,8 +15,8 @@ A model's precision is `ModelConfig.dtype`:
             Q8_K / Q8_0, the weight type's vec_dot_type) and integer dot products: how llama.cpp
             runs a GGUF on a CPU. The fastest on a CPU.
 models.weights.cast_params turns float32 parameters into a precision (once, when a model is
-loaded or made), with this module's quantizers. `linear` is the product of activations with a weight of any precision; in a program
-lowered for a CPU it runs the kernel of models/kernels/cpu_matmul.cc (one pass over the weight
+loaded or made) with its entry's Precision.matrix (this module's quantizers). `linear` is the
+product of activations with a weight of any precision; in a program lowered for a CPU it runs the kernel of models/kernels/cpu_matmul.cc (one pass over the weight
 for all the rows of a call, int8 / bfloat16 widened in registers), in one lowered for anything
 else XLA's dot (an int8 weight is widened in the graph, which a TPU or GPU compiler fuses into
 the product): `cpu_kernels(config)` and `on_cpu`.
@@ -30,9 +31,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType
 
-PRECISIONS = ("float32", "bfloat16", "int8", "gguf", "gguf_q8")
-GGUF_PRECISIONS = ("gguf", "gguf_q8")
+from models.kernels import cpu_matmul, gguf_blocks, gguf_matmul, target
+
 MATMUL_IMPLS = ("auto", "xla", "cpu_kernel")
 
 # What `auto` (models.auto_precision) decides from. Where a model's weights come from: "gguf" (a
@@ -154,15 +156,81 @@ class BlockWeight:
         return self.data.dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One precision (an entry of TABLE): what a model at it holds and computes in.
+
+    activations: the dtype of activations, the KV cache and every weight that is not a matrix
+      (norms, biases); a matrix too where `matrices` is "float".
+    matrices: how a matrix (a weight of models.weights' table with `contract` > 0) is held:
+      "float" (an array of `activations`), "int8" (Int8Weight, quantize_int8) or "blocks"
+      (BlockWeight: GGUF blocks, read from a GGUF file as it ships them, or quantized with
+      ggml's quantizer in default_block_type).
+    quantize_x: "blocks" only: the products quantize the activations to 8 bits (BlockWeight's).
+    """
+
+    activations: str = "float32"
+    matrices: str = "float"
+    quantize_x: bool = False
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.activations)
+
+    @property
+    def from_gguf(self) -> bool:
+        """Whether its matrices are a GGUF file's own blocks (it needs a GGUF source to load)."""
+        return self.matrices == "blocks"
+
+    def matrix(self, w: np.ndarray, contract: int, table: bool = False):
+        """A float32 matrix [out..., in...] (last `contract` axes its input; table: an embedding
+        table, whose rows are looked up) at this precision, on the host."""
+        if self.matrices == "int8":
+            return quantize_int8(w, contract)
+        if self.matrices == "blocks":
+            return for_cpu_kernel(quantize_blocks(w, contract, quantize_x=self.quantize_x), table=table)
+        return np.asarray(w).astype(self.dtype, copy=False)
+
+    def matrix_shape(self, shape: tuple[int, ...], contract: int):
+        """What `matrix` gives for a matrix of `shape`, as jax.ShapeDtypeStruct leaves."""
+        out, inputs = shape[: len(shape) - contract], shape[len(shape) - contract :]
+        if self.matrices == "int8":
+            return Int8Weight(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32))
+        if self.matrices == "blocks":
+            k = math.prod(inputs)
+            kind = default_block_type(k)
+            data = jax.ShapeDtypeStruct((*out, gguf_matmul.row_bytes(kind, k)), jnp.uint8)
+            return BlockWeight(data, kind, tuple(inputs), self.quantize_x)
+        return jax.ShapeDtypeStruct(shape, self.dtype)
+
+
+# The precisions (ModelConfig.dtype, models.load's dtype, the entry points' --target_dtype and
+# --draft_dtype), one entry each: see the module docstring.
+TABLE = {
+    "float32": Precision(),
+    "bfloat16": Precision(activations="bfloat16"),
+    "int8": Precision(matrices="int8"),
+    "gguf": Precision(matrices="blocks"),
+    "gguf_q8": Precision(matrices="blocks", quantize_x=True),
+}
+PRECISIONS = tuple(TABLE)
+GGUF_PRECISIONS = tuple(name for name, p in TABLE.items() if p.from_gguf)
+
+
+def of(name: str) -> Precision:
+    """The TABLE entry of precision `name`; ValueError naming PRECISIONS for any other."""
+    if name not in TABLE:
+        raise ValueError(f"dtype must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return TABLE[name]
+
+
 def default_block_type(k: int) -> int:
     """The block format models.weights.cast_params gives a matrix with k inputs: Q4_K (256-value blocks, as
     the pair's files hold most matrices) where k allows it, else Q5_0 (32-value blocks)."""
-    from gguf import GGMLQuantizationType as T
-
     if k % 256 == 0:
-        return T.Q4_K.value
+        return GGMLQuantizationType.Q4_K.value
     if k % 32 == 0:
-        return T.Q5_0.value
+        return GGMLQuantizationType.Q5_0.value
     raise ValueError(f"a GGUF precision needs matrices whose inputs are a multiple of 32, got {k}")
 
 
@@ -171,8 +239,6 @@ def quantize_blocks(
 ) -> BlockWeight:
     """A float weight [out..., in...] (last `contract` axes its input) in a GGUF block format
     (default: default_block_type), quantized with ggml's own quantizer."""
-    from models.kernels import gguf_matmul
-
     w = np.asarray(w, np.float32)
     out_shape, in_shape = w.shape[: w.ndim - contract], w.shape[w.ndim - contract :]
     k = math.prod(in_shape)
@@ -193,12 +259,14 @@ def for_cpu_kernel(w: BlockWeight, table: bool = False) -> BlockWeight:
     ggml's repacked product: measured 1.3-1.8x this project's own Q4_K kernel at 1-16 rows on an
     AVX-512 CPU (docs/design.md). Everything else, an embedding table (table: its rows are
     looked up), or where the products do not run on this CPU's kernel: w unchanged. Host arrays."""
-    from gguf import GGMLQuantizationType as T
-
-    from models.kernels import gguf_matmul, target
-
     rows = math.prod(w.data.shape[:-1])
-    if table or w.interleaved or not w.quantize_x or w.ggml_type != T.Q4_K.value or rows % 8:
+    if (
+        table
+        or w.interleaved
+        or not w.quantize_x
+        or w.ggml_type != GGMLQuantizationType.Q4_K.value
+        or rows % 8
+    ):
         return w
     if target.current().platform != "cpu" or not gguf_matmul.available():
         return w
@@ -219,8 +287,6 @@ def quantize_int8(w: np.ndarray, contract: int) -> Int8Weight:
 def dequantize(w) -> jax.Array:
     """A float32 copy of an Int8Weight or a BlockWeight (tests and reports); other weights as they are."""
     if isinstance(w, BlockWeight):
-        from models.kernels import gguf_blocks
-
         _no_interleaved(w)
         k = math.prod(w.in_shape)
         return gguf_blocks.dequantize(w.data, w.ggml_type, k).reshape(w.shape)
@@ -242,8 +308,6 @@ def cpu_kernels(config) -> bool:
 def has_cpu_kernels(matmul_impl: str, cpu_isa: str) -> bool:
     """cpu_kernels for a matmul_impl and a build of the CPU kernels (cpu_matmul.ISAS), before
     there is a config (an entry point's flags); ValueError on a bad matmul_impl too."""
-    from models.kernels import cpu_matmul
-
     if matmul_impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {matmul_impl!r}")
     if matmul_impl == "xla":
@@ -279,8 +343,6 @@ def on_cpu(cpu, default, *args):
     (jax.export for other platforms) both are traced (jax.lax.platform_dependent) and only the
     lowered platform's is compiled."""
     if not _PORTABLE.get():
-        from models.kernels import target
-
         return cpu(*args) if target.current().platform == "cpu" else default(*args)
     return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
@@ -312,7 +374,6 @@ def linear(x, w, contract: int, config):
         return y if scale is None else y * scale
 
     if cpu_kernels(config):
-        from models.kernels import cpu_matmul
 
         def by_kernel(x_mi, w_oi, scale):
             return cpu_matmul.matmul(x_mi, w_oi, scale, config.cpu_isa)
@@ -331,28 +392,23 @@ def _block_product(x_mi, w: BlockWeight, config):
     data_oy = w.data.reshape(-1, w.data.shape[-1])
 
     def by_xla(x_mi, data_oy):
-        from models.kernels import gguf_blocks
-
         _no_interleaved(w)
         w_oi = gguf_blocks.dequantize(data_oy, w.ggml_type, x_mi.shape[1])
         return jnp.einsum("mi,oi->mo", x_mi.astype(jnp.float32), w_oi, preferred_element_type=jnp.float32)
 
-    if cpu_kernels(config):
-        from models.kernels import gguf_matmul
+    if cpu_kernels(config) and gguf_matmul.available():
 
-        if gguf_matmul.available():
+        def by_kernel(x_mi, data_oy):
+            return gguf_matmul.matmul(
+                x_mi,
+                data_oy,
+                w.ggml_type,
+                quantize_x=w.quantize_x,
+                interleaved=w.interleaved,
+                bulk=config.bulk_products,
+            )
 
-            def by_kernel(x_mi, data_oy):
-                return gguf_matmul.matmul(
-                    x_mi,
-                    data_oy,
-                    w.ggml_type,
-                    quantize_x=w.quantize_x,
-                    interleaved=w.interleaved,
-                    bulk=config.bulk_products,
-                )
-
-            return by_kernel(x_mi, data_oy) if w.interleaved else on_cpu(by_kernel, by_xla, x_mi, data_oy)
+        return by_kernel(x_mi, data_oy) if w.interleaved else on_cpu(by_kernel, by_xla, x_mi, data_oy)
     return by_xla(x_mi, data_oy)
 
 
@@ -370,8 +426,6 @@ def lookup(table, tokens):
     builds (the same numbers as gguf_blocks' dequantization, which XLA runs elsewhere)."""
     if isinstance(table, BlockWeight):
         _no_interleaved(table)
-        from models.kernels import gguf_blocks, gguf_matmul
-
         k = math.prod(table.in_shape)
 
         def by_xla(tokens, data):

@@ -25,6 +25,9 @@ import os
 import pathlib
 import re
 
+from models import gguf_loader, hf_checkpoint, hf_config, registry
+from models.precision import GGUF_PRECISIONS, PRECISIONS
+
 # What models.load takes besides names, for messages.
 FORMS = "a local .gguf file, a Hugging Face checkpoint folder, or a Hugging Face hub id (org/name)"
 # The files of a checkpoint folder the conversion reads (and a hub download fetches).
@@ -60,8 +63,6 @@ class Source:
 
     @property
     def precisions(self) -> tuple[str, ...]:
-        from models.precision import GGUF_PRECISIONS, PRECISIONS
-
         return PRECISIONS if self.has_gguf else tuple(p for p in PRECISIONS if p not in GGUF_PRECISIONS)
 
     @property
@@ -97,8 +98,6 @@ def _local(path: pathlib.Path) -> Source:
     """The Source of an existing file or folder; ValueError in one line when it is neither a
     GGUF file nor a checkpoint folder of a supported architecture, gguf_loader.GGUFFileError
     when it is a GGUF file cut short or corrupt (gguf_loader.check_file)."""
-    from models import gguf_loader, hf_checkpoint, hf_config
-
     resolved = path.resolve()
     if resolved.is_file():
         with open(resolved, "rb") as f:
@@ -124,8 +123,6 @@ def check(text: str, known=None) -> None:
     """ValueError in one line unless `text` is a registry name, an existing GGUF file or
     checkpoint folder (of a supported architecture), or has the form of a hub id; fetches and
     converts nothing. `known`: the names the message lists (models.known_models() by default)."""
-    from models import registry
-
     if text in registry.MODELS:
         return
     path = pathlib.Path(text).expanduser()
@@ -140,8 +137,6 @@ def check(text: str, known=None) -> None:
 def unknown(text: str, known=None) -> str:
     """The message for text that names no model, listing `known` (default: the registry's
     names; models.load and models.check_source pass models.known_models(), presets included)."""
-    from models import registry
-
     names = ", ".join(sorted(registry.MODELS) if known is None else known)
     return f"unknown model {text!r}; known models: {names}; or {FORMS}"
 
@@ -150,8 +145,6 @@ def resolve(text: str, fetch: bool = True, known=None) -> Source:
     """The Source of `text` (see the module docstring); a hub id is downloaded (fetch_hub) unless
     `fetch` is False, when it is refused. ValueError for text that names none (listing `known`,
     as unknown)."""
-    from models import registry
-
     if text in registry.MODELS:
         return Source("registry", text)
     path = pathlib.Path(text).expanduser()
@@ -166,8 +159,6 @@ def entry_of(text: str) -> str:
     """Source.entry of `text` without checking that a name is registered: a registry name (or
     one a test registered in another process) is its own entry; an existing file or folder's is
     named by its path. ValueError for a path that does not exist."""
-    from models import registry
-
     if text in registry.MODELS:
         return text
     path = pathlib.Path(text).expanduser()
@@ -183,10 +174,8 @@ def fetch_hub(repo_id: str) -> pathlib.Path:
     cache, downloaded where not there yet. models.registry.DownloadError in one line when
     huggingface_hub is not installed or the hub cannot be reached (nothing about the name is
     wrong then: the environment is)."""
-    from models import registry
-
     try:
-        import huggingface_hub
+        import huggingface_hub  # an optional dependency (the hub extra)
     except ImportError:
         raise registry.DownloadError(
             f"{repo_id}: no such file or folder, and huggingface_hub is not installed to fetch it "
@@ -206,8 +195,6 @@ def fetch_hub(repo_id: str) -> pathlib.Path:
 def has_gguf(text: str) -> bool:
     """Whether `text` is a registry name or an existing GGUF file (no fetching): a source the
     GGUF precisions can read."""
-    from models import registry
-
     if text in registry.MODELS:
         return True
     path = pathlib.Path(text).expanduser()

@@ -17,6 +17,7 @@ import numpy as np
 from models import kernels, precision, weights
 from models.cache import KVCache, write_layer
 from models.config import ModelConfig
+from models.kernels import cpu_matmul
 from models.weights import param_shapes  # noqa: F401  (part of this module's API)
 
 
@@ -60,7 +61,6 @@ def rms_norm(cfg: ModelConfig, x, scale):
         return x32 * scale.astype(jnp.float32)
 
     if attention_impl(cfg) == "cpu":  # the CPU kernels: each row alone, fixed order
-        from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
 
         def by_kernel(x, scale):
             return cpu_matmul.rms_norm(x, scale, cfg.rms_eps, cfg.cpu_isa)
@@ -271,33 +271,11 @@ def _residual(cfg: ModelConfig, branch):
 class Transformer(nn.Module):
     config: ModelConfig
 
-    # forward(config, params, ...) below takes these same arguments on purpose: it is the
-    # functional form of this call (Transformer(config).apply), which every caller uses.
+    # forward(config, params, ...) below is the functional form of this call, which every caller
+    # uses: its arguments are this call's, their defaults and meaning written there once.
     @nn.compact
-    def __call__(
-        self,
-        tokens_bt,
-        positions_bt,
-        cache: KVCache,
-        logits_at=None,
-        head=None,
-        with_features=False,
-        tree=None,
-    ):
-        """Returns a ForwardOutput: logits [B, T or K, V] float32, the cache, and the features
-        [B, T, D] when with_features (else None).
-
-        logits_at: optional [B, K] indices into T; only those positions get logits (prefill
-        needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
-        head: optional output weight [R, D] (any precision) used instead of the model's own
-        head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafting.model).
-        with_features: also return the last hidden state after the final norm at every
-        position (what the output head reads; a draft head's input, models.draft_head).
-        tree: optional int32 [B, T] ancestor bits (models.kernels' `tree`; spec_jax.tree.query_bits):
-        the T tokens are a token tree's root and nodes, written at contiguous slots from the
-        first token's position, each at the position of its depth (positions_bt) and reading the
-        committed text and its ancestors only.
-        """
+    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at, head, with_features, tree):
+        """forward's ForwardOutput (see forward for the arguments)."""
         cfg = self.config
         if not cfg.is_decoder:
             raise ValueError(f"forward runs decoders; a {cfg.kind} runs with models.draft_head.forward")
@@ -363,7 +341,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
-# The arguments of Transformer.__call__ (above) on purpose: forward is its functional form.
 def forward(
     config: ModelConfig,
     params,
@@ -375,13 +352,22 @@ def forward(
     with_features=False,
     tree=None,
 ) -> ForwardOutput:
-    """`out = forward(config, params, tokens[B,T], positions[B,T], cache)`: out.logits, out.cache,
-    and out.features [B, T, D] with with_features, else None (see Transformer for the options).
+    """`out = forward(config, params, tokens[B,T], positions[B,T], cache)` (Transformer(config)'s
+    call): a ForwardOutput, out.logits [B, T or K, V] float32, out.cache, and out.features
+    [B, T, D] with with_features (else None).
 
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
-    written at their positions; each query sees keys at positions <= its own. With a tree
-    (int32 [B, T] ancestor bits) the tokens are a token tree instead: written at the slots
-    tree_slots(positions), each seeing the committed text and its ancestors (Transformer).
+    written at their positions; each query sees keys at positions <= its own.
+    logits_at: optional [B, K] indices into T; only those positions get logits (prefill
+    needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
+    head: optional output weight [R, D] (any precision) used instead of the model's own
+    head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafting.model).
+    with_features: also return the last hidden state after the final norm at every
+    position (what the output head reads; a draft head's input, models.draft_head).
+    tree: optional int32 [B, T] ancestor bits (models.kernels' `tree`; spec_jax.tree.query_bits):
+    the T tokens are a token tree's root and nodes, written at contiguous slots from the
+    first token's position (tree_slots), each at the position of its depth (positions_bt) and
+    reading the committed text and its ancestors only.
     """
     return Transformer(config).apply(
         {"params": params}, tokens_bt, positions_bt, cache, logits_at, head, with_features, tree

@@ -308,30 +308,17 @@ def entry(path) -> tuple[Weight, bool, str | None]:
 
 def param_shapes(config: ModelConfig):
     """The parameter pytree as jax.ShapeDtypeStruct leaves, in the config's layout and precision
-    (int8: a models.precision.Int8Weight of an int8 value and float32 scales per matrix; the GGUF
-    precisions: a BlockWeight of each matrix in models.precision.default_block_type)."""
-    dtype = config.jnp_dtype
+    (its models.precision.TABLE entry: a matrix as Precision.matrix_shape, int8's an Int8Weight of
+    an int8 value and float32 scales, the GGUF precisions' a BlockWeight in
+    models.precision.default_block_type; everything else in the activations' dtype)."""
+    p = precision.of(config.dtype)
     tree: dict = {}
 
     def put(prefix: tuple[str, ...], w: Weight, shape):
         node = tree
         for key in prefix + w.path[:-1]:
             node = node.setdefault(key, {})
-        if config.dtype == "int8" and w.contract:
-            out = shape[: len(shape) - w.contract]
-            leaf = precision.Int8Weight(
-                jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(out, jnp.float32)
-            )
-        elif config.dtype in precision.GGUF_PRECISIONS and w.contract:
-            from models.kernels import gguf_matmul  # native libraries: ~20 ms of start-up
-
-            out, inputs = shape[: len(shape) - w.contract], shape[len(shape) - w.contract :]
-            k = math.prod(inputs)
-            kind = precision.default_block_type(k)
-            data = jax.ShapeDtypeStruct((*out, gguf_matmul.row_bytes(kind, k)), jnp.uint8)
-            leaf = precision.BlockWeight(data, kind, tuple(inputs), config.dtype == "gguf_q8")
-        else:
-            leaf = jax.ShapeDtypeStruct(shape, dtype)
+        leaf = p.matrix_shape(shape, w.contract) if w.contract else jax.ShapeDtypeStruct(shape, p.dtype)
         node[w.path[-1]] = leaf
 
     for w in weights_of(config):
@@ -348,10 +335,12 @@ def param_shapes(config: ModelConfig):
 def cast_params(params, config, to_device=None):
     """float32 parameters (host or device arrays) in the precision `config.dtype`.
 
-    The concrete counterpart of param_shapes. Matrices become Int8Weight for int8, BlockWeight (precision.default_block_type, quantized by ggml) for
-    the GGUF precisions; everything else float32 (bfloat16 for bfloat16). One
-    leaf at a time (cast_leaf), each passed through `to_device` (e.g. jax.device_put) when given, so a host
-    copy of the whole model is never held twice.
+    The concrete counterpart of param_shapes: matrices as the precision's models.precision.TABLE
+    entry holds them (Precision.matrix: Int8Weight for int8, BlockWeight in
+    precision.default_block_type, quantized by ggml, for the GGUF precisions), everything else
+    in its activations' dtype (float32; bfloat16 for bfloat16). One leaf at a time (cast_leaf),
+    each passed through `to_device` (e.g. jax.device_put) when given, so a host copy of the
+    whole model is never held twice.
     """
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: cast_leaf(path, leaf, config, to_device), params
@@ -362,18 +351,13 @@ def cast_leaf(path, leaf, config, to_device=None):
     """One float32 leaf of cast_params, at pytree path `path`. Every output unit is cast on its
     own, so rows of a leaf along its first axis (layers, or a matrix's output units) cast alone
     give the rows of the whole leaf's cast (models.convert derives a precision that way)."""
-    if config.dtype not in precision.PRECISIONS:
-        raise ValueError(f"dtype must be one of {precision.PRECISIONS}, got {config.dtype!r}")
-    put = to_device or (lambda x: x)
+    p = precision.of(config.dtype)
     w, _, _ = entry(path)
-    if config.dtype == "int8" and w.contract:
-        q = precision.quantize_int8(np.asarray(leaf), w.contract)
-        return precision.Int8Weight(value=put(q.value), scale=put(q.scale))
-    if config.dtype in precision.GGUF_PRECISIONS and w.contract:
-        q = precision.quantize_blocks(np.asarray(leaf), w.contract, quantize_x=config.dtype == "gguf_q8")
-        q = precision.for_cpu_kernel(q, table=w.init == "embedding")
-        return q.replace(data=put(q.data))
-    return put(np.asarray(leaf).astype(config.jnp_dtype, copy=False))
+    if w.contract:
+        value = p.matrix(np.asarray(leaf), w.contract, table=w.init == "embedding")
+    else:
+        value = np.asarray(leaf).astype(p.dtype, copy=False)
+    return value if to_device is None else jax.tree.map(to_device, value)
 
 
 def logical_axes(params):

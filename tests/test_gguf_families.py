@@ -16,7 +16,9 @@ permuted, a norm without its +1, a wrong rotary base or window) moves logits by 
 Needs torch and transformers (the `reference` extra): skipped with one line without them.
 """
 
+import ast
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 
 import gguf  # noqa: E402
 
-from models import forward, gguf_loader, hf_config, init_cache, unstack_layers  # noqa: E402
+from models import families, forward, gguf_loader, hf_config, init_cache, unstack_layers  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 from tests import tiny_gguf  # noqa: E402
@@ -239,3 +241,16 @@ def test_other_architectures_refused_naming_them(arch, tmp_path):
         ValueError, match=f"unsupported GGUF architecture '{arch}'; supported: llama, qwen2, qwen3, gemma3"
     ):
         gguf_loader.read_config(path)
+
+
+def test_the_loader_names_no_architecture_each_is_its_family_entry():
+    """What differs between GGUF architectures is read from models.families (a Family's gguf_*
+    fields and its fixed settings): no string in models/gguf_loader.py names an architecture, so
+    a family's GGUF support is its table entry (docs/design.md, "Adding a model family")."""
+    tree = ast.parse(pathlib.Path(gguf_loader.__file__).read_text())
+    named = {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in families.GGUF_ARCHS
+    }
+    assert not named, f"gguf_loader names architectures: {sorted(named)}"
+    assert gguf_loader.SUPPORTED_ARCHS == tuple(families.GGUF_ARCHS) == ("llama", "qwen2", "qwen3", "gemma3")
+    assert gguf_loader.PERMUTED_ARCHS == ("llama",)

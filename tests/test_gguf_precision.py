@@ -8,7 +8,9 @@ the target's distribution exactly. The kernel builds on first use; where it cann
 fail (CI has compilers) while those of the XLA path (gguf_blocks) do not need it.
 """
 
+import ast
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -425,11 +427,29 @@ def test_cli_refuses_an_unknown_precision_in_one_line():
     assert "--target_dtype" in lines[0] and all(name in lines[0] for name in ALLOWED), lines[0]
 
 
-def test_the_cli_lists_the_same_precisions_as_models():
+def test_the_cli_offers_the_precision_table_and_auto():
     from launch import generate
 
-    assert generate.PRECISIONS == precision.PRECISIONS == ALLOWED
+    for flag in ("target_dtype", "draft_dtype"):
+        assert generate.FLAGS[flag].parser.enum_values == ["auto", *precision.PRECISIONS]
+    assert precision.PRECISIONS == tuple(precision.TABLE) == ALLOWED
     assert precision.GGUF_PRECISIONS == ("gguf", "gguf_q8")
+
+
+def test_no_entry_point_writes_its_own_list_of_the_precisions():
+    """A precision is one entry of models.precision.TABLE: a tuple or list literal in launch/
+    naming two or more of them would be a copy to keep in step."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    copies = []
+    for path in sorted((root / "launch").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List)):
+                names = {e.value for e in node.elts if isinstance(e, ast.Constant)} & set(
+                    precision.PRECISIONS
+                )
+                if len(names) > 1 and not names <= {"float32", "bfloat16"}:  # torch's dtypes (peers)
+                    copies.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not copies, f"lists of precisions outside models.precision.TABLE: {copies}"
 
 
 # -- 8. A real GGUF: SmolLM2-135M in its own blocks -------------------------------------------

@@ -5,8 +5,8 @@ imports it. So there is no cycle between packages to work around.
 
 Below, what belongs where: spec_jax/ is the inference library (no module of it that only
 experiments/, scripts/ or training/ import; no optax), and the size limits (files of spec_jax/,
-functions outside tests/) with an allow-list that can only shrink; and the order of spec_jax's own
-modules (SPEC_JAX_LAYERS)."""
+functions outside tests/) and the imports inside function bodies, with allow-lists that can only
+shrink; and the order of spec_jax's own modules (SPEC_JAX_LAYERS)."""
 
 import ast
 import io
@@ -263,9 +263,7 @@ def test_spec_jax_imports_no_optimizer():
 MAX_FILE_LINES = 400
 FILE_LINES_ALLOWED: dict[str, int] = {}
 MAX_FUNCTION_LINES = 60
-FUNCTION_LINES_ALLOWED = {
-    "models/gguf_loader.py:read_config": 61,
-}
+FUNCTION_LINES_ALLOWED: dict[str, int] = {}
 
 
 def long_functions(root: pathlib.Path, folders=PROJECT - {"tests"}) -> dict[str, int]:
@@ -321,8 +319,15 @@ def test_the_size_checks_find_a_long_function_and_a_grown_offender(tmp_path):
 # Imports at the top of the module (issue 40), except where a measured start-up cost or an
 # optional dependency needs a late one; then a comment on the import's line, or on the line just
 # above it (or above the run of import lines it ends), says which. The ceilings are today's
-# counts and may only shrink; spec_jax/ and models/ join the table when their work merges.
-LATE_IMPORT_CEILINGS = {"launch": 6, "experiments": 1, "scripts": 1, "training": 0}
+# counts and may only shrink (issue 40's goal: under 30 in all, from 188).
+LATE_IMPORT_CEILINGS = {
+    "spec_jax": 3,
+    "models": 2,
+    "launch": 6,
+    "experiments": 1,
+    "scripts": 1,
+    "training": 0,
+}
 
 
 def late_imports(root: pathlib.Path, folders) -> dict[str, list[tuple[str, bool]]]:
@@ -365,6 +370,7 @@ def test_late_imports_are_few_and_each_says_why():
     assert not uncommented, (
         f"late imports without a comment saying why (start-up cost or optional): {uncommented}"
     )
+    assert sum(LATE_IMPORT_CEILINGS.values()) < 30
     over = {f: [w for w, _ in found[f]] for f, n in LATE_IMPORT_CEILINGS.items() if len(found[f]) > n}
     assert not over, f"more late imports than the ceilings {LATE_IMPORT_CEILINGS} (import at the top): {over}"
 

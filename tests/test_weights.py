@@ -3,6 +3,7 @@
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +53,10 @@ def test_the_flax_modules_declare_exactly_the_tables_shapes(kind):
     ).config
     tokens = jnp.zeros((1, 1), jnp.int32)
     cache = jax.eval_shape(lambda: transformer.init_cache(config, 1, 1))
-    flax_params = jax.eval_shape(
-        transformer.Transformer(config).init, jax.random.key(0), tokens, tokens, cache
-    )["params"]
+    init = functools.partial(  # forward's defaults, static
+        transformer.Transformer(config).init, logits_at=None, head=None, with_features=False, tree=None
+    )
+    flax_params = jax.eval_shape(init, jax.random.key(0), tokens, tokens, cache)["params"]
     as_shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
     assert as_shapes(dict(flax_params)) == as_shapes(weights.param_shapes(config))
 

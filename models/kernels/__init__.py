@@ -41,7 +41,7 @@ the TPU interpreter (pltpu.InterpretParams()). The kernels tile for the same dev
 generation, GPU shared memory per block (see target.py). See docs/kernels.md.
 """
 
-from models.kernels import flash_attention, flash_decoding
+from models.kernels import cpu_matmul, flash_attention, flash_decoding
 from models.kernels import target as target_lib
 from models.kernels.reference import (
     DEFAULT_MASK_VALUE,
@@ -116,8 +116,6 @@ def attention(
     if impl == "xla":
         return attention_reference(q, k, v, q_positions, kv_lengths, window, tree)
     if impl == "cpu":
-        from models.kernels import cpu_matmul  # native libraries: ~20 ms of start-up
-
         if cpu_isa is None:
             raise ValueError("attention impl cpu: name the CPU kernel library's build (cpu_isa)")
         if not cpu_matmul.available(cpu_isa):

@@ -20,7 +20,9 @@ not -inf, so that `m_prev - m_next` is never inf - inf), running sum `l` and unn
 so a row that sees no key keeps l == 0 and its output is defined as zeros.
 """
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -29,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import target as target_lib
-from models.kernels.reference import DEFAULT_MASK_VALUE, MAX_TREE_QUERIES
+from models.kernels.reference import DEFAULT_MASK_VALUE, MAX_TREE_QUERIES, check_tree, check_window
 
 BACKENDS = ("tpu", "gpu")
 # Head dims the kernels are written for: powers of two (Triton tiles) that fill at least half of
@@ -220,6 +222,56 @@ def check_gpu_shared_memory(rows: int, block_k: int, head_dim: int, dtype, what:
             f"({rows} query rows x block_k={block_k}, D={head_dim}, {jnp.dtype(dtype).name}), more than "
             f"the {have / 1024:.0f} KiB of {target.describe('gpu')}; use a smaller block_k"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """A Pallas attention kernel behind one call, the same for flash_attention.flash_attention and
+    flash_decoding.flash_decoding, so that the dispatcher (models.kernels.attention) calls either
+    alike; the contract is models.kernels.attention's.
+
+    kernel(q, k, v, q_positions, kv_lengths, *, window=None, tree=None, backend, block_sizes=None,
+    interpret=False, target=None) -> [B, T, H, D] in q's dtype:
+      q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
+      q_positions: [B, T] int; kv_lengths: [B] int.
+      window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
+        keys s with p - s < window; key blocks before every window of a tile are skipped.
+      tree: None or int32 [B, T] ancestor bits (reference.check_tree): the queries are a token
+        tree's nodes, whose keys are the last T slots (models.kernels' contract).
+      backend: "tpu" (Mosaic) or "gpu" (Triton).
+      block_sizes: the kernel's tiling (its module's FlashBlockSizes / DecodeBlockSizes); None:
+        the kernel's default for the call.
+      interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
+      target: the device to tile for (target.Target); None: the device in effect while tracing
+        (models.kernels.target.current()).
+
+    run: the kernel, jitted with backend, block_sizes, interpret and target static: run(q, k, v,
+    q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target).
+    """
+
+    run: Callable
+
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        q_positions,
+        kv_lengths,
+        *,
+        window=None,
+        tree=None,
+        backend: str,
+        block_sizes=None,
+        interpret=False,
+        target: target_lib.Target | None = None,
+    ):
+        check_window(window)  # here, before jit: a Python int is still a number
+        check_tree(tree, q.shape)
+        return self.run(
+            q, k, v, q_positions, kv_lengths, window, tree,
+            backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
+        )  # fmt: skip
 
 
 def largest_gpu_block(cap: int, fits) -> int | None:

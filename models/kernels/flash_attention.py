@@ -41,7 +41,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
 from models.kernels import target as target_lib
-from models.kernels.reference import check_tree, check_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,48 +122,6 @@ class FlashBlockSizes:
                     raise ValueError(f"GPU {name}={value} must be a power of two >= 16 (Triton tiles)")
 
 
-# The same arguments as flash_decoding.flash_decoding on purpose: the dispatcher (models.kernels.attention) calls
-# either with one contract.
-def flash_attention(
-    q,
-    k,
-    v,
-    q_positions,
-    kv_lengths,
-    *,
-    window=None,
-    tree=None,
-    backend: str,
-    block_sizes: FlashBlockSizes | None = None,
-    interpret=False,
-    target: target_lib.Target | None = None,
-):
-    """Blocked causal attention for prefill (any T); same contract as `models.kernels.attention`.
-
-    Args:
-      q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
-      q_positions: [B, T] int; kv_lengths: [B] int.
-      window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
-        keys s with p - s < window; key blocks before every window of a query block are skipped.
-      tree: None or int32 [B, T] ancestor bits (reference.check_tree): the queries are a token
-        tree's nodes, whose keys are the last T slots (models.kernels' contract).
-      backend: "tpu" (Mosaic) or "gpu" (Triton).
-      block_sizes: FlashBlockSizes; None picks FlashBlockSizes.default(backend, D, dtype, target, ...).
-      interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
-      target: the device to tile for (target.Target); None: the device in effect while tracing
-        (models.kernels.target.current()).
-
-    Returns:
-      [B, T, H, D] in q's dtype.
-    """
-    check_window(window)  # here, before jit: a Python int is still a number
-    check_tree(tree, q.shape)
-    return _flash_attention(
-        q, k, v, q_positions, kv_lengths, window, tree,
-        backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
-    )  # fmt: skip
-
-
 @functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
 def _flash_attention(
     q, k, v, q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target
@@ -181,6 +138,11 @@ def _flash_attention(
         interpret = common.tpu_interpret(interpret)
         return _tpu_flash_attention(q, k, v, limit, start, tree_rows, block_sizes, interpret, target)
     return _gpu_flash_attention(q, k, v, limit, start, tree_rows, block_sizes, interpret, target)
+
+
+# Blocked causal attention for prefill (any T): common.AttentionKernel's call, with block_sizes a
+# FlashBlockSizes (None: FlashBlockSizes.default(backend, D, dtype, target, G, KVH)).
+flash_attention = common.AttentionKernel(_flash_attention)
 
 
 # ---------------------------------------------------------------------------------------------- TPU

@@ -39,7 +39,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from models.kernels import common
 from models.kernels import target as target_lib
-from models.kernels.reference import check_tree, check_window
 
 # GPU split heuristic: aim for this many programs (B * KVH * num_splits), ~2 per SM of an H100.
 _GPU_TARGET_PROGRAMS = 264
@@ -159,49 +158,6 @@ def tpu_vmem_bytes(kvh: int, rows: int, d: int, block_k: int, dtype) -> int:
     return vmem
 
 
-# The same arguments as flash_attention.flash_attention on purpose: the dispatcher (models.kernels.attention) calls
-# either with one contract.
-def flash_decoding(
-    q,
-    k,
-    v,
-    q_positions,
-    kv_lengths,
-    *,
-    window=None,
-    tree=None,
-    backend: str,
-    block_sizes: DecodeBlockSizes | None = None,
-    interpret=False,
-    target: target_lib.Target | None = None,
-):
-    """Split-K attention for small T; same contract as `models.kernels.attention`.
-
-    Args:
-      q: [B, T, H, D]; k, v: [B, S, KVH, D], same dtype (float32 or bfloat16), D in SUPPORTED_HEAD_DIMS.
-      q_positions: [B, T] int; kv_lengths: [B] int.
-      window: None or an int32 scalar, Python or traced (reference.check_window): query p sees only
-        keys s with p - s < window; key blocks before every row's window are skipped.
-      tree: None or int32 [B, T] ancestor bits (reference.check_tree): the queries are a token
-        tree's nodes, whose keys are the last T slots (models.kernels' contract).
-      backend: "tpu" (Mosaic) or "gpu" (Triton).
-      block_sizes: DecodeBlockSizes; None means DecodeBlockSizes() (all defaults).
-      interpret: Pallas interpret mode (CPU). For backend="tpu", True means pltpu.InterpretParams().
-      target: the device to tile for (target.Target); None: the device in effect while tracing
-        (models.kernels.target.current()).
-
-    Returns:
-      [B, T, H, D] in q's dtype. Any T works, but the folded [T * H / KVH, D] query tile is meant to
-      be small (the dispatcher sends T <= 16 here).
-    """
-    check_window(window)  # here, before jit: a Python int is still a number
-    check_tree(tree, q.shape)
-    return _flash_decoding(
-        q, k, v, q_positions, kv_lengths, window, tree,
-        backend=backend, block_sizes=block_sizes, interpret=interpret, target=target,
-    )  # fmt: skip
-
-
 @functools.partial(jax.jit, static_argnames=("backend", "block_sizes", "interpret", "target"))
 def _flash_decoding(
     q, k, v, q_positions, kv_lengths, window, tree, *, backend, block_sizes, interpret, target
@@ -232,6 +188,12 @@ def _flash_decoding(
     out = common.combine_partials(o_parts, lse)  # [B, KVH, R, D] f32
     out = out[:, :, : t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
     return out.astype(q.dtype)
+
+
+# Split-K attention for small T: common.AttentionKernel's call, with block_sizes a
+# DecodeBlockSizes (None: DecodeBlockSizes(), all defaults). Any T works, but the folded
+# [T * H / KVH, D] query tile is meant to be small (the dispatcher sends T <= 16 here).
+flash_decoding = common.AttentionKernel(_flash_decoding)
 
 
 # ---------------------------------------------------------------------------------------------- TPU

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from gguf import GGMLQuantizationType
 from jax import lax
 
 
@@ -165,10 +166,8 @@ SUPPORTED: frozenset[int] = frozenset(_FORMATS)
 
 def _type_name(ggml_type: int) -> str:
     try:
-        from gguf.constants import GGMLQuantizationType  # gguf: ~45 ms of start-up, only for GGUF blocks
-
         return GGMLQuantizationType(ggml_type).name
-    except (ImportError, ValueError):
+    except ValueError:
         return f"ggml type {ggml_type}"
 
 

@@ -26,6 +26,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.kernels import libraries, llama_cpp
 
@@ -116,11 +117,6 @@ def available() -> bool:
 
 def row_bytes(ggml_type: int, k: int) -> int:
     """Bytes of one row of k values in a GGUF block format."""
-    from gguf.constants import (
-        GGML_QUANT_SIZES,
-        GGMLQuantizationType,
-    )  # gguf: ~45 ms of start-up, only for GGUF blocks
-
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     if k % block:
         raise ValueError(f"a row of {k} values is not a whole number of {block}-value blocks")
@@ -144,14 +140,16 @@ def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
     """Q4_K rows [O, Y] (O a multiple of 8) -> the same bytes with each group of 8 rows'
     blocks interleaved (ggml's block_q4_Kx8, as llama.cpp's CPU backend repacks Q4_K): what
     matmul(..., interleaved=True) reads."""
-    from gguf import GGMLQuantizationType as T  # gguf: ~45 ms of start-up, only for GGUF blocks
-
     library = _library()
     if isinstance(library, str):
         raise KernelUnavailable(library)
     data_oy = np.ascontiguousarray(data_oy, np.uint8)
     k = data_oy.shape[1] // 144 * 256
-    if data_oy.ndim != 2 or data_oy.shape[0] % 8 or row_bytes(T.Q4_K.value, k) != data_oy.shape[1]:
+    if (
+        data_oy.ndim != 2
+        or data_oy.shape[0] % 8
+        or row_bytes(GGMLQuantizationType.Q4_K.value, k) != data_oy.shape[1]
+    ):
         raise ValueError(
             f"interleave_q4k: Q4_K rows [N, row_bytes] with N a multiple of 8, got {data_oy.shape}"
         )
