@@ -113,6 +113,8 @@ class Family:
       config.json has no layer_types.
     attention_scale(cfg, head_dim): ModelConfig.attention_scale (None: head_dim ** -0.5).
     hf_scalars: ModelConfig field -> (config.json key, its default): scalars read as they are.
+    hf_text_configs: config.json model_type -> the model_type of the decoder it holds in its
+      `text_config` (a multimodal checkpoint whose text model this project runs).
     norm_offset: the checkpoint stores w of a norm that multiplies by norm_offset + w (Gemma: 1).
     gguf_archs: general.architecture values of its GGUF files (empty: no GGUF support).
     gguf_permuted_qk: llama.cpp's converter permuted the q / k rows (LlamaModel.permute).
@@ -133,6 +135,7 @@ class Family:
     local_layers: Callable[[dict, int], tuple[int, ...]] = _no_local_layers
     attention_scale: Callable[[dict, int], float | None] = _no_attention_scale
     hf_scalars: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    hf_text_configs: MappingProxyType = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     norm_offset: float = 0.0
     gguf_archs: tuple[str, ...] = ()
     gguf_permuted_qk: bool = False
@@ -182,10 +185,10 @@ FAMILIES: dict[str, Family] = {
     ),
     # llama.cpp's converter writes Mistral's HF checkpoints as "llama" GGUF files.
     "mistral": Family(("mistral",), local_layers=_mistral_local_layers),
-    # "gemma3" is the multimodal checkpoint: its text model is read from `text_config`
-    # (models.hf_config.text_config).
+    # "gemma3" is the multimodal checkpoint: its text model is read from `text_config`.
     "gemma3": Family(
         ("gemma3_text", "gemma3"),
+        hf_text_configs=_fixed(gemma3="gemma3_text"),
         fixed=_fixed(qk_norm=True, sandwich_norms=True, embed_scale=True),
         tied_by_default=True,
         rope_theta=1_000_000.0,
@@ -216,6 +219,8 @@ FAMILIES: dict[str, Family] = {
 NAMES = tuple(FAMILIES)
 # config.json model_type -> family
 HF_MODEL_TYPES = {t: name for name, f in FAMILIES.items() for t in f.hf_model_types}
+# config.json model_type of a multimodal checkpoint -> its text_config's model_type
+HF_TEXT_CONFIGS = {outer: inner for f in FAMILIES.values() for outer, inner in f.hf_text_configs.items()}
 # GGUF general.architecture -> family. Mistral's HF checkpoints are written as "llama" by
 # llama.cpp's converter; its "mistral3" / "mistral4" (Mistral's own format, with yarn rope and
 # attention temperature scaling) are not supported.

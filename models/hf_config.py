@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from models.families import FAMILIES, FULL, HF_MODEL_TYPES, SLIDING, Family
+from models.families import FAMILIES, FULL, HF_MODEL_TYPES, HF_TEXT_CONFIGS, SLIDING, Family
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -29,10 +29,10 @@ def architecture(cfg: dict) -> str:
 
 
 def text_config(cfg: dict) -> dict:
-    """The decoder's own config: `text_config` of a multimodal Gemma 3 checkpoint, else cfg."""
-    if cfg.get("model_type") == "gemma3":
-        return {"model_type": "gemma3_text", **cfg.get("text_config", {})}
-    return cfg
+    """The decoder's own config: the `text_config` of a multimodal checkpoint (a family's
+    hf_text_configs, e.g. Gemma 3's), else cfg."""
+    inner = HF_TEXT_CONFIGS.get(cfg.get("model_type"))
+    return {"model_type": inner, **cfg.get("text_config", {})} if inner else cfg
 
 
 def family_of(cfg: dict) -> str:

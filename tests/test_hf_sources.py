@@ -2,6 +2,7 @@
 tiny random transformers models of each family give transformers' logits and exact greedy
 speculative decoding; the cache entry of a folder is reused until the folder changes."""
 
+import ast
 import copy
 import json
 import os
@@ -23,7 +24,7 @@ from conftest import apply, cache_with_kernels  # noqa: E402
 
 import models  # noqa: E402
 import spec_jax  # noqa: E402
-from models import convert, families, hf_config  # noqa: E402
+from models import convert, families, hf_checkpoint, hf_config  # noqa: E402
 from models.tokenizer import Tokenizer  # noqa: E402
 from scripts import tiny_checkpoints  # noqa: E402  (the tiny checkpoints of every family)
 
@@ -237,3 +238,19 @@ def test_a_bad_path_is_one_line_naming_the_flag_exit_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert f"error: --draft: {tmp_path}: not a Hugging Face checkpoint folder (no config.json)" in lines[0]
+
+
+def test_the_hf_config_reader_names_no_model_type_each_is_its_family_entry():
+    """What differs between config.json model types is read from models.families (a Family's
+    hf_model_types, hf_text_configs, fixed settings and scalars): no string constant in
+    models/hf_config.py or models/hf_checkpoint.py is a model_type, so a family's checkpoint
+    support is its table entry (docs/design.md, "Adding a model family")."""
+    model_types = set(families.HF_MODEL_TYPES) | set(families.HF_TEXT_CONFIGS)
+    for module in (hf_config, hf_checkpoint):
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        named = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in model_types}
+        assert not named, f"{module.__name__} names model types: {sorted(named)}"
+    assert hf_config.text_config({"model_type": "gemma3", "text_config": {"x": 1}}) == {
+        "model_type": "gemma3_text",
+        "x": 1,
+    }
