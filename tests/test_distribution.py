@@ -21,7 +21,7 @@ from spec_jax import executables, speculative
 from spec_jax.drafting import model as drafters
 from spec_jax.sampling import SamplingParams, warp
 
-V, HORIZON, N = 8, 3, 20_000
+V, HORIZON, N = 8, 3, 10_000
 PROMPT = [1, 5, 2]
 WARPS = [SamplingParams(1.0), SamplingParams(1.0, top_k=3), SamplingParams(0.8, top_p=0.8)]
 

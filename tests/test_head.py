@@ -150,32 +150,34 @@ def test_the_heads_cache_holds_the_true_features_of_the_committed_text_after_eve
     slots = 16 + max_new + gamma
     state, step = loop_by_hand(target, drafter, params, [prompt], gamma, max_new, tree=tree)
     seq = prompt + [(prompt[-1] + 1 + i) % vocab for i in range(max_new)]
-    fresh_forward = jax.jit(draft_head.forward, static_argnums=0)
+    # One fresh run over the whole text the loop will commit (it is known: the cycle), read below
+    # n - 1 after each round: the target and the head are causal (each position reads the ones
+    # at or before it), so these entries are those of a fresh run over the first n tokens alone,
+    # and one program of one shape serves every round.
+    text = jnp.asarray([seq + [0] * (slots - len(seq))])
+    feats = jax.jit(models.forward, static_argnums=0, static_argnames="with_features")(
+        target.config,
+        target.params,
+        text,
+        jnp.arange(slots)[None],
+        models.init_cache(target.config, 1, slots),
+        with_features=True,
+    ).features
+    hidden, fresh = jax.jit(draft_head.forward, static_argnums=0)(
+        head.config,
+        head.params,
+        feats[:, : slots - 1],
+        text[:, 1:],
+        jnp.arange(slots - 1)[None],
+        draft_head.new_cache(head.config, 1, slots),
+        params.embed,
+    )
     accepted = set()
     checks = 0
     while True:
         n = int(state.length[0])
         committed = np.asarray(state.out.tokens)[0, : n - len(prompt)].tolist()
         assert committed == seq[len(prompt) : n]
-        # the target's features of the committed text, then the head over (f_j, t_{j+1}), j < n - 1
-        text = jnp.asarray([seq[:n] + [0] * (slots - n)])
-        feats = models.forward(
-            target.config,
-            target.params,
-            text,
-            jnp.arange(slots)[None],
-            models.init_cache(target.config, 1, slots),
-            with_features=True,
-        ).features
-        hidden, fresh = fresh_forward(
-            head.config,
-            head.params,
-            feats[:, : n - 1],
-            text[:, 1:n],
-            jnp.arange(n - 1)[None],
-            draft_head.new_cache(head.config, 1, slots),
-            params.embed,
-        )
         cache = state.draft_state.cache
         np.testing.assert_allclose(cache.k[:, 0, : n - 1], fresh.k[:, 0, : n - 1], atol=1e-5)
         np.testing.assert_allclose(cache.v[:, 0, : n - 1], fresh.v[:, 0, : n - 1], atol=1e-5)

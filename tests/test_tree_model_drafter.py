@@ -161,7 +161,7 @@ def tree_counts(pair, sampling, seed=0):  # noqa: F811
 
 # One warp here (temperature and top-p, on p and on the draft's scores): the rule's point masses
 # are checked at every warp in tests/test_tree_loop.py and tests/test_tree.py.
-@pytest.mark.slow  # 20,000 rows through the draft's tree; the proposal's point masses: above
+@pytest.mark.slow  # 10,000 rows through the draft's tree; the proposal's point masses: above
 @pytest.mark.parametrize("sampling", WARPS[2:], ids=["t0.8_top_p0.8"])
 def test_trees_of_the_draft_model_sample_the_targets_distribution_exactly(pair, sampling):  # noqa: F811
     counts, stats, target = tree_counts(pair, sampling)
@@ -209,7 +209,7 @@ def test_the_tree_proposal_is_ancestor_closed_topological_and_siblings_are_disti
     draws with the same keys (its tokens, and its q as theirs), in every row whatever it drew
     (so that a drawn node is a draw from q: tests/test_tree.py shows what a spine kept only
     where it scores well does), and the other nodes are point masses (the chi-square tests of
-    these trees, slow tier, sample 20,000 rows)."""
+    these trees, slow tier, sample 10,000 rows)."""
     tree, chain, spine = propose_both(ModelDrafter(draft.config), draft.params, temperature)
     assert np.all(tree.parents < np.arange(16)[None]), "a parent comes before its children"
     assert (spine > 0) == (temperature > 0)
