@@ -29,6 +29,11 @@ TABLES = {
 }
 
 
+# The tests that read the dry run share one worker under `pytest -n` (pyproject's loadgroup), so
+# that the minute-long dry run runs once, not once per worker.
+DRY_RUN_GROUP = pytest.mark.xdist_group("device_check_dry_run")
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """The dry run in a subprocess, as on the GPU machine (the XLA flags of tests/conftest.py)."""
@@ -43,6 +48,7 @@ def dry_run(tmp_path_factory):
         return json.load(f), (out / "results.md").read_text()
 
 
+@DRY_RUN_GROUP
 def test_the_dry_run_writes_every_table_with_finite_numbers(dry_run):
     results, _ = dry_run
     assert results["dry_run"] is True
@@ -58,6 +64,7 @@ def test_the_dry_run_writes_every_table_with_finite_numbers(dry_run):
             assert all(math.isfinite(v) for k, v in numbers.items() if "h100" not in k), (title, rows)
 
 
+@DRY_RUN_GROUP
 def test_the_dry_runs_exactness_checks_pass_and_cover_every_drafter_and_kernel(dry_run):
     results, _ = dry_run
     checks = results["sections"]["exactness"]["checks"]
@@ -76,6 +83,7 @@ def test_the_dry_runs_exactness_checks_pass_and_cover_every_drafter_and_kernel(d
     assert walltime and all(walltime.values()), walltime
 
 
+@DRY_RUN_GROUP
 def test_results_md_holds_each_table_and_the_goals(dry_run):
     results, md = dry_run
     for tables in TABLES.values():
