@@ -5,7 +5,8 @@
 seconds its compilation took (0 when it came from the cache). Threads share the cache: a
 second thread asking for a loop that is compiling waits for it instead of compiling it again.
 The cache holds the MAX_EXECUTABLES most recently used loops (`set_max_executables(n)` changes
-the bound; the least recently used are dropped). TRACE_COUNTS counts, by name, how often
+the bound; the least recently used are dropped), and fewer where the process nears the kernel's
+limit on memory mappings: see `map_budget`. TRACE_COUNTS counts, by name, how often
 `compiled` traced a function to compile it (a retrace means a recompile); tests read it.
 
 Across processes: `enable_persistent_cache(folder)` turns on JAX's persistent compilation
@@ -168,9 +169,41 @@ def _lookup(key):
 
 
 def _evict() -> None:
-    """Drops the least recently used executables beyond MAX_EXECUTABLES (_LOCK held)."""
+    """Drops the least recently used executables beyond MAX_EXECUTABLES, then while the process
+    holds more memory mappings than map_budget() (keeping the newest) (_LOCK held)."""
     while len(_EXECUTABLES) > MAX_EXECUTABLES:
         del _EXECUTABLES[next(iter(_EXECUTABLES))]
+    budget = map_budget()
+    while len(_EXECUTABLES) > 1 and mapping_count() > budget:
+        del _EXECUTABLES[next(iter(_EXECUTABLES))]
+
+
+def mapping_count() -> int:
+    """The memory mappings this process holds (the lines of /proc/self/maps); 0 where there is no
+    /proc (then map_budget never evicts)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+@functools.cache
+def map_budget() -> int:
+    """Half the kernel's limit on one process's memory mappings (vm.max_map_count, 65530 by
+    default on Linux): the cache drops its oldest loops while the process holds more.
+
+    On XLA:CPU each compiled loop holds about 280 mappings, even for a 2-layer model: its kernels
+    are JIT-compiled one by one, each into its own code, read-only and data sections. So 256
+    kept loops would pass the limit. Past it mmap fails inside XLA's compiler, which then
+    segfaults (seen as a crash in backend_compile_and_load in long `make test` workers, whose
+    tiny_target group shares this cache across modules). The other half is left for everything
+    else (jax's own caches of jitted calls, the weights, the kernel libraries)."""
+    try:
+        limit = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65530
+    return limit // 2
 
 
 def set_max_executables(count: int) -> int:

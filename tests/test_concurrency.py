@@ -1,10 +1,11 @@
 """The compiled-program cache (spec_jax.executables) under threads and over many shapes: two
 threads that generate with the same shapes compile each loop once, and the cache keeps only
-the most recently used loops up to its bound."""
+the most recently used loops up to its bound, and within a budget of memory mappings."""
 
 import threading
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import models
@@ -88,3 +89,40 @@ def test_set_max_executables_bounds_the_cache_at_once(fresh_cache, monkeypatch):
     assert executables.MAX_EXECUTABLES == 1 and len(executables._EXECUTABLES) == 1
     with pytest.raises(ValueError, match="count must be an integer >= 1"):
         executables.set_max_executables(0)
+
+
+def _scale(factor, x):
+    return x * factor
+
+
+def _scale_shapes():
+    return [key[3][0][0] for key in executables._EXECUTABLES]
+
+
+def test_the_compiled_loop_cache_drops_its_oldest_loops_while_the_process_holds_more_mappings_than_its_budget(
+    fresh_cache, monkeypatch
+):
+    executables.compiled("scale", _scale, 2.0, (np.ones(1, np.float32),))
+    budget = executables.mapping_count()  # the mappings with (1,) compiled: (2,) passes it
+    monkeypatch.setattr(executables, "map_budget", lambda: budget)
+    executables.compiled("scale", _scale, 2.0, (np.ones(2, np.float32),))
+    assert _scale_shapes() == [(2,)]  # far below MAX_EXECUTABLES, (1,) was dropped for the mappings
+
+
+def test_a_dropped_loop_releases_its_memory_mappings_and_the_default_budget_is_half_the_kernels_limit(
+    fresh_cache, monkeypatch
+):
+    """The budget can only bound the mappings if dropping a loop frees them: on XLA:CPU a loop
+    holds about 280 (each kernel JIT-compiled into its own sections), and past vm.max_map_count
+    XLA's compiler segfaults (spec_jax.executables.map_budget)."""
+    with open("/proc/sys/vm/max_map_count") as f:
+        assert executables.map_budget() == int(f.read()) // 2
+    monkeypatch.setattr(executables, "MAX_EXECUTABLES", 8)
+    # NumPy arguments: jnp.ones(n) would compile and keep a program of its own for each n
+    before = executables.mapping_count()
+    for n in range(1, 9):
+        executables.compiled("scale", _scale, 2.0, (np.ones(n, np.float32),))
+    grown = executables.mapping_count() - before
+    assert grown >= 8  # each kept program holds mappings of its own
+    executables.set_max_executables(1)
+    assert executables.mapping_count() - before <= grown / 4  # seven dropped: their mappings went
