@@ -1,13 +1,14 @@
-"""Time a decode step with the weights on transparent huge pages against the same weights on 4 KB
-pages, side by side in one process.
+"""Time a decode step with the weights on transparent huge pages against the same weights where
+they were before, side by side in one process.
 
-The model loads as models.load places it on a CPU backend: each weight of 2 MB or more copied
-onto memory advised for transparent huge pages (models.convert.on_huge_pages) and used there
-in place. A second copy of every weight is made by XLA (jnp.array(..., copy=True): malloc's
-memory, 4 KB pages here, where transparent huge pages are on `madvise`). Both run the same
-compiled decode step (spec_jax.timing.model_call: `steps` model calls of one token in one
-program), interleaved, and the medians and minimums are printed per model call, with how much
-of each copy's weights the kernel actually put on huge pages (/proc/self/smaps).
+The model loads twice: as models.load places it on a CPU backend (each weight of 2 MB or more
+copied onto memory advised for transparent huge pages, models.convert.on_huge_pages, and used
+there in place), and with that copy left out (each weight where the loader had it: the
+converted GGUF's memory map, or malloc's memory for the Q4_K weights it interleaves; 4 KB
+pages). Both run the same compiled decode step (spec_jax.timing.model_call: `steps` model
+calls of one token in one program), interleaved; the medians and minimums are printed per
+model call, with how much of each copy's weights the kernel put on huge pages
+(/proc/self/smaps).
 
     python scripts/huge_pages_bench.py [--model=qwen2.5-coder-1.5b] [--dtype=gguf_q8] [--repeats=30]
 """
@@ -17,16 +18,17 @@ import pathlib
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import models  # noqa: E402
+from models import convert  # noqa: E402
 from spec_jax import timing  # noqa: E402
 
 
 def huge_page_bytes(params) -> tuple[int, int]:
-    """(bytes of params' leaves in mappings backed by anonymous huge pages, all their bytes)."""
+    """(bytes of params' leaves on anonymous huge pages, all their bytes): per mapping, the
+    smaller of its leaves' bytes and its huge pages' bytes."""
     mappings, current = [], None
     for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
         head = line.split(maxsplit=1)[0]
@@ -35,14 +37,14 @@ def huge_page_bytes(params) -> tuple[int, int]:
             mappings.append(current)
         elif head == "AnonHugePages:" and current is not None:
             current[2] = int(line.split()[1]) * 1024
-    on_huge, total = 0, 0
+    held = {}
     for leaf in jax.tree.leaves(params):
-        address, size = leaf.unsafe_buffer_pointer(), leaf.nbytes
-        total += size
-        for start, end, huge in mappings:
+        address = leaf.unsafe_buffer_pointer()
+        for i, (start, end, _) in enumerate(mappings):
             if start <= address < end:
-                on_huge += min(size, huge)
-    return on_huge, total
+                held[i] = held.get(i, 0) + leaf.nbytes
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    return sum(min(size, mappings[i][2]) for i, size in held.items()), total
 
 
 def main():
@@ -58,13 +60,12 @@ def main():
         parser.error(
             "huge pages are placed for a CPU backend's weights; this backend is " + jax.default_backend()
         )
-    model = models.load(args.model, args.dtype)
-    copies = {
-        "huge pages (as loaded)": model,
-        "4 KB pages (XLA's copy)": model.replace(
-            params=jax.tree.map(lambda a: jnp.array(a, copy=True), model.params)
-        ),
-    }
+    copies = {"huge pages (models.load)": models.load(args.model, args.dtype, progress=False)}
+    with_huge_pages, convert.on_huge_pages = convert.on_huge_pages, lambda a: a
+    try:
+        copies["without (where the loader had them)"] = models.load(args.model, args.dtype, progress=False)
+    finally:
+        convert.on_huge_pages = with_huge_pages
     runs = {
         name: timing.model_call(m, batch=1, widths=[1], cache_slots=128, repeat=args.steps)
         for name, m in copies.items()
