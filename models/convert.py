@@ -54,8 +54,10 @@ multiprocessing's spawn would re-run it).
 """
 
 import argparse
+import ctypes
 import json
 import math
+import mmap
 import os
 import pathlib
 import resource
@@ -82,12 +84,37 @@ ENTRY_PARTS = ("config.json", "tokenizer.json", "params")  # what an entry's man
 _HASHED_BYTES = 16 << 20  # files up to this size are hashed in the manifest (all are sized)
 
 
+HUGE_PAGE = 2 << 20  # an x86-64 transparent huge page
+
+
 def to_device(leaves: list, treedef):
     """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
-    as it goes: a bulk tree_map keeps every source alive until the copies finish."""
+    as it goes: a bulk tree_map keeps every source alive until the copies finish. On a CPU
+    backend, leaves of a huge page or more are first copied onto transparent huge pages
+    (on_huge_pages), which the CPU client then uses in place."""
+    cpu = jax.default_backend() == "cpu"
     for i in range(len(leaves)):
-        leaves[i] = jax.device_put(np.asarray(leaves[i])).block_until_ready()
+        host = np.asarray(leaves[i])
+        leaves[i] = jax.device_put(on_huge_pages(host) if cpu else host).block_until_ready()
     return jax.tree.unflatten(treedef, leaves)
+
+
+def on_huge_pages(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` in private anonymous memory advised for transparent huge pages (Linux
+    MADV_HUGEPAGE, its start 2 MB-aligned), or `a` itself where it is under HUGE_PAGE bytes or the
+    OS has no such advice. A decode step streams every weight from memory once: on 4 KB pages
+    (a file's memory map, or malloc's) that is a TLB miss every 4 KB, on 2 MB pages one every 2
+    MB (the decode step ~10% faster on this project's 2-core EPYC, docs/benchmarks.md). Where
+    the kernel finds no free huge page it falls back to 4 KB pages: the same values either way.
+    The copy is an ordinary writable numpy array over the mapping, which it keeps alive."""
+    if a.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return a
+    buf = mmap.mmap(-1, a.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)  # before the copy touches a page: each fault then maps 2 MB
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+    out = np.frombuffer(buf, a.dtype, a.size, start).reshape(a.shape)
+    np.copyto(out, a)
+    return out
 
 
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:

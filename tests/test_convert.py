@@ -153,3 +153,41 @@ def test_converting_a_safetensors_folder_of_large_tensors_holds_about_one_tensor
     growth = conversion_peak_growth(str(folder), tmp_path / "cache")
     bound = 1.5 * tensor + 32 * MB
     assert growth < bound, f"peak RSS grew by {growth / MB:.0f} MB, bound {bound / MB:.0f} MB"
+
+
+def _mapping_of(address: int) -> dict:
+    """/proc/self/smaps' fields of the mapping that holds `address` (VmFlags as a set)."""
+    fields, inside = {}, False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = set(value.split()) if name == "VmFlags" else value.strip()
+    return fields
+
+
+def _thp_setting() -> str:
+    try:
+        text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="huge pages are for a CPU backend's weights")
+@pytest.mark.skipif(_thp_setting() == "never", reason="this kernel has transparent huge pages off")
+def test_to_device_puts_weights_of_a_huge_page_or_more_on_huge_pages_in_place():
+    big = np.arange(3 * convert.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024)  # 3 huge pages
+    small = np.arange(16, dtype=np.float32).reshape(4, 4)
+    params = convert.to_device(*jax.tree.flatten({"big": big, "small": small}))
+    np.testing.assert_array_equal(np.asarray(params["big"]), big)
+    np.testing.assert_array_equal(np.asarray(params["small"]), small)
+    address = params["big"].unsafe_buffer_pointer()  # the CPU client uses the copy in place
+    mapping = _mapping_of(address)
+    assert address % convert.HUGE_PAGE == 0
+    assert "hg" in mapping["VmFlags"]  # advised (MADV_HUGEPAGE) ...
+    assert int(mapping["AnonHugePages"].split()[0]) * 1024 >= convert.HUGE_PAGE  # ... and on them
+    assert convert.on_huge_pages(small) is small
