@@ -6,6 +6,7 @@ would otherwise be tried as backends at start-up and log errors on a machine wit
 CUDA. Their compile-only devices work under it (tests/test_compile_targets.py).
 """
 
+import json
 import os
 import sys
 
@@ -159,24 +160,32 @@ def cache_with_kernels(folder):
     return folder
 
 
+def _case_key(case):
+    """A cli_driver case (a list of arguments, or a dict with "args" and a "prelude") as a key."""
+    if isinstance(case, dict):
+        return (tuple(case["args"]), case.get("prelude"), json.dumps(case.get("extra", {}), sort_keys=True))
+    return tuple(case)
+
+
 def cli_case(module: str, cases, args, env=None):
-    """`python -m module *args`'s result, for args one of `cases` (lists of arguments): the first
-    call runs every case in one Python process (tests/cli_driver.py: the module's cli() per
-    case, absl's flags reset between them, stdout and stderr captured at the file descriptors)
-    and keeps the results for the rest, so a parametrized test of bad input starts Python and
-    imports jax once, not once per case. env: added to os.environ (part of the cache key).
-    Returns a subprocess.CompletedProcess (returncode, stdout, stderr)."""
-    import json
+    """`python -m module *args`'s result, for args one of `cases` (lists of arguments, or dicts
+    with a prelude: tests/cli_driver.py): the first call runs every case in one Python process
+    (tests/cli_driver.py: the module's cli() per case, absl's flags reset between them, stdout
+    and stderr captured at the file descriptors) and keeps the results for the rest, so a
+    parametrized test of bad input starts Python and imports jax once, not once per case. The
+    tests reading one list of cases belong in one xdist group, so that one worker runs it.
+    env: added to os.environ (part of the cache key). Returns a subprocess.CompletedProcess
+    (returncode, stdout, stderr)."""
     import subprocess
     import tempfile
 
-    key = (module, tuple(tuple(c) for c in cases), tuple(sorted((env or {}).items())))
+    key = (module, tuple(_case_key(c) for c in cases), tuple(sorted((env or {}).items())))
     if key not in _CLI_CASE_RESULTS:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         with tempfile.TemporaryDirectory() as tmp:
             cases_path, results_path = os.path.join(tmp, "cases.json"), os.path.join(tmp, "results.json")
             with open(cases_path, "w") as f:
-                json.dump([list(c) for c in cases], f)
+                json.dump([c if isinstance(c, dict) else list(c) for c in cases], f)
             proc = subprocess.run(
                 [
                     sys.executable,
@@ -195,7 +204,12 @@ def cli_case(module: str, cases, args, env=None):
             with open(results_path) as f:
                 results = json.load(f)
         _CLI_CASE_RESULTS[key] = {
-            tuple(c): subprocess.CompletedProcess([module, *c], r["returncode"], r["stdout"], r["stderr"])
-            for c, r in zip(key[1], results, strict=True)
+            _case_key(c): subprocess.CompletedProcess(
+                [module, *(c["args"] if isinstance(c, dict) else c)],
+                r["returncode"],
+                r["stdout"],
+                r["stderr"],
+            )
+            for c, r in zip(cases, results, strict=True)
         }
-    return _CLI_CASE_RESULTS[key][tuple(args)]
+    return _CLI_CASE_RESULTS[key][_case_key(args)]
