@@ -6,6 +6,7 @@ would otherwise be tried as backends at start-up and log errors on a machine wit
 CUDA. Their compile-only devices work under it (tests/test_compile_targets.py).
 """
 
+import collections
 import json
 import os
 import sys
@@ -68,6 +69,41 @@ def perturbed(model: models.Model, scale: float, seed: int) -> models.Model:
         noise = scale * x.std() * rng.standard_normal(x.shape)
         noisy.append(jnp.asarray((x + noise).astype(x.dtype)))
     return model.replace(params=jax.tree.unflatten(treedef, noisy))
+
+
+def _xdist_group(item) -> str:
+    """The name xdist's loadgroup gives item's xdist_group marks ("" for none)."""
+    names = {
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """In `make test`'s workers (--dist=loadgroup, pyproject.toml), before xdist reads the groups:
+
+    - a test with no xdist_group of its own joins its module's: each module runs in one worker,
+      whose module fixtures and compiled programs all its tests share (a module split over the
+      two workers built its fixtures and compiled its programs in both);
+    - the groups named in the test files (each shares an expensive fixture: a dry run, a trained
+      head, a compile for a pod slice) come first, then the modules, each kind largest first
+      (xdist hands the groups out in this order: --no-loadscope-reorder), so that no worker is
+      left alone with a long group at the end."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    keys = {}
+    for item in items:
+        name = _xdist_group(item)
+        if not name:
+            name = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(name))
+            keys[item] = (1, name)
+        else:
+            keys[item] = (0, name)
+    sizes = collections.Counter(keys.values())
+    items.sort(key=lambda item: (keys[item][0], -sizes[keys[item]], keys[item][1]))
 
 
 @pytest.fixture(autouse=True, scope="module")
