@@ -6,6 +6,8 @@ would otherwise be tried as backends at start-up and log errors on a machine wit
 CUDA. Their compile-only devices work under it (tests/test_compile_targets.py).
 """
 
+import collections
+import json
 import os
 import sys
 
@@ -67,6 +69,41 @@ def perturbed(model: models.Model, scale: float, seed: int) -> models.Model:
         noise = scale * x.std() * rng.standard_normal(x.shape)
         noisy.append(jnp.asarray((x + noise).astype(x.dtype)))
     return model.replace(params=jax.tree.unflatten(treedef, noisy))
+
+
+def _xdist_group(item) -> str:
+    """The name xdist's loadgroup gives item's xdist_group marks ("" for none)."""
+    names = {
+        str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+        for m in item.iter_markers("xdist_group")
+    }
+    return "_".join(sorted(names))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """In `make test`'s workers (--dist=loadgroup, pyproject.toml), before xdist reads the groups:
+
+    - a test with no xdist_group of its own joins its module's: each module runs in one worker,
+      whose module fixtures and compiled programs all its tests share (a module split over the
+      two workers built its fixtures and compiled its programs in both);
+    - the groups named in the test files (each shares an expensive fixture: a dry run, a trained
+      head, a compile for a pod slice) come first, then the modules, each kind largest first
+      (xdist hands the groups out in this order: --no-loadscope-reorder), so that no worker is
+      left alone with a long group at the end."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    keys = {}
+    for item in items:
+        name = _xdist_group(item)
+        if not name:
+            name = item.nodeid.split("::", 1)[0]
+            item.add_marker(pytest.mark.xdist_group(name))
+            keys[item] = (1, name)
+        else:
+            keys[item] = (0, name)
+    sizes = collections.Counter(keys.values())
+    items.sort(key=lambda item: (keys[item][0], -sizes[keys[item]], keys[item][1]))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -159,24 +196,32 @@ def cache_with_kernels(folder):
     return folder
 
 
+def _case_key(case):
+    """A cli_driver case (a list of arguments, or a dict with "args" and a "prelude") as a key."""
+    if isinstance(case, dict):
+        return (tuple(case["args"]), case.get("prelude"), json.dumps(case.get("extra", {}), sort_keys=True))
+    return tuple(case)
+
+
 def cli_case(module: str, cases, args, env=None):
-    """`python -m module *args`'s result, for args one of `cases` (lists of arguments): the first
-    call runs every case in one Python process (tests/cli_driver.py: the module's cli() per
-    case, absl's flags reset between them, stdout and stderr captured at the file descriptors)
-    and keeps the results for the rest, so a parametrized test of bad input starts Python and
-    imports jax once, not once per case. env: added to os.environ (part of the cache key).
-    Returns a subprocess.CompletedProcess (returncode, stdout, stderr)."""
-    import json
+    """`python -m module *args`'s result, for args one of `cases` (lists of arguments, or dicts
+    with a prelude: tests/cli_driver.py): the first call runs every case in one Python process
+    (tests/cli_driver.py: the module's cli() per case, absl's flags reset between them, stdout
+    and stderr captured at the file descriptors) and keeps the results for the rest, so a
+    parametrized test of bad input starts Python and imports jax once, not once per case. The
+    tests reading one list of cases belong in one xdist group, so that one worker runs it.
+    env: added to os.environ (part of the cache key). Returns a subprocess.CompletedProcess
+    (returncode, stdout, stderr)."""
     import subprocess
     import tempfile
 
-    key = (module, tuple(tuple(c) for c in cases), tuple(sorted((env or {}).items())))
+    key = (module, tuple(_case_key(c) for c in cases), tuple(sorted((env or {}).items())))
     if key not in _CLI_CASE_RESULTS:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         with tempfile.TemporaryDirectory() as tmp:
             cases_path, results_path = os.path.join(tmp, "cases.json"), os.path.join(tmp, "results.json")
             with open(cases_path, "w") as f:
-                json.dump([list(c) for c in cases], f)
+                json.dump([c if isinstance(c, dict) else list(c) for c in cases], f)
             proc = subprocess.run(
                 [
                     sys.executable,
@@ -195,7 +240,12 @@ def cli_case(module: str, cases, args, env=None):
             with open(results_path) as f:
                 results = json.load(f)
         _CLI_CASE_RESULTS[key] = {
-            tuple(c): subprocess.CompletedProcess([module, *c], r["returncode"], r["stdout"], r["stderr"])
-            for c, r in zip(key[1], results, strict=True)
+            _case_key(c): subprocess.CompletedProcess(
+                [module, *(c["args"] if isinstance(c, dict) else c)],
+                r["returncode"],
+                r["stdout"],
+                r["stderr"],
+            )
+            for c, r in zip(cases, results, strict=True)
         }
-    return _CLI_CASE_RESULTS[key][tuple(args)]
+    return _CLI_CASE_RESULTS[key][_case_key(args)]

@@ -10,6 +10,7 @@ from launch import common
 
 flags.DEFINE_string("mode", "ok", "What to do.")
 flags.DEFINE_integer("count", 0, "A flag whose value must not leak into the next case.")
+WORD = "plain"  # what --mode=word prints: a case's prelude may patch it (tests/cli_driver.py)
 
 
 def main(argv):
@@ -25,6 +26,9 @@ def main(argv):
         return 0
     if mode == "bad":
         raise common.UsageError("--mode: bad")
+    if mode == "word":
+        print(WORD)
+        return 0
     print("ok", file=sys.stdout)
     return 0
 

@@ -3,26 +3,55 @@ timings are reported, never asserted."""
 
 import csv
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 from conftest import cli_case
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+# Every run below is a case of one `launch.bench` process (conftest.cli_case: Python, jax and the
+# tiny models' compiled loops shared, each case as `python -m launch.bench ARGS` sees it); the
+# tests reading it are one xdist group, so that one pytest worker runs it.
+in_one_process = pytest.mark.xdist_group("bench_cases")
+QUICK_SUITES = ["loop", "overhead", "profile", "attention"]
 
 
-def bench(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "launch.bench", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=ENV,
-        timeout=timeout,
-    )
+def runs(folder) -> dict:
+    """{name: the arguments of one run of launch.bench}, each writing under folder/NAME."""
+    peer = ["--suite=peer", "--config.peers=hf,ov"]
+    return {
+        "quick": [f"--suite={','.join(QUICK_SUITES)}", "--quick", f"--output_dir={folder / 'quick'}"],
+        # run in the registry's order: peer, decode, roofline
+        "together": ["--suite=roofline,decode,peer", "--quick", f"--output_dir={folder / 'together'}"]
+        + [f"--config.peer_python={sys.executable}"],
+        "no_interpreter": [*peer, "--quick", f"--output_dir={folder / 'no_interpreter'}"]
+        + ["--config.peer_python=/nonexistent/python"],
+        # Not --quick: the real path probes the interpreter for each library's packages first. The
+        # interpreter: a bare venv (this one has torch: the `hf` test extra).
+        "no_library": [*peer, f"--output_dir={folder / 'no_library'}"]
+        + [f"--config.peer_python={folder / 'bare' / 'bin' / 'python'}"],
+        "alone": ["--suite=peer", "--quick", f"--output_dir={folder / 'alone'}"]
+        + ["--config.peer_python=/nonexistent/python", "--config.peers=llama,ov"]
+        + ["--config.llama_draft_n_max=1,3", "--config.repeats=1"],
+    }
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """The runs' folder, with the bare venv (no pip, no packages) that no_library names."""
+    folder = tmp_path_factory.mktemp("bench")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder / "bare")], check=True)
+    return folder
+
+
+def bench_case(folder, args):
+    """`python -m launch.bench *args`'s result, args one of runs(folder)'s or BAD_FLAGS's."""
+    return cli_case("launch.bench", [*runs(folder).values(), *[a for a, _ in BAD_FLAGS]], args)
+
+
+def bench(folder, name):
+    """(result, output folder) of runs(folder)[name]."""
+    return bench_case(folder, runs(folder)[name]), folder / name
 
 
 def read_report(folder, suite):
@@ -40,27 +69,24 @@ def read_report(folder, suite):
 
 
 @pytest.mark.parametrize("suite", ["loop", "overhead", "profile"])
-def test_bench_suite_runs_and_writes_results(tmp_path, suite):
-    result = bench(f"--suite={suite}", "--quick", f"--output_dir={tmp_path}")
+@in_one_process
+def test_bench_suite_runs_and_writes_results(folder, suite):
+    result, out = bench(folder, "quick")
     assert result.returncode == 0, result.stderr
-    assert len(read_report(tmp_path, suite)["rows"]) >= 2
+    assert len(read_report(out, suite)["rows"]) >= 2
 
 
-def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
-    # One process, so the loops compiled for the peer suite are reused by decode. The peers are
+@in_one_process
+def test_peer_decode_roofline_suites_run_together_on_tiny_models(folder):
+    # One run, so the loops compiled for the peer suite are reused by decode. The peers are
     # their workers' fake backends (no torch, no openvino, no llama.cpp build), driven over the
     # real JSON-lines protocol.
-    result = bench(
-        "--suite=roofline,decode,peer",  # run in the registry's order: peer, decode, roofline
-        "--quick",
-        f"--output_dir={tmp_path}",
-        f"--config.peer_python={sys.executable}",
-    )
+    result, out = bench(folder, "together")
     assert result.returncode == 0, result.stderr
     written = [line.rsplit("/", 1)[-1] for line in result.stdout.splitlines() if line.endswith(".json")]
     assert written == ["peer.json", "decode.json", "roofline.json"]
 
-    peer = read_report(tmp_path, "peer")
+    peer = read_report(out, "peer")
     systems = [r["system"] for r in peer["rows"]]
     assert systems == [
         "spec-jax, autoregressive",
@@ -87,7 +113,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     assert float(peer["rows"][8]["acceptance_rate"]) == 0.5 and peer["rows"][-1]["best_llama_cpp"]
     assert len(peer["summary"]["sections"]["greedy agreement with spec-jax autoregressive, per prompt"]) == 2
 
-    decode = read_report(tmp_path, "decode")
+    decode = read_report(out, "decode")
     assert {(r["batch"], r["gamma"]) for r in decode["rows"]} == {
         ("1", "0"),
         ("1", "2"),
@@ -104,7 +130,7 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     assert identity["identical_rows"] == "8/8" and identity["prompts_covered"] == "2/2"
     assert decode["passed"] is True
 
-    roofline = read_report(tmp_path, "roofline")
+    roofline = read_report(out, "roofline")
     calls = [r["call"] for r in roofline["rows"]]
     assert calls == ["target decode step (T=1)", "draft decode step (T=1)", "target verify call (T=3)"]
     assert all(float(r["floor_ms"]) > 0 and float(r["step_over_floor"]) > 0 for r in roofline["rows"])
@@ -113,64 +139,45 @@ def test_peer_decode_roofline_suites_run_together_on_tiny_models(tmp_path):
     assert all(r["gb_per_s"] > 0 for r in bandwidth) and {r["kind"] for r in bandwidth} == {"copy", "read"}
 
 
-def test_attention_suite_runs_the_kernels_in_interpret_mode(tmp_path):
-    result = bench("--suite=attention", "--quick", f"--output_dir={tmp_path}")
+@in_one_process
+def test_attention_suite_runs_the_kernels_in_interpret_mode(folder):
+    result, out = bench(folder, "quick")
     assert result.returncode == 0, result.stderr
-    rows = read_report(tmp_path, "attention")["rows"]
+    rows = read_report(out, "attention")["rows"]
     assert len(rows) == 8 and all(float(r["max_rel_error"]) < 1e-5 for r in rows)
 
 
-def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(tmp_path):
-    result = bench(
-        "--suite=peer",
-        "--quick",
-        f"--output_dir={tmp_path}",
-        "--config.peer_python=/nonexistent/python",
-        "--config.peers=hf,ov",
-    )
+@in_one_process
+def test_peer_suite_without_its_interpreter_skips_cleanly_and_writes_nothing(folder):
+    result, out = bench(folder, "no_interpreter")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and "skipped" in lines[0] and "pip install torch==2.13.0" in lines[0]
     assert "openvino-genai==2026.4.1.0" in lines[0]
-    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+    assert not out.exists() or not list(out.iterdir())
 
 
-def test_peer_suite_without_any_peer_library_skips_before_loading_any_model(tmp_path):
-    # Not --quick: the real path probes the interpreter for each library's packages first. The
-    # interpreter: a bare venv (this one has torch: the `hf` test extra).
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
-    result = bench(
-        "--suite=peer",
-        f"--output_dir={tmp_path / 'out'}",
-        f"--config.peer_python={tmp_path / 'bare' / 'bin' / 'python'}",
-        "--config.peers=hf,ov",
-        timeout=120,
-    )
+@in_one_process
+def test_peer_suite_without_any_peer_library_skips_before_loading_any_model(folder):
+    result, out = bench(folder, "no_library")
     assert result.returncode == 0, result.stderr
     hf, ov, last = result.stdout.strip().splitlines()
     assert "HF transformers skipped" in hf and "cannot import" in hf and "torch==2.13.0" in hf
     assert "OpenVINO GenAI skipped" in ov and "cannot import" in ov and "openvino-genai==2026.4.1.0" in ov
     assert "peer suite skipped" in last
-    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+    assert not out.exists() or not list(out.iterdir())
 
 
-def test_the_peers_asked_for_run_alone_and_llama_cpp_needs_no_reference_interpreter(tmp_path):
+@in_one_process
+def test_the_peers_asked_for_run_alone_and_llama_cpp_needs_no_reference_interpreter(folder):
     """Two peers of four: llama.cpp's worker needs only the standard library, so it runs in this
     interpreter at every llama_draft_n_max, while OpenVINO's, which needs peer_python, is
     skipped in one line; the peers not asked for leave no trace."""
-    result = bench(
-        "--suite=peer",
-        "--quick",
-        f"--output_dir={tmp_path}",
-        "--config.peer_python=/nonexistent/python",
-        "--config.peers=llama,ov",
-        "--config.llama_draft_n_max=1,3",
-        "--config.repeats=1",
-    )
+    result, out = bench(folder, "alone")
     assert result.returncode == 0, result.stderr
     (skipped,) = [line for line in result.stdout.splitlines() if "skipped" in line]
     assert "OpenVINO GenAI skipped" in skipped and "no such interpreter" in skipped
-    peer = read_report(tmp_path, "peer")
+    peer = read_report(out, "peer")
     assert [r["system"] for r in peer["rows"]][3:] == [
         "llama.cpp, plain",
         "llama.cpp, speculative gamma 1",
@@ -203,8 +210,8 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize("args, message", BAD_FLAGS)
-def test_bench_rejects_bad_flags_in_one_line(args, message):
-    """Every case in one process (conftest.cli_case), as `python -m launch.bench` sees it."""
-    result = cli_case("launch.bench", [a for a, _ in BAD_FLAGS], args)
+@in_one_process
+def test_bench_rejects_bad_flags_in_one_line(folder, args, message):
+    result = bench_case(folder, args)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert message in result.stderr

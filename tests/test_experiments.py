@@ -4,8 +4,6 @@ import csv
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,6 @@ from experiments.table1 import PUBLISHED
 from models import corpora
 from spec_jax import theory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVENANCE_LINES = (
     "- command: ",
     "- git revision: ",
@@ -30,18 +27,6 @@ PROVENANCE_LINES = (
     "- date (UTC): ",
     "- config: ",
 )
-
-
-def run_cli(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "launch.experiment", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
 
 
 def assert_provenance(markdown: str, sidecar: dict, command: str):
@@ -268,10 +253,32 @@ BAD_INPUT = [
 ]
 
 
+# The runs of table1 below (closed forms: cheap), each into its own folder under a module folder.
+TABLE1_RUNS = {"plain": [], "config": ["--config.c=0.25"], "set": ["--set=c=0.25"]}
+# The tests reading experiment_case's one process: one xdist group, so that one pytest worker runs it.
+in_one_process = pytest.mark.xdist_group("experiment_cases")
+
+
+@pytest.fixture(scope="module")
+def runs_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("experiment_runs")
+
+
+def table1_args(folder, name) -> list[str]:
+    return ["--experiment=table1", "--quick", *TABLE1_RUNS[name], f"--output_dir={folder / name}"]
+
+
+def experiment_case(folder, args):
+    """`python -m launch.experiment *args`'s result, args one of BAD_INPUT's or table1_args's: every
+    case in one process (conftest.cli_case), as `python -m launch.experiment` sees it."""
+    cases = [a for a, _ in BAD_INPUT] + [table1_args(folder, name) for name in TABLE1_RUNS]
+    return cli_case("launch.experiment", cases, args)
+
+
 @pytest.mark.parametrize("args, message", BAD_INPUT)
-def test_cli_bad_input_exits_2_with_one_line(args, message):
-    """Every case in one process (conftest.cli_case), as `python -m launch.experiment` sees it."""
-    result = cli_case("launch.experiment", [a for a, _ in BAD_INPUT], args)
+@in_one_process
+def test_cli_bad_input_exits_2_with_one_line(runs_folder, args, message):
+    result = experiment_case(runs_folder, args)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
@@ -279,18 +286,21 @@ def test_cli_bad_input_exits_2_with_one_line(args, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("override", ["--config.c=0.25", "--set=c=0.25"])
-def test_config_overrides_and_their_set_alias_reach_the_experiments_config(tmp_path, override):
+@pytest.mark.parametrize("override", ["config", "set"])
+@in_one_process
+def test_config_overrides_and_their_set_alias_reach_the_experiments_config(runs_folder, override):
     """--config.KEY=VALUE (launch.train's syntax) sets an experiment's setting; --set=KEY=VALUE
     is the same thing through the same parser (table1: closed forms, so the run is cheap; with
     c = 0.25 it is not the paper's table, so its check fails: exit 1, the results written)."""
-    result = run_cli("--experiment=table1", "--quick", override, f"--output_dir={tmp_path}")
+    result = experiment_case(runs_folder, table1_args(runs_folder, override))
     assert result.returncode == 1 and "check FAILED" in result.stdout, result.stderr
-    assert json.loads((tmp_path / "table1.json").read_text())["config"]["c"] == 0.25
+    assert json.loads((runs_folder / override / "table1.json").read_text())["config"]["c"] == 0.25
 
 
-def test_cli_runs_an_experiment_into_output_dir(tmp_path):
-    result = run_cli("--experiment=table1", "--quick", f"--output_dir={tmp_path}")
+@in_one_process
+def test_cli_runs_an_experiment_into_output_dir(runs_folder):
+    result = experiment_case(runs_folder, table1_args(runs_folder, "plain"))
+    tmp_path = runs_folder / "plain"
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["table1.csv", "table1.json", "table1.md"]
     sidecar = json.loads((tmp_path / "table1.json").read_text())

@@ -19,6 +19,7 @@ import time
 
 import jax
 import pytest
+from conftest import cli_case
 from jax.sharding import AbstractMesh
 
 import models
@@ -320,12 +321,30 @@ def _one_line_error(result, message):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(
-    "mesh, message", [("data:2,model:4", "needs 8 devices but only 1 exist"), ("data=2", "malformed mesh")]
-)
+BAD_MESHES = [("data:2,model:4", "needs 8 devices but only 1 exist"), ("data=2", "malformed mesh")]
+ONE_DEVICE_MESH = [
+    "--target=random",
+    "--draft=random-draft",
+    "--mesh=auto",
+    "--gamma=4",
+    "--max_new_tokens=3",
+]
+ONE_DEVICE_MESH += ["--temperature=0", "--prompt=ab"]
+
+
+def _bad_mesh_args(mesh):
+    return ["--target=random", "--draft=random-draft", f"--mesh={mesh}", "--max_new_tokens=2"]
+
+
+def _mesh_case(args):
+    """`python -m launch.generate *args`'s result, the bad meshes' and the one-device mesh's runs
+    in one process (conftest.cli_case)."""
+    return cli_case("launch.generate", [*(_bad_mesh_args(m) for m, _ in BAD_MESHES), ONE_DEVICE_MESH], args)
+
+
+@pytest.mark.parametrize("mesh, message", BAD_MESHES)
 def test_cli_bad_mesh_exits_2_with_one_line(mesh, message):
-    result, _ = _cli("--target=random", "--draft=random-draft", f"--mesh={mesh}", "--max_new_tokens=2")
-    _one_line_error(result, message)
+    _one_line_error(_mesh_case(_bad_mesh_args(mesh)), message)
 
 
 def test_cli_unreachable_coordinator_fails_within_the_timeout():
@@ -343,15 +362,7 @@ def test_cli_unreachable_coordinator_fails_within_the_timeout():
 
 
 def test_cli_runs_on_a_one_device_mesh():
-    result, _ = _cli(
-        "--target=random",
-        "--draft=random-draft",
-        "--mesh=auto",
-        "--gamma=4",
-        "--max_new_tokens=3",
-        "--temperature=0",
-        "--prompt=ab",
-    )
+    result = _mesh_case(ONE_DEVICE_MESH)
     assert result.returncode == 0, result.stderr
     assert "speculative (model): 3 tokens" in result.stdout
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CLI_TRAINING_FLAGS
+from conftest import CLI_TRAINING_FLAGS, cli_case
 from test_ngram import cycle_following_target
 
 import models
@@ -153,15 +153,18 @@ def summary_hash(output_dir) -> str:
 
 
 def test_the_cli_refuses_bad_settings_with_one_line(tmp_path):
-    for args, message in [
+    refusals = [
         (["--config.corpora=poetry"], "corpora: unknown corpus poetry"),
         (["--config.head_mlp_dim=100000"], "head_mlp_dim: must be an integer in [1, 96]"),
         (["--config.nosuch=3"], "--config.nosuch: not a setting of this config (settings: batch_size,"),
-    ]:
-        proc = cli(*args, workdir=tmp_path / "w", output_dir=tmp_path / "out")
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, err
-        assert len(err.strip().splitlines()) == 1 and message in err, err
+    ]
+    common = ["--config=launch/configs/draft_head.py:quick", f"--workdir={tmp_path / 'w'}"]
+    common.append(f"--output_dir={tmp_path / 'out'}")
+    cases = [[*common, *args] for args, _ in refusals]
+    for case, (_, message) in zip(cases, refusals, strict=True):
+        result = cli_case("launch.train", cases, case)  # the three in one process
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
