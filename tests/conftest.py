@@ -110,8 +110,10 @@ def pytest_collection_modifyitems(config, items):
 def _release_jit_caches():
     """After each test module, jax's caches of traced and compiled programs are dropped
     (jax.clear_caches): a worker that kept every module's programs grew past 8 GB of memory in
-    `make test`, and XLA's compiler crashed in it (spec_jax.executables' own bounded cache of the
-    loops, which the tiny_target group shares across modules, is kept)."""
+    `make test`, and toward the kernel's limit of memory mappings, past which XLA's compiler
+    segfaults (each compiled program holds a few hundred). spec_jax.executables' own cache of the
+    loops, which the tiny_target group shares across modules, is kept: it bounds itself by
+    count and by mappings (executables.map_budget)."""
     yield
     jax.clear_caches()
 
