@@ -112,6 +112,7 @@ class Controller:
         self.elapsed = 0.0  # seconds of all chunks and resumes
         self.resume_call = None  # seconds of one catch-up call, as last measured
         self.schedule: list[list[int]] = []  # [gamma, rounds] of the chunks run, one gamma merged
+        self.cost_entry = None  # a step_costs.CostEntry that save_rounds refreshes after the run
 
     # --- estimates -------------------------------------------------------------------------
     def round_seconds(self, gamma: int) -> float:
@@ -241,6 +242,20 @@ class Controller:
         return END if wait > left - PROBE_MIN_REMAINING else wait
 
     # --- what happened ---------------------------------------------------------------------
+    def timed_rounds(self) -> dict[str, float]:
+        """Seconds per round of each drafting arm that ran (the fastest of its last chunks) over
+        the plain round's ({"3": ..., "tree8": ...}: step_costs.CostEntry.record's rounds)."""
+        step = self.round_seconds(0)
+        return {str(g): min(t) / step for g, t in self.times.items() if g}
+
+    def save_rounds(self) -> None:
+        """After the run: its timed rounds go into cost_entry (step_costs.CostEntry.record:
+        the cached costs the next run plans with), if it has one."""
+        if self.cost_entry is not None:
+            step = self.round_seconds(0)
+            resume = None if self.resume_call is None else self.resume_call / step
+            self.cost_entry.record(step, self.timed_rounds(), resume)
+
     def observe_resume(self, seconds: float, calls: int) -> None:
         """The drafter caught up in `seconds`, with `calls` calls of its model (or none)."""
         self.elapsed += seconds

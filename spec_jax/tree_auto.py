@@ -109,6 +109,12 @@ class TreeController(Controller):
         if chunk.gamma and np.any(np.asarray(chunk.remaining_b) > 0):
             self.decide(chunk.remaining_b)
 
+    def timed_rounds(self) -> dict[str, float]:
+        """The chains' timed rounds (Controller.timed_rounds) and each tree's that ran ("tree8")."""
+        step = self.round_seconds(0)
+        trees = {tree_arm(n): min(t) / step for n, t in self.tree_times.items()}
+        return {**super().timed_rounds(), **trees}
+
     def observe_tree(self, chunk: Chunk) -> None:
         n = chunk.tree
         self.record(tree_arm(n), chunk.rounds)
