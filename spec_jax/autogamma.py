@@ -246,13 +246,13 @@ class Controller:
         """Seconds per round of each drafting arm that ran (the fastest of its last chunks) over
         the plain round's ({"3": ..., "tree8": ...}: step_costs.CostEntry.record's rounds)."""
         step = self.round_seconds(0)
-        return {str(g): min(t) / step for g, t in self.times.items() if g}
+        return {str(g): min(t) / step for g, t in self.times.items() if g} if step > 0 else {}
 
     def save_rounds(self) -> None:
         """After the run: its timed rounds go into cost_entry (step_costs.CostEntry.record:
         the cached costs the next run plans with), if it has one."""
-        if self.cost_entry is not None:
-            step = self.round_seconds(0)
+        step = self.round_seconds(0)
+        if self.cost_entry is not None and step > 0:  # a clock too coarse to time the plain round: nothing
             resume = None if self.resume_call is None else self.resume_call / step
             self.cost_entry.record(step, self.timed_rounds(), resume)
 

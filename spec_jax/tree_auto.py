@@ -112,7 +112,7 @@ class TreeController(Controller):
     def timed_rounds(self) -> dict[str, float]:
         """The chains' timed rounds (Controller.timed_rounds) and each tree's that ran ("tree8")."""
         step = self.round_seconds(0)
-        trees = {tree_arm(n): min(t) / step for n, t in self.tree_times.items()}
+        trees = {tree_arm(n): min(t) / step for n, t in self.tree_times.items()} if step > 0 else {}
         return {**super().timed_rounds(), **trees}
 
     def observe_tree(self, chunk: Chunk) -> None:

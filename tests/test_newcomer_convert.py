@@ -1,7 +1,8 @@
 """Issue 39: a fresh cache's first run converts each model straight into the precision it runs
 at. It wrote the whole model as float32 first (6.7 GB for the 1.5B, read back to cast it to
 int8, 1.7 GB) and converted float32 parameters even for a GGUF precision, which reads the GGUF's
-own blocks. An entry of the older layout (its manifest covering params/) still loads."""
+own blocks. An entry of the older layout (its manifest covering params/) still loads. And the
+conversion reads the GGUF's header by struct, not through a GGUFReader."""
 
 import json
 
@@ -11,8 +12,9 @@ import pytest
 import tiny_gguf
 
 import models
-from models import convert, registry
+from models import convert, gguf_loader, registry
 from models.convert import MANIFEST
+from models.tokenizer import Tokenizer
 
 
 @pytest.fixture
@@ -74,3 +76,27 @@ def test_an_entry_of_the_older_layout_loads_and_takes_a_new_precision(tiny):
     assert not (entry / "params" / MANIFEST).exists()  # used as it is, not converted again
     int8 = _load(cache, "int8")
     assert (entry / "params-int8" / MANIFEST).exists() and int8.config.dtype == "int8"
+
+
+def test_the_conversion_reads_the_gguf_without_a_gguf_reader(tiny, monkeypatch):
+    """A GGUFReader parsed every metadata item before the conversion could start (~9 s per Qwen
+    file, twice in a fresh demo); the conversion reads the header by struct (read_index), and
+    gets the same config, tokenizer and parameters."""
+    cache, entry, original = tiny
+    path = cache / "gguf" / f"{tiny_gguf.NAME}.gguf"
+    reader = gguf_loader.GGUFReader(str(path), "r")
+    index = gguf_loader.read_index(path)
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        assert gguf_loader.metadata_value(index, key) == gguf_loader.metadata_value(reader, key), key
+    assert gguf_loader.read_config(index, name="x") == gguf_loader.read_config(reader, name="x")
+    text = "def f(x):\n    return x"
+    expected = Tokenizer.from_gguf(reader).encode(text)
+
+    class NoReader:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("a GGUFReader was opened")
+
+    monkeypatch.setattr(gguf_loader, "GGUFReader", NoReader)
+    model = _load(cache, "float32")
+    assert all(np.array_equal(a, b) for a, b in zip(_host(model.params), _host(original.params), strict=True))
+    assert model.tokenizer.encode(text) == expected
