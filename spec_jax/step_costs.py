@@ -32,7 +32,6 @@ import numpy as np
 from models import machine, registry
 from models.kernels import cpu_matmul
 from spec_jax import theory, timing
-from spec_jax.drafting import CostMeasurement
 
 GAMMA_MAX = 8  # the longest chain whose verify call is measured: the largest gamma auto considers
 RESUME_WIDTH = 32  # a drafter catches up on at most this many positions per call
@@ -278,15 +277,11 @@ ACCELERATOR_VERIFY_STEP = 0.02
 def prior_costs(target, drafter, draft_params, sizes: CostSizes) -> Costs:
     """Costs to plan with before any were measured or observed, from the weights alone: the
     target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP), a drafter call over
-    w tokens (its parameters' bytes over the target's) * (1 + (w - 1) * slope), nothing for a
-    drafter without model calls (CostMeasurement's default cost_calls). step_seconds is a
+    w tokens (Drafter.call_bytes over the target's weight bytes) * (1 + (w - 1) * slope), nothing
+    for a drafter without model calls (call_bytes 0). step_seconds is a
     placeholder (the controller times the plain round before it uses it)."""
     slope = PRIOR_VERIFY_STEP.get(jax.default_backend(), ACCELERATOR_VERIFY_STEP)
-    own_calls = getattr(type(drafter), "cost_calls", None) is not CostMeasurement.cost_calls
-    nbytes = lambda tree: sum(
-        int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
-    )  # noqa: E731
-    share = nbytes(draft_params) / max(nbytes(target.params), 1) if own_calls else 0.0
+    share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
 
     def call(width: int) -> float:
         return 1.0 + (width - 1) * slope
