@@ -345,12 +345,13 @@ class CostEntry:
         """After a run: takes in its timed rounds (seconds per round over its plain round's, per
         arm that drafted; step_seconds: its plain round; resume: a catch-up call over a plain
         round, where one ran) and caches the prior calibrated by them and by those of earlier
-        runs (a newer time replaces an arm's older one). Measured costs are kept as they are, and
-        a run that drafted nothing changes nothing."""
+        runs (an arm keeps its fastest time over the runs: the least disturbed, as `measure`
+        keeps the fastest of its repeats). Measured costs are kept as they are, and a run that
+        timed no drafting arm changes nothing."""
         rounds = {str(k): float(v) for k, v in rounds.items() if math.isfinite(v) and v > 0}
         if self.source == "measured" or not rounds or not (math.isfinite(step_seconds) and step_seconds > 0):
             return
-        self.rounds = {**self.rounds, **rounds}
+        self.rounds = {**self.rounds, **{a: min(v, self.rounds.get(a, v)) for a, v in rounds.items()}}
         costs = calibrated(
             self.prior, self.rounds, resume if resume is None or math.isfinite(resume) else None
         )

@@ -110,9 +110,11 @@ class TreeController(Controller):
             self.decide(chunk.remaining_b)
 
     def timed_rounds(self) -> dict[str, float]:
-        """The chains' timed rounds (Controller.timed_rounds) and each tree's that ran ("tree8")."""
-        step = self.round_seconds(0)
-        trees = {tree_arm(n): min(t) / step for n, t in self.tree_times.items()} if step > 0 else {}
+        """The chains' timed rounds (Controller.timed_rounds) and each tree's that ran at least
+        two chunks ("tree8"), alike."""
+        step = self.timed_step()
+        trees = {tree_arm(n): min(t[1:]) / step for n, t in self.tree_times.items() if len(t) > 1}
+        trees = trees if step > 0 else {}
         return {**super().timed_rounds(), **trees}
 
     def observe_tree(self, chunk: Chunk) -> None:
