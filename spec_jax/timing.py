@@ -61,6 +61,11 @@ def timed(fn, repeats: int) -> dict:
     return timed_interleaved({"fn": fn}, repeats)["fn"]
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of every array leaf of a pytree (host or device arrays; 0 for None)."""
+    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def model_key(config) -> dict:
     """What a call of the model of `config` costs depends on (part of the key measured costs are
     cached under: spec_jax.step_costs, and the drafters' Drafter.cost_key)."""

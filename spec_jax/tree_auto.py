@@ -109,6 +109,14 @@ class TreeController(Controller):
         if chunk.gamma and np.any(np.asarray(chunk.remaining_b) > 0):
             self.decide(chunk.remaining_b)
 
+    def timed_rounds(self) -> dict[str, float]:
+        """The chains' timed rounds (Controller.timed_rounds) and each tree's that ran at least
+        two chunks ("tree8"), alike."""
+        step = self.timed_step()
+        trees = {tree_arm(n): min(t[1:]) / step for n, t in self.tree_times.items() if len(t) > 1}
+        trees = trees if step > 0 else {}
+        return {**super().timed_rounds(), **trees}
+
     def observe_tree(self, chunk: Chunk) -> None:
         n = chunk.tree
         self.record(tree_arm(n), chunk.rounds)

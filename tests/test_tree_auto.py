@@ -7,6 +7,7 @@ where a tree's rounds cost more than its calls measured offline, `actual` says h
 """
 
 import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,8 @@ def scripted(monkeypatch):
     monkeypatch.setattr(TreeScripted, "actual", {})
 
     def set_costs(fixed, actual=None):
-        monkeypatch.setattr(step_costs, "costs_for", lambda *a, **k: fixed)
+        entry = step_costs.CostEntry(fixed, "measured", pathlib.Path("unused.json"), {}, fixed)
+        monkeypatch.setattr(step_costs, "cost_entry", lambda *a, **k: entry)
         monkeypatch.setattr(TreeScripted, "actual", actual or {})
 
     return set_costs

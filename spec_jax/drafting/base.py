@@ -139,8 +139,8 @@ class MeshPlacement:
 
 class CostMeasurement:
     """Optional: what gamma=auto times (spec_jax.step_costs.measure runs cost_calls; costs_for
-    caches the costs under a key that holds cost_key). Default: no calls (a drafter without a
-    model drafts for free), keyed by the class name."""
+    caches the costs under a key that holds cost_key; prior_costs reads call_bytes). Default: no
+    calls (a drafter without a model drafts for free), keyed by the class name."""
 
     def cost_calls(self, params: Any, widths, *, batch: int, cache_slots: int, repeat: int) -> dict:
         """{width: a timing.model_call-style runner of the drafter's call over `width` tokens per
@@ -151,6 +151,11 @@ class CostMeasurement:
         """What the measured costs depend on (part of their cache key; timing.model_key for a
         model). Default: the class name."""
         return type(self).__name__
+
+    def call_bytes(self, params: Any) -> int:
+        """Bytes of weights one of its calls reads: what spec_jax.step_costs.prior_costs prices
+        its calls by (over the target's) before any are measured. Default: 0 (no calls)."""
+        return 0
 
 
 class Drafter(TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasurement, abc.ABC):

@@ -327,6 +327,9 @@ class HeadDrafter(DynamicTree, Drafter):
             "head_rows": int(params.out.ids.shape[0]),
         }
 
+    def call_bytes(self, params):
+        return timing.tree_bytes(params)
+
 
 def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
     """Where a head for this target is trained and found by default."""

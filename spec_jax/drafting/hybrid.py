@@ -120,3 +120,6 @@ class HybridDrafter(Drafter):
 
     def cost_key(self, params):
         return self.model.cost_key(params)
+
+    def call_bytes(self, params):
+        return self.model.call_bytes(params)

@@ -267,6 +267,9 @@ class ModelDrafter(DynamicTree, Drafter):
         rows = int(params.head.ids.shape[0]) if self.trimmed else self.config.vocab_size
         return {**timing.model_key(self.config), "head_rows": rows}
 
+    def call_bytes(self, params):
+        return timing.tree_bytes(params)
+
 
 def top_probability(logits_bv):
     """The top probability of softmax(logits), [B] float32."""
