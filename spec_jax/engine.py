@@ -35,6 +35,7 @@ Not thread-safe: one thread owns an Engine.
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Iterator
@@ -50,7 +51,8 @@ from spec_jax.decode import layout
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import Request, check_pairing, encode_prompt, request_for
 from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.sampling import SamplingParams
+from spec_jax.speculative import spec_prefill
 
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
@@ -63,10 +65,12 @@ class QueueFull(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Handle:
-    """A submitted request: .id (unique per engine), .request. Hashable by identity."""
+    """A submitted request: .id (unique per engine), .request, .prompt_tokens. Hashable by
+    identity."""
 
     id: int
     request: Request
+    prompt_tokens: int = 0  # the prompt's token count (after the chat template)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +88,10 @@ class Update:
 
 class Engine:
     """Serves Requests on one target (and drafter) with a table of max_batch row slots (module
-    docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop);
-    mesh: as generate's; max_context: tokens per slot, prompt plus new tokens (default the
-    target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_queue: requests that may wait."""
+    docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop per
+    row bucket); mesh: as generate's; max_context: tokens per slot, prompt plus new tokens
+    (default the target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_queue: requests
+    that may wait."""
 
     def __init__(
         self,
@@ -112,13 +117,15 @@ class Engine:
             check_pairing(vocab, drafter)
         self.mesh = sharding.default_mesh() if mesh is None else mesh
         sharding.check_mesh(self.mesh)
+        self.buckets = row_buckets(max_batch, self.mesh.shape[sharding.DATA])
         self.max_context = rows.slot_context(target, drafter, policy.gamma, max_context)
         drafter = NoDrafter(vocab) if drafter is None else drafter
         cache_len = self.max_context + policy.gamma
-        self.controller = None
-        if policy.auto:  # measured once per engine, for the table's batch (free rows compute too)
+        self.controllers = {}  # gamma=auto: one per row bucket, from the costs measured at its batch
+        if policy.auto:
             slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
-            self.controller = api.controller_for(target, drafter, draft_params, policy, max_batch, slots)
+            for n in self.buckets:
+                self.controllers[n] = api.controller_for(target, drafter, draft_params, policy, n, slots)
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
@@ -128,11 +135,13 @@ class Engine:
         self._ids = itertools.count()
         self._queue: collections.deque[rows.Row] = collections.deque()
         self._slots: list[rows.Row | None] = [None] * max_batch
+        self._host = rows.HostTable.empty(max_batch, self.max_context)
         self._outbox: list[Update] = []
         self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
         self._inputs_stale = False  # the host's table of prompts and stop ids changed
         self._chunk = MIN_CHUNK
-        self._state = None  # the table's SpecState (built at the first admission)
+        self._state, self._rows = None, 0  # the table's SpecState (built at the first admission), its rows
+        self._blank, self._axes = None, None  # a free row; the row axis of each leaf (rows.batch_axes)
         self._catch_up = None
         self._counters = collections.Counter()
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
@@ -145,6 +154,16 @@ class Engine:
     def idle(self) -> bool:
         """Nothing waits, runs, or has an Update to hand out."""
         return not self._queue and not self._outbox and all(r is None for r in self._slots)
+
+    @property
+    def live_rows(self) -> int:
+        """The rows the compiled loop runs over now: the smallest bucket that holds the busy
+        slots (0 before the first admission)."""
+        return self._rows
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest row bucket that holds n rows."""
+        return next(b for b in self.buckets if b >= n)
 
     # --- requests --------------------------------------------------------------------------
     def encode(self, request: Request) -> list[int]:
@@ -167,7 +186,7 @@ class Engine:
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
         if len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
-        handle = Handle(next(self._ids), request)
+        handle = Handle(next(self._ids), request, len(ids))
         self._queue.append(rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
@@ -198,13 +217,18 @@ class Engine:
     # --- stepping --------------------------------------------------------------------------
     def step(self) -> list[Update]:
         """Admits waiting requests into free slots (their first tokens come back at once) or,
-        when none was admitted, runs one chunk of rounds over the table. Returns the Updates
-        of every request that produced tokens or finished since the last step."""
+        when none was admitted, runs one chunk of rounds over the table's busy rows (compacted
+        into its lowest slots, the loop run over the smallest bucket that holds them). Returns
+        the Updates of every request that produced tokens or finished since the last step."""
         start = time.perf_counter()
+        if self._state is not None:
+            self._compact()
         admitted = self._admit()
-        if not admitted and any(r is not None for r in self._slots):
+        if self._state is not None:
+            self._shrink()
+        if not admitted and self._busy():
             self._run_chunk()
-        if self._state is not None and any(r is not None for r in self._slots):
+        if self._state is not None and self._busy():
             self._collect()
         updates, self._outbox = self._outbox, []
         self._counters["step_seconds"] += time.perf_counter() - start
@@ -215,101 +239,203 @@ class Engine:
         while not self.idle:
             yield from self.step()
 
+    def _busy(self) -> int:
+        return sum(r is not None for r in self._slots)
+
     def _admit(self) -> int:
-        """Prefills waiting requests into free slots, in order; a request whose warp differs
-        from the running rows' waits (and those after it) until the table is empty."""
+        """Prefills waiting requests into the free slots, in order: consecutive requests of one
+        prompt width in one prefill call. A request whose warp differs from the running rows'
+        waits (and those after it) until the table is empty. Returns the requests admitted."""
         admitted = 0
         while self._queue and None in self._slots:
-            row = self._queue[0]
-            busy = any(r is not None for r in self._slots)
-            if row.handle.request.sampling != self._runner.static.sampling:
-                if busy:
+            first = self._queue[0]
+            sampling = first.handle.request.sampling
+            if sampling != self._runner.static.sampling:
+                if self._busy():
                     break
-                self._set_sampling(row.handle.request.sampling)
-            self._queue.popleft()
-            self._insert(row, self._slots.index(None))
-            admitted += 1
+                self._set_sampling(sampling)
+            width, free, group = self._width(first), self._slots.count(None), []
+            while (
+                self._queue
+                and len(group) < free
+                and self._queue[0].handle.request.sampling == sampling
+                and self._width(self._queue[0]) == width
+            ):
+                group.append(self._queue.popleft())
+            self._insert(group, width)
+            admitted += len(group)
         return admitted
+
+    def _width(self, row: rows.Row) -> int:
+        """The prompt width spec_jax.generate gives the request alone (its length bucket),
+        within the slot."""
+        features = self._runner.static.drafter.reads_features
+        config, ids = self.target.config, row.prompt_ids
+        return min(layout(config, [ids], row.handle.request.max_tokens, 0, features)[0], self.max_context)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:
         self._runner.static = dataclasses.replace(self._runner.static, sampling=sampling)
-        self._state = None  # built again for the new loop (its rows are all free)
+        self._state, self._rows = None, 0  # built again for the new loop (its rows are all free)
         self._catch_up = None
 
     def _table(self) -> None:
-        """The empty table: B free rows (done), prefilled from one-token prompts."""
-        b, width = self.max_batch, self.max_context
-        self._host = rows.HostTable.empty(b, width)
-        self._runner.inputs = self._host.inputs(
-            row_keys(jax.random.key(0), np.arange(b)), np.ones(b), self.mesh
-        )
-        active = sharding.put(np.zeros(b, bool), sharding.batch_sharding(self.mesh, 1))
-        state, compile_s, _ = self._runner.prefill(active)
-        self._counters["compile_seconds"] += compile_s
-        self._state = state.replace(plain=jnp.zeros(b, bool))
-        self._counted = rows.table_counters(state)
-        if self.controller is not None:
-            self._catch_up = CatchUp(self._runner, self._host.prompt_lens.astype(np.int64))
+        """The table of one free row (a copy of the blank row: a one-token prompt, done); the
+        first time, the blank row and each leaf's row axis too."""
+        if self._blank is None:
+            inputs = rows.HostTable.empty(1, self.max_context).inputs(1, self.mesh)
+            active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
+            blank, compile_s, _ = self._runner.prefill(active, inputs)
+            self._counters["compile_seconds"] += compile_s
+            self._blank = blank.replace(plain=jnp.zeros(1, bool))
+            self._axes = self._row_axes()
+        self._state, self._rows = jax.tree.map(jnp.copy, self._blank), 1
+        self._counted = rows.table_counters(self._state)
+        self._inputs_stale = True
+        if self.controllers:
+            self._catch_up = CatchUp(self._runner, np.ones(1, np.int64))
+            self.controllers[1].forget(np.ones(1, bool))
 
-    def _insert(self, row: rows.Row, b: int) -> None:
-        """Prefills the request alone (batch 1, the engine's cache length) and writes its state
-        into slot b: every per-row leaf, so nothing of the slot's previous occupant is read."""
+    def _row_axes(self) -> dict[str, tuple[int, ...]]:
+        """The row axis of each leaf (rows.batch_axes) of the loop state ("state"), of the
+        drafter's state ("draft") and of the loop state without it ("nodraft": a plain chunk's,
+        while the drafter's waits aside), from the prefill's shapes at batches 2 and 3."""
+
+        def shapes(n):
+            inputs = rows.HostTable.empty(n, self.max_context).inputs(n, self.mesh)
+            prefill = functools.partial(spec_prefill, self._runner.static)
+            state = jax.eval_shape(prefill, self._runner.target_params, self._runner.draft_params, inputs)
+            return state.replace(plain=jax.ShapeDtypeStruct((n,), bool))
+
+        a, b = shapes(2), shapes(3)
+        return {
+            "state": rows.batch_axes(a, b),
+            "draft": rows.batch_axes(a.draft_state, b.draft_state),
+            "nodraft": rows.batch_axes(a.replace(draft_state=()), b.replace(draft_state=())),
+        }
+
+    def _stash(self):
+        """The drafter's state set aside while plain chunks run (CatchUp.stash), or None."""
+        return self._catch_up.stash if self._catch_up is not None else None
+
+    def _state_axes(self) -> tuple[int, ...]:
+        return self._axes["nodraft" if self._stash() is not None else "state"]
+
+    def _resize(self, n: int) -> None:
+        """The table runs over n rows: its first n (the busy ones among them), or all of them and
+        free rows (copies of the blank one) up to n. gamma=auto goes on with bucket n's
+        controller (its rows' acceptance back to the prior)."""
+        stash = self._stash()
+        blank = self._blank if stash is None else self._blank.replace(draft_state=())
+        self._state = rows.resize_jit(self._state, blank, self._state_axes(), n)
+        if stash is not None:
+            self._catch_up.stash = rows.resize_jit(stash, self._blank.draft_state, self._axes["draft"], n)
+        if self._catch_up is not None:
+            synced = self._catch_up.synced
+            self._catch_up.synced = np.concatenate([synced, np.ones(max(n - len(synced), 0), np.int64)])[:n]
+            self.controllers[n].forget(np.ones(n, bool))
+        self._rows, self._inputs_stale = n, True
+
+    def _move(self, src: int, dst: int) -> None:
+        """The busy row in slot src moves to the free slot dst (its state, host row and
+        catch-up position); src becomes free (marked done before the next chunk)."""
+        s, d = jnp.int32(src), jnp.int32(dst)
+        stash = self._stash()
+        self._state = rows.move_row_jit(self._state, self._state_axes(), s, d)
+        if stash is not None:
+            self._catch_up.stash = rows.move_row_jit(stash, self._axes["draft"], s, d)
+        self._host.move(src, dst)
+        self._stop_rows[src], self._stop_rows[dst] = True, False
+        row = self._slots[src]
+        self._slots[dst], self._slots[src], row.slot = row, None, dst
+        if self._catch_up is not None:
+            self._catch_up.synced[dst] = self._catch_up.synced[src]
+            self.controllers[self._rows].forget(np.arange(self._rows) == dst)
+        self._inputs_stale = True
+
+    def _compact(self) -> None:
+        """Freed rows are marked done, and the busy rows move into the lowest slots."""
+        self._apply_stops()
+        busy = [b for b, r in enumerate(self._slots) if r is not None]
+        holes = [b for b in range(len(busy)) if self._slots[b] is None]
+        for dst, src in zip(holes, [b for b in busy if b >= len(busy)], strict=True):
+            self._move(src, dst)
+
+    def _shrink(self) -> None:
+        """The table runs over the smallest bucket that holds its busy rows (in its lowest slots)."""
+        n = self.bucket_for(self._busy())
+        if n < self._rows:
+            self._apply_stops()
+            self._resize(n)
+
+    def _apply_stops(self) -> None:
+        """The loop state's rows of freed slots are marked done."""
+        if self._stop_rows[: self._rows].any():
+            stop = sharding.put(self._stop_rows[: self._rows], sharding.batch_sharding(self.mesh, 1))
+            self._state = rows.mark_done_jit(self._state, stop)
+        self._stop_rows[:] = False
+
+    def _insert(self, group: list[rows.Row], width: int) -> None:
+        """Prefills the group's requests together (the smallest bucket of rows that holds them,
+        the width of each alone) and writes every per-row leaf of each into the next free slot
+        (the table grown to hold them), so nothing of a slot's previous occupant is read."""
         if self._state is None:
             self._table()
-        request, ids = row.handle.request, row.prompt_ids
-        # generate's width for the request alone (its length bucket), within the slot
-        features = self._runner.static.drafter.reads_features
-        width = min(layout(self.target.config, [ids], request.max_tokens, 0, features)[0], self.max_context)
-        inputs, stops = rows.one_row_inputs(row, width)
-        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
-        active = sharding.put(np.ones(1, bool), sharding.batch_sharding(self.mesh, 1))
-        one, compile_s, prefill_s = self._runner.prefill(active, inputs)
+        start, k = self._busy(), len(group)
+        if self.bucket_for(start + k) > self._rows:
+            self._resize(self.bucket_for(start + k))
+        batch = self.bucket_for(k)
+        inputs, stops = rows.group_inputs(group, width, batch)
+        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, batch))
+        active = sharding.put(np.arange(batch) < k, sharding.batch_sharding(self.mesh, 1))
+        block, compile_s, prefill_s = self._runner.prefill(active, inputs)
         self._counters["compile_seconds"] += compile_s
         self._counters["prefill_seconds"] += prefill_s
-        one = one.replace(plain=jnp.asarray([not request.speculate]))
-        slot = jnp.asarray(b, jnp.int32)
-        stash = self._catch_up.stash if self._catch_up is not None else None
-        if stash is not None:  # a plain chunk holds the drafter's states aside
-            self._catch_up.stash = rows.write_row_jit(stash, one.draft_state, slot, self.max_batch)
-            one = one.replace(draft_state=())
-        self._state = rows.write_row_jit(self._state, one, slot, self.max_batch)
-        self._stop_rows[b] = False
-        self._host.set_row(b, ids, stops[0])
+        plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
+        block = block.replace(plain=jnp.asarray(plain))
+        slots = np.where(np.arange(batch) < k, start + np.arange(batch), self._rows).astype(np.int32)
+        slots = jnp.asarray(slots)
+        if (stash := self._stash()) is not None:  # a plain chunk holds the drafter's states aside
+            self._catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self._axes["draft"], slots)
+            block = block.replace(draft_state=())
+        self._state = rows.write_rows_jit(self._state, block, self._state_axes(), slots)
+        for i, row in enumerate(group):
+            b = start + i
+            self._host.set_row(b, row.prompt_ids, stops[i])
+            self._stop_rows[b], row.slot, self._slots[b] = False, b, row
+            if self._catch_up is not None:
+                self._catch_up.synced[b] = len(row.prompt_ids)
+        if self._catch_up is not None:
+            self.controllers[self._rows].forget(
+                (np.arange(self._rows) >= start) & (np.arange(self._rows) < start + k)
+            )
         self._inputs_stale = True  # placed again once, before the next chunk
-        if self.controller is not None:
-            self.controller.forget(np.arange(self.max_batch) == b)
-            self._catch_up.synced[b] = len(ids)
-        row.slot = b
-        self._slots[b] = row
 
     def _run_chunk(self) -> None:
-        """One chunk of rounds over the table (freed rows first marked done)."""
+        """One chunk of rounds over the table's rows (freed rows first marked done): at most as
+        many rounds as the busy row nearest its budget has tokens left, so that a slot it
+        frees is taken at once."""
         if self._inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
-            self._runner.inputs = self._host.inputs(
-                self._runner.inputs.keys, self._runner.inputs.budgets, self.mesh
-            )
+            self._runner.inputs = self._host.inputs(self._rows, self.mesh)
             self._inputs_stale = False
-        if self._stop_rows.any():
-            self._state = rows.mark_done_jit(
-                self._state, sharding.put(self._stop_rows, sharding.batch_sharding(self.mesh, 1))
-            )
-            self._stop_rows[:] = False
+        self._apply_stops()
         self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
+        left = min(r.handle.request.max_tokens - len(r.tokens) for r in self._slots if r is not None)
+        rounds = max(1, min(self._chunk, left))
         start = time.perf_counter()
-        if self.controller is None:
-            self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
+        if not self.controllers:
+            self._state, compile_s, _, _ = self._runner.loop(self._state, rounds)
         else:
             before = observed(self._state)
             self._state, _, compile_s = auto_chunk(
-                self.controller, self._runner, self._catch_up, self._state, before, self._chunk
+                self.controllers[self._rows], self._runner, self._catch_up, self._state, before, rounds
             )
         after = rows.table_counters(self._state)
-        rounds, drafted, accepted = (after - self._counted).tolist()
+        drafted_rounds, drafted, accepted = (after - self._counted).tolist()
         self._counted = after
         self._counters["compile_seconds"] += compile_s
         self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
         self._counters["chunks"] += 1
-        self._counters["rounds"] += rounds
+        self._counters["rounds"] += drafted_rounds
         self._counters["draft_tokens_total"] += drafted
         self._counters["accepted_tokens_total"] += accepted
 
@@ -324,7 +450,7 @@ class Engine:
             )
         )
         now = time.perf_counter()
-        for b, row in enumerate(self._slots):
+        for b, row in enumerate(self._slots[: self._rows]):
             if row is None:
                 continue
             row.tokens = tokens[b, : counts[b]].tolist()
@@ -372,6 +498,17 @@ class Engine:
             ttft_seconds=list(self._ttft),
         )
         return out
+
+
+def row_buckets(max_batch: int, unit: int = 1) -> tuple[int, ...]:
+    """The row counts the engine's loop runs at: unit (the mesh's data axis) times powers of
+    two below max_batch, and max_batch."""
+    sizes = []
+    n = unit
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, max_batch)
 
 
 def stream(

@@ -144,28 +144,39 @@ def test_a_slot_holds_nothing_of_its_previous_occupant(tiny_target, tiny_draft):
     assert long.id == 0 and h.id == 1
 
 
-def test_write_row_replaces_every_per_row_leaf_and_keeps_shared_ones():
-    """rows.write_row on a toy state: batch leaves (leading axis, a cache's axis 1) take the row;
-    scalars and leaves of another leading size keep the table's (a [G] metric with G == B
-    included: the row's own has G entries, not 1)."""
-    b = 3
-    table = {
-        "cache": KVCache(k=jnp.zeros((2, b, 4, 1, 2)), v=jnp.zeros((2, b, 4, 1, 2))),
-        "tokens": jnp.zeros((b, 5), jnp.int32),
-        "count": jnp.zeros((), jnp.int32),
-        "per_position": jnp.zeros((b,), jnp.int32),
+def toy_table(b: int, fill):
+    """A toy loop state of b rows: batch leaves (leading axis, a cache's axis 1), a scalar,
+    and a [3] leaf that is not per row (of the table's size when b == 3)."""
+    return {
+        "cache": KVCache(k=jnp.full((2, b, 4, 1, 2), fill), v=jnp.full((2, b, 4, 1, 2), fill)),
+        "tokens": jnp.full((b, 5), fill, jnp.int32),
+        "count": jnp.full((), fill, jnp.int32),
+        "per_position": jnp.full((3,), fill, jnp.int32),
     }
-    row = {
-        "cache": KVCache(k=jnp.ones((2, 1, 4, 1, 2)), v=jnp.ones((2, 1, 4, 1, 2))),
-        "tokens": jnp.ones((1, 5), jnp.int32),
-        "count": jnp.ones((), jnp.int32),
-        "per_position": jnp.ones((b,), jnp.int32),
-    }
-    out = rows.write_row(table, row, 1, b)
-    np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 1, 0], [0, 1, 0]])
-    np.testing.assert_array_equal(out["tokens"][:, 0], [0, 1, 0])
+
+
+def test_row_writes_moves_and_resizes_touch_every_per_row_leaf_and_keep_shared_ones():
+    """rows.batch_axes finds the row axis from two batch sizes (not from a size that happens to
+    equal the batch: "per_position" has 3 entries at batch 3); write_rows, move_row and resize
+    act on exactly those leaves."""
+    axes = rows.batch_axes(toy_table(3, 0), toy_table(4, 0))
+    assert axes == (1, 1, -1, -1, 0)  # tree order: cache k, v, count, per_position, tokens
+    table = toy_table(3, 0)
+    block = toy_table(2, 7)
+    out = rows.write_rows(table, block, axes, jnp.asarray([1, 3], jnp.int32))  # row 1 of the block dropped
+    np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 7, 0], [0, 7, 0]])
+    np.testing.assert_array_equal(out["tokens"][:, 0], [0, 7, 0])
     assert int(out["count"]) == 0
     np.testing.assert_array_equal(out["per_position"], [0, 0, 0])
+    moved = rows.move_row(out, axes, jnp.int32(1), jnp.int32(2))
+    np.testing.assert_array_equal(moved["tokens"][:, 0], [0, 7, 7])
+    np.testing.assert_array_equal(moved["cache"].v[:, :, 0, 0, 0], [[0, 7, 7], [0, 7, 7]])
+    grown = rows.resize(moved, toy_table(1, 5), axes, 5)
+    np.testing.assert_array_equal(grown["tokens"][:, 0], [0, 7, 7, 5, 5])
+    assert grown["cache"].k.shape == (2, 5, 4, 1, 2) and grown["per_position"].shape == (3,)
+    shrunk = rows.resize(grown, toy_table(1, 5), axes, 2)
+    np.testing.assert_array_equal(shrunk["cache"].k[:, :, 0, 0, 0], [[0, 7], [0, 7]])
+    assert int(shrunk["count"]) == 0
 
 
 def test_cancel_frees_the_slot_at_once_and_the_others_are_unaffected(tiny_target, tiny_draft):
@@ -343,8 +354,9 @@ def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
     tokens, reasons, handles = run_staggered(engine, requests, [0, 0, 1, 2, 3, 3])
     for h in handles:
         assert tokens[h.id] == alone(tiny_target, tiny_draft, h.request)
-    gammas = {g for g, _ in engine.controller.schedule}
-    assert 0 in gammas and gammas - {0}, engine.controller.schedule
+    schedules = [c.schedule for c in engine.controllers.values()]
+    gammas = {g for schedule in schedules for g, _ in schedule}
+    assert 0 in gammas and gammas - {0}, schedules
 
 
 def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_target, tiny_draft):
