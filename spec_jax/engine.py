@@ -2,33 +2,43 @@
 batching at the granularity of chunks of rounds).
 
 It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
-prefill, the loop, the drafter's catch-up), the measured costs (gamma=auto's Controller, sized
-for the table) and a table of B row slots: one SpecState of batch B, each row a slot with its
-KV cache, drafter state, output buffer, budget and stop ids.
+prefill, the loop, the drafter's catch-up; one of each per row bucket), the measured costs
+(gamma=auto: one Controller per row bucket, from the costs measured at that batch) and a
+table of max_batch row slots: one SpecState whose rows are the busy slots, each with its KV
+cache, drafter state, output buffer, budget and stop ids.
 
   submit(request) -> Handle     validates the request against the model, queues it
-  step() -> [Update]            admits waiting requests into free slots (each prefilled alone,
-                                at batch 1, then written into its row), or else runs one chunk
-                                of rounds of the ONE compiled loop (spec_jax.speculative.spec_loop)
-                                over the table; returns each request's new tokens and text
+  step() -> [Update]            admits waiting requests into free slots (consecutive ones of
+                                one prompt width prefilled in one call), or else runs one
+                                chunk of rounds of the ONE compiled loop
+                                (spec_jax.speculative.spec_loop) over the table's rows;
+                                returns each request's new tokens and text
   cancel(handle)                frees the request's slot at once
   drain() -> iterator           step() until nothing waits or runs
 
 Invariants (docs/design.md, "The engine"):
-- A free slot is done in the loop state: its rows compute but commit nothing.
-- Admitting a request writes EVERY per-row leaf of its batch-1 prefill state into its slot
-  (the batch axis of each leaf: spec_jax.sharding.batch_axis), so nothing of a previous
-  occupant survives: its cache, drafter state, tokens, budget, keys and per-row metrics.
-- Exactness: a request's tokens do not depend on what else runs. Its row draws from keys
-  derived from its own seed (row id 0: what spec_jax.generate gives the request alone), stops
-  at its own budget (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute
-  each row bit-identically whatever the batch. Rows of one chunk share the warp (temperature,
-  top-k, top-p are static settings of the compiled loop): a request with another warp waits
-  until the table's rows are done. With gamma=auto a greedy request's tokens are still its
-  own; a sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness
-  across concurrency holds for a fixed gamma.
-- The chunk length adapts: MIN_CHUNK rounds while requests wait (a finished row's slot is
-  soon free), doubling up to MAX_CHUNK while the table is stable (few host round trips).
+- Busy rows sit in the lowest slots: a row that leaves is replaced by the highest busy row
+  (rows.move_row), and the loop runs over the smallest bucket of rows (row_buckets: 1, 2,
+  4, ... max_batch) that holds them, so a lone request pays for one row, not max_batch. The
+  table grows (free rows: copies of a blank, done row) when admissions need more rows and
+  shrinks when rows leave.
+- A free row is done in the loop state: it computes but commits nothing.
+- Admitting a request writes EVERY per-row leaf of its prefilled state into its slot (the
+  row axis of each leaf: rows.batch_axes, found from the prefill's shapes at two batch
+  sizes), so nothing of a previous occupant survives: its cache, drafter state, tokens,
+  budget, keys and per-row metrics.
+- Exactness: a request's tokens do not depend on what else runs, nor on the slot, the row
+  bucket or the prefill batch it runs in. Its row draws from keys derived from its own seed
+  (row id 0: what spec_jax.generate gives the request alone), stops at its own budget
+  (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute each row
+  bit-identically whatever the batch. Rows of one chunk share the warp (temperature, top-k,
+  top-p are static settings of the compiled loop): a request with another warp waits until
+  the table's rows are done. With gamma=auto a greedy request's tokens are still its own; a
+  sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness across
+  concurrency holds for a fixed gamma.
+- The chunk length adapts: MIN_CHUNK rounds while requests wait, doubling up to MAX_CHUNK
+  while the table is stable (few host round trips), and never past the rounds in which the
+  busy row nearest its budget could finish (its slot is then free for a waiting request).
 
 Not thread-safe: one thread owns an Engine.
 """
@@ -52,10 +62,14 @@ from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import Request, check_pairing, encode_prompt, request_for
 from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams
-from spec_jax.speculative import spec_prefill
+from spec_jax.speculative import SpecState, spec_prefill
 
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
+# Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
+# row id, budget, stop ids, speculation and warp give the same row, so reusing it is exact);
+# each holds a slot's caches (about 85 MB for the Qwen pair at max_context 1024).
+PREFILL_CACHE = 16
 TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
 
 
@@ -105,10 +119,13 @@ class Engine:
         mesh=None,
         max_context: int | None = None,
         verify_widths: str = "auto",
+        prefill_cache: int = PREFILL_CACHE,
     ):
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not is_int(prefill_cache) or prefill_cache < 0:
+            raise ValueError(f"prefill_cache must be an integer >= 0, got {prefill_cache!r}")
         self.target, self.max_batch, self.max_queue = target, max_batch, max_queue
         drafter, draft_params = (None, None) if draft is None else as_drafter(draft, target)
         policy = api.GammaPolicy.of(gamma, drafter, tree)
@@ -143,6 +160,8 @@ class Engine:
         self._state, self._rows = None, 0  # the table's SpecState (built at the first admission), its rows
         self._blank, self._axes = None, None  # a free row; the row axis of each leaf (rows.batch_axes)
         self._catch_up = None
+        self.prefill_cache = prefill_cache
+        self._prefilled: collections.OrderedDict = collections.OrderedDict()  # prefill_key -> row
         self._counters = collections.Counter()
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
 
@@ -375,40 +394,72 @@ class Engine:
         self._stop_rows[:] = False
 
     def _insert(self, group: list[rows.Row], width: int) -> None:
-        """Prefills the group's requests together (the smallest bucket of rows that holds them,
-        the width of each alone) and writes every per-row leaf of each into the next free slot
-        (the table grown to hold them), so nothing of a slot's previous occupant is read."""
+        """Writes every per-row leaf of each request's prefilled row into the next free slot
+        (the table grown to hold them), so nothing of a slot's previous occupant is read: the
+        rows kept from an earlier identical prefill (rows.prefill_key), and the others'
+        prefilled together (the smallest bucket of rows that holds them, the width of each
+        alone), then kept."""
         if self._state is None:
             self._table()
         start, k = self._busy(), len(group)
         if self.bucket_for(start + k) > self._rows:
             self._resize(self.bucket_for(start + k))
+        sampling = self._runner.static.sampling
+        misses, miss_slots = [], []
+        for b, row in enumerate(group, start):
+            kept = self._prefilled.get(rows.prefill_key(row, width, sampling))
+            if kept is None:
+                misses.append(row)
+                miss_slots.append(b)
+            else:
+                self._prefilled.move_to_end(rows.prefill_key(row, width, sampling))
+                self._write(kept, [b])
+                self._counters["prefill_cache_hits"] += 1
+        if misses:
+            block = self._prefill(misses, width)
+            self._write(block, miss_slots)
+            for i, row in enumerate(misses):
+                if self.prefill_cache:
+                    key = rows.prefill_key(row, width, sampling)
+                    self._prefilled[key] = rows.take_row_jit(block, self._axes["state"], jnp.int32(i))
+                    while len(self._prefilled) > self.prefill_cache:
+                        self._prefilled.popitem(last=False)
+        for b, row in enumerate(group, start):
+            self._host.set_row(b, row.prompt_ids, rows.stop_row(row.stop_ids))
+            self._stop_rows[b], row.slot, self._slots[b] = False, b, row
+            if self._catch_up is not None:
+                self._catch_up.synced[b] = len(row.prompt_ids)
+        if self._catch_up is not None:
+            new = np.arange(self._rows)
+            self.controllers[self._rows].forget((new >= start) & (new < start + k))
+        self._inputs_stale = True  # placed again once, before the next chunk
+
+    def _prefill(self, group: list[rows.Row], width: int) -> SpecState:
+        """The group's requests prefilled in one call: a state of the smallest bucket of rows
+        that holds them (row i: group[i]; the rest free), their `plain` set per request."""
+        k = len(group)
         batch = self.bucket_for(k)
-        inputs, stops = rows.group_inputs(group, width, batch)
+        inputs = rows.group_inputs(group, width, batch)
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, batch))
         active = sharding.put(np.arange(batch) < k, sharding.batch_sharding(self.mesh, 1))
         block, compile_s, prefill_s = self._runner.prefill(active, inputs)
         self._counters["compile_seconds"] += compile_s
         self._counters["prefill_seconds"] += prefill_s
+        self._counters["prefill_calls"] += 1
         plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
-        block = block.replace(plain=jnp.asarray(plain))
-        slots = np.where(np.arange(batch) < k, start + np.arange(batch), self._rows).astype(np.int32)
-        slots = jnp.asarray(slots)
-        if (stash := self._stash()) is not None:  # a plain chunk holds the drafter's states aside
-            self._catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self._axes["draft"], slots)
+        return block.replace(plain=jnp.asarray(plain))
+
+    def _write(self, block: SpecState, slots: list[int]) -> None:
+        """Rows 0 .. len(slots) - 1 of block (a prefill's state) into the table's slots (the
+        drafter's states into the stash while a plain chunk holds them aside)."""
+        batch = int(block.length.shape[0])
+        where = np.full(batch, self._rows, np.int32)  # past the table: dropped
+        where[: len(slots)] = slots
+        where = jnp.asarray(where)
+        if (stash := self._stash()) is not None:
+            self._catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self._axes["draft"], where)
             block = block.replace(draft_state=())
-        self._state = rows.write_rows_jit(self._state, block, self._state_axes(), slots)
-        for i, row in enumerate(group):
-            b = start + i
-            self._host.set_row(b, row.prompt_ids, stops[i])
-            self._stop_rows[b], row.slot, self._slots[b] = False, b, row
-            if self._catch_up is not None:
-                self._catch_up.synced[b] = len(row.prompt_ids)
-        if self._catch_up is not None:
-            self.controllers[self._rows].forget(
-                (np.arange(self._rows) >= start) & (np.arange(self._rows) < start + k)
-            )
-        self._inputs_stale = True  # placed again once, before the next chunk
+        self._state = rows.write_rows_jit(self._state, block, self._state_axes(), where)
 
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table's rows (freed rows first marked done): at most as
@@ -486,7 +537,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
-        accepted_tokens_total, queue_depth, slots_busy, max_batch, chunks, rounds, the seconds
+        accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
+        runs over), chunks, rounds, prefill_calls (each prefills one or more requests), the seconds
         of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
         step_seconds - compile - prefill - decode is the host's own work between chunks), and
         ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""
@@ -495,6 +547,7 @@ class Engine:
             queue_depth=len(self._queue),
             slots_busy=sum(r is not None for r in self._slots),
             max_batch=self.max_batch,
+            live_rows=self._rows,
             ttft_seconds=list(self._ttft),
         )
         return out

@@ -88,6 +88,11 @@ def move_row(table, axes: tuple[int, ...], src, dst):
     return _by_leaf(one, axes, table)
 
 
+def take_row(table, axes: tuple[int, ...], i):
+    """table's row i (an int32 scalar) as a table of one row; the shared leaves are table's."""
+    return _by_leaf(lambda t, axis: jax.lax.dynamic_slice_in_dim(t, i, 1, axis), axes, table)
+
+
 def write_rows(table, block, axes: tuple[int, ...], slots):
     """table with row slots[i] replaced by block's row i (block: the same tree at another batch,
     e.g. a prefill's; slots: int32 [block's rows], a slot past the table's rows drops that
@@ -107,6 +112,7 @@ def mark_done(state: SpecState, rows_b) -> SpecState:
 
 resize_jit = jax.jit(resize, static_argnums=(2, 3))
 move_row_jit = jax.jit(move_row, static_argnums=1, donate_argnums=0)
+take_row_jit = jax.jit(take_row, static_argnums=1)
 write_rows_jit = jax.jit(write_rows, static_argnums=2, donate_argnums=0)
 mark_done_jit = jax.jit(mark_done, donate_argnums=0)
 row_keys_jit = jax.jit(row_keys)  # compiled once, not traced per admission
@@ -131,11 +137,17 @@ def stop_ids_for(request: Request, tokenizer, vocab: int) -> tuple[int, ...]:
     return tuple(request.stop_ids)
 
 
-def group_inputs(group: list[Row], width: int, batch: int) -> tuple[PrefillInputs, np.ndarray]:
-    """(the requests of group as PrefillInputs of `batch` rows (>= len(group); the rest are
-    one-token PAD_ID prompts) and the given width, unplaced; their stop ids as int32
-    [batch, MAX_STOP_IDS], -1 padded). Each row's keys are its request's alone:
-    fold_in(key(seed), row_id)."""
+def stop_row(stop_ids) -> np.ndarray:
+    """A row's stop ids as int32 [MAX_STOP_IDS], -1 padded."""
+    stops = np.full(MAX_STOP_IDS, -1, np.int32)
+    stops[: len(stop_ids)] = stop_ids
+    return stops
+
+
+def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
+    """The requests of group as PrefillInputs of `batch` rows (>= len(group); the rest are
+    one-token PAD_ID prompts) and the given width, unplaced. Each row's keys are its
+    request's alone: fold_in(key(seed), row_id)."""
     tokens = np.full((batch, width), PAD_ID, np.int32)
     lens, budgets = np.ones(batch, np.int32), np.ones(batch, np.int32)
     stops = np.full((batch, MAX_STOP_IDS), -1, np.int32)
@@ -143,19 +155,35 @@ def group_inputs(group: list[Row], width: int, batch: int) -> tuple[PrefillInput
     for i, row in enumerate(group):
         tokens[i, : len(row.prompt_ids)] = row.prompt_ids
         lens[i], budgets[i] = len(row.prompt_ids), row.handle.request.max_tokens
-        stops[i, : len(row.stop_ids)] = row.stop_ids
+        stops[i] = stop_row(row.stop_ids)
         keys.append(
             row_keys_jit(jax.random.key(row.handle.request.seed), np.asarray([row.row_id], np.uint32))
         )
     keys += [row_keys_jit(jax.random.key(0), np.zeros(1, np.uint32))] * (batch - len(group))
-    inputs = PrefillInputs(
+    return PrefillInputs(
         tokens=jnp.asarray(tokens),
         prompt_lens=jnp.asarray(lens),
         stop_ids=jnp.asarray(stops),
         keys=jnp.concatenate(keys),
         budgets=jnp.asarray(budgets),
     )
-    return inputs, stops
+
+
+def prefill_key(row: Row, width: int, sampling) -> tuple:
+    """Everything a request's prefilled row depends on in one engine: its prompt, the prefill's
+    width, its keys (seed, row id), budget, stop ids, speculation and the warp. Two requests
+    of one key get the same row, bit for bit (the CPU prefill is row-wise)."""
+    request = row.handle.request
+    return (
+        tuple(row.prompt_ids),
+        width,
+        request.seed,
+        row.row_id,
+        request.max_tokens,
+        tuple(row.stop_ids),
+        request.speculate,
+        sampling,
+    )
 
 
 def slot_context(target, drafter, gamma: int, max_context) -> int:

@@ -3,6 +3,8 @@ equal spec_jax.generate's for that request alone, whatever else runs (greedy and
 sampling, staggered arrivals, rows finishing early, cancelled rows, a slot's previous
 occupant, a row whose logits turn NaN)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
+from spec_jax import engine as engine_module
 from spec_jax import rows, step_costs
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -106,6 +109,74 @@ def test_each_request_equals_itself_alone_at_any_concurrency(
     assert stats["slots_busy"] == 0 and stats["queue_depth"] == 0
     assert stats["generation_tokens_total"] == sum(m for _, m, _ in REQUESTS)
     assert stats["finished_length"] == len(REQUESTS)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_request_is_exact_across_slot_moves_bucket_changes_and_batched_prefills(
+    tiny_target, tiny_draft, temperature, monkeypatch
+):
+    """A long request shares its first prefill with a short one; when the short one leaves it
+    moves to slot 0 and the table grows to 4 rows for three requests prefilled in one call,
+    then shrinks to 1 row when they leave: its tokens (and theirs) equal each alone."""
+
+    def request(i):
+        p, _, seed = REQUESTS[i]
+        return Request(
+            prompt_ids=tuple(p),
+            max_tokens=50 if i == 2 else 4,
+            seed=seed,
+            temperature=temperature,
+            stop_ids=(),
+        )
+
+    monkeypatch.setattr(engine_module, "MAX_CHUNK", 2)  # at most 8 tokens a step: the long row lasts
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
+    assert engine.buckets == (1, 2, 4)
+    handles = [engine.submit(request(0)), engine.submit(request(2))]
+    long = handles[1]
+    tokens, seen = {}, []  # seen: (rows the loop runs over, the long request's slot) per step
+
+    def step():
+        for u in engine.step():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+        row = next((r for r in engine._slots if r is not None and r.handle is long), None)
+        seen.append((engine.live_rows, None if row is None else row.slot))
+
+    while any(r is not None and r.handle is handles[0] for r in engine._slots) or not seen:
+        step()
+    handles += [engine.submit(request(i)) for i in (3, 4, 5)]  # the long row is alone in slot 1
+    while not engine.idle:
+        step()
+    assert seen[0] == (2, 1) and seen[-1][1] is None, seen
+    alive = [s for s in seen if s[1] is not None]
+    assert (4, 0) in alive and alive[-1] == (1, 0), seen  # moved to slot 0, grown, shrunk
+    assert engine.step() == [] and engine.live_rows == 1  # an idle step shrinks the table
+    assert engine.stats()["prefill_calls"] == 2  # two batches: (0, 2) and (3, 4, 5)
+    for h in handles:
+        assert tokens[h] == alone(tiny_target, tiny_draft, h.request), h.id
+
+
+def test_a_request_seen_again_reuses_its_prefilled_row_exactly(tiny_target, tiny_draft):
+    """The same request again (alone, then beside others) takes its kept prefilled row, and its
+    tokens are still its own alone; another seed or budget is prefilled afresh; with
+    prefill_cache=0 nothing is kept."""
+    req = Request(prompt_ids=(5, 9, 2), max_tokens=8, seed=3, temperature=1.0, stop_ids=())
+    others = [dataclasses.replace(req, seed=4), dataclasses.replace(req, max_tokens=6)]
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=3)
+    tokens = {}
+    for batch in ([req], [req, *others], [req]):
+        handles = [engine.submit(r) for r in batch]
+        for u in engine.drain():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+        for h in handles:
+            assert tokens[h] == alone(tiny_target, tiny_draft, h.request), h.request
+    stats = engine.stats()
+    assert stats["prefill_cache_hits"] == 2  # req twice; the others were new
+    cold = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=0)
+    for _ in range(2):
+        h = cold.submit(req)
+        assert [t for u in cold.drain() for t in u.token_ids] == alone(tiny_target, tiny_draft, req)
+    assert "prefill_cache_hits" not in cold.stats() and cold.stats()["prefill_calls"] == 2
 
 
 def test_a_row_that_stops_frees_its_slot_and_a_waiting_request_takes_it(tiny_target, tiny_draft):
@@ -392,6 +463,8 @@ def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
         Engine(tiny_target, tiny_draft, gamma=3, max_context=context)
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1, got 0"):
         Engine(tiny_target, None, max_batch=0)
+    with pytest.raises(ValueError, match="prefill_cache must be an integer >= 0, got -1"):
+        Engine(tiny_target, None, prefill_cache=-1)
     with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto'"):
         Engine(tiny_target, tiny_draft, gamma=0)
 
