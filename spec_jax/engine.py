@@ -67,7 +67,8 @@ from spec_jax.speculative import SpecState, spec_prefill
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 # Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
-# row id, budget, stop ids, speculation and warp give the same row, so reusing it is exact);
+# row id, stop ids, speculation and warp give the same row but for its budget, which is set,
+# so reusing it is exact);
 # each holds a slot's caches (about 85 MB for the Qwen pair at max_context 1024).
 PREFILL_CACHE = 16
 TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
@@ -414,6 +415,8 @@ class Engine:
             else:
                 self._prefilled.move_to_end(rows.prefill_key(row, width, sampling))
                 self._write(kept, [b])
+                budget = jnp.int32(row.handle.request.max_tokens)
+                self._state = rows.set_budget_jit(self._state, jnp.int32(b), budget)
                 self._counters["prefill_cache_hits"] += 1
         if misses:
             block = self._prefill(misses, width)

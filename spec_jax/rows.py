@@ -170,20 +170,29 @@ def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
 
 
 def prefill_key(row: Row, width: int, sampling) -> tuple:
-    """Everything a request's prefilled row depends on in one engine: its prompt, the prefill's
-    width, its keys (seed, row id), budget, stop ids, speculation and the warp. Two requests
-    of one key get the same row, bit for bit (the CPU prefill is row-wise)."""
+    """Everything a request's prefilled row depends on in one engine, but its budget: its prompt,
+    the prefill's width, its keys (seed, row id), stop ids, speculation, the warp, and whether
+    its budget ends it at the first token. Two requests of one key get the same row, bit for
+    bit (the CPU prefill is row-wise), except for the budget leaf (set_budget)."""
     request = row.handle.request
     return (
         tuple(row.prompt_ids),
         width,
         request.seed,
         row.row_id,
-        request.max_tokens,
+        request.max_tokens == 1,
         tuple(row.stop_ids),
         request.speculate,
         sampling,
     )
+
+
+def set_budget(state: SpecState, slot, budget) -> SpecState:
+    """state with row slot's budget (Output.budget) set to budget (int32 scalars)."""
+    return state.replace(out=state.out.replace(budget=state.out.budget.at[slot].set(budget)))
+
+
+set_budget_jit = jax.jit(set_budget, donate_argnums=0)
 
 
 def slot_context(target, drafter, gamma: int, max_context) -> int:

@@ -157,24 +157,30 @@ def test_a_request_is_exact_across_slot_moves_bucket_changes_and_batched_prefill
 
 
 def test_a_request_seen_again_reuses_its_prefilled_row_exactly(tiny_target, tiny_draft):
-    """The same request again (alone, then beside others) takes its kept prefilled row, and its
-    tokens are still its own alone; another seed or budget is prefilled afresh; with
-    prefill_cache=0 nothing is kept."""
+    """The same prompt and seed again (alone, then beside others, with another budget) takes its
+    kept prefilled row, and its tokens are still its own alone (its own budget too); another
+    seed or other stop ids are prefilled afresh; with prefill_cache=0 nothing is kept."""
     req = Request(prompt_ids=(5, 9, 2), max_tokens=8, seed=3, temperature=1.0, stop_ids=())
-    others = [dataclasses.replace(req, seed=4), dataclasses.replace(req, max_tokens=6)]
-    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=3)
+    longer = dataclasses.replace(req, max_tokens=12)
+    misses = [dataclasses.replace(req, seed=4), dataclasses.replace(req, stop_ids=(7,))]
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=4)
     tokens = {}
-    for batch in ([req], [req, *others], [req]):
+    for batch in ([req], [longer, *misses], [req]):
         handles = [engine.submit(r) for r in batch]
         for u in engine.drain():
             tokens.setdefault(u.handle, []).extend(u.token_ids)
         for h in handles:
-            assert tokens[h] == alone(tiny_target, tiny_draft, h.request), h.request
-    stats = engine.stats()
-    assert stats["prefill_cache_hits"] == 2  # req twice; the others were new
+            if h.request.stop_ids:
+                expected = alone(tiny_target, tiny_draft, dataclasses.replace(h.request, stop_ids=()))
+                expected = expected[: expected.index(7) + 1] if 7 in expected else expected
+            else:
+                expected = alone(tiny_target, tiny_draft, h.request)
+            assert tokens[h] == expected, h.request
+    assert len(tokens[handles[0]]) == 8
+    assert engine.stats()["prefill_cache_hits"] == 2  # longer and req again; the misses were new
     cold = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=0)
     for _ in range(2):
-        h = cold.submit(req)
+        cold.submit(req)
         assert [t for u in cold.drain() for t in u.token_ids] == alone(tiny_target, tiny_draft, req)
     assert "prefill_cache_hits" not in cold.stats() and cold.stats()["prefill_calls"] == 2
 
