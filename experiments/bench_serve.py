@@ -305,7 +305,7 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
         }
         drafted, accepted = delta["draft_tokens"], delta["accepted_tokens"]
         # The engine's host work per step beyond its compiled calls, as a share of decoding
-        device = delta["decode_seconds"] + delta["prefill_seconds"] + delta["compile_seconds"]
+        device = sum(delta[f"{k}_seconds"] for k in ("decode", "prefill", "table", "compile"))
         row["host_overhead_share"] = (
             (delta["step_seconds"] - device) / delta["decode_seconds"] if delta["decode_seconds"] else None
         )
@@ -320,6 +320,7 @@ _ENGINE = (
     "accepted_tokens",
     "decode_seconds",
     "prefill_seconds",
+    "table_seconds",
     "compile_seconds",
     "step_seconds",
 )

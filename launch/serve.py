@@ -321,13 +321,15 @@ WARM_TOKENS = 8  # per warm-up request: past gamma=auto's first plain round into
 
 
 def warm_up(engine) -> None:
-    """Greedy requests at each of the engine's row buckets (1, 2, 4, ... max_batch at once), so
-    that no client waits for a prefill or a loop to compile at its concurrency."""
+    """Greedy requests at each of the engine's row buckets (1, 2, 4, ... max_batch at once), each
+    set twice (the second reuses the kept prefilled rows), so that no client waits for a
+    prefill, a kept row's write or a loop to compile at its concurrency."""
     for n in engine.buckets:
-        for i in range(n):
-            engine.submit(Request(prompt_ids=(i,), max_tokens=WARM_TOKENS))
-        for _ in engine.drain():
-            pass
+        for _ in range(2):
+            for i in range(n):
+                engine.submit(Request(prompt_ids=(i,), max_tokens=WARM_TOKENS))
+            for _ in engine.drain():
+                pass
 
 
 def serve(engine, model: str, host: str, port: int, grace: float, context: int) -> str:

@@ -113,8 +113,9 @@ class _EngineCollector:
         "prefill_cache_hits": "Requests whose prefilled row was kept from an identical earlier request",
         "decode_seconds": "Seconds in chunks of the compiled loop, compilation excluded",
         "prefill_seconds": "Seconds in prefills, compilation excluded",
+        "table_seconds": "Seconds writing, moving and resizing the table's rows (device work between chunks)",
         "compile_seconds": "Seconds compiling",
-        "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill and compile: the host's own work)",
+        "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill, table and compile: the host's own work)",
     }
     GAUGES = {
         "queue_depth": "Requests waiting for a slot",

@@ -242,10 +242,10 @@ class Engine:
         the Updates of every request that produced tokens or finished since the last step."""
         start = time.perf_counter()
         if self._state is not None:
-            self._compact()
+            self._timed_table(self._compact)
         admitted = self._admit()
         if self._state is not None:
-            self._shrink()
+            self._timed_table(self._shrink)
         if not admitted and self._busy():
             self._run_chunk()
         if self._state is not None and self._busy():
@@ -414,13 +414,11 @@ class Engine:
                 miss_slots.append(b)
             else:
                 self._prefilled.move_to_end(rows.prefill_key(row, width, sampling))
-                self._write(kept, [b])
-                budget = jnp.int32(row.handle.request.max_tokens)
-                self._state = rows.set_budget_jit(self._state, jnp.int32(b), budget)
+                self._timed_table(self._write, kept, [b], row.handle.request.max_tokens)
                 self._counters["prefill_cache_hits"] += 1
         if misses:
             block = self._prefill(misses, width)
-            self._write(block, miss_slots)
+            self._timed_table(self._write, block, miss_slots)
             for i, row in enumerate(misses):
                 if self.prefill_cache:
                     key = rows.prefill_key(row, width, sampling)
@@ -452,9 +450,19 @@ class Engine:
         plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
         return block.replace(plain=jnp.asarray(plain))
 
-    def _write(self, block: SpecState, slots: list[int]) -> None:
-        """Rows 0 .. len(slots) - 1 of block (a prefill's state) into the table's slots (the
-        drafter's states into the stash while a plain chunk holds them aside)."""
+    def _timed_table(self, fn, *args) -> None:
+        """fn(*args), its device work done, timed into stats' table_seconds (the table's row
+        writes, moves and resizes: device work besides the prefill and the loop)."""
+        start = time.perf_counter()
+        fn(*args)
+        if self._state is not None:
+            jax.block_until_ready((self._state, self._stash()))
+        self._counters["table_seconds"] += time.perf_counter() - start
+
+    def _write(self, block: SpecState, slots: list[int], budget: int | None = None) -> None:
+        """Rows 0 .. len(slots) - 1 of block (a prefill's state, or a kept row: then budget is
+        its request's) into the table's slots (the drafter's states into the stash while a
+        plain chunk holds them aside)."""
         batch = int(block.length.shape[0])
         where = np.full(batch, self._rows, np.int32)  # past the table: dropped
         where[: len(slots)] = slots
@@ -463,6 +471,8 @@ class Engine:
             self._catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self._axes["draft"], where)
             block = block.replace(draft_state=())
         self._state = rows.write_rows_jit(self._state, block, self._state_axes(), where)
+        if budget is not None:
+            self._state = rows.set_budget_jit(self._state, jnp.int32(slots[0]), jnp.int32(budget))
 
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table's rows (freed rows first marked done): at most as
@@ -541,7 +551,8 @@ class Engine:
         """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
         accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
-        runs over), chunks, rounds, prefill_calls (each prefills one or more requests), the seconds
+        runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
+        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes), the seconds
         of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
         step_seconds - compile - prefill - decode is the host's own work between chunks), and
         ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""
