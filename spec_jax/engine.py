@@ -4,8 +4,7 @@ batching at the granularity of chunks of rounds).
 It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
 prefill, the loop, the drafter's catch-up; one of each per row bucket), the measured costs
 (gamma=auto: one Controller per row bucket, from the costs measured at that batch) and a
-table of max_batch row slots: one SpecState whose rows are the busy slots, each with its KV
-cache, drafter state, output buffer, budget and stop ids.
+table of max_batch row slots (spec_jax.table.Table: one SpecState over the busy slots).
 
   submit(request) -> Handle     validates the request against the model, queues it
   step() -> [Update]            admits waiting requests into free slots (consecutive ones of
@@ -16,17 +15,8 @@ cache, drafter state, output buffer, budget and stop ids.
   cancel(handle)                frees the request's slot at once
   drain() -> iterator           step() until nothing waits or runs
 
-Invariants (docs/design.md, "The engine"):
-- Busy rows sit in the lowest slots: a row that leaves is replaced by the highest busy row
-  (rows.move_row), and the loop runs over the smallest bucket of rows (row_buckets: 1, 2,
-  4, ... max_batch) that holds them, so a lone request pays for one row, not max_batch. The
-  table grows (free rows: copies of a blank, done row) when admissions need more rows and
-  shrinks when rows leave.
-- A free row is done in the loop state: it computes but commits nothing.
-- Admitting a request writes EVERY per-row leaf of its prefilled state into its slot (the
-  row axis of each leaf: rows.batch_axes, found from the prefill's shapes at two batch
-  sizes), so nothing of a previous occupant survives: its cache, drafter state, tokens,
-  budget, keys and per-row metrics.
+Invariants (docs/design.md, "The engine"; the table's rows, buckets, admissions and kept
+prefilled rows: spec_jax.table):
 - Exactness: a request's tokens do not depend on what else runs, nor on the slot, the row
   bucket or the prefill batch it runs in. Its row draws from keys derived from its own seed
   (row id 0: what spec_jax.generate gives the request alone), stops at its own budget
@@ -45,24 +35,19 @@ Not thread-safe: one thread owns an Engine.
 
 import collections
 import dataclasses
-import functools
 import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 from models.settings import is_int
 from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import layout
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import Request, check_pairing, encode_prompt, request_for
-from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
+from spec_jax.runner import Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams
-from spec_jax.speculative import SpecState, spec_prefill
+from spec_jax.table import Table, row_buckets
 
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
@@ -152,18 +137,19 @@ class Engine:
         self._runner = Runner(static, self.mesh, target_params, draft_params, None)
         self._ids = itertools.count()
         self._queue: collections.deque[rows.Row] = collections.deque()
-        self._slots: list[rows.Row | None] = [None] * max_batch
-        self._host = rows.HostTable.empty(max_batch, self.max_context)
         self._outbox: list[Update] = []
-        self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
-        self._inputs_stale = False  # the host's table of prompts and stop ids changed
         self._chunk = MIN_CHUNK
-        self._state, self._rows = None, 0  # the table's SpecState (built at the first admission), its rows
-        self._blank, self._axes = None, None  # a free row; the row axis of each leaf (rows.batch_axes)
-        self._catch_up = None
-        self.prefill_cache = prefill_cache
-        self._prefilled: collections.OrderedDict = collections.OrderedDict()  # prefill_key -> row
         self._counters = collections.Counter()
+        self._table = Table(
+            self._runner,
+            self.mesh,
+            max_batch,
+            self.max_context,
+            self.controllers,
+            self._counters,
+            prefill_cache,
+        )
+        self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
 
     @property
@@ -179,11 +165,11 @@ class Engine:
     def live_rows(self) -> int:
         """The rows the compiled loop runs over now: the smallest bucket that holds the busy
         slots (0 before the first admission)."""
-        return self._rows
+        return self._table.rows
 
     def bucket_for(self, n: int) -> int:
         """The smallest row bucket that holds n rows."""
-        return next(b for b in self.buckets if b >= n)
+        return self._table.bucket_for(n)
 
     # --- requests --------------------------------------------------------------------------
     def encode(self, request: Request) -> list[int]:
@@ -221,7 +207,7 @@ class Engine:
                 return self._finish(row, "cancelled")
         for b, row in enumerate(self._slots):
             if row is not None and row.handle is handle:
-                self._stop_rows[b] = True
+                self._table.stop_rows[b] = True
                 return self._finish(row, "cancelled")
         return None
 
@@ -241,14 +227,15 @@ class Engine:
         into its lowest slots, the loop run over the smallest bucket that holds them). Returns
         the Updates of every request that produced tokens or finished since the last step."""
         start = time.perf_counter()
-        if self._state is not None:
-            self._timed_table(self._compact)
+        table = self._table
+        if table.state is not None:
+            table.timed(table.compact)
         admitted = self._admit()
-        if self._state is not None:
-            self._timed_table(self._shrink)
+        if table.state is not None:
+            table.timed(table.shrink)
         if not admitted and self._busy():
             self._run_chunk()
-        if self._state is not None and self._busy():
+        if table.state is not None and self._busy():
             self._collect()
         updates, self._outbox = self._outbox, []
         self._counters["step_seconds"] += time.perf_counter() - start
@@ -282,7 +269,7 @@ class Engine:
                 and self._width(self._queue[0]) == width
             ):
                 group.append(self._queue.popleft())
-            self._insert(group, width)
+            self._table.insert(group, width)
             admitted += len(group)
         return admitted
 
@@ -295,207 +282,31 @@ class Engine:
 
     def _set_sampling(self, sampling: SamplingParams) -> None:
         self._runner.static = dataclasses.replace(self._runner.static, sampling=sampling)
-        self._state, self._rows = None, 0  # built again for the new loop (its rows are all free)
-        self._catch_up = None
-
-    def _table(self) -> None:
-        """The table of one free row (a copy of the blank row: a one-token prompt, done); the
-        first time, the blank row and each leaf's row axis too."""
-        if self._blank is None:
-            inputs = rows.HostTable.empty(1, self.max_context).inputs(1, self.mesh)
-            active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
-            blank, compile_s, _ = self._runner.prefill(active, inputs)
-            self._counters["compile_seconds"] += compile_s
-            self._blank = blank.replace(plain=jnp.zeros(1, bool))
-            self._axes = self._row_axes()
-        self._state, self._rows = jax.tree.map(jnp.copy, self._blank), 1
-        self._counted = rows.table_counters(self._state)
-        self._inputs_stale = True
-        if self.controllers:
-            self._catch_up = CatchUp(self._runner, np.ones(1, np.int64))
-            self.controllers[1].forget(np.ones(1, bool))
-
-    def _row_axes(self) -> dict[str, tuple[int, ...]]:
-        """The row axis of each leaf (rows.batch_axes) of the loop state ("state"), of the
-        drafter's state ("draft") and of the loop state without it ("nodraft": a plain chunk's,
-        while the drafter's waits aside), from the prefill's shapes at batches 2 and 3."""
-
-        def shapes(n):
-            inputs = rows.HostTable.empty(n, self.max_context).inputs(n, self.mesh)
-            prefill = functools.partial(spec_prefill, self._runner.static)
-            state = jax.eval_shape(prefill, self._runner.target_params, self._runner.draft_params, inputs)
-            return state.replace(plain=jax.ShapeDtypeStruct((n,), bool))
-
-        a, b = shapes(2), shapes(3)
-        return {
-            "state": rows.batch_axes(a, b),
-            "draft": rows.batch_axes(a.draft_state, b.draft_state),
-            "nodraft": rows.batch_axes(a.replace(draft_state=()), b.replace(draft_state=())),
-        }
-
-    def _stash(self):
-        """The drafter's state set aside while plain chunks run (CatchUp.stash), or None."""
-        return self._catch_up.stash if self._catch_up is not None else None
-
-    def _state_axes(self) -> tuple[int, ...]:
-        return self._axes["nodraft" if self._stash() is not None else "state"]
-
-    def _resize(self, n: int) -> None:
-        """The table runs over n rows: its first n (the busy ones among them), or all of them and
-        free rows (copies of the blank one) up to n. gamma=auto goes on with bucket n's
-        controller (its rows' acceptance back to the prior)."""
-        stash = self._stash()
-        blank = self._blank if stash is None else self._blank.replace(draft_state=())
-        self._state = rows.resize_jit(self._state, blank, self._state_axes(), n)
-        if stash is not None:
-            self._catch_up.stash = rows.resize_jit(stash, self._blank.draft_state, self._axes["draft"], n)
-        if self._catch_up is not None:
-            synced = self._catch_up.synced
-            self._catch_up.synced = np.concatenate([synced, np.ones(max(n - len(synced), 0), np.int64)])[:n]
-            self.controllers[n].forget(np.ones(n, bool))
-        self._rows, self._inputs_stale = n, True
-
-    def _move(self, src: int, dst: int) -> None:
-        """The busy row in slot src moves to the free slot dst (its state, host row and
-        catch-up position); src becomes free (marked done before the next chunk)."""
-        s, d = jnp.int32(src), jnp.int32(dst)
-        stash = self._stash()
-        self._state = rows.move_row_jit(self._state, self._state_axes(), s, d)
-        if stash is not None:
-            self._catch_up.stash = rows.move_row_jit(stash, self._axes["draft"], s, d)
-        self._host.move(src, dst)
-        self._stop_rows[src], self._stop_rows[dst] = True, False
-        row = self._slots[src]
-        self._slots[dst], self._slots[src], row.slot = row, None, dst
-        if self._catch_up is not None:
-            self._catch_up.synced[dst] = self._catch_up.synced[src]
-            self.controllers[self._rows].forget(np.arange(self._rows) == dst)
-        self._inputs_stale = True
-
-    def _compact(self) -> None:
-        """Freed rows are marked done, and the busy rows move into the lowest slots."""
-        self._apply_stops()
-        busy = [b for b, r in enumerate(self._slots) if r is not None]
-        holes = [b for b in range(len(busy)) if self._slots[b] is None]
-        for dst, src in zip(holes, [b for b in busy if b >= len(busy)], strict=True):
-            self._move(src, dst)
-
-    def _shrink(self) -> None:
-        """The table runs over the smallest bucket that holds its busy rows (in its lowest slots)."""
-        n = self.bucket_for(self._busy())
-        if n < self._rows:
-            self._apply_stops()
-            self._resize(n)
-
-    def _apply_stops(self) -> None:
-        """The loop state's rows of freed slots are marked done."""
-        if self._stop_rows[: self._rows].any():
-            stop = sharding.put(self._stop_rows[: self._rows], sharding.batch_sharding(self.mesh, 1))
-            self._state = rows.mark_done_jit(self._state, stop)
-        self._stop_rows[:] = False
-
-    def _insert(self, group: list[rows.Row], width: int) -> None:
-        """Writes every per-row leaf of each request's prefilled row into the next free slot
-        (the table grown to hold them), so nothing of a slot's previous occupant is read: the
-        rows kept from an earlier identical prefill (rows.prefill_key), and the others'
-        prefilled together (the smallest bucket of rows that holds them, the width of each
-        alone), then kept."""
-        if self._state is None:
-            self._table()
-        start, k = self._busy(), len(group)
-        if self.bucket_for(start + k) > self._rows:
-            self._resize(self.bucket_for(start + k))
-        sampling = self._runner.static.sampling
-        misses, miss_slots = [], []
-        for b, row in enumerate(group, start):
-            kept = self._prefilled.get(rows.prefill_key(row, width, sampling))
-            if kept is None:
-                misses.append(row)
-                miss_slots.append(b)
-            else:
-                self._prefilled.move_to_end(rows.prefill_key(row, width, sampling))
-                self._timed_table(self._write, kept, [b], row.handle.request.max_tokens)
-                self._counters["prefill_cache_hits"] += 1
-        if misses:
-            block = self._prefill(misses, width)
-            self._timed_table(self._write, block, miss_slots)
-            for i, row in enumerate(misses):
-                if self.prefill_cache:
-                    key = rows.prefill_key(row, width, sampling)
-                    self._prefilled[key] = rows.take_row_jit(block, self._axes["state"], jnp.int32(i))
-                    while len(self._prefilled) > self.prefill_cache:
-                        self._prefilled.popitem(last=False)
-        for b, row in enumerate(group, start):
-            self._host.set_row(b, row.prompt_ids, rows.stop_row(row.stop_ids))
-            self._stop_rows[b], row.slot, self._slots[b] = False, b, row
-            if self._catch_up is not None:
-                self._catch_up.synced[b] = len(row.prompt_ids)
-        if self._catch_up is not None:
-            new = np.arange(self._rows)
-            self.controllers[self._rows].forget((new >= start) & (new < start + k))
-        self._inputs_stale = True  # placed again once, before the next chunk
-
-    def _prefill(self, group: list[rows.Row], width: int) -> SpecState:
-        """The group's requests prefilled in one call: a state of the smallest bucket of rows
-        that holds them (row i: group[i]; the rest free), their `plain` set per request."""
-        k = len(group)
-        batch = self.bucket_for(k)
-        inputs = rows.group_inputs(group, width, batch)
-        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, batch))
-        active = sharding.put(np.arange(batch) < k, sharding.batch_sharding(self.mesh, 1))
-        block, compile_s, prefill_s = self._runner.prefill(active, inputs)
-        self._counters["compile_seconds"] += compile_s
-        self._counters["prefill_seconds"] += prefill_s
-        self._counters["prefill_calls"] += 1
-        plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
-        return block.replace(plain=jnp.asarray(plain))
-
-    def _timed_table(self, fn, *args) -> None:
-        """fn(*args), its device work done, timed into stats' table_seconds (the table's row
-        writes, moves and resizes: device work besides the prefill and the loop)."""
-        start = time.perf_counter()
-        fn(*args)
-        if self._state is not None:
-            jax.block_until_ready((self._state, self._stash()))
-        self._counters["table_seconds"] += time.perf_counter() - start
-
-    def _write(self, block: SpecState, slots: list[int], budget: int | None = None) -> None:
-        """Rows 0 .. len(slots) - 1 of block (a prefill's state, or a kept row: then budget is
-        its request's) into the table's slots (the drafter's states into the stash while a
-        plain chunk holds them aside)."""
-        batch = int(block.length.shape[0])
-        where = np.full(batch, self._rows, np.int32)  # past the table: dropped
-        where[: len(slots)] = slots
-        where = jnp.asarray(where)
-        if (stash := self._stash()) is not None:
-            self._catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self._axes["draft"], where)
-            block = block.replace(draft_state=())
-        self._state = rows.write_rows_jit(self._state, block, self._state_axes(), where)
-        if budget is not None:
-            self._state = rows.set_budget_jit(self._state, jnp.int32(slots[0]), jnp.int32(budget))
+        self._table.reset()  # built again for the new loop (its rows are all free)
 
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table's rows (freed rows first marked done): at most as
         many rounds as the busy row nearest its budget has tokens left, so that a slot it
         frees is taken at once."""
-        if self._inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
-            self._runner.inputs = self._host.inputs(self._rows, self.mesh)
-            self._inputs_stale = False
-        self._apply_stops()
+        table = self._table
+        if table.inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
+            self._runner.inputs = table.host.inputs(table.rows, self.mesh)
+            table.inputs_stale = False
+        table.apply_stops()
         self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
         left = min(r.handle.request.max_tokens - len(r.tokens) for r in self._slots if r is not None)
         rounds = max(1, min(self._chunk, left))
         start = time.perf_counter()
         if not self.controllers:
-            self._state, compile_s, _, _ = self._runner.loop(self._state, rounds)
+            table.state, compile_s, _, _ = self._runner.loop(table.state, rounds)
         else:
-            before = observed(self._state)
-            self._state, _, compile_s = auto_chunk(
-                self.controllers[self._rows], self._runner, self._catch_up, self._state, before, rounds
+            before = observed(table.state)
+            table.state, _, compile_s = auto_chunk(
+                self.controllers[table.rows], self._runner, table.catch_up, table.state, before, rounds
             )
-        after = rows.table_counters(self._state)
-        drafted_rounds, drafted, accepted = (after - self._counted).tolist()
-        self._counted = after
+        after = rows.table_counters(table.state)
+        drafted_rounds, drafted, accepted = (after - table.counted).tolist()
+        table.counted = after
         self._counters["compile_seconds"] += compile_s
         self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
         self._counters["chunks"] += 1
@@ -505,16 +316,12 @@ class Engine:
 
     def _collect(self) -> None:
         """Each busy row's new tokens and text into the outbox; finished rows free their slots."""
+        out = self._table.state.out
         tokens, counts, done, nonfinite = sharding.fetch(
-            (
-                self._state.out.tokens,
-                self._state.out.num_generated,
-                self._state.out.done,
-                self._state.out.nonfinite,
-            )
+            (out.tokens, out.num_generated, out.done, out.nonfinite)
         )
         now = time.perf_counter()
-        for b, row in enumerate(self._slots[: self._rows]):
+        for b, row in enumerate(self._slots[: self._table.rows]):
             if row is None:
                 continue
             row.tokens = tokens[b, : counts[b]].tolist()
@@ -535,7 +342,7 @@ class Engine:
         if cut is not None:
             row.tokens, reason = row.tokens[:cut], "stop"
             if row.slot is not None:
-                self._stop_rows[row.slot] = True
+                self._table.stop_rows[row.slot] = True
         new_tokens, new_text = row.tokens[row.sent_tokens :], text[len(row.sent_text) :]
         row.sent_tokens, row.sent_text = len(row.tokens), text
         self._counters["generation_tokens_total"] += len(new_tokens)
@@ -561,21 +368,10 @@ class Engine:
             queue_depth=len(self._queue),
             slots_busy=sum(r is not None for r in self._slots),
             max_batch=self.max_batch,
-            live_rows=self._rows,
+            live_rows=self._table.rows,
             ttft_seconds=list(self._ttft),
         )
         return out
-
-
-def row_buckets(max_batch: int, unit: int = 1) -> tuple[int, ...]:
-    """The row counts the engine's loop runs at: unit (the mesh's data axis) times powers of
-    two below max_batch, and max_batch."""
-    sizes = []
-    n = unit
-    while n < max_batch:
-        sizes.append(n)
-        n *= 2
-    return (*sizes, max_batch)
 
 
 def stream(

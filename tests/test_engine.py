@@ -212,10 +212,10 @@ def test_a_slot_holds_nothing_of_its_previous_occupant(tiny_target, tiny_draft):
     h = engine.submit(short)
     first = [t for u in engine.step() for t in u.token_ids]  # admitted: the prefill's first token
     assert len(first) == 1
-    out = engine._state.out
+    out = engine._table.state.out
     assert int(out.num_generated[0]) == 1 and not bool(out.done[0]) and int(out.budget[0]) == 5
     assert np.all(np.asarray(out.tokens[0, 1:]) == 0)
-    assert int(engine._state.length[0]) == 2
+    assert int(engine._table.state.length[0]) == 2
     tokens = [t for u in engine.drain() if u.handle is h for t in u.token_ids]
     assert first + tokens == alone(tiny_target, tiny_draft, short)
     assert long.id == 0 and h.id == 1
