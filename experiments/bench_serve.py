@@ -2,11 +2,14 @@
 pair, as served: concurrent streamed requests from the `openai` client, the systems alternating.
 
 Both servers run as subprocesses on 127.0.0.1 with the same number of row slots (`--max_batch` /
-`-np`, continuous batching, the draft model loaded: llama-server `-md`). llama-server is built
+`-np`, continuous batching); the peers (config.peers) are llama-server with the draft model
+loaded (`llama`: `-md`, draft-simple) and without it (`llama-plain`: the issue's reference, plain
+decoding). llama-server is built
 from the same vendored llama.cpp source as the peer suite's programs (models.kernels.llama_cpp,
 in a build folder of its own with the server on). For each concurrency c, each repeat sends the
 held-out prompts (greedy, `max_tokens` each) through c concurrent streams, to one system and then
-the other (which goes first alternates). Per system and concurrency it reports output tokens/s
+the others (which goes first rotates); before the timed runs each system answers a short
+request at each concurrency, untimed (compiles, warms caches). Per system and concurrency it reports output tokens/s
 (all output tokens / the run's wall time), time to first token and time per output token (p50,
 p99: per request, as vLLM's bench: (latency - TTFT) / (tokens - 1)), acceptance (ours: the change of
 /metrics' accepted / drafted counters over the runs; llama-server: its `timings` draft counts where
@@ -53,7 +56,7 @@ INT_RANGES = {
     "context": (64, 32768),
 }
 TUPLE_RANGES = {"concurrency": (int, 1, 64)}
-PEERS = ("llama",)
+PEERS = ("llama", "llama-plain")  # llama-server with the draft model (draft-simple), and without
 # guidellm pulls in versions of huggingface_hub, click and rich other than this project's, so it
 # lives in a venv of its own (gitignored); --config.guidellm=.venv-guidellm/bin/guidellm runs it.
 GUIDELLM_INSTALL = "python3 -m venv .venv-guidellm && .venv-guidellm/bin/pip install guidellm==0.8.1"
@@ -251,25 +254,17 @@ def start_ours(config, port: int, log_dir: str, slots: int, max_queue: int) -> S
     return ServerProcess(cmd, port, os.path.join(log_dir, f"serve-{port}.log"), env=env)
 
 
-def start_llama_server(config, port: int, log_dir: str) -> ServerProcess:
+def start_llama_server(config, port: int, log_dir: str, draft: bool = True) -> ServerProcess:
     """llama-server on the pair's GGUF files: -np slots, continuous batching, the draft model
-    (draft-simple, its default of up to 3 drafts a round), a context of config.context tokens per slot,
-    os.cpu_count() threads."""
+    (draft: draft-simple, its default of up to 3 drafts a round; else plain decoding), a
+    context of config.context tokens per slot, os.cpu_count() threads."""
     binary = llama_cpp.build(("llama-server",), server=True) / "bin" / "llama-server"
-    target, draft = (str(registry.fetch_gguf(name)) for name in (config.target, config.draft))
+    target, draft_file = (str(registry.fetch_gguf(name)) for name in (config.target, config.draft))
     threads = str(os.cpu_count() or 2)
-    cmd = [
-        str(binary),
-        "-m",
-        target,
-        "-md",
-        draft,
-        "--spec-type",
-        "draft-simple",
-        "-np",
-        str(config.slots),
-        "-cb",
-    ]
+    cmd = [str(binary), "-m", target]
+    if draft:
+        cmd += ["-md", draft_file, "--spec-type", "draft-simple"]
+    cmd += ["-np", str(config.slots), "-cb"]
     cmd += [
         "-c",
         str(4096 * config.slots),
@@ -310,7 +305,7 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
         }
         drafted, accepted = delta["draft_tokens"], delta["accepted_tokens"]
         # The engine's host work per step beyond its compiled calls, as a share of decoding
-        device = delta["decode_seconds"] + delta["prefill_seconds"] + delta["compile_seconds"]
+        device = sum(delta[f"{k}_seconds"] for k in ("decode", "prefill", "table", "compile"))
         row["host_overhead_share"] = (
             (delta["step_seconds"] - device) / delta["decode_seconds"] if delta["decode_seconds"] else None
         )
@@ -325,6 +320,7 @@ _ENGINE = (
     "accepted_tokens",
     "decode_seconds",
     "prefill_seconds",
+    "table_seconds",
     "compile_seconds",
     "step_seconds",
 )
@@ -458,14 +454,15 @@ def _start_systems(config, stack: contextlib.ExitStack, log_dir: str) -> list[Sy
     ours = start_ours(config, free_port(), log_dir, config.slots, max_queue=config.slots)
     stack.callback(ours.stop)
     systems = [System("spec-jax launch.serve", ours, config.target, ours=True)]
-    if "llama" in config.peers:
+    for peer in config.peers:
         try:
-            server = start_llama_server(config, free_port(), log_dir)
+            server = start_llama_server(config, free_port(), log_dir, draft=peer == "llama")
         except llama_cpp.Unavailable as e:
             print(f"serve: llama-server skipped: {e}")
-        else:
-            stack.callback(server.stop)
-            systems.append(System("llama.cpp llama-server", server, config.target))
+            continue
+        stack.callback(server.stop)
+        name = "llama.cpp llama-server" + (" (plain)" if peer == "llama-plain" else "")
+        systems.append(System(name, server, config.target))
     for s in systems:
         print(f"serve: starting {s.name} ({s.server.url}) ...", flush=True)
         s.server.wait_ready()
@@ -482,8 +479,9 @@ def run(config) -> framework.Result | None:
     )
     with contextlib.ExitStack() as stack:
         systems = _start_systems(config, stack, log_dir)
-        for s in systems:  # untimed: the first requests at the top concurrency (compiles, warms caches)
-            asyncio.run(run_load(s.server.url, s.model, prompts, max(config.concurrency), 4, s.extra))
+        for s in systems:  # untimed: the first requests at each concurrency (compiles, warms caches)
+            for c in sorted(config.concurrency, reverse=True):
+                asyncio.run(run_load(s.server.url, s.model, prompts[:c], c, 4, s.extra))
         rows, texts = measure(systems, config, prompts)
         ours = systems[0]
         checks.append(same_texts(texts, ours.name, prompts, config, ours.server.url))

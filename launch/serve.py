@@ -317,12 +317,19 @@ def load_engine():
     )
 
 
+WARM_TOKENS = 8  # per warm-up request: past gamma=auto's first plain round into a drafting chunk
+
+
 def warm_up(engine) -> None:
-    """One greedy two-token request through the engine, so that the first client does not wait
-    for the table's prefill and the loop to compile."""
-    engine.submit(Request(prompt_ids=(0,), max_tokens=2))
-    for _ in engine.drain():
-        pass
+    """Greedy requests at each of the engine's row buckets (1, 2, 4, ... max_batch at once), each
+    set twice (the second reuses the kept prefilled rows), so that no client waits for a
+    prefill, a kept row's write or a loop to compile at its concurrency."""
+    for n in engine.buckets:
+        for _ in range(2):
+            for i in range(n):
+                engine.submit(Request(prompt_ids=(i,), max_tokens=WARM_TOKENS))
+            for _ in engine.drain():
+                pass
 
 
 def serve(engine, model: str, host: str, port: int, grace: float, context: int) -> str:

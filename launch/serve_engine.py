@@ -109,15 +109,19 @@ class _EngineCollector:
         "accepted_tokens_total": "Drafted tokens the target accepted",
         "rounds": "Rounds run (target calls of the compiled loop)",
         "chunks": "Chunks of rounds run (host round trips)",
+        "prefill_calls": "Prefill calls (each prefills one or more waiting requests)",
+        "prefill_cache_hits": "Requests whose prefilled row was kept from an identical earlier request",
         "decode_seconds": "Seconds in chunks of the compiled loop, compilation excluded",
         "prefill_seconds": "Seconds in prefills, compilation excluded",
+        "table_seconds": "Seconds writing, moving and resizing the table's rows (device work between chunks)",
         "compile_seconds": "Seconds compiling",
-        "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill and compile: the host's own work)",
+        "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill, table and compile: the host's own work)",
     }
     GAUGES = {
         "queue_depth": "Requests waiting for a slot",
         "slots_busy": "Row slots holding a request",
         "max_batch": "Row slots in the engine's table",
+        "live_rows": "Rows the compiled loop runs over now (the smallest bucket holding the busy slots)",
     }
 
     def __init__(self, metrics: Metrics):

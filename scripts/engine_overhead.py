@@ -60,9 +60,9 @@ def main() -> None:
     after = engine.stats()
     spent = {
         k: after[k] - before.get(k, 0)
-        for k in ("step_seconds", "decode_seconds", "prefill_seconds", "chunks")
+        for k in ("step_seconds", "decode_seconds", "prefill_seconds", "table_seconds", "chunks")
     }
-    host = spent["step_seconds"] - spent["decode_seconds"] - spent["prefill_seconds"]
+    host = spent["step_seconds"] - spent["decode_seconds"] - spent["prefill_seconds"] - spent["table_seconds"]
     host -= after["compile_seconds"] - before["compile_seconds"]
     result = dict(tokens=tokens, wall_seconds=wall, tokens_per_second=tokens / wall, **spent)
     result.update(host_seconds=host, host_share_of_decode=host / spent["decode_seconds"])

@@ -2,33 +2,33 @@
 batching at the granularity of chunks of rounds).
 
 It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
-prefill, the loop, the drafter's catch-up), the measured costs (gamma=auto's Controller, sized
-for the table) and a table of B row slots: one SpecState of batch B, each row a slot with its
-KV cache, drafter state, output buffer, budget and stop ids.
+prefill, the loop, the drafter's catch-up; one of each per row bucket), the measured costs
+(gamma=auto: one Controller per row bucket, from the costs measured at that batch) and a
+table of max_batch row slots (spec_jax.table.Table: one SpecState over the busy slots).
 
   submit(request) -> Handle     validates the request against the model, queues it
-  step() -> [Update]            admits waiting requests into free slots (each prefilled alone,
-                                at batch 1, then written into its row), or else runs one chunk
-                                of rounds of the ONE compiled loop (spec_jax.speculative.spec_loop)
-                                over the table; returns each request's new tokens and text
+  step() -> [Update]            admits waiting requests into free slots (consecutive ones of
+                                one prompt width prefilled in one call), or else runs one
+                                chunk of rounds of the ONE compiled loop
+                                (spec_jax.speculative.spec_loop) over the table's rows;
+                                returns each request's new tokens and text
   cancel(handle)                frees the request's slot at once
   drain() -> iterator           step() until nothing waits or runs
 
-Invariants (docs/design.md, "The engine"):
-- A free slot is done in the loop state: its rows compute but commit nothing.
-- Admitting a request writes EVERY per-row leaf of its batch-1 prefill state into its slot
-  (the batch axis of each leaf: spec_jax.sharding.batch_axis), so nothing of a previous
-  occupant survives: its cache, drafter state, tokens, budget, keys and per-row metrics.
-- Exactness: a request's tokens do not depend on what else runs. Its row draws from keys
-  derived from its own seed (row id 0: what spec_jax.generate gives the request alone), stops
-  at its own budget (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute
-  each row bit-identically whatever the batch. Rows of one chunk share the warp (temperature,
-  top-k, top-p are static settings of the compiled loop): a request with another warp waits
-  until the table's rows are done. With gamma=auto a greedy request's tokens are still its
-  own; a sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness
-  across concurrency holds for a fixed gamma.
-- The chunk length adapts: MIN_CHUNK rounds while requests wait (a finished row's slot is
-  soon free), doubling up to MAX_CHUNK while the table is stable (few host round trips).
+Invariants (docs/design.md, "The engine"; the table's rows, buckets, admissions and kept
+prefilled rows: spec_jax.table):
+- Exactness: a request's tokens do not depend on what else runs, nor on the slot, the row
+  bucket or the prefill batch it runs in. Its row draws from keys derived from its own seed
+  (row id 0: what spec_jax.generate gives the request alone), stops at its own budget
+  (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute each row
+  bit-identically whatever the batch. Rows of one chunk share the warp (temperature, top-k,
+  top-p are static settings of the compiled loop): a request with another warp waits until
+  the table's rows are done. With gamma=auto a greedy request's tokens are still its own; a
+  sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness across
+  concurrency holds for a fixed gamma.
+- The chunk length adapts: MIN_CHUNK rounds while requests wait, doubling up to MAX_CHUNK
+  while the table is stable (few host round trips), and never past the rounds in which the
+  busy row nearest its budget could finish (its slot is then free for a waiting request).
 
 Not thread-safe: one thread owns an Engine.
 """
@@ -40,20 +40,22 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from models.settings import is_int
 from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import layout
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.request import Request, check_pairing, encode_prompt, request_for
-from spec_jax.runner import CatchUp, Runner, auto_chunk, observed
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.runner import Runner, auto_chunk, observed
+from spec_jax.sampling import SamplingParams
+from spec_jax.table import Table, row_buckets
 
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
+# Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
+# row id, stop ids, speculation and warp give the same row but for its budget, which is set,
+# so reusing it is exact);
+# each holds a slot's caches (about 85 MB for the Qwen pair at max_context 1024).
+PREFILL_CACHE = 16
 TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
 
 
@@ -63,10 +65,12 @@ class QueueFull(RuntimeError):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Handle:
-    """A submitted request: .id (unique per engine), .request. Hashable by identity."""
+    """A submitted request: .id (unique per engine), .request, .prompt_tokens. Hashable by
+    identity."""
 
     id: int
     request: Request
+    prompt_tokens: int = 0  # the prompt's token count (after the chat template)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +88,10 @@ class Update:
 
 class Engine:
     """Serves Requests on one target (and drafter) with a table of max_batch row slots (module
-    docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop);
-    mesh: as generate's; max_context: tokens per slot, prompt plus new tokens (default the
-    target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_queue: requests that may wait."""
+    docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop per
+    row bucket); mesh: as generate's; max_context: tokens per slot, prompt plus new tokens
+    (default the target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_queue: requests
+    that may wait."""
 
     def __init__(
         self,
@@ -100,10 +105,13 @@ class Engine:
         mesh=None,
         max_context: int | None = None,
         verify_widths: str = "auto",
+        prefill_cache: int = PREFILL_CACHE,
     ):
         for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not is_int(prefill_cache) or prefill_cache < 0:
+            raise ValueError(f"prefill_cache must be an integer >= 0, got {prefill_cache!r}")
         self.target, self.max_batch, self.max_queue = target, max_batch, max_queue
         drafter, draft_params = (None, None) if draft is None else as_drafter(draft, target)
         policy = api.GammaPolicy.of(gamma, drafter, tree)
@@ -112,13 +120,15 @@ class Engine:
             check_pairing(vocab, drafter)
         self.mesh = sharding.default_mesh() if mesh is None else mesh
         sharding.check_mesh(self.mesh)
+        self.buckets = row_buckets(max_batch, self.mesh.shape[sharding.DATA])
         self.max_context = rows.slot_context(target, drafter, policy.gamma, max_context)
         drafter = NoDrafter(vocab) if drafter is None else drafter
         cache_len = self.max_context + policy.gamma
-        self.controller = None
-        if policy.auto:  # measured once per engine, for the table's batch (free rows compute too)
+        self.controllers = {}  # gamma=auto: one per row bucket, from the costs measured at its batch
+        if policy.auto:
             slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
-            self.controller = api.controller_for(target, drafter, draft_params, policy, max_batch, slots)
+            for n in self.buckets:
+                self.controllers[n] = api.controller_for(target, drafter, draft_params, policy, n, slots)
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
@@ -127,14 +137,19 @@ class Engine:
         self._runner = Runner(static, self.mesh, target_params, draft_params, None)
         self._ids = itertools.count()
         self._queue: collections.deque[rows.Row] = collections.deque()
-        self._slots: list[rows.Row | None] = [None] * max_batch
         self._outbox: list[Update] = []
-        self._stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
-        self._inputs_stale = False  # the host's table of prompts and stop ids changed
         self._chunk = MIN_CHUNK
-        self._state = None  # the table's SpecState (built at the first admission)
-        self._catch_up = None
         self._counters = collections.Counter()
+        self._table = Table(
+            self._runner,
+            self.mesh,
+            max_batch,
+            self.max_context,
+            self.controllers,
+            self._counters,
+            prefill_cache,
+        )
+        self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
 
     @property
@@ -145,6 +160,16 @@ class Engine:
     def idle(self) -> bool:
         """Nothing waits, runs, or has an Update to hand out."""
         return not self._queue and not self._outbox and all(r is None for r in self._slots)
+
+    @property
+    def live_rows(self) -> int:
+        """The rows the compiled loop runs over now: the smallest bucket that holds the busy
+        slots (0 before the first admission)."""
+        return self._table.rows
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest row bucket that holds n rows."""
+        return self._table.bucket_for(n)
 
     # --- requests --------------------------------------------------------------------------
     def encode(self, request: Request) -> list[int]:
@@ -167,7 +192,7 @@ class Engine:
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
         if len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
-        handle = Handle(next(self._ids), request)
+        handle = Handle(next(self._ids), request, len(ids))
         self._queue.append(rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
@@ -182,7 +207,7 @@ class Engine:
                 return self._finish(row, "cancelled")
         for b, row in enumerate(self._slots):
             if row is not None and row.handle is handle:
-                self._stop_rows[b] = True
+                self._table.stop_rows[b] = True
                 return self._finish(row, "cancelled")
         return None
 
@@ -198,13 +223,19 @@ class Engine:
     # --- stepping --------------------------------------------------------------------------
     def step(self) -> list[Update]:
         """Admits waiting requests into free slots (their first tokens come back at once) or,
-        when none was admitted, runs one chunk of rounds over the table. Returns the Updates
-        of every request that produced tokens or finished since the last step."""
+        when none was admitted, runs one chunk of rounds over the table's busy rows (compacted
+        into its lowest slots, the loop run over the smallest bucket that holds them). Returns
+        the Updates of every request that produced tokens or finished since the last step."""
         start = time.perf_counter()
+        table = self._table
+        if table.state is not None:
+            table.timed(table.compact)
         admitted = self._admit()
-        if not admitted and any(r is not None for r in self._slots):
+        if table.state is not None:
+            table.timed(table.shrink)
+        if not admitted and self._busy():
             self._run_chunk()
-        if self._state is not None and any(r is not None for r in self._slots):
+        if table.state is not None and self._busy():
             self._collect()
         updates, self._outbox = self._outbox, []
         self._counters["step_seconds"] += time.perf_counter() - start
@@ -215,116 +246,82 @@ class Engine:
         while not self.idle:
             yield from self.step()
 
+    def _busy(self) -> int:
+        return sum(r is not None for r in self._slots)
+
     def _admit(self) -> int:
-        """Prefills waiting requests into free slots, in order; a request whose warp differs
-        from the running rows' waits (and those after it) until the table is empty."""
+        """Prefills waiting requests into the free slots, in order: consecutive requests of one
+        prompt width in one prefill call. A request whose warp differs from the running rows'
+        waits (and those after it) until the table is empty. Returns the requests admitted."""
         admitted = 0
         while self._queue and None in self._slots:
-            row = self._queue[0]
-            busy = any(r is not None for r in self._slots)
-            if row.handle.request.sampling != self._runner.static.sampling:
-                if busy:
+            first = self._queue[0]
+            sampling = first.handle.request.sampling
+            if sampling != self._runner.static.sampling:
+                if self._busy():
                     break
-                self._set_sampling(row.handle.request.sampling)
-            self._queue.popleft()
-            self._insert(row, self._slots.index(None))
-            admitted += 1
+                self._set_sampling(sampling)
+            width, free, group = self._width(first), self._slots.count(None), []
+            while (
+                self._queue
+                and len(group) < free
+                and self._queue[0].handle.request.sampling == sampling
+                and self._width(self._queue[0]) == width
+            ):
+                group.append(self._queue.popleft())
+            self._table.insert(group, width)
+            admitted += len(group)
         return admitted
+
+    def _width(self, row: rows.Row) -> int:
+        """The prompt width spec_jax.generate gives the request alone (its length bucket),
+        within the slot."""
+        features = self._runner.static.drafter.reads_features
+        config, ids = self.target.config, row.prompt_ids
+        return min(layout(config, [ids], row.handle.request.max_tokens, 0, features)[0], self.max_context)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:
         self._runner.static = dataclasses.replace(self._runner.static, sampling=sampling)
-        self._state = None  # built again for the new loop (its rows are all free)
-        self._catch_up = None
-
-    def _table(self) -> None:
-        """The empty table: B free rows (done), prefilled from one-token prompts."""
-        b, width = self.max_batch, self.max_context
-        self._host = rows.HostTable.empty(b, width)
-        self._runner.inputs = self._host.inputs(
-            row_keys(jax.random.key(0), np.arange(b)), np.ones(b), self.mesh
-        )
-        active = sharding.put(np.zeros(b, bool), sharding.batch_sharding(self.mesh, 1))
-        state, compile_s, _ = self._runner.prefill(active)
-        self._counters["compile_seconds"] += compile_s
-        self._state = state.replace(plain=jnp.zeros(b, bool))
-        self._counted = rows.table_counters(state)
-        if self.controller is not None:
-            self._catch_up = CatchUp(self._runner, self._host.prompt_lens.astype(np.int64))
-
-    def _insert(self, row: rows.Row, b: int) -> None:
-        """Prefills the request alone (batch 1, the engine's cache length) and writes its state
-        into slot b: every per-row leaf, so nothing of the slot's previous occupant is read."""
-        if self._state is None:
-            self._table()
-        request, ids = row.handle.request, row.prompt_ids
-        # generate's width for the request alone (its length bucket), within the slot
-        features = self._runner.static.drafter.reads_features
-        width = min(layout(self.target.config, [ids], request.max_tokens, 0, features)[0], self.max_context)
-        inputs, stops = rows.one_row_inputs(row, width)
-        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
-        active = sharding.put(np.ones(1, bool), sharding.batch_sharding(self.mesh, 1))
-        one, compile_s, prefill_s = self._runner.prefill(active, inputs)
-        self._counters["compile_seconds"] += compile_s
-        self._counters["prefill_seconds"] += prefill_s
-        one = one.replace(plain=jnp.asarray([not request.speculate]))
-        slot = jnp.asarray(b, jnp.int32)
-        stash = self._catch_up.stash if self._catch_up is not None else None
-        if stash is not None:  # a plain chunk holds the drafter's states aside
-            self._catch_up.stash = rows.write_row_jit(stash, one.draft_state, slot, self.max_batch)
-            one = one.replace(draft_state=())
-        self._state = rows.write_row_jit(self._state, one, slot, self.max_batch)
-        self._stop_rows[b] = False
-        self._host.set_row(b, ids, stops[0])
-        self._inputs_stale = True  # placed again once, before the next chunk
-        if self.controller is not None:
-            self.controller.forget(np.arange(self.max_batch) == b)
-            self._catch_up.synced[b] = len(ids)
-        row.slot = b
-        self._slots[b] = row
+        self._table.reset()  # built again for the new loop (its rows are all free)
 
     def _run_chunk(self) -> None:
-        """One chunk of rounds over the table (freed rows first marked done)."""
-        if self._inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
-            self._runner.inputs = self._host.inputs(
-                self._runner.inputs.keys, self._runner.inputs.budgets, self.mesh
-            )
-            self._inputs_stale = False
-        if self._stop_rows.any():
-            self._state = rows.mark_done_jit(
-                self._state, sharding.put(self._stop_rows, sharding.batch_sharding(self.mesh, 1))
-            )
-            self._stop_rows[:] = False
+        """One chunk of rounds over the table's rows (freed rows first marked done): at most as
+        many rounds as the busy row nearest its budget has tokens left, so that a slot it
+        frees is taken at once."""
+        table = self._table
+        if table.inputs_stale:  # the rows' prompts (a drafter's catch-up reads them) and stop ids
+            self._runner.inputs = table.host.inputs(table.rows, self.mesh)
+            table.inputs_stale = False
+        table.apply_stops()
         self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
+        left = min(r.handle.request.max_tokens - len(r.tokens) for r in self._slots if r is not None)
+        rounds = max(1, min(self._chunk, left))
         start = time.perf_counter()
-        if self.controller is None:
-            self._state, compile_s, _, _ = self._runner.loop(self._state, self._chunk)
+        if not self.controllers:
+            table.state, compile_s, _, _ = self._runner.loop(table.state, rounds)
         else:
-            before = observed(self._state)
-            self._state, _, compile_s = auto_chunk(
-                self.controller, self._runner, self._catch_up, self._state, before, self._chunk
+            before = observed(table.state)
+            table.state, _, compile_s = auto_chunk(
+                self.controllers[table.rows], self._runner, table.catch_up, table.state, before, rounds
             )
-        after = rows.table_counters(self._state)
-        rounds, drafted, accepted = (after - self._counted).tolist()
-        self._counted = after
+        after = rows.table_counters(table.state)
+        drafted_rounds, drafted, accepted = (after - table.counted).tolist()
+        table.counted = after
         self._counters["compile_seconds"] += compile_s
         self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
         self._counters["chunks"] += 1
-        self._counters["rounds"] += rounds
+        self._counters["rounds"] += drafted_rounds
         self._counters["draft_tokens_total"] += drafted
         self._counters["accepted_tokens_total"] += accepted
 
     def _collect(self) -> None:
         """Each busy row's new tokens and text into the outbox; finished rows free their slots."""
+        out = self._table.state.out
         tokens, counts, done, nonfinite = sharding.fetch(
-            (
-                self._state.out.tokens,
-                self._state.out.num_generated,
-                self._state.out.done,
-                self._state.out.nonfinite,
-            )
+            (out.tokens, out.num_generated, out.done, out.nonfinite)
         )
         now = time.perf_counter()
-        for b, row in enumerate(self._slots):
+        for b, row in enumerate(self._slots[: self._table.rows]):
             if row is None:
                 continue
             row.tokens = tokens[b, : counts[b]].tolist()
@@ -345,7 +342,7 @@ class Engine:
         if cut is not None:
             row.tokens, reason = row.tokens[:cut], "stop"
             if row.slot is not None:
-                self._stop_rows[row.slot] = True
+                self._table.stop_rows[row.slot] = True
         new_tokens, new_text = row.tokens[row.sent_tokens :], text[len(row.sent_text) :]
         row.sent_tokens, row.sent_text = len(row.tokens), text
         self._counters["generation_tokens_total"] += len(new_tokens)
@@ -360,7 +357,9 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
-        accepted_tokens_total, queue_depth, slots_busy, max_batch, chunks, rounds, the seconds
+        accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
+        runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
+        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes), the seconds
         of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
         step_seconds - compile - prefill - decode is the host's own work between chunks), and
         ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""
@@ -369,6 +368,7 @@ class Engine:
             queue_depth=len(self._queue),
             slots_busy=sum(r is not None for r in self._slots),
             max_batch=self.max_batch,
+            live_rows=self._table.rows,
             ttft_seconds=list(self._ttft),
         )
         return out

@@ -1,8 +1,9 @@
-"""The engine's row bookkeeping (spec_jax.engine): a request on the host (Row), writing one
-request's batch-1 state into a slot of the table (write_row) and freeing slots (mark_done),
-the one request's prefill inputs (one_row_inputs), the checks of the slots' context
-(slot_context, check_room), and the text a row may hand out (visible_text: stop strings and
-partial characters held back).
+"""The engine's row bookkeeping (spec_jax.engine): a request on the host (Row); the table's
+rows as a loop state of any row count (batch_axes: which axis of each leaf holds the rows;
+resize, move_row: compaction, write_rows: admitted requests' prefilled rows, mark_done:
+freed rows); the admitted requests' prefill inputs (group_inputs); the checks of the slots'
+context (slot_context, check_room); and the text a row may hand out (visible_text: stop
+strings and partial characters held back).
 """
 
 import dataclasses
@@ -39,18 +40,69 @@ class Row:
     first_token_at: float | None = None
 
 
-def write_row(table, row, b, batch: int):
-    """table (a loop state or its drafter state, batch `batch`) with its row b replaced by
-    row's only row, along each leaf's batch axis (sharding.batch_axis); leaves without one
-    (scalars, shared arrays) keep the table's."""
+def batch_axes(shapes_a, shapes_b) -> tuple[int, ...]:
+    """The axis that indexes the rows of each leaf (in tree_flatten order; -1: a leaf the rows
+    share), from the shapes of one tree built at two batch sizes (jax.eval_shape of one
+    program): the axis where they differ. No leaf is taken for a row by the coincidence of a
+    size (a [G] metric with G == B, a leading axis of 1)."""
+    axes = []
+    for a, b in zip(jax.tree.leaves(shapes_a), jax.tree.leaves(shapes_b), strict=True):
+        differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
+        axes.append(differ[0] if differ else -1)
+    return tuple(axes)
 
-    def one(path, t, r):
-        axis = sharding.batch_axis(path, t.shape, batch)
-        if axis is None or r.ndim != t.ndim or r.shape[axis] != 1:
-            return t
-        return jax.lax.dynamic_update_slice_in_dim(t, r, b, axis)
 
-    return jax.tree_util.tree_map_with_path(one, table, row)
+def _by_leaf(fn, axes: tuple[int, ...], table, *others):
+    """table with fn(leaf, axis, *the others' leaves) for each leaf that has rows (axes:
+    batch_axes); the leaves the rows share keep the table's."""
+    leaves, treedef = jax.tree.flatten(table)
+    other_leaves = [jax.tree.leaves(o) for o in others]
+    out = [
+        t if axis < 0 else fn(t, axis, *(o[i] for o in other_leaves))
+        for i, (t, axis) in enumerate(zip(leaves, axes, strict=True))
+    ]
+    return treedef.unflatten(out)
+
+
+def resize(table, blank, axes: tuple[int, ...], n: int):
+    """table (a loop state or its drafter's state) with n rows: its first n, or all of its rows
+    followed by copies of blank's one row (a free row: done) up to n."""
+
+    def one(t, axis, r):
+        have = t.shape[axis]
+        if n <= have:
+            return jax.lax.slice_in_dim(t, 0, n, axis=axis)
+        return jnp.concatenate([t] + [r] * (n - have), axis=axis)
+
+    return _by_leaf(one, axes, table, blank)
+
+
+def move_row(table, axes: tuple[int, ...], src, dst):
+    """table with row src copied into row dst (int32 scalars); row src is left as it was."""
+
+    def one(t, axis):
+        return jax.lax.dynamic_update_slice_in_dim(
+            t, jax.lax.dynamic_slice_in_dim(t, src, 1, axis), dst, axis
+        )
+
+    return _by_leaf(one, axes, table)
+
+
+def take_row(table, axes: tuple[int, ...], i):
+    """table's row i (an int32 scalar) as a table of one row; the shared leaves are table's."""
+    return _by_leaf(lambda t, axis: jax.lax.dynamic_slice_in_dim(t, i, 1, axis), axes, table)
+
+
+def write_rows(table, block, axes: tuple[int, ...], slots):
+    """table with row slots[i] replaced by block's row i (block: the same tree at another batch,
+    e.g. a prefill's; slots: int32 [block's rows], a slot past the table's rows drops that
+    row), along each leaf's row axis; the leaves the rows share keep the table's. Nothing of a
+    row's previous occupant survives."""
+
+    def one(t, axis, r):
+        return t.at[(slice(None),) * axis + (slots,)].set(r, mode="drop")
+
+    return _by_leaf(one, axes, table, block)
 
 
 def mark_done(state: SpecState, rows_b) -> SpecState:
@@ -58,7 +110,10 @@ def mark_done(state: SpecState, rows_b) -> SpecState:
     return state.replace(out=state.out.replace(done=state.out.done | rows_b))
 
 
-write_row_jit = jax.jit(write_row, static_argnums=3, donate_argnums=0)
+resize_jit = jax.jit(resize, static_argnums=(2, 3))
+move_row_jit = jax.jit(move_row, static_argnums=1, donate_argnums=0)
+take_row_jit = jax.jit(take_row, static_argnums=1)
+write_rows_jit = jax.jit(write_rows, static_argnums=2, donate_argnums=0)
 mark_done_jit = jax.jit(mark_done, donate_argnums=0)
 row_keys_jit = jax.jit(row_keys)  # compiled once, not traced per admission
 
@@ -82,22 +137,62 @@ def stop_ids_for(request: Request, tokenizer, vocab: int) -> tuple[int, ...]:
     return tuple(request.stop_ids)
 
 
-def one_row_inputs(row: Row, width: int) -> tuple[PrefillInputs, np.ndarray]:
-    """(the row's request alone as PrefillInputs of batch 1 and the given width, unplaced; its
-    stop ids as int32 [1, MAX_STOP_IDS], -1 padded)."""
-    request, ids = row.handle.request, row.prompt_ids
-    tokens = np.full((1, width), PAD_ID, np.int32)
-    tokens[0, : len(ids)] = ids
-    stops = np.full((1, MAX_STOP_IDS), -1, np.int32)
-    stops[0, : len(row.stop_ids)] = row.stop_ids
-    inputs = PrefillInputs(
+def stop_row(stop_ids) -> np.ndarray:
+    """A row's stop ids as int32 [MAX_STOP_IDS], -1 padded."""
+    stops = np.full(MAX_STOP_IDS, -1, np.int32)
+    stops[: len(stop_ids)] = stop_ids
+    return stops
+
+
+def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
+    """The requests of group as PrefillInputs of `batch` rows (>= len(group); the rest are
+    one-token PAD_ID prompts) and the given width, unplaced. Each row's keys are its
+    request's alone: fold_in(key(seed), row_id)."""
+    tokens = np.full((batch, width), PAD_ID, np.int32)
+    lens, budgets = np.ones(batch, np.int32), np.ones(batch, np.int32)
+    stops = np.full((batch, MAX_STOP_IDS), -1, np.int32)
+    keys = []
+    for i, row in enumerate(group):
+        tokens[i, : len(row.prompt_ids)] = row.prompt_ids
+        lens[i], budgets[i] = len(row.prompt_ids), row.handle.request.max_tokens
+        stops[i] = stop_row(row.stop_ids)
+        keys.append(
+            row_keys_jit(jax.random.key(row.handle.request.seed), np.asarray([row.row_id], np.uint32))
+        )
+    keys += [row_keys_jit(jax.random.key(0), np.zeros(1, np.uint32))] * (batch - len(group))
+    return PrefillInputs(
         tokens=jnp.asarray(tokens),
-        prompt_lens=jnp.asarray([len(ids)], jnp.int32),
+        prompt_lens=jnp.asarray(lens),
         stop_ids=jnp.asarray(stops),
-        keys=row_keys_jit(jax.random.key(request.seed), np.asarray([row.row_id], np.uint32)),
-        budgets=jnp.asarray([request.max_tokens], jnp.int32),
+        keys=jnp.concatenate(keys),
+        budgets=jnp.asarray(budgets),
     )
-    return inputs, stops
+
+
+def prefill_key(row: Row, width: int, sampling) -> tuple:
+    """Everything a request's prefilled row depends on in one engine, but its budget: its prompt,
+    the prefill's width, its keys (seed, row id), stop ids, speculation, the warp, and whether
+    its budget ends it at the first token. Two requests of one key get the same row, bit for
+    bit (the CPU prefill is row-wise), except for the budget leaf (set_budget)."""
+    request = row.handle.request
+    return (
+        tuple(row.prompt_ids),
+        width,
+        request.seed,
+        row.row_id,
+        request.max_tokens == 1,
+        tuple(row.stop_ids),
+        request.speculate,
+        sampling,
+    )
+
+
+def set_budget(state: SpecState, slot, budget) -> SpecState:
+    """state with row slot's budget (Output.budget) set to budget (int32 scalars)."""
+    return state.replace(out=state.out.replace(budget=state.out.budget.at[slot].set(budget)))
+
+
+set_budget_jit = jax.jit(set_budget, donate_argnums=0)
 
 
 def slot_context(target, drafter, gamma: int, max_context) -> int:
@@ -184,13 +279,20 @@ class HostTable:
         self.prompt_lens[b] = len(ids)
         self.stop_ids[b] = stops
 
-    def inputs(self, keys, budgets, mesh) -> PrefillInputs:
-        """The table as PrefillInputs (keys: [B] row keys; budgets: [B]) placed on mesh."""
+    def move(self, src: int, dst: int) -> None:
+        """Row dst takes row src's prompt and stop ids; row src becomes a free row."""
+        for rows_of in (self.tokens, self.prompt_lens, self.stop_ids):
+            rows_of[dst] = rows_of[src]
+        self.set_row(src, [PAD_ID], np.full(MAX_STOP_IDS, -1, np.int32))
+
+    def inputs(self, n: int, mesh) -> PrefillInputs:
+        """The table's first n rows as PrefillInputs placed on mesh (what the loop reads: the
+        prompts, for a drafter's catch-up, and the stop ids; keys and budgets are unused)."""
         inputs = PrefillInputs(
-            tokens=jnp.asarray(self.tokens),
-            prompt_lens=jnp.asarray(self.prompt_lens),
-            stop_ids=jnp.asarray(self.stop_ids),
-            keys=keys,
-            budgets=jnp.asarray(budgets, jnp.int32),
+            tokens=jnp.asarray(self.tokens[:n]),
+            prompt_lens=jnp.asarray(self.prompt_lens[:n]),
+            stop_ids=jnp.asarray(self.stop_ids[:n]),
+            keys=row_keys_jit(jax.random.key(0), np.arange(n, dtype=np.uint32)),
+            budgets=jnp.ones(n, jnp.int32),
         )
-        return sharding.put(inputs, sharding.state_shardings(inputs, mesh, len(self.prompt_lens)))
+        return sharding.put(inputs, sharding.state_shardings(inputs, mesh, n))

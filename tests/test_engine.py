@@ -3,6 +3,8 @@ equal spec_jax.generate's for that request alone, whatever else runs (greedy and
 sampling, staggered arrivals, rows finishing early, cancelled rows, a slot's previous
 occupant, a row whose logits turn NaN)."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
+from spec_jax import engine as engine_module
 from spec_jax import rows, step_costs
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -108,6 +111,80 @@ def test_each_request_equals_itself_alone_at_any_concurrency(
     assert stats["finished_length"] == len(REQUESTS)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_request_is_exact_across_slot_moves_bucket_changes_and_batched_prefills(
+    tiny_target, tiny_draft, temperature, monkeypatch
+):
+    """A long request shares its first prefill with a short one; when the short one leaves it
+    moves to slot 0 and the table grows to 4 rows for three requests prefilled in one call,
+    then shrinks to 1 row when they leave: its tokens (and theirs) equal each alone."""
+
+    def request(i):
+        p, _, seed = REQUESTS[i]
+        return Request(
+            prompt_ids=tuple(p),
+            max_tokens=50 if i == 2 else 4,
+            seed=seed,
+            temperature=temperature,
+            stop_ids=(),
+        )
+
+    monkeypatch.setattr(engine_module, "MAX_CHUNK", 2)  # at most 8 tokens a step: the long row lasts
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
+    assert engine.buckets == (1, 2, 4)
+    handles = [engine.submit(request(0)), engine.submit(request(2))]
+    long = handles[1]
+    tokens, seen = {}, []  # seen: (rows the loop runs over, the long request's slot) per step
+
+    def step():
+        for u in engine.step():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+        row = next((r for r in engine._slots if r is not None and r.handle is long), None)
+        seen.append((engine.live_rows, None if row is None else row.slot))
+
+    while any(r is not None and r.handle is handles[0] for r in engine._slots) or not seen:
+        step()
+    handles += [engine.submit(request(i)) for i in (3, 4, 5)]  # the long row is alone in slot 1
+    while not engine.idle:
+        step()
+    assert seen[0] == (2, 1) and seen[-1][1] is None, seen
+    alive = [s for s in seen if s[1] is not None]
+    assert (4, 0) in alive and alive[-1] == (1, 0), seen  # moved to slot 0, grown, shrunk
+    assert engine.step() == [] and engine.live_rows == 1  # an idle step shrinks the table
+    assert engine.stats()["prefill_calls"] == 2  # two batches: (0, 2) and (3, 4, 5)
+    for h in handles:
+        assert tokens[h] == alone(tiny_target, tiny_draft, h.request), h.id
+
+
+def test_a_request_seen_again_reuses_its_prefilled_row_exactly(tiny_target, tiny_draft):
+    """The same prompt and seed again (alone, then beside others, with another budget) takes its
+    kept prefilled row, and its tokens are still its own alone (its own budget too); another
+    seed or other stop ids are prefilled afresh; with prefill_cache=0 nothing is kept."""
+    req = Request(prompt_ids=(5, 9, 2), max_tokens=8, seed=3, temperature=1.0, stop_ids=())
+    longer = dataclasses.replace(req, max_tokens=12)
+    misses = [dataclasses.replace(req, seed=4), dataclasses.replace(req, stop_ids=(7,))]
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=4)
+    tokens = {}
+    for batch in ([req], [longer, *misses], [req]):
+        handles = [engine.submit(r) for r in batch]
+        for u in engine.drain():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+        for h in handles:
+            if h.request.stop_ids:
+                expected = alone(tiny_target, tiny_draft, dataclasses.replace(h.request, stop_ids=()))
+                expected = expected[: expected.index(7) + 1] if 7 in expected else expected
+            else:
+                expected = alone(tiny_target, tiny_draft, h.request)
+            assert tokens[h] == expected, h.request
+    assert len(tokens[handles[0]]) == 8
+    assert engine.stats()["prefill_cache_hits"] == 2  # longer and req again; the misses were new
+    cold = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT, prefill_cache=0)
+    for _ in range(2):
+        cold.submit(req)
+        assert [t for u in cold.drain() for t in u.token_ids] == alone(tiny_target, tiny_draft, req)
+    assert "prefill_cache_hits" not in cold.stats() and cold.stats()["prefill_calls"] == 2
+
+
 def test_a_row_that_stops_frees_its_slot_and_a_waiting_request_takes_it(tiny_target, tiny_draft):
     """Stop ids end rows early; with one slot, the next request runs in it right after."""
     first, second = REQUESTS[0], REQUESTS[2]
@@ -135,37 +212,48 @@ def test_a_slot_holds_nothing_of_its_previous_occupant(tiny_target, tiny_draft):
     h = engine.submit(short)
     first = [t for u in engine.step() for t in u.token_ids]  # admitted: the prefill's first token
     assert len(first) == 1
-    out = engine._state.out
+    out = engine._table.state.out
     assert int(out.num_generated[0]) == 1 and not bool(out.done[0]) and int(out.budget[0]) == 5
     assert np.all(np.asarray(out.tokens[0, 1:]) == 0)
-    assert int(engine._state.length[0]) == 2
+    assert int(engine._table.state.length[0]) == 2
     tokens = [t for u in engine.drain() if u.handle is h for t in u.token_ids]
     assert first + tokens == alone(tiny_target, tiny_draft, short)
     assert long.id == 0 and h.id == 1
 
 
-def test_write_row_replaces_every_per_row_leaf_and_keeps_shared_ones():
-    """rows.write_row on a toy state: batch leaves (leading axis, a cache's axis 1) take the row;
-    scalars and leaves of another leading size keep the table's (a [G] metric with G == B
-    included: the row's own has G entries, not 1)."""
-    b = 3
-    table = {
-        "cache": KVCache(k=jnp.zeros((2, b, 4, 1, 2)), v=jnp.zeros((2, b, 4, 1, 2))),
-        "tokens": jnp.zeros((b, 5), jnp.int32),
-        "count": jnp.zeros((), jnp.int32),
-        "per_position": jnp.zeros((b,), jnp.int32),
+def toy_table(b: int, fill):
+    """A toy loop state of b rows: batch leaves (leading axis, a cache's axis 1), a scalar,
+    and a [3] leaf that is not per row (of the table's size when b == 3)."""
+    return {
+        "cache": KVCache(k=jnp.full((2, b, 4, 1, 2), fill), v=jnp.full((2, b, 4, 1, 2), fill)),
+        "tokens": jnp.full((b, 5), fill, jnp.int32),
+        "count": jnp.full((), fill, jnp.int32),
+        "per_position": jnp.full((3,), fill, jnp.int32),
     }
-    row = {
-        "cache": KVCache(k=jnp.ones((2, 1, 4, 1, 2)), v=jnp.ones((2, 1, 4, 1, 2))),
-        "tokens": jnp.ones((1, 5), jnp.int32),
-        "count": jnp.ones((), jnp.int32),
-        "per_position": jnp.ones((b,), jnp.int32),
-    }
-    out = rows.write_row(table, row, 1, b)
-    np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 1, 0], [0, 1, 0]])
-    np.testing.assert_array_equal(out["tokens"][:, 0], [0, 1, 0])
+
+
+def test_row_writes_moves_and_resizes_touch_every_per_row_leaf_and_keep_shared_ones():
+    """rows.batch_axes finds the row axis from two batch sizes (not from a size that happens to
+    equal the batch: "per_position" has 3 entries at batch 3); write_rows, move_row and resize
+    act on exactly those leaves."""
+    axes = rows.batch_axes(toy_table(3, 0), toy_table(4, 0))
+    assert axes == (1, 1, -1, -1, 0)  # tree order: cache k, v, count, per_position, tokens
+    table = toy_table(3, 0)
+    block = toy_table(2, 7)
+    out = rows.write_rows(table, block, axes, jnp.asarray([1, 3], jnp.int32))  # row 1 of the block dropped
+    np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 7, 0], [0, 7, 0]])
+    np.testing.assert_array_equal(out["tokens"][:, 0], [0, 7, 0])
     assert int(out["count"]) == 0
     np.testing.assert_array_equal(out["per_position"], [0, 0, 0])
+    moved = rows.move_row(out, axes, jnp.int32(1), jnp.int32(2))
+    np.testing.assert_array_equal(moved["tokens"][:, 0], [0, 7, 7])
+    np.testing.assert_array_equal(moved["cache"].v[:, :, 0, 0, 0], [[0, 7, 7], [0, 7, 7]])
+    grown = rows.resize(moved, toy_table(1, 5), axes, 5)
+    np.testing.assert_array_equal(grown["tokens"][:, 0], [0, 7, 7, 5, 5])
+    assert grown["cache"].k.shape == (2, 5, 4, 1, 2) and grown["per_position"].shape == (3,)
+    shrunk = rows.resize(grown, toy_table(1, 5), axes, 2)
+    np.testing.assert_array_equal(shrunk["cache"].k[:, :, 0, 0, 0], [[0, 7], [0, 7]])
+    assert int(shrunk["count"]) == 0
 
 
 def test_cancel_frees_the_slot_at_once_and_the_others_are_unaffected(tiny_target, tiny_draft):
@@ -343,8 +431,9 @@ def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
     tokens, reasons, handles = run_staggered(engine, requests, [0, 0, 1, 2, 3, 3])
     for h in handles:
         assert tokens[h.id] == alone(tiny_target, tiny_draft, h.request)
-    gammas = {g for g, _ in engine.controller.schedule}
-    assert 0 in gammas and gammas - {0}, engine.controller.schedule
+    schedules = [c.schedule for c in engine.controllers.values()]
+    gammas = {g for schedule in schedules for g, _ in schedule}
+    assert 0 in gammas and gammas - {0}, schedules
 
 
 def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_target, tiny_draft):
@@ -380,6 +469,8 @@ def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
         Engine(tiny_target, tiny_draft, gamma=3, max_context=context)
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1, got 0"):
         Engine(tiny_target, None, max_batch=0)
+    with pytest.raises(ValueError, match="prefill_cache must be an integer >= 0, got -1"):
+        Engine(tiny_target, None, prefill_cache=-1)
     with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto'"):
         Engine(tiny_target, tiny_draft, gamma=0)
 

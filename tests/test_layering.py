@@ -98,6 +98,7 @@ SPEC_JAX_LAYERS = (
     ("speculative",),  # the loop
     ("step_costs", "autogamma", "tree_auto", "executables"),  # measured costs, the policy, compiled programs
     ("request", "runner", "rows"),  # one request's checks; one call's compiled programs; the engine's rows
+    ("table",),  # the engine's table: the loop state over its busy rows
     ("api",),
     ("engine", "__init__"),
 )

@@ -112,11 +112,15 @@ def test_completion_chat_and_models_answer_as_openai_does(server):
     assert r.object == "text_completion" and r.model == MODEL and len(r.choices) == 1
     assert r.choices[0].finish_reason in ("stop", "length") and isinstance(r.choices[0].text, str)
     assert r.usage.completion_tokens >= 1
+    assert r.usage.prompt_tokens == len(server.engine.tokenizer.encode(PROMPTS[0])) > 0
     chat = server.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12
     )
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens >= 1
+    assert chat.usage.prompt_tokens == len(
+        server.engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    )
     # The chat template's prompt gives the same tokens as that text sent as a completion.
     rendered = server.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = server.engine.tokenizer.encode_chat([{"role": "user", "content": "hi"}])
@@ -133,6 +137,7 @@ def test_a_stream_joins_to_the_whole_answer_and_ends_with_done(server):
     assert text == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 0
     raw = server.post(
         "/v1/completions", {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "stream": True}
     )

@@ -1,0 +1,247 @@
+"""The engine's table (spec_jax.engine): one loop state whose rows are the busy slots.
+
+- Busy rows sit in the lowest slots: a row that leaves is replaced by the highest busy row
+  (move), and the loop runs over the smallest bucket of rows (row_buckets: 1, 2, 4, ...
+  max_batch) that holds them, so a lone request pays for one row, not max_batch. The table
+  grows (free rows: copies of a blank, done row) when admissions need more rows and shrinks
+  when rows leave (resize).
+- A free row is done in the loop state: it computes but commits nothing.
+- Admitting requests writes EVERY per-row leaf of their prefilled rows into their slots (the
+  row axis of each leaf: rows.batch_axes, found from the prefill's shapes at two batch
+  sizes), so nothing of a previous occupant survives: its cache, drafter state, tokens,
+  budget, keys and per-row metrics. Rows prefilled for identical requests are kept
+  (rows.prefill_key) and written again instead of a prefill.
+- While a gamma=auto plain chunk holds the drafter's states aside (CatchUp.stash), writes,
+  moves and resizes apply to them too.
+"""
+
+import collections
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax import rows, sharding
+from spec_jax.runner import CatchUp
+from spec_jax.speculative import SpecState, spec_prefill
+
+
+def row_buckets(max_batch: int, unit: int = 1) -> tuple[int, ...]:
+    """The row counts the engine's loop runs at: unit (the mesh's data axis) times powers of
+    two below max_batch, and max_batch."""
+    sizes = []
+    n = unit
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, max_batch)
+
+
+class Table:
+    """The loop state over the busy slots, its host copies (slots: the Rows; host: prompts and
+    stop ids), the drafter's catch-up, and the kept prefilled rows. runner: the engine's
+    Runner (its inputs are set here); controllers: gamma=auto's per bucket ({} without);
+    counters: the engine's."""
+
+    def __init__(self, runner, mesh, max_batch, max_context, controllers, counters, prefill_cache):
+        self.runner, self.mesh, self.max_context = runner, mesh, max_context
+        self.buckets = row_buckets(max_batch, mesh.shape[sharding.DATA])
+        self.controllers, self.counters, self.prefill_cache = controllers, counters, prefill_cache
+        self.slots: list[rows.Row | None] = [None] * max_batch
+        self.host = rows.HostTable.empty(max_batch, max_context)
+        self.stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
+        self.inputs_stale = False  # the host's table of prompts and stop ids changed
+        self.state, self.rows = None, 0  # the loop state (built at the first admission), its rows
+        self.blank, self.axes = None, None  # a free row; the row axis of each leaf (rows.batch_axes)
+        self.catch_up = None
+        self.counted = None
+        self.prefilled: collections.OrderedDict = collections.OrderedDict()  # prefill_key -> row
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest row bucket that holds n rows."""
+        return next(b for b in self.buckets if b >= n)
+
+    def busy(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def reset(self) -> None:
+        """No loop state (built again at the next admission: the loop's static settings changed)."""
+        self.state, self.rows, self.catch_up = None, 0, None
+
+    def build(self) -> None:
+        """The table of one free row (a copy of the blank row: a one-token prompt, done); the
+        first time, the blank row and each leaf's row axis too."""
+        if self.blank is None:
+            inputs = rows.HostTable.empty(1, self.max_context).inputs(1, self.mesh)
+            active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
+            blank, compile_s, _ = self.runner.prefill(active, inputs)
+            self.counters["compile_seconds"] += compile_s
+            self.blank = blank.replace(plain=jnp.zeros(1, bool))
+            self.axes = self.row_axes()
+        self.state, self.rows = jax.tree.map(jnp.copy, self.blank), 1
+        self.counted = rows.table_counters(self.state)
+        self.inputs_stale = True
+        if self.controllers:
+            self.catch_up = CatchUp(self.runner, np.ones(1, np.int64))
+            self.controllers[1].forget(np.ones(1, bool))
+
+    def row_axes(self) -> dict[str, tuple[int, ...]]:
+        """The row axis of each leaf (rows.batch_axes) of the loop state ("state"), of the
+        drafter's state ("draft") and of the loop state without it ("nodraft": a plain chunk's,
+        while the drafter's waits aside), from the prefill's shapes at batches 2 and 3."""
+
+        def shapes(n):
+            inputs = rows.HostTable.empty(n, self.max_context).inputs(n, self.mesh)
+            prefill = functools.partial(spec_prefill, self.runner.static)
+            state = jax.eval_shape(prefill, self.runner.target_params, self.runner.draft_params, inputs)
+            return state.replace(plain=jax.ShapeDtypeStruct((n,), bool))
+
+        a, b = shapes(2), shapes(3)
+        return {
+            "state": rows.batch_axes(a, b),
+            "draft": rows.batch_axes(a.draft_state, b.draft_state),
+            "nodraft": rows.batch_axes(a.replace(draft_state=()), b.replace(draft_state=())),
+        }
+
+    def stash(self):
+        """The drafter's state set aside while plain chunks run (CatchUp.stash), or None."""
+        return self.catch_up.stash if self.catch_up is not None else None
+
+    def state_axes(self) -> tuple[int, ...]:
+        return self.axes["nodraft" if self.stash() is not None else "state"]
+
+    def resize(self, n: int) -> None:
+        """The table runs over n rows: its first n (the busy ones among them), or all of them and
+        free rows (copies of the blank one) up to n. gamma=auto goes on with bucket n's
+        controller (its rows' acceptance back to the prior)."""
+        stash = self.stash()
+        blank = self.blank if stash is None else self.blank.replace(draft_state=())
+        self.state = rows.resize_jit(self.state, blank, self.state_axes(), n)
+        if stash is not None:
+            self.catch_up.stash = rows.resize_jit(stash, self.blank.draft_state, self.axes["draft"], n)
+        if self.catch_up is not None:
+            synced = self.catch_up.synced
+            self.catch_up.synced = np.concatenate([synced, np.ones(max(n - len(synced), 0), np.int64)])[:n]
+            self.controllers[n].forget(np.ones(n, bool))
+        self.rows, self.inputs_stale = n, True
+
+    def move(self, src: int, dst: int) -> None:
+        """The busy row in slot src moves to the free slot dst (its state, host row and
+        catch-up position); src becomes free (marked done before the next chunk)."""
+        s, d = jnp.int32(src), jnp.int32(dst)
+        stash = self.stash()
+        self.state = rows.move_row_jit(self.state, self.state_axes(), s, d)
+        if stash is not None:
+            self.catch_up.stash = rows.move_row_jit(stash, self.axes["draft"], s, d)
+        self.host.move(src, dst)
+        self.stop_rows[src], self.stop_rows[dst] = True, False
+        row = self.slots[src]
+        self.slots[dst], self.slots[src], row.slot = row, None, dst
+        if self.catch_up is not None:
+            self.catch_up.synced[dst] = self.catch_up.synced[src]
+            self.controllers[self.rows].forget(np.arange(self.rows) == dst)
+        self.inputs_stale = True
+
+    def compact(self) -> None:
+        """Freed rows are marked done, and the busy rows move into the lowest slots."""
+        self.apply_stops()
+        busy = [b for b, r in enumerate(self.slots) if r is not None]
+        holes = [b for b in range(len(busy)) if self.slots[b] is None]
+        for dst, src in zip(holes, [b for b in busy if b >= len(busy)], strict=True):
+            self.move(src, dst)
+
+    def shrink(self) -> None:
+        """The table runs over the smallest bucket that holds its busy rows (in its lowest slots)."""
+        n = self.bucket_for(self.busy())
+        if n < self.rows:
+            self.apply_stops()
+            self.resize(n)
+
+    def apply_stops(self) -> None:
+        """The loop state's rows of freed slots are marked done."""
+        if self.stop_rows[: self.rows].any():
+            stop = sharding.put(self.stop_rows[: self.rows], sharding.batch_sharding(self.mesh, 1))
+            self.state = rows.mark_done_jit(self.state, stop)
+        self.stop_rows[:] = False
+
+    def insert(self, group: list[rows.Row], width: int) -> None:
+        """Writes every per-row leaf of each request's prefilled row into the next free slot
+        (the table grown to hold them), so nothing of a slot's previous occupant is read: the
+        rows kept from an earlier identical prefill (rows.prefill_key), and the others'
+        prefilled together (the smallest bucket of rows that holds them, the width of each
+        alone), then kept."""
+        if self.state is None:
+            self.build()
+        start, k = self.busy(), len(group)
+        if self.bucket_for(start + k) > self.rows:
+            self.resize(self.bucket_for(start + k))
+        sampling = self.runner.static.sampling
+        misses, miss_slots = [], []
+        for b, row in enumerate(group, start):
+            kept = self.prefilled.get(rows.prefill_key(row, width, sampling))
+            if kept is None:
+                misses.append(row)
+                miss_slots.append(b)
+            else:
+                self.prefilled.move_to_end(rows.prefill_key(row, width, sampling))
+                self.timed(self.write, kept, [b], row.handle.request.max_tokens)
+                self.counters["prefill_cache_hits"] += 1
+        if misses:
+            block = self.prefill(misses, width)
+            self.timed(self.write, block, miss_slots)
+            for i, row in enumerate(misses):
+                if self.prefill_cache:
+                    key = rows.prefill_key(row, width, sampling)
+                    self.prefilled[key] = rows.take_row_jit(block, self.axes["state"], jnp.int32(i))
+                    while len(self.prefilled) > self.prefill_cache:
+                        self.prefilled.popitem(last=False)
+        for b, row in enumerate(group, start):
+            self.host.set_row(b, row.prompt_ids, rows.stop_row(row.stop_ids))
+            self.stop_rows[b], row.slot, self.slots[b] = False, b, row
+            if self.catch_up is not None:
+                self.catch_up.synced[b] = len(row.prompt_ids)
+        if self.catch_up is not None:
+            new = np.arange(self.rows)
+            self.controllers[self.rows].forget((new >= start) & (new < start + k))
+        self.inputs_stale = True  # placed again once, before the next chunk
+
+    def prefill(self, group: list[rows.Row], width: int) -> SpecState:
+        """The group's requests prefilled in one call: a state of the smallest bucket of rows
+        that holds them (row i: group[i]; the rest free), their `plain` set per request."""
+        k = len(group)
+        batch = self.bucket_for(k)
+        inputs = rows.group_inputs(group, width, batch)
+        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, batch))
+        active = sharding.put(np.arange(batch) < k, sharding.batch_sharding(self.mesh, 1))
+        block, compile_s, prefill_s = self.runner.prefill(active, inputs)
+        self.counters["compile_seconds"] += compile_s
+        self.counters["prefill_seconds"] += prefill_s
+        self.counters["prefill_calls"] += 1
+        plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
+        return block.replace(plain=jnp.asarray(plain))
+
+    def timed(self, fn, *args) -> None:
+        """fn(*args), its device work done, timed into stats' table_seconds (the table's row
+        writes, moves and resizes: device work besides the prefill and the loop)."""
+        start = time.perf_counter()
+        fn(*args)
+        if self.state is not None:
+            jax.block_until_ready((self.state, self.stash()))
+        self.counters["table_seconds"] += time.perf_counter() - start
+
+    def write(self, block: SpecState, slots: list[int], budget: int | None = None) -> None:
+        """Rows 0 .. len(slots) - 1 of block (a prefill's state, or a kept row: then budget is
+        its request's) into the table's slots (the drafter's states into the stash while a
+        plain chunk holds them aside)."""
+        batch = int(block.length.shape[0])
+        where = np.full(batch, self.rows, np.int32)  # past the table: dropped
+        where[: len(slots)] = slots
+        where = jnp.asarray(where)
+        if (stash := self.stash()) is not None:
+            self.catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self.axes["draft"], where)
+            block = block.replace(draft_state=())
+        self.state = rows.write_rows_jit(self.state, block, self.state_axes(), where)
+        if budget is not None:
+            self.state = rows.set_budget_jit(self.state, jnp.int32(slots[0]), jnp.int32(budget))
