@@ -90,15 +90,14 @@ class Table:
     def row_axes(self) -> dict[str, tuple[int, ...]]:
         """The row axis of each leaf (rows.batch_axes) of the loop state ("state"), of the
         drafter's state ("draft") and of the loop state without it ("nodraft": a plain chunk's,
-        while the drafter's waits aside), from the prefill's shapes at batches 2 and 3."""
-
-        def shapes(n):
-            inputs = rows.HostTable.empty(n, self.max_context).inputs(n, self.mesh)
-            prefill = functools.partial(spec_prefill, self.runner.static)
-            state = jax.eval_shape(prefill, self.runner.target_params, self.runner.draft_params, inputs)
-            return state.replace(plain=jax.ShapeDtypeStruct((n,), bool))
-
-        a, b = shapes(2), shapes(3)
+        while the drafter's waits aside), from the shapes of the blank row (batch 1, already
+        prefilled) and of the prefill at batch 2 (one trace of it: each trace of the whole model
+        costs seconds of a server's or a --stream run's start for a 1.5B model)."""
+        inputs = rows.HostTable.empty(2, self.max_context).inputs(2, self.mesh)
+        prefill = functools.partial(spec_prefill, self.runner.static)
+        b = jax.eval_shape(prefill, self.runner.target_params, self.runner.draft_params, inputs)
+        b = b.replace(plain=jax.ShapeDtypeStruct((2,), bool))
+        a = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.blank)
         return {
             "state": rows.batch_axes(a, b),
             "draft": rows.batch_axes(a.draft_state, b.draft_state),
