@@ -249,7 +249,7 @@ def convert(
     progress: bool = True,
     replace: str | None = None,
     dtype: str | None = "float32",
-) -> pathlib.Path:
+) -> pathlib.Path:  # convert_in_child repeats this signature on purpose: it runs this in a child
     """Converts source `name` (a registry model, or the path of a local GGUF file or checkpoint
     folder: models.sources) unless already done, with its parameters at precision `dtype`
     (None: the entry alone, config and tokenizer, for a GGUF precision that reads the file's own
@@ -386,7 +386,7 @@ def convert_in_child(
     progress: bool = True,
     replace: str | None = None,
     dtype: str | None = "float32",
-) -> pathlib.Path:
+) -> pathlib.Path:  # convert's signature, repeated on purpose: the child runs convert with it
     """Runs `python -m models.convert NAME` (convert(), with `replace` and `dtype`) and returns the converted
     folder; its errors are re-raised here as the same class. A child killed by a signal (the kernel's out-of-memory
     killer sends SIGKILL) is a ConversionError that says so and how much memory it had used."""
