@@ -47,7 +47,7 @@ from models.config import ModelConfig
 from models.hf_config import config_from_hf
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
-from spec_jax import sharding, theory
+from spec_jax import sharding, theory, timing
 from spec_jax.decode import layout
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.sampling import SamplingParams
@@ -258,11 +258,6 @@ def pair_programs(target_cfg, draft_cfg, mesh: Mesh, shapes: Shapes) -> dict:
     }  # fmt: skip
 
 
-def nbytes(tree) -> int:
-    """Total bytes of a pytree of arrays / ShapeDtypeStructs (global, unsharded)."""
-    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def device_bytes(tree) -> int:
     """Bytes one device holds of a pytree of ShapeDtypeStructs with shardings (its largest shard)."""
     total = 0
@@ -301,7 +296,7 @@ def compile_pair(target: str, draft: str, slice_name: str, shapes: Shapes, dtype
         "hosts": len({d.process_index for d in mesh.devices.flat}),
         "batch": shapes.batch,
         "dtype": dtype,
-        "weights_GiB": (nbytes(loop_args[0]) + nbytes(loop_args[1])) / _GIB,
+        "weights_GiB": (timing.tree_bytes(loop_args[0]) + timing.tree_bytes(loop_args[1])) / _GIB,
         "weights_per_device_GiB": (device_bytes(loop_args[0]) + device_bytes(loop_args[1])) / _GIB,
         "caches_per_device_GiB": device_bytes((loop_args[2].target_cache, loop_args[2].draft_state)) / _GIB,
         "hbm_GiB": s.hbm_bytes / _GIB,

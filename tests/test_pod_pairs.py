@@ -11,7 +11,7 @@ from experiments import framework
 from experiments import pod_pairs as pp
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
-from spec_jax import sharding
+from spec_jax import sharding, timing
 
 _missing = ct.missing_packages()
 if _missing:
@@ -70,7 +70,7 @@ def test_quick_writes_the_table_and_predicts_a_speedup_per_alpha(quick_run):
 )
 def test_configs_have_the_published_parameter_counts(repo, billions):
     cfg = pp.model_config(repo, "bfloat16")
-    assert pp.nbytes(param_shapes(cfg)) / 2 / 1e9 == pytest.approx(billions, abs=0.01)
+    assert timing.tree_bytes(param_shapes(cfg)) / 2 / 1e9 == pytest.approx(billions, abs=0.01)
 
 
 def test_auto_attention_means_xla_on_a_multi_device_mesh():
