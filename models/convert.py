@@ -96,14 +96,21 @@ HUGE_PAGE = 2 << 20  # an x86-64 transparent huge page
 
 
 def to_device(leaves: list, treedef):
-    """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
-    as it goes: a bulk tree_map keeps every source alive until the copies finish. On a CPU
-    backend, leaves of a huge page or more are first copied onto transparent huge pages
-    (on_huge_pages), which the CPU client then uses in place."""
+    """Host leaves (arrays, or read-only memory maps of the cache's .npy files) -> a device
+    pytree, one leaf at a time, replacing each host array in the list as it goes: a bulk
+    tree_map keeps every source alive until the copies finish. On a CPU backend, whose client
+    uses a host array in place, every leaf is copied, so that no device array aliases a file:
+    leaves of a huge page or more onto transparent huge pages (on_huge_pages), the rest (all of
+    them, where the OS has no such advice) into ordinary memory. Copied straight from a memory
+    map, each byte is read once: the 1.5B int8 target loaded in 7 s through a read into fresh
+    memory and then the huge-page copy, in 1.3 s this way (docs/benchmarks.md, "Start-up")."""
     cpu = jax.default_backend() == "cpu"
     for i in range(len(leaves)):
         host = np.asarray(leaves[i])
-        leaves[i] = jax.device_put(on_huge_pages(host) if cpu else host).block_until_ready()
+        if cpu:
+            copy = on_huge_pages(host)
+            host = np.array(host) if copy is host else copy
+        leaves[i] = jax.device_put(host).block_until_ready()
     return jax.tree.unflatten(treedef, leaves)
 
 

@@ -169,6 +169,34 @@ def _mapping_of(address: int) -> dict:
     return fields
 
 
+def _mapped_path(address: int) -> str:
+    """The path of the file mapped at `address` ("" for anonymous memory), from /proc/self/maps."""
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        head, *rest = line.split(maxsplit=5)
+        start, end = (int(v, 16) for v in head.split("-"))
+        if start <= address < end:
+            return rest[4] if len(rest) == 5 else ""
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU client uses host arrays in place")
+def test_to_device_copies_memory_mapped_leaves_so_no_weight_aliases_the_cache_file(tmp_path):
+    # models.load hands to_device read-only memory maps of the cache's .npy files: a device
+    # array in place over one would change (or fault) if that file were rewritten
+    arrays = {
+        "big": np.arange(3 * convert.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024),
+        "small": np.arange(16, dtype=np.float32).reshape(4, 4),
+    }
+    maps = {}
+    for name, a in arrays.items():
+        np.save(tmp_path / f"{name}.npy", a)
+        maps[name] = np.load(tmp_path / f"{name}.npy", mmap_mode="r")
+    params = convert.to_device(*jax.tree.flatten(maps))
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(np.asarray(params[name]), a)
+        assert str(tmp_path) not in _mapped_path(params[name].unsafe_buffer_pointer()), name
+
+
 def _thp_setting() -> str:
     try:
         text = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
