@@ -150,8 +150,8 @@ def load(
     except for real models on a CPU backend. `place`: a function from the host parameter tree
     to the placed one (spec_jax.sharding.place_params over a mesh); it is handed read-only
     memory maps of the cached checkpoint, so each process of a multi-host mesh reads only the
-    slices its own devices hold. Default: every leaf onto the default device, copied from
-    those maps (models.convert.to_device).
+    slices its own devices hold. Default: every leaf onto the default device (on a CPU read
+    straight onto huge pages: models.convert.to_device).
     """
     precision.of(dtype)  # ValueError naming the precisions
     if name in RANDOM_PRESETS:
@@ -163,7 +163,7 @@ def load(
 
     source = sources.resolve(name, known=known_models())  # a hub id: downloaded, then a folder
     config, host_params, tokenizer = convert.load_converted(
-        source.name, cache_dir=cache_dir, progress=progress, dtype=dtype, mmap=True
+        source.name, cache_dir=cache_dir, progress=progress, dtype=dtype, mmap=place is not None
     )
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"

@@ -96,40 +96,69 @@ HUGE_PAGE = 2 << 20  # an x86-64 transparent huge page
 
 
 def to_device(leaves: list, treedef):
-    """Host leaves (arrays, or read-only memory maps of the cache's .npy files) -> a device
-    pytree, one leaf at a time, replacing each host array in the list as it goes: a bulk
-    tree_map keeps every source alive until the copies finish. On a CPU backend, whose client
-    uses a host array in place, every leaf is copied, so that no device array aliases a file:
-    leaves of a huge page or more onto transparent huge pages (on_huge_pages), the rest (all of
-    them, where the OS has no such advice) into ordinary memory. Copied straight from a memory
-    map, each byte is read once: the 1.5B int8 target loaded in 7 s through a read into fresh
-    memory and then the huge-page copy, in 1.3 s this way (docs/benchmarks.md, "Start-up")."""
+    """Host leaves -> a device pytree, one leaf at a time, replacing each host array in the list
+    as it goes: a bulk tree_map keeps every source alive until the copies finish. On a CPU
+    backend, whose client uses a host array in place, leaves of a huge page or more go onto
+    transparent huge pages (on_huge_pages: a copy, unless _leaf_blocks already read them there),
+    and a memory map of a file is always copied, so that no device array aliases a file."""
     cpu = jax.default_backend() == "cpu"
     for i in range(len(leaves)):
         host = np.asarray(leaves[i])
         if cpu:
-            copy = on_huge_pages(host)
-            host = np.array(host) if copy is host else copy
+            placed = on_huge_pages(host)
+            host = np.array(host) if placed is host and _file_backed(host) else placed
         leaves[i] = jax.device_put(host).block_until_ready()
     return jax.tree.unflatten(treedef, leaves)
 
 
-def on_huge_pages(a: np.ndarray) -> np.ndarray:
-    """A copy of `a` in private anonymous memory advised for transparent huge pages (Linux
-    MADV_HUGEPAGE, its start 2 MB-aligned), or `a` itself where it is under HUGE_PAGE bytes or the
-    OS has no such advice. A decode step streams every weight from memory once: on 4 KB pages
-    (a file's memory map, or malloc's) that is a TLB miss every 4 KB, on 2 MB pages one every 2
-    MB (the decode step ~10% faster on this project's 2-core EPYC, docs/benchmarks.md). Where
-    the kernel finds no free huge page it falls back to 4 KB pages: the same values either way.
-    The copy is an ordinary writable numpy array over the mapping, which it keeps alive."""
-    if a.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return a
-    buf = mmap.mmap(-1, a.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)  # before the copy touches a page: each fault then maps 2 MB
+class _HugePages(mmap.mmap):
+    """Private anonymous memory advised for transparent huge pages (huge_page_empty's)."""
+
+
+def huge_page_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised array in private anonymous memory advised for transparent huge pages
+    (Linux MADV_HUGEPAGE, its start 2 MB-aligned), or np.empty where it is under HUGE_PAGE bytes
+    or the OS has no such advice. A decode step streams every weight from memory once: on 4 KB
+    pages (a file's memory map, or malloc's) that is a TLB miss every 4 KB, on 2 MB pages one
+    every 2 MB (the decode step ~10% faster on this project's 2-core EPYC, docs/benchmarks.md).
+    Where the kernel finds no free huge page it falls back to 4 KB pages: the same values either
+    way. The array is an ordinary writable numpy array over the mapping, which it keeps alive."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(shape, dtype)
+    buf = _HugePages(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_HUGEPAGE)  # before anything touches a page: each fault then maps 2 MB
     start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
-    out = np.frombuffer(buf, a.dtype, a.size, start).reshape(a.shape)
+    return np.frombuffer(buf, dtype, math.prod(shape), start).reshape(shape)
+
+
+def on_huge_pages(a: np.ndarray) -> np.ndarray:
+    """`a` on transparent huge pages: `a` itself where it is there already (huge_page_empty's
+    memory, or a view of it), under HUGE_PAGE bytes, or the OS has no such advice; else a copy
+    in huge_page_empty's memory."""
+    if _bases(a)[-1].__class__ is _HugePages:
+        return a
+    out = huge_page_empty(a.shape, a.dtype)
+    if not isinstance(_bases(out)[-1], _HugePages):
+        return a
     np.copyto(out, a)
     return out
+
+
+def _bases(a) -> list:
+    """a, then what it views, down to the memory that owns the bytes (a memoryview's object)."""
+    chain = [a]
+    while True:
+        nxt = chain[-1].base if isinstance(chain[-1], np.ndarray) else getattr(chain[-1], "obj", None)
+        if nxt is None:
+            return chain
+        chain.append(nxt)
+
+
+def _file_backed(a: np.ndarray) -> bool:
+    """Whether `a` views a memory map of a file (np.memmap, as _leaf_blocks' `mmap` reads)."""
+    return any(isinstance(x, np.memmap) for x in _bases(a))
 
 
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:
@@ -613,7 +642,8 @@ def _leaf_blocks(folder: pathlib.Path, leaf: dict, rows: int | None = None, mmap
         total = shape[0] if shape else 1
         rows = rows or total
         for r0 in range(0, total, rows):
-            block = np.empty((min(rows, total - r0), *shape[1:]) if shape else (), dtype)
+            # read straight onto huge pages: to_device then uses the bytes in place (one pass)
+            block = huge_page_empty((min(rows, total - r0), *shape[1:]) if shape else (), dtype)
             if f.readinto(block.reshape(-1).view(np.uint8).data) != block.nbytes:
                 raise ValueError(f"{leaf['file']} ends before its data does")
             yield block

@@ -470,10 +470,7 @@ class Tokenizer:
         """Inverse of `to_json`. A document written before the chat template was kept in it (no
         "chat_template" field) takes the template of `gguf`, the file it was built from, where
         that file is there."""
-        data = json.loads(text)
-        if data.get("format") != _FORMAT:
-            raise ValueError(f"not a {_FORMAT} document (format={data.get('format')!r})")
-        tok = HFTokenizer.from_str(json.dumps(data["tokenizer"]))
+        data, tok = _parsed(text)
         return cls(
             tok,
             bos_id=data["bos_id"],
@@ -504,6 +501,19 @@ class Tokenizer:
             f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos}, "
             f"chat_template={'yes' if self.chat_template is not None else 'none'})"
         )
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str) -> tuple[dict, HFTokenizer]:
+    """(the fields of a Tokenizer.to_json document, its HF tokenizer), parsed once per process
+    per document: a Qwen tokenizer takes 1.3 s to parse (two JSON passes and from_str), and a
+    draft of the target's family carries the same one. The HF tokenizer is shared, never
+    changed after it is built; each Tokenizer is a new object around it. ValueError for a
+    document of another format."""
+    data = json.loads(text)
+    if data.get("format") != _FORMAT:
+        raise ValueError(f"not a {_FORMAT} document (format={data.get('format')!r})")
+    return data, HFTokenizer.from_str(json.dumps(data["tokenizer"]))
 
 
 # SentencePiece-style vocabularies (tokenizer.ggml.model "llama"): Gemma 3's GGUF. The file holds

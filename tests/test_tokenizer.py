@@ -11,6 +11,7 @@ import pathlib
 import pytest
 
 from models import registry
+from models import tokenizer as tokenizer_module
 from models.tokenizer import Tokenizer, build_tokenizer, bytes_to_unicode, pre_tokenizer_for
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -111,6 +112,24 @@ def test_json_round_trip(tmp_path):
     )
     with pytest.raises(ValueError, match="format"):
         Tokenizer.from_json(json.dumps({"format": "other"}))
+
+
+def test_a_document_loaded_twice_is_parsed_once_and_each_load_is_its_own_tokenizer(tmp_path, monkeypatch):
+    # a draft of the target's family carries the target's tokenizer: its 1.3 s parse is paid once
+    tok, _ = _toy()
+    text = tok.to_json()
+    tokenizer_module._parsed.cache_clear()
+    parses = []
+    real = tokenizer_module.HFTokenizer.from_str
+    monkeypatch.setattr(tokenizer_module.HFTokenizer, "from_str", lambda s: parses.append(s) or real(s))
+    first, second = Tokenizer.from_json(text), Tokenizer.from_json(str(text))  # an equal, new string
+    assert len(parses) == 1
+    assert first is not second
+    assert first.encode("the 2") == second.encode("the 2") == tok.encode("the 2")
+    second.chat_template = "{{ messages }}"  # one load's settings are its own
+    assert first.chat_template is None
+    Tokenizer.from_json(text.replace('"add_bos": false', '"add_bos": true'))  # another document
+    assert len(parses) == 2
 
 
 # ---- no download needed below -------------------------------------------------------------------
