@@ -18,7 +18,7 @@ from spec_jax import autogamma, sharding, step_costs, tree_auto
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, validate
+from spec_jax.request import MAX_STOP_IDS, Request, encode_prompt, request_for, speculation_bound, validate
 from spec_jax.runner import Runner, decode_auto
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
@@ -221,17 +221,25 @@ def measured(target, plan: Plan) -> Plan:
     return dataclasses.replace(plan, controller=controller)
 
 
-def _place(target, plan: Plan, seed: int):
+def _place(target, plan: Plan, seed: int, max_new_tokens: int):
     """(target params, draft params, PrefillInputs, active [B]) on the plan's mesh, and the
     drafter as it runs there: the models by the rule table (each drafter says how its params
-    are placed), the inputs' rows over the data axis."""
+    are placed), the inputs' rows over the data axis.
+
+    The inputs have the engine's form (spec_jax.rows.group_inputs): each row's stop ids
+    ([B, MAX_STOP_IDS] at least, -1 padded) and budget (max_new_tokens), so that a call and
+    the engine's requests of one bucket run the same programs (a --stream run after `make demo`
+    finds its prefill in the compilation cache)."""
     mesh, batch = plan.mesh, len(plan.prompts)
     tokens, lens = pad_prompts(plan.prompts, plan.width)
+    stops = np.full((batch, max(MAX_STOP_IDS, len(plan.stop_ids))), -1, np.int32)
+    stops[:, : len(plan.stop_ids)] = plan.stop_ids
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens),
         prompt_lens=jnp.asarray(lens),
-        stop_ids=jnp.asarray(plan.stop_ids or [-1], jnp.int32),
+        stop_ids=jnp.asarray(stops),
         keys=row_keys(jax.random.key(seed), plan.row_ids),
+        budgets=jnp.full(batch, max_new_tokens, jnp.int32),
     )
     inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
     active = sharding.put(np.arange(batch) < plan.num_rows, sharding.batch_sharding(mesh, 1))
@@ -253,7 +261,9 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
     if options.eos_id == "auto":  # the model's stop tokens
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
     plan = measured(target, _plan(target, prompts, options))
-    target_params, draft_params, inputs, active, drafter = _place(target, plan, options.seed)
+    target_params, draft_params, inputs, active, drafter = _place(
+        target, plan, options.seed, options.max_new_tokens
+    )
     static = spec_static(target, plan.mesh, drafter, plan.sampling, plan.policy, options, plan.cache_len)
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
     state, prefill_compile_s, prefill_s = runner.prefill(active)

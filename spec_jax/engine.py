@@ -42,9 +42,9 @@ from typing import Any
 
 from models.settings import is_int
 from spec_jax import api, rows, sharding, step_costs
-from spec_jax.decode import layout
+from spec_jax.decode import PAD_ID, layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.request import Request, check_pairing, encode_prompt, request_for
+from spec_jax.request import Request, RequestError, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams
 from spec_jax.table import Table, row_buckets
@@ -90,8 +90,9 @@ class Engine:
     """Serves Requests on one target (and drafter) with a table of max_batch row slots (module
     docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop per
     row bucket); mesh: as generate's; max_context: tokens per slot, prompt plus new tokens
-    (default the target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_queue: requests
-    that may wait."""
+    (default the target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_new_tokens: the
+    most a request may ask for (default max_context; spec_jax.generate's programs for the same
+    max_new_tokens and cache length are the engine's); max_queue: requests that may wait."""
 
     def __init__(
         self,
@@ -104,6 +105,7 @@ class Engine:
         tree: int | str = 0,
         mesh=None,
         max_context: int | None = None,
+        max_new_tokens: int | None = None,
         verify_widths: str = "auto",
         prefill_cache: int = PREFILL_CACHE,
     ):
@@ -122,6 +124,11 @@ class Engine:
         sharding.check_mesh(self.mesh)
         self.buckets = row_buckets(max_batch, self.mesh.shape[sharding.DATA])
         self.max_context = rows.slot_context(target, drafter, policy.gamma, max_context)
+        self.max_new_tokens = self.max_context if max_new_tokens is None else max_new_tokens
+        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= self.max_context:
+            raise ValueError(
+                f"max_new_tokens must be an integer in [1, {self.max_context}] (max_context), got {max_new_tokens!r}"
+            )
         drafter = NoDrafter(vocab) if drafter is None else drafter
         cache_len = self.max_context + policy.gamma
         self.controllers = {}  # gamma=auto: one per row bucket, from the costs measured at its batch
@@ -132,7 +139,7 @@ class Engine:
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
-        settings = api.Options(max_new_tokens=self.max_context, verify_widths=verify_widths, tree=tree)
+        settings = api.Options(max_new_tokens=self.max_new_tokens, verify_widths=verify_widths, tree=tree)
         static = api.spec_static(target, self.mesh, drafter, SamplingParams(0.0), policy, settings, cache_len)
         self._runner = Runner(static, self.mesh, target_params, draft_params, None)
         self._ids = itertools.count()
@@ -148,6 +155,7 @@ class Engine:
             self.controllers,
             self._counters,
             prefill_cache,
+            self._prompt_width([PAD_ID], 1),
         )
         self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
@@ -189,6 +197,10 @@ class Engine:
         ids = self.encode(request)
         stop_ids = self.stop_ids_of(request)
         rows.check_room(ids, stop_ids, request, self.max_context)
+        if request.max_tokens > self.max_new_tokens:
+            raise RequestError(
+                "max_tokens", f"max_tokens must be at most {self.max_new_tokens}, got {request.max_tokens}"
+            )
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
         if len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
@@ -276,9 +288,11 @@ class Engine:
     def _width(self, row: rows.Row) -> int:
         """The prompt width spec_jax.generate gives the request alone (its length bucket),
         within the slot."""
+        return self._prompt_width(row.prompt_ids, row.handle.request.max_tokens)
+
+    def _prompt_width(self, ids, max_tokens: int) -> int:
         features = self._runner.static.drafter.reads_features
-        config, ids = self.target.config, row.prompt_ids
-        return min(layout(config, [ids], row.handle.request.max_tokens, 0, features)[0], self.max_context)
+        return min(layout(self.target.config, [ids], max_tokens, 0, features)[0], self.max_context)
 
     def _set_sampling(self, sampling: SamplingParams) -> None:
         self._runner.static = dataclasses.replace(self._runner.static, sampling=sampling)

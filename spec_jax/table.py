@@ -45,7 +45,9 @@ class Table:
     Runner (its inputs are set here); controllers: gamma=auto's per bucket ({} without);
     counters: the engine's."""
 
-    def __init__(self, runner, mesh, max_batch, max_context, controllers, counters, prefill_cache):
+    def __init__(
+        self, runner, mesh, max_batch, max_context, controllers, counters, prefill_cache, blank_width
+    ):
         self.runner, self.mesh, self.max_context = runner, mesh, max_context
         self.buckets = row_buckets(max_batch, mesh.shape[sharding.DATA])
         self.controllers, self.counters, self.prefill_cache = controllers, counters, prefill_cache
@@ -55,6 +57,8 @@ class Table:
         self.inputs_stale = False  # the host's table of prompts and stop ids changed
         self.state, self.rows = None, 0  # the loop state (built at the first admission), its rows
         self.blank, self.axes = None, None  # a free row; the row axis of each leaf (rows.batch_axes)
+        # the free row's prompt width: a one-token request's, so that one prefill program serves both
+        self.blank_width = blank_width
         self.catch_up = None
         self.counted = None
         self.prefilled: collections.OrderedDict = collections.OrderedDict()  # prefill_key -> row
@@ -74,7 +78,7 @@ class Table:
         """The table of one free row (a copy of the blank row: a one-token prompt, done); the
         first time, the blank row and each leaf's row axis too."""
         if self.blank is None:
-            inputs = rows.HostTable.empty(1, self.max_context).inputs(1, self.mesh)
+            inputs = rows.HostTable.empty(1, self.blank_width).inputs(1, self.mesh)
             active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
             blank, compile_s, _ = self.runner.prefill(active, inputs)
             self.counters["compile_seconds"] += compile_s
@@ -93,7 +97,7 @@ class Table:
         while the drafter's waits aside), from the shapes of the blank row (batch 1, already
         prefilled) and of the prefill at batch 2 (one trace of it: each trace of the whole model
         costs seconds of a server's or a --stream run's start for a 1.5B model)."""
-        inputs = rows.HostTable.empty(2, self.max_context).inputs(2, self.mesh)
+        inputs = rows.HostTable.empty(2, self.blank_width).inputs(2, self.mesh)
         prefill = functools.partial(spec_prefill, self.runner.static)
         b = jax.eval_shape(prefill, self.runner.target_params, self.runner.draft_params, inputs)
         b = b.replace(plain=jax.ShapeDtypeStruct((2,), bool))

@@ -14,7 +14,8 @@ import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
 from spec_jax import engine as engine_module
-from spec_jax import rows, step_costs
+from spec_jax import executables, rows, step_costs
+from spec_jax.decode import layout
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
 
@@ -473,6 +474,28 @@ def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
         Engine(tiny_target, None, prefill_cache=-1)
     with pytest.raises(ValueError, match="gamma must be an integer >= 1 or 'auto'"):
         Engine(tiny_target, tiny_draft, gamma=0)
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens must be an integer in \[1, 40\] \(max_context\), got 41"
+    ):
+        Engine(tiny_target, None, max_context=40, max_new_tokens=41)
+    engine = Engine(tiny_target, None, max_context=40, max_new_tokens=8)
+    with pytest.raises(RequestError, match="max_tokens must be at most 8, got 9") as e:
+        engine.submit(Request(prompt_ids=(1, 2), max_tokens=9))
+    assert e.value.field == "max_tokens"
+
+
+def test_the_engine_runs_generates_prefill_program_and_its_free_row_shares_it(tiny_target, tiny_draft):
+    # the CLI's --stream after `make demo` (a generate call) finds its prefill compiled: the
+    # engine's requests of a bucket, its blank row and generate's call are one program
+    prompt, new = [5, 9, 2, 7], 6
+    _, cache_len = layout(tiny_target.config, [prompt], new, GAMMA)
+    spec_jax.generate(tiny_target, [prompt], draft=tiny_draft, gamma=GAMMA, max_new_tokens=new, eos_id=None)
+    before = executables.TRACE_COUNTS["spec_prefill"]
+    engine = Engine(tiny_target, tiny_draft, gamma=GAMMA, max_context=cache_len - GAMMA, max_new_tokens=new)
+    handle = engine.submit(Request(prompt_ids=tuple(prompt), max_tokens=new, stop_ids=()))
+    tokens = [t for u in engine.drain() if u.handle.id == handle.id for t in u.token_ids]
+    assert executables.TRACE_COUNTS["spec_prefill"] == before  # no prefill of its own: generate's
+    assert tokens == alone(tiny_target, tiny_draft, Request(prompt_ids=tuple(prompt), max_tokens=new))
 
 
 def test_a_prompt_whose_length_bucket_exceeds_the_slot_is_prefilled_within_it(tiny_target, tiny_draft):
