@@ -26,16 +26,22 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Markdown file to write the table to (default: print only).")
 flags.DEFINE_string("args", "", "More launch.generate flags (default: the default pair).")
 flags.DEFINE_integer("prompts", 4, "Prompts per set (bench, held-out).", lower_bound=1, upper_bound=8)
-flags.DEFINE_integer("max_new_tokens", 8, "Tokens each run generates.", lower_bound=1, upper_bound=4096)
+flags.DEFINE_integer(
+    "max_new_tokens",
+    None,
+    "Tokens each run generates (default: launch.generate's own, as after make demo).",
+    lower_bound=1,
+    upper_bound=4096,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HEADER = "--- prompt:"
 
 
-def first_output(prompt: str, extra: list[str], max_new_tokens: int) -> tuple[float, float]:
+def first_output(prompt: str, extra: list[str], max_new_tokens: int | None) -> tuple[float, float]:
     """(seconds to the first byte of generated text, seconds to the process's end)."""
     cmd = [sys.executable, "-m", "launch.generate", "--stream", f"--prompt={prompt}"]
-    cmd += [f"--max_new_tokens={max_new_tokens}", *extra]
+    cmd += ([] if max_new_tokens is None else [f"--max_new_tokens={max_new_tokens}"]) + extra
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
@@ -79,8 +85,9 @@ def main(argv):
         )
     table = "\n".join(
         [
-            f"`python scripts/first_output.py --args={shlex.quote(FLAGS.args)} --prompts={FLAGS.prompts}`"
-            f" ({FLAGS.max_new_tokens} new tokens, each prompt a new length)",
+            f"`python scripts/first_output.py --args={shlex.quote(FLAGS.args)} --prompts={FLAGS.prompts}"
+            + (f" --max_new_tokens={FLAGS.max_new_tokens}`" if FLAGS.max_new_tokens else "`")
+            + f" ({FLAGS.max_new_tokens or 'the default'} new tokens, each prompt a new length)",
             "",
             "| prompts | runs | first text (s): median (range) | whole run (s): median (range) |",
             "|---|---|---|---|",
