@@ -9,8 +9,9 @@
 - Admitting requests writes EVERY per-row leaf of their prefilled rows into their slots (the
   row axis of each leaf: rows.batch_axes, found from the prefill's shapes at two batch
   sizes), so nothing of a previous occupant survives: its cache, drafter state, tokens,
-  budget, keys and per-row metrics. Rows prefilled for identical requests are kept
-  (rows.prefill_key) and written again instead of a prefill.
+  budget, keys and per-row metrics. The first admission into an empty table writes nothing:
+  its prefilled block (free rows past the requests, done) becomes the table. Rows prefilled
+  for identical requests are kept (rows.prefill_key) and written again instead of a prefill.
 - While a gamma=auto plain chunk holds the drafter's states aside (CatchUp.stash), writes,
   moves and resizes apply to them too.
 """
@@ -56,7 +57,8 @@ class Table:
         self.stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
         self.inputs_stale = False  # the host's table of prompts and stop ids changed
         self.state, self.rows = None, 0  # the loop state (built at the first admission), its rows
-        self.blank, self.axes = None, None  # a free row; the row axis of each leaf (rows.batch_axes)
+        self._blank, self._axes = None, None  # a free row; the row axis of each leaf (blank, axes)
+        self.pending_keeps: list = []  # (prefill_key, block, row) kept at the next admission (keep_pending)
         # the free row's prompt width: a one-token request's, so that one prefill program serves both
         self.blank_width = blank_width
         self.catch_up = None
@@ -74,22 +76,37 @@ class Table:
         """No loop state (built again at the next admission: the loop's static settings changed)."""
         self.state, self.rows, self.catch_up = None, 0, None
 
-    def build(self) -> None:
-        """The table of one free row (a copy of the blank row: a one-token prompt, done); the
-        first time, the blank row and each leaf's row axis too."""
-        if self.blank is None:
+    @property
+    def blank(self) -> SpecState:
+        """The free row: a one-token prompt, done (prefilled at its first use)."""
+        if self._blank is None:
             inputs = rows.HostTable.empty(1, self.blank_width).inputs(1, self.mesh)
             active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
             blank, compile_s, _ = self.runner.prefill(active, inputs)
             self.counters["compile_seconds"] += compile_s
-            self.blank = blank.replace(plain=jnp.zeros(1, bool))
-            self.axes = self.row_axes()
-        self.state, self.rows = jax.tree.map(jnp.copy, self.blank), 1
+            self._blank = blank.replace(plain=jnp.zeros(1, bool))
+        return self._blank
+
+    @property
+    def axes(self) -> dict[str, tuple[int, ...]]:
+        """row_axes(), found at its first use."""
+        if self._axes is None:
+            self._axes = self.row_axes()
+        return self._axes
+
+    def build(self, state: SpecState | None = None) -> None:
+        """The table over `state` (a prefilled block: its rows past the requests are free rows,
+        one-token prompts, done, as the blank is), or else of one free row (a copy of the blank).
+        The first admission into an empty table starts from its block, so that neither the blank
+        nor the row axes are needed before the first token (a --stream run's first text)."""
+        # a copy: the loop donates the table's state, and a block's rows may wait in pending_keeps
+        self.state = jax.tree.map(jnp.copy, self.blank if state is None else state)
+        self.rows = int(self.state.length.shape[0])
         self.counted = rows.table_counters(self.state)
         self.inputs_stale = True
         if self.controllers:
-            self.catch_up = CatchUp(self.runner, np.ones(1, np.int64))
-            self.controllers[1].forget(np.ones(1, bool))
+            self.catch_up = CatchUp(self.runner, np.ones(self.rows, np.int64))
+            self.controllers[self.rows].forget(np.ones(self.rows, bool))
 
     def row_axes(self) -> dict[str, tuple[int, ...]]:
         """The row axis of each leaf (rows.batch_axes) of the loop state ("state"), of the
@@ -174,32 +191,35 @@ class Table:
         (the table grown to hold them), so nothing of a slot's previous occupant is read: the
         rows kept from an earlier identical prefill (rows.prefill_key), and the others'
         prefilled together (the smallest bucket of rows that holds them, the width of each
-        alone), then kept."""
-        if self.state is None:
-            self.build()
-        start, k = self.busy(), len(group)
-        if self.bucket_for(start + k) > self.rows:
-            self.resize(self.bucket_for(start + k))
+        alone), then kept (at the next admission: keep_pending). Into an empty table, a group
+        prefilled whole becomes the table itself (build)."""
+        self.keep_pending()
         sampling = self.runner.static.sampling
-        misses, miss_slots = [], []
-        for b, row in enumerate(group, start):
-            kept = self.prefilled.get(rows.prefill_key(row, width, sampling))
-            if kept is None:
-                misses.append(row)
-                miss_slots.append(b)
-            else:
-                self.prefilled.move_to_end(rows.prefill_key(row, width, sampling))
-                self.timed(self.write, kept, [b], row.handle.request.max_tokens)
-                self.counters["prefill_cache_hits"] += 1
-        if misses:
-            block = self.prefill(misses, width)
-            self.timed(self.write, block, miss_slots)
-            for i, row in enumerate(misses):
-                if self.prefill_cache:
-                    key = rows.prefill_key(row, width, sampling)
-                    self.prefilled[key] = rows.take_row_jit(block, self.axes["state"], jnp.int32(i))
-                    while len(self.prefilled) > self.prefill_cache:
-                        self.prefilled.popitem(last=False)
+        keys = [rows.prefill_key(row, width, sampling) for row in group]
+        start, k = self.busy(), len(group)
+        misses = [
+            (b, row)
+            for b, (row, key) in enumerate(zip(group, keys, strict=True), start)
+            if key not in self.prefilled
+        ]
+        if self.state is None and start == 0 and len(misses) == k:  # the table starts from the block
+            block = self.prefill(group, width)
+            self.build(block)
+        else:
+            if self.state is None:
+                self.build()
+            if self.bucket_for(start + k) > self.rows:
+                self.resize(self.bucket_for(start + k))
+            for b, (row, key) in enumerate(zip(group, keys, strict=True), start):
+                if key in self.prefilled:
+                    self.prefilled.move_to_end(key)
+                    self.timed(self.write, self.prefilled[key], [b], row.handle.request.max_tokens)
+                    self.counters["prefill_cache_hits"] += 1
+            block = self.prefill([row for _, row in misses], width) if misses else None
+            if misses:
+                self.timed(self.write, block, [b for b, _ in misses])
+        if self.prefill_cache and misses:
+            self.pending_keeps += [(keys[b - start], block, i) for i, (b, _) in enumerate(misses)]
         for b, row in enumerate(group, start):
             self.host.set_row(b, row.prompt_ids, rows.stop_row(row.stop_ids))
             self.stop_rows[b], row.slot, self.slots[b] = False, b, row
@@ -209,6 +229,16 @@ class Table:
             new = np.arange(self.rows)
             self.controllers[self.rows].forget((new >= start) & (new < start + k))
         self.inputs_stale = True  # placed again once, before the next chunk
+
+    def keep_pending(self) -> None:
+        """Keeps the rows prefilled since the last admission (rows.take_row: the row axes are
+        found here, not before a first admission's token) among the prefilled rows, the
+        least recently used dropped beyond prefill_cache."""
+        for key, block, i in self.pending_keeps:
+            self.prefilled[key] = rows.take_row_jit(block, self.axes["state"], jnp.int32(i))
+            while len(self.prefilled) > self.prefill_cache:
+                self.prefilled.popitem(last=False)
+        self.pending_keeps = []
 
     def prefill(self, group: list[rows.Row], width: int) -> SpecState:
         """The group's requests prefilled in one call: a state of the smallest bucket of rows
