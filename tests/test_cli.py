@@ -140,7 +140,7 @@ def runs(folder) -> dict:
     paired = ["--target=random", "--draft=random-draft", "--gamma=2", "--prompt=ab", "--max_new_tokens=4"]
     cases["renamed"] = {"args": paired, "prelude": PAIRED, "extra": {"mode": "renamed"}}
     cases["prefix"] = {"args": [*paired, "--temperature=0"], "prelude": PAIRED, "extra": {"mode": "prefix"}}
-    chat = ["--target=random", "--draft=random-draft", "--gamma=4", "--temperature=0", "--max_new_tokens=6"]
+    chat = ["--target=random", "--draft=random-draft", "--gamma=3", "--temperature=0", "--max_new_tokens=6"]
     chat_runs = {
         "chat": [
             "--chat",
