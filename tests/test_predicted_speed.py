@@ -22,13 +22,17 @@ if _missing:
 
 # One xdist worker runs the module, so the quick run below is computed once.
 pytestmark = pytest.mark.xdist_group("predicted_speed")
+# The quick run at 1 layer (--set=num_layers=1; quick's own is 2): the calls are unrolled layers,
+# so each compile costs about half, and nothing checked below depends on the depth (the
+# extrapolation to depth has its own test, test_costs_are_linear_in_depth...).
+QUICK_OVERRIDES = {"num_layers": 1}
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predicted_speed")
     result, paths = framework.run_experiment(
-        "predicted_speed", quick=True, output_dir=str(out), command="cmd"
+        "predicted_speed", quick=True, overrides=QUICK_OVERRIDES, output_dir=str(out), command="cmd"
     )
     return result, paths
 
