@@ -157,6 +157,23 @@ def test_a_request_is_exact_across_slot_moves_bucket_changes_and_batched_prefill
         assert tokens[h] == alone(tiny_target, tiny_draft, h.request), h.id
 
 
+def test_a_first_admission_becomes_the_table_and_traces_no_blank_row_or_row_axes(tiny_target, tiny_draft):
+    # a --stream run's first token: one prefill, no blank row's prefill and no row-axes trace
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
+    requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:3]]
+    handles = [engine.submit(r) for r in requests]
+    updates = engine.step()
+    table = engine._table
+    assert {u.handle.id for u in updates} == {h.id for h in handles}  # each has its first tokens
+    assert table._blank is None and table._axes is None and table.rows == 4
+    assert engine.stats()["prefill_calls"] == 1
+    tokens = {h.id: [] for h in handles}
+    for u in [*updates, *engine.drain()]:
+        tokens[u.handle.id] += u.token_ids
+    for h, r in zip(handles, requests, strict=True):
+        assert tokens[h.id] == alone(tiny_target, tiny_draft, r)
+
+
 def test_a_request_seen_again_reuses_its_prefilled_row_exactly(tiny_target, tiny_draft):
     """The same prompt and seed again (alone, then beside others, with another budget) takes its
     kept prefilled row, and its tokens are still its own alone (its own budget too); another
