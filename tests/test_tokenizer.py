@@ -115,7 +115,7 @@ def test_json_round_trip(tmp_path):
 
 
 def test_a_document_loaded_twice_is_parsed_once_and_each_load_is_its_own_tokenizer(tmp_path, monkeypatch):
-    # a draft of the target's family carries the target's tokenizer: its 1.3 s parse is paid once
+    # a model loaded again in one process reads the same document: its 1.3 s parse is paid once
     tok, _ = _toy()
     text = tok.to_json()
     tokenizer_module._parsed.cache_clear()
