@@ -9,9 +9,8 @@ table of max_batch row slots (spec_jax.table.Table: one SpecState over the busy 
   submit(request) -> Handle     validates the request against the model, queues it
   step() -> [Update]            admits waiting requests into free slots (consecutive ones of
                                 one prompt width prefilled in one call), or else runs one
-                                chunk of rounds of the ONE compiled loop
-                                (spec_jax.speculative.spec_loop) over the table's rows;
-                                returns each request's new tokens and text
+                                chunk of the ONE compiled loop (speculative.spec_loop) over
+                                the table's rows; returns each request's new tokens and text
   cancel(handle)                frees the request's slot at once
   drain() -> iterator           step() until nothing waits or runs
 
@@ -27,10 +26,9 @@ prefilled rows: spec_jax.table):
   sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness across
   concurrency holds for a fixed gamma.
 - The chunk length adapts: MIN_CHUNK rounds while requests wait, doubling up to MAX_CHUNK
-  while the table is stable (few host round trips), and never past the rounds in which the
-  busy row nearest its budget could finish (its slot is then free for a waiting request).
-
-Not thread-safe: one thread owns an Engine.
+  while the table is stable, never past the rounds in which the busy row nearest its budget
+  could finish (its slot is then free for a waiting request).
+- Not thread-safe: one thread owns an Engine.
 """
 
 import collections
@@ -40,11 +38,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from models.settings import is_int
 from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import PAD_ID, layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.request import Request, RequestError, check_pairing, encode_prompt, request_for
+from spec_jax.request import Request, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams
 from spec_jax.table import Table, row_buckets
@@ -52,9 +49,8 @@ from spec_jax.table import Table, row_buckets
 MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 # Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
-# row id, stop ids, speculation and warp give the same row but for its budget, which is set,
-# so reusing it is exact);
-# each holds a slot's caches (about 85 MB for the Qwen pair at max_context 1024).
+# row id, stop ids, speculation and warp give the same row but for its budget, which is set, so
+# reusing it is exact); each holds a slot's caches (about 85 MB for the Qwen pair at 1024 tokens).
 PREFILL_CACHE = 16
 TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
 
@@ -109,11 +105,9 @@ class Engine:
         verify_widths: str = "auto",
         prefill_cache: int = PREFILL_CACHE,
     ):
-        for name, value in (("max_batch", max_batch), ("max_queue", max_queue)):
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not is_int(prefill_cache) or prefill_cache < 0:
-            raise ValueError(f"prefill_cache must be an integer >= 0, got {prefill_cache!r}")
+        rows.check_counts(
+            max_batch=(max_batch, 1), max_queue=(max_queue, 1), prefill_cache=(prefill_cache, 0)
+        )
         self.target, self.max_batch, self.max_queue = target, max_batch, max_queue
         drafter, draft_params = (None, None) if draft is None else as_drafter(draft, target)
         policy = api.GammaPolicy.of(gamma, drafter, tree)
@@ -124,11 +118,7 @@ class Engine:
         sharding.check_mesh(self.mesh)
         self.buckets = row_buckets(max_batch, self.mesh.shape[sharding.DATA])
         self.max_context = rows.slot_context(target, drafter, policy.gamma, max_context)
-        self.max_new_tokens = self.max_context if max_new_tokens is None else max_new_tokens
-        if not is_int(self.max_new_tokens) or not 1 <= self.max_new_tokens <= self.max_context:
-            raise ValueError(
-                f"max_new_tokens must be an integer in [1, {self.max_context}] (max_context), got {max_new_tokens!r}"
-            )
+        self.max_new_tokens = rows.new_token_bound(max_new_tokens, self.max_context)
         drafter = NoDrafter(vocab) if drafter is None else drafter
         cache_len = self.max_context + policy.gamma
         self.controllers = {}  # gamma=auto: one per row bucket, from the costs measured at its batch
@@ -196,11 +186,7 @@ class Engine:
         request.validate()
         ids = self.encode(request)
         stop_ids = self.stop_ids_of(request)
-        rows.check_room(ids, stop_ids, request, self.max_context)
-        if request.max_tokens > self.max_new_tokens:
-            raise RequestError(
-                "max_tokens", f"max_tokens must be at most {self.max_new_tokens}, got {request.max_tokens}"
-            )
+        rows.check_room(ids, stop_ids, request, self.max_context, self.max_new_tokens)
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
         if len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
@@ -286,11 +272,11 @@ class Engine:
         return admitted
 
     def _width(self, row: rows.Row) -> int:
-        """The prompt width spec_jax.generate gives the request alone (its length bucket),
-        within the slot."""
         return self._prompt_width(row.prompt_ids, row.handle.request.max_tokens)
 
     def _prompt_width(self, ids, max_tokens: int) -> int:
+        """The prompt width spec_jax.generate gives a request alone (its length bucket), within
+        the slot."""
         features = self._runner.static.drafter.reads_features
         return min(layout(self.target.config, [ids], max_tokens, 0, features)[0], self.max_context)
 

@@ -215,9 +215,36 @@ def slot_context(target, drafter, gamma: int, max_context) -> int:
     return max_context
 
 
-def check_room(ids: list[int], stop_ids: tuple[int, ...], request: Request, context: int) -> None:
+def check_counts(**counts: tuple[Any, int]) -> None:
+    """ValueError naming the first setting (name=(value, least)) that is not an integer >= least."""
+    for name, (value, least) in counts.items():
+        if not is_int(value) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def new_token_bound(max_new_tokens, context: int) -> int:
+    """The most new tokens a request may ask for: max_new_tokens (default: context), checked to
+    be an integer in [1, context]; ValueError naming max_new_tokens and that range."""
+    bound = context if max_new_tokens is None else max_new_tokens
+    if not is_int(bound) or not 1 <= bound <= context:
+        raise ValueError(f"max_new_tokens must be an integer in [1, {context}] (max_context), got {bound!r}")
+    return bound
+
+
+def check_room(
+    ids: list[int],
+    stop_ids: tuple[int, ...],
+    request: Request,
+    context: int,
+    max_new_tokens: int | None = None,
+) -> None:
     """RequestError naming the field at fault unless the prompt (ids) and request.max_tokens fit
-    a slot of `context` tokens and stop_ids holds at most MAX_STOP_IDS ids; returns None."""
+    a slot of `context` tokens, request.max_tokens is at most max_new_tokens (default: no
+    bound but the slot) and stop_ids holds at most MAX_STOP_IDS ids; returns None."""
+    if max_new_tokens is not None and request.max_tokens > max_new_tokens:
+        raise RequestError(
+            "max_tokens", f"max_tokens must be at most {max_new_tokens}, got {request.max_tokens}"
+        )
     if len(ids) >= context:
         raise RequestError(
             "prompt",
