@@ -241,10 +241,6 @@ def check_room(
     """RequestError naming the field at fault unless the prompt (ids) and request.max_tokens fit
     a slot of `context` tokens, request.max_tokens is at most max_new_tokens (default: no
     bound but the slot) and stop_ids holds at most MAX_STOP_IDS ids; returns None."""
-    if max_new_tokens is not None and request.max_tokens > max_new_tokens:
-        raise RequestError(
-            "max_tokens", f"max_tokens must be at most {max_new_tokens}, got {request.max_tokens}"
-        )
     if len(ids) >= context:
         raise RequestError(
             "prompt",
@@ -258,6 +254,10 @@ def check_room(
         )
     if len(stop_ids) > MAX_STOP_IDS:
         raise RequestError("stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}")
+    if max_new_tokens is not None and request.max_tokens > max_new_tokens:
+        raise RequestError(
+            "max_tokens", f"max_tokens must be at most {max_new_tokens}, got {request.max_tokens}"
+        )
 
 
 def visible_text(tokenizer, tokens: list[int], stops, final: bool) -> tuple[str, int | None]:
