@@ -7,7 +7,9 @@ relative to its own one-row call. Every call reads a different copy of the weigh
 --rotate_mb of copies, so the weight comes from memory as in a model's step.
 
 Paths: Q4_K `interleaved` (what models use on an AVX-512 VNNI CPU, on ggml's block_q4_Kx8
-layout: ggml's gemv for one row of x, the multi-row kernel with gemv's bits for more), `gemv`
+layout: ggml's gemv for one row of x, the multi-row kernel with gemv's bits for more), `bulk`
+(a prefill's products on that layout: rows in groups of 4 through ggml's gemm, which takes 16
+rows at a time in its AVX-512 loop and 4 at a time otherwise), `gemv`
 (ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per row of x), `multirow` (the
 multi-row kernel on the file's own layout) and `vec_dot` (ggml's vec_dot per (row, column));
 Q6_K `multirow` (what models use: vec_dot for one row, the multi-row kernel with vec_dot's bits
@@ -16,6 +18,7 @@ Shapes are the Qwen2.5-Coder-1.5B matrices. Run it alone: the machine's other lo
 the figures (read the ratios).
 
     python scripts/gguf_kernel_bench.py [--rows=1,2,5,9] [--shapes=8960x1536,1536x8960] [--repeats=15]
+        [--types=Q4_K,Q6_K] [--paths=bulk,multirow]
 """
 
 import argparse
@@ -35,15 +38,16 @@ from spec_jax import timing  # noqa: E402
 
 
 def paths(ggml_type: int) -> dict:
-    """name -> (ggml_dot, interleaved) for the kernel's paths of ggml_type."""
+    """name -> (ggml_dot, interleaved, bulk) for the kernel's paths of ggml_type."""
     if ggml_type == T.Q4_K.value:
         return {
-            "interleaved": (False, True),
-            "gemv": (True, True),
-            "multirow": (False, False),
-            "vec_dot": (True, False),
+            "interleaved": (False, True, False),
+            "bulk": (False, True, True),
+            "gemv": (True, True, False),
+            "multirow": (False, False, False),
+            "vec_dot": (True, False, False),
         }
-    return {"multirow": (False, False), "vec_dot": (True, False)}
+    return {"multirow": (False, False, False), "vec_dot": (True, False, False)}
 
 
 def main():
@@ -53,6 +57,7 @@ def main():
     parser.add_argument("--rows", default="1,2,5,9", help="comma-separated M values")
     parser.add_argument("--types", default="Q4_K,Q6_K", help="GGUF block types")
     parser.add_argument("--shapes", default="8960x1536,1536x8960", help="N x K, comma-separated")
+    parser.add_argument("--paths", default="", help="only these paths (comma-separated; default all)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rotate_mb", type=int, default=256, help="weight copies cycled per shape (MB)")
     args = parser.parse_args()
@@ -70,14 +75,15 @@ def main():
         data = gguf_matmul.quantize(rng.standard_normal((n, k), dtype=np.float32), ggml_type)
         copies = max(1, args.rotate_mb * 2**20 // data.nbytes)
         layouts = {False: data}
-        if any(il for _, il in paths(ggml_type).values()):
+        if any(il for _, il, _ in paths(ggml_type).values()):
             layouts[True] = gguf_matmul.interleave_q4k(data)
         stored = {il: [jnp.asarray(d.copy()) for _ in range(copies)] for il, d in layouts.items()}
         fns = {}
-        for name, (ggml_dot, il) in paths(ggml_type).items():
+        chosen = {n: p for n, p in paths(ggml_type).items() if not args.paths or n in args.paths.split(",")}
+        for name, (ggml_dot, il, bulk) in chosen.items():
             call = jax.jit(
-                lambda x, w, t=ggml_type, d=ggml_dot, il=il: gguf_matmul.matmul(
-                    x, w, t, True, ggml_dot=d, interleaved=il
+                lambda x, w, t=ggml_type, d=ggml_dot, il=il, b=bulk: gguf_matmul.matmul(
+                    x, w, t, True, ggml_dot=d, interleaved=il, bulk=b
                 )
             )
             for m in rows:
@@ -87,7 +93,7 @@ def main():
         times = timing.timed_interleaved(
             {key: (lambda f=f: f().block_until_ready()) for key, f in fns.items()}, args.repeats
         )
-        for name in paths(ggml_type):
+        for name in chosen:
             ms = [times[(name, m)]["median"] * 1e3 for m in rows]
             cells = " | ".join(f"{v:.3f} ({v / ms[0]:.2f})" for v in ms)
             print(f"| {type_name} | {n} x {k} | {name} | {cells} |", flush=True)
