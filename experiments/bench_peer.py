@@ -305,7 +305,10 @@ def run(config) -> framework.Result | None:
     rows = _rows(cells)
     return framework.Result.from_dicts(
         [*rows.values(), _summary_row(rows, cells.families)],
-        sections={"greedy agreement with spec-jax autoregressive, per prompt": _agreement(cells)},
+        sections={
+            "greedy agreement with spec-jax autoregressive, per prompt": _agreement(cells),
+            "prompt reading (prefill), median ms per prompt over its repeats": _prefill_by_prompt(cells),
+        },
         summary=_summary(config, cells, peers),
     )
 
@@ -319,7 +322,8 @@ class Cells:
     its plain one first; speculative: the systems that draft; precision: system -> its weights'
     precision; differences: system -> per distinct prompt, where its output first differs from
     ar's (None: the same); first_run: each distinct prompt -> the first repeat that ran it;
-    texts: the prompts' text; workers: peer key -> its worker's info; threads: the CPU threads.
+    texts: the prompts' text; workers: peer key -> its worker's info; threads: the CPU threads;
+    prompt_of: each repeat -> its prompt's index; prompt_tokens: each prompt's token count.
     """
 
     runs: dict
@@ -333,6 +337,8 @@ class Cells:
     texts: list
     workers: dict
     threads: int
+    prompt_of: list
+    prompt_tokens: list
 
 
 def _model_args(config, threads: int) -> list[str]:
@@ -428,8 +434,9 @@ def _run_cells(config, peers, python: str) -> Cells:
     differences = {name: [difference(name, r) for r in first_run.values()] for name in systems}
     info = {key: w.info for key, w in workers.items()}
     return Cells(
-        runs, ar, ours, families, speculative, precision, differences, first_run, texts, info, threads
-    )
+        runs, ar, ours, families, speculative, precision, differences, first_run, texts, info, threads,
+        repeat_prompts, [len(p) for p in prompts],
+    )  # fmt: skip
 
 
 def _per_second(result) -> float:
@@ -519,6 +526,20 @@ def _agreement(cells: Cells) -> list[dict]:
                 entry[name] = "same" if where[k] is None else f"differs at {where[k]}"
         agreement.append(entry)
     return agreement
+
+
+def _prefill_by_prompt(cells: Cells) -> list[dict]:
+    """Per distinct prompt: its token count and each system's median prefill ms over the repeats
+    that ran it (systems that report a prefill time)."""
+    table = []
+    for i in cells.first_run:
+        entry = {"prompt": cells.texts[i][:40], "tokens": cells.prompt_tokens[i]}
+        for name, run in cells.runs.items():
+            results = [r for r, p in zip(run["results"], cells.prompt_of, strict=True) if p == i]
+            if results and all("prefill_seconds" in r for r in results):
+                entry[name] = timing.spread(1e3 * r["prefill_seconds"] for r in results)["median"]
+        table.append(entry)
+    return table
 
 
 def _summary(config, cells: Cells, peers) -> dict:

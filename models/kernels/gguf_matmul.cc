@@ -531,7 +531,13 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
         return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                           "spec_jax gguf_matmul: interleaved weights are Q4_K with rows a multiple of 8");
       }
-      const int64_t tasks = (n_dim + kInterleavedChunk - 1) / kInterleavedChunk;
+      // Weight rows per task: kInterleavedChunk, or fewer where that would leave a thread idle
+      // (the k and v products' 256 rows: 2 tasks of 128), in multiples of 16 so that each column
+      // goes through the same code of ggml's gemm and gemv (16 columns at a time in their AVX-512
+      // loops, a remainder of 8 in their AVX2 loop) as with kInterleavedChunk: the same bits.
+      const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+      const int64_t per_task = std::min(kInterleavedChunk, std::max<int64_t>(16, ((n_dim + threads - 1) / threads + 15) / 16 * 16));
+      const int64_t tasks = (n_dim + per_task - 1) / per_task;
       std::vector<uint8_t> x4(grouped * x_bytes);
       for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
       const int64_t blocks = k_dim / 256;
@@ -553,7 +559,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       const bool own = false;
 #endif
       spec_jax::ParallelChunks(pool, tasks, [&](int64_t c) {
-        const int64_t n0 = c * kInterleavedChunk, n1 = std::min(n_dim, n0 + kInterleavedChunk);
+        const int64_t n0 = c * per_task, n1 = std::min(n_dim, n0 + per_task);
         if (grouped > 0) {
           ggml_gemm_q4_K_8x8_q8_K(static_cast<int>(k_dim), y + n0, static_cast<size_t>(n_dim), w + n0 * row_bytes,
                                   x4.data(), static_cast<int>(grouped), static_cast<int>(n1 - n0));
