@@ -137,11 +137,9 @@ def on_huge_pages(a: np.ndarray) -> np.ndarray:
     """`a` on transparent huge pages: `a` itself where it is there already (huge_page_empty's
     memory, or a view of it), under HUGE_PAGE bytes, or the OS has no such advice; else a copy
     in huge_page_empty's memory."""
-    if _bases(a)[-1].__class__ is _HugePages:
+    if isinstance(_bases(a)[-1], _HugePages) or a.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return a
     out = huge_page_empty(a.shape, a.dtype)
-    if not isinstance(_bases(out)[-1], _HugePages):
-        return a
     np.copyto(out, a)
     return out
 
@@ -641,9 +639,10 @@ def _leaf_blocks(folder: pathlib.Path, leaf: dict, rows: int | None = None, mmap
             return
         total = shape[0] if shape else 1
         rows = rows or total
+        # a whole leaf (a load) is read straight onto huge pages: to_device uses it in place
+        empty = huge_page_empty if rows == total else np.empty
         for r0 in range(0, total, rows):
-            # read straight onto huge pages: to_device then uses the bytes in place (one pass)
-            block = huge_page_empty((min(rows, total - r0), *shape[1:]) if shape else (), dtype)
+            block = empty((min(rows, total - r0), *shape[1:]) if shape else (), dtype)
             if f.readinto(block.reshape(-1).view(np.uint8).data) != block.nbytes:
                 raise ValueError(f"{leaf['file']} ends before its data does")
             yield block

@@ -505,16 +505,18 @@ class Tokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _parsed(text: str) -> tuple[dict, HFTokenizer]:
-    """(the fields of a Tokenizer.to_json document, its HF tokenizer), parsed once per process
-    per document: a Qwen tokenizer takes 0.8-1.3 s to parse (two JSON passes and from_str), and
-    a process that loads one model again (a test module, a notebook) reads the same document.
+    """(the fields of a Tokenizer.to_json document but its "tokenizer", the HF tokenizer built
+    from that), parsed once per process per document: a Qwen tokenizer takes 0.8-1.3 s to parse
+    (two JSON passes and from_str), and a process that loads one model again (a test module, a
+    notebook) reads the same document.
     (The Qwen pair's two documents differ, so a draft's is parsed on its own.) The HF tokenizer
     is shared, never changed after it is built; each Tokenizer is a new object around it.
     ValueError for a document of another format."""
     data = json.loads(text)
     if data.get("format") != _FORMAT:
         raise ValueError(f"not a {_FORMAT} document (format={data.get('format')!r})")
-    return data, HFTokenizer.from_str(json.dumps(data["tokenizer"]))
+    tokenizer = HFTokenizer.from_str(json.dumps(data.pop("tokenizer")))  # the vocabulary is not kept twice
+    return data, tokenizer
 
 
 # SentencePiece-style vocabularies (tokenizer.ggml.model "llama"): Gemma 3's GGUF. The file holds
