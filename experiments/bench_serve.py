@@ -285,6 +285,9 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
     """One table row from the runs (outcomes, wall seconds) of a system at a concurrency."""
     outcomes = [o for result, _ in runs for o in result]
     ok = [o for o in outcomes if o.status == 200]
+    for o in outcomes:
+        if o.status != 200:
+            print(f"serve: {system.name}, concurrency {concurrency}: a request failed: {o.status}: {o.error}")
     tokens = sum(o.tokens for o in ok)
     row = {
         "system": system.name,

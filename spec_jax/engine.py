@@ -25,10 +25,10 @@ prefilled rows: spec_jax.table):
   the table's rows are done. With gamma=auto a greedy request's tokens are still its own; a
   sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness across
   concurrency holds for a fixed gamma.
-- The chunk length adapts: MIN_CHUNK rounds while requests wait, doubling up to MAX_CHUNK
-  while the table is stable, never past the rounds in which the busy row nearest its budget
-  could finish (its slot is then free for a waiting request).
-- Not thread-safe: one thread owns an Engine.
+- The chunk length adapts: MIN_CHUNK rounds while requests wait and after the table changed (an
+  admission or a freed slot: a request may be on its way), doubling up to MAX_CHUNK while the table
+  is stable, never past the rounds in which the busy row nearest its budget could finish (its slot
+  is then free for a waiting request). Not thread-safe: one thread owns an Engine.
 """
 
 import collections
@@ -41,12 +41,12 @@ from typing import Any
 from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import PAD_ID, layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.request import Request, check_pairing, encode_prompt, request_for
+from spec_jax.request import Handle, Request, Update, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
 from spec_jax.sampling import SamplingParams
 from spec_jax.table import Table, row_buckets
 
-MIN_CHUNK, MAX_CHUNK = 4, 64  # rounds per chunk: while requests wait, and at most
+MIN_CHUNK, MAX_CHUNK = 1, 64  # rounds per chunk: while requests wait or the table just changed; at most
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 # Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
 # row id, stop ids, speculation and warp give the same row but for its budget, which is set, so
@@ -57,29 +57,6 @@ TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to fi
 
 class QueueFull(RuntimeError):
     """submit() with max_queue requests already waiting beyond the free slots."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Handle:
-    """A submitted request: .id (unique per engine), .request, .prompt_tokens. Hashable by
-    identity."""
-
-    id: int
-    request: Request
-    prompt_tokens: int = 0  # the prompt's token count (after the chat template)
-
-
-@dataclasses.dataclass(frozen=True)
-class Update:
-    """A request's progress since its last Update: its new token ids and their text (stop
-    strings cut); finished with finish_reason "stop" | "length" | "cancelled" | "error"."""
-
-    handle: Handle
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
 
 
 class Engine:
@@ -135,7 +112,7 @@ class Engine:
         self._ids = itertools.count()
         self._queue: collections.deque[rows.Row] = collections.deque()
         self._outbox: list[Update] = []
-        self._chunk = MIN_CHUNK
+        self._chunk = 0  # the last chunk's length; 0 after the table changed (the next is MIN_CHUNK)
         self._counters = collections.Counter()
         self._table = Table(
             self._runner,
@@ -214,27 +191,29 @@ class Engine:
     ) -> None:
         """Frees the row's slot and queues its last Update."""
         if row.slot is not None:
-            self._slots[row.slot] = None
+            self._slots[row.slot], self._chunk = None, 0
         self._outbox.append(Update(row.handle, list(tokens), text, True, reason, error))
         self._counters[f"finished_{reason}"] += 1
 
     # --- stepping --------------------------------------------------------------------------
     def step(self) -> list[Update]:
-        """Admits waiting requests into free slots (their first tokens come back at once) or,
-        when none was admitted, runs one chunk of rounds over the table's busy rows (compacted
-        into its lowest slots, the loop run over the smallest bucket that holds them). Returns
-        the Updates of every request that produced tokens or finished since the last step."""
+        """Admits waiting requests into free slots (their first tokens come back at once, read
+        from the rows they were prefilled in while the table's writes run) or, when none was
+        admitted, runs one chunk of rounds over the table's busy rows (compacted into its lowest
+        slots, the loop run over the smallest bucket that holds them). Returns the Updates of
+        every request that produced tokens or finished since the last step."""
         start = time.perf_counter()
         table = self._table
         if table.state is not None:
-            table.timed(table.compact)
-        admitted = self._admit()
-        if table.state is not None:
+            table.timed(table.compact)  # waits for the last admission's row writes too
+        firsts = self._admit()
+        if firsts:
+            self._collect(firsts)
+        elif table.state is not None:
             table.timed(table.shrink)
-        if not admitted and self._busy():
-            self._run_chunk()
-        if table.state is not None and self._busy():
-            self._collect()
+            if self._busy():
+                self._run_chunk()
+                self._collect()
         updates, self._outbox = self._outbox, []
         self._counters["step_seconds"] += time.perf_counter() - start
         return updates
@@ -247,11 +226,12 @@ class Engine:
     def _busy(self) -> int:
         return sum(r is not None for r in self._slots)
 
-    def _admit(self) -> int:
+    def _admit(self) -> list:
         """Prefills waiting requests into the free slots, in order: consecutive requests of one
         prompt width in one prefill call. A request whose warp differs from the running rows'
-        waits (and those after it) until the table is empty. Returns the requests admitted."""
-        admitted = 0
+        waits (and those after it) until the table is empty. Returns Table.insert's (row, block,
+        index) of each request admitted."""
+        firsts = []
         while self._queue and None in self._slots:
             first = self._queue[0]
             sampling = first.handle.request.sampling
@@ -267,9 +247,8 @@ class Engine:
                 and self._width(self._queue[0]) == width
             ):
                 group.append(self._queue.popleft())
-            self._table.insert(group, width)
-            admitted += len(group)
-        return admitted
+            firsts, self._chunk = firsts + self._table.insert(group, width), 0
+        return firsts
 
     def _width(self, row: rows.Row) -> int:
         return self._prompt_width(row.prompt_ids, row.handle.request.max_tokens)
@@ -293,7 +272,7 @@ class Engine:
             self._runner.inputs = table.host.inputs(table.rows, self.mesh)
             table.inputs_stale = False
         table.apply_stops()
-        self._chunk = MIN_CHUNK if self._queue else min(2 * self._chunk, MAX_CHUNK)
+        self._chunk = MIN_CHUNK if self._queue or not self._chunk else min(2 * self._chunk, MAX_CHUNK)
         left = min(r.handle.request.max_tokens - len(r.tokens) for r in self._slots if r is not None)
         rounds = max(1, min(self._chunk, left))
         start = time.perf_counter()
@@ -314,16 +293,23 @@ class Engine:
         self._counters["draft_tokens_total"] += drafted
         self._counters["accepted_tokens_total"] += accepted
 
-    def _collect(self) -> None:
-        """Each busy row's new tokens and text into the outbox; finished rows free their slots."""
-        out = self._table.state.out
-        tokens, counts, done, nonfinite = sharding.fetch(
-            (out.tokens, out.num_generated, out.done, out.nonfinite)
-        )
+    def _collect(self, firsts=None) -> None:
+        """Each busy row's new tokens and text into the outbox; finished rows free their slots.
+        firsts: the rows just admitted, (row, block, index): each one's first token is read from
+        row index of the block it was prefilled in (or kept), not from the table."""
+        if firsts is None:
+            blocks = {0: self._table.state}
+            firsts = [(row, 0, b) for b, row in enumerate(self._slots[: self._table.rows]) if row is not None]
+        else:
+            blocks = {id(block): block for _, block, _ in firsts}
+            firsts = [(row, id(block), i) for row, block, i in firsts]
+        leaves = {
+            k: (s.out.tokens, s.out.num_generated, s.out.done, s.out.nonfinite) for k, s in blocks.items()
+        }
+        fetched = sharding.fetch(leaves)
         now = time.perf_counter()
-        for b, row in enumerate(self._slots[: self._table.rows]):
-            if row is None:
-                continue
+        for row, key, b in firsts:
+            tokens, counts, done, nonfinite = fetched[key]
             row.tokens = tokens[b, : counts[b]].tolist()
             if row.tokens and row.first_token_at is None:
                 row.first_token_at = now
@@ -359,7 +345,8 @@ class Engine:
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
         accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
         runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
-        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes), the seconds
+        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes; an admission's
+        are run at the next step), the seconds
         of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
         step_seconds - compile - prefill - decode is the host's own work between chunks), and
         ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""

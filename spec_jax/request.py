@@ -11,7 +11,8 @@ The rule for how far a round may write past the committed text (the gamma / tree
 `speculation_bound`) is here too, the one copy that spec_jax.api and launch.generate use.
 So are a spec_jax.generate call's checks against the target (`validate`: the prompts, the
 budget, the context, gamma) and the draft/target pairing check (`check_pairing`), written
-once for generate, launch.generate and the engine.
+once for generate, launch.generate and the engine. So are what the engine hands back for a
+request: its Handle and its Updates.
 """
 
 import dataclasses
@@ -257,3 +258,26 @@ def encode_prompt(target, request: Request) -> list[int]:
         return tokenizer.encode_chat(list(request.messages))
     except ValueError as e:  # no chat template, or the template refuses the conversation
         raise RequestError("messages", f"messages: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Handle:
+    """A submitted request: .id (unique per engine), .request, .prompt_tokens. Hashable by
+    identity."""
+
+    id: int
+    request: Request
+    prompt_tokens: int = 0  # the prompt's token count (after the chat template)
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """A request's progress since its last Update: its new token ids and their text (stop
+    strings cut); finished with finish_reason "stop" | "length" | "cancelled" | "error"."""
+
+    handle: Handle
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None

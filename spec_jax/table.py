@@ -14,6 +14,9 @@
   for identical requests are kept (rows.prefill_key) and written again instead of a prefill.
 - While a gamma=auto plain chunk holds the drafter's states aside (CatchUp.stash), writes,
   moves and resizes apply to them too.
+- An admission's resize and row writes are deferred (Table.flush, run by the next compaction):
+  the admitted requests' first tokens, read from the rows they were prefilled in, go out
+  without waiting for them (XLA:CPU runs these copies inline, a few hundred ms for a burst).
 """
 
 import collections
@@ -57,6 +60,7 @@ class Table:
         self.stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
         self.inputs_stale = False  # the host's table of prompts and stop ids changed
         self.state, self.rows = None, 0  # the loop state (built at the first admission), its rows
+        self.deferred: list = []  # device work on the state that flush() runs (an admission's)
         self._blank, self._axes = None, None  # a free row; the row axis of each leaf (blank, axes)
         self.pending_keeps: list = []  # (prefill_key, block, row) kept at the next admission (keep_pending)
         # the free row's prompt width: a one-token request's, so that one prefill program serves both
@@ -74,7 +78,13 @@ class Table:
 
     def reset(self) -> None:
         """No loop state (built again at the next admission: the loop's static settings changed)."""
-        self.state, self.rows, self.catch_up = None, 0, None
+        self.state, self.rows, self.catch_up, self.deferred = None, 0, None, []
+
+    def flush(self) -> None:
+        """Runs the deferred device work on the state, in order."""
+        deferred, self.deferred = self.deferred, []
+        for op in deferred:
+            op()
 
     @property
     def blank(self) -> SpecState:
@@ -135,17 +145,20 @@ class Table:
     def resize(self, n: int) -> None:
         """The table runs over n rows: its first n (the busy ones among them), or all of them and
         free rows (copies of the blank one) up to n. gamma=auto goes on with bucket n's
-        controller (its rows' acceptance back to the prior)."""
-        stash = self.stash()
-        blank = self.blank if stash is None else self.blank.replace(draft_state=())
-        self.state = rows.resize_jit(self.state, blank, self.state_axes(), n)
-        if stash is not None:
-            self.catch_up.stash = rows.resize_jit(stash, self.blank.draft_state, self.axes["draft"], n)
+        controller (its rows' acceptance back to the prior). The state's copy is deferred."""
+        self.deferred.append(functools.partial(self._resize_state, n))
         if self.catch_up is not None:
             synced = self.catch_up.synced
             self.catch_up.synced = np.concatenate([synced, np.ones(max(n - len(synced), 0), np.int64)])[:n]
             self.controllers[n].forget(np.ones(n, bool))
         self.rows, self.inputs_stale = n, True
+
+    def _resize_state(self, n: int) -> None:
+        stash = self.stash()
+        blank = self.blank if stash is None else self.blank.replace(draft_state=())
+        self.state = rows.resize_jit(self.state, blank, self.state_axes(), n)
+        if stash is not None:
+            self.catch_up.stash = rows.resize_jit(stash, self.blank.draft_state, self.axes["draft"], n)
 
     def move(self, src: int, dst: int) -> None:
         """The busy row in slot src moves to the free slot dst (its state, host row and
@@ -165,7 +178,8 @@ class Table:
         self.inputs_stale = True
 
     def compact(self) -> None:
-        """Freed rows are marked done, and the busy rows move into the lowest slots."""
+        """Freed rows are marked done (the deferred work run first), and the busy rows move into
+        the lowest slots."""
         self.apply_stops()
         busy = [b for b, r in enumerate(self.slots) if r is not None]
         holes = [b for b in range(len(busy)) if self.slots[b] is None]
@@ -178,21 +192,25 @@ class Table:
         if n < self.rows:
             self.apply_stops()
             self.resize(n)
+            self.flush()
 
     def apply_stops(self) -> None:
-        """The loop state's rows of freed slots are marked done."""
+        """The deferred work runs, and the loop state's rows of freed slots are marked done."""
+        self.flush()
         if self.stop_rows[: self.rows].any():
             stop = sharding.put(self.stop_rows[: self.rows], sharding.batch_sharding(self.mesh, 1))
             self.state = rows.mark_done_jit(self.state, stop)
         self.stop_rows[:] = False
 
-    def insert(self, group: list[rows.Row], width: int) -> None:
+    def insert(self, group: list[rows.Row], width: int) -> list[tuple]:
         """Writes every per-row leaf of each request's prefilled row into the next free slot
         (the table grown to hold them), so nothing of a slot's previous occupant is read: the
         rows kept from an earlier identical prefill (rows.prefill_key), and the others'
         prefilled together (the smallest bucket of rows that holds them, the width of each
         alone), then kept (at the next admission: keep_pending). Into an empty table, a group
-        prefilled whole becomes the table itself (build)."""
+        prefilled whole becomes the table itself (build). The resize and writes are deferred
+        (flush). Returns (row, block, index) per request: its prefilled row is row index of
+        block (a prefill's state or a kept row)."""
         self.keep_pending()
         sampling = self.runner.static.sampling
         keys = [rows.prefill_key(row, width, sampling) for row in group]
@@ -205,19 +223,24 @@ class Table:
         if self.state is None and start == 0 and len(misses) == k:  # the table starts from the block
             block = self.prefill(group, width)
             self.build(block)
+            firsts = [(row, block, i) for i, row in enumerate(group)]
         else:
             if self.state is None:
                 self.build()
             if self.bucket_for(start + k) > self.rows:
                 self.resize(self.bucket_for(start + k))
+            firsts = []
             for b, (row, key) in enumerate(zip(group, keys, strict=True), start):
                 if key in self.prefilled:
                     self.prefilled.move_to_end(key)
-                    self.timed(self.write, self.prefilled[key], [b], row.handle.request.max_tokens)
+                    budget = row.handle.request.max_tokens
+                    self.deferred.append(functools.partial(self.write, self.prefilled[key], [b], budget))
                     self.counters["prefill_cache_hits"] += 1
+                    firsts.append((row, self.prefilled[key], 0))
             block = self.prefill([row for _, row in misses], width) if misses else None
             if misses:
-                self.timed(self.write, block, [b for b, _ in misses])
+                self.deferred.append(functools.partial(self.write, block, [b for b, _ in misses]))
+                firsts += [(row, block, i) for i, (_, row) in enumerate(misses)]
         if self.prefill_cache and misses:
             self.pending_keeps += [(keys[b - start], block, i) for i, (b, _) in enumerate(misses)]
         for b, row in enumerate(group, start):
@@ -229,6 +252,7 @@ class Table:
             new = np.arange(self.rows)
             self.controllers[self.rows].forget((new >= start) & (new < start + k))
         self.inputs_stale = True  # placed again once, before the next chunk
+        return firsts
 
     def keep_pending(self) -> None:
         """Keeps the rows prefilled since the last admission (rows.take_row: the row axes are

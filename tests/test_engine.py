@@ -230,6 +230,7 @@ def test_a_slot_holds_nothing_of_its_previous_occupant(tiny_target, tiny_draft):
     h = engine.submit(short)
     first = [t for u in engine.step() for t in u.token_ids]  # admitted: the prefill's first token
     assert len(first) == 1
+    engine._table.flush()  # the admission's row writes (deferred: its first token went out first)
     out = engine._table.state.out
     assert int(out.num_generated[0]) == 1 and not bool(out.done[0]) and int(out.budget[0]) == 5
     assert np.all(np.asarray(out.tokens[0, 1:]) == 0)
@@ -294,6 +295,49 @@ def test_cancel_frees_the_slot_at_once_and_the_others_are_unaffected(tiny_target
     engine.cancel(waiting[2])
     updates = [u for u in engine.drain() if u.handle is waiting[2]]
     assert [(u.token_ids, u.finish_reason) for u in updates] == [([], "cancelled")]
+
+
+def test_chunks_restart_at_one_round_after_the_table_changes_and_double_while_it_is_stable(
+    tiny_target, tiny_draft
+):
+    """The chunk's rounds: MIN_CHUNK (1) after an admission or a freed slot (a request may be on
+    its way, and waits at most one round), doubling while the table is stable. A loop that kept
+    doubling across admissions would make a request arriving after a first one wait a long chunk."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=GAMMA, max_context=CONTEXT)
+    long = Request(prompt_ids=(5, 9, 2), max_tokens=40, seed=3, stop_ids=())
+
+    def rounds_of_next_step():
+        before = engine.stats().get("rounds", 0)
+        engine.step()
+        return engine.stats().get("rounds", 0) - before
+
+    engine.submit(long)
+    assert rounds_of_next_step() == 0  # the admission: its first token, no chunk
+    assert [rounds_of_next_step() for _ in range(3)] == [1, 2, 4]
+    engine.submit(dataclasses.replace(long, max_tokens=30, seed=4))
+    assert rounds_of_next_step() == 0
+    assert [rounds_of_next_step() for _ in range(2)] == [1, 2]
+    assert engine_module.MIN_CHUNK == 1
+
+
+def test_a_request_that_ends_at_its_first_token_finishes_in_the_step_that_admits_it(tiny_target, tiny_draft):
+    """The admission step reads first tokens from the prefilled (or kept) rows, not the table: a
+    budget of 1 ends as "length" and a first token that is a stop id as "stop", in that step,
+    beside a request that goes on; a kept row gives the same again."""
+    engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
+    one = Request(prompt_ids=(5, 9, 2), max_tokens=1, seed=3, stop_ids=())
+    going = Request(prompt_ids=(7, 3, 8), max_tokens=6, seed=4, stop_ids=())
+    first = alone(tiny_target, tiny_draft, going)[0]
+    stopped = dataclasses.replace(going, stop_ids=(first,))
+    for _ in range(2):  # the second time from the kept rows
+        handles = [engine.submit(r) for r in (one, stopped, going)]
+        got = {u.handle: (u.token_ids, u.finished, u.finish_reason) for u in engine.step()}
+        assert got[handles[0]] == (alone(tiny_target, tiny_draft, one), True, "length")
+        assert got[handles[1]] == ([first], True, "stop")
+        assert got[handles[2]] == ([first], False, None)
+        rest = [t for u in engine.drain() if u.handle is handles[2] for t in u.token_ids]
+        assert [first, *rest] == alone(tiny_target, tiny_draft, going)
+    assert engine.stats()["prefill_cache_hits"] == 3
 
 
 def test_a_request_without_speculation_decodes_as_plain_decoding_beside_speculating_rows(
