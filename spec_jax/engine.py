@@ -297,18 +297,20 @@ class Engine:
         """Each busy row's new tokens and text into the outbox; finished rows free their slots.
         firsts: the rows just admitted, (row, block, index): each one's first token is read from
         row index of the block it was prefilled in (or kept), not from the table."""
-        if firsts is None:
+        if firsts is None:  # (row, key of the state it is read from, its index there)
             blocks = {0: self._table.state}
-            firsts = [(row, 0, b) for b, row in enumerate(self._slots[: self._table.rows]) if row is not None]
+            sources = [
+                (row, 0, b) for b, row in enumerate(self._slots[: self._table.rows]) if row is not None
+            ]
         else:
             blocks = {id(block): block for _, block, _ in firsts}
-            firsts = [(row, id(block), i) for row, block, i in firsts]
+            sources = [(row, id(block), i) for row, block, i in firsts]
         leaves = {
             k: (s.out.tokens, s.out.num_generated, s.out.done, s.out.nonfinite) for k, s in blocks.items()
         }
         fetched = sharding.fetch(leaves)
         now = time.perf_counter()
-        for row, key, b in firsts:
+        for row, key, b in sources:
             tokens, counts, done, nonfinite = fetched[key]
             row.tokens = tokens[b, : counts[b]].tolist()
             if row.tokens and row.first_token_at is None:
@@ -345,9 +347,8 @@ class Engine:
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
         accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
         runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
-        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes; an admission's
-        are run at the next step), the seconds
-        of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
+        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes; an
+        admission's run at the next step), the seconds of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
         step_seconds - compile - prefill - decode is the host's own work between chunks), and
         ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""
         out = dict(self._counters)
