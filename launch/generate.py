@@ -48,11 +48,12 @@ from models import config as model_config
 from models import kernels, precision, registry
 from models.precision import PRECISIONS
 from models.tokenizer import check_pair, validate_messages
-from spec_jax import decode, drafting, metrics, sampling, sharding
+from spec_jax import drafting, metrics, sampling, sharding
 from spec_jax import engine as engine_lib
 from spec_jax.drafting.build import DRAFTERS
 from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT
 from spec_jax.request import MAX_TREE_NODES, Request, speculation_bound, validate
+from spec_jax.rows import stream_context
 
 # Every import is at the top: the flags' own choices (DRAFTERS, MAX_NGRAM_LIMIT, PRECISIONS) are
 # the library's, and importing them imports jax, so importing the rest late would save nothing
@@ -677,14 +678,6 @@ def decode_all(target, draft, token_prompts, stop_ids, mesh):
     return tokens, stats, (ar_tokens, ar_stats)
 
 
-def stream_context(config, token_prompts) -> int:
-    """--stream's tokens per slot: the batch path's cache length for these prompts less the
-    gamma a round may draft past it (spec_jax.decode.layout), so that the engine's programs are
-    the batch path's (a prompt of any length in the bucket compiles nothing new: make demo
-    leaves them in the compilation cache), and the slot holds the prompt and its new tokens."""
-    return decode.layout(config, token_prompts, FLAGS.max_new_tokens, 0)[1]
-
-
 def stream_all(
     target, draft, token_prompts, stop_ids, mesh, headers, print_fn
 ) -> tuple[list[list[int]], dict]:
@@ -699,7 +692,7 @@ def stream_all(
         gamma=gamma_from_flag(),
         tree=tree_from_flag(),
         mesh=mesh,
-        max_context=stream_context(target.config, token_prompts),
+        max_context=stream_context(target.config, token_prompts, FLAGS.max_new_tokens),
         max_new_tokens=FLAGS.max_new_tokens,
     )
     settings = dict(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k)

@@ -18,7 +18,7 @@ from spec_jax import autogamma, sharding, step_costs, tree_auto
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import MAX_STOP_IDS, Request, encode_prompt, request_for, speculation_bound, validate
+from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, stop_row, validate
 from spec_jax.runner import Runner, decode_auto
 from spec_jax.sampling import SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
@@ -227,13 +227,12 @@ def _place(target, plan: Plan, seed: int, max_new_tokens: int):
     are placed), the inputs' rows over the data axis.
 
     The inputs have the engine's form (spec_jax.rows.group_inputs): each row's stop ids
-    ([B, MAX_STOP_IDS] at least, -1 padded) and budget (max_new_tokens), so that a call and
+    ([B, MAX_STOP_IDS] at least, -1 padded: stop_row) and budget (max_new_tokens), so that a call and
     the engine's requests of one bucket run the same programs (a --stream run after `make demo`
     finds its prefill in the compilation cache)."""
     mesh, batch = plan.mesh, len(plan.prompts)
     tokens, lens = pad_prompts(plan.prompts, plan.width)
-    stops = np.full((batch, max(MAX_STOP_IDS, len(plan.stop_ids))), -1, np.int32)
-    stops[:, : len(plan.stop_ids)] = plan.stop_ids
+    stops = np.tile(stop_row(plan.stop_ids), (batch, 1))
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens),
         prompt_lens=jnp.asarray(lens),

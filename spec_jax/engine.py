@@ -378,10 +378,17 @@ def stream(
     )
     prompts = [prompts] if single else list(prompts)
     requests = [request_for(p, **fields).validate() for p in prompts]
-    longest = max(len(encode_prompt(target, r)) for r in requests)
-    context = longest + max(r.max_tokens for r in requests)
+    ids, new = [encode_prompt(target, r) for r in requests], requests[0].max_tokens  # one for all
+    context = rows.stream_context(target.config, ids, new)  # launch.generate --stream's rule
     engine = Engine(
-        target, draft, max_batch=max_batch, gamma=gamma, tree=tree, mesh=mesh, max_context=context
+        target,
+        draft,
+        max_batch=max_batch,
+        gamma=gamma,
+        tree=tree,
+        mesh=mesh,
+        max_context=context,
+        max_new_tokens=new,
     )
     index = {engine.submit(r).id: i for i, r in enumerate(requests)}
     for update in engine.drain():

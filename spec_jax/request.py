@@ -260,6 +260,14 @@ def encode_prompt(target, request: Request) -> list[int]:
         raise RequestError("messages", f"messages: {e}") from None
 
 
+def stop_row(stop_ids) -> np.ndarray:
+    """A row's stop ids as int32 [max(MAX_STOP_IDS, their count)], -1 padded: the loop's per-row
+    stop ids, for the engine's rows and a spec_jax.generate call's alike."""
+    stops = np.full(max(MAX_STOP_IDS, len(stop_ids)), -1, np.int32)
+    stops[: len(stop_ids)] = stop_ids
+    return stops
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Handle:
     """A submitted request: .id (unique per engine), .request, .prompt_tokens. Hashable by

@@ -16,8 +16,8 @@ import numpy as np
 
 from models.settings import is_int
 from spec_jax import sharding
-from spec_jax.decode import PAD_ID, PrefillInputs
-from spec_jax.request import MAX_STOP_IDS, Request, RequestError
+from spec_jax.decode import PAD_ID, PrefillInputs, layout
+from spec_jax.request import MAX_STOP_IDS, Request, RequestError, stop_row
 from spec_jax.sampling import row_keys
 from spec_jax.speculative import SpecState
 
@@ -137,13 +137,6 @@ def stop_ids_for(request: Request, tokenizer, vocab: int) -> tuple[int, ...]:
     return tuple(request.stop_ids)
 
 
-def stop_row(stop_ids) -> np.ndarray:
-    """A row's stop ids as int32 [MAX_STOP_IDS], -1 padded."""
-    stops = np.full(MAX_STOP_IDS, -1, np.int32)
-    stops[: len(stop_ids)] = stop_ids
-    return stops
-
-
 def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
     """The requests of group as PrefillInputs of `batch` rows (>= len(group); the rest are
     one-token PAD_ID prompts) and the given width, unplaced. Each row's keys are its
@@ -213,6 +206,14 @@ def slot_context(target, drafter, gamma: int, max_context) -> int:
         )
         raise ValueError(f"max_context must be an integer in [2, {tightest}] ({room}), got {max_context!r}")
     return max_context
+
+
+def stream_context(config, token_prompts, max_new_tokens: int) -> int:
+    """Tokens per slot of an engine that streams these prompts: spec_jax.generate's cache length
+    for them less the gamma a round may draft past it (spec_jax.decode.layout), so that the
+    engine runs generate's programs (a prompt of any length in the bucket compiles nothing new)
+    and a slot holds each prompt and its new tokens."""
+    return layout(config, token_prompts, max_new_tokens, 0)[1]
 
 
 def check_counts(**counts: tuple[Any, int]) -> None:

@@ -237,8 +237,9 @@ class Table:
                     self.deferred.append(functools.partial(self.write, self.prefilled[key], [b], budget))
                     self.counters["prefill_cache_hits"] += 1
                     firsts.append((row, self.prefilled[key], 0))
-            block = self.prefill([row for _, row in misses], width) if misses else None
+            block = None
             if misses:
+                block = self.prefill([row for _, row in misses], width)
                 self.deferred.append(functools.partial(self.write, block, [b for b, _ in misses]))
                 firsts += [(row, block, i) for i, (_, row) in enumerate(misses)]
         if self.prefill_cache and misses:

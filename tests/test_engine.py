@@ -557,6 +557,12 @@ def test_the_engine_runs_generates_prefill_program_and_its_free_row_shares_it(ti
     tokens = [t for u in engine.drain() if u.handle.id == handle.id for t in u.token_ids]
     assert executables.TRACE_COUNTS["spec_prefill"] == before  # no prefill of its own: generate's
     assert tokens == alone(tiny_target, tiny_draft, Request(prompt_ids=tuple(prompt), max_tokens=new))
+    # spec_jax.stream sizes its engine by the same rule (rows.stream_context)
+    updates = spec_jax.stream(
+        tiny_target, [prompt], draft=tiny_draft, gamma=GAMMA, max_tokens=new, stop_ids=()
+    )
+    assert [t for _, u in updates for t in u.token_ids] == tokens
+    assert executables.TRACE_COUNTS["spec_prefill"] == before
 
 
 def test_a_prompt_whose_length_bucket_exceeds_the_slot_is_prefilled_within_it(tiny_target, tiny_draft):
