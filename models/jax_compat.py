@@ -35,9 +35,10 @@ def has_cpu_fusion_emitters_flag() -> bool:
 
 def fast_compile_xla_flags() -> str:
     """XLA_FLAGS that make XLA:CPU compile the suite's many small programs fastest on this jax
-    (tests/conftest.py says what each saves): no LLVM optimizations, and on jax 0.10 XLA:CPU's
-    older elemental emitters instead of its MLIR fusion emitters."""
-    flags = ["--xla_backend_optimization_level=0"]
+    (tests/conftest.py says what each saves): no LLVM optimizations, each program's machine code
+    emitted as one LLVM module rather than split for parallel code generation, and on jax 0.10
+    XLA:CPU's older elemental emitters instead of its MLIR fusion emitters."""
+    flags = ["--xla_backend_optimization_level=0", "--xla_cpu_parallel_codegen_split_count=1"]
     if has_cpu_fusion_emitters_flag():
         flags.append("--xla_cpu_use_fusion_emitters=false")
     return " ".join(flags)
