@@ -287,16 +287,22 @@ def model_stop_ids(target) -> list[int] | None:
     return None if tokenizer is None else list(tokenizer.stop_ids)
 
 
+def one_or_many(prompts):
+    """[prompts] where prompts is one prompt (a text, or a conversation: a list of message
+    dicts); anything else (a list of prompts) as it is."""
+    one = isinstance(prompts, str) or (
+        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
+    )
+    return [prompts] if one else prompts
+
+
 def token_prompts(target, prompts) -> list:
     """generate's prompts as token-id lists: a text (or a list of them) by the target's
     tokenizer, a conversation ([{"role", "content"}, ...], or a list of them) through its chat
     template (spec_jax.request.encode_prompt), token-id lists as they are (validate checks
     them). RequestError naming the prompt where the model has no tokenizer (or no chat
     template) to read it."""
-    if isinstance(prompts, str) or (
-        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
-    ):
-        prompts = [prompts]  # one text, or one conversation
+    prompts = one_or_many(prompts)
     if not isinstance(prompts, list | tuple):
         return prompts  # validate names it
     is_text = [

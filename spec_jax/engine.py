@@ -348,9 +348,10 @@ class Engine:
         accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
         runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
         prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes; an
-        admission's run at the next step), the seconds of compilation, prefills, decoding (the chunks' wall time) and steps (all of step():
-        step_seconds - compile - prefill - decode is the host's own work between chunks), and
-        ttft_seconds: the last TTFT_KEPT requests' times from submit to their first tokens (a list)."""
+        admission's run at the next step), the seconds of compilation, prefills, decoding (the
+        chunks' wall time) and steps (all of step(): step_seconds - compile - prefill - decode is
+        the host's own work between chunks), and ttft_seconds: the last TTFT_KEPT requests'
+        times from submit to their first tokens (a list)."""
         out = dict(self._counters)
         out.update(
             queue_depth=len(self._queue),
@@ -373,10 +374,7 @@ def stream(
     speculate), one value for every prompt; the defaults are Request's (greedy, the model's
     stop tokens). Each prompt's tokens equal spec_jax.generate's for it alone with the same
     settings (seed: its own, row id 0)."""
-    single = isinstance(prompts, str) or (
-        isinstance(prompts, list | tuple) and prompts and isinstance(prompts[0], dict)
-    )
-    prompts = [prompts] if single else list(prompts)
+    prompts = list(api.one_or_many(prompts))
     requests = [request_for(p, **fields).validate() for p in prompts]
     ids, new = [encode_prompt(target, r) for r in requests], requests[0].max_tokens  # one for all
     context = rows.stream_context(target.config, ids, new)  # launch.generate --stream's rule
