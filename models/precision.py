@@ -347,12 +347,15 @@ def on_cpu(cpu, default, *args):
     return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
 
-def linear(x, w, contract: int, config):
+def linear(x, w, contract: int, config, live=None):
     """x [..., in...] times a weight [out..., in...] (the last `contract` axes of w, matching the
     last `contract` axes of x) -> [..., out...], in x's dtype (float32 accumulation). config (a
     models.config.ModelConfig, static) picks the product: its matmul_impl and cpu_isa (cpu_kernels;
     the CPU kernel only where the program is lowered for a CPU), and bulk_products: a many-row
-    path may be taken whose rows differ in the last bits from a one-row call's (prefill only)."""
+    path may be taken whose rows differ in the last bits from a one-row call's (prefill only).
+    live: optional int32 scalar (may be traced): the rows of x's leading axes (flattened) from
+    it on are padding; the GGUF kernel skips them (their outputs 0), the other products compute
+    them. Either way the live rows' outputs are the same bits."""
     w_shape = w.shape
     out_shape, in_shape = w_shape[: len(w_shape) - contract], w_shape[len(w_shape) - contract :]
     if tuple(x.shape[x.ndim - contract :]) != tuple(in_shape):
@@ -360,7 +363,7 @@ def linear(x, w, contract: int, config):
     lead = x.shape[: x.ndim - contract]
     x_mi = x.reshape(math.prod(lead), math.prod(in_shape))
     if isinstance(w, BlockWeight):
-        y = _block_product(x_mi, w, config)
+        y = _block_product(x_mi, w, config, live)
         return y.reshape(*lead, *out_shape).astype(x.dtype)
     value = w.value if isinstance(w, Int8Weight) else w
     w_oi = value.reshape(math.prod(out_shape), math.prod(in_shape))
@@ -384,7 +387,7 @@ def linear(x, w, contract: int, config):
     return y.reshape(*lead, *out_shape).astype(x.dtype)
 
 
-def _block_product(x_mi, w: BlockWeight, config):
+def _block_product(x_mi, w: BlockWeight, config, live=None):
     """x [M, I] . W^T -> [M, O] float32 for a BlockWeight: ggml's CPU kernel (float32 or 8-bit
     activations, as the weight's precision says) where the CPU kernels run, else XLA's dot on
     the blocks dequantized in the graph (float32 activations). An interleaved weight is read by
@@ -406,6 +409,7 @@ def _block_product(x_mi, w: BlockWeight, config):
                 quantize_x=w.quantize_x,
                 interleaved=w.interleaved,
                 bulk=config.bulk_products,
+                live=live,
             )
 
         return by_kernel(x_mi, data_oy) if w.interleaved else on_cpu(by_kernel, by_xla, x_mi, data_oy)

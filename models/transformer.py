@@ -173,7 +173,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer, tree_bt=None):
+    def __call__(self, x_btd, positions_bt, kv_lengths_b, cache: KVCache, layer, tree_bt=None, live=None):
         cfg = self.config
         # Weights are [out, in] (the GGUF / PyTorch layout): see models.weights for why.
         wq, wk, wv, wo = (param(self, "attn", name) for name in ("wq", "wk", "wv", "wo"))
@@ -181,9 +181,9 @@ class Attention(nn.Module):
             # precision.linear contracts [heads * E, D] views (free reshapes of row-major
             # weights): with the head axes kept apart, XLA:CPU copied each weight into
             # [D, heads * E] order before its dot, every call (docs/design.md, "Weight layout").
-            q_bthe = precision.linear(x_btd, wq, 1, cfg)
-            k_btke = precision.linear(x_btd, wk, 1, cfg)
-            v_btke = precision.linear(x_btd, wv, 1, cfg)
+            q_bthe = precision.linear(x_btd, wq, 1, cfg, live)
+            k_btke = precision.linear(x_btd, wk, 1, cfg, live)
+            v_btke = precision.linear(x_btd, wv, 1, cfg, live)
             if cfg.qkv_bias:
                 q_bthe = q_bthe + param(self, "attn", "bq")
                 k_btke = k_btke + param(self, "attn", "bk")
@@ -221,20 +221,20 @@ class Attention(nn.Module):
             else:
                 out_bthe = attend(*args, impl=cfg.attention_impl)
         with jax.named_scope("out_proj"):
-            return precision.linear(out_bthe, wo, 2, cfg), cache
+            return precision.linear(out_bthe, wo, 2, cfg, live), cache
 
 
 class MLP(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_btd):
+    def __call__(self, x_btd, live=None):
         w_gate, w_up, w_down = (param(self, "mlp", name) for name in ("w_gate", "w_up", "w_down"))
         cfg = self.config
-        gate = precision.linear(x_btd, w_gate, 1, cfg)
+        gate = precision.linear(x_btd, w_gate, 1, cfg, live)
         gate = nn.silu(gate) if cfg.mlp_activation == "silu" else nn.gelu(gate, approximate=True)
-        hidden = gate * precision.linear(x_btd, w_up, 1, cfg)
-        return precision.linear(hidden, w_down, 1, cfg)
+        hidden = gate * precision.linear(x_btd, w_up, 1, cfg, live)
+        return precision.linear(hidden, w_down, 1, cfg, live)
 
 
 class DecoderLayer(nn.Module):
@@ -243,16 +243,16 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, carry, layer, positions_bt, kv_lengths_b, tree_bt=None):
+    def __call__(self, carry, layer, positions_bt, kv_lengths_b, tree_bt=None, live=None):
         x, cache = carry
         cfg = self.config
         attn_out, cache = Attention(cfg, name="attn")(
-            RMSNorm(cfg, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer, tree_bt
+            RMSNorm(cfg, name="attn_norm")(x), positions_bt, kv_lengths_b, cache, layer, tree_bt, live
         )
         if cfg.sandwich_norms:
             attn_out = RMSNorm(cfg, name="post_attn_norm")(attn_out)
         x = x + _residual(cfg, attn_out)
-        mlp_out = MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
+        mlp_out = MLP(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x), live)
         if cfg.sandwich_norms:
             mlp_out = RMSNorm(cfg, name="post_mlp_norm")(mlp_out)
         x = x + _residual(cfg, mlp_out)
@@ -274,11 +274,13 @@ class Transformer(nn.Module):
     # forward(config, params, ...) below is the functional form of this call, which every caller
     # uses: its arguments are this call's, their defaults and meaning written there once.
     @nn.compact
-    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at, head, with_features, tree):
+    def __call__(self, tokens_bt, positions_bt, cache: KVCache, logits_at, head, with_features, tree, live):
         """forward's ForwardOutput (see forward for the arguments)."""
         cfg = self.config
         if not cfg.is_decoder:
             raise ValueError(f"forward runs decoders; a {cfg.kind} runs with models.draft_head.forward")
+        if live is not None and tokens_bt.shape[0] != 1:
+            raise ValueError(f"forward: live_tokens needs one row of tokens, got {tokens_bt.shape[0]}")
         embed = Embedding(cfg, name="embed")
         x = embed(tokens_bt)
         # Contiguous slots per row: the last query's bounds what this call may read.
@@ -288,14 +290,16 @@ class Transformer(nn.Module):
                 DecoderLayer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_layers,
             )(cfg, name="layers")
-            (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b, tree)
+            (x, cache), _ = layers(
+                (x, cache), jnp.arange(cfg.num_layers), positions_bt, kv_lengths_b, tree, live
+            )
         else:
             for i in range(cfg.num_layers):
                 (x, cache), _ = DecoderLayer(cfg, name=f"layers_{i}")(
-                    (x, cache), i, positions_bt, kv_lengths_b, tree
+                    (x, cache), i, positions_bt, kv_lengths_b, tree, live
                 )
         x = features_btd = RMSNorm(cfg, name="final_norm")(x)
         if logits_at is not None:
@@ -351,6 +355,7 @@ def forward(
     head=None,
     with_features=False,
     tree=None,
+    live_tokens=None,
 ) -> ForwardOutput:
     """`out = forward(config, params, tokens[B,T], positions[B,T], cache)` (Transformer(config)'s
     call): a ForwardOutput, out.logits [B, T or K, V] float32, out.cache, and out.features
@@ -368,9 +373,13 @@ def forward(
     the T tokens are a token tree's root and nodes, written at contiguous slots from the
     first token's position (tree_slots), each at the position of its depth (positions_bt) and
     reading the committed text and its ancestors only.
+    live_tokens: optional int32 scalar (may be traced), with one row (B = 1): only its first
+    live_tokens tokens are real, the rest padding (a prefill's last chunk). The GGUF products
+    skip the padding's rows; its outputs (logits, features, and the cache entries it writes past
+    the live tokens) are then unspecified but finite. The live tokens' outputs are the same bits.
     """
     return Transformer(config).apply(
-        {"params": params}, tokens_bt, positions_bt, cache, logits_at, head, with_features, tree
+        {"params": params}, tokens_bt, positions_bt, cache, logits_at, head, with_features, tree, live_tokens
     )
 
 

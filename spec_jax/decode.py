@@ -129,8 +129,10 @@ def prefill_rows(
     costs ceil(n / chunk) calls whatever the batch's longest prompt. The last chunk of a row
     is moved back to end at the padded width when it would run past it (its overlap is
     recomputed: the same tokens at the same positions write the same entries), so that every
-    call has the one shape [1, chunk]. Cache slots past a row's prompt hold the padding's
-    entries, as with one call (never read: decoding overwrites them first)."""
+    call has the one shape [1, chunk]. A last chunk that the prompt does not fill runs its GGUF
+    products over the prompt's rows only (forward's live_tokens: a 6-token prompt costs 6 rows
+    of products, not 16, in the same program). Cache slots past a row's prompt hold the
+    padding's entries (never read: decoding overwrites them first)."""
     batch, width = tokens_bp.shape
     c = min(chunk, width)
     config = config.replace(bulk_products=True)  # nothing compares a prefill row with a decode step's
@@ -155,6 +157,7 @@ def prefill_rows(
             _row(cache, r),
             logits_at=jnp.clip(last - start, 0, c - 1).reshape(1, 1),
             with_features=with_features,
+            live_tokens=jnp.minimum(prompt_lens_b[r] - start, c),
         )
         row_cache = out.cache
         cache = cache.replace(

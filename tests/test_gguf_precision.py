@@ -184,25 +184,62 @@ def test_bulk_interleaved_q4k_agrees_with_ggml_vec_dot(rows):
     np.testing.assert_allclose(y, ggml, rtol=1e-5, atol=1e-5 * np.abs(ggml).max())
 
 
-def test_the_row_wise_prefill_takes_the_bulk_path_and_agrees_with_one_call():
+# (type, K, quantize_x, interleaved, bulk): every path of the kernel's product.
+LIVE_PATHS = [
+    (T.Q4_K, 512, True, True, False),
+    (T.Q4_K, 512, True, True, True),
+    (T.Q6_K, 768, True, False, False),
+    (T.Q8_0, 160, True, False, False),
+    (T.Q4_K, 512, False, False, False),
+    (T.Q5_0, 96, False, False, False),
+]
+
+
+@pytest.mark.parametrize("live", [0, 1, 6, 8, 16])
+@pytest.mark.parametrize(
+    "ggml_type, k, quantize_x, interleaved, bulk", LIVE_PATHS, ids=lambda v: getattr(v, "name", str(v))
+)
+def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(ggml_type, k, quantize_x, interleaved, bulk, live):
+    """matmul's `live` (a prefill's last chunk, which its prompt does not fill): the rows before
+    it are the bits of the call over all 16 rows, the rows from it on are 0 (not computed), on
+    every path; live is an operand, so one compiled program serves every count."""
+    data, _ = blocks(ggml_type, 264, k, seed=14)
+    w = jnp.asarray(kernel().interleave_q4k(data) if interleaved else data)
+    x = jnp.asarray(np.random.default_rng(15).standard_normal((16, k)).astype(np.float32))
+    product = jax.jit(
+        lambda x, n: kernel().matmul(x, w, ggml_type.value, quantize_x, interleaved=interleaved, bulk=bulk, live=n)
+    )
+    full = np.asarray(product(x, 16))
+    got = np.asarray(product(x, live))
+    assert np.abs(full).max(axis=1).min() > 0  # no row of the full call is 0 by itself
+    np.testing.assert_array_equal(got[:live], full[:live])
+    assert not got[live:].any()
+
+
+def test_the_row_wise_prefill_agrees_with_one_call_and_skips_its_last_chunks_padding():
     """prefill_rows at gguf_q8 runs its products with bulk on (and only it: a decode step's
-    forward has it off), and its logits equal one bulk call's over the padded batch up to float
-    order (against one-row gemv products they differ by about 1e-2: 8-bit activations turn
-    last-bit differences into rounding steps, which is why decode and verify never take it)."""
+    forward has it off). With the multi-row kernel (this CPU's build) bulk changes no bits, so
+    its logits equal one call's over the padded batch bit for bit; where ggml's gemm takes the
+    bulk rows they agree up to float order. A last chunk's rows past the prompt are not
+    computed (forward's live_tokens): with no q/k/v bias their cache entries stay exactly 0
+    (computed, they are the padding tokens' keys)."""
     from models.transformer import attention_impl
     from spec_jax import decode
 
     model = models.cast(
         models.random_model(
-            vocab_size=64, num_layers=1, d_model=256, num_heads=4, num_kv_heads=2, scan_layers=False
+            vocab_size=64, num_layers=1, d_model=256, num_heads=4, num_kv_heads=2, scan_layers=False,
+            qkv_bias=False,
         ),
         "gguf_q8",
-    )
+    )  # fmt: skip
     assert attention_impl(model.config) == "cpu"
+    lengths = [5, 20]  # last chunks of 5 and 4 live tokens (16-wide chunks)
     tokens, lens = decode.pad_prompts([[3, 5, 7, 9, 11], list(range(1, 21))], 32)
 
     def rows(t, n):
-        return decode.prefill(model.config, model.params, t, n, 40).logits
+        out = decode.prefill(model.config, model.params, t, n, 40)
+        return out.logits, out.cache.k
 
     lowered = jax.jit(rows).lower(jnp.asarray(tokens), jnp.asarray(lens)).as_text()
     assert "bulk = true" in lowered
@@ -214,14 +251,23 @@ def test_the_row_wise_prefill_takes_the_bulk_path_and_agrees_with_one_call():
         models.init_cache(model.config, 2, 40),
     )
     assert "bulk = true" not in step.as_text() and "bulk = false" in step.as_text()
-    got = np.asarray(jax.jit(rows)(jnp.asarray(tokens), jnp.asarray(lens)))
+    got, k = (np.asarray(a) for a in jax.jit(rows)(jnp.asarray(tokens), jnp.asarray(lens)))
     positions = jnp.broadcast_to(jnp.arange(32), (2, 32))
-    bulk = model.config.replace(bulk_products=True)
+    config = model.config.replace(bulk_products=not kernel().multirow())
     want = models.forward(
-        bulk, model.params, jnp.asarray(tokens), positions, models.init_cache(bulk, 2, 40),
+        config, model.params, jnp.asarray(tokens), positions, models.init_cache(config, 2, 40),
         logits_at=jnp.asarray(lens - 1)[:, None],
-    ).logits[:, 0]  # fmt: skip
-    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    )  # fmt: skip
+    want_logits, want_k = np.asarray(want.logits[:, 0]), np.asarray(want.cache.k)
+    if kernel().multirow():
+        np.testing.assert_array_equal(got, want_logits)
+    else:
+        np.testing.assert_allclose(got, want_logits, rtol=1e-5, atol=1e-5 * np.abs(want_logits).max())
+    for r, n in enumerate(lengths):
+        np.testing.assert_allclose(k[:, r, :n], want_k[:, r, :n], rtol=1e-5, atol=1e-5)
+        chunk_end = (n + 15) // 16 * 16
+        assert np.abs(want_k[:, r, n:chunk_end]).max() > 0  # the padding's keys, computed
+        assert not k[:, r, n:chunk_end].any()  # skipped
 
 
 def test_casting_to_gguf_q8_interleaves_q4k_matrices_but_not_the_embedding_table():

@@ -22,9 +22,11 @@
 //     multiplied by this file's multi-row kernel (Q4Kx8Group: each block unpacked once for up to
 //     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which a
 //     one-row call runs itself (faster for one row), as ggml_dot = 1 does for every row). With bulk = 1 (a prefill,
-//     whose rows nothing compares with a decode step's), rows of x in groups of 4 go through
-//     ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from gemv's in the last places),
-//     the rest as above: how llama.cpp reads a prompt.
+//     whose rows nothing compares with a decode step's) on a CPU without that kernel, rows of x
+//     in groups of 4 go through ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from
+//     gemv's in the last places), the rest as above: how llama.cpp reads a prompt.
+//   live (an int32 operand): rows of x from it on are padding (a prefill's last chunk, shorter
+//     than its call): they are not computed and their outputs are 0.
 //
 // One pass over the weights: a chunk of weight rows is read once for every row of x (the
 // rows of x taken in blocks that stay in cache), so a verification call over gamma + 1 positions
@@ -491,23 +493,37 @@ ffi::Error Check(ggml_type type, int64_t k_dim, int64_t row_bytes) {
 }
 
 ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Buffer<ffi::U8> w_buf,
-                      ffi::ResultBuffer<ffi::F32> y_buf, int64_t type_id, bool quantize_x, bool ggml_dot,
-                      bool interleaved, bool bulk) {
+                      ffi::Buffer<ffi::S32> live_buf, ffi::ResultBuffer<ffi::F32> y_buf, int64_t type_id,
+                      bool quantize_x, bool ggml_dot, bool interleaved, bool bulk) {
   InitOnce();
   const auto xd = x_buf.dimensions(), wd = w_buf.dimensions(), yd = y_buf->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0]) {
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || yd[0] != xd[0] || yd[1] != wd[0] ||
+      live_buf.element_count() != 1) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "spec_jax gguf_matmul expects x [M, K], w [N, row_bytes], y [M, N]");
+                      "spec_jax gguf_matmul expects x [M, K], w [N, row_bytes], live rows [], y [M, N]");
   }
   const auto type = static_cast<ggml_type>(type_id);
-  const int64_t m_rows = xd[0], k_dim = xd[1], n_dim = wd[0], row_bytes = wd[1];
+  const int64_t k_dim = xd[1], n_dim = wd[0], row_bytes = wd[1];
   if (auto e = Check(type, k_dim, row_bytes); e.failure()) return e;
   if (interleaved && !quantize_x) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "spec_jax gguf_matmul: interleaved weights need quantize_x");
   }
+#ifdef SPEC_JAX_MULTIROW
+  // The multi-row kernel is faster than ggml's gemm at every row count (docs/benchmarks.md, "The
+  // GGUF kernel's paths"), and gives each row gemv's bits whatever the row count: bulk changes nothing.
+  const bool gemm = false;
+#else
+  const bool gemm = interleaved && bulk;
+#endif
+  // Rows of x from `live` on are padding (a prefill's last chunk): not computed, their outputs 0.
+  // gemm takes rows in groups of 4 (a row's bits are the same in any group), so it computes
+  // the live rows rounded up to 4: each live row gets the bits a call of all M rows gives it.
+  int64_t m_rows = std::clamp<int64_t>(*live_buf.typed_data(), 0, xd[0]);
+  if (gemm) m_rows = std::min<int64_t>(xd[0], (m_rows + 3) / 4 * 4);
   const float* x = x_buf.typed_data();
   const uint8_t* w = w_buf.typed_data();
   float* y = y_buf->typed_data();
+  std::memset(y + m_rows * n_dim, 0, (xd[0] - m_rows) * n_dim * sizeof(float));
   const int64_t chunks = (n_dim + kRowsPerChunk - 1) / kRowsPerChunk;
 
   if (quantize_x) {
@@ -516,7 +532,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     const int64_t x_bytes = static_cast<int64_t>(ggml_row_size(xt, k_dim));
     // Rows of x in groups of 4 for ggml's gemm (interleaved Q4_K, bulk): quantized 4 at a time
     // below, so the one-row quantization here skips them.
-    const int64_t grouped = interleaved && bulk ? m_rows / 4 * 4 : 0;
+    const int64_t grouped = gemm ? m_rows / 4 * 4 : 0;
     std::vector<uint8_t> xq(m_rows * x_bytes);
     for (int64_t m = grouped; m < m_rows; ++m) {
       if (xt == GGML_TYPE_F32) {
@@ -667,6 +683,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxGgufMatmul, GgufMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("ggml_type")
                                   .Attr<bool>("quantize_x")

@@ -170,20 +170,24 @@ def matmul(
     ggml_dot: bool = False,
     interleaved: bool = False,
     bulk: bool = False,
+    live=None,
 ):
-    """y [M, O] float32 = x [M, I] . W^T for W's rows of blocks data [O, Y]. ggml_dot:
+    """y [M, O] float32 = x [M, I] . W^T for W's rows of blocks data [O, Y]. live: an int32
+    scalar (traced or not, default M): rows of x from it on are padding, not computed, their
+    outputs 0 (one program for every fill of a prefill's last chunk). ggml_dot:
     every (row, column) by ggml's own calls (to_float + its f32 vec_dot, or its quantized
     vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare).
     interleaved: data is Q4_K in interleave_q4k's layout (quantize_x only), multiplied by the
     multi-row kernel that gives each row the bits of ggml's repacked product
     (ggml_gemv_q4_K_8x8_q8_K; ggml_dot calls that gemv, one call per row of x); with bulk, rows
-    in groups of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K (faster, but a row's bits then depend on
-    the call's row count: for a prefill only)."""
+    in groups of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K where the CPU lacks the multi-row kernel
+    (faster there, but its bits differ from gemv's: for a prefill only)."""
     out = jax.ShapeDtypeStruct((x_mi.shape[0], data_oy.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
     return call(
         x_mi.astype(jnp.float32),
         data_oy,
+        jnp.asarray(x_mi.shape[0] if live is None else live, jnp.int32),
         ggml_type=np.int64(ggml_type),
         quantize_x=bool(quantize_x),
         ggml_dot=bool(ggml_dot),
