@@ -199,7 +199,9 @@ LIVE_PATHS = [
 @pytest.mark.parametrize(
     "ggml_type, k, quantize_x, interleaved, bulk", LIVE_PATHS, ids=lambda v: getattr(v, "name", str(v))
 )
-def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(ggml_type, k, quantize_x, interleaved, bulk, live):
+def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(
+    ggml_type, k, quantize_x, interleaved, bulk, live
+):
     """matmul's `live` (a prefill's last chunk, which its prompt does not fill): the rows before
     it are the bits of the call over all 16 rows, the rows from it on are 0 (not computed), on
     every path; live is an operand, so one compiled program serves every count."""
@@ -207,7 +209,9 @@ def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(ggml_type, k,
     w = jnp.asarray(kernel().interleave_q4k(data) if interleaved else data)
     x = jnp.asarray(np.random.default_rng(15).standard_normal((16, k)).astype(np.float32))
     product = jax.jit(
-        lambda x, n: kernel().matmul(x, w, ggml_type.value, quantize_x, interleaved=interleaved, bulk=bulk, live=n)
+        lambda x, n: kernel().matmul(
+            x, w, ggml_type.value, quantize_x, interleaved=interleaved, bulk=bulk, live=n
+        )
     )
     full = np.asarray(product(x, 16))
     got = np.asarray(product(x, live))

@@ -54,7 +54,12 @@ def test_the_flax_modules_declare_exactly_the_tables_shapes(kind):
     tokens = jnp.zeros((1, 1), jnp.int32)
     cache = jax.eval_shape(lambda: transformer.init_cache(config, 1, 1))
     init = functools.partial(  # forward's defaults, static
-        transformer.Transformer(config).init, logits_at=None, head=None, with_features=False, tree=None, live=None
+        transformer.Transformer(config).init,
+        logits_at=None,
+        head=None,
+        with_features=False,
+        tree=None,
+        live=None,
     )
     flax_params = jax.eval_shape(init, jax.random.key(0), tokens, tokens, cache)["params"]
     as_shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
