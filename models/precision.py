@@ -354,8 +354,8 @@ def linear(x, w, contract: int, config, live=None):
     the CPU kernel only where the program is lowered for a CPU), and bulk_products: a many-row
     path may be taken whose rows differ in the last bits from a one-row call's (prefill only).
     live: optional int32 scalar (may be traced): the rows of x's leading axes (flattened) from
-    it on are padding; the GGUF kernel skips them (their outputs 0), the other products compute
-    them. Either way the live rows' outputs are the same bits."""
+    it on are padding: the CPU kernels (cpu_kernels) skip them, their outputs 0; XLA's product
+    computes them. Either way the live rows' outputs are the same bits."""
     w_shape = w.shape
     out_shape, in_shape = w_shape[: len(w_shape) - contract], w_shape[len(w_shape) - contract :]
     if tuple(x.shape[x.ndim - contract :]) != tuple(in_shape):
@@ -379,7 +379,7 @@ def linear(x, w, contract: int, config, live=None):
     if cpu_kernels(config):
 
         def by_kernel(x_mi, w_oi, scale):
-            return cpu_matmul.matmul(x_mi, w_oi, scale, config.cpu_isa)
+            return cpu_matmul.matmul(x_mi, w_oi, scale, config.cpu_isa, live)
 
         y = on_cpu(by_kernel, by_xla, x_mi, w_oi, scale)
     else:

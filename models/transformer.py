@@ -374,8 +374,8 @@ def forward(
     first token's position (tree_slots), each at the position of its depth (positions_bt) and
     reading the committed text and its ancestors only.
     live_tokens: optional int32 scalar (may be traced), with one row (B = 1): only its first
-    live_tokens tokens are real, the rest padding (a prefill's last chunk). The GGUF products
-    skip the padding's rows; its outputs (logits, features, and the cache entries it writes past
+    live_tokens tokens are real, the rest padding (a prefill's last chunk). The CPU kernels'
+    products skip the padding's rows; its outputs (logits, features, and the cache entries it writes past
     the live tokens) are then unspecified but finite. The live tokens' outputs are the same bits.
     """
     return Transformer(config).apply(

@@ -129,8 +129,8 @@ def prefill_rows(
     costs ceil(n / chunk) calls whatever the batch's longest prompt. The last chunk of a row
     is moved back to end at the padded width when it would run past it (its overlap is
     recomputed: the same tokens at the same positions write the same entries), so that every
-    call has the one shape [1, chunk]. A last chunk that the prompt does not fill runs its GGUF
-    products over the prompt's rows only (forward's live_tokens: a 6-token prompt costs 6 rows
+    call has the one shape [1, chunk]. A last chunk that the prompt does not fill runs its CPU
+    kernels' products over the prompt's rows only (forward's live_tokens: a 6-token prompt costs 6 rows
     of products, not 16, in the same program). Cache slots past a row's prompt hold the
     padding's entries (never read: decoding overwrites them first)."""
     batch, width = tokens_bp.shape

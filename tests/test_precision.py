@@ -96,6 +96,13 @@ def test_cpu_kernel_matches_xla_and_each_row_is_bit_identical_whatever_the_row_c
     for m in range(1, rows):  # a decode call (1 row) and verify calls (m rows) agree bitwise
         np.testing.assert_array_equal(np.asarray(kernel(x[:m])), all_rows[:m])
         np.testing.assert_array_equal(np.asarray(kernel(x[m : m + 1]))[0], all_rows[m])
+    # live (a prefill's last chunk): the rows before it keep their bits, the rest are 0, not computed
+    with_live = jax.jit(lambda x, n: cpu_matmul.matmul(x, value, scale, isa, live=n))
+    assert np.abs(all_rows).max(axis=1).min() > 0  # no row is 0 by itself
+    for live in (0, 1, 7, rows):
+        got = np.asarray(with_live(x, live))
+        np.testing.assert_array_equal(got[:live], all_rows[:live])
+        assert not got[live:].any()
 
 
 def test_the_kernel_build_is_chosen_from_the_cpu_or_the_environment(monkeypatch):

@@ -83,3 +83,12 @@ def test_prefill_reads_rows_by_length_on_the_cpu_kernels(model, monkeypatch):
         decode.prefill(model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), 80).logits
     )
     assert len(calls) == 1 + 3 + 2  # ceil(3/16) + ceil(33/16) + ceil(17/16), not 3 x 64/16
+
+
+def test_live_tokens_takes_one_row_only(model):
+    """forward's live_tokens counts the tokens of one row; with two rows it is refused in one
+    clear error, not applied to the flattened rows of both."""
+    tokens = jnp.ones((2, 4), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    with pytest.raises(ValueError, match="live_tokens needs one row of tokens, got 2"):
+        forward(model.config, model.params, tokens, positions, init_cache(model.config, 2, 8), live_tokens=3)

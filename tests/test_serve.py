@@ -28,6 +28,7 @@ import models
 from experiments.bench_serve import free_port, prometheus_values
 from launch.serve import make_app, warm_up
 from launch.serve_engine import EngineWorker, Metrics
+from models import registry
 from spec_jax.engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +89,7 @@ class Server:
 def tiny_pair(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / "tiny.gguf"
     tiny_gguf.write(path, chat_template=CHAT_TEMPLATE, add_bos=True)
-    target = models.load(str(path))
+    target = models.load(str(path), cache_dir=path.parent / "cache", progress=False)  # not the user's cache
     return path, target, perturbed(target, 0.1, seed=7)
 
 
@@ -314,7 +315,13 @@ def test_sigterm_finishes_what_runs_and_exits_0_with_one_line(tiny_pair, tmp_pat
     port = free_port()
     cmd = [sys.executable, "-m", "launch.serve", f"--target={path}", "--draft=none", f"--port={port}"]
     cmd += ["--max_batch=2", "--grace_period=20", "--model_name=tiny", "--nocompilation_cache"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    # A cache of its own for the GGUF's conversion (not the user's), with this machine's kernel
+    # builds and llama.cpp source shared (linked) rather than built again.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for shared in ("kernels", "llama.cpp"):
+        (cache / shared).symlink_to(registry.cache_root() / shared, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "SPEC_JAX_CACHE": str(cache)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started = proc.stdout.readline()

@@ -178,12 +178,15 @@ def _load(isa_name: str) -> bool:
     return False
 
 
-def matmul(x_mi, w_oi, scale_o, isa_name: str):
+def matmul(x_mi, w_oi, scale_o, isa_name: str, live=None):
     """y [M, O] float32 = x [M, I] . w [O, I]^T (* scale [O] when w is int8), on the CPU kernel
-    built for isa_name (the model's ModelConfig.cpu_isa); that build must be available()."""
+    built for isa_name (the model's ModelConfig.cpu_isa); that build must be available().
+    live: an int32 scalar (traced or not, default M): rows of x from it on are padding, not
+    computed, their outputs 0; the rows before it are the bits of a call over all M rows."""
     target = target_name(jnp.dtype(w_oi.dtype).name, isa_name)
     out = jax.ShapeDtypeStruct((x_mi.shape[0], w_oi.shape[0]), jnp.float32)
     args = (x_mi.astype(jnp.float32), w_oi) + (() if scale_o is None else (scale_o.astype(jnp.float32),))
+    args += (jnp.asarray(x_mi.shape[0] if live is None else live, jnp.int32),)
     # Under vmap (per-prompt decoding) the kernel runs once per batch element.
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 
