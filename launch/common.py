@@ -54,11 +54,25 @@ def _swallowed_at(frame) -> bool:
     return False
 
 
+# The signals whose handler ran: where its exception was swallowed in a place _swallowed_at
+# cannot name (a weakref callback), raise_if_interrupted still ends the run.
+_RECEIVED: list[int] = []
+
+
+def raise_if_interrupted() -> None:
+    """Interrupted for a signal that arrived earlier (normally raised where it arrived; this
+    catches one whose exception was swallowed): called before an output file is written and
+    when main returns."""
+    if _RECEIVED:
+        raise Interrupted(_RECEIVED[0])
+
+
 def _interrupt(signum, frame):
     """The SIGINT / SIGTERM handler: raises Interrupted where the program is; where that
     exception would be swallowed (_swallowed_at), the signal is sent again 50 ms later instead, so
     the run still ends (seen once in CI: a SIGINT landing in jax's gc callback let the run finish
     with exit code 0)."""
+    _RECEIVED.append(signum)
     if _swallowed_at(frame):
         again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
         again.daemon = True
@@ -155,7 +169,9 @@ def run(main, compilation_cache: bool = True, config_overrides: bool = False):
 
                 unavailable = runtime.UNAVAILABLE_ERRORS
                 runtime.enable_compilation_cache()
-            return main(argv)
+            result = main(argv)
+            raise_if_interrupted()
+            return result
         except ValueError as e:  # includes UsageError
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         except Exception as e:

@@ -76,6 +76,7 @@ def write_json_atomic(path: str, payload) -> None:
     user's usual permissions): strict JSON, non-finite numbers as null; the path is named by the
     interrupt line (launch.common.WRITTEN)."""
     common.check_output_json(path)
+    common.raise_if_interrupted()
     text = json.dumps(common.finite_json(payload), indent=2, allow_nan=False) + "\n"
     registry.atomic_write(path, lambda f: f.write(text.encode()))
     common.WRITTEN.append(path)

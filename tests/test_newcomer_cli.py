@@ -195,6 +195,46 @@ common.run(main, compilation_cache=False)
 """
 
 
+SIGNAL_IN_A_WEAKREF_CALLBACK = """
+import os, signal, time, weakref
+from launch import common
+
+class Thing:
+    pass
+
+def on_collect(ref):  # a weakref callback: an exception raised in it is printed and dropped
+    os.kill(os.getpid(), signal.SIGINT)
+    for _ in range(10_000):
+        pass
+
+def main(argv):
+    thing = Thing()
+    ref = weakref.ref(thing, on_collect)
+    del thing
+    time.sleep(0.5)
+    print("finished")
+
+common.run(main, compilation_cache=False)
+"""
+
+
+def test_a_signal_swallowed_in_a_weakref_callback_ends_the_run_when_main_returns():
+    """Where the handler cannot tell that its exception will be dropped (a weakref callback),
+    the run still ends with 130 and the interrupt line once main returns
+    (launch.common.raise_if_interrupted; launch.runtime.write_json_atomic calls it too, so no
+    output file is written after the signal)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNAL_IN_A_WEAKREF_CALLBACK],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 128 + signal.SIGINT, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("interrupted (SIGINT); nothing written")
+
+
 def test_a_signal_that_lands_in_a_gc_callback_still_ends_the_run():
     """An exception raised inside a garbage-collector callback is printed as "Exception ignored"
     and dropped (once in CI: a SIGINT in jax's callback let launch.generate finish with exit 0);
