@@ -218,20 +218,21 @@ common.run(main, compilation_cache=False)
 """
 
 
+def _interrupted_script(code: str) -> subprocess.CompletedProcess:
+    """code run by a fresh Python in the checkout; asserts it ended as a SIGINT ends a run (130)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 128 + signal.SIGINT, proc.stdout + proc.stderr
+    return proc
+
+
 def test_a_signal_swallowed_in_a_weakref_callback_ends_the_run_when_main_returns():
     """Where the handler cannot tell that its exception will be dropped (a weakref callback),
     the run still ends with 130 and the interrupt line once main returns
     (launch.common.raise_if_interrupted; launch.runtime.write_json_atomic calls it too, so no
     output file is written after the signal)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SIGNAL_IN_A_WEAKREF_CALLBACK],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 128 + signal.SIGINT, proc.stdout + proc.stderr
+    proc = _interrupted_script(SIGNAL_IN_A_WEAKREF_CALLBACK)
     assert proc.stderr.strip().splitlines()[-1].endswith("interrupted (SIGINT); nothing written")
 
 
@@ -239,15 +240,7 @@ def test_a_signal_that_lands_in_a_gc_callback_still_ends_the_run():
     """An exception raised inside a garbage-collector callback is printed as "Exception ignored"
     and dropped (once in CI: a SIGINT in jax's callback let launch.generate finish with exit 0);
     the handler sends the signal again instead, so the run ends with 130 and one line."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SIGNAL_IN_A_GC_CALLBACK],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 128 + signal.SIGINT, proc.stdout + proc.stderr
+    proc = _interrupted_script(SIGNAL_IN_A_GC_CALLBACK)
     assert "finished" not in proc.stdout and "Exception ignored" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("interrupted (SIGINT); nothing written")
 
