@@ -7,9 +7,10 @@ relative to its own one-row call. Every call reads a different copy of the weigh
 --rotate_mb of copies, so the weight comes from memory as in a model's step.
 
 Paths: Q4_K `interleaved` (what models use on an AVX-512 VNNI CPU, on ggml's block_q4_Kx8
-layout: ggml's gemv for one row of x, the multi-row kernel with gemv's bits for more), `bulk`
-(a prefill's products on that layout: rows in groups of 4 through ggml's gemm, which takes 16
-rows at a time in its AVX-512 loop and 4 at a time otherwise), `gemv`
+layout: ggml's gemv for one row of x, the multi-row kernel with gemv's bits for more), `gemm`
+(ggml's own prefill product on that layout: rows in groups of 4 through ggml's gemm, which takes
+16 rows at a time in its AVX-512 loop and 4 at a time otherwise; a prefill's products take it on
+a CPU without the multi-row kernel), `gemv`
 (ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per row of x), `multirow` (the
 multi-row kernel on the file's own layout) and `vec_dot` (ggml's vec_dot per (row, column));
 Q6_K `multirow` (what models use: vec_dot for one row, the multi-row kernel with vec_dot's bits
@@ -18,7 +19,7 @@ Shapes are the Qwen2.5-Coder-1.5B matrices. Run it alone: the machine's other lo
 the figures (read the ratios).
 
     python scripts/gguf_kernel_bench.py [--rows=1,2,5,9] [--shapes=8960x1536,1536x8960] [--repeats=15]
-        [--types=Q4_K,Q6_K] [--paths=bulk,multirow]
+        [--types=Q4_K,Q6_K] [--paths=gemm,interleaved]
 """
 
 import argparse
@@ -42,7 +43,7 @@ def paths(ggml_type: int) -> dict:
     if ggml_type == T.Q4_K.value:
         return {
             "interleaved": (False, True, False),
-            "bulk": (False, True, True),
+            "gemm": (True, True, True),
             "gemv": (True, True, False),
             "multirow": (False, False, False),
             "vec_dot": (True, False, False),

@@ -173,34 +173,43 @@ def test_interleaved_q4k_rows_are_ggml_gemvs_bits_whatever_the_row_count(k):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])  # gemm's groups of 4 and gemv's remainder
-def test_bulk_interleaved_q4k_agrees_with_ggml_vec_dot(rows):
-    """The prefill's path (bulk: rows in groups of 4 through ggml's gemm, the rest through gemv):
-    the same products as vec_dot up to float order, whatever the row count."""
+def test_ggml_gemm_on_interleaved_q4k_agrees_with_ggml_vec_dot(rows):
+    """ggml's prefill path (bulk with ggml_dot, and a prefill's bulk where the CPU lacks the
+    multi-row kernel: rows in groups of 4 through ggml's gemm, the rest through gemv): the same
+    products as vec_dot up to float order, whatever the row count."""
     data, _ = blocks(T.Q4_K, 264, 512, seed=10)
     packed = jnp.asarray(kernel().interleave_q4k(data))
     x = np.random.default_rng(11).standard_normal((rows, 512)).astype(np.float32)
-    y = np.asarray(kernel().matmul(jnp.asarray(x), packed, T.Q4_K.value, True, interleaved=True, bulk=True))
+    y = np.asarray(
+        kernel().matmul(
+            jnp.asarray(x), packed, T.Q4_K.value, True, ggml_dot=True, interleaved=True, bulk=True
+        )
+    )
     ggml = matmul(x, data, T.Q4_K, quantize_x=True, ggml_dot=True)
     np.testing.assert_allclose(y, ggml, rtol=1e-5, atol=1e-5 * np.abs(ggml).max())
 
 
-# (type, K, quantize_x, interleaved, bulk): every path of the kernel's product.
+# (type, K, quantize_x, interleaved, bulk, ggml_dot): every path of the kernel's product, ggml's
+# gemm (the last) included: it computes the live rows rounded up to its groups of 4.
 LIVE_PATHS = [
-    (T.Q4_K, 512, True, True, False),
-    (T.Q4_K, 512, True, True, True),
-    (T.Q6_K, 768, True, False, False),
-    (T.Q8_0, 160, True, False, False),
-    (T.Q4_K, 512, False, False, False),
-    (T.Q5_0, 96, False, False, False),
+    (T.Q4_K, 512, True, True, False, False),
+    (T.Q4_K, 512, True, True, True, False),
+    (T.Q6_K, 768, True, False, False, False),
+    (T.Q8_0, 160, True, False, False, False),
+    (T.Q4_K, 512, False, False, False, False),
+    (T.Q5_0, 96, False, False, False, False),
+    (T.Q4_K, 512, True, True, True, True),
 ]
 
 
 @pytest.mark.parametrize("live", [0, 1, 6, 8, 16])
 @pytest.mark.parametrize(
-    "ggml_type, k, quantize_x, interleaved, bulk", LIVE_PATHS, ids=lambda v: getattr(v, "name", str(v))
+    "ggml_type, k, quantize_x, interleaved, bulk, ggml_dot",
+    LIVE_PATHS,
+    ids=lambda v: getattr(v, "name", str(v)),
 )
 def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(
-    ggml_type, k, quantize_x, interleaved, bulk, live
+    ggml_type, k, quantize_x, interleaved, bulk, ggml_dot, live
 ):
     """matmul's `live` (a prefill's last chunk, which its prompt does not fill): the rows before
     it are the bits of the call over all 16 rows, the rows from it on are 0 (not computed), on
@@ -210,7 +219,7 @@ def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(
     x = jnp.asarray(np.random.default_rng(15).standard_normal((16, k)).astype(np.float32))
     product = jax.jit(
         lambda x, n: kernel().matmul(
-            x, w, ggml_type.value, quantize_x, interleaved=interleaved, bulk=bulk, live=n
+            x, w, ggml_type.value, quantize_x, ggml_dot=ggml_dot, interleaved=interleaved, bulk=bulk, live=n
         )
     )
     full = np.asarray(product(x, 16))

@@ -22,8 +22,8 @@
 //     multiplied by this file's multi-row kernel (Q4Kx8Group: each block unpacked once for up to
 //     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which a
 //     one-row call runs itself (faster for one row), as ggml_dot = 1 does for every row). With bulk = 1 (a prefill,
-//     whose rows nothing compares with a decode step's) on a CPU without that kernel, rows of x
-//     in groups of 4 go through ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from
+//     whose rows nothing compares with a decode step's) on a CPU without that kernel, or with
+//     ggml_dot = 1 on any CPU, rows of x in groups of 4 go through ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from
 //     gemv's in the last places), the rest as above: how llama.cpp reads a prompt.
 //   live (an int32 operand): rows of x from it on are padding (a prefill's last chunk, shorter
 //     than its call): they are not computed and their outputs are 0.
@@ -510,16 +510,17 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
   }
 #ifdef SPEC_JAX_MULTIROW
   // The multi-row kernel is faster than ggml's gemm at every row count (docs/benchmarks.md, "The
-  // GGUF kernel's paths"), and gives each row gemv's bits whatever the row count: bulk changes nothing.
-  const bool gemm = false;
+  // GGUF kernel's paths"), and gives each row gemv's bits whatever the row count: bulk takes gemm
+  // only with ggml_dot (ggml's own calls: its prefill product, which tests and benchmarks compare).
+  const bool gemm = interleaved && bulk && ggml_dot;
 #else
   const bool gemm = interleaved && bulk;
 #endif
   // Rows of x from `live` on are padding (a prefill's last chunk): not computed, their outputs 0.
   // gemm takes rows in groups of 4 (a row's bits are the same in any group), so it computes
   // the live rows rounded up to 4: each live row gets the bits a call of all M rows gives it.
-  int64_t m_rows = std::clamp<int64_t>(*live_buf.typed_data(), 0, xd[0]);
-  if (gemm) m_rows = std::min<int64_t>(xd[0], (m_rows + 3) / 4 * 4);
+  const int64_t live = std::clamp<int64_t>(*live_buf.typed_data(), 0, xd[0]);
+  const int64_t m_rows = gemm ? std::min<int64_t>(xd[0], (live + 3) / 4 * 4) : live;
   const float* x = x_buf.typed_data();
   const uint8_t* w = w_buf.typed_data();
   float* y = y_buf->typed_data();
@@ -591,6 +592,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
                                   xs + m * x_bytes, 1, static_cast<int>(n1 - n0));
         }
       });
+      std::memset(y + live * n_dim, 0, (m_rows - live) * n_dim * sizeof(float));  // gemm's rounding
       return ffi::Error::Success();
     }
 #ifdef SPEC_JAX_MULTIROW

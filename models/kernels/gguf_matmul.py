@@ -181,7 +181,8 @@ def matmul(
     multi-row kernel that gives each row the bits of ggml's repacked product
     (ggml_gemv_q4_K_8x8_q8_K; ggml_dot calls that gemv, one call per row of x); with bulk, rows
     in groups of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K where the CPU lacks the multi-row kernel
-    (faster there, but its bits differ from gemv's: for a prefill only)."""
+    (faster there, but its bits differ from gemv's: for a prefill only), and with bulk and
+    ggml_dot on any CPU (ggml's own prefill product)."""
     out = jax.ShapeDtypeStruct((x_mi.shape[0], data_oy.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
     return call(
