@@ -393,28 +393,22 @@ ffi::Error CheckShapes(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, i
   return ffi::Error::Success();
 }
 
-// Rows of x from `live` on are padding (a prefill's last chunk, which its prompt does not fill):
-// they are not computed and their outputs are 0. A row's bits do not depend on the row count.
-int64_t LiveRows(ffi::Buffer<ffi::S32> live, int64_t m_rows, int64_t n_dim, float* y) {
-  const int64_t rows = std::clamp<int64_t>(*live.typed_data(), 0, m_rows);
-  std::memset(y + rows * n_dim, 0, (m_rows - rows) * n_dim * sizeof(float));
-  return rows;
-}
-
 ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   if (auto e = CheckShapes(x.dimensions(), w.dimensions(), -1, y->dimensions()); e.failure()) return e;
   const int64_t n_dim = w.dimensions()[0];
-  return Matmul(pool, x.typed_data(), w.typed_data(), static_cast<const float*>(nullptr), y->typed_data(),
-                LiveRows(live, x.dimensions()[0], n_dim, y->typed_data()), x.dimensions()[1], n_dim);
+  const int64_t rows = spec_jax::LiveRows(*live.typed_data(), x.dimensions()[0], n_dim, y->typed_data());
+  return Matmul(pool, x.typed_data(), w.typed_data(), static_cast<const float*>(nullptr), y->typed_data(), rows,
+                x.dimensions()[1], n_dim);
 }
 
 ffi::Error MatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
                       ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   if (auto e = CheckShapes(x.dimensions(), w.dimensions(), -1, y->dimensions()); e.failure()) return e;
   const int64_t n_dim = w.dimensions()[0];
-  return Matmul(pool, x.typed_data(), w.typed_data(), static_cast<const float*>(nullptr), y->typed_data(),
-                LiveRows(live, x.dimensions()[0], n_dim, y->typed_data()), x.dimensions()[1], n_dim);
+  const int64_t rows = spec_jax::LiveRows(*live.typed_data(), x.dimensions()[0], n_dim, y->typed_data());
+  return Matmul(pool, x.typed_data(), w.typed_data(), static_cast<const float*>(nullptr), y->typed_data(), rows,
+                x.dimensions()[1], n_dim);
 }
 
 ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
@@ -424,8 +418,9 @@ ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return e;
   }
   const int64_t n_dim = w.dimensions()[0];
-  return Matmul(pool, x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(),
-                LiveRows(live, x.dimensions()[0], n_dim, y->typed_data()), x.dimensions()[1], n_dim);
+  const int64_t rows = spec_jax::LiveRows(*live.typed_data(), x.dimensions()[0], n_dim, y->typed_data());
+  return Matmul(pool, x.typed_data(), w.typed_data(), scale.typed_data(), y->typed_data(), rows, x.dimensions()[1],
+                n_dim);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// One way to split a kernel's work over XLA's intra-op thread pool, for the project's CPU kernels
-// (cpu_matmul.cc, cpu_rowwise.cc, gguf_matmul.cc).
+// What the project's CPU kernels (cpu_matmul.cc, cpu_rowwise.cc, gguf_matmul.cc) share: one way to
+// split a kernel's work over XLA's intra-op thread pool, and one rule for a product's padding rows
+// (LiveRows, below).
 //
 // ParallelChunks(pool, chunks, fn) runs fn(c) for every c in [0, chunks) on the calling thread and
 // the pool's threads, which take chunks in turn from a shared counter. The caller never waits for
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -48,6 +50,16 @@ void ParallelChunks(xla::ffi::ThreadPool& pool, int64_t chunks, const F& fn) {
   for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([drain]() { drain(); });
   drain();
   while (work->active.load(std::memory_order_acquire) > 0) _mm_pause();
+}
+
+// LiveRows(live, m_rows, n_dim, y) -> the rows of x a product computes, where the rows from
+// `live` on are padding (a prefill's last chunk, which its prompt does not fill): live clamped to
+// [0, m_rows]. The padding's outputs, y[live:m_rows, 0:n_dim], are set to 0 and not computed; a
+// computed row's bits do not depend on how many rows the call computes.
+inline int64_t LiveRows(int32_t live, int64_t m_rows, int64_t n_dim, float* y) {
+  const int64_t rows = std::clamp<int64_t>(live, 0, m_rows);
+  std::memset(y + rows * n_dim, 0, (m_rows - rows) * n_dim * sizeof(float));
+  return rows;
 }
 
 }  // namespace spec_jax

@@ -21,12 +21,13 @@
 //     SpecJaxGgufInterleaveQ4K below writes it), over chunks of kInterleavedChunk weight rows,
 //     multiplied by this file's multi-row kernel (Q4Kx8Group: each block unpacked once for up to
 //     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which a
-//     one-row call runs itself (faster for one row), as ggml_dot = 1 does for every row). With bulk = 1 (a prefill,
-//     whose rows nothing compares with a decode step's) on a CPU without that kernel, or with
-//     ggml_dot = 1 on any CPU, rows of x in groups of 4 go through ggml's ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from
-//     gemv's in the last places), the rest as above: how llama.cpp reads a prompt.
+//     one-row call runs itself (faster for one row), as ggml_dot = 1 does for every row). With
+//     bulk = 1 (a prefill, whose rows nothing compares with a decode step's) on a CPU without
+//     that kernel, or with ggml_dot = 1 on any CPU, rows of x in groups of 4 go through ggml's
+//     ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from gemv's in the last places), the rest
+//     as above: how llama.cpp reads a prompt.
 //   live (an int32 operand): rows of x from it on are padding (a prefill's last chunk, shorter
-//     than its call): they are not computed and their outputs are 0.
+//     than its call): they are not computed and their outputs are 0 (spec_jax::LiveRows).
 //
 // One pass over the weights: a chunk of weight rows is read once for every row of x (the
 // rows of x taken in blocks that stay in cache), so a verification call over gamma + 1 positions
@@ -516,15 +517,14 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
 #else
   const bool gemm = interleaved && bulk;
 #endif
-  // Rows of x from `live` on are padding (a prefill's last chunk): not computed, their outputs 0.
-  // gemm takes rows in groups of 4 (a row's bits are the same in any group), so it computes
-  // the live rows rounded up to 4: each live row gets the bits a call of all M rows gives it.
-  const int64_t live = std::clamp<int64_t>(*live_buf.typed_data(), 0, xd[0]);
-  const int64_t m_rows = gemm ? std::min<int64_t>(xd[0], (live + 3) / 4 * 4) : live;
   const float* x = x_buf.typed_data();
   const uint8_t* w = w_buf.typed_data();
   float* y = y_buf->typed_data();
-  std::memset(y + m_rows * n_dim, 0, (xd[0] - m_rows) * n_dim * sizeof(float));
+  // Rows of x from `live` on are padding (spec_jax::LiveRows). gemm takes rows in groups of 4 (a
+  // row's bits are the same in any group), so it computes the live rows rounded up to 4 (each
+  // live row then has the bits a call of all M rows gives it) and zeroes the extra ones after.
+  const int64_t live = spec_jax::LiveRows(*live_buf.typed_data(), xd[0], n_dim, y);
+  const int64_t m_rows = gemm ? std::min<int64_t>(xd[0], (live + 3) / 4 * 4) : live;
   const int64_t chunks = (n_dim + kRowsPerChunk - 1) / kRowsPerChunk;
 
   if (quantize_x) {
