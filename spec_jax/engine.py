@@ -3,7 +3,9 @@ batching at the granularity of chunks of rounds).
 
 It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
 prefill, the loop, the drafter's catch-up; one of each per row bucket), the measured costs
-(gamma=auto: one Controller per row bucket, from the costs measured at that batch) and a
+(gamma=auto: one Controller per row bucket, from the costs measured at that batch; a drafter
+that would not pay at any bucket even with a good draft is dropped, as spec_jax.generate drops
+it) and a
 table of max_batch row slots (spec_jax.table.Table: one SpecState over the busy slots).
 
   submit(request) -> Handle     validates the request against the model, queues it
@@ -103,6 +105,10 @@ class Engine:
             slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
             for n in self.buckets:
                 self.controllers[n] = api.controller_for(target, drafter, draft_params, policy, n, slots)
+            if all(c.phase == "never" for c in self.controllers.values()):
+                # Drafting would not pay at any batch even with a good draft (as spec_jax.generate
+                # decides): the drafter never runs, so nothing prefills or holds its state either.
+                drafter, draft_params = NoDrafter(vocab), None
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
@@ -126,6 +132,12 @@ class Engine:
         )
         self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
+
+    @property
+    def drafts(self) -> bool:
+        """Whether the engine has a drafter that runs: False without one, or where gamma=auto
+        found that drafting would not pay at any row bucket even with a good draft."""
+        return not isinstance(self._runner.static.drafter, NoDrafter)
 
     @property
     def tokenizer(self):

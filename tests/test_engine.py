@@ -5,6 +5,7 @@ occupant, a row whose logits turn NaN)."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -496,6 +497,23 @@ def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
     schedules = [c.schedule for c in engine.controllers.values()]
     gammas = {g for schedule in schedules for g, _ in schedule}
     assert 0 in gammas and gammas - {0}, schedules
+
+
+def test_a_draft_that_would_never_pay_is_dropped_and_prefills_nothing(tiny_target, tiny_draft, monkeypatch):
+    """gamma=auto with costs under which drafting loses even at a good draft's acceptance: the
+    engine decodes plainly without the drafter (as spec_jax.generate does), so no prefill or
+    slot carries the draft model's state, and each request equals plain decoding alone."""
+    expensive = step_costs.Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=(1.0,) + (2.0,) * 8)
+    monkeypatch.setattr(step_costs, "costs_for", lambda *a, **k: expensive)
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma="auto", max_context=CONTEXT)
+    assert not engine.drafts
+    assert jax.tree.leaves(engine._runner.draft_params) == []
+    requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:3]]
+    tokens, _, handles = run_staggered(engine, requests, [0, 0, 1])
+    for h in handles:
+        assert tokens[h.id] == alone(tiny_target, None, h.request)
+    assert engine.stats().get("draft_tokens_total", 0) == 0
+    assert Engine(tiny_target, tiny_draft, max_batch=2, gamma=2, max_context=CONTEXT).drafts
 
 
 def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_target, tiny_draft):
