@@ -341,7 +341,11 @@ def serve(engine, model: str, host: str, port: int, grace: float, context: int) 
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=grace + 10
     )
-    plain = "" if engine.drafts or not engine.controllers else "; gamma=auto: drafting would not pay here, decoding plainly"
+    plain = (
+        ""
+        if engine.drafts or not engine.controllers
+        else "; gamma=auto: drafting would not pay here, decoding plainly"
+    )
     ready = f"launch.serve: serving {model} on http://{host}:{port}/v1 ({engine_slots(engine)} slots{plain})"
     server = _Server(config, worker, grace, ready)
     server.run()
