@@ -11,6 +11,7 @@ fail (CI has compilers) while those of the XLA path (gguf_blocks) do not need it
 import ast
 import math
 import pathlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,42 @@ def test_interleaved_q4k_agrees_with_ggml_vec_dot_and_each_row_is_bit_identical_
         np.testing.assert_array_equal(
             np.asarray(call(x[rows - m :])), single[rows - m :], err_msg=f"last {m}"
         )
+
+
+def test_products_run_at_once_from_several_threads_keep_their_bits():
+    """The kernels' split over XLA's threads (models/kernels/cpu_parallel.h: the caller takes
+    chunks beside the pool's tasks and waits for those computing one) under calls that overlap:
+    programs of three independent products (as q, k and v, which XLA may run at once) from four
+    Python threads at a time give every output the bits of the same program run alone. A caller
+    that returned before a task finished its chunk shows as rows of no product."""
+    data = [
+        jnp.asarray(kernel().interleave_q4k(blocks(T.Q4_K, n, 512, seed=20 + n)[0]))
+        for n in (264, 1024, 2048)
+    ]
+
+    @jax.jit
+    def three(x):
+        return [kernel().matmul(x, d, T.Q4_K.value, True, interleaved=True) for d in data]
+
+    xs = [
+        jnp.asarray(np.random.default_rng(30 + i).standard_normal((1 + i % 3, 512)), jnp.float32)
+        for i in range(8)
+    ]
+    alone = [[np.asarray(y) for y in three(x)] for x in xs]
+    failures = []
+
+    def worker(t):
+        for r in range(25):
+            i = (t + r) % len(xs)
+            if any(not np.array_equal(np.asarray(y), a) for y, a in zip(three(xs[i]), alone[i], strict=True)):
+                failures.append((t, r))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
 
 
 @pytest.mark.parametrize("k", [256, 1536])
