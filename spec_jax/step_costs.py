@@ -254,15 +254,17 @@ def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry
             raise ValueError("it was measured for another key")
         costs = checked_costs(saved["costs"], sizes.gamma_max, sizes.tree_sizes)
         source = saved.get("source", "measured")  # files written before priors were all measured
-        rounds = {str(k): float(v) for k, v in saved.get("rounds", {}).items()}
+        # Files written before the seconds were kept hold ratios to their last run's plain round.
+        rounds = {str(k): float(v) * costs.step_seconds for k, v in saved.get("rounds", {}).items()}
+        seconds = {str(k): float(v) for k, v in saved.get("round_seconds", rounds).items()}
         if source not in ("measured", "observed") or not all(
-            math.isfinite(v) and v > 0 for v in rounds.values()
+            math.isfinite(v) and v > 0 for v in [*rounds.values(), *seconds.values()]
         ):
             raise ValueError(f"its source {source!r} or its rounds are not ones this project writes")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # stale, damaged or edited
         warnings.warn(f"gamma=auto: cached costs {path} are not usable ({e}); not using them", stacklevel=3)
         return None
-    return CostEntry(costs, source, path, key, prior, rounds)
+    return CostEntry(costs, source, path, key, prior, seconds)
 
 
 # The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
@@ -331,39 +333,51 @@ def calibrated(prior: Costs, rounds: dict[str, float], resume: float | None = No
 @dataclasses.dataclass
 class CostEntry:
     """The costs a controller plans with and their cache file: `source` is "measured",
-    "observed" or "prior" (module docstring); `rounds` the timed rounds an observed entry was
-    calibrated by ({arm: seconds per round over a plain round's}, arms as in _arm_cost)."""
+    "observed" or "prior" (module docstring); `round_seconds` the fastest seconds per round each
+    arm took over the runs (arms as in _arm_cost), and `rounds` what an observed entry is
+    calibrated by: each of them over the fastest plain round of the runs (costs.step_seconds)."""
 
     costs: Costs
     source: str
     path: pathlib.Path
     key: dict
     prior: Costs
-    rounds: dict[str, float] = dataclasses.field(default_factory=dict)
+    round_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rounds(self) -> dict[str, float]:
+        return {a: v / self.costs.step_seconds for a, v in self.round_seconds.items()}
 
     def record(self, step_seconds: float, rounds: dict[str, float], resume: float | None = None) -> None:
         """After a run: takes in its timed rounds (seconds per round over its plain round's, per
         arm that drafted; step_seconds: its plain round; resume: a catch-up call over a plain
         round, where one ran) and caches the prior calibrated by them and by those of earlier
-        runs (an arm keeps its fastest time over the runs: the least disturbed, as `measure`
-        keeps the fastest of its repeats). Measured costs are kept as they are, and a run that
-        timed no drafting arm changes nothing."""
+        runs. Each arm, and the plain round, keeps its fastest seconds over the runs (the least
+        disturbed, as `measure` keeps the fastest of its repeats), and an arm is priced by the
+        ratio of the two: the fastest ratio would keep for good the run whose plain round a
+        passing load slowed, pricing drafting below its cost in every later run. Measured costs
+        are kept as they are, and a run that timed no drafting arm changes nothing."""
         rounds = {str(k): float(v) for k, v in rounds.items() if math.isfinite(v) and v > 0}
         if self.source == "measured" or not rounds or not (math.isfinite(step_seconds) and step_seconds > 0):
             return
-        self.rounds = {**self.rounds, **{a: min(v, self.rounds.get(a, v)) for a, v in rounds.items()}}
-        costs = calibrated(
-            self.prior, self.rounds, resume if resume is None or math.isfinite(resume) else None
-        )
-        self.costs, self.source = dataclasses.replace(costs, step_seconds=float(step_seconds)), "observed"
+        step = float(step_seconds)
+        fastest = min(step, self.costs.step_seconds) if self.source == "observed" else step
+        seconds = {a: v * step for a, v in rounds.items()}
+        self.round_seconds = {
+            **self.round_seconds,
+            **{a: min(v, self.round_seconds.get(a, v)) for a, v in seconds.items()},
+        }
+        ratios = {a: v / fastest for a, v in self.round_seconds.items()}
+        costs = calibrated(self.prior, ratios, resume if resume is None or math.isfinite(resume) else None)
+        self.costs, self.source = dataclasses.replace(costs, step_seconds=fastest), "observed"
         self.save()
 
     def save(self) -> None:
         """Writes the entry to its file atomically (registry.atomic_write: never half-written);
         a cache that cannot be written is a warning."""
         payload = {"key": self.key, "source": self.source, "costs": dataclasses.asdict(self.costs)}
-        if self.rounds:
-            payload["rounds"] = self.rounds
+        if self.round_seconds:
+            payload["round_seconds"] = self.round_seconds
         text = json.dumps(payload, indent=1, default=str)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ cached, spec_jax.generate plans from the prior (step_costs.prior_costs, the weig
 once, and afterwards caches the prior calibrated by the rounds the run itself timed; the next
 run plans from those. Measured costs (the engine's) are kept as they are."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -48,7 +49,7 @@ def test_a_run_with_nothing_cached_measures_nothing_first_and_caches_its_timed_r
     assert drafted, gen.stats["gamma_schedule"]
     (path,) = (tmp_path / "costs").iterdir()  # one file, no temporary one left beside it
     saved = json.loads(path.read_text())
-    assert saved["source"] == "observed" and saved["rounds"] and set(saved["rounds"]) <= drafted
+    assert saved["source"] == "observed" and saved["round_seconds"] and set(saved["round_seconds"]) <= drafted
     prior = step_costs.prior_costs(target, draft[0], draft[1], CostSizes(len(PROMPTS), 64).bucketed())
     assert saved["costs"]["step_seconds"] > 0 and saved["costs"]["verify"] != list(prior.verify), saved
     again = spec_jax.generate(target, PROMPTS, draft=draft, gamma="auto", max_new_tokens=40, temperature=0.0)
@@ -62,15 +63,53 @@ def test_without_measuring_the_entry_is_the_prior_until_a_run_records_its_rounds
     entry = step_costs.cost_entry(target, drafter, params, sizes, tmp_path, measure_now=False)
     assert entry.source == "prior" and entry.costs == step_costs.prior_costs(target, drafter, params, sizes)
     assert 0 < entry.costs.draft1 < 0.3 and not (tmp_path / "costs").exists()  # nothing written
-    entry.record(0.02, {"2": 1.9})
-    entry.record(0.03, {"1": 1.4, "3": 2.5})  # a later run: its arms join the earlier ones
+    entry.record(0.03, {"2": 1.9})
+    entry.record(0.02, {"1": 2.4, "3": 3.5})  # a later run: its arms join the earlier ones
     got = step_costs.cost_entry(target, drafter, params, CostSizes(1, 300), tmp_path, measure_now=False)
-    assert got.source == "observed" and got.rounds == {"2": 1.9, "1": 1.4, "3": 2.5}
-    assert got.costs.step_seconds == 0.03 and got.costs == entry.costs
+    assert got.source == "observed" and got.round_seconds == pytest.approx(
+        {"2": 0.057, "1": 0.048, "3": 0.07}
+    )
+    # Each arm over the fastest plain round of the runs (0.02 s).
+    assert got.costs.step_seconds == 0.02 and got.rounds == pytest.approx({"2": 2.85, "1": 2.4, "3": 3.5})
+    assert got.costs == entry.costs
     got.record(0.03, {"2": 2.4})  # slower than before (a disturbed run): the fastest is kept
-    assert got.rounds["2"] == 1.9
-    got.record(0.03, {"2": 1.7})
-    assert got.rounds["2"] == 1.7
+    assert got.round_seconds["2"] == pytest.approx(0.057)
+    got.record(0.02, {"2": 2.5})
+    assert got.rounds["2"] == pytest.approx(2.5)
+
+
+def test_a_plain_round_slowed_by_a_passing_load_does_not_price_drafting_low_for_good(small_pair, tmp_path):
+    """A run whose plain round a passing load doubled times its drafting rounds at half their
+    cost in plain rounds. Each arm keeps its fastest seconds and the plain round its own, so the
+    next undisturbed run prices the arm at its cost again; the fastest ratio (what a drafting
+    round took over its own run's plain round) would have kept the disturbed 1.1 for good."""
+    target, draft = small_pair
+    drafter, params = as_drafter(draft, target)
+    entry = step_costs.cost_entry(target, drafter, params, CostSizes(1, 40), tmp_path, measure_now=False)
+    entry.record(0.02, {"1": 2.2})  # 0.044 s a round
+    entry.record(0.04, {"1": 1.1})  # the plain round timed at twice its cost: 0.044 s again
+    assert entry.rounds == pytest.approx({"1": 2.2}) and entry.costs.step_seconds == 0.02
+    assert entry.costs == dataclasses.replace(
+        step_costs.calibrated(entry.prior, {"1": 2.2}), step_seconds=0.02
+    )
+
+
+def test_a_cache_of_ratios_loads_as_seconds_at_its_plain_round(small_pair, tmp_path):
+    """Files written before the seconds were kept hold each arm's ratio to the last run's plain
+    round (costs.step_seconds): they load as those seconds."""
+    target, draft = small_pair
+    drafter, params = as_drafter(draft, target)
+    sizes = CostSizes(1, 40)
+    entry = step_costs.cost_entry(target, drafter, params, sizes, tmp_path, measure_now=False)
+    entry.record(0.02, {"1": 2.2})
+    payload = json.loads(entry.path.read_text())
+    payload["rounds"] = {"1": 2.0, "3": 3.0}
+    del payload["round_seconds"]
+    entry.path.write_text(json.dumps(payload))
+    got = step_costs.cost_entry(target, drafter, params, sizes, tmp_path, measure_now=False)
+    assert got.round_seconds == pytest.approx({"1": 0.04, "3": 0.06}) and got.rounds == pytest.approx(
+        {"1": 2.0, "3": 3.0}
+    )
 
 
 def test_a_runs_timed_rounds_leave_out_each_arms_first_chunk_and_arms_of_one_chunk():
@@ -122,7 +161,16 @@ def test_measured_costs_are_not_replaced_by_a_runs_rounds(small_pair, tmp_path, 
     assert path.read_text() == before and entry.costs == fixed and entry.source == "measured"
 
 
-@pytest.mark.parametrize("edit", [{"source": "guessed"}, {"rounds": {"2": -1.0}}, {"rounds": {"2": "x"}}])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"source": "guessed"},
+        {"round_seconds": {"2": -1.0}},
+        {"round_seconds": {"2": "x"}},
+        {"rounds": {"2": -1.0}},
+        {"rounds": {"2": "x"}},
+    ],
+)
 def test_an_observed_entry_edited_into_nonsense_is_not_used(small_pair, tmp_path, edit):
     target, _ = small_pair
     sizes = CostSizes(1, 64)
