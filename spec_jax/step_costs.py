@@ -254,16 +254,16 @@ def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry
             raise ValueError("it was measured for another key")
         costs = checked_costs(saved["costs"], sizes.gamma_max, sizes.tree_sizes)
         source = saved.get("source", "measured")  # files written before priors were all measured
-        # Files written before the seconds were kept hold ratios to their last run's plain round.
-        rounds = {str(k): float(v) * costs.step_seconds for k, v in saved.get("rounds", {}).items()}
-        seconds = {str(k): float(v) for k, v in saved.get("round_seconds", rounds).items()}
+        seconds = {str(k): float(v) for k, v in saved.get("round_seconds", {}).items()}
         if source not in ("measured", "observed") or not all(
-            math.isfinite(v) and v > 0 for v in [*rounds.values(), *seconds.values()]
+            math.isfinite(v) and v > 0 for v in seconds.values()
         ):
             raise ValueError(f"its source {source!r} or its rounds are not ones this project writes")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # stale, damaged or edited
         warnings.warn(f"gamma=auto: cached costs {path} are not usable ({e}); not using them", stacklevel=3)
         return None
+    if source == "observed" and not seconds:  # ratios to one run's plain round, as kept before
+        return CostEntry(prior, "prior", path, key, prior)  # the seconds were: observed again
     return CostEntry(costs, source, path, key, prior, seconds)
 
 
