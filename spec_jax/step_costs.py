@@ -268,21 +268,29 @@ def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry
 
 
 # The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
-# steps (per backend; others: ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight
-# bytes over the target's, times the same growth. The int8 Qwen pair measured 1.3-1.45 steps for
-# a verify over 5 tokens and 2.6 over 9 on the 2-core EPYC (docs/design.md); on accelerators a
-# call over a few tokens costs about one step.
-PRIOR_VERIFY_STEP = {"cpu": 0.15}
+# steps (per backend and, where the CPU kernels' rows cost differently, precision; others:
+# ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight bytes over the target's,
+# times the same growth. The int8 Qwen pair measured 1.3-1.45 steps for a verify over 5 tokens
+# and 2.6 over 9 on the 2-core EPYC (docs/design.md). At gguf_q8 one row runs ggml's gemv and
+# more rows the multi-row kernel (models/kernels/gguf_matmul.cc), which the Qwen pair's measured
+# costs put at 1.35-1.47 steps over 2 tokens, 1.71-2.11 over 3 and 2.25-2.57 over 4 (batch 1,
+# the 2-core EPYC, 2026-11-28): 0.35 a token at least. On accelerators a call over a few tokens
+# costs about one step.
+PRIOR_VERIFY_STEP = {"cpu": 0.15, ("cpu", "gguf_q8"): 0.35}
 ACCELERATOR_VERIFY_STEP = 0.02
 
 
 def prior_costs(target, drafter, draft_params, sizes: CostSizes) -> Costs:
     """Costs to plan with before any were measured or observed, from the weights alone: the
-    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP), a drafter call over
+    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP: by backend and the
+    target's precision), a drafter call over
     w tokens (Drafter.call_bytes over the target's weight bytes) * (1 + (w - 1) * slope), nothing
     for a drafter without model calls (call_bytes 0). step_seconds is a
     placeholder (the controller times the plain round before it uses it)."""
-    slope = PRIOR_VERIFY_STEP.get(jax.default_backend(), ACCELERATOR_VERIFY_STEP)
+    backend = jax.default_backend()
+    slope = PRIOR_VERIFY_STEP.get(
+        (backend, target.config.dtype), PRIOR_VERIFY_STEP.get(backend, ACCELERATOR_VERIFY_STEP)
+    )
     share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
 
     def call(width: int) -> float:

@@ -12,7 +12,7 @@ from conftest import perturbed
 
 import models
 import spec_jax
-from spec_jax import autogamma, step_costs
+from spec_jax import autogamma, step_costs, timing
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.step_costs import CostSizes
@@ -109,6 +109,36 @@ def test_a_cache_of_ratios_as_kept_before_is_observed_again_from_the_prior(small
     entry.path.write_text(json.dumps(payload))
     got = step_costs.cost_entry(target, drafter, params, sizes, tmp_path, measure_now=False)
     assert got.source == "prior" and got.costs == entry.prior and got.round_seconds == {}
+
+
+class ShareDrafter(ModelDrafter):
+    """A draft model priced at a fixed share of the target's weight bytes."""
+
+    def __init__(self, config, share_of, share):
+        super().__init__(config)
+        self.share_bytes = int(share * timing.tree_bytes(share_of.params))
+
+    def call_bytes(self, params):
+        return self.share_bytes
+
+
+def test_the_cpu_prior_prices_a_gguf_q8_verify_at_the_multirow_kernels_cost(small_pair):
+    """At gguf_q8 a CPU verify over more than one token runs the multi-row kernel, not ggml's
+    one-row gemv: the prior prices each extra token at 0.35 steps (int8: 0.15). With the Qwen
+    pair's share of weight bytes (0.42), drafting could pay at a good draft's acceptance at int8
+    but not at gguf_q8, so a gguf_q8 call never runs (or prefills) the draft."""
+    target, draft = small_pair
+    sizes = CostSizes(1, 64)
+    priors = {}
+    for dtype in ("int8", "gguf_q8"):
+        model = dataclasses.replace(target, config=dataclasses.replace(target.config, dtype=dtype))
+        drafter = ShareDrafter(draft.config, model, 0.42)
+        priors[dtype] = step_costs.prior_costs(model, drafter, draft.params, sizes)
+    assert priors["int8"].verify[1] == pytest.approx(1.15) and priors["gguf_q8"].verify[1] == pytest.approx(
+        1.35
+    )
+    assert autogamma.Controller(priors["int8"], 8).phase == "plain_first"
+    assert autogamma.Controller(priors["gguf_q8"], 8).phase == "never"
 
 
 def test_a_runs_timed_rounds_leave_out_each_arms_first_chunk_and_arms_of_one_chunk():
