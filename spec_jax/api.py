@@ -209,16 +209,23 @@ def measured(target, plan: Plan) -> Plan:
     cached for its batch and cache size, or the prior where none are (controller_for with
     measure=False: nothing is measured before the run); a drafter that would not pay even
     with a good draft is dropped (plain decoding)."""
-    policy = plan.policy
-    if not policy.auto:
+    if not plan.policy.auto:
         return plan
-    batch = len(plan.prompts)
-    controller = controller_for(target, plan.drafter, plan.draft_params, policy, batch, plan.cache_len, False)
-    if controller.phase == "never":  # drafting would not pay even with a good draft: never run it
-        return dataclasses.replace(
-            plan, controller=controller, drafter=NoDrafter(target.config.vocab_size), draft_params=None
-        )
-    return dataclasses.replace(plan, controller=controller)
+    n = len(plan.prompts)
+    found = bucket_controllers(
+        target, plan.drafter, plan.draft_params, plan.policy, [n], plan.cache_len, False
+    )
+    return dataclasses.replace(plan, controller=found[0][n], drafter=found[1], draft_params=found[2])
+
+
+def bucket_controllers(target, drafter, draft_params, policy, batches, slots: int, measure: bool = True):
+    """({batch: controller_for(..., batch, slots, measure)} for each of batches, drafter,
+    draft_params): the drafter dropped (NoDrafter, None) where drafting would not pay at any of
+    them even at a good draft's acceptance (controller phase "never"): it never runs."""
+    found = {b: controller_for(target, drafter, draft_params, policy, b, slots, measure) for b in batches}
+    if all(c.phase == "never" for c in found.values()):
+        drafter, draft_params = NoDrafter(target.config.vocab_size), None
+    return found, drafter, draft_params
 
 
 def _place(target, plan: Plan, seed: int, max_new_tokens: int):

@@ -10,7 +10,7 @@ running of each row's E (capped at what the row may still commit) over the secon
 
 What a round costs. Each chunk's time over its rounds is a measured round of that gamma: the
 drafter's and the target's calls and the loop's own work (sampling and the rejection rule over
-[gamma + 1, V], the commit, the drafter's state). Chunks are timed by work_clock: the process's
+[gamma + 1, V], the commit, the drafter's state). Chunks are timed by timing.work_clock: the process's
 CPU time on a CPU backend, so that other jobs on a shared machine do not sway the choice, wall
 time on an accelerator. A gamma is timed as the fastest of its last chunks. A gamma not yet run is predicted from the
 model calls measured offline (`Costs`, once per machine, pair, batch bucket and cache-length bucket, cached

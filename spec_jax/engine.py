@@ -4,8 +4,7 @@ batching at the granularity of chunks of rounds).
 It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
 prefill, the loop, the drafter's catch-up; one of each per row bucket), the measured costs
 (gamma=auto: one Controller per row bucket, from the costs measured at that batch; a drafter
-that would not pay at any bucket even with a good draft is dropped, as spec_jax.generate drops
-it) and a
+that would not pay at any bucket even at a good draft's acceptance is dropped, as generate does) and a
 table of max_batch row slots (spec_jax.table.Table: one SpecState over the busy slots).
 
   submit(request) -> Handle     validates the request against the model, queues it
@@ -103,12 +102,8 @@ class Engine:
         self.controllers = {}  # gamma=auto: one per row bucket, from the costs measured at its batch
         if policy.auto:
             slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
-            for n in self.buckets:
-                self.controllers[n] = api.controller_for(target, drafter, draft_params, policy, n, slots)
-            if all(c.phase == "never" for c in self.controllers.values()):
-                # Drafting would not pay at any batch even with a good draft (as spec_jax.generate
-                # decides): the drafter never runs, so nothing prefills or holds its state either.
-                drafter, draft_params = NoDrafter(vocab), None
+            found = api.bucket_controllers(target, drafter, draft_params, policy, self.buckets, slots)
+            self.controllers, drafter, draft_params = found  # the drafter dropped where it never pays
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
@@ -135,8 +130,7 @@ class Engine:
 
     @property
     def drafts(self) -> bool:
-        """Whether the engine has a drafter that runs: False without one, or where gamma=auto
-        found that drafting would not pay at any row bucket even with a good draft."""
+        """Whether the engine has a drafter that runs (not where gamma=auto dropped it)."""
         return not isinstance(self._runner.static.drafter, NoDrafter)
 
     @property

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import autogamma, sharding, step_costs
+from spec_jax import autogamma, sharding, timing
 from spec_jax.decode import PrefillInputs
 from spec_jax.drafting import NoDrafter
 from spec_jax.executables import compiled
@@ -89,13 +89,13 @@ class Runner:
             in_shardings=in_shardings,
             out_shardings=in_shardings[2],
         )
-        start, work = time.perf_counter(), step_costs.work_clock()
+        start, work = time.perf_counter(), timing.work_clock()
         state = jax.block_until_ready(fn(*args))
-        return state, compile_s, time.perf_counter() - start, step_costs.work_clock() - work
+        return state, compile_s, time.perf_counter() - start, timing.work_clock() - work
 
     def resume(self, draft_state, state: SpecState, synced_b, width: int):
         """(the drafter's state caught up on the text committed without it, compile seconds,
-        step_costs.work_clock seconds of the run)."""
+        timing.work_clock seconds of the run)."""
         synced = sharding.put(np.asarray(synced_b, np.int32), sharding.batch_sharding(self.mesh, 1))
         inputs = self.inputs
         args = (self.draft_params, draft_state, inputs.tokens, inputs.prompt_lens, state.out.tokens)
@@ -109,9 +109,9 @@ class Runner:
             in_shardings=in_shardings,
             out_shardings=in_shardings[1],
         )
-        start = step_costs.work_clock()
+        start = timing.work_clock()
         draft_state = jax.block_until_ready(fn(*args))
-        return draft_state, compile_s, step_costs.work_clock() - start
+        return draft_state, compile_s, timing.work_clock() - start
 
 
 def observed(state: SpecState):
@@ -130,7 +130,7 @@ def decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecSta
     Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
     the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
     ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
-    "resume_seconds": what the catch-ups took by step_costs.work_clock}).
+    "resume_seconds": what the catch-ups took by timing.work_clock}).
     """
     catch_up = CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
     compile_s = 0.0

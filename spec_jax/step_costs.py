@@ -1,6 +1,6 @@
 """The costs gamma=auto (spec_jax.autogamma) plans with: each model call of a round in target
 decode steps, once per machine, model pair, precision, batch bucket and cache-length bucket,
-cached under `$SPEC_JAX_CACHE/costs/`; and the clock chunks are timed by.
+cached under `$SPEC_JAX_CACHE/costs/` (chunks are timed by spec_jax.timing.work_clock).
 
 Where they come from (CostEntry.source):
 - "measured": `measure` timed every call offline (costs_for: on first use, before the run; the
@@ -12,8 +12,7 @@ Where they come from (CostEntry.source):
   and nothing runs beside the run to skew its timings (on 2 cores a concurrent measurement would
   share the cores and the memory bandwidth with the very rounds it is meant to price).
 
-This module measures and caches; it chooses nothing. The controllers that choose each chunk's
-gamma or tree from these costs are spec_jax.autogamma's.
+This module measures and caches; it chooses nothing (spec_jax.autogamma's controllers choose).
 """
 
 import dataclasses
@@ -23,7 +22,6 @@ import math
 import os
 import pathlib
 import sys
-import time
 import warnings
 
 import jax
@@ -262,35 +260,29 @@ def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # stale, damaged or edited
         warnings.warn(f"gamma=auto: cached costs {path} are not usable ({e}); not using them", stacklevel=3)
         return None
-    if source == "observed" and not seconds:  # ratios to one run's plain round, as kept before
-        return CostEntry(prior, "prior", path, key, prior)  # the seconds were: observed again
+    if source == "observed" and not seconds:  # ratios to a run's plain round, as kept before: anew
+        return CostEntry(prior, "prior", path, key, prior)
     return CostEntry(costs, source, path, key, prior, seconds)
 
 
 # The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
-# steps (per backend and, where the CPU kernels' rows cost differently, precision; others:
+# steps (by backend, and precision where the CPU kernels' rows cost differently; others:
 # ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight bytes over the target's,
-# times the same growth. The int8 Qwen pair measured 1.3-1.45 steps for a verify over 5 tokens
-# and 2.6 over 9 on the 2-core EPYC (docs/design.md). At gguf_q8 one row runs ggml's gemv and
-# more rows the multi-row kernel (models/kernels/gguf_matmul.cc), which the Qwen pair's measured
-# costs put at 1.35-1.47 steps over 2 tokens, 1.71-2.11 over 3 and 2.25-2.57 over 4 (batch 1,
-# the 2-core EPYC, 2026-11-28): 0.35 a token at least. On accelerators a call over a few tokens
-# costs about one step.
+# times the same growth. On the 2-core EPYC the int8 Qwen pair measured 1.3-1.45 steps over 5
+# tokens (docs/design.md); at gguf_q8 (ggml's gemv for one row, the multi-row kernel for more)
+# 1.35-1.47 over 2 and 2.25-2.57 over 4 (2026-11-28). Accelerators: about one step.
 PRIOR_VERIFY_STEP = {"cpu": 0.15, ("cpu", "gguf_q8"): 0.35}
 ACCELERATOR_VERIFY_STEP = 0.02
 
 
 def prior_costs(target, drafter, draft_params, sizes: CostSizes) -> Costs:
     """Costs to plan with before any were measured or observed, from the weights alone: the
-    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP: by backend and the
-    target's precision), a drafter call over
-    w tokens (Drafter.call_bytes over the target's weight bytes) * (1 + (w - 1) * slope), nothing
-    for a drafter without model calls (call_bytes 0). step_seconds is a
-    placeholder (the controller times the plain round before it uses it)."""
-    backend = jax.default_backend()
-    slope = PRIOR_VERIFY_STEP.get(
-        (backend, target.config.dtype), PRIOR_VERIFY_STEP.get(backend, ACCELERATOR_VERIFY_STEP)
-    )
+    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP, by backend and the
+    target's precision), a drafter call over w tokens (Drafter.call_bytes over the target's
+    weight bytes) * (1 + (w - 1) * slope), nothing for a drafter without model calls. step_seconds
+    is a placeholder (the controller times the plain round before it uses it)."""
+    key = (jax.default_backend(), target.config.dtype)
+    slope = PRIOR_VERIFY_STEP.get(key, PRIOR_VERIFY_STEP.get(key[0], ACCELERATOR_VERIFY_STEP))
     share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
 
     def call(width: int) -> float:
@@ -341,9 +333,8 @@ def calibrated(prior: Costs, rounds: dict[str, float], resume: float | None = No
 @dataclasses.dataclass
 class CostEntry:
     """The costs a controller plans with and their cache file: `source` is "measured",
-    "observed" or "prior" (module docstring); `round_seconds` the fastest seconds per round each
-    arm took over the runs (arms as in _arm_cost), and `rounds` what an observed entry is
-    calibrated by: each of them over the fastest plain round of the runs (costs.step_seconds)."""
+    "observed" or "prior" (module docstring); `round_seconds` each arm's fastest seconds a round
+    over the runs (arms as in _arm_cost), `rounds` those over costs.step_seconds."""
 
     costs: Costs
     source: str
@@ -359,25 +350,20 @@ class CostEntry:
     def record(self, step_seconds: float, rounds: dict[str, float], resume: float | None = None) -> None:
         """After a run: takes in its timed rounds (seconds per round over its plain round's, per
         arm that drafted; step_seconds: its plain round; resume: a catch-up call over a plain
-        round, where one ran) and caches the prior calibrated by them and by those of earlier
-        runs. Each arm, and the plain round, keeps its fastest seconds over the runs (the least
-        disturbed, as `measure` keeps the fastest of its repeats), and an arm is priced by the
-        ratio of the two: the fastest ratio would keep for good the run whose plain round a
-        passing load slowed, pricing drafting below its cost in every later run. Measured costs
-        are kept as they are, and a run that timed no drafting arm changes nothing."""
+        round, where one ran) and caches the prior calibrated by them and earlier runs'. Each arm
+        and the plain round keep their fastest seconds over the runs (the least disturbed), and
+        an arm is priced by their ratio (the fastest ratio kept for good a run whose plain round a
+        passing load slowed). Measured costs stay as they are; a run with no drafting arm timed
+        changes nothing."""
         rounds = {str(k): float(v) for k, v in rounds.items() if math.isfinite(v) and v > 0}
         if self.source == "measured" or not rounds or not (math.isfinite(step_seconds) and step_seconds > 0):
             return
-        step = float(step_seconds)
-        fastest = min(step, self.costs.step_seconds) if self.source == "observed" else step
-        seconds = {a: v * step for a, v in rounds.items()}
-        self.round_seconds = {
-            **self.round_seconds,
-            **{a: min(v, self.round_seconds.get(a, v)) for a, v in seconds.items()},
-        }
+        fastest = min(step_seconds, self.costs.step_seconds) if self.source == "observed" else step_seconds
+        for a, v in rounds.items():
+            self.round_seconds[a] = min(v * step_seconds, self.round_seconds.get(a, v * step_seconds))
         ratios = {a: v / fastest for a, v in self.round_seconds.items()}
         costs = calibrated(self.prior, ratios, resume if resume is None or math.isfinite(resume) else None)
-        self.costs, self.source = dataclasses.replace(costs, step_seconds=fastest), "observed"
+        self.costs, self.source = dataclasses.replace(costs, step_seconds=float(fastest)), "observed"
         self.save()
 
     def save(self) -> None:
@@ -412,11 +398,3 @@ def checked_costs(saved: dict, gamma_max: int, tree_sizes: tuple[int, ...] = ())
     if min(positive) <= 0 or min(free) < 0:
         raise ValueError("a cost is not positive")
     return costs
-
-
-def work_clock() -> float:
-    """The clock gamma=auto times chunks with, in seconds: this process's CPU time on a CPU
-    backend (the work of all its threads, not the time other jobs on a shared machine take from
-    it, so that the choice does not follow their load), wall time on an accelerator (whose work
-    the host does not see)."""
-    return time.process_time() if jax.default_backend() == "cpu" else time.perf_counter()

@@ -20,6 +20,14 @@ from models.transformer import forward, init_cache
 from spec_jax.sampling import warp
 
 
+def work_clock() -> float:
+    """The clock gamma=auto times chunks with, in seconds: this process's CPU time on a CPU
+    backend (the work of all its threads, not the time other jobs on a shared machine take from
+    it, so that the choice does not follow their load), wall time on an accelerator (whose work
+    the host does not see)."""
+    return time.process_time() if jax.default_backend() == "cpu" else time.perf_counter()
+
+
 def spread(values) -> dict:
     """{"median", "min", "max"} of a non-empty sequence of numbers."""
     values = list(values)
