@@ -64,7 +64,13 @@ extern "C" void ggml_quantize_mat_q8_K_4x8(const float* x, void* vy, int64_t k);
 
 namespace {
 
-constexpr int64_t kRowsPerChunk = 32;  // weight rows per task
+constexpr int64_t kRowsPerChunk = 32;  // weight rows per task where a task dequantizes its rows to floats
+// Weight rows per task of the block products (EachTile), or fewer where that would leave a thread
+// idle: a task streams its rows' blocks from memory, and longer runs keep the prefetchers ahead
+// (the lm head, 151936 Q6_K rows at K 1536, one row of x: 8.3 ms in tasks of 32 rows, 6.1 in 256,
+// 5.9 in 2048; a decode step of the Qwen 1.5B at gguf_q8 35.1 against 33.6 ms with 256, medians
+// of 30 interleaved; docs/benchmarks.md).
+constexpr int64_t kRowsPerTile = 256;
 constexpr int64_t kXBlock = 64;        // rows of x per pass over a chunk (their bytes stay in L2)
 constexpr int64_t kInterleavedChunk = 256;  // weight rows per task on the interleaved path (~220 KB at K 1536)
 
@@ -471,12 +477,15 @@ void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bl
 }
 #endif  // AVX-512 VNNI
 
-// fn(m0, m1, n0, n1) over chunks of kRowsPerChunk weight rows (on XLA's threads), each taking the
-// rows of x in passes of kXBlock.
+// fn(m0, m1, n0, n1) over tasks of kRowsPerTile weight rows (fewer, in multiples of 32, where a
+// thread would be left without one) on XLA's threads, each taking the rows of x in passes of
+// kXBlock. Each output is computed alone: which task holds it never changes its bits.
 template <typename F>
-void EachTile(ffi::ThreadPool& pool, int64_t chunks, int64_t m_rows, int64_t n_dim, const F& fn) {
-  spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
-    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
+void EachTile(ffi::ThreadPool& pool, int64_t m_rows, int64_t n_dim, const F& fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_task = std::min(kRowsPerTile, std::max<int64_t>(32, ((n_dim + threads - 1) / threads + 31) / 32 * 32));
+  spec_jax::ParallelChunks(pool, (n_dim + per_task - 1) / per_task, [&](int64_t c) {
+    const int64_t n0 = c * per_task, n1 = std::min(n_dim, n0 + per_task);
     for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) fn(m0, std::min(m_rows, m0 + kXBlock), n0, n1);
   });
 }
@@ -600,7 +609,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || (type == GGML_TYPE_Q6_K && m_rows > 1))) {
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       const int64_t blocks = k_dim / 256;
-      EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+      EachTile(pool, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
         if (type == GGML_TYPE_Q4_K) {
           MultiRow(w, row_bytes, xb, blocks, m0, m1, n0, n1, y, n_dim);
         } else {
@@ -611,7 +620,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     }
 #endif
     const ggml_vec_dot_t dot = traits->vec_dot;
-    EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    EachTile(pool, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * row_bytes;
         for (int64_t m = m0; m < m1; ++m) {
@@ -624,7 +633,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
   } else {
 #ifdef SPEC_JAX_MULTIROW
     if (!ggml_dot && (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K)) {
-      EachTile(pool, chunks, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+      EachTile(pool, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
         if (type == GGML_TYPE_Q4_K) {
           FaithfulRows<true>(w, row_bytes, x, k_dim, m0, m1, n0, n1, y, n_dim);
         } else {
