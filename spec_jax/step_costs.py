@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from models import machine, registry
-from models.kernels import cpu_matmul
+from models.kernels import builds, cpu_matmul
 from spec_jax import theory, timing
 
 GAMMA_MAX = 8  # the longest chain whose verify call is measured: the largest gamma auto considers
@@ -110,18 +110,18 @@ def cost_batch(batch: int) -> int:
 
 
 def machine_key() -> dict:
-    """What the costs depend on besides the models: the device, the core count, jax, and the
-    CPU matmul kernel's build: its source and the instruction set it is built for
-    ($SPEC_JAX_CPU_ISA or the CPU's widest; a faster kernel makes the cached costs stale). A
-    model's own build (ModelConfig.cpu_isa) is in timing.model_key."""
-    device = jax.devices()[0]
+    """What the costs depend on besides the models: the device, the core count, jax, and on a CPU
+    the kernels' builds (the instruction set the CPU matmul kernel runs, $SPEC_JAX_CPU_ISA or the
+    CPU's widest, and builds.build_digest: a faster kernel makes the cached costs stale)."""
+    cpu = jax.default_backend() == "cpu"
     return {
         "backend": jax.default_backend(),
-        "device_kind": device.device_kind,
+        "device_kind": jax.devices()[0].device_kind,
         "cpu": machine.cpu_model(),
         "cores": os.cpu_count(),
         "jax": jax.__version__,
-        "cpu_matmul": cpu_matmul.library_path().stem if jax.default_backend() == "cpu" else None,
+        "cpu_matmul": cpu_matmul.library_path().stem if cpu else None,
+        "kernels": builds.build_digest() if cpu else None,
     }
 
 

@@ -68,7 +68,7 @@ def run_chunk(controller, acceptance, extra_steps=0.0, remaining=100):
 
 
 def test_the_cached_costs_are_keyed_by_the_kernel_build(monkeypatch):
-    from models.kernels import cpu_matmul
+    from models.kernels import cpu_matmul, gguf_matmul
 
     keys = {}
     for isa in cpu_matmul.ISAS:  # the key names the build; nothing is built or run
@@ -76,6 +76,11 @@ def test_the_cached_costs_are_keyed_by_the_kernel_build(monkeypatch):
         keys[isa] = step_costs.machine_key()
         assert f"-{isa}-" in keys[isa]["cpu_matmul"]
     assert step_costs.cache_path(keys["avx2"]) != step_costs.cache_path(keys["avx512"])
+    # The GGUF kernel's build too: a faster product makes the costs measured with the old stale.
+    monkeypatch.setenv(cpu_matmul.ISA_ENV, "avx512")
+    assert step_costs.machine_key() == keys["avx512"]
+    monkeypatch.setattr(gguf_matmul, "library_path", lambda cache_dir=None: pathlib.Path("gguf_matmul-0.so"))
+    assert step_costs.cache_path(step_costs.machine_key()) != step_costs.cache_path(keys["avx512"])
 
 
 @pytest.fixture
