@@ -9,9 +9,9 @@ fail (CI has compilers) while those of the XLA path (gguf_blocks) do not need it
 """
 
 import ast
+import concurrent.futures
 import math
 import pathlib
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -178,20 +178,16 @@ def test_products_run_at_once_from_several_threads_keep_their_bits():
         for i in range(8)
     ]
     alone = [[np.asarray(y) for y in three(x)] for x in xs]
-    failures = []
 
-    def worker(t):
-        for r in range(25):
-            i = (t + r) % len(xs)
-            if any(not np.array_equal(np.asarray(y), a) for y, a in zip(three(xs[i]), alone[i], strict=True)):
-                failures.append((t, r))
+    def worker(t):  # the (thread, repeat) pairs whose outputs differ from the program's alone
+        calls = [(r, (t + r) % len(xs)) for r in range(25)]
+        return [(t, r) for r, i in calls if any(map(differ, three(xs[i]), alone[i]))]
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not failures
+    def differ(y, a):
+        return not np.array_equal(np.asarray(y), a)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert [f for found in pool.map(worker, range(4)) for f in found] == []
 
 
 @pytest.mark.parametrize("k", [256, 1536])

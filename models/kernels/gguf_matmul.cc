@@ -477,13 +477,19 @@ void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bl
 }
 #endif  // AVX-512 VNNI
 
+// Weight rows per task over n_dim rows: `most`, or fewer where that would leave one of the pool's
+// threads without a task, in multiples of `multiple`.
+int64_t RowsPerTask(ffi::ThreadPool& pool, int64_t n_dim, int64_t most, int64_t multiple) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  return std::min(most, std::max(multiple, ((n_dim + threads - 1) / threads + multiple - 1) / multiple * multiple));
+}
+
 // fn(m0, m1, n0, n1) over tasks of kRowsPerTile weight rows (fewer, in multiples of 32, where a
 // thread would be left without one) on XLA's threads, each taking the rows of x in passes of
 // kXBlock. Each output is computed alone: which task holds it never changes its bits.
 template <typename F>
 void EachTile(ffi::ThreadPool& pool, int64_t m_rows, int64_t n_dim, const F& fn) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_task = std::min(kRowsPerTile, std::max<int64_t>(32, ((n_dim + threads - 1) / threads + 31) / 32 * 32));
+  const int64_t per_task = RowsPerTask(pool, n_dim, kRowsPerTile, 32);
   spec_jax::ParallelChunks(pool, (n_dim + per_task - 1) / per_task, [&](int64_t c) {
     const int64_t n0 = c * per_task, n1 = std::min(n_dim, n0 + per_task);
     for (int64_t m0 = 0; m0 < m_rows; m0 += kXBlock) fn(m0, std::min(m_rows, m0 + kXBlock), n0, n1);
@@ -534,7 +540,6 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
   // live row then has the bits a call of all M rows gives it) and zeroes the extra ones after.
   const int64_t live = spec_jax::LiveRows(*live_buf.typed_data(), xd[0], n_dim, y);
   const int64_t m_rows = gemm ? std::min<int64_t>(xd[0], (live + 3) / 4 * 4) : live;
-  const int64_t chunks = (n_dim + kRowsPerChunk - 1) / kRowsPerChunk;
 
   if (quantize_x) {
     const auto* traits = ggml_get_type_traits_cpu(type);
@@ -561,8 +566,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       // (the k and v products' 256 rows: 2 tasks of 128), in multiples of 16 so that each column
       // goes through the same code of ggml's gemm and gemv (16 columns at a time in their AVX-512
       // loops, a remainder of 8 in their AVX2 loop) as with kInterleavedChunk: the same bits.
-      const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-      const int64_t per_task = std::min(kInterleavedChunk, std::max<int64_t>(16, ((n_dim + threads - 1) / threads + 15) / 16 * 16));
+      const int64_t per_task = RowsPerTask(pool, n_dim, kInterleavedChunk, 16);
       const int64_t tasks = (n_dim + per_task - 1) / per_task;
       std::vector<uint8_t> x4(grouped * x_bytes);
       for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
@@ -645,7 +649,7 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
 #endif
     const ggml_to_float_t to_float = ggml_get_type_traits(type)->to_float;
     const ggml_vec_dot_t dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
-    spec_jax::ParallelChunks(pool, chunks, [&](int64_t c) {
+    spec_jax::ParallelChunks(pool, (n_dim + kRowsPerChunk - 1) / kRowsPerChunk, [&](int64_t c) {
       const int64_t n0 = c * kRowsPerChunk, n1 = std::min(n_dim, n0 + kRowsPerChunk);
       std::vector<float> rows((n1 - n0) * k_dim);  // the chunk's weight rows, dequantized once
       for (int64_t n = n0; n < n1; ++n) to_float(w + n * row_bytes, rows.data() + (n - n0) * k_dim, k_dim);
