@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx2
 import ml_collections
 import numpy as np
 import openai
@@ -206,8 +207,11 @@ async def stream_one(
 
 async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, extra=None):
     """`prompts` through `concurrency` concurrent streams: (outcomes in prompt order, wall seconds)."""
+    # A connection per request: llama-server closes kept-alive connections now and then as the
+    # next request goes out on one, which the client then reports as a connection error.
+    fresh = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
     client = openai.AsyncOpenAI(
-        base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S, http_client=fresh
     )
     order = asyncio.Queue()
     for i in range(len(prompts)):
@@ -374,8 +378,11 @@ def same_texts(texts: dict, ours: str, prompts: list[str], config, url: str) -> 
 async def overload(url: str, model: str, prompts: list[str], slots: int, max_tokens: int) -> dict:
     """2 x slots concurrent streams, plus three bursts of `slots` more while they run: the count of
     each outcome (completed, 429, anything else) and /health afterwards."""
+    # A connection per request: llama-server closes kept-alive connections now and then as the
+    # next request goes out on one, which the client then reports as a connection error.
+    fresh = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
     client = openai.AsyncOpenAI(
-        base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S, http_client=fresh
     )
     async with client:
         tasks = [
