@@ -212,10 +212,10 @@ def measured(target, plan: Plan) -> Plan:
     if not plan.policy.auto:
         return plan
     n = len(plan.prompts)
-    found = bucket_controllers(
+    controllers, drafter, draft_params = bucket_controllers(
         target, plan.drafter, plan.draft_params, plan.policy, [n], plan.cache_len, False
     )
-    return dataclasses.replace(plan, controller=found[0][n], drafter=found[1], draft_params=found[2])
+    return dataclasses.replace(plan, controller=controllers[n], drafter=drafter, draft_params=draft_params)
 
 
 def bucket_controllers(target, drafter, draft_params, policy, batches, slots: int, measure: bool = True):
