@@ -205,14 +205,19 @@ async def stream_one(
     return Outcome(200, tokens, ttft, tpot, end - start, "".join(pieces), drafted, accepted)
 
 
-async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, extra=None):
-    """`prompts` through `concurrency` concurrent streams: (outcomes in prompt order, wall seconds)."""
-    # A connection per request: llama-server closes kept-alive connections now and then as the
-    # next request goes out on one, which the client then reports as a connection error.
+def load_client(url: str) -> openai.AsyncOpenAI:
+    """The load's client: no retries, and a connection per request (llama-server closes kept-alive
+    connections now and then as the next request goes out on one, which the client would report
+    as a connection error)."""
     fresh = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
-    client = openai.AsyncOpenAI(
+    return openai.AsyncOpenAI(
         base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S, http_client=fresh
     )
+
+
+async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, extra=None):
+    """`prompts` through `concurrency` concurrent streams: (outcomes in prompt order, wall seconds)."""
+    client = load_client(url)
     order = asyncio.Queue()
     for i in range(len(prompts)):
         order.put_nowait(i)
@@ -378,12 +383,7 @@ def same_texts(texts: dict, ours: str, prompts: list[str], config, url: str) -> 
 async def overload(url: str, model: str, prompts: list[str], slots: int, max_tokens: int) -> dict:
     """2 x slots concurrent streams, plus three bursts of `slots` more while they run: the count of
     each outcome (completed, 429, anything else) and /health afterwards."""
-    # A connection per request: llama-server closes kept-alive connections now and then as the
-    # next request goes out on one, which the client then reports as a connection error.
-    fresh = openai.DefaultAsyncHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
-    client = openai.AsyncOpenAI(
-        base_url=url + "/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S, http_client=fresh
-    )
+    client = load_client(url)
     async with client:
         tasks = [
             asyncio.create_task(stream_one(client, model, prompts[i % len(prompts)], max_tokens))
