@@ -27,8 +27,15 @@ def cpuinfo(path: str = "/proc/cpuinfo") -> dict[str, str] | None:
 
 
 def cpu_model() -> str:
-    """The CPU's model name ("AMD EPYC 7B13"), else platform.processor() (may be "")."""
-    return (cpuinfo() or {}).get("model name") or platform.processor()
+    """The CPU's model name with its family and model numbers ("AMD EPYC (family 26, model 2)"),
+    else platform.processor() (may be ""). The numbers tell generations apart where a cloud VM's
+    name does not: this project's "AMD EPYC" has been a Zen 4 (family 25) and a Zen 5 (family 26),
+    whose 512-bit instructions differ in cost, so timings and cached costs must not mix them."""
+    info = cpuinfo() or {}
+    name = info.get("model name") or platform.processor()
+    if name and "cpu family" in info and "model" in info:
+        return f"{name} (family {info['cpu family']}, model {info['model']})"
+    return name
 
 
 def cpu_flags() -> frozenset[str] | None:

@@ -10,6 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 85
 model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz
 flags\t\t: fpu avx2 fma avx512f
 
@@ -34,7 +36,20 @@ def test_cpu_model_and_flags_read_this_machine_through_the_one_reader():
         assert machine.cpu_flags() is None and isinstance(machine.cpu_model(), str)
     else:
         assert machine.cpu_flags() == frozenset(info.get("flags", "").split())
-        assert machine.cpu_model() == (info.get("model name") or machine.platform.processor())
+        name = info.get("model name") or machine.platform.processor()
+        assert machine.cpu_model().startswith(name)
+        if "cpu family" in info:
+            assert f"family {info['cpu family']}, model {info['model']}" in machine.cpu_model()
+
+
+def test_cpu_model_names_the_family_and_model_so_that_generations_do_not_mix(tmp_path, monkeypatch):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    read = machine.cpuinfo.__wrapped__  # uncached: the file changes below
+    monkeypatch.setattr(machine, "cpuinfo", lambda: read(str(path)))
+    assert machine.cpu_model() == "Intel(R) Xeon(R) CPU @ 2.20GHz (family 6, model 85)"
+    path.write_text(CPUINFO.replace("cpu family\t: 6\n", ""))  # no family: the name alone
+    assert machine.cpu_model() == "Intel(R) Xeon(R) CPU @ 2.20GHz"
 
 
 def test_no_module_but_models_machine_opens_proc_cpuinfo():
