@@ -7,14 +7,17 @@ relative to its own one-row call. Every call reads a different copy of the weigh
 --rotate_mb of copies, so the weight comes from memory as in a model's step.
 
 Paths: Q4_K `interleaved` (what models use on an AVX-512 VNNI CPU, on ggml's block_q4_Kx8
-layout: ggml's gemv for one row of x, the multi-row kernel with gemv's bits for more), `gemm`
+layout: the multi-row kernel with gemv's bits, and for one row of x either it or ggml's gemv,
+as gguf_matmul.one_row_own chooses for this CPU; the header says which), `gemm`
 (ggml's own prefill product on that layout: rows in groups of 4 through ggml's gemm, which takes
 16 rows at a time in its AVX-512 loop and 4 at a time otherwise; a prefill's products take it on
 a CPU without the multi-row kernel), `gemv`
 (ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per row of x), `multirow` (the
 multi-row kernel on the file's own layout) and `vec_dot` (ggml's vec_dot per (row, column));
-Q6_K `multirow` (what models use: vec_dot for one row, the multi-row kernel with vec_dot's bits
-for more) and `vec_dot`.
+Q6_K `multirow` (what models use: the multi-row kernel with vec_dot's bits, and for one row
+either it or vec_dot, as for Q4_K) and `vec_dot`. So at M=1 `interleaved` against `gemv`
+and `multirow` against `vec_dot` compare the two one-row kernels (SPEC_JAX_GGUF_ONE_ROW=ggml|own
+fixes the choice).
 Shapes are the Qwen2.5-Coder-1.5B matrices. Run it alone: the machine's other load shows in
 the figures (read the ratios).
 
@@ -34,6 +37,7 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from models import machine  # noqa: E402
 from models.kernels import gguf_matmul  # noqa: E402
 from spec_jax import timing  # noqa: E402
 
@@ -66,7 +70,9 @@ def main():
         parser.error("the GGUF kernel is unavailable here (see the warning above)")
     rows = [int(m) for m in args.rows.split(",")]
     rng = np.random.default_rng(0)
+    one_row = "the multi-row kernel" if gguf_matmul.one_row_own() else "ggml's gemv / vec_dot"
     print(f"{jax.local_device_count()} device(s), jax {jax.__version__}; median ms of {args.repeats}")
+    print(f"{machine.cpu_model()}; one-row products (M=1) of interleaved and multirow: {one_row}")
     print()
     print("| type | N x K | path | " + " | ".join(f"M={m} ms (x M={rows[0]})" for m in rows) + " |")
     print("|---|---|---|" + "---|" * len(rows))

@@ -11,7 +11,10 @@ fail (CI has compilers) while those of the XLA path (gguf_blocks) do not need it
 import ast
 import concurrent.futures
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ from models.kernels import gguf_blocks, gguf_matmul
 from models.precision import BlockWeight
 from spec_jax import executables, speculative
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 EPS32 = 2.0**-24  # float32's unit roundoff
 # (type, K): the K-quants take 256-value blocks, Q5_0 / Q8_0 32-value ones; two or more blocks a row.
 TYPES = [(T.Q4_K, 512), (T.Q6_K, 768), (T.Q5_0, 96), (T.Q8_0, 160)]
@@ -203,6 +207,51 @@ def test_interleaved_q4k_rows_are_ggml_gemvs_bits_whatever_the_row_count(k):
     reference = np.asarray(gemv(jnp.asarray(x)))
     for m in range(1, 17):
         np.testing.assert_array_equal(np.asarray(own(jnp.asarray(x[:m]))), reference[:m], err_msg=f"{m} rows")
+
+
+ONE_ROW_CHECK = """
+import numpy as np, jax, jax.numpy as jnp
+from gguf import GGMLQuantizationType as T
+from models.kernels import gguf_matmul as g
+assert g.available()
+rng = np.random.default_rng(18)
+same = []
+for t, n, k in ((T.Q4_K, 264, 1536), (T.Q6_K, 40, 1536)):
+    data = g.quantize(rng.standard_normal((n, k)).astype(np.float32), t.value)
+    il = t == T.Q4_K
+    w = jnp.asarray(g.interleave_q4k(data) if il else data)
+    x = jnp.asarray(rng.standard_normal((1, k)).astype(np.float32) * 3)
+    own = g.matmul(x, w, t.value, True, interleaved=il)
+    ggml = g.matmul(x, w, t.value, True, ggml_dot=True, interleaved=il)
+    same.append(bool(np.array_equal(np.asarray(own), np.asarray(ggml))))
+print(g.one_row_own(), *same)
+"""
+
+
+@pytest.mark.parametrize("choice", ["ggml", "own"])
+def test_a_one_row_product_has_ggmls_bits_whichever_kernel_runs_it(choice):
+    """A decode step's one-row products run ggml's own (gemv for interleaved Q4_K, vec_dot for
+    Q6_K) or the multi-row kernel, whichever the CPU runs faster (gguf_matmul.one_row_own). Both
+    must give the row ggml's bits. $SPEC_JAX_GGUF_ONE_ROW fixes the choice (a process of its own
+    each, since the kernel reads it once), so both are checked on any CPU."""
+    if not kernel().multirow():
+        pytest.skip("this CPU has no multi-row build (AVX-512 VNNI): one-row products are ggml's")
+    env = {**os.environ, gguf_matmul.ONE_ROW_ENV: choice}
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_ROW_CHECK], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [str(choice == "own"), "True", "True"]
+
+
+def test_an_unknown_one_row_choice_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv(gguf_matmul.ONE_ROW_ENV, "fast")
+    with pytest.raises(
+        ValueError, match=r"\$SPEC_JAX_GGUF_ONE_ROW must be one of ggml, own \(or unset\), got 'fast'"
+    ):
+        gguf_matmul.one_row_setting()
+    monkeypatch.setenv(gguf_matmul.ONE_ROW_ENV, "own")
+    assert gguf_matmul.one_row_setting() == "own"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 16])  # gemm's groups of 4 and gemv's remainder

@@ -12,8 +12,9 @@
 //   quantize_x = 1 (precision "gguf_q8"): each row of x is quantized once per call to the weight
 //     type's vec_dot_type (Q8_K for the K-quants, Q8_0 for Q4_0 / Q5_0 / Q8_0: 8-bit values with
 //     a scale per block of 256 / 32) and multiplied with integer dot products, as llama.cpp
-//     decodes: Q4_K and Q6_K (more than one row of x: one row runs vec_dot, whose bits the
-//     Q6_K kernel reproduces) by this file's multi-row kernels (AVX-512 VNNI, below), the other
+//     decodes: Q4_K and Q6_K by this file's multi-row kernels (AVX-512 VNNI, below; one row of
+//     Q6_K: that kernel or ggml's vec_dot, whose bits it reproduces, whichever is faster on this
+//     CPU: OwnOneRow), the other
 //     types (and every type with ggml_dot = 1, the reference the tests compare with) by ggml's
 //     own vec_dot, one call per (row of x, row of W).
 //   interleaved = 1 (Q4_K at gguf_q8, on a CPU): the weight's rows in groups of 8 with their blocks
@@ -21,7 +22,7 @@
 //     SpecJaxGgufInterleaveQ4K below writes it), over chunks of kInterleavedChunk weight rows,
 //     multiplied by this file's multi-row kernel (Q4Kx8Group: each block unpacked once for up to
 //     8 rows of x, each row given exactly the bits of ggml's ggml_gemv_q4_K_8x8_q8_K, which a
-//     one-row call runs itself (faster for one row), as ggml_dot = 1 does for every row). With
+//     one-row call may run itself (OwnOneRow), as ggml_dot = 1 does for every row). With
 //     bulk = 1 (a prefill, whose rows nothing compares with a decode step's) on a CPU without
 //     that kernel, or with ggml_dot = 1 on any CPU, rows of x in groups of 4 go through ggml's
 //     ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from gemv's in the last places), the rest
@@ -41,9 +42,12 @@
 #include <type_traits>
 #include <atomic>
 #include <cstdint>
+#include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -475,6 +479,55 @@ void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bl
     Q6KGroup<decltype(rows)::value>(w, row_bytes, xq, blocks, m, n0, n1, y, n_dim);
   });
 }
+
+// ---------------------------------------------------------------------------------------------
+// Which kernel a product of one row of x runs: ggml's own (gemv for interleaved Q4_K, vec_dot for
+// Q6_K) or this file's multi-row kernel, which gives that row the same bits. Which is faster
+// depends on how the CPU runs 512-bit instructions. A Zen 4 runs them in two passes, and there
+// ggml's one-row products (256-bit) were faster. A Zen 5 runs them whole, and there this file's
+// made the Qwen 1.5B's decode step 25.8-27.9 ms against 31.5-33.3 ms with ggml's (the Q4_K
+// products nearly all of it; docs/benchmarks.md, "A Zen 5"). So each process times 512-bit
+// against 256-bit vpdpbusd once (about 0.1 ms): this file's kernels for one row where a 512-bit
+// one costs under 1.5 times a 256-bit one.
+// $SPEC_JAX_GGUF_ONE_ROW=ggml or own fixes the choice instead (models/kernels/gguf_matmul.py
+// checks the value). A row's bits are the same either way.
+template <typename V, typename Dot>
+double DotChainsSeconds(const Dot& dot) {
+  constexpr int kChains = 12, kSteps = 4000;  // independent chains: throughput, not latency
+  V acc[kChains] = {};
+  V a, b;
+  std::memset(&a, 1, sizeof(a));
+  std::memset(&b, 2, sizeof(b));
+  double best = 1e30;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kSteps; ++i) {
+      for (int c = 0; c < kChains; ++c) {
+        acc[c] = dot(acc[c], a, b);
+        asm volatile("" : "+v"(acc[c]));
+      }
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+bool FullWidth512() {
+  const double wide = DotChainsSeconds<__m512i>([](__m512i s, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(s, a, b); });
+  const double half = DotChainsSeconds<__m256i>([](__m256i s, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(s, a, b); });
+  return wide < 1.5 * half;
+}
+
+// Whether a one-row product runs this file's kernel (true) or ggml's.
+bool OwnOneRow() {
+  static const bool own = [] {
+    const char* fixed = std::getenv("SPEC_JAX_GGUF_ONE_ROW");
+    const std::string_view v = fixed ? fixed : "";
+    if (v == "own" || v == "ggml") return v == "own";
+    return FullWidth512();
+  }();
+  return own;
+}
 #endif  // AVX-512 VNNI
 
 // Weight rows per task over n_dim rows: `most`, or fewer where that would leave one of the pool's
@@ -572,9 +625,9 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
       const int64_t blocks = k_dim / 256;
 #ifdef SPEC_JAX_MULTIROW
-      // This file's multi-row kernel (gemv's bits) for 2 or more rows of x left after gemm's;
-      // one row runs ggml's gemv itself (faster for one row).
-      const bool own = !ggml_dot && m_rows - grouped > 1;
+      // This file's multi-row kernel (gemv's bits) for 2 or more rows of x left after gemm's; one
+      // row runs whichever of it and ggml's gemv is faster on this CPU (OwnOneRow).
+      const bool own = !ggml_dot && m_rows - grouped > (OwnOneRow() ? 0 : 1);
       std::vector<int16_t> bs32(own ? m_rows * blocks * 8 : 0);
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       for (int64_t m = own ? grouped : m_rows; m < m_rows; ++m) {
@@ -609,8 +662,9 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       return ffi::Error::Success();
     }
 #ifdef SPEC_JAX_MULTIROW
-    // Q6_K: one row by ggml's vec_dot (faster for one row), more by Q6KRows (the same bits).
-    if (!ggml_dot && (type == GGML_TYPE_Q4_K || (type == GGML_TYPE_Q6_K && m_rows > 1))) {
+    // Q6_K: more than one row by Q6KRows, one by it or ggml's vec_dot (the same bits), whichever
+    // is faster on this CPU (OwnOneRow).
+    if (!ggml_dot && (type == GGML_TYPE_Q4_K || (type == GGML_TYPE_Q6_K && (m_rows > 1 || OwnOneRow())))) {
       const auto* xb = reinterpret_cast<const BlockQ8K*>(xs);
       const int64_t blocks = k_dim / 256;
       EachTile(pool, m_rows, n_dim, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
@@ -765,6 +819,16 @@ extern "C" size_t SpecJaxGgufInterleaveQ4K(const uint8_t* src, uint8_t* dst, int
 extern "C" int SpecJaxGgufMultirow() {
 #ifdef SPEC_JAX_MULTIROW
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether one-row products of interleaved Q4_K and Q6_K run this file's kernels on this CPU
+// (OwnOneRow) rather than ggml's; 0 without the multi-row build (ggml's, always).
+extern "C" int SpecJaxGgufOneRowOwn() {
+#ifdef SPEC_JAX_MULTIROW
+  return OwnOneRow() ? 1 : 0;
 #else
   return 0;
 #endif

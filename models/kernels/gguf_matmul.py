@@ -33,6 +33,8 @@ from models.kernels import libraries, llama_cpp
 SOURCE = pathlib.Path(__file__).with_name("gguf_matmul.cc")
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 MATMUL_TARGET, ROWS_TARGET = "spec_jax_gguf_matmul", "spec_jax_gguf_rows"
+# Fixes which kernel a product of one row runs (one_row_own); unset: the kernel decides.
+ONE_ROW_ENV, ONE_ROW_CHOICES = "SPEC_JAX_GGUF_ONE_ROW", ("ggml", "own")
 
 
 class KernelUnavailable(RuntimeError):
@@ -74,9 +76,21 @@ def build(cache_dir=None) -> pathlib.Path:
     return libraries.verified_build(library_path(cache_dir), compile_to)
 
 
+def one_row_setting() -> str | None:
+    """$SPEC_JAX_GGUF_ONE_ROW (None where unset or empty); ValueError for a value the kernel
+    does not know, which it would otherwise ignore."""
+    value = os.environ.get(ONE_ROW_ENV) or None
+    if value is not None and value not in ONE_ROW_CHOICES:
+        raise ValueError(
+            f"${ONE_ROW_ENV} must be one of {', '.join(ONE_ROW_CHOICES)} (or unset), got {value!r}"
+        )
+    return value
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library with its targets registered, or why it cannot be."""
+    one_row_setting()
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelUnavailable, OSError) as e:
@@ -84,6 +98,7 @@ def _library() -> ctypes.CDLL | str:
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufRows), platform="cpu")
     library.SpecJaxGgufMultirow.restype = ctypes.c_int
+    library.SpecJaxGgufOneRowOwn.restype = ctypes.c_int
     library.SpecJaxGgufQuantize.restype = ctypes.c_size_t
     library.SpecJaxGgufQuantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -103,6 +118,17 @@ def multirow() -> bool:
     weight block (its AVX-512 VNNI build), rather than one ggml product per row."""
     library = _library()
     return not isinstance(library, str) and bool(library.SpecJaxGgufMultirow())
+
+
+def one_row_own() -> bool:
+    """Whether a product of one row of activations (a decode step's) runs the multi-row kernel
+    rather than ggml's own one-row product (gemv for interleaved Q4_K, vec_dot for Q6_K); the
+    row's bits are the same either way. The kernel takes its own where this CPU runs 512-bit
+    instructions whole (a Zen 5: faster there; a Zen 4 runs them in two passes, and ggml's
+    256-bit products were faster), measured once per process, unless $SPEC_JAX_GGUF_ONE_ROW
+    (ggml or own) fixes it. False without the multi-row build."""
+    library = _library()
+    return not isinstance(library, str) and bool(library.SpecJaxGgufOneRowOwn())
 
 
 @functools.cache
