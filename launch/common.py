@@ -172,9 +172,13 @@ def run(main, compilation_cache: bool = True, config_overrides: bool = False):
             result = main(argv)
             raise_if_interrupted()
             return result
-        except ValueError as e:  # includes UsageError
-            fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
         except Exception as e:
+            # An error after a signal is the interruption's: Interrupted raised inside jax's
+            # lowering can leave it to fail on its own half-built state instead (seen in the
+            # suite: SIGTERM during compile, then "'int' object has no attribute '_get_vars'").
+            raise_if_interrupted()
+            if isinstance(e, ValueError):  # includes UsageError
+                fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
             if not isinstance(e, unavailable):
                 raise
             fail(str(e).splitlines()[0] if str(e) else type(e).__name__, code=1)

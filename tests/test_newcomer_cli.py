@@ -218,6 +218,22 @@ common.run(main, compilation_cache=False)
 """
 
 
+AN_ERROR_AFTER_THE_SIGNAL = """
+import os, signal
+from launch import common
+
+def main(argv):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # Interrupted is raised here ...
+        for _ in range(10_000):
+            pass
+    finally:  # ... and a library's cleanup fails on its half-built state, replacing it
+        raise AttributeError("'int' object has no attribute '_get_vars'")
+
+common.run(main, compilation_cache=False)
+"""
+
+
 def _interrupted_script(code: str) -> subprocess.CompletedProcess:
     """code run by a fresh Python in the checkout; asserts it ended as a SIGINT ends a run (130)."""
     proc = subprocess.run(
@@ -242,6 +258,15 @@ def test_a_signal_that_lands_in_a_gc_callback_still_ends_the_run():
     the handler sends the signal again instead, so the run ends with 130 and one line."""
     proc = _interrupted_script(SIGNAL_IN_A_GC_CALLBACK)
     assert "finished" not in proc.stdout and "Exception ignored" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("interrupted (SIGINT); nothing written")
+
+
+def test_an_error_that_follows_a_signal_is_reported_as_the_interruption():
+    """Interrupted raised inside jax's lowering (SIGTERM while compiling) can be replaced by an
+    error of jax's own half-built state, as a failing cleanup replaces it here; the run still
+    ends as the signal ends it (130 and one line, no traceback), not as a crash (exit 1)."""
+    proc = _interrupted_script(AN_ERROR_AFTER_THE_SIGNAL)
+    assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].endswith("interrupted (SIGINT); nothing written")
 
 
