@@ -546,8 +546,10 @@ double DotChainsSeconds(const Dot& dot) {
 }
 
 bool FullWidth512() {
-  const double wide = DotChainsSeconds<__m512i>([](__m512i s, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(s, a, b); });
-  const double half = DotChainsSeconds<__m256i>([](__m256i s, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(s, a, b); });
+  const double wide =
+      DotChainsSeconds<__m512i>([](__m512i s, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(s, a, b); });
+  const double half =
+      DotChainsSeconds<__m256i>([](__m256i s, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(s, a, b); });
   return wide < 1.5 * half;
 }
 
