@@ -120,7 +120,8 @@ def huge_page_empty(shape, dtype) -> np.ndarray:
     (Linux MADV_HUGEPAGE, its start 2 MB-aligned), or np.empty where it is under HUGE_PAGE bytes
     or the OS has no such advice. A decode step streams every weight from memory once: on 4 KB
     pages (a file's memory map, or malloc's) that is a TLB miss every 4 KB, on 2 MB pages one
-    every 2 MB (the decode step ~10% faster on this project's 2-core EPYC, docs/benchmarks.md).
+    every 2 MB (the decode step ~10% faster on this project's 2-core Zen 4 EPYC, 1-2% on its Zen 5;
+    docs/benchmarks.md).
     Where the kernel finds no free huge page it falls back to 4 KB pages: the same values either
     way. The array is an ordinary writable numpy array over the mapping, which it keeps alive."""
     dtype = np.dtype(dtype)
