@@ -43,11 +43,9 @@
 #include <atomic>
 #include <cstdint>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <string_view>
 #include <vector>
 
 #include "cpu_parallel.h"
@@ -504,7 +502,7 @@ void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bl
     return;
   }
   thread_local std::vector<__m256> lanes;  // the lanes between spans, reused
-  lanes.resize(std::max<size_t>(lanes.size(), (m1 - m0) * nn));
+  if (lanes.size() < static_cast<size_t>((m1 - m0) * nn)) lanes.resize((m1 - m0) * nn);
   for (int64_t b0 = 0; b0 < blocks; b0 += span) {
     const int64_t b1 = std::min(blocks, b0 + span);
     InRowGroups(m0, m1, [&](auto rows, int64_t m) {
@@ -523,8 +521,8 @@ void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bl
 // products nearly all of it; docs/benchmarks.md, "A Zen 5"). So each process times 512-bit
 // against 256-bit vpdpbusd once (about 0.1 ms): this file's kernels for one row where a 512-bit
 // one costs under 1.5 times a 256-bit one.
-// $SPEC_JAX_GGUF_ONE_ROW=ggml or own fixes the choice instead (models/kernels/gguf_matmul.py
-// checks the value). A row's bits are the same either way.
+// SpecJaxGgufFixOneRow fixes the choice instead (models/kernels/gguf_matmul.py: from
+// $SPEC_JAX_GGUF_ONE_ROW, before any product). A row's bits are the same either way.
 template <typename V, typename Dot>
 double DotChainsSeconds(const Dot& dot) {
   constexpr int kChains = 12, kSteps = 4000;  // independent chains: throughput, not latency
@@ -554,14 +552,11 @@ bool FullWidth512() {
   return wide < 1.5 * half;
 }
 
-// Whether a one-row product runs this file's kernel (true) or ggml's.
+std::atomic<int> fixed_one_row{-1};  // SpecJaxGgufFixOneRow's: 0 ggml's, 1 own, -1 measured
+
+// Whether a one-row product runs this file's kernel (true) or ggml's: decided at the first.
 bool OwnOneRow() {
-  static const bool own = [] {
-    const char* fixed = std::getenv("SPEC_JAX_GGUF_ONE_ROW");
-    const std::string_view v = fixed ? fixed : "";
-    if (v == "own" || v == "ggml") return v == "own";
-    return FullWidth512();
-  }();
+  static const bool own = fixed_one_row.load() >= 0 ? fixed_one_row.load() == 1 : FullWidth512();
   return own;
 }
 #endif  // AVX-512 VNNI
@@ -857,6 +852,13 @@ extern "C" int SpecJaxGgufMultirow() {
   return 1;
 #else
   return 0;
+#endif
+}
+
+// Fixes OwnOneRow's choice (0 ggml's, 1 this file's) where called before the first product.
+extern "C" void SpecJaxGgufFixOneRow(int own) {
+#ifdef SPEC_JAX_MULTIROW
+  fixed_one_row.store(own);
 #endif
 }
 

@@ -77,8 +77,8 @@ def build(cache_dir=None) -> pathlib.Path:
 
 
 def one_row_setting() -> str | None:
-    """$SPEC_JAX_GGUF_ONE_ROW (None where unset or empty); ValueError for a value the kernel
-    does not know, which it would otherwise ignore."""
+    """$SPEC_JAX_GGUF_ONE_ROW (None where unset or empty; the kernel then decides), read here
+    only and handed to the kernel when it loads; ValueError for any other value."""
     value = os.environ.get(ONE_ROW_ENV) or None
     if value is not None and value not in ONE_ROW_CHOICES:
         raise ValueError(
@@ -90,11 +90,13 @@ def one_row_setting() -> str | None:
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded library with its targets registered, or why it cannot be."""
-    one_row_setting()
+    fixed = one_row_setting()
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelUnavailable, OSError) as e:
         return str(e)
+    if fixed is not None:  # before the first product, which decides otherwise
+        library.SpecJaxGgufFixOneRow(ctypes.c_int(ONE_ROW_CHOICES.index(fixed)))
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.SpecJaxGgufRows), platform="cpu")
     library.SpecJaxGgufMultirow.restype = ctypes.c_int
