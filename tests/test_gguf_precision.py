@@ -271,6 +271,37 @@ def test_ggml_gemm_on_interleaved_q4k_agrees_with_ggml_vec_dot(rows):
     np.testing.assert_allclose(y, ggml, rtol=1e-5, atol=1e-5 * np.abs(ggml).max())
 
 
+@pytest.mark.parametrize(
+    "ggml_type, interleaved, ggml_dot, bulk, rows_apart",
+    [
+        (T.Q4_K, True, False, False, 1),  # the multi-row kernel; apart: one row (gemv's bits)
+        (T.Q6_K, False, False, False, 1),
+        (T.Q4_K, True, True, True, 8),  # ggml's gemm: rows in groups of 4 (quantize_mat_q8_K_4x8)
+    ],
+)
+def test_rows_of_x_quantized_on_several_threads_keep_their_bits(
+    ggml_type, interleaved, ggml_dot, bulk, rows_apart
+):
+    """x is quantized on XLA's threads where its rows hold at least 32K values (EachXRow in
+    gguf_matmul.cc), on the calling thread below: 24 rows of K 2816 (67K values) give each row
+    the bits of the same rows multiplied a few at a time (8 rows: 22.5K values). A row quantized
+    into another row's place, or left unquantized, shows as a row that differs."""
+    k = 2816
+    data, _ = blocks(ggml_type, 64, k, seed=40)
+    w = jnp.asarray(kernel().interleave_q4k(data) if interleaved else data)
+    x = np.random.default_rng(41).standard_normal((24, k)).astype(np.float32) * 3
+    call = jax.jit(
+        lambda x: kernel().matmul(
+            x, w, ggml_type.value, True, ggml_dot=ggml_dot, interleaved=interleaved, bulk=bulk
+        )
+    )
+    together = np.asarray(call(jnp.asarray(x)))
+    apart = np.concatenate(
+        [np.asarray(call(jnp.asarray(x[i : i + rows_apart]))) for i in range(0, 24, rows_apart)]
+    )
+    np.testing.assert_array_equal(together, apart)
+
+
 # (type, K, quantize_x, interleaved, bulk, ggml_dot): every path of the kernel's product, ggml's
 # gemm (the last) included: it computes the live rows rounded up to its groups of 4.
 LIVE_PATHS = [

@@ -483,19 +483,22 @@ void Q6KGroup(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t b
   }
 }
 
-// Rows [m0, m1) of y at columns [n0, n1). Where the rows of x a group reads over a whole weight
-// row would not stay in L1 (8 rows of the 8960-value down projection: 82 KB), the blocks go in
-// spans of kXTileBytes of x per group, each span over every group and weight row in turn, so
-// that a group's x stays in L1 and the task's weights of a span in L2 for the next group (16
-// rows at 1536 x 8960 on the Zen 5: 2.6-3.0 ms before, 2.0 in spans, against 1.5-1.6 at 8960 x
-// 1536). Each (row, column) still adds its blocks in order into vec_dot's lanes: the same bits.
+// Rows [m0, m1) of y at columns [n0, n1). Where there are several groups of rows and the rows of
+// x a group reads over a whole weight row would not stay in L1 (8 rows of the 8960-value down
+// projection: 82 KB), the blocks go in spans of kXTileBytes of x per group, each span over every
+// group and weight row in turn, so that a group's x stays in L1 and the task's weights of a span
+// in L2 for the next group (16 rows at 1536 x 8960 on the Zen 5: 2.6-3.0 ms before, 2.0 in
+// spans, against 1.5-1.6 at 8960 x 1536). One group (a verification call) reads each weight row
+// once anyway, and there spans only broke the rows' streams into pieces: a model call over 3
+// positions cost 47-51 ms with them and 44-46 without (docs/benchmarks.md, "A Zen 5"). Each
+// (row, column) still adds its blocks in order into vec_dot's lanes: the same bits.
 constexpr int64_t kXTileBytes = 24 << 10;
 
 void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t m1,
              int64_t n0, int64_t n1, float* y, int64_t n_dim) {
   const int64_t nn = n1 - n0, group = std::min<int64_t>(kGroup, m1 - m0);
   const int64_t span = std::max<int64_t>(1, kXTileBytes / (group * static_cast<int64_t>(sizeof(BlockQ8K))));
-  if (blocks <= span) {
+  if (blocks <= span || m1 - m0 <= kGroup) {
     InRowGroups(m0, m1, [&](auto rows, int64_t m) {
       Q6KGroup<decltype(rows)::value, false>(w, row_bytes, xq, blocks, 0, blocks, m, n0, n1, nullptr, y, n_dim);
     });
@@ -560,6 +563,23 @@ bool OwnOneRow() {
   return own;
 }
 #endif  // AVX-512 VNNI
+
+// fn(m) for the rows m = m0, m0 + step, ... below m1 of x (quantizing them): on XLA's threads
+// where they hold at least kParallelValues values, else on the calling thread. A row's bytes
+// do not depend on the thread. Quantizing a value to Q8_K costs about 0.9 ns on the Zen 5, so a
+// prefill chunk's rows (32 x 8960 for the down projection: 0.25 ms) kept one of two threads
+// waiting on the other.
+constexpr int64_t kParallelValues = 1 << 15;
+
+template <typename F>
+void EachXRow(ffi::ThreadPool& pool, int64_t m0, int64_t m1, int64_t step, int64_t k_dim, const F& fn) {
+  const int64_t rows = m1 > m0 ? (m1 - m0 + step - 1) / step : 0;
+  if (rows > 1 && rows * step * k_dim >= kParallelValues) {
+    spec_jax::ParallelChunks(pool, rows, [&](int64_t i) { fn(m0 + i * step); });
+  } else {
+    for (int64_t i = 0; i < rows; ++i) fn(m0 + i * step);
+  }
+}
 
 // Weight rows per task over n_dim rows: `most`, or fewer where that would leave one of the pool's
 // threads without a task, in multiples of `multiple`.
@@ -633,13 +653,13 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
     // below, so the one-row quantization here skips them.
     const int64_t grouped = gemm ? m_rows / 4 * 4 : 0;
     std::vector<uint8_t> xq(m_rows * x_bytes);
-    for (int64_t m = grouped; m < m_rows; ++m) {
+    EachXRow(pool, grouped, m_rows, 1, k_dim, [&](int64_t m) {
       if (xt == GGML_TYPE_F32) {
         std::memcpy(xq.data() + m * x_bytes, x + m * k_dim, x_bytes);
       } else {
         ggml_get_type_traits_cpu(xt)->from_float(x + m * k_dim, xq.data() + m * x_bytes, k_dim);
       }
-    }
+    });
     const uint8_t* xs = xq.data();
     if (interleaved) {
       if (type != GGML_TYPE_Q4_K || n_dim % 8 != 0 || k_dim % 256 != 0) {
@@ -653,7 +673,8 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       const int64_t per_task = RowsPerTask(pool, n_dim, kInterleavedChunk, 16);
       const int64_t tasks = (n_dim + per_task - 1) / per_task;
       std::vector<uint8_t> x4(grouped * x_bytes);
-      for (int64_t m = 0; m < grouped; m += 4) ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim);
+      EachXRow(pool, 0, grouped, 4, k_dim,
+               [&](int64_t m) { ggml_quantize_mat_q8_K_4x8(x + m * k_dim, x4.data() + m * x_bytes, k_dim); });
       const int64_t blocks = k_dim / 256;
 #ifdef SPEC_JAX_MULTIROW
       // This file's multi-row kernel (gemv's bits) for 2 or more rows of x left after gemm's; one
