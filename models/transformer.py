@@ -81,8 +81,8 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Module):
-    """A [V, D] table read by row (the input embedding) or as the output head ([B, T, D] -> [B,
-    T, V]); its name (embed, lm_head) is its weight table entry."""
+    """A [V, D] table read by row (the input embedding), or the output head's weight (head_logits);
+    its name (embed, lm_head) is its weight table entry."""
 
     config: ModelConfig
 
@@ -96,9 +96,6 @@ class Embedding(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             x = x * jnp.asarray(self.config.embedding_multiplier, x.dtype)
         return x
-
-    def attend(self, x_btd):
-        return precision.linear(x_btd, self.embedding, 1, self.config)
 
 
 def inv_freq(head_dim: int, theta: float, divisors=None):
@@ -302,18 +299,25 @@ class Transformer(nn.Module):
                     (x, cache), i, positions_bt, kv_lengths_b, tree, live
                 )
         x = features_btd = RMSNorm(cfg, name="final_norm")(x)
+        features = features_btd if with_features else None
+        if isinstance(logits_at, str):  # "none"
+            return ForwardOutput(logits=None, cache=cache, features=features)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-        with jax.named_scope("lm_head"):
-            if head is not None:
-                logits = precision.linear(x, head, 1, cfg)
-            else:  # an untied head is a second [V, D] table, read the way a tied one is
-                logits = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).attend(x)
-        if cfg.logits_scaling != 1.0:
-            logits = logits / jnp.asarray(cfg.logits_scaling, logits.dtype)
-        return ForwardOutput(
-            logits=logits.astype(jnp.float32), cache=cache, features=features_btd if with_features else None
-        )
+        if head is None:  # an untied head is a second [V, D] table, read the way a tied one is
+            head = (embed if cfg.tie_embeddings else Embedding(cfg, name="lm_head")).embedding
+        return ForwardOutput(logits=head_logits(cfg, head, x), cache=cache, features=features)
+
+
+def head_logits(config: ModelConfig, head, features_btd):
+    """Logits [..., V] float32 of final-normed features through an output weight head [V, D]
+    (output_head(config, params), or a trimmed one): forward's last step, and what a caller
+    that asked forward for no logits (logits_at="none") computes where it needs them."""
+    with jax.named_scope("lm_head"):
+        logits = precision.linear(features_btd, head, 1, config)
+    if config.logits_scaling != 1.0:
+        logits = logits / jnp.asarray(config.logits_scaling, logits.dtype)
+    return logits.astype(jnp.float32)
 
 
 def output_head(config: ModelConfig, params):
@@ -364,7 +368,8 @@ def forward(
     Positions must be contiguous within a row (t, t+1, ...). Keys/values of the T tokens are
     written at their positions; each query sees keys at positions <= its own.
     logits_at: optional [B, K] indices into T; only those positions get logits (prefill
-    needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large).
+    needs one per row, and a [B, T, V] float32 tensor over a 150k vocabulary is large); "none":
+    no logits (out.logits None; head_logits computes them from out.features where needed).
     head: optional output weight [R, D] (any precision) used instead of the model's own
     head: logits are then [..., R] (a vocabulary-trimmed draft, spec_jax.drafting.model).
     with_features: also return the last hidden state after the final norm at every
