@@ -300,7 +300,9 @@ class Transformer(nn.Module):
                 )
         x = features_btd = RMSNorm(cfg, name="final_norm")(x)
         features = features_btd if with_features else None
-        if isinstance(logits_at, str):  # "none"
+        if isinstance(logits_at, str):
+            if logits_at != "none":
+                raise ValueError(f'forward: logits_at must be indices, None or "none", got {logits_at!r}')
             return ForwardOutput(logits=None, cache=cache, features=features)
         if logits_at is not None:
             x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)

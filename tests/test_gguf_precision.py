@@ -715,7 +715,7 @@ def test_multirow_q6k_rows_are_ggml_vec_dots_bits_whatever_the_row_count():
     """The multi-row Q6_K kernel gives each row exactly the bits of ggml's own vec_dot (so a
     one-row call may run vec_dot and a verification call the multi-row kernel), for every row
     count 1..16 (groups of 8 and remainders) and rows of 1, 6 and 11 blocks (11: more than the
-    10 blocks of 8 rows of x a span holds, so the blocks go in two spans, Q6KRows)."""
+    10 blocks of 8 rows of x a span holds, so from 9 rows on the blocks go in two spans, Q6KRows)."""
     for k in (256, 1536, 2816):
         data, _ = blocks(T.Q6_K, 40, k, seed=16)
         x = np.random.default_rng(17).standard_normal((16, k)).astype(np.float32) * 3

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import models
-from models.transformer import attention_impl, forward, init_cache
+from models.transformer import attention_impl, forward, head_logits, init_cache, output_head
 from spec_jax import decode
 
 
@@ -94,3 +94,21 @@ def test_live_tokens_takes_one_row_only(model):
     positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
     with pytest.raises(ValueError, match="live_tokens needs one row of tokens, got 2"):
         forward(model.config, model.params, tokens, positions, init_cache(model.config, 2, 8), live_tokens=3)
+
+
+def test_forward_without_logits_gives_the_features_head_logits_reads(model):
+    """logits_at="none" (what prefill_rows asks for): no logits, and head_logits over the
+    features gives forward's own logits bit for bit; any other string is one clear error."""
+    cfg, params = model.config, model.params
+    tokens = jnp.asarray(_prompts([7], 8)[0])
+    positions = jnp.arange(8, dtype=jnp.int32)[None]
+    full = forward(cfg, params, tokens, positions, init_cache(cfg, 1, 8))
+    bare = forward(
+        cfg, params, tokens, positions, init_cache(cfg, 1, 8), logits_at="none", with_features=True
+    )
+    assert bare.logits is None
+    np.testing.assert_array_equal(
+        np.asarray(head_logits(cfg, output_head(cfg, params), bare.features)), np.asarray(full.logits)
+    )
+    with pytest.raises(ValueError, match="logits_at"):
+        forward(cfg, params, tokens, positions, init_cache(cfg, 1, 8), logits_at="last")

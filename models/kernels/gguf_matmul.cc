@@ -485,20 +485,19 @@ void Q6KGroup(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t b
 
 // Rows [m0, m1) of y at columns [n0, n1). Where there are several groups of rows and the rows of
 // x a group reads over a whole weight row would not stay in L1 (8 rows of the 8960-value down
-// projection: 82 KB), the blocks go in spans of kXTileBytes of x per group, each span over every
+// projection: 82 KB), the blocks go in spans of 24 KB of x per group, each span over every
 // group and weight row in turn, so that a group's x stays in L1 and the task's weights of a span
 // in L2 for the next group (16 rows at 1536 x 8960 on the Zen 5: 2.6-3.0 ms before, 2.0 in
 // spans, against 1.5-1.6 at 8960 x 1536). One group (a verification call) reads each weight row
 // once anyway, and there spans only broke the rows' streams into pieces: a model call over 3
 // positions cost 47-51 ms with them and 44-46 without (docs/benchmarks.md, "A Zen 5"). Each
 // (row, column) still adds its blocks in order into vec_dot's lanes: the same bits.
-constexpr int64_t kXTileBytes = 24 << 10;
+constexpr int64_t kSpanBlocks = (24 << 10) / (kGroup * sizeof(BlockQ8K));  // 24 KB of x per group
 
 void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t blocks, int64_t m0, int64_t m1,
              int64_t n0, int64_t n1, float* y, int64_t n_dim) {
-  const int64_t nn = n1 - n0, group = std::min<int64_t>(kGroup, m1 - m0);
-  const int64_t span = std::max<int64_t>(1, kXTileBytes / (group * static_cast<int64_t>(sizeof(BlockQ8K))));
-  if (blocks <= span || m1 - m0 <= kGroup) {
+  const int64_t nn = n1 - n0, span = kSpanBlocks;
+  if (m1 - m0 <= kGroup || blocks <= span) {
     InRowGroups(m0, m1, [&](auto rows, int64_t m) {
       Q6KGroup<decltype(rows)::value, false>(w, row_bytes, xq, blocks, 0, blocks, m, n0, n1, nullptr, y, n_dim);
     });
