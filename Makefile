@@ -19,6 +19,12 @@ STAMP := $(VENV)/.installed-$(PLATFORM)
 # demo imports a fraction of them, which Python compiles (and caches) as it first imports them.
 DEMO_EXTRAS := $(if $(filter-out cpu,$(PLATFORM)),$(PLATFORM))
 DEMO_STAMP := $(VENV)/.installed-demo-$(PLATFORM)
+# Each install ends by starting the build of the CPU kernels (ggml from llama.cpp's source and the
+# GGUF kernel: `auto` precision's gguf_q8) in a process of its own, so that it runs while the demo
+# downloads the weights or the suite's set-up installs the compile-only plugins; a run that needs
+# a kernel before its build is done waits for it (issue 53: no short run falls back to int8).
+# Nothing where it is built already or cannot be (no cmake or C/C++ compiler: the run says so once).
+BUILD_KERNELS := $(VENV)/bin/python -m models.kernels.build --background
 
 .PHONY: demo test test-slow lint
 .PHONY: compile-sweep device-check
@@ -26,11 +32,13 @@ DEMO_STAMP := $(VENV)/.installed-demo-$(PLATFORM)
 $(STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
+	$(BUILD_KERNELS)
 	touch $(STAMP)
 
 $(DEMO_STAMP): setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.$(if $(DEMO_EXTRAS),[$(DEMO_EXTRAS)])'
+	$(BUILD_KERNELS)
 	touch $(DEMO_STAMP)
 
 demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))

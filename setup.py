@@ -10,6 +10,11 @@ setup(
     # first use (models/kernels/cpu_matmul.py, gguf_matmul.py). tests/test_install.py checks the
     # wheel holds every one.
     package_data={"models.kernels": ["*.cc", "*.h"], "experiments": ["prompts/*.jsonl"]},
+    # Builds this machine's CPU kernels now rather than in the first run (ggml from llama.cpp's
+    # source in the registry's sdist with cmake, the GGUF kernel, the int8 kernel): what `make
+    # demo` / `make test` start after installing. Not a step of `pip install` itself: the build
+    # is native to the CPU and cached per user (models/kernels/build.py says why).
+    entry_points={"console_scripts": ["spec-jax-build-kernels = models.kernels.build:cli"]},
     # What the main job (launch.generate, launch.train, models, spec_jax) imports.
     install_requires=[
         "jax",

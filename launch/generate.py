@@ -382,7 +382,7 @@ def load_model(name: str, dtype: str, batch: int = 1, mesh=None, flag: str = "--
     if dtype == "auto":
         if name in registry.MODELS:  # the weights first: their download's error is reported
             registry.fetch_gguf(name)
-        auto = models.auto_precision(name, batch, devices, flag=flag, tokens=batch * FLAGS.max_new_tokens)
+        auto = models.auto_precision(name, batch, devices, flag=flag)
         if auto.note and jax.process_index() == 0:
             print(auto.note, file=sys.stderr)
         dtype = auto.precision

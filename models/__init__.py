@@ -10,7 +10,7 @@ import jax
 
 from models import hf_checkpoint, hf_config, precision, registry, sources, weights
 from models.config import ModelConfig
-from models.kernels import gguf_matmul, llama_cpp, target
+from models.kernels import gguf_matmul, target
 from models.transformer import ForwardOutput, forward, init_cache, init_params, stack_layers, unstack_layers
 
 
@@ -193,11 +193,9 @@ def _layer_layout(host_params, config, name: str, dtype: str):
     return host_params if config.scan_layers else unstack_layers(host_params, config.num_layers)
 
 
-def fastest_precision(
-    name: str, batch: int = 1, devices: int = 1, platform: str | None = None, tokens: int | None = None
-) -> str:
+def fastest_precision(name: str, batch: int = 1, devices: int = 1, platform: str | None = None) -> str:
     """auto_precision(...).precision: the precision the entry points' `auto` means."""
-    return auto_precision(name, batch, devices, platform, tokens=tokens).precision
+    return auto_precision(name, batch, devices, platform).precision
 
 
 def auto_precision(
@@ -206,7 +204,6 @@ def auto_precision(
     devices: int = 1,
     platform: str | None = None,
     flag: str = "dtype",
-    tokens: int | None = None,
 ):
     """What `auto` means for model `name` here (models.precision.choose_auto decides; this reads
     the source): a models.precision.AutoPrecision, its precision and its start-up note.
@@ -224,9 +221,12 @@ def auto_precision(
     (experiments/results/gguf/heldout_decode, autogamma/heldout). int8 for a random preset, a mesh
     of several devices, a CPU without cmake or a compiler, and a checkpoint folder or hub id (no
     GGUF blocks to read; the note names the flag for its own precision). The same for a local
-    GGUF file as for a registry model. On a CPU, int8 also where the GGUF kernel would not pay
-    (gguf_kernel_pays: a toy model, or a run of `tokens` too short to pay for the kernel's first
-    build)."""
+    GGUF file as for a registry model. On a CPU, int8 also for a toy GGUF (gguf_kernel_pays).
+    Asking builds the GGUF kernel where it is not built yet and can be (ggml with cmake, then the
+    kernel: a progress line each, about 2 minutes on 2 cores, once per machine; `make demo`,
+    `make test` and `python -m models.kernels.build` build it at set-up): a run of any length
+    gets gguf_q8 from the first. Where it cannot be built (no cmake or C++ compiler), int8, with
+    one warning naming what is missing and how to install it."""
     platform = target.current().platform if platform is None else platform
     if name in RANDOM_PRESETS:
         kind, stored = "random", None
@@ -235,7 +235,7 @@ def auto_precision(
     else:
         kind, stored = "folder", _stored_dtype(name)
     one_cpu = platform == "cpu" and devices == 1 and kind == "gguf"
-    kernel = one_cpu and gguf_kernel_pays(name, tokens) and gguf_matmul.available()
+    kernel = one_cpu and gguf_kernel_pays(name) and gguf_matmul.available()
     return precision.choose_auto(
         platform,
         kind,
@@ -275,25 +275,18 @@ def _stored_dtype(name: str) -> str | None:
 # its steps are dispatch, not products, so the GGUF kernel gains nothing there; the smallest
 # registry model is 98 MB.
 SMALL_GGUF_BYTES = 32 << 20
-# Tokens a run must generate for the GGUF kernel's first build (ggml with cmake, then the
-# kernel: 90-110 s on the 2-core EPYC) to pay: at batch 1 gguf_q8 saves 1/13.8 - 1/20.6 s, about
-# 0.024 s, a token against int8 (fastest_precision's figures), so about 4,000 tokens.
-BUILD_PAYS_TOKENS = 4096
 
 
-def gguf_kernel_pays(name: str, tokens: int | None = None) -> bool:
+def gguf_kernel_pays(name: str) -> bool:
     """Whether running GGUF source `name` (a registry name or a GGUF file) on the GGUF kernel can
-    gain here, asking nothing that builds: False for a file under SMALL_GGUF_BYTES, and False
-    where the kernel's ggml build is not there yet (models.kernels.llama_cpp.built) and the run
-    generates fewer than BUILD_PAYS_TOKENS `tokens` (all rows together; None: not known, taken
-    as long). A precision that needs no build (int8) runs then; the build happens once, when a
-    run pays for it (or when a GGUF precision is asked for by name)."""
+    gain here, asking nothing that builds: False for a file under SMALL_GGUF_BYTES (a toy, which
+    then needs no build for `auto`: int8), True otherwise, built yet or not (issue 53: a run too
+    short to "pay" for the build ran at int8, half llama.cpp's speed, until some long run built
+    it; the build now happens at set-up, or in the first run that needs it)."""
     size = (
         registry.MODELS[name].size if name in registry.MODELS else os.path.getsize(os.path.expanduser(name))
     )
-    if size < SMALL_GGUF_BYTES:
-        return False
-    return tokens is None or tokens >= BUILD_PAYS_TOKENS or llama_cpp.built(llama_cpp.LIBRARIES)
+    return size >= SMALL_GGUF_BYTES
 
 
 __all__ = [

@@ -160,11 +160,12 @@ class DamagedEntryWarning(UserWarning):
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike):
+def file_lock(path: str | os.PathLike, waiting: str | None = None):
     """An exclusive advisory lock (fcntl.flock) on the file `path` (created, with its folder),
     held for the with block: the one way this project serialises writers of a cache entry
     across processes. The kernel drops the lock when the process dies, so a kill never leaves
-    it held."""
+    it held. waiting: a line printed on stderr where another process holds the lock (what this
+    one waits for), before waiting."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:  # never through a symbolic link: one planted in the cache would create its target
@@ -176,7 +177,12 @@ def file_lock(path: str | os.PathLike):
             f"lock file {path} is a symbolic link; delete it (rm '{path}'): lock files must be plain files"
         ) from e
     with os.fdopen(fd, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -98,6 +98,13 @@ def test_the_wheel_holds_every_file_the_code_opens_beside_itself(wheel):
     assert not modules - held, sorted(modules - held)
 
 
+def test_the_wheel_has_the_command_that_builds_the_cpu_kernels_ahead_of_the_first_run(wheel):
+    """Issue 53: `pip install .` users build the GGUF kernel at set-up as `make demo` does."""
+    (name,) = [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/entry_points.txt")]
+    entries = zipfile.ZipFile(wheel).read(name).decode()
+    assert "spec-jax-build-kernels = models.kernels.build:cli" in entries, entries
+
+
 def test_the_wheel_requires_only_what_the_main_job_imports(wheel):
     meta = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))
     lines = zipfile.ZipFile(wheel).read(meta).decode().splitlines()

@@ -1,12 +1,20 @@
 """Issue 39, item 4: a truncated or corrupt GGUF file is refused before anything is built or
 allocated, in one line naming the file and what is wrong, exit code 1 (exit 2 stays for bad
-flags). Truncated and edited copies of the tiny GGUF (tests/tiny_gguf.py) stand in."""
+flags). Truncated and edited copies of the tiny GGUF (tests/tiny_gguf.py) stand in.
 
+Issue 53, item 1: `auto` takes the GGUF kernel (gguf_q8) for a run of any length, building it
+where it is not built yet; without cmake or a compiler, int8 and one line saying what is missing;
+`python -m models.kernels.build` (what `make demo` / `make test` start at set-up) says the same."""
+
+import inspect
+import json
 import os
 import pathlib
+import shutil
 import struct
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -96,17 +104,18 @@ def test_the_cli_refuses_a_truncated_draft_in_one_line_exit_1_before_building(ti
     assert not (tmp_path / "c").exists()  # nothing built, converted or cached
 
 
-# --- item 3: auto picks a precision that needs no build where the build cannot pay -------------
+# --- item 3: auto picks a precision that needs no build for a toy GGUF ------------------------
+# --- issue 53, item 1: the GGUF kernel from the first run, whatever its length -----------------
 
 
 @pytest.fixture
 def no_build(monkeypatch):
-    """The GGUF kernel's availability check (which builds ggml and the kernel) made to fail the
-    test if called; the kernel counted as available otherwise. Returns a setter of `built`."""
+    """The GGUF kernel's availability check (which builds ggml and the kernel where they are not
+    built) counted, the kernel reported available; ggml reported not built yet."""
     from models.kernels import gguf_matmul, llama_cpp, target
 
     monkeypatch.setattr(target, "current", lambda: type("T", (), {"platform": "cpu"})())
-    state = {"built": False, "asked": 0}
+    state = {"asked": 0}
 
     def available():
         state["asked"] += 1
@@ -114,24 +123,144 @@ def no_build(monkeypatch):
 
     monkeypatch.setattr(gguf_matmul, "available", available)
     monkeypatch.setattr(gguf_matmul, "multirow", lambda: True)
-    monkeypatch.setattr(llama_cpp, "built", lambda *a, **k: state["built"])
+    monkeypatch.setattr(llama_cpp, "built", lambda *a, **k: False)
     return state
 
 
 def test_a_toy_gguf_runs_at_a_precision_that_needs_no_build(tiny_file, no_build):
     """A 27-tensor draft.gguf built llama.cpp for 112 s (draft_dtype=auto chose gguf_q8)."""
-    no_build["built"] = True
     assert models.fastest_precision(str(tiny_file)) == "int8"
-    assert models.fastest_precision(str(tiny_file), tokens=10**6) == "int8"
     assert no_build["asked"] == 0  # nothing built or loaded to decide
 
 
-def test_a_short_run_before_the_kernel_is_built_needs_no_build(no_build):
-    big = "qwen2.5-coder-1.5b"
-    assert models.fastest_precision(big, tokens=64) == "int8" and no_build["asked"] == 0
-    assert models.fastest_precision(big, tokens=models.BUILD_PAYS_TOKENS) == "gguf_q8"  # a run that pays
-    no_build["built"] = True  # once built, every run uses it
-    assert models.fastest_precision(big, tokens=8) == "gguf_q8"
+def test_auto_asks_for_the_gguf_kernel_before_it_is_built_and_takes_gguf_q8(no_build):
+    """Issue 53: auto chose int8 (0.49x llama.cpp) for any run under 4,096 tokens until one long
+    run had built the kernel; asking for the kernel now builds it where it is not built."""
+    assert models.fastest_precision("qwen2.5-coder-1.5b") == "gguf_q8" and no_build["asked"] == 1
+    assert "tokens" not in inspect.signature(models.auto_precision).parameters  # no run-length rule
+
+
+def _run_tiny(tiny_file, tmp_path, prelude: str, env: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """launch.generate on the tiny GGUF as target and draft, 4 greedy tokens (a short run), with
+    `prelude` run first (models.SMALL_GGUF_BYTES = 0: the tiny file counts as a real model);
+    the process and its --output_json."""
+    out = tmp_path / "out.json"
+    code = f"import models, sys\nmodels.SMALL_GGUF_BYTES = 0\n{prelude}\nfrom launch import generate\ngenerate.cli()"
+    args = [f"--target={tiny_file}", f"--draft={tiny_file}", "--prompt=hi", "--max_new_tokens=4"]
+    args += ["--temperature=0", "--gamma=2", f"--output_json={out}", "--nocompilation_cache"]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, json.loads(out.read_text())
+
+
+def test_a_short_run_before_ggml_is_built_runs_at_gguf_q8(tiny_file, tmp_path):
+    """A 4-token run where llama_cpp.built says no (as on a fresh machine) asks for the kernel,
+    which builds it (here: finds the default cache's build under its locks) and runs gguf_q8; it
+    ran int8 before issue 53."""
+    prelude = "from models.kernels import llama_cpp\nllama_cpp.built = lambda *a, **k: False"
+    _, report = _run_tiny(tiny_file, tmp_path, prelude, {})
+    assert report["target_dtype"] == "gguf_q8" and report["draft_dtype"] == "gguf_q8", report
+
+
+def _path_without_cmake(folder: pathlib.Path, compilers: bool) -> str:
+    """A PATH of one folder holding links to the C and C++ compilers (compilers=True) or nothing."""
+    folder.mkdir()
+    for tool in ("cc", "c++", "g++", "gcc") if compilers else ():
+        if shutil.which(tool):
+            (folder / tool).symlink_to(shutil.which(tool))
+    return str(folder)
+
+
+def test_without_cmake_a_run_takes_int8_and_says_why_once(tiny_file, tmp_path):
+    """No cmake on the PATH (the C++ compiler there): target and draft at int8, and one line, not
+    one per model, naming cmake and how to install it."""
+    from conftest import cache_with_kernels
+
+    env = {
+        "PATH": _path_without_cmake(tmp_path / "bin", compilers=True),
+        "SPEC_JAX_CACHE": str(cache_with_kernels(tmp_path / "cache")),  # the int8 kernel only
+    }
+    result, report = _run_tiny(tiny_file, tmp_path, "", env)
+    assert report["target_dtype"] == "int8" and report["draft_dtype"] == "int8", report
+    said = [line for line in result.stderr.splitlines() if "cmake" in line]
+    assert len(said) == 1 and "apt-get install cmake g++" in said[0], result.stderr
+    assert said[0].startswith("warning: spec_jax: the GGUF block kernel is unavailable"), said
+    assert not (tmp_path / "cache" / "llama.cpp").exists()  # nothing downloaded to find out
+
+
+@pytest.mark.parametrize("compilers", [True, False], ids=["no cmake", "no cmake or compiler"])
+def test_check_tools_names_what_is_missing_and_how_to_install_it(tmp_path, monkeypatch, compilers):
+    from models.kernels import gguf_matmul, llama_cpp
+
+    monkeypatch.setenv("PATH", _path_without_cmake(tmp_path / "bin", compilers))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(llama_cpp.Unavailable) as info:
+        llama_cpp.check_tools()
+    missing = "cmake not found" if compilers else "cmake and a C/C++ compiler not found"
+    assert str(info.value).startswith(missing) and "apt-get install cmake g++" in str(info.value)
+    assert gguf_matmul.unbuildable() == str(info.value)
+
+
+def _build_command(args, env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "models.kernels.build", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_build_command_without_cmake_says_so_in_one_line_and_starts_nothing_in_the_background(
+    tmp_path,
+):
+    from conftest import cache_with_kernels
+
+    cache = cache_with_kernels(tmp_path / "cache")
+    env = {"PATH": _path_without_cmake(tmp_path / "bin", compilers=True), "SPEC_JAX_CACHE": str(cache)}
+    result = _build_command([], env)
+    assert result.returncode == 1 and result.stdout == "", result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cmake not found" in lines[0] and "apt-get install cmake g++" in lines[0], (
+        lines
+    )
+    background = _build_command(["--background"], env)  # what `make demo` runs after installing
+    assert background.returncode == 0 and background.stdout == background.stderr == "", background
+    assert not (cache / "llama.cpp").exists() and not (cache / "kernel-build.log").exists()
+
+
+def test_a_lock_held_elsewhere_prints_what_the_waiter_waits_for(tmp_path, capsys):
+    """A run that needs llama.cpp while `python -m models.kernels.build --background` builds it
+    says that it waits (registry.file_lock's `waiting`), then gets the lock once it is let go."""
+    from models import registry
+
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with registry.file_lock(tmp_path / ".lock"):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(30)
+    threading.Timer(0.5, release.set).start()
+    with registry.file_lock(tmp_path / ".lock", waiting="waiting for the build"):
+        assert release.is_set()  # not before the holder let go
+    thread.join()
+    assert capsys.readouterr().err == "waiting for the build\n"
+    with registry.file_lock(tmp_path / ".lock", waiting="waiting for the build"):
+        pass
+    assert capsys.readouterr().err == ""  # a free lock: nothing said
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -267,8 +267,12 @@ def tools_path(tmp_path, tools):
 @pytest.mark.parametrize(
     "tools, cxx, message",
     [
-        ((), None, "cmake is not installed"),
-        (("cmake",), "no-such-c++", "no C++ compiler found"),
+        ((), None, "cmake and a C/C++ compiler not found on the PATH (apt-get install cmake g++)"),
+        (
+            ("cmake", "cc"),
+            "no-such-c++",
+            ": a C/C++ compiler not found on the PATH (apt-get install cmake g++)",
+        ),
     ],
 )
 def test_llama_cpp_without_cmake_or_compiler_is_skipped_with_one_line(

@@ -49,11 +49,29 @@ def library_path(cache_dir=None) -> pathlib.Path:
     return llama_cpp.build_dir(cache_dir) / "spec_jax" / f"gguf_matmul-{digest.hexdigest()[:16]}.so"
 
 
+def built(cache_dir=None) -> bool:
+    """Whether ggml and this kernel are built for this machine (build() compiles nothing)."""
+    return llama_cpp.built(llama_cpp.LIBRARIES, cache_dir) and libraries.built(library_path(cache_dir))
+
+
+def unbuildable() -> str | None:
+    """Why build() cannot work here, found without building or downloading anything (not x86-64
+    Linux; no cmake or compiler: llama_cpp.check_tools' line), or None."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"built for x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    try:
+        llama_cpp.check_tools()
+    except llama_cpp.Unavailable as e:
+        return str(e)
+    return None
+
+
 def build(cache_dir=None) -> pathlib.Path:
     """Builds ggml (models.kernels.llama_cpp) and this kernel against it, if not cached
-    (libraries.verified_build: checked against its stored sha256 before each load)."""
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        raise KernelUnavailable(f"built for x86-64 Linux, this is {platform.system()} {platform.machine()}")
+    (libraries.verified_build: checked against its stored sha256 before each load); each step
+    that compiles prints one line first. KernelUnavailable (one line) where it cannot."""
+    if not built(cache_dir) and (reason := unbuildable()):
+        raise KernelUnavailable(reason)
     try:
         folder = llama_cpp.build(llama_cpp.LIBRARIES, cache_dir)
     except llama_cpp.Unavailable as e:
@@ -135,10 +153,16 @@ def one_row_own() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Builds, loads and registers the kernel once per process; False (one warning) if it cannot."""
+    """Builds (where it is not built yet: one progress line per step), loads and registers the
+    kernel once per process; False, with one warning naming why (and, for missing tools, how to
+    install them), where it cannot."""
     reason = _library()
     if isinstance(reason, str):
-        warnings.warn(f"spec_jax: the GGUF block kernel is unavailable ({reason})", stacklevel=3)
+        warnings.warn(
+            f"spec_jax: the GGUF block kernel is unavailable: {reason}; precision auto runs GGUF "
+            "models at int8 (gguf and gguf_q8 by name dequantize in XLA, far slower)",
+            stacklevel=3,
+        )
         return False
     return True
 

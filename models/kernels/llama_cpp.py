@@ -111,14 +111,21 @@ def built(targets=LIBRARIES, cache_dir=None, server: bool = False) -> bool:
     return all((build_dir(cache_dir, server) / f".built-{t}").exists() for t in targets)
 
 
+# How to get what check_tools finds missing (Debian and Ubuntu; g++ brings gcc, the C compiler).
+INSTALL_HINT = "apt-get install cmake g++"
+
+
 def check_tools() -> str:
-    """The cmake executable, once it and a C++ compiler are found; Unavailable (one line: what
-    is missing, how to get it) otherwise."""
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise Unavailable("cmake is not installed (apt-get install cmake, or pip install cmake)")
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise Unavailable("no C++ compiler found (set CXX, or install g++)")
+    """The cmake executable, once it and a C and a C++ compiler ($CC / $CXX, else cc / c++) are
+    on the PATH (cmake also beside this Python: a `pip install cmake` into the venv counts);
+    Unavailable (one line naming everything missing and how to install it) otherwise. Looks
+    only: nothing is downloaded or run."""
+    cmake = shutil.which("cmake") or shutil.which("cmake", path=os.path.dirname(sys.executable))
+    compilers = [shutil.which(os.environ.get(var, tool)) for var, tool in (("CC", "cc"), ("CXX", "c++"))]
+    missing = ([] if cmake else ["cmake"]) + ([] if all(compilers) else ["a C/C++ compiler"])
+    if missing:
+        pip = ", or pip install cmake" if missing == ["cmake"] else ""
+        raise Unavailable(f"{' and '.join(missing)} not found on the PATH ({INSTALL_HINT}{pip})")
     return cmake
 
 
@@ -131,15 +138,17 @@ def build(targets=LIBRARIES, cache_dir=None, server: bool = False) -> pathlib.Pa
         return folder
 
     cmake = check_tools()
-    src = source(cache_dir)
-    print(
-        f"building llama.cpp's {', '.join(targets)} with cmake (once: about 2 minutes on 2 cores)",
-        file=sys.stderr,
-    )
-    with registry.file_lock(root(cache_dir) / ".lock-build"):
+    src = source(cache_dir)  # a download another process has begun is waited for silently: seconds
+    waiting = "waiting for another process's build of llama.cpp (such as `python -m models.kernels.build`)"
+    with registry.file_lock(root(cache_dir) / ".lock-build", waiting=waiting):
         missing = [t for t in targets if not (folder / f".built-{t}").exists()]
         if not missing:
             return folder
+        print(
+            f"building llama.cpp's {', '.join(missing)} with cmake (once: about 2 minutes on 2 cores)",
+            file=sys.stderr,
+            flush=True,
+        )
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         if not (folder / "CMakeCache.txt").exists():
             options = SERVER_OPTIONS if server else CMAKE_OPTIONS
