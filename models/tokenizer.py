@@ -20,7 +20,9 @@ import json
 import mmap
 import os
 import pathlib
+import re
 import struct
+import threading
 from collections.abc import Iterable
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -308,13 +310,32 @@ def render_chat_template(
     )
 
 
+class TooLong(ValueError):
+    """encode / encode_chat with `at_most`: the text has more tokens than that, as min_tokens
+    proves without tokenizing. .at_least: min_tokens' count; .size: the text's UTF-8 bytes;
+    .longest: the most bytes one token covers."""
+
+    def __init__(self, at_least: int, at_most: int, size: int, longest: int):
+        super().__init__(
+            f"{size} bytes are at least {at_least} tokens (a token covers at most {longest} bytes), "
+            f"more than {at_most}"
+        )
+        self.at_least, self.size, self.longest = at_least, size, longest
+
+
+# Characters of Unicode's Private Use Area that stand in for special-token text inside a chat
+# message while the template is rendered (Tokenizer.encode_chat).
+_STAND_INS = range(0xE000, 0xF900)
+
+
 class Tokenizer:
     """Text <-> token ids for a GGUF model.
 
     `encode` adds BOS only when the file says `tokenizer.ggml.add_bos_token` (both Qwen2.5-Coder
-    and SmolLM2 say no). Special-token text such as "<|im_start|>" in the input maps to its id.
-    `chat_template` is the model's Jinja chat template (None where it has none): see
-    apply_chat_template and encode_chat.
+    and SmolLM2 say no). Special-token text such as "<|im_start|>" in the input maps to its id
+    (but not inside a chat message: encode_chat). `chat_template` is the model's Jinja chat
+    template (None where it has none): see apply_chat_template and encode_chat. Thread-safe:
+    tokenizing releases the GIL, so other Python threads run meanwhile.
     """
 
     def __init__(
@@ -382,9 +403,51 @@ class Tokenizer:
             chat_template=metadata_value(reader, "tokenizer.chat_template"),
         )
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (BOS prepended only if the model's metadata asks for it)."""
-        return self._tok.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, at_most: int | None = None) -> list[int]:
+        """Token ids of `text` (BOS prepended only if the model's metadata asks for it). at_most:
+        TooLong, before tokenizing, where min_tokens proves the text longer than that."""
+        self._check_length(text, at_most, add_special_tokens=True)
+        return _encode(self._tok, [text], add_special_tokens=True)[0]
+
+    def min_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        """A lower bound on the token count of `text` found without tokenizing it (0 where none
+        is known). A byte-level BPE with no normalizer and all 256 bytes in its vocabulary turns
+        each UTF-8 byte of the text into part of exactly one token, and no token covers more
+        than the longest one's bytes (L, added tokens included): n bytes are at least
+        ceil(n / L) tokens, plus the BOS encode adds (add_special_tokens)."""
+        longest = self._longest_token_bytes
+        if longest is None:
+            return 0
+        size = len(text.encode("utf-8", "surrogatepass"))
+        return -(-size // longest) + int(add_special_tokens and self.add_bos)
+
+    @functools.cached_property
+    def _longest_token_bytes(self) -> int | None:
+        """L of min_tokens, or None where the tokenizer is not a byte-level BPE over the raw
+        text (a normalizer, a SentencePiece-style vocabulary, a byte missing)."""
+        tok = self._tok
+        if tok.normalizer is not None or not isinstance(tok.model, models.BPE):
+            return None
+        pre = tok.pre_tokenizer
+        if pre is None or '"ByteLevel"' not in pre.__getstate__().decode("utf-8", "replace"):
+            return None
+        added = {t.content for t in tok.get_added_tokens_decoder().values()}
+        alphabet = set(bytes_to_unicode().values())
+        vocab = tok.get_vocab(with_added_tokens=False)
+        if not all(c in vocab for c in alphabet):  # a byte no token spells could be dropped
+            return None
+        longest = 1
+        for token in vocab:
+            if token in added:
+                continue
+            if not set(token) <= alphabet:  # not spelled in bytes: no bound from its length
+                return None
+            longest = max(longest, len(token))
+        return max([longest, *(len(t.encode("utf-8")) for t in added)])
+
+    def _check_length(self, text: str, at_most: int | None, add_special_tokens: bool) -> None:
+        if at_most is not None and (n := self.min_tokens(text, add_special_tokens)) > at_most:
+            raise TooLong(n, at_most, len(text.encode("utf-8", "surrogatepass")), self._longest_token_bytes)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         """The text of `messages` (a list of {"role": str, "content": str}) in the model's chat
@@ -403,16 +466,70 @@ class Tokenizer:
             eos_token=token(self._eos_id),
         )
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages, add_generation_prompt: bool = True, at_most: int | None = None
+    ) -> list[int]:
         """Token ids of apply_chat_template(messages, add_generation_prompt), with no BOS added
         (the template writes the BOS where the model wants one, as transformers' tokenize=True
-        encodes with add_special_tokens=False)."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
-        return self._tok.encode(text, add_special_tokens=False).ids
+        encodes with add_special_tokens=False). Special tokens come from the template alone:
+        special-token text inside a message ("<|im_end|>" typed by a user) is tokenized as
+        plain text, so that no message can forge a turn boundary (transformers' would map it
+        to the control token). at_most: TooLong, before tokenizing, as encode's.
+
+        How: each special-token text in the messages is swapped for a Private Use Area
+        character that appears nowhere else, the template is rendered, the text is cut at the
+        special tokens it holds (the template's, all of them now), the pieces between get their
+        text back and are tokenized with special tokens read as text. A conversation with no
+        special-token text takes the plain path (render, tokenize) and the same ids."""
+        messages = validate_messages(messages)
+        pattern = self._special_pattern
+        spelled = sorted({t for m in messages for t in pattern.findall(m["content"])}) if pattern else []
+        if not spelled:
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            self._check_length(text, at_most, add_special_tokens=False)
+            return _encode(self._tok, [text], add_special_tokens=False)[0]
+        taken = set(self.chat_template or "").union(*(m["role"] + m["content"] for m in messages))
+        marks = dict(zip(spelled, (chr(c) for c in _STAND_INS if chr(c) not in taken), strict=False))
+        if len(marks) < len(spelled):
+            raise ValueError("the messages use up the characters that stand in for special-token text")
+        swap = re.compile("|".join(re.escape(t) for t in spelled))
+        swapped = [dict(m, content=swap.sub(lambda hit: marks[hit.group()], m["content"])) for m in messages]
+        text = self.apply_chat_template(swapped, add_generation_prompt)
+        back = str.maketrans({mark: token for token, mark in marks.items()})
+        self._check_length(text.translate(back), at_most, add_special_tokens=False)
+        parts = pattern.split(text)  # [text, special, text, ...]: the specials are the template's
+        pieces = [p.translate(back) for p in parts[0::2]]
+        encoded = _encode(self._as_text, pieces, add_special_tokens=False)
+        ids = list(encoded[0])
+        for special, piece in zip(parts[1::2], encoded[1:], strict=True):
+            ids += [self._tok.token_to_id(special), *piece]
+        return ids
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        """The special tokens' texts (the tokenizer's added tokens marked special) as one
+        pattern that finds the longest at the leftmost place, as the tokenizer matches them;
+        None where there are none."""
+        texts = sorted(
+            {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special},
+            key=lambda t: (-len(t), t),
+        )
+        return re.compile("(" + "|".join(re.escape(t) for t in texts) + ")") if texts else None
+
+    @property
+    def _as_text(self) -> HFTokenizer:
+        """A copy of the tokenizer that reads special-token text as plain text (built once, on
+        first use: about a second for a 150k vocabulary)."""
+        with _AS_TEXT_LOCK:
+            if self.__dict__.get("_as_text_tok") is None:
+                tok = HFTokenizer.from_str(self._tok.to_str())
+                tok.encode_special_tokens = True
+                self.__dict__["_as_text_tok"] = tok
+            return self.__dict__["_as_text_tok"]
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         """`encode` over many texts (parallel in Rust)."""
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=True)]
+        return _encode(self._tok, list(texts), add_special_tokens=True)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; byte sequences that are not valid UTF-8 decode to U+FFFD."""
@@ -501,6 +618,16 @@ class Tokenizer:
             f"eos_id={self.eos_id}, stop_ids={list(self.stop_ids)}, add_bos={self.add_bos}, "
             f"chat_template={'yes' if self.chat_template is not None else 'none'})"
         )
+
+
+_AS_TEXT_LOCK = threading.Lock()
+
+
+def _encode(tok: HFTokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """The ids of each of texts. encode_batch, even for one text: tokenizers' encode holds the
+    GIL while it works (a 20 MB prompt: 16 s in which no other Python thread runs), its
+    encode_batch releases it."""
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
 @functools.lru_cache(maxsize=4)

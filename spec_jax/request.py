@@ -23,7 +23,7 @@ import numpy as np
 
 from models import kernels
 from models.settings import is_int, is_number
-from models.tokenizer import validate_messages
+from models.tokenizer import TooLong, validate_messages
 from spec_jax import autogamma
 from spec_jax.decode import stop_id_list
 from spec_jax.drafting import Drafter, check_gamma
@@ -121,12 +121,19 @@ def _check_prompt(r: Request) -> None:
             "prompt", f"give exactly one of prompt, messages, prompt_ids (got {given or 'none'})"
         )
     if r.prompt is not None and (not isinstance(r.prompt, str) or not r.prompt):
-        raise RequestError("prompt", f"prompt must be a non-empty string, got {r.prompt!r}")
+        raise RequestError("prompt", f"prompt must be a non-empty string, got {r.prompt!r:.80}")
+    if r.prompt is not None:
+        _check_unicode("prompt", r.prompt)
     if r.messages is not None:
         try:
-            validate_messages(list(r.messages) if isinstance(r.messages, tuple | list) else r.messages)
+            messages = validate_messages(
+                list(r.messages) if isinstance(r.messages, tuple | list) else r.messages
+            )
         except ValueError as e:
             raise RequestError("messages", f"messages: {e}") from None
+        for i, m in enumerate(messages):
+            for key in ("role", "content"):
+                _check_unicode(f"messages[{i}].{key}", m[key], field="messages")
     if r.prompt_ids is not None:
         ids = r.prompt_ids
         if not isinstance(ids, tuple | list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
@@ -135,12 +142,29 @@ def _check_prompt(r: Request) -> None:
             )
 
 
+def _check_unicode(name: str, text: str, field: str | None = None) -> None:
+    """RequestError naming `field` (default: name) unless `text` is valid Unicode: a lone UTF-16
+    surrogate (which JSON's \\u escapes can spell) has no UTF-8 form, and the tokenizer raises
+    on it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            field or name,
+            f"{name} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}",
+        ) from None
+
+
 def _check_stops(r: Request) -> None:
     stop = r.stop
     if not isinstance(stop, tuple | list) or len(stop) > MAX_STOP_STRINGS:
         raise RequestError("stop", f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {stop!r}")
     if not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop", f"stop strings must be non-empty strings, got {stop!r}")
+    for i, s in enumerate(stop):
+        _check_unicode(f"stop[{i}]", s, field="stop")
     ids = r.stop_ids
     if ids is None:
         return
@@ -238,10 +262,13 @@ def request_for(prompt, **fields) -> Request:
     return Request(prompt_ids=tuple(int(t) for t in prompt), **fields)
 
 
-def encode_prompt(target, request: Request) -> list[int]:
+def encode_prompt(target, request: Request, context: int | None = None) -> list[int]:
     """The request's prompt as token ids for target: a text by its tokenizer, a conversation by
     its chat template, token ids checked against its vocabulary; RequestError naming the
-    prompt's field where the model cannot read it."""
+    prompt's field where the model cannot read it. context: a slot's tokens; a text that the
+    tokenizer's bound (Tokenizer.min_tokens: its bytes over its longest token's) proves too long
+    for it with request.max_tokens is refused before it is tokenized, as rows.check_room
+    refuses it after (RequestError naming prompt or max_tokens)."""
     if request.prompt_ids is not None:
         ids = list(request.prompt_ids)
         vocab = target.config.vocab_size
@@ -252,11 +279,22 @@ def encode_prompt(target, request: Request) -> list[int]:
     tokenizer = target.tokenizer
     if tokenizer is None:
         raise RequestError(field, f"this model has no tokenizer: give prompt_ids instead of {field}")
-    if request.prompt is not None:
-        return tokenizer.encode(request.prompt)
+    at_most = None if context is None else max(context - request.max_tokens, 0)
     try:
-        return tokenizer.encode_chat(list(request.messages))
+        if request.prompt is not None:
+            return tokenizer.encode(request.prompt, at_most=at_most)
+        return tokenizer.encode_chat(list(request.messages), at_most=at_most)
+    except TooLong as e:
+        size = f"{field} ({e.size} bytes: at least {e.at_least} tokens, at most {e.longest} bytes a token)"
+        if e.at_least >= context:
+            raise RequestError(field, f"{size} leaves no room in the context of {context} tokens") from None
+        raise RequestError(
+            "max_tokens",
+            f"{size} + max_tokens ({request.max_tokens}) exceeds the context of {context} tokens",
+        ) from None
     except ValueError as e:  # no chat template, or the template refuses the conversation
+        if request.prompt is not None:
+            raise
         raise RequestError("messages", f"messages: {e}") from None
 
 
