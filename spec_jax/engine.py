@@ -66,7 +66,12 @@ class Engine:
     row bucket); mesh: as generate's; max_context: tokens per slot, prompt plus new tokens
     (default the target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_new_tokens: the
     most a request may ask for (default max_context; spec_jax.generate's programs for the same
-    max_new_tokens and cache length are the engine's); max_queue: requests that may wait."""
+    max_new_tokens and cache length are the engine's); max_queue: requests that may wait;
+    measure_costs (gamma=auto): where no costs are cached for a row bucket, measure its model
+    calls now (about a minute each on the Qwen pair), or, False, start from the prior predicted
+    from the models' sizes (as spec_jax.generate does), which the controllers correct by timing
+    the rounds that run (their save_rounds caches that for the next start; launch.serve calls it
+    at shutdown)."""
 
     def __init__(
         self,
@@ -82,6 +87,7 @@ class Engine:
         max_new_tokens: int | None = None,
         verify_widths: str = "auto",
         prefill_cache: int = PREFILL_CACHE,
+        measure_costs: bool = True,
     ):
         rows.check_counts(
             max_batch=(max_batch, 1), max_queue=(max_queue, 1), prefill_cache=(prefill_cache, 0)
@@ -99,10 +105,12 @@ class Engine:
         self.max_new_tokens = rows.new_token_bound(max_new_tokens, self.max_context)
         drafter = NoDrafter(vocab) if drafter is None else drafter
         cache_len = self.max_context + policy.gamma
-        self.controllers = {}  # gamma=auto: one per row bucket, from the costs measured at its batch
+        self.controllers = {}  # gamma=auto: one per row bucket, from its batch's costs (measure_costs)
         if policy.auto:
             slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
-            found = api.bucket_controllers(target, drafter, draft_params, policy, self.buckets, slots)
+            found = api.bucket_controllers(
+                target, drafter, draft_params, policy, self.buckets, slots, measure_costs
+            )
             self.controllers, drafter, draft_params = found  # the drafter dropped where it never pays
         target_params = sharding.placed_params(target, self.mesh)
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
