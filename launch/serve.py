@@ -11,48 +11,104 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (the target's chat te
 GET /metrics (Prometheus text). The model, drafter and precision flags are launch.generate's
 (see --helpfull); a request's fields take launch.generate's defaults (greedy, the model's stop
 tokens). Per-request speculation: `"spec_jax": {"speculate": false}` decodes that request plainly.
-launch/serve_schema.py documents the bodies and their checks.
+launch/serve_schema.py documents the bodies and their checks. Needs the `serve` extra (pip
+install -e '.[serve]'); without it, one line naming the missing module and exit code 2.
 
-Faults: a malformed body, a wrong type, a value out of range or an unknown field is a 400 naming
-the field, an unknown model a 404, both before the engine sees the request; a prompt over the
-context a 400 naming the limit; a full queue a 429 with Retry-After; a client that leaves
-mid-stream has its row cancelled and its slot freed; non-finite logits end that request with an
-error (the others go on); SIGTERM or SIGINT stops taking requests (503), lets what runs finish
-for --grace_period seconds, cancels the rest, and exits 0 with one line.
+Start-up: the flags are checked (a bad one: one line, exit 2), the server listens at once
+(stdout: "launch.serve: listening on ..."), and loads the models in the background; /health
+answers 503 {"status": "loading"} (a generation request 503 with Retry-After) until the models
+are placed and a lone request's programs compiled, then 200 (stdout: "launch.serve: serving
+..."). Other row buckets compile when traffic first needs them (--warm_all_buckets compiles them
+all before /health says ok). With gamma=auto each bucket's costs start from those cached for
+this machine and pair, or from the prior predicted from the models' sizes (as
+spec_jax.generate's), never measured before serving; the rounds the traffic runs refine them
+(autogamma's controllers time each chunk) and are cached at shutdown for the next start.
+
+Faults; nothing a client sends stops the server:
+- a body over --max_body_mb: 413 (from its Content-Length, or while it is read); a body not sent
+  within --body_timeout: 408; headers not sent within --header_timeout, or a keep-alive
+  connection idle for --keep_alive_timeout: the connection is closed.
+- a body that is not JSON, nests deeper than 16 levels, holds a number over 64 characters or a
+  string that is not valid Unicode (a lone surrogate): 400; a wrong type, a value out of range
+  or an unknown field: 400 naming the field; an unknown model: 404; all before the engine sees
+  the request.
+- a prompt over the context: 400 naming the limit; one whose bytes alone prove it (a byte-level
+  BPE's tokens cover at most its longest token's bytes) is refused before it is tokenized, and
+  tokenizing happens off the engine's thread (EngineWorker.prepare).
+- a full queue: 429 with Retry-After; a client that leaves mid-stream: its row is cancelled and
+  its slot freed; non-finite logits end that request with an error (the others go on).
+- an exception the engine raises while admitting a request: a 500 naming that request (the
+  others and the engine thread go on); one raised while stepping: the requests that were running
+  end with an error, the engine thread goes on. /health answers 503 when the engine thread has
+  died or its loop has not turned for --health_stall seconds.
+- SIGTERM or SIGINT: /health and new requests get 503 with Retry-After while what runs may
+  finish (the listener stays open) for up to --grace_period seconds; the rest is cancelled, and
+  the server exits 0 with one line. A second signal exits at once.
 """
 
 import asyncio
+import dataclasses
+import functools
+import importlib
 import json
 import signal
 import sys
+import threading
 import time
 
-import uvicorn
-from absl import flags
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+SERVE_EXTRA_MODULES = ("uvicorn", "h11", "starlette", "pydantic", "prometheus_client")
+SERVE_EXTRA_INSTALL = "pip install -e '.[serve]'"
 
-from launch import common
-from launch import generate as generate_flags  # the model, drafter and precision flags
-from launch.serve_engine import EngineWorker, Metrics, Stream
-from launch.serve_schema import (
+
+def require_serve_extra() -> None:
+    """One line on stderr and exit 2 where a module of the serve extra (setup.py's "serve") is not
+    installed: what `python -m launch.serve` says instead of a traceback."""
+    for name in SERVE_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            missing = e.name or name
+            print(
+                f"launch.serve: error: the server needs the module {missing!r}, which is not installed; "
+                f"{SERVE_EXTRA_INSTALL} (in the repository) adds it",
+                file=sys.stderr,
+            )
+            sys.exit(2)
+
+
+if __name__ == "__main__":
+    require_serve_extra()
+
+import h11  # noqa: E402
+import uvicorn  # noqa: E402
+from absl import flags  # noqa: E402
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: E402
+from starlette.applications import Starlette  # noqa: E402
+from starlette.exceptions import HTTPException  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
+from starlette.requests import Request as HttpRequest  # noqa: E402
+from starlette.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+from uvicorn.protocols.http.h11_impl import H11Protocol  # noqa: E402
+
+from launch import common  # noqa: E402
+from launch import generate as generate_flags  # noqa: E402  (the model, drafter and precision flags)
+from launch.serve_engine import EngineFailed, EngineWorker, Metrics, Stream  # noqa: E402
+from launch.serve_schema import (  # noqa: E402
     ApiError,
     ChatBody,
     CompletionBody,
     StreamOptions,
+    body_field,
     chunk,
     completion,
     parse_body,
     request_id,
     to_request,
 )
-from launch.serve_schema import usage as usage_body
-from spec_jax.engine import Engine, QueueFull
-from spec_jax.request import Request, RequestError
+from launch.serve_schema import usage as usage_body  # noqa: E402
+from spec_jax.engine import Engine, QueueFull  # noqa: E402
+from spec_jax.request import Request, RequestError  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
@@ -64,7 +120,8 @@ flags.DEFINE_integer(
 flags.DEFINE_float(
     "grace_period",
     30.0,
-    "On SIGTERM: seconds the running requests may take before they are cancelled.",
+    "On SIGTERM: seconds the running requests may take before they are cancelled (new ones get 503 "
+    "meanwhile).",
     lower_bound=0,
 )
 flags.DEFINE_integer(
@@ -75,37 +132,137 @@ flags.DEFINE_integer(
     lower_bound=2,
 )
 flags.DEFINE_string("model_name", None, "The model id clients send (default: --target as given).")
+flags.DEFINE_float(
+    "max_body_mb",
+    4.0,
+    "The largest request body, in MiB (1 MiB = 1048576 bytes); a larger one is answered 413, from its "
+    "Content-Length or as soon as that much has arrived.",
+    lower_bound=0.001,
+)
+flags.DEFINE_float(
+    "header_timeout",
+    10.0,
+    "Seconds a connection may take to send a request's headers (from when it opens, or its last "
+    "response ended); then it is closed (slow or stalled clients).",
+    lower_bound=0.1,
+)
+flags.DEFINE_float(
+    "body_timeout",
+    30.0,
+    "Seconds a request's body may take to arrive once its headers have; then 408.",
+    lower_bound=0.1,
+)
+flags.DEFINE_integer(
+    "keep_alive_timeout",
+    5,
+    "Seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).",
+    lower_bound=1,
+)
+flags.DEFINE_float(
+    "health_stall",
+    300.0,
+    "GET /health answers 503 when the engine thread's loop has not turned for this many seconds (a "
+    "step compiling a new row bucket's programs may take a minute on a 2-core CPU).",
+    lower_bound=1,
+)
+flags.DEFINE_bool(
+    "warm_all_buckets",
+    False,
+    "Compile every row bucket's programs (1, 2, 4, ... --max_batch requests at once) before /health "
+    "says ok; by default only a lone request's, and the others when traffic first needs them.",
+)
 
 RETRY_AFTER_S = 1  # the Retry-After of a 429 or a 503
+MiB = 1 << 20
 
 
-def make_app(worker: EngineWorker, metrics: Metrics, model: str, context: int) -> Starlette:
-    """The ASGI app: the endpoints over `worker` (which owns the engine), serving `model` with a
-    context of `context` tokens."""
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a client may take: a body's bytes and seconds, the seconds its headers may take, how
+    long the engine thread may go without a turn before /health says it has stalled."""
+
+    max_body_bytes: int = 4 * MiB
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    health_stall_s: float = 300.0
+
+
+class Service:
+    """What the app serves: `worker` (the engine's thread) once the engine is loaded, None while it
+    loads; `error` the loading's failure; `context` the tokens per slot once loaded."""
+
+    def __init__(self, model: str, metrics: Metrics, limits: Limits = Limits()):
+        self.model, self.metrics, self.limits = model, metrics, limits
+        self.worker: EngineWorker | None = None
+        self.context: int | None = None
+        self.error: BaseException | None = None
+
+    def serve_engine(self, engine) -> EngineWorker:
+        """Starts the worker over a loaded (and warmed) engine: from now on requests are taken."""
+        self.context = engine.max_context
+        self.worker = EngineWorker(engine, self.metrics).start()
+        return self.worker
+
+    def ready_worker(self) -> EngineWorker:
+        """The worker, or ApiError 503 (with Retry-After) while loading or shutting down."""
+        worker = self.worker
+        if worker is None:
+            code, message = (
+                ("loading", "the model is loading") if self.error is None else ("failed", "loading failed")
+            )
+            raise ApiError(503, f"{message}; retry later", type="server_error", code=code, headers=_retry())
+        if not worker.accepting:
+            raise _unavailable()
+        if not worker.alive:
+            raise ApiError(503, "the engine thread has stopped", type="server_error", code="engine_dead")
+        return worker
+
+    def health(self) -> tuple[int, dict]:
+        """(status code, body) of GET /health: 200 {"status": "ok", "running": n}; 503 with
+        {"status": "loading" | "failed" | "shutting down" | "stalled" | "dead", ...}."""
+        worker = self.worker
+        if worker is None:
+            if self.error is not None:
+                return 503, {"status": "failed", "error": f"{type(self.error).__name__}: {self.error}"}
+            return 503, {"status": "loading"}
+        if worker.shutting_down:
+            return 503, {"status": "shutting down"}
+        if not worker.alive:
+            return 503, {"status": "dead", "error": "the engine thread has stopped"}
+        idle = time.monotonic() - worker.heartbeat
+        if idle > self.limits.health_stall_s:
+            return 503, {
+                "status": "stalled",
+                "error": f"the engine thread's loop has not turned for {idle:.0f} s",
+            }
+        return 200, {"status": "ok", "running": worker.busy}
+
+
+def make_app(service: Service) -> Starlette:
+    """The ASGI app: the endpoints over `service` (whose worker owns the engine)."""
 
     async def completions(http: HttpRequest) -> Response:
-        return await _generate(http, worker, metrics, model, chat=False)
+        return await _generate(http, service, chat=False)
 
     async def chat_completions(http: HttpRequest) -> Response:
-        return await _generate(http, worker, metrics, model, chat=True)
+        return await _generate(http, service, chat=True)
 
     async def models(http: HttpRequest) -> Response:
         card = {
-            "id": model,
+            "id": service.model,
             "object": "model",
             "created": 0,
             "owned_by": "spec-jax",
-            "max_model_len": context,
+            "max_model_len": service.context,
         }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(http: HttpRequest) -> Response:
-        if not worker.accepting:
-            return JSONResponse({"status": "shutting down"}, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        return JSONResponse({"status": "ok", "running": worker.busy})
+        status, body = service.health()
+        return JSONResponse(body, status, headers=None if status == 200 else _retry())
 
     async def prometheus(http: HttpRequest) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def http_error(http: HttpRequest, exc: HTTPException) -> Response:
         message = f"{http.method} {http.url.path}: {exc.detail}"
@@ -125,57 +282,122 @@ def make_app(worker: EngineWorker, metrics: Metrics, model: str, context: int) -
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error})
 
 
-async def _generate(
-    http: HttpRequest, worker: EngineWorker, metrics: Metrics, model: str, chat: bool
-) -> Response:
-    """One POST: the body checked and turned into a Request, submitted, answered whole or streamed."""
+async def _generate(http: HttpRequest, service: Service, chat: bool) -> Response:
+    """One POST: the body read (within the limits), checked and turned into a tokenized Request
+    off the event loop and the engine's thread, submitted, answered whole or streamed."""
     endpoint = "chat" if chat else "completions"
-    try:
-        body = parse_body(await http.body(), ChatBody if chat else CompletionBody)
-        if body.model != model:
-            raise ApiError(
-                404,
-                f"model: {body.model!r} is not served here; this server serves {model!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
-        stream = await _submit(worker, to_request(body))
-    except ApiError as e:
-        metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
-        return JSONResponse(e.body(), e.status, headers=e.headers)
-    metrics.requests.labels(endpoint=endpoint, status="200").inc()
-    options = body.stream_options or StreamOptions()
     rid = request_id(chat)
+    try:
+        worker = service.ready_worker()
+        raw = await _read_body(http, service.limits)
+        body, request = await asyncio.to_thread(_prepared, raw, chat, service.model, worker)
+        stream = await _submit(worker, request, rid)
+    except ApiError as e:
+        service.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+    service.metrics.requests.labels(endpoint=endpoint, status="200").inc()
+    options = body.stream_options or StreamOptions()
     if body.stream:
-        events = _events(worker, stream, rid, model, chat, options)
+        events = _events(worker, stream, rid, service.model, chat, options)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-    return await _whole(http, worker, stream, rid, model, chat)
+    return await _whole(http, worker, stream, rid, service.model, chat)
 
 
-async def _submit(worker: EngineWorker, request) -> Stream:
-    """worker.submit with the engine's refusals as ApiErrors: the context (400) and a full queue or
-    a server shutting down (429 / 503, with Retry-After)."""
+async def _read_body(http: HttpRequest, limits: Limits) -> bytes:
+    """The request's body: ApiError 413 where it is over limits.max_body_bytes (its
+    Content-Length says so, or that much has arrived), 408 where it has not arrived within
+    limits.body_timeout_s, 400 for a Content-Length that is not a byte count."""
+    limit = limits.max_body_bytes
+    declared = http.headers.get("content-length")
+    if declared is not None and not declared.strip().isdigit():
+        raise ApiError(400, f"Content-Length must be a byte count, got {declared[:40]!r}", headers=_close())
+    if declared is not None and int(declared) > limit:
+        raise _too_large(limit, f"its Content-Length is {int(declared)} bytes")
+    pieces, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for piece in http.stream():
+                size += len(piece)
+                if size > limit:
+                    raise _too_large(limit, f"more than {limit} bytes arrived")
+                pieces.append(piece)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {limits.body_timeout_s:g} s", headers=_close()
+        ) from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client closed the connection before the body was sent") from None
+    return b"".join(pieces)
+
+
+def _too_large(limit: int, why: str) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than the server takes ({limit} bytes, --max_body_mb): {why}",
+        code="body_too_large",
+        headers=_close(),
+    )
+
+
+def _prepared(raw: bytes, chat: bool, model: str, worker: EngineWorker):
+    """(the parsed body, its Request with the prompt as token ids): the body's checks
+    (serve_schema.parse_body, the model, to_request) and EngineWorker.prepare's tokenization, as
+    ApiErrors. Runs in a thread of its own: neither the event loop nor the engine waits for it."""
+    body = parse_body(raw, ChatBody if chat else CompletionBody)
+    if body.model != model:
+        raise ApiError(
+            404,
+            f"model: {body.model!r} is not served here; this server serves {model!r} (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+    request = to_request(body)
+    try:
+        return body, worker.prepare(request)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=body_field(e.field)) from None
+
+
+async def _submit(worker: EngineWorker, request: Request, rid: str) -> Stream:
+    """worker.submit with the engine's refusals as ApiErrors: the context (400), a full queue or a
+    server shutting down (429 / 503, with Retry-After), an exception the engine raised for this
+    request (500 naming it)."""
     if not worker.accepting:
         raise _unavailable()
     try:
-        return await worker.submit(request)
+        return await worker.submit(request, rid)
     except RequestError as e:
-        raise ApiError(400, str(e), param=e.field) from None
+        raise ApiError(400, str(e), param=body_field(e.field)) from None
+    except EngineFailed as e:
+        raise ApiError(
+            500, f"request {rid} failed: the engine raised {e}", type="server_error", code="engine_error"
+        ) from None
     except QueueFull as e:
         if not worker.accepting:
             raise _unavailable() from None
-        retry = {"Retry-After": str(RETRY_AFTER_S)}
         raise ApiError(
-            429, f"the queue is full: {e}", type="rate_limit_error", code="rate_limit_exceeded", headers=retry
+            429,
+            f"the queue is full: {e}",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers=_retry(),
         ) from None
 
 
+def _retry() -> dict[str, str]:
+    return {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def _close() -> dict[str, str]:
+    """Closes the connection after the response: the request's body may not have been read."""
+    return {"Connection": "close"}
+
+
 def _unavailable() -> ApiError:
-    headers = {"Retry-After": str(RETRY_AFTER_S)}
     return ApiError(
-        503, "the server is shutting down", type="server_error", code="shutting_down", headers=headers
+        503, "the server is shutting down", type="server_error", code="shutting_down", headers=_retry()
     )
 
 
@@ -191,7 +413,7 @@ async def _events(
     try:
         while True:
             update = await stream.get()
-            failure = _failure(update)
+            failure = _failure(update, rid)
             if failure is not None:
                 yield _sse(failure.body())
                 break
@@ -231,19 +453,19 @@ async def _whole(
     except asyncio.CancelledError:
         worker.cancel(stream)
         raise
-    failure = _failure(update)
+    failure = _failure(update, rid)
     if failure is not None:
         return JSONResponse(failure.body(), failure.status)
     use = usage_body(_prompt_tokens(stream), stream.tokens)
     return JSONResponse(completion(rid, model, chat, "".join(pieces), _finish_reason(update), use))
 
 
-def _failure(update) -> ApiError | None:
-    """The error a request's last Update reports: the engine's (e.g. non-finite logits: 500), or
-    a cancellation by the server (its grace period ran out: 503); None for a request that ended
-    normally."""
+def _failure(update, rid: str) -> ApiError | None:
+    """The error a request's last Update reports: the engine's (e.g. non-finite logits: 500,
+    naming the request), or a cancellation by the server (its grace period ran out: 503); None
+    for a request that ended normally."""
     if update.error is not None:
-        return ApiError(500, update.error, type="server_error", code=update.finish_reason)
+        return ApiError(500, f"request {rid}: {update.error}", type="server_error", code=update.finish_reason)
     if update.finish_reason == "cancelled":
         return ApiError(
             503,
@@ -269,35 +491,121 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server whose SIGTERM / SIGINT starts the engine's grace period and then exits
-    normally (uvicorn alone re-raises the signal after shutting down: exit code 143)."""
+class HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for a request's headers (uvicorn has none: a client
+    that opens a connection and sends its headers a byte at a time would hold it for ever). The
+    deadline starts when the connection opens, and again when a response ends on a kept-alive
+    one; it is not moved by data that arrives, and ends once the headers are in. Past it, the
+    connection is closed. Subclass with HEADER_TIMEOUT_S set (header_deadline)."""
 
-    def __init__(self, config: uvicorn.Config, worker: EngineWorker, grace: float, ready_line: str):
+    HEADER_TIMEOUT_S = 10.0
+
+    def connection_made(self, transport) -> None:
+        self._header_timer = None
+        super().connection_made(transport)
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_headers()
+
+    def connection_lost(self, exc) -> None:
+        self._stop_timer()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        """Starts the deadline where the connection waits for a request's headers (h11's IDLE:
+        nothing or part of them received) and none runs; stops it once they are in."""
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(self.HEADER_TIMEOUT_S, self._headers_late)
+        else:
+            self._stop_timer()
+
+    def _stop_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def header_deadline(seconds: float) -> type[HeaderDeadline]:
+    """HeaderDeadline with a deadline of `seconds` (uvicorn.Config's http= takes a class)."""
+    return type("HeaderDeadline", (HeaderDeadline,), {"HEADER_TIMEOUT_S": float(seconds)})
+
+
+def uvicorn_config(
+    app, host: str, port: int, limits: Limits, keep_alive_s: int, grace: float
+) -> uvicorn.Config:
+    """uvicorn's Config for the app: h11 with the header deadline, the keep-alive timeout, no
+    access log."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=header_deadline(limits.header_timeout_s),
+        timeout_keep_alive=keep_alive_s,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(grace) + 10,
+    )
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server whose SIGTERM / SIGINT starts the engine's grace period and keeps
+    listening (new requests and /health: 503 with Retry-After) until the engine thread is done
+    (what ran finished or was cancelled at the grace period's end), then exits normally (uvicorn
+    alone closes the listener at once and re-raises the signal after shutting down: exit code
+    143). A second signal exits at once. `on_listening` runs once the socket listens."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, grace: float, on_listening=None):
         super().__init__(config)
-        self.ready_line = ready_line
-        self.worker = worker
+        self.service = service
         self.grace = grace
+        self.on_listening = on_listening
         self.signal_name: str | None = None
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
-        if self.started:  # listening: the line a script may wait for
-            print(self.ready_line, flush=True)
+        if self.started and self.on_listening is not None:
+            self.on_listening()
 
     def handle_exit(self, sig: int, frame) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(sig).name
-            self.worker.shutdown(self.grace)
+            self.begin_shutdown()
         else:
-            self.force_exit = True
-        self.should_exit = True
+            self.force_exit = self.should_exit = True
+
+    def begin_shutdown(self) -> None:
+        """The grace period: the worker stops taking requests; on_tick ends the server once its
+        thread is done (at once while the engine is still loading)."""
+        worker = self.service.worker
+        if worker is not None:
+            worker.shutdown(self.grace)
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        if self.signal_name is None:
+            return False
+        worker = self.service.worker
+        return worker is None or not worker.alive
 
 
-def load_engine():
+def load_engine(mesh=None, measure_costs: bool = False):
     """The Engine from launch.generate's model, drafter and precision flags, with --max_batch row
-    slots and a queue of --max_queue (the flags checked before anything loads)."""
-    mesh, _ = generate_flags.check_flags()
+    slots and a queue of --max_queue, on `mesh` (check_flags' first). measure_costs: gamma=auto
+    measures each row bucket's model calls before serving where none are cached (minutes on the
+    Qwen pair); by default it starts from the prior and refines from the rounds served."""
     target = generate_flags.load_model(FLAGS.target, FLAGS.target_dtype, FLAGS.max_batch, mesh)
     draft = None
     if FLAGS.draft != "none" and FLAGS.drafter in ("model", "hybrid"):
@@ -314,17 +622,19 @@ def load_engine():
         tree=generate_flags.tree_from_flag(),
         mesh=mesh,
         max_context=FLAGS.max_context,
+        measure_costs=measure_costs,
     )
 
 
 WARM_TOKENS = 8  # per warm-up request: past gamma=auto's first plain round into a drafting chunk
 
 
-def warm_up(engine) -> None:
-    """Greedy requests at each of the engine's row buckets (1, 2, 4, ... max_batch at once), each
-    set twice (the second reuses the kept prefilled rows), so that no client waits for a
-    prefill, a kept row's write or a loop to compile at its concurrency."""
-    for n in engine.buckets:
+def warm_up(engine, buckets=None) -> None:
+    """Greedy requests at each of `buckets` (default every one of the engine's row buckets: 1, 2,
+    4, ... max_batch at once), each set twice (the second reuses the kept prefilled rows), so
+    that no client waits for a prefill, a kept row's write or a loop to compile at those
+    concurrencies."""
+    for n in engine.buckets if buckets is None else buckets:
         for _ in range(2):
             for i in range(n):
                 engine.submit(Request(prompt_ids=(i,), max_tokens=WARM_TOKENS))
@@ -332,27 +642,61 @@ def warm_up(engine) -> None:
                 pass
 
 
-def serve(engine, model: str, host: str, port: int, grace: float, context: int) -> str:
-    """Serves `engine` until SIGTERM / SIGINT; returns the one line that says how it stopped."""
-    warm_up(engine)
+def serve(
+    load,
+    model: str,
+    host: str,
+    port: int,
+    grace: float,
+    limits: Limits,
+    keep_alive_s: int = 5,
+    warm_all=False,
+):
+    """Listens at once and serves the engine that `load()` returns (loaded and warmed in a
+    thread meanwhile: /health says "loading") until SIGTERM / SIGINT; returns the one line that
+    says how it stopped. A failure to load stops the server and is raised here."""
     metrics = Metrics(model)
-    worker = EngineWorker(engine, metrics).start()
-    app = make_app(worker, metrics, model, context)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=grace + 10
-    )
-    plain = (
-        ""
-        if engine.drafts or not engine.controllers
-        else "; gamma=auto: drafting would not pay here, decoding plainly"
-    )
-    ready = f"launch.serve: serving {model} on http://{host}:{port}/v1 ({engine_slots(engine)} slots{plain})"
-    server = _Server(config, worker, grace, ready)
+    service = Service(model, metrics, limits)
+    url = f"http://{host}:{port}/v1"
+
+    def load_and_warm():
+        try:
+            engine = load()
+            warm_up(engine, None if warm_all else engine.buckets[:1])
+            service.serve_engine(engine)
+        except BaseException as e:  # raised by serve once the server has stopped
+            service.error = e
+            server.should_exit = True
+            return
+        plain = (
+            ""
+            if engine.drafts or not engine.controllers
+            else "; gamma=auto: drafting would not pay here, decoding plainly"
+        )
+        print(f"launch.serve: serving {model} on {url} ({engine_slots(engine)} slots{plain})", flush=True)
+
+    loader = threading.Thread(target=load_and_warm, name="spec-jax-load", daemon=True)
+
+    def on_listening():
+        print(
+            f"launch.serve: listening on {url}; loading {model} (GET /health: 503 until it is ready)",
+            flush=True,
+        )
+        loader.start()
+
+    config = uvicorn_config(make_app(service), host, port, limits, keep_alive_s, grace)
+    server = GracefulServer(config, service, grace, on_listening)
     server.run()
+    if service.error is not None:
+        raise service.error
+    worker = service.worker
     if server.signal_name is None:  # uvicorn stopped by itself (e.g. the port was taken)
-        worker.shutdown(0)
-        worker.join(timeout=30)
+        if worker is not None:
+            worker.shutdown(0)
+            worker.join(timeout=30)
         raise common.UsageError(f"--host={host} --port={port}: the server could not start or stopped")
+    if worker is None:
+        return f"launch.serve: {server.signal_name}: stopped while loading {model}"
     worker.join(timeout=grace + 30)
     c = worker.counts
     return (
@@ -368,15 +712,31 @@ def engine_slots(engine) -> int:
 def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    engine = load_engine()
+    mesh, _ = generate_flags.check_flags()  # every flag, before the server listens or anything loads
+    limits = Limits(
+        max_body_bytes=int(FLAGS.max_body_mb * MiB),
+        body_timeout_s=FLAGS.body_timeout,
+        header_timeout_s=FLAGS.header_timeout,
+        health_stall_s=FLAGS.health_stall,
+    )
     model = FLAGS.model_name or FLAGS.target
-    line = serve(engine, model, FLAGS.host, FLAGS.port, FLAGS.grace_period, engine.max_context)
+    line = serve(
+        functools.partial(load_engine, mesh),
+        model,
+        FLAGS.host,
+        FLAGS.port,
+        FLAGS.grace_period,
+        limits,
+        FLAGS.keep_alive_timeout,
+        FLAGS.warm_all_buckets,
+    )
     print(line, flush=True)
     sys.stdout.flush()
 
 
 def cli():
     """The command line: main under launch.common.run (bad flags: one line, exit 2)."""
+    require_serve_extra()
     common.run(main)
 
 

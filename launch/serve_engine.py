@@ -6,6 +6,12 @@ request's asyncio queue on the server's event loop (`loop.call_soon_threadsafe`)
 never touches the engine. A request's outcome is always delivered: its updates end with one whose
 `finished` is true (stop, length, cancelled or error), also when the engine raises or the server
 shuts down.
+
+What is slow and per request stays off that thread: `EngineWorker.prepare` tokenizes a prompt
+(or renders and tokenizes a conversation) in the caller's thread and hands the engine token ids.
+An exception the engine raises while admitting a request fails that request alone (EngineFailed),
+and one raised while stepping fails the requests that were running; the thread goes on either
+way. Each turn of its loop stamps `heartbeat`, which /health reads.
 """
 
 import asyncio
@@ -22,20 +28,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from spec_jax.engine import QueueFull, Update
-from spec_jax.request import Request, RequestError
+from spec_jax.request import Request, RequestError, encode_prompt
 
 PREFIX = "spec_jax"
 prometheus_client.disable_created_metrics()  # no `_created` sample beside every counter
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
+class EngineFailed(RuntimeError):
+    """The engine raised something other than its refusals while admitting one request (a bug):
+    that request fails (500), the others and the engine thread go on."""
+
+
 class Stream:
     """One request's side of the worker: its asyncio queue of Updates and its timings (perf_counter
-    seconds). `done` once its finished Update has been queued."""
+    seconds). `done` once its finished Update has been queued. `rid`: the id its response carries
+    (named in its errors)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request, rid: str = ""):
         self.loop = loop
         self.request = request
+        self.rid = rid
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handle = None
         self.arrived = time.perf_counter()
@@ -156,10 +169,14 @@ class _Cancel:
 
 
 class EngineWorker:
-    """The thread that owns the engine. `submit` (from the event loop) returns a Stream, or raises
-    RequestError (the engine's model checks, e.g. the context) or QueueFull; `cancel` ends a
-    request and frees its slot; `shutdown(grace)` stops taking requests and cancels what still
-    runs `grace` seconds later; `join()` waits for the thread to end."""
+    """The thread that owns the engine. `prepare` (from any other thread) tokenizes a request;
+    `submit` (from the event loop) returns a Stream, or raises RequestError (the engine's model
+    checks, e.g. the context), QueueFull or EngineFailed; `cancel` ends a request and frees its
+    slot; `shutdown(grace)` stops taking requests and cancels what still runs `grace` seconds
+    later; `join()` waits for the thread to end; `alive` and `heartbeat` (time.monotonic() of the
+    loop's last turn) say whether it still works."""
+
+    IDLE_WAIT_S = 1.0  # an idle loop turns at least this often (its heartbeat)
 
     def __init__(self, engine, metrics: Metrics):
         self.engine = engine
@@ -169,19 +186,45 @@ class EngineWorker:
         self._deadline: float | None = None  # set by shutdown(): cancel all at this time
         self.accepting = True
         self.counts = {"finished": 0, "cancelled": 0, "error": 0}
+        self.heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="spec-jax-engine", daemon=True)
 
     def start(self) -> "EngineWorker":
         self._thread.start()
         return self
 
-    async def submit(self, request: Request) -> Stream:
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (it ends after shutdown, or where something no handler
+        stops ended it)."""
+        return self._thread.is_alive()
+
+    @property
+    def shutting_down(self) -> bool:
+        """Whether shutdown() was called."""
+        return self._deadline is not None
+
+    def prepare(self, request: Request) -> Request:
+        """`request` as the engine takes it, its prompt as token ids: validated, and a text or a
+        conversation tokenized (encode_prompt, whose bound refuses a text far over the slot's
+        context before tokenizing it). Runs in the caller's thread, never the engine's:
+        tokenizing a long prompt does not hold up the rows that run (the tokenizer releases the
+        GIL). RequestError naming the field at fault; the request's tokens are the same as the
+        engine's own encoding would give."""
+        request.validate()
+        if request.prompt_ids is not None:
+            return request
+        engine = self.engine
+        ids = encode_prompt(engine.target, request, engine.max_context)
+        return dataclasses.replace(request, prompt=None, messages=None, prompt_ids=tuple(ids))
+
+    async def submit(self, request: Request, rid: str = "") -> Stream:
         loop = asyncio.get_running_loop()
-        stream = Stream(loop, request)
+        stream = Stream(loop, request, rid)
         done = loop.create_future()
         self._inbox.put(_Submit(stream, done))
         try:
-            await done  # the worker sets the handle, or RequestError / QueueFull
+            await done  # the worker sets the handle, or RequestError / QueueFull / EngineFailed
         except asyncio.CancelledError:  # the client left before its request was admitted
             self._inbox.put(_Cancel(stream))  # after the _Submit: the handle is set by then
             raise
@@ -208,22 +251,40 @@ class EngineWorker:
         return len(self._streams)
 
     def _run(self) -> None:
-        while True:
-            self._take_inbox(block=not self._streams and self._deadline is None)
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                for handle in list(self._streams):
-                    self._cancel_handle(handle)
-            if self._deadline is not None and not self._streams:
-                return
-            if self._streams:
-                self._step()
-            self._publish()
+        try:
+            while True:
+                self.heartbeat = time.monotonic()
+                try:
+                    if self._turn():
+                        return
+                except Exception:  # a bug here, not in the engine: fail what runs, keep serving
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail_all("the server's engine thread failed (see its log)")
+                    time.sleep(0.1)  # a fault that repeats does not spin
+        finally:  # shut down, or ended by something no handler stops: nothing may wait on it
+            self._fail_all("the engine thread stopped")
+            self._save_costs()
+
+    def _turn(self) -> bool:
+        """One turn of the loop: takes in submits and cancels, cancels what the grace period
+        cut, runs one engine step; whether the thread is done (shut down, nothing runs)."""
+        self._take_inbox(block=not self._streams and self._deadline is None)
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            for handle in list(self._streams):
+                self._cancel_handle(handle)
+        if self._deadline is not None and not self._streams:
+            return True
+        if self._streams:
+            self._step()
+        self._publish()
+        return False
 
     def _take_inbox(self, block: bool) -> None:
-        """Handles every submit and cancel waiting (waiting up to a second for one when `block`)."""
+        """Handles every submit and cancel waiting (waiting up to IDLE_WAIT_S for one when
+        `block`)."""
         items = []
         try:
-            items.append(self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait())
+            items.append(self._inbox.get(timeout=self.IDLE_WAIT_S) if block else self._inbox.get_nowait())
             while True:
                 items.append(self._inbox.get_nowait())
         except queue.Empty:
@@ -244,6 +305,9 @@ class EngineWorker:
                 error = None
             except (RequestError, QueueFull) as e:
                 error = e
+            except Exception as e:  # a bug met by this request: it fails, the thread goes on
+                traceback.print_exc(file=sys.stderr)
+                error = EngineFailed(f"{type(e).__name__}: {e}")
         if error is not None:
             loop.call_soon_threadsafe(_settle, item.done, error)
             return
@@ -268,23 +332,37 @@ class EngineWorker:
             updates = self.engine.step()
         except Exception as e:  # a bug in the engine: fail what runs, keep serving
             traceback.print_exc(file=sys.stderr)
-            message = f"the engine failed: {type(e).__name__}: {e}"
-            for handle in list(self._streams):
-                self._cancel_handle_quietly(handle)
-                fail = Update(
-                    handle=handle, token_ids=[], text="", finished=True, finish_reason="error", error=message
-                )
-                self._deliver(self._streams[handle], fail)
+            self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
             return
         for update in updates:
             stream = self._streams.get(update.handle)
             if stream is not None:  # None: cancelled here already
                 self._deliver(stream, update)
 
+    def _fail_all(self, message: str) -> None:
+        """Ends every running request with an error Update carrying `message` (each cancelled in
+        the engine first: the engine step that failed ran them all together, so none of them can
+        be told apart as the one at fault)."""
+        for handle in list(self._streams):
+            self._cancel_handle_quietly(handle)
+            fail = Update(
+                handle=handle, token_ids=[], text="", finished=True, finish_reason="error", error=message
+            )
+            self._deliver(self._streams[handle], fail)
+
     def _publish(self) -> None:
         """The engine's numeric counters for /metrics."""
         stats = self.engine.stats()
         self.metrics.engine_stats = {k: v for k, v in stats.items() if isinstance(v, int | float)}
+
+    def _save_costs(self) -> None:
+        """As the thread ends: gamma=auto's controllers' timed rounds go into their cached costs
+        (autogamma.Controller.save_rounds), so that the next start plans with what this one ran."""
+        for controller in self.engine.controllers.values():
+            try:
+                controller.save_rounds()
+            except Exception:  # the costs are a cache: never fail the shutdown over them
+                traceback.print_exc(file=sys.stderr)
 
     def _cancel_handle_quietly(self, handle) -> None:
         with contextlib.suppress(Exception):  # the engine already failed; its state is unknown

@@ -37,8 +37,17 @@ class ApiError(Exception):
     headers: dict[str, str] | None = None
 
     def body(self) -> dict:
-        """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """{"error": {"message", "type", "param", "code"}}, as OpenAI's API answers (lone
+        surrogates in the message or param escaped, so that the body encodes as UTF-8)."""
+        param = None if self.param is None else _printable(self.param)
+        return {
+            "error": {
+                "message": _printable(self.message),
+                "type": self.type,
+                "param": param,
+                "code": self.code,
+            }
+        }
 
 
 class SpecJaxOptions(BaseModel):
@@ -110,15 +119,106 @@ class ChatBody(_Sampling):
     tools: Annotated[list, Field(max_length=0)] | None = None
 
 
-def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
-    """The body as `schema`; ApiError 400 naming the field (or the JSON syntax error's place)."""
+# What a body may hold (parse_json): JSON nested at most this deep (a body of this API nests 3
+# levels: messages, a message, its fields) and numbers of at most this many characters (a 64-bit
+# seed has 20). Python's parser would otherwise recurse until it fails, or refuse a number past
+# 4300 digits with an internal error.
+MAX_JSON_DEPTH = 16
+MAX_NUMBER_CHARS = 64
+
+
+class _Refused(ValueError):
+    """A JSON number past MAX_NUMBER_CHARS (raised from inside json.loads)."""
+
+
+def _int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _Refused(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise _Refused(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    return float(text)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; ApiError 400 for what is not one: bytes that are not UTF-8 JSON,
+    nesting deeper than MAX_JSON_DEPTH, a number longer than MAX_NUMBER_CHARS, or a string (a
+    key or a value) that is not valid Unicode (a lone UTF-16 surrogate, which JSON's \\u escapes
+    can spell), naming the field where it is."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_int=_int, parse_float=_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
         raise ApiError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    except RecursionError:  # the C parser's guard, near 1000 levels
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except _Refused as e:
+        raise ApiError(400, f"the request body holds {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    _check_values(data, (), 1)
+    return data
+
+
+def _check_values(value, path: tuple, depth: int) -> None:
+    """ApiError 400 naming the field where `value` (found at `path`, `depth` levels down) nests too
+    deep or holds a string that is not valid Unicode."""
+    if isinstance(value, str):
+        if not _is_unicode(value):
+            name = _dotted(path) or None
+            raise ApiError(400, f"{name or 'the body'}: {_unicode_error(value)}", param=name)
+        return
+    if not isinstance(value, dict | list):
+        return
+    if depth > MAX_JSON_DEPTH:
+        name = _dotted(path)
+        raise ApiError(
+            400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at {name})", param=name
+        )
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(key, str) and not _is_unicode(key):
+            name = _dotted(path) or None
+            where = f"a field name in {name}" if name else "a field name"
+            raise ApiError(400, f"{where}: {_unicode_error(key)}", param=name)
+        _check_values(item, (*path, key), depth + 1)
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` is valid Unicode (no lone surrogates): what UTF-8 can encode."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unicode_error(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+    return "valid Unicode"
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(_printable(str(p)) for p in path)
+
+
+def _printable(text: str) -> str:
+    """`text` with lone surrogates written as \\udXXX escapes (so that an error naming it can be
+    sent as UTF-8)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
+    """The body as `schema`; ApiError 400 naming the field (parse_json's checks first)."""
+    data = parse_json(raw)
     try:
         return schema.model_validate(data)
     except pydantic.ValidationError as e:
@@ -140,6 +240,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "literal", "none", 
 
 # Request's fields that a body spells differently
 _BODY_NAME = {"prompt_ids": "prompt", "speculate": "spec_jax.speculate", "stop_ids": "stop_token_ids"}
+
+
+def body_field(field: str) -> str:
+    """The body's name of a Request field (RequestError.field): prompt_ids is sent as prompt, ..."""
+    return _BODY_NAME.get(field, field)
 
 
 def to_request(body: CompletionBody | ChatBody) -> Request:
@@ -173,7 +278,7 @@ def to_request(body: CompletionBody | ChatBody) -> Request:
     try:
         return Request.from_dict(fields)
     except RequestError as e:
-        raise ApiError(400, str(e), param=_BODY_NAME.get(e.field, e.field)) from None
+        raise ApiError(400, str(e), param=body_field(e.field)) from None
 
 
 def request_id(chat: bool) -> str:

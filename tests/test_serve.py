@@ -3,9 +3,10 @@ endpoints, streaming, stop strings and chat; what bad input and faults get (400/
 that name the field, a disconnected stream's slot freed, non-finite logits ending one request);
 outputs at concurrency 8 the same as each request alone; SIGTERM exiting 0 with one line.
 
-The servers run in this process (uvicorn in a thread, the engine in its own) on 127.0.0.1 and a
-free port, on the tiny GGUF model (a byte-level tokenizer and a chat template) and a perturbed
-copy of it as the draft; one subprocess test covers the command line and SIGTERM."""
+The servers run in this process (tests/serve_support.py: uvicorn in a thread, the engine in its
+own) on 127.0.0.1 and a free port, on the tiny GGUF model (a byte-level tokenizer and a chat
+template) and a perturbed copy of it as the draft; one subprocess test covers the command line,
+start-up (listening while loading) and SIGTERM. tests/test_serve_faults.py throws bad input at it."""
 
 import asyncio
 import json
@@ -13,30 +14,20 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import httpx2
 import jax.numpy as jnp
 import openai
 import pytest
-import tiny_gguf
-import uvicorn
-from conftest import perturbed
+import serve_support
+from serve_support import MODEL, Server
 
-import models
 from experiments.bench_serve import free_port, prometheus_values
-from launch.serve import make_app, warm_up
-from launch.serve_engine import EngineWorker, Metrics
 from models import registry
 from spec_jax.engine import Engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = "tiny"
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 PROMPTS = [
     "def f(x):",
     "hello world",
@@ -51,46 +42,9 @@ GAMMA = 2  # fixed: seeded sampling is then exact at any concurrency (spec_jax.e
 pytestmark = pytest.mark.xdist_group("serve")
 
 
-class Server:
-    """make_app over an Engine, served by uvicorn in a thread of this process on 127.0.0.1."""
-
-    def __init__(self, engine: Engine):
-        warm_up(engine)
-        self.engine = engine
-        self.metrics = Metrics(MODEL)
-        self.worker = EngineWorker(engine, self.metrics).start()
-        app = make_app(self.worker, self.metrics, MODEL, engine.max_context)
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
-        self.uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uvicorn.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-    def post(self, path: str, body, **kwargs) -> httpx2.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx2.post(self.url + path, content=content, timeout=60, **kwargs)
-
-    def metric(self, name: str) -> float:
-        return prometheus_values(self.url).get(name, 0.0)
-
-    def close(self) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(30)
-        self.worker.shutdown(0)
-        self.worker.join(30)
-
-
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve") / "tiny.gguf"
-    tiny_gguf.write(path, chat_template=CHAT_TEMPLATE, add_bos=True)
-    target = models.load(str(path), cache_dir=path.parent / "cache", progress=False)  # not the user's cache
-    return path, target, perturbed(target, 0.1, seed=7)
+    return serve_support.tiny_pair(tmp_path_factory.mktemp("serve"))
 
 
 @pytest.fixture(scope="module")
@@ -324,8 +278,19 @@ def test_sigterm_finishes_what_runs_and_exits_0_with_one_line(tiny_pair, tmp_pat
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "SPEC_JAX_CACHE": str(cache)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        listening = proc.stdout.readline()
+        assert listening.startswith("launch.serve: listening on"), listening + proc.stderr.read()
+        # Listening before the model is loaded: /health and requests get 503 (loading) until then.
+        health = httpx2.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        early = httpx2.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "a"})
         started = proc.stdout.readline()
         assert started.startswith("launch.serve: serving tiny on"), started + proc.stderr.read()
+        assert health.status_code == 503 and health.json() == {"status": "loading"}, health.text
+        assert health.headers["retry-after"] == "1"
+        assert early.status_code in (200, 503), early.text
+        if early.status_code == 503:
+            assert early.json()["error"]["code"] == "loading" and early.headers["retry-after"] == "1"
+        assert httpx2.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
         body = {"model": MODEL, "prompt": "a", "max_tokens": 200, "stop_token_ids": [], "stream": True}
         with httpx2.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
