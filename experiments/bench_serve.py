@@ -17,6 +17,24 @@ it reports them) and errors. Then an overload check on our server: twice its slo
 streams plus bursts, against a short queue: every request must complete or get 429, never a 5xx
 or a lost request, and /health must answer 200 afterwards. A load tool from the registry
 (guidellm) runs too where `config.guidellm` names its executable.
+
+The load comes in workloads (config.workloads, run in this order):
+- `plain`: the load above (greedy completions of the prompt set; the suite's only load before).
+- `mixed`: the prompt set once each as completions, greedy and sampled in alternate pairs (g g s
+  s g g ...; temperature MIXED_TEMPERATURE then top-p MIXED_TOP_P, seed MIXED_SEED + its index),
+  at each of config.workload_concurrency; ours must give each greedy request the same bytes as
+  that request sent alone.
+- `chat`: config.conversations conversations of config.turns turns behind one long shared system
+  prompt (experiments/prompts/chat_system.txt, 569 tokens with the Qwen2.5 tokenizer), c of them
+  at a time for each c of config.workload_concurrency: each turn POSTs the whole conversation so
+  far (the system prompt, the earlier user messages and the replies as streamed, the new user
+  message) to /v1/chat/completions, greedy. The user messages are the prompt set's. Time to
+  first token is reported for the first turn apart from the later ones, and per turn.
+Output tokens are the servers' own counts (`usage.completion_tokens` of each stream). llama-server
+gets `cache_prompt: true` in every request (its default on every endpoint of the vendored server,
+tools/server/server-schema.cpp; sent so that the setting is in the request), and for a sampled
+request the sampler chain `["temperature", "top_p"]`, the order spec_jax.sampling.warp applies
+them (its own default chain adds top-k 40 and min-p 0.05 and applies top-p before temperature).
 """
 
 import asyncio
@@ -39,6 +57,7 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+import models
 from experiments import common, framework
 from models import registry
 from models.kernels import llama_cpp
@@ -60,9 +79,19 @@ INT_RANGES = {
     "repeats": (1, 100),
     "slots": (1, 64),
     "context": (64, 32768),
+    "conversations": (1, 64),
+    "turns": (2, 16),
+    "system_prompt_chars": (0, 1_000_000),
 }
-TUPLE_RANGES = {"concurrency": (int, 1, 64)}
+TUPLE_RANGES = {"concurrency": (int, 1, 64), "workload_concurrency": (int, 1, 64)}
 PEERS = ("llama", "llama-plain")  # llama-server with the draft model (draft-simple), and without
+WORKLOADS = ("plain", "mixed", "chat")
+MIXED_TEMPERATURE = 0.7
+MIXED_TOP_P = 0.9
+MIXED_SEED = 1000  # the seed of the mixed load's request i (sampled ones): MIXED_SEED + i
+# llama-server's sampler chain for a sampled request: the warp of spec_jax.sampling, by name
+LLAMA_SAMPLERS = ("temperature", "top_p")
+CHAT_SYSTEM_PROMPT = os.path.join(ROOT, "experiments", "prompts", "chat_system.txt")
 # guidellm pulls in versions of huggingface_hub, click and rich other than this project's, so it
 # lives in a venv of its own (gitignored); --config.guidellm=.venv-guidellm/bin/guidellm runs it.
 GUIDELLM_INSTALL = "python3 -m venv .venv-guidellm && .venv-guidellm/bin/pip install guidellm==0.8.1"
@@ -78,11 +107,18 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.concurrency = (1, 2) if quick else (1, 4, 8)
     config.repeats = 1
     config.slots = 2 if quick else 8  # --max_batch and llama-server's -np
-    config.context = 256 if quick else 1024  # tokens per slot: --max_context, llama-server's -c / -np
+    config.context = 512 if quick else 1024  # tokens per slot: --max_context, llama-server's -c / -np
     config.peers = () if quick else PEERS  # llama-server needs the GGUF files: not in quick mode
     config.serve_flags = ""  # more launch.serve flags, space-separated (e.g. "--gamma=4")
     config.overload = True
     config.guidellm = ""  # the guidellm executable (GUIDELLM_INSTALL), or "" to skip it
+    config.workloads = ("plain",)  # WORKLOADS: plain, mixed, chat
+    config.workload_concurrency = (2,) if quick else (8,)  # the mixed and chat loads' concurrencies
+    config.conversations = 2 if quick else 8  # chat: conversations, each of `turns` turns
+    config.turns = 3
+    # chat: the system prompt's first N characters, whole lines (0: all of it; the quick mode's
+    # byte-level models read a character as a token)
+    config.system_prompt_chars = 120 if quick else 0
     return config
 
 
@@ -93,6 +129,16 @@ def validate(config) -> None:
         )
     if any(p not in PEERS for p in config.peers):
         raise ValueError(f"peers: each must be one of {', '.join(PEERS)}, got {tuple(config.peers)}")
+    workloads = tuple(config.workloads)
+    if not workloads or len(set(workloads)) < len(workloads) or any(w not in WORKLOADS for w in workloads):
+        raise ValueError(
+            f"workloads: one or more of {', '.join(WORKLOADS)}, each once, got {','.join(workloads)!r}"
+        )
+    if "chat" in workloads and config.target in models.RANDOM_PRESETS:
+        raise ValueError(
+            f"workloads: chat needs a target with a chat template; {config.target} (a random model) has "
+            "none (--config.target=a GGUF file or model with one)"
+        )
 
 
 def free_port() -> int:
@@ -151,12 +197,77 @@ class ServerProcess:
         return self.proc.returncode, self.output()
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One request of a load: a completion (`prompt`) or a chat turn (`messages`: OpenAI's
+    {"role", "content"} dicts, the last one the user's), at most max_tokens, greedy unless
+    temperature > 0 (then top_p and a seed of its own)."""
+
+    max_tokens: int
+    prompt: str | None = None
+    messages: tuple[dict, ...] | None = None
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int | None = None
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def turn(self) -> int:
+        """A chat job's turn: its count of user messages (1: the first); 0 for a completion."""
+        return 0 if self.messages is None else sum(m["role"] == "user" for m in self.messages)
+
+    def sampling(self) -> dict:
+        """The request's sampling fields, as the openai client's keyword arguments."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+def greedy_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
+    """The plain load: each prompt once, greedy."""
+    return [Job(max_tokens, prompt=p) for p in prompts]
+
+
+def mixed_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
+    """The mixed load: each prompt once, greedy and sampled in alternate pairs (g g s s g g ...:
+    the bench and held-out sets alternate code and English, so each kind gets both), a sampled
+    job i at MIXED_TEMPERATURE, MIXED_TOP_P and seed MIXED_SEED + i."""
+    return [
+        Job(max_tokens, prompt=p)
+        if (i // 2) % 2 == 0
+        else Job(max_tokens, prompt=p, temperature=MIXED_TEMPERATURE, top_p=MIXED_TOP_P, seed=MIXED_SEED + i)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def system_prompt(chars: int = 0) -> str:
+    """The chat load's shared system prompt (CHAT_SYSTEM_PROMPT): its first `chars` characters cut
+    back to whole lines (0: all of it)."""
+    with open(CHAT_SYSTEM_PROMPT, encoding="utf-8") as f:
+        text = f.read()
+    if chars and len(text) > chars:
+        text = text[:chars].rsplit("\n", 1)[0] + "\n"
+    return text
+
+
+def chat_users(prompts: list[str], conversations: int, turns: int, rotate: int = 0) -> list[list[str]]:
+    """The user messages of each conversation: conversation i's turn t is prompt
+    i * turns + (t + rotate) % turns of the set, cycling through it where it holds fewer. rotate:
+    the warm-up's (1), so that no prompt it sends is one the timed load sends."""
+    return [
+        [prompts[(i * turns + (t + rotate) % turns) % len(prompts)] for t in range(turns)]
+        for i in range(conversations)
+    ]
+
+
 @dataclasses.dataclass
 class Outcome:
     """One request as the client saw it: timings in seconds from its start (None: no token)."""
 
     status: int  # 200, or the HTTP status of the error; 0: the connection failed
-    tokens: int = 0
+    tokens: int = 0  # usage.completion_tokens where the stream reported usage, else text chunks
     ttft: float | None = None
     tpot: float | None = None
     seconds: float = 0.0
@@ -164,33 +275,42 @@ class Outcome:
     drafted: int = 0  # llama-server's timings, where it reports them
     accepted: int = 0
     error: str = ""
+    usage: bool = False  # whether the stream reported usage (tokens is then the server's count)
+    prompt_tokens: int | None = None  # usage.prompt_tokens
 
 
-async def stream_one(
-    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, extra=None
-) -> Outcome:
-    """One streamed completion (greedy, usage asked for) as an Outcome; never raises for HTTP or
-    connection errors (they are the Outcome's status)."""
+Record = tuple[Job, Outcome]
+
+
+def _chunk_text(chunk, chat: bool) -> str:
+    if not chunk.choices:
+        return ""
+    choice = chunk.choices[0]
+    return (choice.delta.content if chat and choice.delta else getattr(choice, "text", "")) or ""
+
+
+async def stream_one(client: openai.AsyncOpenAI, model: str, job: Job, extra=None) -> Outcome:
+    """One streamed request (usage asked for): a completion, or a chat completion where the job
+    has messages. Never raises for HTTP or connection errors (they are the Outcome's status)."""
     start = time.perf_counter()
     first = None
-    pieces, tokens, drafted, accepted = [], None, 0, 0
+    pieces, tokens, prompt_tokens, drafted, accepted = [], None, None, 0, 0
+    chat = job.messages is not None
+    request = dict(model=model, max_tokens=job.max_tokens, stream=True, extra_body=extra, **job.sampling())
+    request["stream_options"] = {"include_usage": True}
     try:
-        stream = await client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
-        )
+        if chat:
+            stream = await client.chat.completions.create(messages=list(job.messages), **request)
+        else:
+            stream = await client.completions.create(prompt=job.prompt, **request)
         async for chunk in stream:
             now = time.perf_counter()
-            if chunk.choices and chunk.choices[0].text:
+            text = _chunk_text(chunk, chat)
+            if text:
                 first = first or now
-                pieces.append(chunk.choices[0].text)
+                pieces.append(text)
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
             timings = (chunk.model_extra or {}).get("timings") or {}
             drafted, accepted = timings.get("draft_n", drafted), timings.get("draft_n_accepted", accepted)
     except openai.APIStatusError as e:
@@ -198,11 +318,13 @@ async def stream_one(
     except (openai.APIConnectionError, openai.APIError) as e:
         return Outcome(0, seconds=time.perf_counter() - start, error=f"{type(e).__name__}: {str(e)[:200]}")
     end = time.perf_counter()
-    tokens = tokens if tokens is not None else len(pieces)
+    usage = tokens is not None
+    tokens = tokens if usage else len(pieces)
     ttft = None if first is None else first - start
     # as vLLM's bench: (latency - time to first token) / (tokens - 1)
     tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return Outcome(200, tokens, ttft, tpot, end - start, "".join(pieces), drafted, accepted)
+    text = "".join(pieces)
+    return Outcome(200, tokens, ttft, tpot, end - start, text, drafted, accepted, "", usage, prompt_tokens)
 
 
 def load_client(url: str) -> openai.AsyncOpenAI:
@@ -215,23 +337,67 @@ def load_client(url: str) -> openai.AsyncOpenAI:
     )
 
 
-async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, extra=None):
-    """`prompts` through `concurrency` concurrent streams: (outcomes in prompt order, wall seconds)."""
+def _no_extra(job: Job) -> None:
+    return None
+
+
+async def run_load(url: str, model: str, jobs: list[Job], concurrency: int, extra=_no_extra):
+    """`jobs` through `concurrency` concurrent streams: (records in job order, wall seconds).
+    extra(job): the request's extra_body (a server's own fields), or None."""
     client = load_client(url)
     order = asyncio.Queue()
-    for i in range(len(prompts)):
+    for i in range(len(jobs)):
         order.put_nowait(i)
-    outcomes: list = [None] * len(prompts)
+    outcomes: list = [None] * len(jobs)
 
     async def worker():
         while not order.empty():
             i = order.get_nowait()
-            outcomes[i] = await stream_one(client, model, prompts[i], max_tokens, extra)
+            outcomes[i] = await stream_one(client, model, jobs[i], extra(jobs[i]))
 
     start = time.perf_counter()
     async with client:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return outcomes, time.perf_counter() - start
+    return list(zip(jobs, outcomes, strict=True)), time.perf_counter() - start
+
+
+async def run_chat(
+    url: str,
+    model: str,
+    system: str,
+    users: list[list[str]],
+    concurrency: int,
+    max_tokens: int,
+    extra=_no_extra,
+):
+    """Conversations (users[i]: conversation i's user messages) through `concurrency` concurrent
+    streams, each conversation's turns in order, greedy: turn t sends the system prompt, the
+    earlier turns (each user message and the reply as it streamed) and user message t. A failed
+    turn ends its conversation. Returns (the records, conversation by conversation and turn by
+    turn, wall seconds)."""
+    client = load_client(url)
+    order = asyncio.Queue()
+    for i in range(len(users)):
+        order.put_nowait(i)
+    conversations: list = [[] for _ in users]
+
+    async def worker():
+        while not order.empty():
+            i = order.get_nowait()
+            messages = [{"role": "system", "content": system}]
+            for user in users[i]:
+                messages.append({"role": "user", "content": user})
+                job = Job(max_tokens, messages=tuple(messages))
+                outcome = await stream_one(client, model, job, extra(job))
+                conversations[i].append((job, outcome))
+                if outcome.status != 200:
+                    break
+                messages.append({"role": "assistant", "content": outcome.text})
+
+    start = time.perf_counter()
+    async with client:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return [r for records in conversations for r in records], time.perf_counter() - start
 
 
 def percentile(values, q: float) -> float | None:
@@ -250,13 +416,20 @@ def prometheus_values(url: str) -> dict[str, float]:
 @dataclasses.dataclass
 class System:
     """A server under test: its name, base URL, the model id it answers to, the `extra_body` of
-    its requests, and whether its acceptance comes from our /metrics."""
+    its requests (`extra`: every request's; `sampled_extra`: a sampled request's, on top), and
+    whether its acceptance comes from our /metrics."""
 
     name: str
     server: ServerProcess
     model: str
     extra: dict | None = None
+    sampled_extra: dict | None = None
     ours: bool = False
+
+    def extra_for(self, job: Job) -> dict | None:
+        """The extra_body of `job`'s request to this server (None: nothing beyond OpenAI's)."""
+        body = {**(self.extra or {}), **((self.sampled_extra or {}) if job.sampled else {})}
+        return body or None
 
 
 def start_ours(config, port: int, log_dir: str, slots: int, max_queue: int) -> ServerProcess:
@@ -295,16 +468,22 @@ def start_llama_server(config, port: int, log_dir: str, draft: bool = True) -> S
     return ServerProcess(cmd, port, os.path.join(log_dir, f"llama-server-{port}.log"))
 
 
-def summarize(system: System, concurrency: int, runs: list, before: dict, after: dict) -> dict:
-    """One table row from the runs (outcomes, wall seconds) of a system at a concurrency."""
-    outcomes = [o for result, _ in runs for o in result]
+def summarize(
+    system: System, workload: str, concurrency: int, runs: list, before: dict, after: dict
+) -> tuple[dict, list[dict]]:
+    """One table row from the runs (records, wall seconds) of a system at a concurrency, and for a
+    chat load one row per turn (its requests' prompt tokens and time to first token)."""
+    outcomes = [o for records, _ in runs for _, o in records]
     ok = [o for o in outcomes if o.status == 200]
     for o in outcomes:
         if o.status != 200:
-            print(f"serve: {system.name}, concurrency {concurrency}: a request failed: {o.status}: {o.error}")
-    tokens = sum(o.tokens for o in ok)
+            print(
+                f"serve: {system.name}, {workload}, concurrency {concurrency}: a request failed: {o.status}: {o.error}"
+            )
+    tokens = sum(o.tokens for o in ok if o.usage)  # the servers' own counts
     row = {
         "system": system.name,
+        "workload": workload,
         "concurrency": concurrency,
         "requests": len(outcomes),
         "output_tokens_per_s": tokens / sum(wall for _, wall in runs),
@@ -314,7 +493,34 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
         "tpot_p99_ms": _ms(percentile([o.tpot for o in ok], 99)),
         "output_tokens": tokens,
         "errors": len(outcomes) - len(ok),
+        "without_usage": sum(not o.usage for o in ok),
     }
+    turns = []
+    if workload == "chat":
+        by_turn: dict[int, list[Outcome]] = {}
+        for records, _ in runs:
+            for job, o in records:
+                by_turn.setdefault(job.turn, []).append(o)
+        first, later = by_turn.get(1, []), [o for t, os in by_turn.items() if t > 1 for o in os]
+        for name, group in (("first_turn", first), ("later_turns", later)):
+            done = [o.ttft for o in group if o.status == 200]
+            row[f"ttft_{name}_p50_ms"] = _ms(percentile(done, 50))
+            row[f"ttft_{name}_p99_ms"] = _ms(percentile(done, 99))
+        for t, group in sorted(by_turn.items()):
+            done = [o for o in group if o.status == 200]
+            prompt = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
+            turns.append(
+                {
+                    "system": system.name,
+                    "concurrency": concurrency,
+                    "turn": t,
+                    "requests": len(group),
+                    "prompt_tokens_mean": float(np.mean(prompt)) if prompt else None,
+                    "ttft_p50_ms": _ms(percentile([o.ttft for o in done], 50)),
+                    "ttft_p99_ms": _ms(percentile([o.ttft for o in done], 99)),
+                    "errors": len(group) - len(done),
+                }
+            )
     if system.ours:
         delta = {
             k: after.get(f"spec_jax_engine_{k}_total", 0) - before.get(f"spec_jax_engine_{k}_total", 0)
@@ -329,7 +535,7 @@ def summarize(system: System, concurrency: int, runs: list, before: dict, after:
     else:
         drafted, accepted = sum(o.drafted for o in ok), sum(o.accepted for o in ok)
     row["acceptance"] = accepted / drafted if drafted else None
-    return row
+    return row, turns
 
 
 _ENGINE = (
@@ -347,54 +553,54 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1e3 * seconds, 1)
 
 
-def measure(systems: list[System], config, prompts: list[str]) -> tuple[list[dict], dict]:
-    """The table rows (system x concurrency) and each system's texts at concurrency 1."""
-    rows, texts = [], {}
-    for c in config.concurrency:
+def measure(
+    systems: list[System], workload: str, concurrencies, repeats: int, load
+) -> tuple[list, list, dict]:
+    """A workload's table rows (system x concurrency), its per-turn rows (chat), and each
+    system's records of the first repeat at each concurrency ({name: {c: records}}).
+    load(system, c): a coroutine of (records, wall seconds), the workload's load at c."""
+    rows, turns, first = [], [], {s.name: {} for s in systems}
+    for c in concurrencies:
         runs = {s.name: [] for s in systems}
         before = {s.name: prometheus_values(s.server.url) for s in systems if s.ours}
-        for r in range(config.repeats):
+        for r in range(repeats):
             for k in range(len(systems)):  # the systems alternate; who goes first rotates
                 s = systems[(r + k + c) % len(systems)]
-                outcomes, wall = asyncio.run(
-                    run_load(s.server.url, s.model, prompts, c, config.max_tokens, s.extra)
-                )
-                runs[s.name].append((outcomes, wall))
-                print(f"serve: {s.name}, concurrency {c}, repeat {r}: {wall:.1f} s", flush=True)
+                records, wall = asyncio.run(load(s, c))
+                runs[s.name].append((records, wall))
+                first[s.name].setdefault(c, records)
+                print(f"serve: {s.name}, {workload}, concurrency {c}, repeat {r}: {wall:.1f} s", flush=True)
         for s in systems:
             after = prometheus_values(s.server.url) if s.ours else {}
-            rows.append(summarize(s, c, runs[s.name], before.get(s.name, {}), after))
-            if c == min(config.concurrency):
-                texts[s.name] = [o.text for o in runs[s.name][0][0]]
-    return rows, texts
+            row, by_turn = summarize(s, workload, c, runs[s.name], before.get(s.name, {}), after)
+            rows.append(row)
+            turns += by_turn
+    return rows, turns, first
 
 
-def same_texts(texts: dict, ours: str, prompts: list[str], config, url: str) -> dict:
-    """Whether our greedy texts at the highest concurrency are the ones at the lowest (byte for byte)."""
-    top = max(config.concurrency)
-    outcomes, _ = asyncio.run(run_load(url, config.target, prompts, top, config.max_tokens))
-    same = sum(o.text == t for o, t in zip(outcomes, texts[ours], strict=True))
-    return {
-        "check": f"our greedy texts at concurrency {top} = at {min(config.concurrency)}",
-        "result": f"{same}/{len(prompts)}",
-    }
+def same_texts(system: System, records: list[Record], concurrency: int, check: str) -> dict:
+    """The jobs of `records` sent to `system` again through `concurrency` streams: how many of
+    its texts equal the records' (byte for byte), as {"check", "result"}."""
+    again, _ = asyncio.run(
+        run_load(system.server.url, system.model, [j for j, _ in records], concurrency, system.extra_for)
+    )
+    same = sum(o.text == r.text for (_, o), (_, r) in zip(again, records, strict=True))
+    return {"check": check, "result": f"{same}/{len(records)}"}
 
 
 async def overload(url: str, model: str, prompts: list[str], slots: int, max_tokens: int) -> dict:
     """2 x slots concurrent streams, plus three bursts of `slots` more while they run: the count of
     each outcome (completed, 429, anything else) and /health afterwards."""
+    jobs = greedy_jobs(prompts, max_tokens)
     client = load_client(url)
     async with client:
         tasks = [
-            asyncio.create_task(stream_one(client, model, prompts[i % len(prompts)], max_tokens))
-            for i in range(2 * slots)
+            asyncio.create_task(stream_one(client, model, jobs[i % len(jobs)])) for i in range(2 * slots)
         ]
         for burst in range(3):
             await asyncio.sleep(0.5)
             tasks += [
-                asyncio.create_task(
-                    stream_one(client, model, prompts[(burst + i) % len(prompts)], max_tokens)
-                )
+                asyncio.create_task(stream_one(client, model, jobs[(burst + i) % len(jobs)]))
                 for i in range(slots)
             ]
         outcomes = await asyncio.gather(*tasks)
@@ -477,35 +683,126 @@ def _start_systems(config, stack: contextlib.ExitStack, log_dir: str) -> list[Sy
             continue
         stack.callback(server.stop)
         name = "llama.cpp llama-server" + (" (plain)" if peer == "llama-plain" else "")
-        systems.append(System(name, server, config.target))
+        sampled = {"samplers": list(LLAMA_SAMPLERS)}
+        systems.append(System(name, server, config.target, {"cache_prompt": True}, sampled))
     for s in systems:
         print(f"serve: starting {s.name} ({s.server.url}) ...", flush=True)
         s.server.wait_ready()
     return systems
 
 
+def _warm_up(systems: list[System], concurrencies, load) -> None:
+    """Untimed, before a workload's timed runs: load(system, c) for each system at each
+    concurrency, the highest first (compiles every prompt length and row count, warms caches)."""
+    for s in systems:
+        for c in sorted(concurrencies, reverse=True):
+            asyncio.run(load(s, c))
+
+
+def _plain(systems: list[System], config, prompts: list[str]) -> tuple[list[dict], list[dict]]:
+    """The plain load's rows and checks: our greedy texts at the top concurrency against those at
+    the lowest, and against each peer's at the lowest."""
+    jobs, warm = greedy_jobs(prompts, config.max_tokens), greedy_jobs(prompts, WARMUP_TOKENS)
+    _warm_up(systems, config.concurrency, lambda s, c: run_load(s.server.url, s.model, warm, c, s.extra_for))
+    rows, _, first = measure(
+        systems,
+        "plain",
+        config.concurrency,
+        config.repeats,
+        lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for),
+    )
+    ours, low, top = systems[0], min(config.concurrency), max(config.concurrency)
+    checks = [
+        same_texts(ours, first[ours.name][low], top, f"our greedy texts at concurrency {top} = at {low}")
+    ]
+    for peer in systems[1:]:
+        pairs = zip(first[ours.name][low], first[peer.name][low], strict=True)
+        same = sum(a.text == b.text for (_, a), (_, b) in pairs)
+        checks.append({"check": f"greedy texts the same as {peer.name}'s", "result": f"{same}/{len(jobs)}"})
+    return rows, checks
+
+
+def _mixed(systems: list[System], config, prompts: list[str]) -> tuple[list[dict], list[dict]]:
+    """The mixed load's rows and check: our greedy texts in the load at its top concurrency
+    against each of those requests sent alone. The warm-up is the load itself, at full length: a
+    sampled row's programs for the longer chunks compile only once a request runs that long (on
+    the quick models, a warm-up of WARMUP_TOKENS left 0.4-3.7 s of compiling to the timed run)."""
+    jobs = mixed_jobs(prompts, config.max_tokens)
+    concurrencies = config.workload_concurrency
+    _warm_up(systems, concurrencies, lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for))
+    rows, _, first = measure(
+        systems,
+        "mixed",
+        concurrencies,
+        config.repeats,
+        lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for),
+    )
+    ours, top = systems[0], max(concurrencies)
+    greedy = [r for r in first[ours.name][top] if not r[0].sampled]
+    check = f"our greedy texts in the mixed load at concurrency {top} = each request alone"
+    return rows, [same_texts(ours, greedy, 1, check)]
+
+
+def _chat(systems: list[System], config) -> tuple[list[dict], list[dict]]:
+    """The chat load's rows and its rows per turn. The warm-up runs the conversations at full
+    length (the later turns' prompts then reach the lengths of the timed ones) with each one's
+    user messages in another order, so that no timed request repeats one it sent."""
+    system = system_prompt(config.system_prompt_chars)
+    prompts = common.prompt_set(config.prompt_set, config.conversations * config.turns)
+    users = chat_users(prompts, config.conversations, config.turns)
+    warm = chat_users(prompts, config.conversations, config.turns, rotate=1)
+    concurrencies = config.workload_concurrency
+    _warm_up(
+        systems,
+        concurrencies,
+        lambda s, c: run_chat(s.server.url, s.model, system, warm, c, config.max_tokens, s.extra_for),
+    )
+    rows, turns, _ = measure(
+        systems,
+        "chat",
+        concurrencies,
+        config.repeats,
+        lambda s, c: run_chat(s.server.url, s.model, system, users, c, config.max_tokens, s.extra_for),
+    )
+    return rows, turns
+
+
 def run(config) -> framework.Result | None:
     prompts = common.prompt_set(config.prompt_set, config.num_prompts)
     log_dir = tempfile.mkdtemp(prefix="spec-jax-bench-serve-")  # the servers' output, kept for a look
     print(f"serve: the servers' logs are in {log_dir}", flush=True)
-    checks, summary = (
-        [],
-        {"prompt_set": config.prompt_set, "slots": config.slots, "max_tokens": config.max_tokens},
-    )
+    summary = {
+        "prompt_set": config.prompt_set,
+        "slots": config.slots,
+        "max_tokens": config.max_tokens,
+        "workloads": list(config.workloads),
+    }
+    rows, checks, turns = [], [], []
     with contextlib.ExitStack() as stack:
         systems = _start_systems(config, stack, log_dir)
-        for s in systems:  # untimed: every prompt at each concurrency (compiles, warms caches)
-            for c in sorted(config.concurrency, reverse=True):
-                asyncio.run(run_load(s.server.url, s.model, prompts, c, WARMUP_TOKENS, s.extra))
-        rows, texts = measure(systems, config, prompts)
         ours = systems[0]
-        checks.append(same_texts(texts, ours.name, prompts, config, ours.server.url))
-        if len(systems) > 1:
-            for peer in systems[1:]:
-                same = sum(a == b for a, b in zip(texts[ours.name], texts[peer.name], strict=True))
-                checks.append(
-                    {"check": f"greedy texts the same as {peer.name}'s", "result": f"{same}/{len(prompts)}"}
-                )
+        if "plain" in config.workloads:
+            plain_rows, plain_checks = _plain(systems, config, prompts)
+            rows, checks = rows + plain_rows, checks + plain_checks
+        if "mixed" in config.workloads:
+            mixed_rows, mixed_checks = _mixed(systems, config, prompts)
+            rows, checks = rows + mixed_rows, checks + mixed_checks
+            sampled = sum(j.sampled for j in mixed_jobs(prompts, config.max_tokens))
+            summary["mixed"] = {
+                "greedy": len(prompts) - sampled,
+                "sampled": sampled,
+                "temperature": MIXED_TEMPERATURE,
+                "top_p": MIXED_TOP_P,
+                "llama_samplers": list(LLAMA_SAMPLERS),
+            }
+        if "chat" in config.workloads:
+            chat_rows, turns = _chat(systems, config)
+            rows = rows + chat_rows
+            summary["chat"] = {
+                "conversations": config.conversations,
+                "turns": config.turns,
+                "system_prompt_chars": len(system_prompt(config.system_prompt_chars)),
+            }
         if config.guidellm:
             top = max(config.concurrency)
             loads = [guidellm(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems]
@@ -527,6 +824,7 @@ def run(config) -> framework.Result | None:
         summary["sigterm"] = {"exit_code": code, "last_line": last}
     sections = {
         "checks": checks,
+        "chat: time to first token by turn": turns,
         "the same load from guidellm (the registry's load tool)": summary.get("guidellm"),
     }
     return framework.Result.from_dicts(rows, sections=sections, summary=summary)

@@ -1,12 +1,33 @@
-"""The serve suite's load client (experiments.bench_serve.run_load) against a stub server that
-behaves as llama-server sometimes does: it answers the first request on a connection and closes
-the connection when the next request arrives on it. A client that reuses kept-alive connections
-loses those requests (APIConnectionError); the suite's client must lose none."""
+"""The serve suite (experiments/bench_serve.py): its load client against stub servers, and its quick
+mode end to end on a tiny GGUF model with a chat template.
+
+The first stub behaves as llama-server sometimes does: it answers the first request on a
+connection and closes the connection when the next request arrives on it. A client that reuses
+kept-alive connections loses those requests (APIConnectionError); the suite's client must lose
+none. The second records every request body and answers completions and chat completions alike,
+with fewer text chunks than the tokens its usage reports, so that a count taken from the events
+would differ from the servers' own."""
 
 import asyncio
+import csv
 import json
 
-from experiments.bench_serve import run_load
+import pytest
+import tiny_gguf
+
+from experiments import bench_serve, framework
+from experiments.bench_serve import (
+    Job,
+    Outcome,
+    System,
+    chat_users,
+    greedy_jobs,
+    mixed_jobs,
+    run_chat,
+    run_load,
+    summarize,
+    system_prompt,
+)
 
 CHUNK = {"id": "c", "object": "text_completion", "created": 0, "model": "stub"}
 
@@ -17,29 +38,31 @@ def _sse_body() -> bytes:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in (text, usage)).encode() + b"data: [DONE]\n\n"
 
 
-async def _read_request(reader: asyncio.StreamReader) -> bool:
-    """Reads one HTTP request (head and Content-Length body); False at the end of the stream."""
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, dict] | None:
+    """Reads one HTTP request (head and Content-Length body): (path, JSON body); None at the end
+    of the stream."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError:
-        return False
+        return None
+    lines = head.decode().split("\r\n")
     length = 0
-    for line in head.decode().split("\r\n"):
+    for line in lines:
         if line.lower().startswith("content-length:"):
             length = int(line.split(":", 1)[1])
-    await reader.readexactly(length)
-    return True
+    body = await reader.readexactly(length)
+    return lines[0].split()[1], json.loads(body or b"{}")
+
+
+def _answer(writer, body: bytes, status: str = "200 OK", kind: str = "text/event-stream") -> None:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n"
+    writer.write(head.encode() + body)
 
 
 async def _one_answer_per_connection(reader, writer, connections: list) -> None:
     connections.append(writer.get_extra_info("peername"))
     if await _read_request(reader):
-        body = _sse_body()
-        head = (
-            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: keep-alive\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        )
-        writer.write(head.encode() + body)
+        _answer(writer, _sse_body())
         await writer.drain()
         await _read_request(reader)  # the next request on this connection, if the client reuses it
     writer.close()  # ... is never answered
@@ -53,8 +76,10 @@ def _load(prompts: int) -> tuple[list, list]:
         )
         port = server.sockets[0].getsockname()[1]
         async with server:
-            outcomes, _ = await run_load(f"http://127.0.0.1:{port}", "stub", ["p"] * prompts, 1, 4)
-        return outcomes, connections
+            records, _ = await run_load(
+                f"http://127.0.0.1:{port}", "stub", greedy_jobs(["p"] * prompts, 4), 1
+            )
+        return [o for _, o in records], connections
 
     return asyncio.run(main())
 
@@ -65,3 +90,291 @@ def test_the_load_client_loses_no_request_to_a_server_that_closes_kept_alive_con
     assert [o.tokens for o in outcomes] == [1] * 4
     assert [o.text for o in outcomes] == ["hi"] * 4
     assert len(set(connections)) == 4  # a connection of its own per request
+
+
+# ---- a stub that records what the suite sends ------------------------------------------------
+
+USAGE_TOKENS = 5  # what the stub's usage reports; it streams 2 text chunks
+FAIL = "fail"  # a user message or prompt the stub answers with a 503
+
+
+class Recorder:
+    """A stub OpenAI server on 127.0.0.1: /v1/completions and /v1/chat/completions streamed as two
+    text chunks and a usage chunk of USAGE_TOKENS tokens (no usage chunk where the request's
+    prompt is "no usage"); a chat reply's text is "reply N" (N counts the chat requests). Keeps
+    (path, body) of every request in `requests`."""
+
+    def __init__(self):
+        self.requests: list[tuple[str, dict]] = []
+
+    async def handle(self, reader, writer) -> None:
+        request = await _read_request(reader)
+        if request is not None:
+            self.requests.append(request)
+            path, body = request
+            chat = path.endswith("/chat/completions")
+            last = body["messages"][-1]["content"] if chat else body["prompt"]
+            if last == FAIL:
+                _answer(
+                    writer, b'{"error": {"message": "no"}}', "503 Service Unavailable", "application/json"
+                )
+            else:
+                text = (
+                    f"reply {sum(p.endswith('/chat/completions') for p, _ in self.requests)}"
+                    if chat
+                    else "ab"
+                )
+                _answer(writer, self._stream(chat, text, usage=last != "no usage"))
+            await writer.drain()
+        writer.close()
+
+    @staticmethod
+    def _stream(chat: bool, text: str, usage: bool) -> bytes:
+        half = len(text) // 2
+        if chat:
+            base = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "stub"}
+            pieces = [
+                dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": p}}])
+                for p in (text[:half], text[half:])
+            ]
+        else:
+            pieces = [dict(CHUNK, choices=[{"index": 0, "text": p}]) for p in (text[:half], text[half:])]
+        if usage:
+            use = {"prompt_tokens": 7, "completion_tokens": USAGE_TOKENS, "total_tokens": 7 + USAGE_TOKENS}
+            pieces.append(dict(pieces[0], choices=[], usage=use))
+        return "".join(f"data: {json.dumps(c)}\n\n" for c in pieces).encode() + b"data: [DONE]\n\n"
+
+
+def _with_recorder(load):
+    """(the result of `await load(url)`, the requests the stub got)."""
+    recorder = Recorder()
+
+    async def main():
+        server = await asyncio.start_server(recorder.handle, "127.0.0.1", 0)
+        async with server:
+            return await load(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+    return asyncio.run(main()), recorder.requests
+
+
+def _llama_like() -> System:
+    """A System with llama-server's request fields, as the suite starts it (no process)."""
+    return System(
+        "peer", None, "stub", {"cache_prompt": True}, {"samplers": list(bench_serve.LLAMA_SAMPLERS)}
+    )
+
+
+def test_the_mixed_load_alternates_greedy_and_sampled_pairs_each_sampled_one_with_its_own_seed():
+    prompts = [f"prompt {i}" for i in range(8)]
+    peer = _llama_like()
+    (records, _), requests = _with_recorder(
+        lambda url: run_load(url, "stub", mixed_jobs(prompts, 6), 3, peer.extra_for)
+    )
+    assert [o.status for _, o in records] == [200] * 8
+    bodies = {body["prompt"]: body for _, body in requests}
+    kinds = ["sampled" if bodies[p]["temperature"] > 0 else "greedy" for p in prompts]
+    assert kinds == ["greedy", "greedy", "sampled", "sampled"] * 2
+    for p, kind in zip(prompts, kinds, strict=True):
+        body = bodies[p]
+        assert (
+            body["max_tokens"] == 6 and body["stream"] and body["stream_options"] == {"include_usage": True}
+        )
+        assert body["cache_prompt"] is True  # every request to llama-server
+        if kind == "greedy":
+            assert body["temperature"] == 0 and not {"top_p", "seed", "samplers"} & set(body)
+        else:
+            assert (
+                body["temperature"] == bench_serve.MIXED_TEMPERATURE
+                and body["top_p"] == bench_serve.MIXED_TOP_P
+            )
+            assert body["samplers"] == ["temperature", "top_p"]  # ours: spec_jax.sampling.warp's order
+    seeds = [bodies[p]["seed"] for p, kind in zip(prompts, kinds, strict=True) if kind == "sampled"]
+    assert len(set(seeds)) == len(seeds) == 4
+    # ours gets no llama-server fields (its schema refuses unknown ones)
+    ours = System("ours", None, "stub", ours=True)
+    assert all(ours.extra_for(j) is None for j in mixed_jobs(prompts, 6))
+
+
+def test_output_tokens_are_the_servers_usage_counts_not_the_stream_events():
+    prompts = ["a", "b", "no usage", "c"]
+    (records, wall), _ = _with_recorder(lambda url: run_load(url, "stub", mixed_jobs(prompts, 6), 2))
+    outcomes = {j.prompt: o for j, o in records}
+    assert outcomes["a"].usage and outcomes["a"].tokens == USAGE_TOKENS and outcomes["a"].text == "ab"
+    assert not outcomes["no usage"].usage
+    row, turns = summarize(System("peer", None, "stub"), "mixed", 2, [(records, wall)], {}, {})
+    assert row["output_tokens"] == 3 * USAGE_TOKENS  # not 2 events a request, and nothing without usage
+    assert row["without_usage"] == 1 and row["errors"] == 0 and row["requests"] == 4
+    assert row["workload"] == "mixed" and turns == []
+
+
+def test_each_chat_turn_sends_the_whole_conversation_so_far():
+    users = [["u0a", "u0b", "u0c"], ["u1a", "u1b", "u1c"], ["u2a", FAIL, "u2c"]]
+    (records, _), requests = _with_recorder(lambda url: run_chat(url, "stub", "SYSTEM", users, 2, 9))
+    assert all(path == "/v1/chat/completions" for path, _ in requests)
+    sent = {tuple((m["role"], m["content"]) for m in body["messages"]): body for _, body in requests}
+    by_conversation = {}
+    for job, outcome in records:
+        by_conversation.setdefault(job.messages[1]["content"], []).append((job, outcome))
+    assert [len(v) for v in by_conversation.values()] == [3, 3, 2]  # the failed turn ends its conversation
+    for conversation, turns in by_conversation.items():
+        history = [("system", "SYSTEM")]
+        for t, (job, outcome) in enumerate(turns, start=1):
+            user = users[int(conversation[1])][t - 1]
+            history.append(("user", user))
+            assert job.turn == t and tuple((m["role"], m["content"]) for m in job.messages) == tuple(history)
+            assert tuple(history) in sent and sent[tuple(history)]["max_tokens"] == 9
+            if outcome.status == 200:
+                assert outcome.text.startswith("reply ") and outcome.tokens == USAGE_TOKENS
+                history.append(("assistant", outcome.text))  # the reply as it streamed
+            else:
+                assert user == FAIL and outcome.status == 503
+    assert len(requests) == 8
+
+
+def test_chat_rows_report_the_first_turn_apart_from_the_later_ones():
+    def record(turn: int, ttft: float, status: int = 200) -> tuple[Job, Outcome]:
+        messages = [{"role": "system", "content": "s"}]
+        for t in range(turn):
+            messages += [{"role": "user", "content": f"u{t}"}] + (
+                [{"role": "assistant", "content": "a"}] if t < turn - 1 else []
+            )
+        return Job(4, messages=tuple(messages)), Outcome(
+            status, 4, ttft, 0.01, 1.0, "x", usage=True, prompt_tokens=10 * turn
+        )
+
+    records = [record(1, 0.5), record(1, 0.7), record(2, 0.1), record(3, 0.2), record(3, 9.0, status=500)]
+    row, turns = summarize(System("peer", None, "stub"), "chat", 8, [(records, 2.0)], {}, {})
+    assert (row["ttft_first_turn_p50_ms"], row["ttft_later_turns_p50_ms"]) == (600.0, 150.0)
+    assert row["errors"] == 1 and row["output_tokens"] == 16 and row["output_tokens_per_s"] == 8.0
+    assert [(t["turn"], t["requests"], t["errors"], t["prompt_tokens_mean"]) for t in turns] == [
+        (1, 2, 0, 10.0),
+        (2, 1, 0, 20.0),
+        (3, 2, 1, 30.0),
+    ]
+
+
+def test_the_chat_warm_up_sends_no_timed_first_turn_and_users_come_from_the_prompt_set():
+    prompts = [f"p{i}" for i in range(24)]
+    timed, warm = chat_users(prompts, 8, 3), chat_users(prompts, 8, 3, rotate=1)
+    assert timed[0] == ["p0", "p1", "p2"] and timed[7] == ["p21", "p22", "p23"]
+    assert sorted(u for c in warm for u in c) == sorted(prompts)
+    assert not {c[0] for c in timed} & {c[0] for c in warm}
+    assert chat_users(prompts[:4], 2, 3) == [["p0", "p1", "p2"], ["p3", "p0", "p1"]]  # cycles
+
+
+def test_the_system_prompt_is_the_committed_file_or_its_first_whole_lines():
+    whole = system_prompt()
+    assert whole.startswith("You are a careful assistant") and len(whole) > 2000
+    assert "Beautiful is better than ugly." in whole and "defaultdict" in whole
+    short = system_prompt(120)
+    assert whole.startswith(short) and short.endswith("\n") and 0 < len(short) <= 120
+
+
+@pytest.mark.parametrize(
+    "workloads, target, message",
+    [
+        (
+            ("plain", "bursty"),
+            "random",
+            "workloads: one or more of plain, mixed, chat, each once, got 'plain,bursty'",
+        ),
+        ((), "random", "workloads: one or more of plain, mixed, chat, each once, got ''"),
+        (
+            ("mixed", "mixed"),
+            "random",
+            "workloads: one or more of plain, mixed, chat, each once, got 'mixed,mixed'",
+        ),
+        (("chat",), "random", "workloads: chat needs a target with a chat template"),
+    ],
+)
+def test_a_bad_workloads_setting_is_refused_in_one_line_naming_the_field(workloads, target, message):
+    with pytest.raises(ValueError) as e:
+        framework.make_config("serve", quick=True, overrides={"workloads": workloads, "target": target})
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_default_workload_is_the_plain_load_alone():
+    for quick in (True, False):
+        assert tuple(framework.make_config("serve", quick=quick)["workloads"]) == ("plain",)
+
+
+# ---- the quick mode, end to end ---------------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """The quick serve suite with every workload, on the tiny GGUF (a byte-level tokenizer and a
+    chat template) as target and draft, converted into a cache of its own: (result, output folder)."""
+    folder = tmp_path_factory.mktemp("bench_serve")
+    model = folder / "tiny.gguf"
+    tiny_gguf.write(model, chat_template=CHAT_TEMPLATE, add_bos=True)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("SPEC_JAX_CACHE", str(folder / "cache"))  # not the user's cache
+        overrides = {"workloads": ("plain", "mixed", "chat"), "target": str(model), "draft": str(model)}
+        result, _ = framework.run_experiment(
+            "serve", quick=True, overrides={**overrides, "overload": False}, output_dir=str(folder / "out")
+        )
+    return result, folder / "out"
+
+
+def _rows(folder) -> list[dict]:
+    with open(folder / "serve.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_quick_mode_runs_every_workload_and_counts_tokens_from_usage(quick_run):
+    _, out = quick_run
+    rows = _rows(out)
+    config = framework.make_config("serve", quick=True)
+    expected = [("plain", c) for c in config.concurrency] + [
+        (w, c) for w in ("mixed", "chat") for c in config.workload_concurrency
+    ]
+    assert [(r["workload"], int(r["concurrency"])) for r in rows] == expected
+    for r in rows:
+        assert int(r["errors"]) == 0 and int(r["without_usage"]) == 0, r
+        assert int(r["output_tokens"]) > 0 and float(r["output_tokens_per_s"]) > 0
+    mixed = next(r for r in rows if r["workload"] == "mixed")
+    assert int(mixed["requests"]) == config.num_prompts * config.repeats
+    chat = next(r for r in rows if r["workload"] == "chat")
+    assert int(chat["requests"]) == config.conversations * config.turns * config.repeats
+    assert chat["ttft_first_turn_p50_ms"] and chat["ttft_later_turns_p99_ms"]
+
+
+def test_quick_mode_checks_our_greedy_mixed_texts_against_each_request_alone(quick_run):
+    result, out = quick_run
+    report = json.loads((out / "serve.json").read_text())
+    checks = {c["check"]: c["result"] for c in report["summary"]["sections"]["checks"]}
+    config = framework.make_config("serve", quick=True)
+    top = max(config.workload_concurrency)
+    greedy = sum(not j.sampled for j in mixed_jobs(["p"] * config.num_prompts, 1))
+    assert (
+        report["summary"]["mixed"]["greedy"]
+        == greedy
+        == config.num_prompts - report["summary"]["mixed"]["sampled"]
+    )
+    assert (
+        checks[f"our greedy texts in the mixed load at concurrency {top} = each request alone"]
+        == f"{greedy}/{greedy}"
+    )
+    low = min(config.concurrency)
+    assert (
+        checks[f"our greedy texts at concurrency {max(config.concurrency)} = at {low}"]
+        == f"{config.num_prompts}/{config.num_prompts}"
+    )
+
+
+def test_quick_mode_chat_turns_grow_by_the_earlier_turns(quick_run):
+    _, out = quick_run
+    report = json.loads((out / "serve.json").read_text())
+    turns = report["summary"]["sections"]["chat: time to first token by turn"]
+    config = framework.make_config("serve", quick=True)
+    assert [t["turn"] for t in turns] == list(range(1, config.turns + 1))
+    prompt = [t["prompt_tokens_mean"] for t in turns]
+    # each later turn's prompt holds the earlier turns: longer by at least the replies' tokens
+    assert all(b >= a + 1 for a, b in zip(prompt, prompt[1:], strict=False)), prompt
+    assert "## chat: time to first token by turn" in (out / "serve.md").read_text()
