@@ -22,11 +22,11 @@ The load comes in workloads (config.workloads, run in this order):
 - `plain`: the load above (greedy completions of the prompt set; the suite's only load before).
 - `mixed`: the prompt set once each as completions, greedy and sampled in alternate pairs (g g s
   s g g ...; temperature MIXED_TEMPERATURE then top-p MIXED_TOP_P, seed MIXED_SEED + its index),
-  at each of config.workload_concurrency; ours must give each greedy request the same bytes as
+  at each of config.mixed_concurrency; ours must give each greedy request the same bytes as
   that request sent alone.
 - `chat`: config.conversations conversations of config.turns turns behind one long shared system
   prompt (experiments/prompts/chat_system.txt, 569 tokens with the Qwen2.5 tokenizer), c of them
-  at a time for each c of config.workload_concurrency: each turn POSTs the whole conversation so
+  at a time for each c of config.chat_concurrency: each turn POSTs the whole conversation so
   far (the system prompt, the earlier user messages and the replies as streamed, the new user
   message) to /v1/chat/completions, greedy. The user messages are the prompt set's. Time to
   first token is reported for the first turn apart from the later ones, and per turn.
@@ -83,7 +83,11 @@ INT_RANGES = {
     "turns": (2, 16),
     "system_prompt_chars": (0, 1_000_000),
 }
-TUPLE_RANGES = {"concurrency": (int, 1, 64), "workload_concurrency": (int, 1, 64)}
+TUPLE_RANGES = {
+    "concurrency": (int, 1, 64),
+    "mixed_concurrency": (int, 1, 64),
+    "chat_concurrency": (int, 1, 64),
+}
 PEERS = ("llama", "llama-plain")  # llama-server with the draft model (draft-simple), and without
 WORKLOADS = ("plain", "mixed", "chat")
 MIXED_TEMPERATURE = 0.7
@@ -113,7 +117,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.overload = True
     config.guidellm = ""  # the guidellm executable (GUIDELLM_INSTALL), or "" to skip it
     config.workloads = ("plain",)  # WORKLOADS: plain, mixed, chat
-    config.workload_concurrency = (2,) if quick else (8,)  # the mixed and chat loads' concurrencies
+    config.mixed_concurrency = (2,) if quick else (1, 4, 8)  # the mixed load's concurrencies
+    config.chat_concurrency = (2,) if quick else (8,)  # chat: conversations at a time
     config.conversations = 2 if quick else 8  # chat: conversations, each of `turns` turns
     config.turns = 3
     # chat: the system prompt's first N characters, whole lines (0: all of it; the quick mode's
@@ -728,7 +733,7 @@ def _mixed(systems: list[System], config, prompts: list[str]) -> tuple[list[dict
     sampled row's programs for the longer chunks compile only once a request runs that long (on
     the quick models, a warm-up of WARMUP_TOKENS left 0.4-3.7 s of compiling to the timed run)."""
     jobs = mixed_jobs(prompts, config.max_tokens)
-    concurrencies = config.workload_concurrency
+    concurrencies = config.mixed_concurrency
     _warm_up(systems, concurrencies, lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for))
     rows, _, first = measure(
         systems,
@@ -751,7 +756,7 @@ def _chat(systems: list[System], config) -> tuple[list[dict], list[dict]]:
     prompts = common.prompt_set(config.prompt_set, config.conversations * config.turns)
     users = chat_users(prompts, config.conversations, config.turns)
     warm = chat_users(prompts, config.conversations, config.turns, rotate=1)
-    concurrencies = config.workload_concurrency
+    concurrencies = config.chat_concurrency
     _warm_up(
         systems,
         concurrencies,

@@ -331,9 +331,11 @@ def test_quick_mode_runs_every_workload_and_counts_tokens_from_usage(quick_run):
     _, out = quick_run
     rows = _rows(out)
     config = framework.make_config("serve", quick=True)
-    expected = [("plain", c) for c in config.concurrency] + [
-        (w, c) for w in ("mixed", "chat") for c in config.workload_concurrency
-    ]
+    expected = (
+        [("plain", c) for c in config.concurrency]
+        + [("mixed", c) for c in config.mixed_concurrency]
+        + [("chat", c) for c in config.chat_concurrency]
+    )
     assert [(r["workload"], int(r["concurrency"])) for r in rows] == expected
     for r in rows:
         assert int(r["errors"]) == 0 and int(r["without_usage"]) == 0, r
@@ -350,7 +352,7 @@ def test_quick_mode_checks_our_greedy_mixed_texts_against_each_request_alone(qui
     report = json.loads((out / "serve.json").read_text())
     checks = {c["check"]: c["result"] for c in report["summary"]["sections"]["checks"]}
     config = framework.make_config("serve", quick=True)
-    top = max(config.workload_concurrency)
+    top = max(config.mixed_concurrency)
     greedy = sum(not j.sampled for j in mixed_jobs(["p"] * config.num_prompts, 1))
     assert (
         report["summary"]["mixed"]["greedy"]
