@@ -260,7 +260,7 @@ def system_prompt(chars: int = 0) -> str:
 def chat_users(prompts: list[str], conversations: int, turns: int, rotate: int = 0) -> list[list[str]]:
     """The user messages of each conversation: conversation i's turn t is prompt
     i * turns + (t + rotate) % turns of the set, cycling through it where it holds fewer. rotate:
-    the warm-up's (1), so that no prompt it sends is one the timed load sends."""
+    the warm-up's (1), so that none of its conversations opens as a timed one does."""
     return [
         [prompts[(i * turns + (t + rotate) % turns) % len(prompts)] for t in range(turns)]
         for i in range(conversations)
@@ -288,10 +288,13 @@ Record = tuple[Job, Outcome]
 
 
 def _chunk_text(chunk, chat: bool) -> str:
+    """The text of a streamed chunk: a chat chunk's delta content, a completion chunk's text."""
     if not chunk.choices:
         return ""
     choice = chunk.choices[0]
-    return (choice.delta.content if chat and choice.delta else getattr(choice, "text", "")) or ""
+    if chat:
+        return (choice.delta.content if choice.delta else None) or ""
+    return choice.text or ""
 
 
 async def stream_one(client: openai.AsyncOpenAI, model: str, job: Job, extra=None) -> Outcome:
