@@ -15,7 +15,7 @@ from experiments import common, framework
 from spec_jax import timing
 from spec_jax.decode import PrefillInputs, layout, pad_prompts
 from spec_jax.drafting import NoDrafter
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.sampling import row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill, spec_round
 
 TITLE = "Benchmark loop: the compiled while_loop against a Python loop of the jitted round"
@@ -45,9 +45,7 @@ def synthetic_prompts(batch_size: int) -> list[list[int]]:
 def plain_loop_setup(model, prompts, max_new_tokens: int):
     """(static, inputs) of plain autoregressive decoding of these prompts, greedy, no stop token."""
     width, cache_len = layout(model.config, prompts, max_new_tokens, 0)
-    static = SpecStatic(
-        model.config, NoDrafter(model.config.vocab_size), SamplingParams(0.0), 0, max_new_tokens, cache_len
-    )
+    static = SpecStatic(model.config, NoDrafter(model.config.vocab_size), 0, max_new_tokens, cache_len)
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
         jnp.asarray(tokens),

@@ -29,7 +29,7 @@ from models.weights import param_shapes
 from spec_jax.api import layout
 from spec_jax.decode import PrefillInputs
 from spec_jax.drafting.model import ModelDrafter
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.sampling import RowSampling, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
 PHASES = ("prefill", "loop")
@@ -118,6 +118,7 @@ def abstract_inputs(batch: int, width: int, num_stop_ids: int) -> PrefillInputs:
         prompt_lens=ints((batch,)),
         stop_ids=ints((num_stop_ids,)),
         keys=jax.eval_shape(lambda: row_keys(jax.random.key(0), np.arange(batch))),
+        sampling=jax.eval_shape(lambda: RowSampling.greedy_rows(batch)),  # each row's warp: operands
     )
 
 
@@ -131,7 +132,6 @@ def loop_program(case: LoopCase, target_name: str):
     static = SpecStatic(
         target_cfg,
         ModelDrafter(draft_cfg),
-        SamplingParams(case.temperature),
         case.gamma,
         case.max_new_tokens,
         cache_len,

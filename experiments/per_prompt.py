@@ -31,7 +31,7 @@ def _rows(static: SpecStatic, target_params, draft_params, inputs: PrefillInputs
         state = spec_loop(static, target_params, draft_params, state, row_inputs.stop_ids)
         return state.out.tokens, state.out.num_generated, state.metrics
 
-    axes = PrefillInputs(tokens=0, prompt_lens=0, stop_ids=None, keys=0)
+    axes = PrefillInputs(tokens=0, prompt_lens=0, stop_ids=None, keys=0, sampling=0)
     return jax.vmap(one, in_axes=(axes,))(inputs)
 
 
@@ -58,13 +58,14 @@ def run(
     request.validate(target, prompts, drafter, gamma, max_new_tokens, None, tree)
     gamma = api.GammaPolicy.of(gamma, drafter, tree).gamma  # a tree's: its node count
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
-    static = SpecStatic(target.config, drafter, sampling, gamma, max_new_tokens, cache_len, tree_nodes=tree)
+    static = SpecStatic(target.config, drafter, gamma, max_new_tokens, cache_len, tree_nodes=tree)
     tokens, lens = pad_prompts(prompts, width)
     inputs = PrefillInputs(
         tokens=jnp.asarray(tokens)[:, None],
         prompt_lens=jnp.asarray(lens)[:, None],
         stop_ids=jnp.asarray([-1], jnp.int32),
         keys=row_keys(jax.random.key(seed), np.arange(len(prompts)))[:, None],
+        sampling=jax.tree.map(lambda x: x[:, None], sampling.for_rows(len(prompts))),
     )
     args = (target.params, draft_params, inputs)
     fn, compile_s = compiled("spec_rows", _rows, static, args)

@@ -239,9 +239,7 @@ def pair_programs(target_cfg, draft_cfg, mesh: Mesh, shapes: Shapes) -> dict:
     )
     prefix = target_cfg.vocab_size if draft_cfg.vocab_size < target_cfg.vocab_size else 0
     drafter = ModelDrafter(draft_cfg, vocab=prefix)
-    static = SpecStatic(
-        target_cfg, drafter, SamplingParams(0.0), shapes.gamma, shapes.max_new_tokens, cache_len
-    )
+    static = SpecStatic(target_cfg, drafter, shapes.gamma, shapes.max_new_tokens, cache_len)
     inputs = compile_loop.abstract_inputs(b, width, shapes.num_stop_ids)
     params, draft_params = param_shapes(target_cfg), param_shapes(draft_cfg)
     params = ps.with_shardings(params, sharding.param_shardings(params, mesh))

@@ -694,6 +694,7 @@ def stream_all(
         mesh=mesh,
         max_context=stream_context(target.config, token_prompts, FLAGS.max_new_tokens),
         max_new_tokens=FLAGS.max_new_tokens,
+        prefix_cache_mb=0,  # generate's prefill program (a run after `make demo` finds it compiled)
     )
     settings = dict(max_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, top_k=FLAGS.top_k)
     settings.update(top_p=FLAGS.top_p, stop_ids=tuple(stop_ids))

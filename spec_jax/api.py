@@ -8,6 +8,7 @@ the prefill, run the loop in chunks (one chunk unless gamma is auto).
 """
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.metrics import NONFINITE, nonfinite_rows
 from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, stop_row, validate
 from spec_jax.runner import Runner, decode_auto
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.sampling import RowSampling, SamplingParams, row_keys
 from spec_jax.speculative import SpecState, SpecStatic
 
 
@@ -47,9 +48,9 @@ class Options:
     draft: Any = None
     gamma: int | str = "auto"
     max_new_tokens: int = Request.max_tokens
-    temperature: float = Request.temperature
-    top_k: int = Request.top_k
-    top_p: float = Request.top_p
+    temperature: float | Sequence[float] = Request.temperature  # a sequence: one per prompt
+    top_k: int | Sequence[int] = Request.top_k
+    top_p: float | Sequence[float] = Request.top_p
     seed: int = Request.seed
     row_ids: Any = None
     eos_id: Any = "auto"
@@ -96,9 +97,7 @@ class GammaPolicy:
         return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
 
 
-def spec_static(
-    target, mesh, drafter: Drafter, sampling, policy: GammaPolicy, options, cache_len: int
-) -> SpecStatic:
+def spec_static(target, mesh, drafter: Drafter, policy: GammaPolicy, options, cache_len: int) -> SpecStatic:
     """The loop's static settings: the target's config for the mesh, the placed drafter, the
     policy's static gamma, options' max_new_tokens and verify_widths (resolve_verify_widths) and
     tree (its node slots only for a fixed gamma with a drafter; options: Options or any object
@@ -106,7 +105,6 @@ def spec_static(
     return SpecStatic(
         sharding.for_mesh(target.config, mesh),
         drafter,
-        sampling,
         policy.gamma,
         options.max_new_tokens,
         cache_len,
@@ -126,7 +124,7 @@ class Plan:
     draft_params: Any
     policy: GammaPolicy
     controller: autogamma.Controller | None
-    sampling: SamplingParams
+    sampling: RowSampling  # each row's warp, the padding rows' included
     mesh: jax.sharding.Mesh
     num_rows: int  # the caller's prompts; rows past them pad the data axis
     prompts: list
@@ -160,7 +158,8 @@ def _plan(target, prompts, options: Options) -> Plan:
         policy.gamma,
         drafter.reads_features,
     )
-    sampling = SamplingParams(float(options.temperature), options.top_k, float(options.top_p))
+    warps = row_warps(options, num_rows)
+    sampling = RowSampling.of(warps + warps[:1] * padding)
     stop_ids = stop_id_list(options.eos_id, target.config.vocab_size)
     return Plan(
         drafter,
@@ -177,6 +176,25 @@ def _plan(target, prompts, options: Options) -> Plan:
         stop_ids,
         sources,
     )
+
+
+def row_warps(options: Options, num_rows: int) -> list[SamplingParams]:
+    """Each prompt's warp: options' temperature, top_k and top_p are each one value for every
+    prompt or a sequence of one per prompt (greedy and sampled rows run in one loop). ValueError
+    naming the argument and its allowed range."""
+
+    def each(name):
+        value = getattr(options, name)
+        if not isinstance(value, list | tuple | np.ndarray):
+            return [value] * num_rows
+        if len(value) != num_rows:
+            raise ValueError(
+                f"{name} must be one value or {num_rows} values (one per prompt), got {len(value)}"
+            )
+        return list(value)
+
+    values = zip(each("temperature"), each("top_k"), each("top_p"), strict=True)
+    return [SamplingParams(float(t), k, float(p)) for t, k, p in values]
 
 
 def controller_for(
@@ -246,6 +264,7 @@ def _place(target, plan: Plan, seed: int, max_new_tokens: int):
         stop_ids=jnp.asarray(stops),
         keys=row_keys(jax.random.key(seed), plan.row_ids),
         budgets=jnp.full(batch, max_new_tokens, jnp.int32),
+        sampling=plan.sampling.for_rows(batch),
     )
     inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
     active = sharding.put(np.arange(batch) < plan.num_rows, sharding.batch_sharding(mesh, 1))
@@ -270,7 +289,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
     target_params, draft_params, inputs, active, drafter = _place(
         target, plan, options.seed, options.max_new_tokens
     )
-    static = spec_static(target, plan.mesh, drafter, plan.sampling, plan.policy, options, plan.cache_len)
+    static = spec_static(target, plan.mesh, drafter, plan.policy, options, plan.cache_len)
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
     state, prefill_compile_s, prefill_s = runner.prefill(active)
     if plan.controller is None:
@@ -337,7 +356,9 @@ def generate(target, prompts, **options) -> Generation:
         may draft, 8).
       max_new_tokens: new tokens per prompt at most (default 64).
       temperature, top_k, top_p: the warp, applied identically to target and draft; any
-        positive temperature samples (0, the default, is greedy).
+        positive temperature samples (0, the default, is greedy). Each is one value for every
+        prompt, or a sequence of one value per prompt: each row is warped by its own settings
+        (operands of the one compiled loop: a new value compiles nothing).
       seed, row_ids: row b draws its randomness from fold_in(key(seed), row_ids[b]) alone
         (row_ids default 0..B-1), so a prompt's sample does not depend on the other prompts of
         its batch: pass each prompt's index in a larger list to make batching invisible.

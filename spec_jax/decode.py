@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cache import KVCache
 from models.config import ModelConfig
 from models.kernels import target as kernel_target
 from models.settings import is_int
@@ -27,7 +28,7 @@ from models.transformer import (
     on_cpu,
     output_head,
 )
-from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
+from spec_jax.sampling import RowSampling, draw_rows, split_rows, warp
 
 MIN_BUCKET = 16
 # The smallest bucket on the CPU kernels' path (layout): prompts up to it share their programs.
@@ -90,9 +91,16 @@ def stop_id_list(eos_id, vocab: int) -> list[int]:
 
 
 def prefill(
-    config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int, with_features=False
+    config: ModelConfig, params, tokens_bp, prompt_lens_b, cache_len: int, with_features=False, prefix=None
 ) -> ForwardOutput:
     """Runs the padded prompts [B, P] through the model into a fresh cache of cache_len slots.
+
+    prefix: None, or (pool, blocks): each row's leading positions already computed, in blocks of
+    PREFILL_CHUNK positions (spec_jax.prefix_cache: pool, a KVCache [L, N, PREFILL_CHUNK, K, E];
+    blocks, int32 [B, P // PREFILL_CHUNK], row b's j-th block's pool slot, -1 past its hit). They
+    are copied into the cache and the row-wise path reads each row from the first position after
+    them: the same bits as reading it whole. One call over the batch (off the CPU kernels)
+    computes every position again.
 
     Returns a ForwardOutput (models.transformer.forward): the logits at each row's last prompt
     token [B, V], the cache, and with_features the features at every prompt position [B, P, D].
@@ -107,6 +115,11 @@ def prefill(
     """
     batch, width = tokens_bp.shape
     cache = init_cache(config, batch, cache_len)
+    start_b = jnp.zeros((batch,), jnp.int32)
+    if prefix is not None:
+        pool, blocks_bj = prefix
+        cache = read_prefix(cache, pool, blocks_bj)
+        start_b = jnp.sum(jnp.cumprod(blocks_bj >= 0, axis=1), axis=1).astype(jnp.int32) * PREFILL_CHUNK
 
     def one_call(tokens_bp, prompt_lens_b, cache):
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
@@ -125,13 +138,22 @@ def prefill(
         return one_call(tokens_bp, prompt_lens_b, cache)
 
     def by_rows(tokens_bp, prompt_lens_b, cache):
-        return prefill_rows(config, params, tokens_bp, prompt_lens_b, cache, PREFILL_CHUNK, with_features)
+        return prefill_rows(
+            config, params, tokens_bp, prompt_lens_b, cache, PREFILL_CHUNK, with_features, start_b
+        )
 
     return on_cpu(config, by_rows, one_call, tokens_bp, prompt_lens_b, cache)
 
 
 def prefill_rows(
-    config: ModelConfig, params, tokens_bp, prompt_lens_b, cache, chunk: int, with_features=False
+    config: ModelConfig,
+    params,
+    tokens_bp,
+    prompt_lens_b,
+    cache,
+    chunk: int,
+    with_features=False,
+    start_b=None,
 ) -> ForwardOutput:
     """prefill's result (a ForwardOutput), computed one row and `chunk` positions per model call, in one
     lax.while_loop over (row, chunk) that stops at each row's own length: a row of n tokens
@@ -143,9 +165,13 @@ def prefill_rows(
     of products, not 16, in the same program). The output head runs in the call holding the row's
     last prompt token alone (a lax.cond: the Qwen 1.5B's head of 151936 rows reads 190 MB, about
     5 ms a call on the Zen 5). Cache slots past a row's prompt hold the padding's entries (never
-    read: decoding overwrites them first)."""
+    read: decoding overwrites them first). start_b (int32 [B], multiples of chunk below each
+    row's length; default 0): each row's first position to read, the cache holding the ones
+    before (prefill's prefix)."""
     batch, width = tokens_bp.shape
     c = min(chunk, width)
+    start_b = jnp.zeros((batch,), jnp.int32) if start_b is None else start_b
+    next_start = jnp.concatenate([start_b[1:], jnp.zeros((1,), jnp.int32)])  # after row r: row r + 1's
     config = config.replace(bulk_products=True)  # nothing compares a prefill row with a decode step's
     shapes = jax.eval_shape(
         lambda: forward(config, params, tokens_bp[:1, :c], jnp.zeros((1, c), jnp.int32), _row(cache, 0),
@@ -183,13 +209,28 @@ def prefill_rows(
         if with_features:
             features = jax.lax.dynamic_update_slice(features, out.features, (r, start, 0))
         row_done = s + c >= prompt_lens_b[r]
-        return r + row_done, jnp.where(row_done, 0, s + c), cache, logits, features
+        return r + row_done, jnp.where(row_done, next_start[r], s + c), cache, logits, features
 
     zero = jnp.zeros((), jnp.int32)
     _, _, cache, logits, features = jax.lax.while_loop(
-        lambda carry: carry[0] < batch, body, (zero, zero, cache, logits, features)
+        lambda carry: carry[0] < batch, body, (zero, start_b[0], cache, logits, features)
     )
     return ForwardOutput(logits=logits, cache=cache, features=features)
+
+
+def read_prefix(cache: KVCache, pool: KVCache, blocks_bj) -> KVCache:
+    """cache [L, B, S, K, E] with row b's positions [C j, C (j + 1)) (C = PREFILL_CHUNK) set from
+    pool [L, N, C, K, E] slot blocks[b, j] wherever that is >= 0 (int32 [B, J]: a row's hit)."""
+    b, j = blocks_bj.shape
+
+    def one(cache_x, pool_x):
+        taken = pool_x[:, jnp.maximum(blocks_bj, 0)]  # [L, B, J, C, K, E]
+        taken = taken.reshape(pool_x.shape[0], b, j * PREFILL_CHUNK, *pool_x.shape[3:])
+        have = jnp.repeat(blocks_bj >= 0, PREFILL_CHUNK, axis=1)[None, :, :, None, None]
+        head = jnp.where(have, taken.astype(cache_x.dtype), cache_x[:, :, : j * PREFILL_CHUNK])
+        return jax.lax.dynamic_update_slice_in_dim(cache_x, head, 0, axis=2)
+
+    return KVCache(k=one(cache.k, pool.k), v=one(cache.v, pool.v))
 
 
 def _head_at(config: ModelConfig, params, features_1td, index):
@@ -273,9 +314,18 @@ class PrefillInputs:
     stop_ids: jax.Array  # int32 [E] or [B, E]: a row stops after generating any of these (-1: padding)
     keys: jax.Array  # [B] PRNG keys, one per row
     budgets: jax.Array | None = None  # int32 [B]: each row's most new tokens (None: max_new_tokens)
+    # int32 [B, P // PREFILL_CHUNK]: each row's cached prefix, pool slots (-1 past it; None: none):
+    # prefill's prefix blocks, with the prefix cache's pool (spec_jax.prefix_cache)
+    prefix_blocks: jax.Array | None = None
+    sampling: RowSampling | None = None  # each row's warp (None: greedy, every row)
+
+    def row_sampling(self) -> RowSampling:
+        """Each row's warp: sampling, or greedy for every row where it is None."""
+        batch = self.tokens.shape[0]
+        return RowSampling.greedy_rows(batch) if self.sampling is None else self.sampling.for_rows(batch)
 
 
-def first_token(logits_bv, inputs: PrefillInputs, sampling: SamplingParams, max_new_tokens: int):
+def first_token(logits_bv, inputs: PrefillInputs, sampling: RowSampling, max_new_tokens: int):
     """Draws the first new token from the prefill logits; returns (Output, token [B], keys [B]).
     A row whose logits are not all finite commits nothing and is done (Output.nonfinite)."""
     keys, draw_keys = split_rows(inputs.keys, 2)

@@ -21,9 +21,9 @@ prefilled rows: spec_jax.table):
   bucket or the prefill batch it runs in. Its row draws from keys derived from its own seed
   (row id 0: what spec_jax.generate gives the request alone), stops at its own budget
   (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute each row
-  bit-identically whatever the batch. Rows of one chunk share the warp (temperature, top-k,
-  top-p are static settings of the compiled loop): a request with another warp waits until
-  the table's rows are done. With gamma=auto a greedy request's tokens are still its own; a
+  bit-identically whatever the batch. Each row has its own warp (temperature, top-k, top-p:
+  per-row operands of the compiled loop, spec_jax.sampling.RowSampling), so greedy and sampled
+  requests share a chunk and a new value compiles nothing. With gamma=auto a greedy request's tokens are still its own; a
   sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness across
   concurrency holds for a fixed gamma.
 - The chunk length adapts: MIN_CHUNK rounds while requests wait and after the table changed (an
@@ -33,26 +33,32 @@ prefilled rows: spec_jax.table):
 """
 
 import collections
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from models.settings import is_number
 from spec_jax import api, rows, sharding, step_costs
-from spec_jax.decode import PAD_ID, layout
+from spec_jax.decode import PAD_ID, coarse_layout, layout
 from spec_jax.drafting import NoDrafter, as_drafter
+from spec_jax.prefix_cache import PrefixCache
 from spec_jax.request import Handle, Request, Update, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
-from spec_jax.sampling import SamplingParams
 from spec_jax.table import Table, row_buckets
 
 MIN_CHUNK, MAX_CHUNK = 1, 64  # rounds per chunk: while requests wait or the table just changed; at most
+# Rounds per chunk at most while a row has stop strings (matched on the host at chunk ends): a row
+# computes at most this many rounds past its stop string.
+STOP_CHUNK = 2
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 # Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
 # row id, stop ids, speculation and warp give the same row but for its budget, which is set, so
 # reusing it is exact); each holds a slot's caches (about 85 MB for the Qwen pair at 1024 tokens).
 PREFILL_CACHE = 16
+# The prefix cache's pool (spec_jax.prefix_cache), MB: about 4,600 prompt tokens of the Qwen 1.5B
+# (57 KB a token at float32), a long system prompt and a few conversations.
+PREFIX_CACHE_MB = 256
 TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
 
 
@@ -88,6 +94,7 @@ class Engine:
         verify_widths: str = "auto",
         prefill_cache: int = PREFILL_CACHE,
         measure_costs: bool = True,
+        prefix_cache_mb: float = PREFIX_CACHE_MB,
     ):
         rows.check_counts(
             max_batch=(max_batch, 1), max_queue=(max_queue, 1), prefill_cache=(prefill_cache, 0)
@@ -116,7 +123,7 @@ class Engine:
         draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
         drafter = drafter.for_mesh(self.mesh)
         settings = api.Options(max_new_tokens=self.max_new_tokens, verify_widths=verify_widths, tree=tree)
-        static = api.spec_static(target, self.mesh, drafter, SamplingParams(0.0), policy, settings, cache_len)
+        static = api.spec_static(target, self.mesh, drafter, policy, settings, cache_len)
         self._runner = Runner(static, self.mesh, target_params, draft_params, None)
         self._ids = itertools.count()
         self._queue: collections.deque[rows.Row] = collections.deque()
@@ -132,9 +139,21 @@ class Engine:
             self._counters,
             prefill_cache,
             self._prompt_width([PAD_ID], 1),
+            self._prefix_cache(prefix_cache_mb),
         )
         self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
+
+    def _prefix_cache(self, max_mb: float) -> PrefixCache | None:
+        """The prefix cache of max_mb MB (0: none), where a prefill reads rows from a cached
+        prefix with a full prefill's bits: the row-wise prefill of the CPU kernels, on one device,
+        for a drafter that reads no target features over the prompt (None elsewhere)."""
+        if not is_number(max_mb) or max_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be a number >= 0 (0: no prefix cache), got {max_mb!r}")
+        exact = coarse_layout(self.target.config) and self.mesh.size == 1
+        if not max_mb or not exact or self._runner.static.drafter.reads_features:
+            return None
+        return PrefixCache(self.target.config, max_mb)
 
     @property
     def drafts(self) -> bool:
@@ -242,24 +261,12 @@ class Engine:
 
     def _admit(self) -> list:
         """Prefills waiting requests into the free slots, in order: consecutive requests of one
-        prompt width in one prefill call. A request whose warp differs from the running rows'
-        waits (and those after it) until the table is empty. Returns Table.insert's (row, block,
-        index) of each request admitted."""
+        prompt width in one prefill call (whatever their warps). Returns Table.insert's (row,
+        block, index) of each request admitted."""
         firsts = []
         while self._queue and None in self._slots:
-            first = self._queue[0]
-            sampling = first.handle.request.sampling
-            if sampling != self._runner.static.sampling:
-                if self._busy():
-                    break
-                self._set_sampling(sampling)
-            width, free, group = self._width(first), self._slots.count(None), []
-            while (
-                self._queue
-                and len(group) < free
-                and self._queue[0].handle.request.sampling == sampling
-                and self._width(self._queue[0]) == width
-            ):
+            width, free, group = self._width(self._queue[0]), self._slots.count(None), []
+            while self._queue and len(group) < free and self._width(self._queue[0]) == width:
                 group.append(self._queue.popleft())
             firsts, self._chunk = firsts + self._table.insert(group, width), 0
         return firsts
@@ -273,10 +280,6 @@ class Engine:
         features = self._runner.static.drafter.reads_features
         return min(layout(self.target.config, [ids], max_tokens, 0, features)[0], self.max_context)
 
-    def _set_sampling(self, sampling: SamplingParams) -> None:
-        self._runner.static = dataclasses.replace(self._runner.static, sampling=sampling)
-        self._table.reset()  # built again for the new loop (its rows are all free)
-
     def _run_chunk(self) -> None:
         """One chunk of rounds over the table's rows (freed rows first marked done): at most as
         many rounds as the busy row nearest its budget has tokens left, so that a slot it
@@ -287,7 +290,10 @@ class Engine:
             table.inputs_stale = False
         table.apply_stops()
         self._chunk = MIN_CHUNK if self._queue or not self._chunk else min(2 * self._chunk, MAX_CHUNK)
-        left = min(r.handle.request.max_tokens - len(r.tokens) for r in self._slots if r is not None)
+        busy = [r for r in self._slots if r is not None]
+        left = min(r.handle.request.max_tokens - len(r.tokens) for r in busy)
+        if any(r.handle.request.stop for r in busy):
+            left = min(left, STOP_CHUNK)
         rounds = max(1, min(self._chunk, left))
         start = time.perf_counter()
         if not self.controllers:
@@ -342,6 +348,7 @@ class Engine:
             self.tokenizer, row.tokens, row.handle.request.stop, final=reason is not None
         )
         if cut is not None:
+            self._counters["tokens_past_stop_total"] += len(row.tokens) - cut
             row.tokens, reason = row.tokens[:cut], "stop"
             if row.slot is not None:
                 self._table.stop_rows[row.slot] = True
@@ -361,12 +368,16 @@ class Engine:
         prompt_tokens_total, generation_tokens_total, draft_tokens_total,
         accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
         runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
-        prefill_cache_hits (rows reused), table_seconds (row writes, moves, resizes; an
+        prefill_cache_hits (rows reused), prefix_cache_hit_tokens (prompt tokens read from the
+        prefix cache), prefix_cache_inserted_tokens, prefix_cache_tokens (held now), table_seconds (row writes, moves, resizes; an
         admission's run at the next step), the seconds of compilation, prefills, decoding (the
         chunks' wall time) and steps (all of step(): step_seconds - compile - prefill - decode is
-        the host's own work between chunks), and ttft_seconds: the last TTFT_KEPT requests'
+        the host's own work between chunks), tokens_past_stop_total (tokens computed after a
+        stop string's match and cut), and ttft_seconds: the last TTFT_KEPT requests'
         times from submit to their first tokens (a list)."""
         out = dict(self._counters)
+        if self._table.prefix is not None:
+            out.update(self._table.prefix.counters, prefix_cache_tokens=self._table.prefix.used_tokens)
         out.update(
             queue_depth=len(self._queue),
             slots_busy=sum(r is not None for r in self._slots),
@@ -401,6 +412,7 @@ def stream(
         mesh=mesh,
         max_context=context,
         max_new_tokens=new,
+        prefix_cache_mb=0,  # generate's prefill program: without the prefix cache's pool
     )
     index = {engine.submit(r).id: i for i, r in enumerate(requests)}
     for update in engine.drain():

@@ -306,14 +306,15 @@ def stop_row(stop_ids) -> np.ndarray:
     return stops
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class Handle:
-    """A submitted request: .id (unique per engine), .request, .prompt_tokens. Hashable by
-    identity."""
+    """A submitted request: .id (unique per engine), .request, .prompt_tokens, .cached_tokens.
+    Hashable by identity."""
 
     id: int
     request: Request
     prompt_tokens: int = 0  # the prompt's token count (after the chat template)
+    cached_tokens: int = 0  # of them, read from the prefix cache (set when it is prefilled)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from models.settings import is_int
 from spec_jax import sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
 from spec_jax.request import MAX_STOP_IDS, Request, RequestError, stop_row
-from spec_jax.sampling import row_keys
+from spec_jax.sampling import RowSampling, SamplingParams, row_keys
 from spec_jax.speculative import SpecState
 
 DEFAULT_CONTEXT = 2048  # tokens per slot (prompt + new tokens) unless max_context says otherwise
@@ -139,8 +139,8 @@ def stop_ids_for(request: Request, tokenizer, vocab: int) -> tuple[int, ...]:
 
 def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
     """The requests of group as PrefillInputs of `batch` rows (>= len(group); the rest are
-    one-token PAD_ID prompts) and the given width, unplaced. Each row's keys are its
-    request's alone: fold_in(key(seed), row_id)."""
+    one-token PAD_ID prompts, greedy) and the given width, unplaced. Each row's keys and warp
+    are its request's alone: fold_in(key(seed), row_id)."""
     tokens = np.full((batch, width), PAD_ID, np.int32)
     lens, budgets = np.ones(batch, np.int32), np.ones(batch, np.int32)
     stops = np.full((batch, MAX_STOP_IDS), -1, np.int32)
@@ -159,10 +159,13 @@ def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
         stop_ids=jnp.asarray(stops),
         keys=jnp.concatenate(keys),
         budgets=jnp.asarray(budgets),
+        sampling=RowSampling.of(
+            [row.handle.request.sampling for row in group] + [SamplingParams(0.0)] * (batch - len(group))
+        ),
     )
 
 
-def prefill_key(row: Row, width: int, sampling) -> tuple:
+def prefill_key(row: Row, width: int) -> tuple:
     """Everything a request's prefilled row depends on in one engine, but its budget: its prompt,
     the prefill's width, its keys (seed, row id), stop ids, speculation, the warp, and whether
     its budget ends it at the first token. Two requests of one key get the same row, bit for
@@ -176,7 +179,7 @@ def prefill_key(row: Row, width: int, sampling) -> tuple:
         request.max_tokens == 1,
         tuple(row.stop_ids),
         request.speculate,
-        sampling,
+        request.sampling,
     )
 
 
@@ -322,5 +325,6 @@ class HostTable:
             stop_ids=jnp.asarray(self.stop_ids[:n]),
             keys=row_keys_jit(jax.random.key(0), np.arange(n, dtype=np.uint32)),
             budgets=jnp.ones(n, jnp.int32),
+            sampling=RowSampling.greedy_rows(n),
         )
         return sharding.put(inputs, sharding.state_shardings(inputs, mesh, n))

@@ -19,10 +19,10 @@ from spec_jax.executables import compiled
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
 
-def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b) -> SpecState:
+def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b, pool=None) -> SpecState:
     """spec_prefill with the rows where active is False marked done: rows added only to fill the
     data axis never run a round or count in the metrics."""
-    state = spec_prefill(static, params, draft_params, inputs)
+    state = spec_prefill(static, params, draft_params, inputs, pool)
     return state.replace(out=state.out.replace(done=state.out.done | ~active_b))
 
 
@@ -50,11 +50,14 @@ class Runner:
     draft_params: Any
     inputs: PrefillInputs
 
-    def prefill(self, active, inputs: PrefillInputs | None = None) -> tuple[SpecState, float, float]:
+    def prefill(
+        self, active, inputs: PrefillInputs | None = None, pool=None
+    ) -> tuple[SpecState, float, float]:
         """(state after prefill, compile seconds, prefill seconds) of inputs (default the
-        call's; spec_jax.engine prefills one request at a time into its table)."""
+        call's; spec_jax.engine prefills one request at a time into its table); pool: the
+        prefix cache's, for inputs.prefix_blocks (spec_prefill)."""
         inputs = self.inputs if inputs is None else inputs
-        args = (self.target_params, self.draft_params, inputs, active)
+        args = (self.target_params, self.draft_params, inputs, active) + (() if pool is None else (pool,))
         batch = inputs.tokens.shape[0]
         fn, compile_s = compiled(
             "spec_prefill",

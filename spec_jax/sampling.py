@@ -12,6 +12,7 @@ of its batch (spec_jax.api derives the row keys from the seed and each prompt's 
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,8 +22,9 @@ from models.settings import is_int
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Static (hashable) warp settings: temperature >= 0 (0 = greedy; any positive value samples,
-    however small), top_k >= 0 (0 = off), top_p in (0, 1]."""
+    """One request's warp settings (host side, validated, hashable): temperature >= 0 (0 = greedy;
+    any positive value samples, however small), top_k >= 0 (0 = off), top_p in (0, 1]. The loops
+    read them per row (for_rows: RowSampling), so requests of different settings share a chunk."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -33,6 +35,43 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def for_rows(self, batch: int) -> "RowSampling":
+        """These settings for each of `batch` rows."""
+        return RowSampling.of([self] * batch)
+
+
+@flax.struct.dataclass
+class RowSampling:
+    """Each row's warp settings as arrays: operands of the compiled loops, not static settings,
+    so greedy and sampled rows run in one chunk and a new value compiles nothing."""
+
+    temperature: jax.Array  # float32 [B]: 0 is greedy
+    top_k: jax.Array  # int32 [B]: 0 is off
+    top_p: jax.Array  # float32 [B]: 1 is off
+
+    @classmethod
+    def of(cls, settings) -> "RowSampling":
+        """The rows of settings (a sequence of SamplingParams, one per row), as host arrays."""
+        return cls(
+            temperature=np.asarray([s.temperature for s in settings], np.float32),
+            top_k=np.asarray([s.top_k for s in settings], np.int32),
+            top_p=np.asarray([s.top_p for s in settings], np.float32),
+        )
+
+    @classmethod
+    def greedy_rows(cls, batch: int) -> "RowSampling":
+        return SamplingParams(0.0).for_rows(batch)
+
+    def for_rows(self, batch: int) -> "RowSampling":
+        if self.temperature.shape != (batch,):
+            raise ValueError(f"RowSampling of {self.temperature.shape} rows for a batch of {batch}")
+        return self
+
+    @property
+    def greedy(self) -> jax.Array:
+        """bool [B]: the rows at temperature 0."""
         return self.temperature == 0.0
 
 
@@ -46,39 +85,59 @@ def validate_sampling(temperature, top_k, top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
-def warp(logits, params: SamplingParams):
-    """Probabilities [..., V] float32 from logits [..., V]: temperature, then top-k, then top-p.
+def warp(logits, sampling):
+    """Probabilities [B, ..., V] float32 from logits [B, ..., V], each row b by its own settings
+    (sampling: RowSampling of B rows, or one SamplingParams for every row): temperature, then
+    top-k, then top-p.
 
-    top-k keeps exactly k tokens (ties broken toward lower ids); top-p keeps the smallest set
-    of most probable tokens whose mass reaches p.
+    Temperature 0 is the one-hot argmax (ties go to the lowest id). top-k keeps exactly k tokens
+    (ties broken toward lower ids); top-p keeps the smallest set of most probable tokens whose
+    mass reaches p. A row's probabilities are the same bits whatever the other rows ask: the
+    work that only some rows need (the sort of top-k and top-p; any sampling at all) runs under
+    a lax.cond when some row needs it, and the rows that do not take the values every path
+    computes alike (a batch of greedy rows costs the argmax alone).
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
-    if params.greedy:
-        return jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
-    # Subtract the maximum BEFORE dividing: the top entry is then exactly 0 for any positive
-    # temperature and the others <= 0 (-inf at worst), so no entry overflows to +inf. Dividing
-    # first let XLA round the two uses of logits / T differently under jit: with T ~ 1e-9 the
-    # top entry became inf, the row NaN, and the draw returned token 0. A temperature below
-    # float32's smallest normal number would be flushed to 0 (0 / 0 = NaN); it acts as that
-    # number instead, which is the same distribution: no two distinct float32 logits are that
-    # close, so every token but the exact ties of the maximum gets probability 0 either way.
-    temperature = max(params.temperature, float(np.finfo(np.float32).tiny))
-    logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
-    if 0 < params.top_k < vocab:
-        _, top_ids = jax.lax.top_k(logits, params.top_k)  # [..., k]
-        keep = jnp.any(jax.nn.one_hot(top_ids, vocab, dtype=jnp.bool_), axis=-2)
-        logits = jnp.where(keep, logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if params.top_p < 1.0:
-        order = jnp.argsort(-probs, axis=-1, stable=True)  # most probable first
-        sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < params.top_p  # always keeps the most probable token
-        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
-        probs = jnp.where(keep, probs, 0.0)
-        probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return probs
+    rows = sampling.for_rows(logits.shape[0])
+
+    def per_row(x):  # [B] -> [B, 1, ..., 1], against logits
+        return jnp.reshape(x, x.shape + (1,) * (logits.ndim - 1))
+
+    greedy = per_row(rows.greedy)
+    one_hot = jax.nn.one_hot(argmax(logits), vocab, dtype=jnp.float32)
+
+    def sampled():
+        # Subtract the maximum BEFORE dividing: the top entry is then exactly 0 for any positive
+        # temperature and the others <= 0 (-inf at worst), so no entry overflows to +inf. Dividing
+        # first let XLA round the two uses of logits / T differently under jit: with T ~ 1e-9 the
+        # top entry became inf, the row NaN, and the draw returned token 0. A temperature below
+        # float32's smallest normal number would be flushed to 0 (0 / 0 = NaN); it acts as that
+        # number instead, which is the same distribution: no two distinct float32 logits are that
+        # close, so every token but the exact ties of the maximum gets probability 0 either way.
+        temperature = per_row(jnp.maximum(rows.temperature, np.finfo(np.float32).tiny))
+        z = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature
+        plain = jax.nn.softmax(z, axis=-1)
+        k = per_row(jnp.where((rows.top_k > 0) & (rows.top_k < vocab), rows.top_k, vocab))
+        p = per_row(rows.top_p)
+        filters = (k < vocab) | (p < 1.0)
+
+        def filtered():
+            order = jnp.argsort(-z, axis=-1, stable=True)  # most probable first, ties: lower id
+            positions = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), z.shape)
+            rank = jnp.put_along_axis(jnp.zeros_like(positions), order, positions, axis=-1, inplace=False)
+            probs = jax.nn.softmax(jnp.where(rank < k, z, -jnp.inf), axis=-1)
+            sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+            mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+            kept = jnp.take_along_axis(mass_before, rank, axis=-1) < p  # keeps the most probable
+            nucleus = jnp.where(kept, probs, 0.0)
+            nucleus = nucleus / jnp.sum(nucleus, axis=-1, keepdims=True)
+            return jnp.where(filters, jnp.where(p < 1.0, nucleus, probs), plain)
+
+        probs = jax.lax.cond(jnp.any(filters), filtered, lambda: plain)
+        return jnp.where(greedy, one_hot, probs)
+
+    return jax.lax.cond(jnp.all(greedy), lambda: one_hot, sampled)
 
 
 def argmax(x):

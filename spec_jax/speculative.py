@@ -32,7 +32,7 @@ from spec_jax import tree as tree_lib
 from spec_jax.decode import PAD_ID, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafting.base import Drafter
 from spec_jax.metrics import SpecMetrics
-from spec_jax.sampling import SamplingParams, split_rows, warp
+from spec_jax.sampling import RowSampling, split_rows, warp
 from spec_jax.verify import draft_lengths, finite_prefix, overlap, verify
 
 
@@ -46,6 +46,7 @@ class SpecState:
     length: jax.Array  # int32 [B], n: committed tokens, prompt included
     keys: jax.Array  # [B] PRNG keys, one chain per row
     metrics: SpecMetrics
+    sampling: RowSampling  # each row's warp (temperature, top-k, top-p [B]), read every round
     # bool [B] or None: rows that decode plainly inside a drafting loop (their drafts' q is
     # zeroed, so the rule draws from p alone, with the keys plain decoding uses: the same
     # tokens as gamma = 0). spec_jax.engine sets it per request (Request.speculate).
@@ -58,7 +59,6 @@ class SpecStatic:
 
     config: ModelConfig
     drafter: Drafter
-    sampling: SamplingParams
     gamma: int  # 0: plain autoregressive decoding (with NoDrafter)
     max_new_tokens: int
     cache_len: int
@@ -79,9 +79,12 @@ class SpecStatic:
         raise ValueError(f"verify_widths must be 'ends' or 'all', got {self.verify_widths!r}")
 
 
-def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs) -> SpecState:
-    """Both models read the prompts; the first new token is drawn from the target's logits."""
+def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs, pool=None) -> SpecState:
+    """Both models read the prompts; the first new token is drawn from the target's logits.
+    pool: the prefix cache's (spec_jax.prefix_cache), whose blocks inputs.prefix_blocks names:
+    the target reads each row from the end of its cached prefix."""
     drafter = static.drafter
+    prefix = None if pool is None or inputs.prefix_blocks is None else (pool, inputs.prefix_blocks)
     # The target's features of the prompt for a drafter that reads them (else None).
     target = prefill(
         static.config,
@@ -90,10 +93,12 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
         inputs.prompt_lens,
         static.cache_len,
         with_features=drafter.reads_features,
+        prefix=prefix,
     )
     target_cache, features = target.cache, target.features
     draft_state = drafter.init(draft_params, inputs.tokens, inputs.prompt_lens, static.cache_len, features)
-    out, token, keys = first_token(target.logits, inputs, static.sampling, static.max_new_tokens)
+    sampling = inputs.row_sampling()
+    out, token, keys = first_token(target.logits, inputs, sampling, static.max_new_tokens)
     if features is not None:  # the last prompt position's pair waited for the first token
         last = (inputs.prompt_lens - 1)[:, None]
         f_last = jnp.take_along_axis(features, last[:, :, None], axis=1)  # [B, 1, D]
@@ -114,6 +119,7 @@ def spec_prefill(static: SpecStatic, params, draft_params, inputs: PrefillInputs
         length=inputs.prompt_lens + 1,
         keys=keys,
         metrics=metrics,
+        sampling=sampling,
     )
 
 
@@ -165,7 +171,7 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
     gamma = static.gamma
     context = jnp.stack([state.prev_token, state.last_token], axis=1)
     drafts, q, draft_state = static.drafter.propose(
-        draft_params, state.draft_state, context, state.length, gamma, static.sampling, draft_keys
+        draft_params, state.draft_state, context, state.length, gamma, state.sampling, draft_keys
     )
     q = _unproposed(q, state.plain)
     num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
@@ -217,7 +223,7 @@ def _score_chain(static: SpecStatic, params, state: SpecState, drafts, num_draft
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
         pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
-        p = jnp.pad(warp(out.logits, static.sampling), pad, mode="edge")
+        p = jnp.pad(warp(out.logits, state.sampling), pad, mode="edge")
         finite = jnp.pad(jnp.all(jnp.isfinite(out.logits), axis=-1), pad[:2], mode="edge")
         f = jnp.pad(out.features, pad, mode="edge") if features else None
         return p, finite, out.cache, f
@@ -239,7 +245,7 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, activ
     n, drafter = static.tree_nodes, static.drafter
     context = jnp.stack([state.prev_token, state.last_token], axis=1)
     proposal = drafter.propose_tree(
-        draft_params, state.draft_state, context, state.length, n, static.sampling, draft_keys
+        draft_params, state.draft_state, context, state.length, n, state.sampling, draft_keys
     )
     tree = proposal.tree.replace(q=_unproposed(proposal.tree.q, state.plain))
     tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
@@ -247,7 +253,7 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, activ
     out = forward(
         static.config, params, tokens, positions, state.target_cache, with_features=features, tree=bits
     )
-    p = warp(out.logits, static.sampling)  # [B, N + 1, V]: after the root, then after each node
+    p = warp(out.logits, state.sampling)  # [B, N + 1, V]: after the root, then after each node
     path, num_accepted, next_token = tree_lib.verify_tree(tree, p, verify_keys)
     # The rule read p at the root and along the path: the chain's positions, in path order.
     finite = tree_lib.path_rows(jnp.all(jnp.isfinite(out.logits), axis=-1), path, num_accepted)
@@ -327,6 +333,7 @@ def _finish_round(
         length=state.length + committed,
         keys=keys,
         metrics=metrics,
+        sampling=state.sampling,
         plain=state.plain,
     )
 

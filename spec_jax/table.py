@@ -50,7 +50,16 @@ class Table:
     counters: the engine's."""
 
     def __init__(
-        self, runner, mesh, max_batch, max_context, controllers, counters, prefill_cache, blank_width
+        self,
+        runner,
+        mesh,
+        max_batch,
+        max_context,
+        controllers,
+        counters,
+        prefill_cache,
+        blank_width,
+        prefix=None,
     ):
         self.runner, self.mesh, self.max_context = runner, mesh, max_context
         self.buckets = row_buckets(max_batch, mesh.shape[sharding.DATA])
@@ -68,6 +77,7 @@ class Table:
         self.catch_up = None
         self.counted = None
         self.prefilled: collections.OrderedDict = collections.OrderedDict()  # prefill_key -> row
+        self.prefix = prefix  # the prefix cache (spec_jax.prefix_cache.PrefixCache) or None
 
     def bucket_for(self, n: int) -> int:
         """The smallest row bucket that holds n rows."""
@@ -75,10 +85,6 @@ class Table:
 
     def busy(self) -> int:
         return sum(r is not None for r in self.slots)
-
-    def reset(self) -> None:
-        """No loop state (built again at the next admission: the loop's static settings changed)."""
-        self.state, self.rows, self.catch_up, self.deferred = None, 0, None, []
 
     def flush(self) -> None:
         """Runs the deferred device work on the state, in order."""
@@ -92,7 +98,7 @@ class Table:
         if self._blank is None:
             inputs = rows.HostTable.empty(1, self.blank_width).inputs(1, self.mesh)
             active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
-            blank, compile_s, _ = self.runner.prefill(active, inputs)
+            blank, compile_s, _ = self._run_prefill(active, inputs, [], 1, self.blank_width)
             self.counters["compile_seconds"] += compile_s
             self._blank = blank.replace(plain=jnp.zeros(1, bool))
         return self._blank
@@ -212,8 +218,7 @@ class Table:
         (flush). Returns (row, block, index) per request: its prefilled row is row index of
         block (a prefill's state or a kept row)."""
         self.keep_pending()
-        sampling = self.runner.static.sampling
-        keys = [rows.prefill_key(row, width, sampling) for row in group]
+        keys = [rows.prefill_key(row, width) for row in group]
         start, k = self.busy(), len(group)
         misses = [
             (b, row)
@@ -273,12 +278,28 @@ class Table:
         inputs = rows.group_inputs(group, width, batch)
         inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, batch))
         active = sharding.put(np.arange(batch) < k, sharding.batch_sharding(self.mesh, 1))
-        block, compile_s, prefill_s = self.runner.prefill(active, inputs)
+        block, compile_s, prefill_s = self._run_prefill(active, inputs, group, batch, width)
         self.counters["compile_seconds"] += compile_s
         self.counters["prefill_seconds"] += prefill_s
         self.counters["prefill_calls"] += 1
         plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
         return block.replace(plain=jnp.asarray(plain))
+
+    def _run_prefill(self, active, inputs, group: list[rows.Row], batch: int, width: int):
+        """runner.prefill's (state, compile seconds, prefill seconds) of the group's inputs; with the
+        prefix cache, each request read from the end of its cached prefix (its handle's
+        cached_tokens), and the blocks of its prompt kept afterwards."""
+        if self.prefix is None:
+            return self.runner.prefill(active, inputs)
+        hits = [self.prefix.lookup(row.prompt_ids) for row in group]
+        for row, hit in zip(group, hits, strict=True):
+            row.handle.cached_tokens = hit.tokens
+        blocks = jnp.asarray(self.prefix.block_table(hits, batch, width))
+        inputs = inputs.replace(prefix_blocks=sharding.put(blocks, sharding.batch_sharding(self.mesh, 2)))
+        out = self.runner.prefill(active, inputs, self.prefix.pool)
+        if group:
+            self.prefix.insert([row.prompt_ids for row in group], out[0].target_cache, batch, width)
+        return out
 
     def timed(self, fn, *args) -> None:
         """fn(*args), its device work done, timed into stats' table_seconds (the table's row

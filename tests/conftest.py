@@ -149,11 +149,11 @@ def loop_by_hand(
     tree: tree rounds of that many nodes (gamma must then equal it)."""
     from spec_jax import speculative
     from spec_jax.decode import PrefillInputs, pad_prompts
-    from spec_jax.sampling import SamplingParams, row_keys
+    from spec_jax.sampling import row_keys
 
     assert not tree or gamma == tree, "a tree round's gamma is its node count"
     static = speculative.SpecStatic(
-        target.config, drafter, SamplingParams(0.0), gamma, max_new, width + max_new + gamma, tree_nodes=tree
+        target.config, drafter, gamma, max_new, width + max_new + gamma, tree_nodes=tree
     )
     tokens, lens = pad_prompts(prompts, width)
     keys = row_keys(jax.random.key(0), list(range(len(prompts))))

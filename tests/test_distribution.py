@@ -19,7 +19,7 @@ import models
 import spec_jax
 from spec_jax import executables, speculative
 from spec_jax.drafting import model as drafters
-from spec_jax.sampling import SamplingParams, warp
+from spec_jax.sampling import RowSampling, SamplingParams, warp
 
 V, HORIZON, N = 8, 3, 10_000
 PROMPT = [1, 5, 2]
@@ -120,6 +120,59 @@ def test_a_broken_rule_that_always_accepts_fails(pair, monkeypatch):
     monkeypatch.setattr(executables, "_EXECUTABLES", {})
     counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
+
+
+# One loop, rows of three warps: greedy, WARPS[0] (t1) and WARPS[2] (t0.8 top-p 0.8), by row index.
+MIXED = [SamplingParams(0.0), WARPS[0], WARPS[2]]
+N_MIXED = 5_000  # rows of each warp
+
+
+def mixed_counts(target, draft, seed=0):
+    """generate over 3 * N_MIXED rows whose warps cycle through MIXED: (counts of each sampled
+    warp's continuations, the greedy rows' distinct continuations, stats)."""
+    warps = MIXED * N_MIXED
+    gen = spec_jax.generate(
+        target,
+        [PROMPT] * len(warps),
+        draft=draft,
+        gamma=2,
+        max_new_tokens=HORIZON,
+        temperature=[w.temperature for w in warps],
+        top_k=[w.top_k for w in warps],
+        top_p=[w.top_p for w in warps],
+        seed=seed,
+    )
+    flat = np.ravel_multi_index(np.array(gen.tokens).T, (V,) * HORIZON)
+    counts = [np.bincount(flat[i :: len(MIXED)], minlength=V**HORIZON) for i in (1, 2)]
+    return counts, set(flat[:: len(MIXED)].tolist()), gen.stats
+
+
+def test_rows_sampled_beside_greedy_rows_and_other_warps_match_their_own_distributions(pair):
+    """Greedy, plain-sampled and top-p rows in one loop: each sampled row follows its own warp's
+    target distribution exactly, and every greedy row makes the greedy continuation."""
+    target, draft = pair
+    (t1, top_p), greedy, s = mixed_counts(target, draft)
+    assert 0.1 < s["acceptance_rate"] < 0.95
+    assert chi2_pvalue(t1, exact_joint(target, MIXED[1])) > 1e-3
+    assert chi2_pvalue(top_p, exact_joint(target, MIXED[2])) > 1e-3
+    joint = exact_joint(target, MIXED[0])
+    assert greedy == {int(np.argmax(joint))}
+
+
+def test_a_warp_that_leaks_one_rows_top_p_to_the_others_fails(pair, monkeypatch):
+    """Broken on purpose: every row takes the batch's smallest top-p (a warp shared by the
+    chunk, as a static setting would be): the t1 rows no longer follow their distribution."""
+    target, draft = pair
+    for_rows = RowSampling.for_rows
+
+    def leaked(self, batch):
+        rows = for_rows(self, batch)
+        return rows.replace(top_p=jnp.broadcast_to(jnp.min(rows.top_p), rows.top_p.shape))
+
+    monkeypatch.setattr(RowSampling, "for_rows", leaked)
+    monkeypatch.setattr(executables, "_EXECUTABLES", {})
+    (t1, _), _, _ = mixed_counts(target, draft)
+    assert chi2_pvalue(t1, exact_joint(target, MIXED[1])) < 1e-6
 
 
 # VocabTrim: the draft proposes from 5 of the 8 tokens (q = 0 on the other 3).

@@ -42,19 +42,29 @@ REQUESTS = [
 _ALONE: dict = {}
 
 
-def _alone(target, draft, prompt: tuple, max_tokens: int, seed: int, temperature: float, gamma=GAMMA):
+def _alone(
+    target,
+    draft,
+    prompt: tuple,
+    max_tokens: int,
+    seed: int,
+    temperature: float,
+    gamma=GAMMA,
+    top_k=0,
+    top_p=1.0,
+):
     """spec_jax.generate's tokens for the request alone (memoized per models and request)."""
-    key = (id(target), id(draft), prompt, max_tokens, seed, temperature, gamma)
+    key = (id(target), id(draft), prompt, max_tokens, seed, temperature, gamma, top_k, top_p)
     if key not in _ALONE:
         _ALONE[key] = (
             target,
             draft,
-            _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma),
+            _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma, top_k, top_p),
         )
     return _ALONE[key][2]
 
 
-def _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma):
+def _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma, top_k, top_p):
     gen = spec_jax.generate(
         target,
         [list(prompt)],
@@ -62,6 +72,8 @@ def _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma)
         gamma=gamma,
         max_new_tokens=max_tokens,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
         seed=seed,
         eos_id=None,
     )
@@ -69,9 +81,21 @@ def _generate_alone(target, draft, prompt, max_tokens, seed, temperature, gamma)
 
 
 def alone(target, draft, request: Request, gamma=GAMMA):
-    return _alone(
-        target, draft, request.prompt_ids, request.max_tokens, request.seed, request.temperature, gamma
-    )
+    r = request
+    return _alone(target, draft, r.prompt_ids, r.max_tokens, r.seed, r.temperature, gamma, r.top_k, r.top_p)
+
+
+# Each request's warp in a mixed table: greedy, plain sampling, top-p, top-k, by its index.
+MIXED = [
+    dict(temperature=0.0),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=0.5, top_k=5),
+]
+
+
+def warp_of(kind: str, i: int) -> dict:
+    return {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0), "mixed": MIXED[i % 4]}[kind]
 
 
 def run_staggered(engine: Engine, requests: list[Request], arrivals: list[int]):
@@ -91,14 +115,13 @@ def run_staggered(engine: Engine, requests: list[Request], arrivals: list[int]):
     return tokens, reasons, handles
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("warps", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
-def test_each_request_equals_itself_alone_at_any_concurrency(
-    tiny_target, tiny_draft, temperature, concurrency
-):
+def test_each_request_equals_itself_alone_at_any_concurrency(tiny_target, tiny_draft, warps, concurrency):
+    """Mixed: greedy rows, sampled rows, top-p and top-k rows in one table (one chunk)."""
     requests = [
-        Request(prompt_ids=tuple(p), max_tokens=m, seed=s, temperature=temperature, stop_ids=())
-        for p, m, s in REQUESTS
+        Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=(), **warp_of(warps, i))
+        for i, (p, m, s) in enumerate(REQUESTS)
     ]
     engine = Engine(tiny_target, tiny_draft, max_batch=concurrency, gamma=GAMMA, max_context=CONTEXT)
     arrivals = [0, 0, 1, 1, 2, 4, 4, 5, 9, 9]  # staggered: some join a running table
@@ -389,18 +412,36 @@ def test_nonfinite_logits_end_that_request_with_an_error_and_the_others_go_on(ti
     assert last[hb].finish_reason == "length" and tokens[hb] == clean_b
 
 
-def test_a_request_with_another_warp_waits_for_the_table_then_runs_exactly(tiny_target, tiny_draft):
+def test_greedy_and_sampled_requests_share_a_chunk_and_new_warp_values_compile_nothing(
+    tiny_target, tiny_draft
+):
+    """Requests of different warps are admitted together (one prefill, one table) and each is
+    exact; once the programs exist, requests with warp values never seen before (temperatures,
+    top-k, top-p) compile nothing: they are operands of the loop, not static settings."""
     engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
     greedy = Request(prompt_ids=(5, 9, 2), max_tokens=12, seed=3, stop_ids=())
     sampled = Request(prompt_ids=(7, 3, 8), max_tokens=5, seed=4, temperature=1.0, stop_ids=())
     hg, hs = engine.submit(greedy), engine.submit(sampled)
     first = engine.step()
-    assert engine.stats()["slots_busy"] == 1 and engine.stats()["queue_depth"] == 1
+    assert engine.stats()["slots_busy"] == 2 and engine.stats()["queue_depth"] == 0
+    assert engine.stats()["prefill_calls"] == 1
     tokens = {}
     for u in [*first, *engine.drain()]:
         tokens.setdefault(u.handle, []).extend(u.token_ids)
     assert tokens[hg] == alone(tiny_target, tiny_draft, greedy)
     assert tokens[hs] == alone(tiny_target, tiny_draft, sampled)
+    traces = dict(executables.TRACE_COUNTS)
+    news = [
+        Request(prompt_ids=(5, 9, 2), max_tokens=12, seed=3, stop_ids=(), temperature=0.71, top_p=0.93),
+        Request(prompt_ids=(7, 3, 8), max_tokens=5, seed=4, stop_ids=(), temperature=0.72, top_k=7),
+    ]
+    handles = [engine.submit(r) for r in news]
+    tokens = {}
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    assert dict(executables.TRACE_COUNTS) == traces, "a new warp value traced (compiled) a program"
+    for h in handles:
+        assert tokens[h] == alone(tiny_target, tiny_draft, h.request)
 
 
 def test_submit_checks_the_request_against_the_model_and_the_queue(tiny_target):
@@ -474,6 +515,23 @@ def test_a_stop_string_ends_the_text_before_it(text_model):
     updates = list(engine.drain())
     assert "".join(u.text for u in updates) == alone_text[: alone_text.find(stop)]
     assert updates[-1].finished and updates[-1].finish_reason == "stop" and updates[-1].handle is h
+
+
+def test_a_row_computes_at_most_stop_chunk_rounds_past_its_stop_string(text_model):
+    """A stop string matched late in a long run: the row is cut within STOP_CHUNK rounds of the
+    match (plain decoding: a token a round), counted in tokens_past_stop_total; chunks of up to
+    MAX_CHUNK rounds would compute up to 32 tokens past it."""
+    alone = spec_jax.generate(text_model, "hello", max_new_tokens=48, eos_id=None)
+    ids = alone.tokens[0]
+    text = text_model.tokenizer.decode(ids[:40], skip_special_tokens=True)
+    stop = text[-3:]  # ends in the 40th token's text
+    first = text.find(stop)
+    engine = Engine(text_model, None, max_batch=2, max_context=128)
+    engine.submit(Request(prompt="hello", max_tokens=48, stop=(stop,), stop_ids=()))
+    updates = list(engine.drain())
+    assert "".join(u.text for u in updates) == text[:first]
+    assert updates[-1].finish_reason == "stop"
+    assert 0 <= engine.stats()["tokens_past_stop_total"] <= engine_module.STOP_CHUNK
 
 
 def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
@@ -565,12 +623,20 @@ def test_bad_engine_settings_are_refused_naming_them(tiny_target, tiny_draft):
 
 def test_the_engine_runs_generates_prefill_program_and_its_free_row_shares_it(tiny_target, tiny_draft):
     # the CLI's --stream after `make demo` (a generate call) finds its prefill compiled: the
-    # engine's requests of a bucket, its blank row and generate's call are one program
+    # engine's requests of a bucket, its blank row and generate's call are one program (without
+    # the prefix cache, whose pool the prefill reads: spec_jax.stream runs without it)
     prompt, new = [5, 9, 2, 7], 6
     _, cache_len = layout(tiny_target.config, [prompt], new, GAMMA)
     spec_jax.generate(tiny_target, [prompt], draft=tiny_draft, gamma=GAMMA, max_new_tokens=new, eos_id=None)
     before = executables.TRACE_COUNTS["spec_prefill"]
-    engine = Engine(tiny_target, tiny_draft, gamma=GAMMA, max_context=cache_len - GAMMA, max_new_tokens=new)
+    engine = Engine(
+        tiny_target,
+        tiny_draft,
+        gamma=GAMMA,
+        max_context=cache_len - GAMMA,
+        max_new_tokens=new,
+        prefix_cache_mb=0,
+    )
     handle = engine.submit(Request(prompt_ids=tuple(prompt), max_tokens=new, stop_ids=()))
     tokens = [t for u in engine.drain() if u.handle.id == handle.id for t in u.token_ids]
     assert executables.TRACE_COUNTS["spec_prefill"] == before  # no prefill of its own: generate's

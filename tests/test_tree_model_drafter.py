@@ -192,7 +192,7 @@ def propose_both(drafter, params, temperature, nodes=16):
     tree = jax.jit(drafter.propose_tree, static_argnums=(4, 5))(
         params, cache, context, length, nodes, sampling, keys
     )
-    spine = drafter.spine_nodes(nodes, sampling)
+    spine = drafter.spine_nodes(nodes) if temperature else 0  # a greedy row has no spine
     chain = jax.jit(drafter.propose, static_argnums=(4, 5))(
         params, cache, context, length, max(spine, 1), sampling, keys
     )

@@ -39,7 +39,7 @@ from spec_jax.drafting.acceptance_head import (  # noqa: F401 - the classifier, 
     signals,
 )
 from spec_jax.drafting.head import HeadDrafter
-from spec_jax.sampling import SamplingParams, row_keys
+from spec_jax.sampling import row_keys
 
 
 @dataclasses.dataclass
@@ -101,7 +101,7 @@ def log_rounds(
         batch = list(prompts[start : start + batch_size])
         width, cache_len = layout(target.config, batch, max_new_tokens, gamma)
         static = speculative.SpecStatic(
-            target.config, recorder, SamplingParams(0.0), gamma, max_new_tokens, cache_len
+            target.config, recorder, gamma, max_new_tokens, cache_len
         )
         tokens, lens = pad_prompts(batch, width)
         keys = row_keys(jax.random.key(0), np.arange(start, start + len(batch)))

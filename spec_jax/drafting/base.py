@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from spec_jax import sharding
 from spec_jax import tree as tree_lib
-from spec_jax.sampling import SamplingParams
+from spec_jax.sampling import RowSampling
 
 # Drafters without a model (n-gram tables, prompt lookup, suffix) can read any context length.
 UNBOUNDED_CONTEXT = 2**31 - 1
@@ -65,7 +65,7 @@ class TreeDrafting:
     `accepted` to bring it up to date."""
 
     def propose_tree(
-        self, params: Any, state: Any, context_b2, length_b, nodes: int, sampling: SamplingParams, keys_b
+        self, params: Any, state: Any, context_b2, length_b, nodes: int, sampling: RowSampling, keys_b
     ) -> TreeProposal:
         """A token tree of `nodes` slots per row (spec_jax.tree: a slot's parent comes before it;
         all-zero q marks an empty slot). Default: the chain of `propose` with gamma = nodes."""
@@ -183,7 +183,7 @@ class Drafter(TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasu
 
     @abc.abstractmethod
     def propose(
-        self, params: Any, state: Any, context_b2, length_b, gamma: int, sampling: SamplingParams, keys_b
+        self, params: Any, state: Any, context_b2, length_b, gamma: int, sampling: RowSampling, keys_b
     ) -> Proposal:
         """Drafts gamma tokens per row (a Proposal, or the (tokens, q, state) tuple it unpacks as).
 

@@ -27,9 +27,10 @@ class DynamicTree:
     tree through the tree mask (ModelDrafter, spec_jax.drafting.head.HeadDrafter): its settings
     tree_depth (D) and tree_width (K), declared by the drafter's dataclass, checked here.
 
-    The spine (temperature > 0, S = spine_nodes(N) > 0): the root's first candidate is drawn
-    from the draft's warped q (keys_b: spine_keys[0]), and so is the first child of each
-    spine node of depth d < S (spine_keys[d]), the others being q's K - 1 best other tokens.
+    The spine (the rows at temperature > 0, S = spine_nodes(N) > 0): the root's first candidate
+    is drawn from the draft's warped q (keys_b: spine_keys[0]), and so is the first child of each
+    spine node of depth d < S (spine_keys[d]), the others being q's K - 1 best other tokens. A
+    greedy row has no spine: its tree is the best-scored candidates alone.
     Spine candidates rank above all others (tree_rank), so the spine node of each depth is
     expanded first and is in the tree whatever it drew; it carries the q it was drawn from.
 
@@ -58,13 +59,12 @@ class DynamicTree:
         """The widest tree call's queries: K expanded nodes at each depth below D."""
         return self.tree_width * (self.tree_depth - 1)
 
-    def spine_nodes(self, nodes: int, sampling) -> int:
-        """The spine's length S at temperature > 0 (0 at temperature 0; ModelDrafter's
-        docstring): the tree's main path is a chain drawn from q over its first S depths. With
+    def spine_nodes(self, nodes: int) -> int:
+        """The spine's length S of the rows at temperature > 0 (ModelDrafter's docstring): the tree's main path is a chain drawn from q over its first S depths. With
         the rest of N in point masses, S = 4, 6 and 8 at N = 8 (all spine: the chain) made
         4.33, 4.61 and 4.22 tokens per verify call for the Qwen pair at temperature 1 on the 8
         bench prompts (means of two seeds, 32 new tokens; one seed's spread was 0.4)."""
-        if sampling.greedy or not self.tree_width:
+        if not self.tree_width:
             return 0
         return min(self.tree_depth, nodes, -(-3 * nodes // 4))
 
@@ -93,14 +93,15 @@ class DynamicTree:
         The spine and the choice of the tree: see the class docstring."""
 
         b = root_logits_b1v.shape[0]
+        sampling = sampling.for_rows(b)
         k, depth = min(self.tree_width, root_logits_b1v.shape[-1]), min(self.tree_depth, nodes)
-        spine = self.spine_nodes(nodes, sampling)
+        spine = self.spine_nodes(nodes)
         spine_keys = split_rows(keys_b, max(spine, 1))  # [S, B]: spine node d's draw
 
         def children(logits, d):  # q [B, P, V] and the candidates (tree_children) of P parents
             q = to_vocab(warp(logits, sampling))
             key = spine_keys[d] if d < spine else None  # the spine's node (row 0) draws with it
-            return q, *tree_children(tree_scores(logits, sampling, to_vocab), q, k, key)
+            return q, *tree_children(tree_scores(logits, sampling, to_vocab), q, k, key, ~sampling.greedy)
 
         q, token, score, sampled = children(root_logits_b1v, 0)
         # Candidates by depth (the newest last): token, score, spine flag, parent (an expanded
@@ -130,11 +131,12 @@ class DynamicTree:
         return tree, slots, carry
 
 
-def tree_children(child_scores, q, k: int, key):
+def tree_children(child_scores, q, k: int, key, spine_b):
     """(tokens, scores, sampled) [B, P, K] of P parents' candidates (child_scores [B, P, V]:
-    tree_scores): the K best-scored tokens of each; with a key (the spine's draw) the first child
-    of row 0, the spine's node, is drawn from its q (q [B, P, V]: each parent's) and the rest are
-    its K - 1 best others (sampled marks the drawn one)."""
+    tree_scores): the K best-scored tokens of each; with a key (the spine's draw), in the rows of
+    spine_b (bool [B]: the sampled rows), the first child of parent 0, the spine's node, is drawn
+    from its q (q [B, P, V]: each parent's) and the rest are its K - 1 best others (sampled marks
+    the drawn one)."""
     score, token = jax.lax.top_k(child_scores, k)
     sampled = jnp.zeros(token.shape, bool)
     if key is None:
@@ -144,9 +146,12 @@ def tree_children(child_scores, q, k: int, key):
     own = jnp.take_along_axis(child_scores[:, 0], x[:, None], axis=1)  # [B, 1]
     others = child_scores[:, 0].at[jnp.arange(b), x].set(-jnp.inf)
     rest_score, rest_token = jax.lax.top_k(others, k - 1)
-    token = token.at[:, 0].set(jnp.concatenate([x[:, None], rest_token], axis=1))
-    score = score.at[:, 0].set(jnp.concatenate([own, rest_score], axis=1))
-    return token, score, sampled.at[:, 0, 0].set(True)
+    spine = spine_b[:, None]
+    token = token.at[:, 0].set(
+        jnp.where(spine, jnp.concatenate([x[:, None], rest_token], axis=1), token[:, 0])
+    )
+    score = score.at[:, 0].set(jnp.where(spine, jnp.concatenate([own, rest_score], axis=1), score[:, 0]))
+    return token, score, sampled.at[:, 0, 0].set(spine_b)
 
 
 def expand_depth(expanded, newest_cands, d: int, k: int, first: int):
@@ -181,7 +186,9 @@ def tree_scores(logits_btv, sampling, to_vocab):
     one-hot), in [log of float32's smallest normal number (~ -87), 0]: a path's sum stays
     finite and a child never outscores its parent (a renormalised warp may round above 1).
     to_vocab: the draft's probabilities onto the target's vocabulary (zeros off its own)."""
-    probs = jax.nn.softmax(logits_btv, axis=-1) if sampling.greedy else warp(logits_btv, sampling)
+    sampling = sampling.for_rows(logits_btv.shape[0])
+    greedy = jnp.reshape(sampling.greedy, (-1,) + (1,) * (logits_btv.ndim - 1))
+    probs = jnp.where(greedy, jax.nn.softmax(logits_btv, axis=-1), warp(logits_btv, sampling))
     probs = to_vocab(probs.astype(jnp.float32))
     return jnp.log(jnp.clip(probs, np.finfo(np.float32).tiny, 1.0))
 

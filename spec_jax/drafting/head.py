@@ -52,7 +52,7 @@ from spec_jax.decode import PAD_ID
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 from spec_jax.drafting.dynamic_tree import DynamicTree
 from spec_jax.drafting.model import TrimmedHead, on_ids
-from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
+from spec_jax.sampling import RowSampling, draw_rows, split_rows, warp
 
 
 @flax.struct.dataclass
@@ -173,7 +173,7 @@ class HeadDrafter(DynamicTree, Drafter):
         vocabulary (zeros off a trimmed head's tokens)."""
         return on_ids(probs, params.out.ids, self.vocab_size) if self.trimmed else probs
 
-    def distribution(self, params: HeadParams, hidden_bd, sampling: SamplingParams):
+    def distribution(self, params: HeadParams, hidden_bd, sampling: RowSampling):
         """(q [B, V] warped, confidence [B], entropy [B]) of the token after a hidden state,
         through the (trimmed) output head; confidence and entropy are of the unwarped
         distribution (so that greedy decoding has them too)."""

@@ -54,7 +54,7 @@ class UnigramDrafter(Drafter):
 
     def propose(self, params: UnigramTables, state, context_b2, length_b, gamma, sampling, keys_b):
         batch = context_b2.shape[0]
-        q_bv = jnp.broadcast_to(warp(params.log_probs, sampling), (batch, self.vocab_size))  # one warp
+        q_bv = warp(jnp.broadcast_to(params.log_probs, (batch, self.vocab_size)), sampling)  # each row's warp
         tokens = jnp.stack([draw_rows(k, q_bv) for k in split_rows(keys_b, gamma)], axis=1)  # [B, G]
         q = jnp.broadcast_to(q_bv[:, None], (batch, gamma, self.vocab_size))
         return Proposal(tokens, q, state)

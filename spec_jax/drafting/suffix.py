@@ -51,7 +51,7 @@ from spec_jax.drafting.lookup import (
     write_path,
     write_tokens,
 )
-from spec_jax.sampling import SamplingParams, draw_rows, split_rows, warp
+from spec_jax.sampling import RowSampling, draw_rows, split_rows, warp
 from spec_jax.tree import ROOT, Tree
 
 # Rolling hashes: h <- (h ^ (token + 1)) * prime mod 2^32 (FNV-1a over token ids), two seeds.
@@ -275,7 +275,7 @@ class SuffixDrafter(Drafter):
         corpus = jnp.zeros_like(own).at[rows, ids].add(counts)
         return jnp.where((n_own >= n_corpus)[:, None], own, corpus)
 
-    def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling: SamplingParams, keys_b):
+    def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling: RowSampling, keys_b):
         buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
 
         def step(carry, step_keys):

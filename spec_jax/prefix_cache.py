@@ -1,0 +1,136 @@
+"""Prompt prefixes computed once: the target's keys and values of prompt prefixes, kept in blocks of
+BLOCK tokens and found by their tokens, as vLLM's automatic prefix caching does.
+
+- A block is the keys and values of BLOCK consecutive prompt positions, [L, BLOCK, K, E] each,
+  in one slot of a pool allocated once on the device ([L, N, BLOCK, K, E]: N slots, from the
+  server's budget in MB). Its key is a hash chain: sha256 of the previous block's key and the
+  block's own token ids, so a key names every token before the block's end, and two prompts
+  share a block exactly where they share all of its tokens and everything before it.
+- A request's hit (lookup) is its longest run of leading blocks in the pool, short of its last
+  token (whose logits the prefill must compute). The prefill copies them into the row's cache
+  (decode.prefill's `prefix`) and reads the prompt from there on.
+- The blocks wholly inside a prefilled prompt are written into free slots (insert), the least
+  recently used evicted first. A lookup touches its blocks from the last to the first, so a
+  block is always more recent than its descendants and eviction takes leaves first.
+
+Exactness: on the CPU kernels the prefill reads each row in chunks whose positions' keys and
+values are the same bits whatever the chunk (tests/test_prefill.py), so a row prefilled from a
+hit has the bits of a full prefill (tests/test_prefix_cache.py). Only prompt positions are kept:
+a decode step's products are not the prefill's bit for bit (decode.prefill_rows' bulk_products),
+so the generated tokens' entries are never reused.
+"""
+
+import collections
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.cache import KVCache
+from spec_jax.decode import PREFILL_CHUNK
+
+BLOCK = PREFILL_CHUNK  # tokens per block: a prefill chunk, so that a hit ends on a chunk's edge
+
+
+def block_keys(ids) -> list[bytes]:
+    """The hash chain of ids' full blocks: key j names ids[: BLOCK * (j + 1)]."""
+    keys, parent = [], b""
+    ids = np.asarray(ids, np.int64)
+    for j in range(len(ids) // BLOCK):
+        parent = hashlib.sha256(parent + ids[j * BLOCK : (j + 1) * BLOCK].tobytes()).digest()
+        keys.append(parent)
+    return keys
+
+
+def block_bytes(config) -> int:
+    """Bytes of one block (keys and values of every layer) of a model of this config."""
+    itemsize = np.dtype(config.jnp_dtype).itemsize
+    return 2 * config.num_layers * BLOCK * config.num_kv_heads * config.head_dim * itemsize
+
+
+@dataclasses.dataclass
+class Hit:
+    """A request's cached prefix: its first `tokens` (a multiple of BLOCK) are in the pool's
+    slots `slots`, in order."""
+
+    tokens: int
+    slots: list[int]
+
+
+class PrefixCache:
+    """The pool of blocks and its index (the module docstring). max_mb: the pool's size in MB of
+    the device's memory (at least one block); counters: hit and inserted tokens."""
+
+    def __init__(self, config, max_mb: float):
+        self.num_slots = int(max_mb * 2**20 // block_bytes(config))
+        if self.num_slots < 1:
+            raise ValueError(
+                f"prefix_cache_mb must hold at least one block of {BLOCK} tokens "
+                f"({block_bytes(config) / 2**20:.2f} MB for this model), got {max_mb}"
+            )
+        shape = (config.num_layers, self.num_slots, BLOCK, config.num_kv_heads, config.head_dim)
+        self.pool = KVCache(k=jnp.zeros(shape, config.jnp_dtype), v=jnp.zeros(shape, config.jnp_dtype))
+        self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
+        self.free = list(range(self.num_slots - 1, -1, -1))
+        self.counters = collections.Counter()
+
+    def lookup(self, ids) -> Hit:
+        """The longest run of ids' leading blocks in the pool, short of its last token."""
+        usable = (len(ids) - 1) // BLOCK  # the block holding the last token is always prefilled
+        keys = []
+        for key in block_keys(ids[: usable * BLOCK]):
+            if key not in self.index:
+                break
+            keys.append(key)
+        for key in reversed(keys):  # descendants older than their ancestors: leaves go first
+            self.index.move_to_end(key)
+        hit = Hit(len(keys) * BLOCK, [self.index[key] for key in keys])
+        self.counters["prefix_cache_hit_tokens"] += hit.tokens
+        return hit
+
+    def block_table(self, hits: list[Hit], batch: int, width: int) -> np.ndarray:
+        """int32 [batch, width // BLOCK]: each row's hit slots, -1 past its hit (and for rows past
+        the hits'): the prefill's `prefix` blocks."""
+        table = np.full((batch, width // BLOCK), -1, np.int32)
+        for r, hit in enumerate(hits):
+            table[r, : len(hit.slots)] = hit.slots
+        return table
+
+    def insert(self, prompts: list, cache: KVCache, batch: int, width: int) -> None:
+        """Keeps the blocks wholly inside each prompt (row r of cache [L, B, S, K, E], a prefill's)
+        that the pool does not hold, evicting the least recently used."""
+        sources = np.full((batch, width // BLOCK), -1, np.int32)  # pool slot of (row, block) to write
+        written = {}  # slot -> (row, block) of this call: a slot taken again is written once
+        for r, ids in enumerate(prompts):
+            for j, key in enumerate(block_keys(ids)):
+                if key in self.index:
+                    continue
+                slot = self.free.pop() if self.free else self.index.popitem(last=False)[1]
+                if slot in written:
+                    sources[written[slot]] = -1
+                self.index[key], sources[r, j], written[slot] = slot, slot, (r, j)
+                self.counters["prefix_cache_inserted_tokens"] += BLOCK
+        if (sources >= 0).any():
+            self.pool = write_blocks_jit(self.pool, cache, jnp.asarray(sources))
+
+    @property
+    def used_tokens(self) -> int:
+        return len(self.index) * BLOCK
+
+
+def write_blocks(pool: KVCache, cache: KVCache, sources_bj) -> KVCache:
+    """pool with slot sources[b, j] (>= 0) set to row b's positions [BLOCK j, BLOCK (j + 1)) of
+    cache [L, B, S, K, E]; -1: nothing written."""
+    b, j = sources_bj.shape
+
+    def one(pool_x, cache_x):
+        blocks = cache_x[:, :b, : j * BLOCK].reshape(cache_x.shape[0], b * j, BLOCK, *cache_x.shape[3:])
+        slots = jnp.where(sources_bj >= 0, sources_bj, pool_x.shape[1]).reshape(-1)  # past the pool: dropped
+        return pool_x.at[:, slots].set(blocks, mode="drop")
+
+    return KVCache(k=one(pool.k, cache.k), v=one(pool.v, cache.v))
+
+
+write_blocks_jit = jax.jit(write_blocks, donate_argnums=0)

@@ -1,0 +1,157 @@
+"""The prefix cache (spec_jax.prefix_cache): a row prefilled from cached prompt blocks has the bits
+of a full prefill; the index finds exactly the shared blocks; eviction never serves a block's
+slot with another block's entries."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models.transformer import attention_impl
+from spec_jax import decode
+from spec_jax.prefix_cache import BLOCK, PrefixCache, block_bytes, block_keys
+
+WIDTH, CACHE_LEN = 128, 160
+
+
+@pytest.fixture(scope="module")
+def model():
+    f32 = models.random_model(
+        vocab_size=96, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, scan_layers=False, seed=5
+    )
+    m = models.cast(f32, "int8")
+    assert attention_impl(m.config) == "cpu"  # the row-wise prefill, where a hit is read
+    return m
+
+
+def _ids(n, seed):
+    return list(np.random.default_rng(seed).integers(1, 96, n))
+
+
+_prefill = jax.jit(decode.prefill, static_argnums=(0, 4, 5))
+
+
+def run(model, prompts, cache=None):
+    """decode.prefill of prompts (padded to WIDTH), reading each one's hit in `cache` first."""
+    tokens, lens = decode.pad_prompts(prompts, WIDTH)
+    prefix = None
+    if cache is not None:
+        hits = [cache.lookup(p) for p in prompts]
+        prefix = (cache.pool, jnp.asarray(cache.block_table(hits, len(prompts), WIDTH)))
+    return _prefill(
+        model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), CACHE_LEN, False, prefix
+    )
+
+
+def assert_same_rows(got, ref, prompts):
+    np.testing.assert_array_equal(np.asarray(got.logits), np.asarray(ref.logits))
+    for r, p in enumerate(prompts):
+        for a, b in ((got.cache.k, ref.cache.k), (got.cache.v, ref.cache.v)):
+            np.testing.assert_array_equal(np.asarray(a[:, r, : len(p)]), np.asarray(b[:, r, : len(p)]))
+
+
+def cache_of(model, prompts, mb=1.0):
+    cache = PrefixCache(model.config, mb)
+    out = run(model, prompts)
+    cache.insert(prompts, out.cache, len(prompts), WIDTH)
+    return cache
+
+
+def test_a_row_read_from_cached_blocks_has_the_bits_of_a_full_prefill(model):
+    """Prompts sharing 70 tokens with a cached one (the hit ends inside a chunk: 64 read, the
+    chunk of 64-95 read again), exactly 64 (the hit ends at a chunk's edge), the whole cached
+    prompt of 96 tokens (its last block is read again: its last token's logits), and none."""
+    base = _ids(96, 0)
+    cache = cache_of(model, [base])
+    prompts = [base[:70] + _ids(20, 1), base[:64] + _ids(9, 2), base, _ids(50, 3)]
+    hits = [cache.lookup(p).tokens for p in prompts]
+    assert hits == [64, 64, 64, 0]
+    assert_same_rows(run(model, prompts, cache), run(model, prompts), prompts)
+
+
+def test_a_hit_shifted_by_one_token_would_be_caught(model):
+    """Broken on purpose: a cache whose blocks were read one position off (the prompt shifted by
+    one token) gives other bits than a full prefill: the bit-for-bit comparison catches it."""
+    base = _ids(96, 0)
+    cache = cache_of(model, [[7] + base[:-1]])  # the same blocks' tokens, one position later
+    prompt = [base[:70] + _ids(20, 1)]
+    hit = cache.lookup(prompt[0])
+    assert hit.tokens == 0  # the chain keys differ: nothing is shared
+    cache.index = collections.OrderedDict(zip(block_keys(prompt[0][:64]), range(2), strict=True))
+    with pytest.raises(AssertionError):
+        assert_same_rows(run(model, prompt, cache), run(model, prompt), prompt)
+
+
+def test_block_keys_chain_every_token_before_the_blocks_end():
+    a = _ids(100, 4)
+    b = list(a)
+    b[5] += 1  # a change in block 0 changes every later key
+    ka, kb = block_keys(a), block_keys(b)
+    assert len(ka) == 100 // BLOCK == 3
+    assert all(x != y for x, y in zip(ka, kb, strict=True))
+    c = a[:64] + [a[64] + 1] + a[65:]  # a change in block 2 keeps blocks 0 and 1
+    assert block_keys(c)[:2] == ka[:2] and block_keys(c)[2] != ka[2]
+
+
+def test_eviction_takes_least_recently_used_leaves_and_never_mislabels_a_slot(model):
+    """A pool of 2 blocks: a 3-block prompt keeps its last blocks' slots written once each (the
+    slot taken twice in one insert holds the later block); a lookup then finds only blocks whose
+    entries are their own, and a row read from them has a full prefill's bits."""
+    base = _ids(100, 6)
+    cache = cache_of(model, [base], mb=2 * block_bytes(model.config) / 2**20)
+    assert cache.num_slots == 2 and len(cache.index) == 2
+    assert cache.lookup(base).tokens == 0  # block 0 was evicted for block 2: its descendants are unreachable
+    other = _ids(40, 7)
+    out = run(model, [other])
+    cache.insert([other], out.cache, 1, WIDTH)  # evicts the least recent of the two
+    assert cache.lookup(other + [1]).tokens == BLOCK
+    prompts = [other + _ids(30, 8)]
+    assert_same_rows(run(model, prompts, cache), run(model, prompts), prompts)
+
+
+def test_a_pool_smaller_than_a_block_is_refused_naming_the_flag(model):
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        PrefixCache(model.config, 1e-6)
+
+
+@pytest.mark.xdist_group("tiny_target")
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_engine_requests_behind_a_shared_prefix_read_it_from_the_cache_and_stay_exact(
+    tiny_target, tiny_draft, temperature
+):
+    """A system prompt of 70 tokens shared by three requests (and a fourth that repeats the first
+    whole): the later ones read 64 of its tokens from the cache (two blocks; the chunk holding the
+    70th is read again), and every request's tokens equal spec_jax.generate's for it alone."""
+    import spec_jax
+    from spec_jax.engine import Engine
+    from spec_jax.request import Request
+
+    system = [1 + (7 * i) % 60 for i in range(70)]
+    prompts = [system + [5, 9, 2], system + [7, 3], system + [11] * 20, system + [5, 9, 2]]
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=3, max_context=160)
+    handles, tokens = [], {}
+    for i, p in enumerate(prompts):
+        handles.append(
+            engine.submit(
+                Request(prompt_ids=tuple(p), max_tokens=6, seed=i, temperature=temperature, stop_ids=())
+            )
+        )
+        for u in engine.drain():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+    assert [h.cached_tokens for h in handles] == [0, 64, 64, 64]
+    assert engine.stats()["prefix_cache_hit_tokens"] == 3 * 64
+    for i, (h, p) in enumerate(zip(handles, prompts, strict=True)):
+        alone = spec_jax.generate(
+            tiny_target,
+            [p],
+            draft=tiny_draft,
+            gamma=3,
+            max_new_tokens=6,
+            temperature=temperature,
+            seed=i,
+            eos_id=None,
+        )
+        assert tokens[h] == alone.tokens[0], i
