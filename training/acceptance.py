@@ -100,9 +100,7 @@ def log_rounds(
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
         width, cache_len = layout(target.config, batch, max_new_tokens, gamma)
-        static = speculative.SpecStatic(
-            target.config, recorder, gamma, max_new_tokens, cache_len
-        )
+        static = speculative.SpecStatic(target.config, recorder, gamma, max_new_tokens, cache_len)
         tokens, lens = pad_prompts(batch, width)
         keys = row_keys(jax.random.key(0), np.arange(start, start + len(batch)))
         inputs = PrefillInputs(jnp.asarray(tokens), jnp.asarray(lens), stop, keys)
