@@ -42,7 +42,7 @@ from models.settings import is_number
 from spec_jax import api, rows, sharding, step_costs
 from spec_jax.decode import PAD_ID, coarse_layout, layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.prefix_cache import PrefixCache
+from spec_jax.prefix_cache import BLOCK, PrefixCache
 from spec_jax.request import Handle, Request, Update, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
 from spec_jax.table import Table, row_buckets
@@ -51,6 +51,10 @@ MIN_CHUNK, MAX_CHUNK = 1, 64  # rounds per chunk: while requests wait or the tab
 # Rounds per chunk at most while a row has stop strings (matched on the host at chunk ends): a row
 # computes at most this many rounds past its stop string.
 STOP_CHUNK = 2
+# A prompt whose uncached part is longer than this, arriving while rows decode, is read into the
+# prefix cache this many tokens at a time, each piece followed by a chunk of decoding of about the
+# piece's time, before it is admitted: the running streams slow down instead of stopping.
+PREFILL_PIECE = 2 * BLOCK
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 # Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
 # row id, stop ids, speculation and warp give the same row but for its budget, which is set, so
@@ -143,6 +147,8 @@ class Engine:
         )
         self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
+        self._piece_seconds = 0.0  # the last piece of a long prompt's prefill (0: none since)
+        self._round_seconds = 0.05  # seconds per round of the last chunk (a guess before one)
 
     def _prefix_cache(self, max_mb: float) -> PrefixCache | None:
         """The prefix cache of max_mb MB (0: none), where a prefill reads rows from a cached
@@ -245,6 +251,7 @@ class Engine:
         elif table.state is not None:
             table.timed(table.shrink)
             if self._busy():
+                self._read_piece()
                 self._run_chunk()
                 self._collect()
         updates, self._outbox = self._outbox, []
@@ -264,12 +271,35 @@ class Engine:
         prompt width in one prefill call (whatever their warps). Returns Table.insert's (row,
         block, index) of each request admitted."""
         firsts = []
-        while self._queue and None in self._slots:
+        while self._queue and None in self._slots and self._uncached(self._queue[0]) <= PREFILL_PIECE:
             width, free, group = self._width(self._queue[0]), self._slots.count(None), []
             while self._queue and len(group) < free and self._width(self._queue[0]) == width:
                 group.append(self._queue.popleft())
             firsts, self._chunk = firsts + self._table.insert(group, width), 0
         return firsts
+
+    def _uncached(self, row: rows.Row) -> int:
+        """The tokens of a waiting request's prompt its prefill would compute while rows decode:
+        those past its cached prefix (0 with no row decoding or no prefix cache: it is admitted
+        whole, in one prefill)."""
+        prefix = self._table.prefix
+        if prefix is None or not self._busy():
+            return 0
+        return len(row.prompt_ids) - prefix.cached_tokens(row.prompt_ids)
+
+    def _read_piece(self) -> None:
+        """Reads the next PREFILL_PIECE tokens of the first waiting request's prompt into the
+        prefix cache, where the rest is longer than that (a prefill of the prompt up to there,
+        at the request's width, whose row is dropped), and sets the next chunk to take about as
+        long: a long prompt takes turns with the running rows' decoding."""
+        if not self._queue or self._uncached(self._queue[0]) <= PREFILL_PIECE:
+            return
+        row = self._queue[0]
+        cached = self._table.prefix.cached_tokens(row.prompt_ids)
+        piece = row.prompt_ids[: cached + PREFILL_PIECE]
+        start = time.perf_counter()
+        self._table.read_piece(piece, self._width(row))
+        self._piece_seconds = time.perf_counter() - start
 
     def _width(self, row: rows.Row) -> int:
         return self._prompt_width(row.prompt_ids, row.handle.request.max_tokens)
@@ -290,6 +320,9 @@ class Engine:
             table.inputs_stale = False
         table.apply_stops()
         self._chunk = MIN_CHUNK if self._queue or not self._chunk else min(2 * self._chunk, MAX_CHUNK)
+        if self._piece_seconds:  # after a piece of a long prompt: decode about as long
+            self._chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, self._piece_seconds / self._round_seconds)))
+            self._piece_seconds = 0.0
         busy = [r for r in self._slots if r is not None]
         left = min(r.handle.request.max_tokens - len(r.tokens) for r in busy)
         if any(r.handle.request.stop for r in busy):
@@ -307,7 +340,10 @@ class Engine:
         drafted_rounds, drafted, accepted = (after - table.counted).tolist()
         table.counted = after
         self._counters["compile_seconds"] += compile_s
-        self._counters["decode_seconds"] += time.perf_counter() - start - compile_s
+        decode_s = time.perf_counter() - start - compile_s
+        self._counters["decode_seconds"] += decode_s
+        if drafted_rounds and not compile_s:
+            self._round_seconds = decode_s / drafted_rounds
         self._counters["chunks"] += 1
         self._counters["rounds"] += drafted_rounds
         self._counters["draft_tokens_total"] += drafted

@@ -61,7 +61,7 @@ class Hit:
 
 class PrefixCache:
     """The pool of blocks and its index (the module docstring). max_mb: the pool's size in MB of
-    the device's memory (at least one block); counters: hit and inserted tokens."""
+    the device's memory (at least one block); counters: the tokens inserted."""
 
     def __init__(self, config, max_mb: float):
         self.num_slots = int(max_mb * 2**20 // block_bytes(config))
@@ -86,9 +86,17 @@ class PrefixCache:
             keys.append(key)
         for key in reversed(keys):  # descendants older than their ancestors: leaves go first
             self.index.move_to_end(key)
-        hit = Hit(len(keys) * BLOCK, [self.index[key] for key in keys])
-        self.counters["prefix_cache_hit_tokens"] += hit.tokens
-        return hit
+        return Hit(len(keys) * BLOCK, [self.index[key] for key in keys])
+
+    def cached_tokens(self, ids) -> int:
+        """What lookup(ids) would find, in tokens, without touching or counting anything."""
+        usable = (len(ids) - 1) // BLOCK
+        found = 0
+        for key in block_keys(ids[: usable * BLOCK]):
+            if key not in self.index:
+                break
+            found += BLOCK
+        return found
 
     def block_table(self, hits: list[Hit], batch: int, width: int) -> np.ndarray:
         """int32 [batch, width // BLOCK]: each row's hit slots, -1 past its hit (and for rows past

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import rows, sharding
+from spec_jax.request import Handle, Request
 from spec_jax.runner import CatchUp
 from spec_jax.speculative import SpecState, spec_prefill
 
@@ -270,9 +271,10 @@ class Table:
                 self.prefilled.popitem(last=False)
         self.pending_keeps = []
 
-    def prefill(self, group: list[rows.Row], width: int) -> SpecState:
+    def prefill(self, group: list[rows.Row], width: int, piece: bool = False) -> SpecState:
         """The group's requests prefilled in one call: a state of the smallest bucket of rows
-        that holds them (row i: group[i]; the rest free), their `plain` set per request."""
+        that holds them (row i: group[i]; the rest free), their `plain` set per request. piece:
+        a long prompt's piece (read_piece), counted apart from the requests' prefills."""
         k = len(group)
         batch = self.bucket_for(k)
         inputs = rows.group_inputs(group, width, batch)
@@ -281,9 +283,17 @@ class Table:
         block, compile_s, prefill_s = self._run_prefill(active, inputs, group, batch, width)
         self.counters["compile_seconds"] += compile_s
         self.counters["prefill_seconds"] += prefill_s
-        self.counters["prefill_calls"] += 1
+        self.counters["prefill_pieces" if piece else "prefill_calls"] += 1
+        if not piece and self.prefix is not None:
+            self.counters["prefix_cache_hit_tokens"] += sum(row.handle.cached_tokens for row in group)
         plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
         return block.replace(plain=jnp.asarray(plain))
+
+    def read_piece(self, ids: list[int], width: int) -> None:
+        """Prefills the prompt ids at `width` for the prefix cache alone (its blocks kept, its row
+        dropped): a long prompt's piece."""
+        request = Request(prompt_ids=tuple(ids), max_tokens=1, stop_ids=())
+        self.prefill([rows.Row(Handle(-1, request, len(ids)), list(ids), (), 0.0)], width, piece=True)
 
     def _run_prefill(self, active, inputs, group: list[rows.Row], batch: int, width: int):
         """runner.prefill's (state, compile seconds, prefill seconds) of the group's inputs; with the

@@ -155,3 +155,41 @@ def test_engine_requests_behind_a_shared_prefix_read_it_from_the_cache_and_stay_
             eos_id=None,
         )
         assert tokens[h] == alone.tokens[0], i
+
+
+@pytest.mark.xdist_group("tiny_target")
+def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tiny_target, tiny_draft):
+    """A 200-token prompt arrives while a request decodes: it is read into the prefix cache in
+    pieces of PREFILL_PIECE tokens, each followed by a chunk of the running row's decoding (the
+    running request gets tokens between the pieces, not only after the whole prefill), then
+    admitted reading its cached prefix; both requests' tokens equal each alone."""
+    import spec_jax
+    from spec_jax import engine as engine_module
+    from spec_jax.engine import Engine
+    from spec_jax.request import Request
+
+    long_prompt = [1 + (5 * i) % 60 for i in range(200)]
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=3, max_context=320)
+    running = engine.submit(Request(prompt_ids=(5, 9, 2), max_tokens=250, seed=1, stop_ids=()))
+    tokens = {}
+    for u in engine.step():  # admitted: it decodes from the next step on
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    late = engine.submit(Request(prompt_ids=tuple(long_prompt), max_tokens=8, seed=2, stop_ids=()))
+    progress = []  # (pieces so far, the running request's tokens so far) after each step
+    while not engine.idle:
+        for u in engine.step():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+        progress.append((engine.stats().get("prefill_pieces", 0), len(tokens.get(running, []))))
+    pieces = progress[-1][0]
+    assert pieces == -(
+        -(200 - engine_module.PREFILL_PIECE) // engine_module.PREFILL_PIECE
+    )  # the last is admitted
+    # between the first piece and the last the running request kept producing tokens
+    during = [n for p, n in progress if 1 <= p < pieces]
+    assert during and during[-1] > during[0]
+    assert late.cached_tokens >= 200 - engine_module.PREFILL_PIECE
+    for h, (p, n, seed) in ((running, ([5, 9, 2], 250, 1)), (late, (long_prompt, 8, 2))):
+        alone = spec_jax.generate(
+            tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None
+        )
+        assert tokens[h] == alone.tokens[0]
