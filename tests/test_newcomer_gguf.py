@@ -238,6 +238,20 @@ def test_the_build_command_without_cmake_says_so_in_one_line_and_starts_nothing_
     assert not (cache / "llama.cpp").exists() and not (cache / "kernel-build.log").exists()
 
 
+def test_the_background_build_builds_ggml_first_and_only_what_is_missing(tmp_path):
+    """ggml first: a run waits for it before it reads the weights; the int8 kernel, a few seconds
+    of g++ that the run needs only when it compiles, after it. Nothing where all is built."""
+    from conftest import cache_with_kernels
+
+    from models.kernels import build, gguf_matmul
+
+    if gguf_matmul.unbuildable():
+        pytest.skip(gguf_matmul.unbuildable())
+    assert build.pending(tmp_path / "empty") == ["gguf", "cpu"]
+    assert build.pending(cache_with_kernels(tmp_path / "cpu")) == ["gguf"]
+    assert not (tmp_path / "empty").exists()  # nothing built or made to decide
+
+
 def test_a_lock_held_elsewhere_prints_what_the_waiter_waits_for(tmp_path, capsys):
     """A run that needs llama.cpp while `python -m models.kernels.build --background` builds it
     says that it waits (registry.file_lock's `waiting`), then gets the lock once it is let go."""

@@ -42,10 +42,12 @@ def log_path(cache_dir=None) -> pathlib.Path:
 
 
 def pending(cache_dir=None) -> list[str]:
-    """The kernels not built yet that can be built here, in build order: "cpu" (cpu_matmul for
-    this CPU's ISA, where the CPU runs it and a C++ compiler is found) and "gguf" (ggml and the
-    GGUF kernel, where gguf_matmul.unbuildable() finds nothing missing). Builds nothing."""
+    """The kernels not built yet that can be built here, in build order: "gguf" (ggml and the
+    GGUF kernel, where gguf_matmul.unbuildable() finds nothing missing) and "cpu" (cpu_matmul for
+    this CPU's ISA, where the CPU runs it and a C++ compiler is found). Builds nothing."""
     parts = []
+    if not gguf_matmul.built(cache_dir) and gguf_matmul.unbuildable() is None:
+        parts.append("gguf")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if (
         cpu_matmul.cpu_supported() is None
@@ -53,8 +55,6 @@ def pending(cache_dir=None) -> list[str]:
         and not libraries.built(cpu_matmul.library_path(cache_dir))
     ):
         parts.append("cpu")
-    if not gguf_matmul.built(cache_dir) and gguf_matmul.unbuildable() is None:
-        parts.append("gguf")
     return parts
 
 
@@ -62,14 +62,14 @@ def build(cache_dir=None) -> str | None:
     """Builds every kernel not built yet (one progress line per step that compiles); None, or the
     line that says why one cannot be built here."""
     reasons = []
-    try:
-        cpu_matmul.build(cache_dir)
-    except (cpu_matmul.KernelUnavailable, OSError) as e:
-        reasons.append(f"the CPU matmul kernel: {e}")
-    try:
+    try:  # first: a run waits for it before it reads the weights (auto precision asks for it)
         gguf_matmul.build(cache_dir)
     except (gguf_matmul.KernelUnavailable, OSError) as e:
         reasons.append(f"the GGUF block kernel: {e}; precision auto runs GGUF models at int8")
+    try:  # a run needs it only when it compiles, after reading the weights
+        cpu_matmul.build(cache_dir)
+    except (cpu_matmul.KernelUnavailable, OSError) as e:
+        reasons.append(f"the CPU matmul kernel: {e}")
     return "; ".join(reasons) or None
 
 

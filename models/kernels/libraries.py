@@ -56,8 +56,9 @@ def verified_build(path: pathlib.Path, compile_to: Callable[[str], None]) -> pat
 
 def built(path: pathlib.Path) -> bool:
     """Whether verified_build(path, ...) finds the library in path's folder without compiling
-    (False where that folder is not usable: a build would go to a private temporary folder)."""
-    return own_folder(path.parent) and _matches(path)
+    (False where that folder is missing, creating nothing, or not usable: a build would go to a
+    private temporary folder)."""
+    return path.parent.is_dir() and own_folder(path.parent) and _matches(path)
 
 
 def _digest_path(path: pathlib.Path) -> pathlib.Path:
