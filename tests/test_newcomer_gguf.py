@@ -160,12 +160,27 @@ def _run_tiny(tiny_file, tmp_path, prelude: str, env: dict) -> tuple[subprocess.
     return result, json.loads(out.read_text())
 
 
-def test_a_short_run_before_ggml_is_built_runs_at_gguf_q8(tiny_file, tmp_path):
-    """A 4-token run where llama_cpp.built says no (as on a fresh machine) asks for the kernel,
-    which builds it (here: finds the default cache's build under its locks) and runs gguf_q8; it
-    ran int8 before issue 53."""
-    prelude = "from models.kernels import llama_cpp\nllama_cpp.built = lambda *a, **k: False"
-    _, report = _run_tiny(tiny_file, tmp_path, prelude, {})
+# ggml reported not built, and its build stood in for by the folder the default cache holds (the
+# suite's other GGUF tests build it there): the stand-in says when it is called.
+NOT_BUILT_YET = """
+from models.kernels import llama_cpp
+built_folder = llama_cpp.build_dir()
+def stand_in(targets=llama_cpp.LIBRARIES, cache_dir=None, server=False):
+    print("stand-in build of", *targets, file=sys.stderr)
+    return built_folder
+llama_cpp.built = lambda *a, **k: False
+llama_cpp.build = stand_in
+"""
+
+
+def test_a_short_run_before_ggml_is_built_builds_it_and_runs_at_gguf_q8(tiny_file, tmp_path):
+    """A 4-token run on a machine where ggml is not built yet asks for the build and runs
+    gguf_q8 (before issue 53 it ran int8 and built nothing)."""
+    from models.kernels import gguf_matmul
+
+    assert gguf_matmul.available(), "the GGUF block kernel did not build (see the warning)"
+    result, report = _run_tiny(tiny_file, tmp_path, NOT_BUILT_YET, {})
+    assert "stand-in build of ggml-base ggml-cpu" in result.stderr, result.stderr
     assert report["target_dtype"] == "gguf_q8" and report["draft_dtype"] == "gguf_q8", report
 
 
