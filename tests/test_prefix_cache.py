@@ -193,3 +193,20 @@ def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tin
             tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None
         )
         assert tokens[h] == alone.tokens[0]
+
+
+@pytest.mark.slow
+def test_a_prefix_hit_has_a_full_prefills_bits_on_the_real_target_at_gguf_q8():
+    """The Qwen 1.5B at the server's precision (the GGUF kernel's blocks): a prompt read from a
+    cached 64-token prefix has the logits and cache entries of a full prefill, bit for bit."""
+    target = models.load("qwen2.5-coder-1.5b", dtype="gguf_q8")
+    assert attention_impl(target.config) == "cpu"  # the row-wise prefill
+    text = "def fibonacci(n):\n    " + " ".join(f"x{i} = {i} * n" for i in range(40))
+    ids = target.tokenizer.encode(text)[:100]
+    assert len(ids) == 100
+    cache = PrefixCache(target.config, 64.0)
+    out = run(target, [ids])
+    cache.insert([ids], out.cache, 1, WIDTH)
+    prompts = [ids[:70] + target.tokenizer.encode(" return fib(n - 1)")]
+    assert cache.lookup(prompts[0]).tokens == 64
+    assert_same_rows(run(target, prompts, cache), run(target, prompts), prompts)
