@@ -736,7 +736,6 @@ def main(argv):
 
 def cli():
     """The command line: main under launch.common.run (bad flags: one line, exit 2)."""
-    require_serve_extra()
     common.run(main)
 
 

@@ -80,16 +80,29 @@ class ByteTokenizer:
     stop_ids = ()
     chat_template = None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, at_most: int | None = None) -> list[int]:
+        """The text's UTF-8 bytes; at_most: models.tokenizer.TooLong, before encoding, where
+        there are more (as models.tokenizer.Tokenizer.encode)."""
+        size = self.min_tokens(text)
+        if at_most is not None and size > at_most:
+            from models.tokenizer import TooLong  # here: models.tokenizer imports this package
+
+            raise TooLong(size, at_most, size, 1)
         return list(text.encode("utf-8"))
+
+    def min_tokens(self, text: str, add_special_tokens: bool = True) -> int:
+        """The token count of `text`: one per UTF-8 byte (models.tokenizer.Tokenizer's bound)."""
+        return len(text.encode("utf-8", "surrogatepass"))
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         """ValueError: a random model has no chat template (models.tokenizer.Tokenizer's method)."""
         raise ValueError("the model has no chat template (random models have none)")
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages, add_generation_prompt: bool = True, at_most: int | None = None
+    ) -> list[int]:
         """ValueError: a random model has no chat template."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), at_most)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """UTF-8 text of the byte ids (there are no special tokens to skip)."""

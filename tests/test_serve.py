@@ -345,3 +345,35 @@ def test_bad_flags_exit_2_with_one_line_before_loading_anything(flag, says):
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
+
+
+BLOCK_AND_RUN = """
+import importlib.abc, runpy, sys
+
+MISSING = sys.argv[1]
+
+class Missing(importlib.abc.MetaPathFinder):  # as if the module were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == MISSING:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Missing())
+sys.argv = ["launch.serve", "--target=random", "--draft=none", "--port=1"]  # if it ran: no download
+runpy.run_module("launch.serve", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module", ["uvicorn", "starlette", "pydantic", "prometheus_client"])
+def test_without_the_serve_extra_one_line_names_the_module_and_the_install_and_exits_2(module):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_AND_RUN, module],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"'{module}'" in proc.stderr and "pip install -e '.[serve]'" in proc.stderr, proc.stderr

@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+import types
 
 import httpx2
 import pytest
@@ -22,6 +23,7 @@ import serve_support
 import uvicorn
 from serve_support import MODEL, Server
 
+import models
 import models.tokenizer
 from experiments.bench_serve import free_port
 from launch.serve import Limits, Service, make_app, uvicorn_config
@@ -29,7 +31,7 @@ from launch.serve_engine import EngineWorker, Metrics
 from launch.serve_schema import MAX_JSON_DEPTH, MAX_NUMBER_CHARS
 from models.tokenizer import Tokenizer
 from spec_jax.engine import Engine
-from spec_jax.request import Handle, Request, RequestError, Update
+from spec_jax.request import Handle, Request, RequestError, Update, encode_prompt
 
 pytestmark = pytest.mark.xdist_group("serve")
 LIMITS = Limits(max_body_bytes=64 * 1024, body_timeout_s=1.0, header_timeout_s=1.0, health_stall_s=60)
@@ -273,6 +275,21 @@ def test_the_length_bound_never_exceeds_the_token_count(server):
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}])
         ids = tokenizer.encode_chat([{"role": "user", "content": text}])
         assert tokenizer.min_tokens(rendered, add_special_tokens=False) <= len(ids)
+
+
+def test_a_random_models_byte_tokenizer_is_refused_by_the_same_bound():
+    """The random presets' tokenizer (one token per byte) takes encode_prompt's context bound too
+    (the server's first request on --target=random once failed on it with a 500)."""
+    target = types.SimpleNamespace(
+        tokenizer=models.ByteTokenizer(), config=types.SimpleNamespace(vocab_size=512)
+    )
+    assert encode_prompt(target, Request(prompt="héllo", max_tokens=8), context=64) == list("héllo".encode())
+    with pytest.raises(RequestError) as e:
+        encode_prompt(target, Request(prompt="x" * 100), context=64)
+    assert e.value.field == "prompt" and "context of 64 tokens" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        encode_prompt(target, Request(prompt="x" * 10, max_tokens=60), context=64)
+    assert e.value.field == "max_tokens"
 
 
 def test_control_token_text_in_a_chat_message_is_encoded_as_text(server):
