@@ -133,6 +133,15 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_string("model_name", None, "The model id clients send (default: --target as given).")
 flags.DEFINE_float(
+    "prefix_cache_mb",
+    256.0,
+    "MB of device memory for the prefix cache: prompt prefixes' keys and values in blocks of 32 tokens, "
+    "reused exactly by every request that starts with them (a shared system prompt, a chat's earlier "
+    "turns); least recently used evicted. 0: none. On where a prefill is read row by row (the CPU "
+    "kernels, one device).",
+    lower_bound=0,
+)
+flags.DEFINE_float(
     "max_body_mb",
     4.0,
     "The largest request body, in MiB (1 MiB = 1048576 bytes); a larger one is answered 413, from its "
@@ -420,13 +429,14 @@ async def _events(
             if update.text or update.finished or first:
                 piece = chunk(rid, model, created, chat, update.text, _finish_reason(update), first)
                 if options.continuous_usage_stats:
-                    piece["usage"] = usage_body(_prompt_tokens(stream), stream.tokens)
+                    piece["usage"] = usage_body(_prompt_tokens(stream), stream.tokens, _cached_tokens(stream))
                 yield _sse(piece)
                 first = False
             if update.finished:
                 if options.include_usage:
                     tail = chunk(rid, model, created, chat, "", None, False) | {"choices": []}
-                    yield _sse(tail | {"usage": usage_body(_prompt_tokens(stream), stream.tokens)})
+                    use = usage_body(_prompt_tokens(stream), stream.tokens, _cached_tokens(stream))
+                    yield _sse(tail | {"usage": use})
                 break
         yield "data: [DONE]\n\n"
     finally:
@@ -456,7 +466,7 @@ async def _whole(
     failure = _failure(update, rid)
     if failure is not None:
         return JSONResponse(failure.body(), failure.status)
-    use = usage_body(_prompt_tokens(stream), stream.tokens)
+    use = usage_body(_prompt_tokens(stream), stream.tokens, _cached_tokens(stream))
     return JSONResponse(completion(rid, model, chat, "".join(pieces), _finish_reason(update), use))
 
 
@@ -485,6 +495,11 @@ def _finish_reason(update) -> str | None:
 
 def _prompt_tokens(stream: Stream) -> int:
     return int(getattr(stream.handle, "prompt_tokens", 0))
+
+
+def _cached_tokens(stream: Stream) -> int:
+    """The prompt tokens read from the prefix cache (0 before the request was prefilled)."""
+    return int(getattr(stream.handle, "cached_tokens", 0))
 
 
 def _sse(payload: dict) -> str:
@@ -623,6 +638,7 @@ def load_engine(mesh=None, measure_costs: bool = False):
         mesh=mesh,
         max_context=FLAGS.max_context,
         measure_costs=measure_costs,
+        prefix_cache_mb=FLAGS.prefix_cache_mb,
     )
 
 

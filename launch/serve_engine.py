@@ -124,6 +124,10 @@ class _EngineCollector:
         "chunks": "Chunks of rounds run (host round trips)",
         "prefill_calls": "Prefill calls (each prefills one or more waiting requests)",
         "prefill_cache_hits": "Requests whose prefilled row was kept from an identical earlier request",
+        "prefix_cache_hit_tokens": "Prompt tokens read from the prefix cache instead of computed",
+        "prefix_cache_inserted_tokens": "Prompt tokens whose keys and values the prefix cache kept",
+        "prefill_pieces": "Pieces of long prompts read while rows decoded (each followed by decoding)",
+        "tokens_past_stop_total": "Tokens computed after a stop string's match, then cut",
         "decode_seconds": "Seconds in chunks of the compiled loop, compilation excluded",
         "prefill_seconds": "Seconds in prefills, compilation excluded",
         "table_seconds": "Seconds writing, moving and resizing the table's rows (device work between chunks)",
@@ -135,6 +139,7 @@ class _EngineCollector:
         "slots_busy": "Row slots holding a request",
         "max_batch": "Row slots in the engine's table",
         "live_rows": "Rows the compiled loop runs over now (the smallest bucket holding the busy slots)",
+        "prefix_cache_tokens": "Prompt tokens the prefix cache holds now",
     }
 
     def __init__(self, metrics: Metrics):

@@ -302,11 +302,14 @@ def chunk(rid: str, model: str, created: int, chat: bool, text: str, finish: str
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with prompt_tokens_details.cached_tokens: the prompt tokens read from the
+    prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

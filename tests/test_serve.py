@@ -26,6 +26,7 @@ from serve_support import MODEL, Server
 from experiments.bench_serve import free_port, prometheus_values
 from models import registry
 from spec_jax.engine import Engine
+from spec_jax.request import Request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [
@@ -146,6 +147,49 @@ def test_outputs_at_concurrency_8_are_each_requests_alone(server, temperature):
     if temperature == 0:  # speculation off for a request: the same tokens
         plain = complete(server, PROMPTS[0], seed=0, extra_body={"spec_jax": {"speculate": False}})
         assert (plain.choices[0].text, plain.usage.completion_tokens) == alone[0]
+
+
+def test_mixed_greedy_and_sampled_requests_at_once_are_each_alone(server):
+    """Every other request sampled (temperature 0.7, top-p 0.9, its own seed), the rest greedy,
+    all at once: each answer equals the request sent alone."""
+
+    def body(i):
+        warp = dict(temperature=0.7, top_p=0.9, seed=i) if i % 2 else dict(temperature=0.0)
+        return dict(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=16, **warp, **NO_STOP_IDS)
+
+    alone = [server.post("/v1/completions", body(i)).json()["choices"][0]["text"] for i in range(8)]
+
+    async def all_at_once():
+        async with httpx2.AsyncClient(timeout=60) as client:
+            rs = await asyncio.gather(
+                *(client.post(server.url + "/v1/completions", json=body(i)) for i in range(8))
+            )
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(all_at_once()) == alone
+
+
+def test_a_shared_prefix_is_read_from_the_cache_and_reported_in_usage(server):
+    """Two chat turns behind one long system prompt: the second request's usage says how many of
+    its prompt tokens came from the prefix cache, /metrics counts them, and its answer equals the
+    one the server gives with the prefix cache empty (a fresh server)."""
+    system = {"role": "system", "content": "You are terse. " * 12}
+    first = [system, {"role": "user", "content": "hi"}]
+    second = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "why?"}]
+    hits = server.metric("spec_jax_engine_prefix_cache_hit_tokens_total")
+    server.client.chat.completions.create(model=MODEL, messages=first, max_tokens=4)
+    r = server.client.chat.completions.create(model=MODEL, messages=second, max_tokens=8)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 32 == 0 and cached < r.usage.prompt_tokens
+    deadline = time.monotonic() + 10  # the worker publishes the engine's counters after its step
+    while server.metric("spec_jax_engine_prefix_cache_hit_tokens_total") - hits < cached:
+        assert time.monotonic() < deadline, "/metrics never counted the cached tokens"
+        time.sleep(0.05)
+    engine = server.engine
+    fresh = Engine(engine.target, None, max_batch=1, gamma=GAMMA, max_context=256, prefix_cache_mb=0)
+    handle = fresh.submit(Request(messages=tuple(second), max_tokens=8))
+    text = "".join(u.text for u in fresh.drain() if u.handle is handle)
+    assert r.choices[0].message.content == text
 
 
 def test_a_disconnected_stream_is_cancelled_and_frees_its_slot(server):
