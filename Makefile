@@ -26,7 +26,7 @@ DEMO_STAMP := $(VENV)/.installed-demo-$(PLATFORM)
 # Nothing where it is built already or cannot be (no cmake or C/C++ compiler: the run says so once).
 BUILD_KERNELS := $(VENV)/bin/python -m models.kernels.build --background
 
-.PHONY: demo test test-slow lint
+.PHONY: demo serve test test-slow lint
 .PHONY: compile-sweep device-check
 
 $(STAMP): setup.py constraints.txt
@@ -43,6 +43,18 @@ $(DEMO_STAMP): setup.py constraints.txt
 
 demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	$(VENV)/bin/python -m launch.generate --compare_autoregressive $(ARGS)
+
+# The OpenAI-compatible server (launch.serve) on the Qwen pair: the package with its serve extra,
+# then the server on http://127.0.0.1:8000/v1 (`make serve ARGS="--port=8001 --max_batch=4"`).
+SERVE_STAMP := $(VENV)/.installed-serve-$(PLATFORM)
+$(SERVE_STAMP): setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt -e '.[serve$(if $(DEMO_EXTRAS),$(comma)$(DEMO_EXTRAS))]'
+	$(BUILD_KERNELS)
+	touch $(SERVE_STAMP)
+
+serve: $(if $(wildcard $(STAMP)),$(STAMP),$(SERVE_STAMP))
+	$(VENV)/bin/python -m launch.serve $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
