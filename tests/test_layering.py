@@ -94,6 +94,7 @@ SPEC_JAX_LAYERS = (
     # the pieces: the warp and draws, the rule, prefill and commit, metrics, closed forms,
     # placement on a mesh, timing, a trained head's checkpoint
     ("sampling", "tree", "verify", "decode", "metrics", "theory", "sharding", "timing", "head_checkpoint"),
+    ("prefix_cache",),  # prompt prefixes' keys and values, kept in blocks (decode reads them)
     ("drafting",),  # what proposes drafts (Drafter and every drafter)
     ("speculative",),  # the loop
     ("step_costs", "autogamma", "tree_auto", "executables"),  # measured costs, the policy, compiled programs
