@@ -73,11 +73,15 @@ def build(cache_dir=None) -> str | None:
     return "; ".join(reasons) or None
 
 
-def start_in_background(cache_dir=None) -> pathlib.Path | None:
+WHAT = {"gguf": "ggml and the GGUF kernel (about 2 minutes on 2 cores)", "cpu": "the int8 kernel"}
+
+
+def start_in_background(cache_dir=None) -> str | None:
     """Starts `python -m models.kernels.build` in a process of its own session (it outlives the
-    caller; output appended to log_path()) where pending() names something; its log's path, or
-    None where there is nothing to build."""
-    if not pending(cache_dir):
+    caller; output appended to log_path()) where pending() names something; the line that says
+    so, or None where there is nothing to build."""
+    parts = pending(cache_dir)
+    if not parts:
         return None
     log = log_path(cache_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,7 @@ def start_in_background(cache_dir=None) -> pathlib.Path | None:
             env=env,
             start_new_session=True,  # a Ctrl-C of `make` does not cut a cmake build short
         )
-    return log
+    return f"building {' and '.join(WHAT[p] for p in parts)} in the background, once (log: {log})"
 
 
 def main(argv=None) -> int:
@@ -113,11 +117,9 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     if args.background:
-        log = start_in_background()
-        if log is not None:
-            print(
-                f"building the CPU kernels in the background, once (about 2 minutes on 2 cores; log: {log})"
-            )
+        started = start_in_background()
+        if started is not None:
+            print(started)
         return 0
     start = time.perf_counter()
     reason = build()
