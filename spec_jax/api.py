@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.settings import is_int
 from spec_jax import autogamma, sharding, step_costs, tree_auto
 from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
+from spec_jax.logprobs import MAX_LOGPROBS, TokenLogprobs
 from spec_jax.metrics import NONFINITE, nonfinite_rows
 from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, stop_row, validate
 from spec_jax.runner import Runner, decode_auto
@@ -33,6 +35,8 @@ class Generation:
     tokens: list[list[int]]
     stats: dict[str, Any]
     text: list[str] | None = None  # each prompt's new text (special tokens skipped); None: no tokenizer
+    # each prompt's new tokens' log-probabilities (generate's logprobs; None: not asked)
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def nonfinite_rows(self) -> list[int]:
@@ -57,6 +61,7 @@ class Options:
     mesh: jax.sharding.Mesh | None = None
     verify_widths: str = "auto"
     tree: int | str = 0
+    logprobs: int | None = None
 
 
 VERIFY_WIDTHS = ("auto", "ends", "all")
@@ -139,6 +144,12 @@ def _plan(target, prompts, options: Options) -> Plan:
     """Validates the call and decides what runs (Plan; its controller: `measured`)."""
     drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft, target)
     validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id, options.tree)
+    if options.logprobs is not None and (
+        not is_int(options.logprobs) or not 0 <= options.logprobs <= MAX_LOGPROBS
+    ):
+        raise ValueError(
+            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {options.logprobs!r}"
+        )
     num_rows = len(prompts)
     row_ids = np.arange(num_rows) if options.row_ids is None else np.asarray(options.row_ids)
     if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
@@ -246,7 +257,7 @@ def bucket_controllers(target, drafter, draft_params, policy, batches, slots: in
     return found, drafter, draft_params
 
 
-def _place(target, plan: Plan, seed: int, max_new_tokens: int):
+def _place(target, plan: Plan, seed: int, max_new_tokens: int, logprobs: int | None = None):
     """(target params, draft params, PrefillInputs, active [B]) on the plan's mesh, and the
     drafter as it runs there: the models by the rule table (each drafter says how its params
     are placed), the inputs' rows over the data axis.
@@ -265,6 +276,7 @@ def _place(target, plan: Plan, seed: int, max_new_tokens: int):
         keys=row_keys(jax.random.key(seed), plan.row_ids),
         budgets=jnp.full(batch, max_new_tokens, jnp.int32),
         sampling=plan.sampling.for_rows(batch),
+        num_logprobs=np.full(batch, -1 if logprobs is None else logprobs, np.int32),
     )
     inputs = sharding.put(inputs, sharding.state_shardings(inputs, mesh, batch))
     active = sharding.put(np.arange(batch) < plan.num_rows, sharding.batch_sharding(mesh, 1))
@@ -287,7 +299,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
     plan = measured(target, _plan(target, prompts, options))
     target_params, draft_params, inputs, active, drafter = _place(
-        target, plan, options.seed, options.max_new_tokens
+        target, plan, options.seed, options.max_new_tokens, options.logprobs
     )
     static = spec_static(target, plan.mesh, drafter, plan.policy, options, plan.cache_len)
     runner = Runner(static, plan.mesh, target_params, draft_params, inputs)
@@ -381,21 +393,28 @@ def generate(target, prompts, **options) -> Generation:
         runs plain decoding, a chain of 1..8 drafts or a tree of 4, 8 or 16 nodes, whichever
         promises the most tokens per second (spec_jax.tree_auto.TreeController); gamma is then
         auto, whatever it says.
+      logprobs: None, or k in [0, 20]: Generation.logprobs holds each new token's
+        log-probability under the target (raw: log_softmax of its logits before the warp, from
+        the call that verified the token; spec_jax.logprobs) and the k most probable tokens'.
 
     Returns:
-      Generation(tokens, stats, text): text, each prompt's new text (special tokens skipped;
-      None without a tokenizer). stats holds the metrics schema of spec_jax.metrics, the
+      Generation(tokens, stats, text, logprobs): text, each prompt's new text (special tokens
+      skipped; None without a tokenizer); logprobs, each prompt's TokenLogprobs (None unless
+      asked). stats holds the metrics schema of spec_jax.metrics, the
       timings compile_seconds, prefill_seconds, decode_seconds, tokens_per_second (new tokens
       over prefill + decode), and num_new_tokens; stats["nonfinite_logits"] flags, per prompt,
       a row that stopped early because the target's logits became NaN or infinite
       (Generation.nonfinite_rows lists them).
     """
     prompts = token_prompts(target, prompts)
-    state, timings, plan = _run(target, prompts, Options(**options))
-    return _generation(target, state, timings, plan, len(prompts))
+    options = Options(**options)
+    state, timings, plan = _run(target, prompts, options)
+    return _generation(target, state, timings, plan, len(prompts), options.logprobs)
 
 
-def _generation(target, state: SpecState, timings: dict, plan: Plan, num_rows: int) -> Generation:
+def _generation(
+    target, state: SpecState, timings: dict, plan: Plan, num_rows: int, logprobs: int | None = None
+) -> Generation:
     """generate's Generation of the final loop state for its first num_rows rows (the rest pad
     the data axis): the new tokens, the metrics, timings and rates, the text."""
     out, counts, nonfinite, metrics = sharding.fetch(
@@ -410,7 +429,14 @@ def _generation(target, state: SpecState, timings: dict, plan: Plan, num_rows: i
         tokens_per_second=total / (timings["prefill_seconds"] + timings["decode_seconds"]),
     )
     stats[NONFINITE] = nonfinite[:num_rows].tolist()
-    return Generation(tokens=new_tokens, stats=stats, text=decoded(target, new_tokens))
+    kept = None
+    if logprobs is not None:
+        lp, ids, values = sharding.fetch((state.out.logprobs, state.out.top_ids, state.out.top_logprobs))
+        kept = [
+            TokenLogprobs.of(t, lp[i, : len(t)], ids[i, : len(t)], values[i, : len(t)], logprobs)
+            for i, t in enumerate(new_tokens)
+        ]
+    return Generation(tokens=new_tokens, stats=stats, text=decoded(target, new_tokens), logprobs=kept)
 
 
 def decoded(target, tokens: list[list[int]]) -> list[str] | None:

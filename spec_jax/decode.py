@@ -28,6 +28,7 @@ from models.transformer import (
     on_cpu,
     output_head,
 )
+from spec_jax.logprobs import Kept, empty_kept, kept_logprobs
 from spec_jax.sampling import RowSampling, draw_rows, split_rows, warp
 
 MIN_BUCKET = 16
@@ -258,25 +259,40 @@ class Output:
     # (commit's nonfinite_b); its tokens are those committed before.
     nonfinite: jax.Array
     budget: jax.Array  # int32 [B]: the most tokens the row may generate (<= N)
+    # The target's raw log-probabilities of each token at the same positions as tokens
+    # (spec_jax.logprobs: written where some row asks, zeros elsewhere), and each row's ask.
+    logprobs: jax.Array  # float32 [B, N + slack]: the kept token's
+    top_ids: jax.Array  # int32 [B, N + slack, MAX_LOGPROBS]: the most probable tokens there
+    top_logprobs: jax.Array  # float32 [B, N + slack, MAX_LOGPROBS]
+    num_logprobs: jax.Array  # int32 [B]: -1 none; 0 the kept token's; k: and the top k
 
 
-def new_output(batch: int, max_new_tokens: int, slack: int, budget_b=None) -> Output:
+def new_output(batch: int, max_new_tokens: int, slack: int, budget_b=None, num_logprobs_b=None) -> Output:
     """An empty Output of [batch, max_new_tokens + slack] tokens; budget_b (int32 [B], default
-    max_new_tokens for every row): the most tokens each row may generate."""
+    max_new_tokens for every row): the most tokens each row may generate; num_logprobs_b (int32
+    [B], default -1: none): the logprobs each row asks for (Output.num_logprobs)."""
     budget = jnp.full((batch,), max_new_tokens, jnp.int32) if budget_b is None else budget_b
+    asks = jnp.full((batch,), -1, jnp.int32) if num_logprobs_b is None else num_logprobs_b
+    kept = empty_kept(batch, max_new_tokens + slack)
     return Output(
         tokens=jnp.full((batch, max_new_tokens + slack), PAD_ID, jnp.int32),
         num_generated=jnp.zeros((batch,), jnp.int32),
         done=jnp.zeros((batch,), jnp.bool_),
         nonfinite=jnp.zeros((batch,), jnp.bool_),
         budget=jnp.asarray(budget, jnp.int32),
+        logprobs=kept.logprobs,
+        top_ids=kept.top_ids,
+        top_logprobs=kept.top_logprobs,
+        num_logprobs=jnp.asarray(asks, jnp.int32),
     )
 
 
 def commit(
-    out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_z, nonfinite_b=None
+    out: Output, new_bc, counts_b, max_new_tokens: int, stop_ids_z, nonfinite_b=None, kept: Kept | None = None
 ) -> tuple[Output, jax.Array]:
-    """Appends the first counts[b] of the new tokens [B, C] to each row that is not done.
+    """Appends the first counts[b] of the new tokens [B, C] to each row that is not done, and
+    their log-probabilities kept (spec_jax.logprobs.Kept of [B, C], optional) at the same
+    positions.
 
     A row stops at max_new_tokens (an int, or int32 [B]: each row's own) and after the first of
     its new tokens that is in stop_ids [Z] or [B, Z] (each row's own set; entries < 0 are
@@ -298,6 +314,12 @@ def commit(
     b_idx = jnp.arange(new_bc.shape[0])[:, None]
     dest = jnp.where(idx < counts[:, None], out.num_generated[:, None] + idx, out.tokens.shape[1])
     tokens = out.tokens.at[b_idx, dest].set(new_bc, mode="drop")
+    if kept is not None:
+        out = out.replace(
+            logprobs=out.logprobs.at[b_idx, dest].set(kept.logprobs, mode="drop"),
+            top_ids=out.top_ids.at[b_idx, dest].set(kept.top_ids, mode="drop"),
+            top_logprobs=out.top_logprobs.at[b_idx, dest].set(kept.top_logprobs, mode="drop"),
+        )
     num_generated = out.num_generated + counts
     done = out.done | hit_stop | (num_generated >= max_new_tokens)
     bad = jnp.zeros_like(done) if nonfinite_b is None else nonfinite_b & ~done
@@ -318,6 +340,7 @@ class PrefillInputs:
     # prefill's prefix blocks, with the prefix cache's pool (spec_jax.prefix_cache)
     prefix_blocks: jax.Array | None = None
     sampling: RowSampling | None = None  # each row's warp (None: greedy, every row)
+    num_logprobs: jax.Array | None = None  # int32 [B]: Output.num_logprobs (None: -1, no row asks)
 
     def row_sampling(self) -> RowSampling:
         """Each row's warp: sampling, or greedy for every row where it is None."""
@@ -327,11 +350,12 @@ class PrefillInputs:
 
 def first_token(logits_bv, inputs: PrefillInputs, sampling: RowSampling, max_new_tokens: int):
     """Draws the first new token from the prefill logits; returns (Output, token [B], keys [B]).
-    A row whose logits are not all finite commits nothing and is done (Output.nonfinite)."""
+    A row whose logits are not all finite commits nothing and is done (Output.nonfinite). The
+    token's logprobs (rows that ask: inputs.num_logprobs) are those of the same logits."""
     keys, draw_keys = split_rows(inputs.keys, 2)
     token = draw_rows(draw_keys, warp(logits_bv, sampling))
     nonfinite = ~jnp.all(jnp.isfinite(logits_bv), axis=-1)
-    empty = new_output(token.shape[0], max_new_tokens, 0, inputs.budgets)
+    empty = new_output(token.shape[0], max_new_tokens, 0, inputs.budgets, inputs.num_logprobs)
     out, _ = commit(
         empty,
         token[:, None],
@@ -339,5 +363,6 @@ def first_token(logits_bv, inputs: PrefillInputs, sampling: RowSampling, max_new
         empty.budget,
         inputs.stop_ids,
         nonfinite,
+        kept_logprobs(lambda: logits_bv[:, None], token[:, None], empty.num_logprobs),
     )
     return out, token, keys

@@ -38,10 +38,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from models.settings import is_number
 from spec_jax import api, rows, sharding, step_costs
-from spec_jax.decode import PAD_ID, coarse_layout, layout
+from spec_jax.decode import PAD_ID, coarse_layout, layout, pad_prompts
 from spec_jax.drafting import NoDrafter, as_drafter
+from spec_jax.executables import compiled
+from spec_jax.logprobs import TokenLogprobs, score_prompt
 from spec_jax.prefix_cache import BLOCK, PrefixCache
 from spec_jax.request import Handle, Request, Update, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
@@ -204,13 +208,42 @@ class Engine:
         stop_ids = self.stop_ids_of(request)
         rows.check_room(ids, stop_ids, request, self.max_context, self.max_new_tokens)
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
-        if len(self._queue) >= room:
+        if request.max_tokens and len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request, len(ids))
-        self._queue.append(rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id)))
+        row = rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
+        self._score(row)
+        if not request.max_tokens:  # the prompt scored alone: no slot
+            self._finish(row, "length")
+        else:
+            self._queue.append(row)
         return handle
+
+    def _score(self, row: rows.Row) -> None:
+        """Where the request asks for its prompt's logprobs (Request.prompt_logprobs): one
+        scoring call over the prompt (spec_jax.logprobs.score_prompt, at the prompt's width) into
+        row.prompt_logprobs, for its first Update. It runs here, on the engine's thread, once per
+        request: the row's generation (a slot, the prefill) is apart from it."""
+        k = row.handle.request.prompt_logprobs
+        if k is None:
+            return
+        ids = row.prompt_ids
+        width = max(self._prompt_width(ids, max(row.handle.request.max_tokens, 1)), len(ids))
+        tokens, lens = pad_prompts([ids], width)
+        inputs = (tokens, lens, np.full(1, k, np.int32))
+        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
+        args = (self._runner.target_params, *inputs)
+        fn, compile_s = compiled("score_prompt", score_prompt, self._runner.static.config, args)
+        start = time.perf_counter()
+        lp, ids_top, lp_top = sharding.fetch(fn(*args))
+        self._counters["compile_seconds"] += compile_s
+        self._counters["score_seconds"] += time.perf_counter() - start
+        self._counters["scored_prompts_total"] += 1
+        n = len(ids)  # position s predicts token s + 1: token t's is at t - 1 (the first has none)
+        shift = [np.concatenate([np.zeros_like(a[0, :1]), a[0, : n - 1]]) for a in (lp, ids_top, lp_top)]
+        row.prompt_logprobs = TokenLogprobs.of(ids, *shift, k, first_none=True)
 
     def cancel(self, handle: Handle) -> None:
         """Ends the request now: a waiting one leaves the queue, a running one frees its slot.
@@ -226,12 +259,14 @@ class Engine:
         return None
 
     def _finish(
-        self, row: rows.Row, reason: str, error: str | None = None, text: str = "", tokens=()
+        self, row: rows.Row, reason: str, error: str | None = None, text: str = "", tokens=(), logprobs=None
     ) -> None:
-        """Frees the row's slot and queues its last Update."""
+        """Frees the row's slot and queues its last Update (logprobs: its tokens', where asked;
+        the prompt's logprobs if not yet handed out)."""
         if row.slot is not None:
             self._slots[row.slot], self._chunk = None, 0
-        self._outbox.append(Update(row.handle, list(tokens), text, True, reason, error))
+        prompt, row.prompt_logprobs = row.prompt_logprobs, None
+        self._outbox.append(Update(row.handle, list(tokens), text, True, reason, error, logprobs, prompt))
         self._counters[f"finished_{reason}"] += 1
 
     # --- stepping --------------------------------------------------------------------------
@@ -364,11 +399,17 @@ class Engine:
         leaves = {
             k: (s.out.tokens, s.out.num_generated, s.out.done, s.out.nonfinite) for k, s in blocks.items()
         }
-        fetched = sharding.fetch(leaves)
+        asking = {key for row, key, _ in sources if row.handle.request.logprobs is not None}
+        kept = {
+            k: (s.out.logprobs, s.out.top_ids, s.out.top_logprobs) for k, s in blocks.items() if k in asking
+        }
+        fetched, kept = sharding.fetch((leaves, kept))  # the logprobs only of blocks whose rows ask
         now = time.perf_counter()
         for row, key, b in sources:
             tokens, counts, done, nonfinite = fetched[key]
             row.tokens = tokens[b, : counts[b]].tolist()
+            if key in kept and row.handle.request.logprobs is not None:
+                self._read_logprobs(row, kept[key], b)
             if row.tokens and row.first_token_at is None:
                 row.first_token_at = now
                 self._ttft.append(now - row.submitted)
@@ -378,8 +419,18 @@ class Engine:
                 reason = "error" if nonfinite[b] else "stop" if hit_stop else "length"
             self._emit(row, reason)
 
+    def _read_logprobs(self, row: rows.Row, kept, b: int) -> None:
+        """row.logprobs extended to its tokens from row b of kept, the host's (Output.logprobs,
+        top_ids, top_logprobs): each new token's and its request's top k."""
+        have = row.logprobs or TokenLogprobs()
+        start, end = len(have), len(row.tokens)
+        lp, top_ids, top_lp = (a[b, start:end] for a in kept)
+        k = row.handle.request.logprobs
+        row.logprobs = have + TokenLogprobs.of(row.tokens[start:], lp, top_ids, top_lp, k)
+
     def _emit(self, row: rows.Row, reason: str | None) -> None:
-        """Queues the row's Update (new tokens, new text; a stop string ends it as "stop")."""
+        """Queues the row's Update (new tokens, new text, their logprobs where asked, the
+        prompt's logprobs in the first; a stop string ends it as "stop")."""
         text, cut = rows.visible_text(
             self.tokenizer, row.tokens, row.handle.request.stop, final=reason is not None
         )
@@ -389,13 +440,15 @@ class Engine:
             if row.slot is not None:
                 self._table.stop_rows[row.slot] = True
         new_tokens, new_text = row.tokens[row.sent_tokens :], text[len(row.sent_text) :]
+        logprobs = None if row.logprobs is None else row.logprobs[row.sent_tokens : len(row.tokens)]
         row.sent_tokens, row.sent_text = len(row.tokens), text
         self._counters["generation_tokens_total"] += len(new_tokens)
         if reason is not None:
             error = NONFINITE_ERROR if reason == "error" else None
-            return self._finish(row, reason, error, new_text, new_tokens)
+            return self._finish(row, reason, error, new_text, new_tokens, logprobs)
         if new_tokens or new_text:
-            self._outbox.append(Update(row.handle, new_tokens, new_text, False, None))
+            prompt, row.prompt_logprobs = row.prompt_logprobs, None
+            self._outbox.append(Update(row.handle, new_tokens, new_text, False, None, None, logprobs, prompt))
         return None
 
     # --- counters --------------------------------------------------------------------------

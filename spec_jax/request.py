@@ -27,6 +27,7 @@ from models.tokenizer import TooLong, validate_messages
 from spec_jax import autogamma
 from spec_jax.decode import stop_id_list
 from spec_jax.drafting import Drafter, check_gamma
+from spec_jax.logprobs import MAX_LOGPROBS, TokenLogprobs
 from spec_jax.sampling import SamplingParams, validate_sampling
 
 MAX_STOP_IDS = 16  # stop token ids per request (the loop holds [B, MAX_STOP_IDS])
@@ -50,11 +51,17 @@ class Request:
     """One generation request. Exactly one of prompt (a text), messages (a conversation,
     rendered with the model's chat template) or prompt_ids (token ids) is given.
 
-    max_tokens: new tokens at most (>= 1). temperature >= 0 (0: greedy), top_k >= 0 (0: off),
+    max_tokens: new tokens at most (>= 1; 0 with prompt_logprobs: the prompt is only scored).
+    temperature >= 0 (0: greedy), top_k >= 0 (0: off),
     top_p in (0, 1]: the warp of spec_jax.sampling. seed: the request's randomness depends on
     it alone (not on its slot or on other requests). stop: strings that end the text (the
     text stops before the match). stop_ids: token ids that end it (None: the model's stop
     tokens). speculate: False decodes this request plainly, without drafts.
+
+    logprobs: None, or k in [0, MAX_LOGPROBS]: each new token's log-probability under the
+    target (raw: before the warp; spec_jax.logprobs) and the k most probable tokens' there
+    (Update.logprobs). prompt_logprobs: the same for each prompt token after the first, from a
+    scoring call over the prompt (the first Update's prompt_logprobs).
     """
 
     prompt: str | None = None
@@ -68,6 +75,8 @@ class Request:
     stop: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] | None = None
     speculate: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -78,8 +87,18 @@ class Request:
         """Returns self, or raises RequestError naming the first field out of range (the
         checks that need no model)."""
         _check_prompt(self)
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(
+                    name, f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not is_int(self.max_tokens) or self.max_tokens < least:
+            also = "" if least else " (0: the prompt scored alone)"
+            raise RequestError(
+                "max_tokens", f"max_tokens must be an integer >= {least}{also}, got {self.max_tokens!r}"
+            )
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
             if not is_number(value) or math.isnan(value):
@@ -320,7 +339,9 @@ class Handle:
 @dataclasses.dataclass(frozen=True)
 class Update:
     """A request's progress since its last Update: its new token ids and their text (stop
-    strings cut); finished with finish_reason "stop" | "length" | "cancelled" | "error"."""
+    strings cut); finished with finish_reason "stop" | "length" | "cancelled" | "error".
+    logprobs: the new tokens' (TokenLogprobs of token_ids) where the request asks for them;
+    prompt_logprobs: the prompt's, in the request's first Update, where it asks for them."""
 
     handle: Handle
     token_ids: list[int]
@@ -328,3 +349,5 @@ class Update:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None

@@ -17,6 +17,7 @@ import numpy as np
 from models.settings import is_int
 from spec_jax import sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
+from spec_jax.logprobs import TokenLogprobs
 from spec_jax.request import MAX_STOP_IDS, Request, RequestError, stop_row
 from spec_jax.sampling import RowSampling, SamplingParams, row_keys
 from spec_jax.speculative import SpecState
@@ -38,6 +39,8 @@ class Row:
     sent_tokens: int = 0  # tokens already handed out in Updates
     sent_text: str = ""  # text already handed out
     first_token_at: float | None = None
+    logprobs: TokenLogprobs | None = None  # of tokens (as far as read), where the request asks
+    prompt_logprobs: TokenLogprobs | None = None  # the prompt's, until handed out
 
 
 def batch_axes(shapes_a, shapes_b) -> tuple[int, ...]:
@@ -162,14 +165,23 @@ def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
         sampling=RowSampling.of(
             [row.handle.request.sampling for row in group] + [SamplingParams(0.0)] * (batch - len(group))
         ),
+        num_logprobs=np.asarray(
+            [num_logprobs(row.handle.request) for row in group] + [-1] * (batch - len(group)), np.int32
+        ),
     )
+
+
+def num_logprobs(request: Request) -> int:
+    """The request's Output.num_logprobs: -1 (no logprobs), or how many top logprobs it asks."""
+    return -1 if request.logprobs is None else int(request.logprobs)
 
 
 def prefill_key(row: Row, width: int) -> tuple:
     """Everything a request's prefilled row depends on in one engine, but its budget: its prompt,
     the prefill's width, its keys (seed, row id), stop ids, speculation, the warp, and whether
-    its budget ends it at the first token. Two requests of one key get the same row, bit for
-    bit (the CPU prefill is row-wise), except for the budget leaf (set_budget)."""
+    its budget ends it at the first token, and the logprobs it asks. Two requests of one key get
+    the same row, bit for bit (the CPU prefill is row-wise), except for the budget leaf
+    (set_budget)."""
     request = row.handle.request
     return (
         tuple(row.prompt_ids),
@@ -180,6 +192,7 @@ def prefill_key(row: Row, width: int) -> tuple:
         tuple(row.stop_ids),
         request.speculate,
         request.sampling,
+        num_logprobs(request),
     )
 
 
@@ -326,5 +339,6 @@ class HostTable:
             keys=row_keys_jit(jax.random.key(0), np.arange(n, dtype=np.uint32)),
             budgets=jnp.ones(n, jnp.int32),
             sampling=RowSampling.greedy_rows(n),
+            num_logprobs=np.full(n, -1, np.int32),
         )
         return sharding.put(inputs, sharding.state_shardings(inputs, mesh, n))

@@ -31,6 +31,7 @@ from models.transformer import forward
 from spec_jax import tree as tree_lib
 from spec_jax.decode import PAD_ID, Output, PrefillInputs, commit, first_token, prefill
 from spec_jax.drafting.base import Drafter
+from spec_jax.logprobs import kept_logprobs
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import RowSampling, split_rows, warp
 from spec_jax.verify import draft_lengths, finite_prefix, overlap, verify
@@ -146,6 +147,9 @@ class RoundResult(NamedTuple):
     num_drafted: jax.Array  # int32 [B]: drafts proposed (a tree: its nodes)
     num_accepted: jax.Array  # int32 [B]
     overlap: jax.Array  # float32 [B, G]: sum_x min(p, q) at each scored draft position
+    # () -> float32 [B, C, V]: the target's raw logits each of `new` was drawn or accepted under
+    # (the kept tokens' logprobs: spec_jax.logprobs; called only where some row asks for them)
+    logits: Callable[[], jax.Array]
     target_cache: KVCache
     draft_state: Any
     # committed int32 [B] -> the drafter's state after it observed the round's target features
@@ -175,7 +179,7 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
     )
     q = _unproposed(q, state.plain)
     num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
-    p, finite, target_cache, target_features = _score_chain(
+    p, logits, finite, target_cache, target_features = _score_chain(
         static, params, state, drafts, num_drafted, active
     )
     num_accepted, next_token = verify(drafts, q, p, verify_keys)
@@ -199,6 +203,7 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
         num_drafted=num_drafted,
         num_accepted=num_accepted,
         overlap=overlap(p[:, :gamma], q),
+        logits=lambda: logits,
         target_cache=target_cache,
         draft_state=draft_state,
         observe=observe,
@@ -206,10 +211,11 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
 
 
 def _score_chain(static: SpecStatic, params, state: SpecState, drafts, num_drafted, active):
-    """(p [B, G + 1, V], finite [B, G + 1] (the logits at the position were all finite), the
-    target cache, features [B, G + 1, D] or None): the target scores [t_{n-1}, drafts] at
-    n-1 .. n-1+G, in the narrowest call that covers every active row's drafts where the drafter
-    proposes variable lengths (a round where no row proposed anything is one decode step)."""
+    """(p [B, G + 1, V], the raw logits [B, G + 1, V], finite [B, G + 1] (the logits at the
+    position were all finite), the target cache, features [B, G + 1, D] or None): the target
+    scores [t_{n-1}, drafts] at n-1 .. n-1+G, in the narrowest call that covers every active
+    row's drafts where the drafter proposes variable lengths (a round where no row proposed
+    anything is one decode step)."""
     gamma = static.gamma
     tokens = jnp.concatenate([state.last_token[:, None], drafts], axis=1)  # [B, G + 1]
     positions = (state.length - 1)[:, None] + jnp.arange(gamma + 1)[None, :]
@@ -224,9 +230,10 @@ def _score_chain(static: SpecStatic, params, state: SpecState, drafts, num_draft
         )
         pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
         p = jnp.pad(warp(out.logits, state.sampling), pad, mode="edge")
+        logits = jnp.pad(out.logits, pad, mode="edge")
         finite = jnp.pad(jnp.all(jnp.isfinite(out.logits), axis=-1), pad[:2], mode="edge")
         f = jnp.pad(out.features, pad, mode="edge") if features else None
-        return p, finite, out.cache, f
+        return p, logits, finite, out.cache, f
 
     if not (gamma and static.drafter.variable_length):
         return score(gamma + 1, state.target_cache)
@@ -281,6 +288,9 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, activ
         num_drafted=jnp.sum(tree.present, axis=1).astype(jnp.int32),
         num_accepted=num_accepted,
         overlap=overlap(p_path, q_taken),
+        logits=lambda: tree_lib.path_rows(
+            out.logits, path, num_accepted
+        ),  # a chain's positions, in path order
         target_cache=target_cache,
         draft_state=draft_state,
         observe=observe,
@@ -304,7 +314,8 @@ def _finish_round(
     (commit), then the last two committed tokens, the length and the metrics move on.
     active: bool [B], the rows not done before the round; keys: the rows' keys after it."""
     new, draft_state = result.new, result.draft_state
-    out, committed = commit(state.out, new, result.usable, state.out.budget, stop_ids, result.nonfinite)
+    kept = kept_logprobs(result.logits, new, state.out.num_logprobs)
+    out, committed = commit(state.out, new, result.usable, state.out.budget, stop_ids, result.nonfinite, kept)
     if result.observe is not None:
         draft_state = result.observe(committed)
 
