@@ -20,8 +20,8 @@ or a lost request, and /health must answer 200 afterwards. A load tool from the 
 
 The load comes in workloads (config.workloads, run in this order):
 - `plain`: the load above (greedy completions of the prompt set; the suite's only load before).
-- `mixed`: the prompt set once each as completions, greedy and sampled in alternate pairs (g g s
-  s g g ...; temperature MIXED_TEMPERATURE then top-p MIXED_TOP_P, seed MIXED_SEED + its index),
+- `mixed`: the prompt set once each as completions, greedy and sampled interleaved (g s s g g s s
+  g ...; temperature MIXED_TEMPERATURE then top-p MIXED_TOP_P, seed MIXED_SEED + its index),
   at each of config.mixed_concurrency; ours must give each greedy request the same bytes as
   that request sent alone.
 - `chat`: config.conversations conversations of config.turns turns behind one long shared system
@@ -236,12 +236,13 @@ def greedy_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
 
 
 def mixed_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
-    """The mixed load: each prompt once, greedy and sampled in alternate pairs (g g s s g g ...:
-    the bench and held-out sets alternate code and English, so each kind gets both), a sampled
-    job i at MIXED_TEMPERATURE, MIXED_TOP_P and seed MIXED_SEED + i."""
+    """The mixed load: each prompt once, greedy and sampled interleaved as g s s g g s s g ...
+    (half of each for an even count, both from 2 prompts on; the bench and held-out sets alternate
+    code and English, so each kind gets both), a sampled job i at MIXED_TEMPERATURE, MIXED_TOP_P
+    and seed MIXED_SEED + i."""
     return [
         Job(max_tokens, prompt=p)
-        if (i // 2) % 2 == 0
+        if ((i + 1) // 2) % 2 == 0
         else Job(max_tokens, prompt=p, temperature=MIXED_TEMPERATURE, top_p=MIXED_TOP_P, seed=MIXED_SEED + i)
         for i, p in enumerate(prompts)
     ]

@@ -164,7 +164,7 @@ def _llama_like() -> System:
     )
 
 
-def test_the_mixed_load_alternates_greedy_and_sampled_pairs_each_sampled_one_with_its_own_seed():
+def test_the_mixed_load_interleaves_greedy_and_sampled_each_sampled_one_with_its_own_seed():
     prompts = [f"prompt {i}" for i in range(8)]
     peer = _llama_like()
     (records, _), requests = _with_recorder(
@@ -173,7 +173,7 @@ def test_the_mixed_load_alternates_greedy_and_sampled_pairs_each_sampled_one_wit
     assert [o.status for _, o in records] == [200] * 8
     bodies = {body["prompt"]: body for _, body in requests}
     kinds = ["sampled" if bodies[p]["temperature"] > 0 else "greedy" for p in prompts]
-    assert kinds == ["greedy", "greedy", "sampled", "sampled"] * 2
+    assert kinds == ["greedy", "sampled", "sampled", "greedy"] * 2
     for p, kind in zip(prompts, kinds, strict=True):
         body = bodies[p]
         assert (
@@ -188,6 +188,7 @@ def test_the_mixed_load_alternates_greedy_and_sampled_pairs_each_sampled_one_wit
                 and body["top_p"] == bench_serve.MIXED_TOP_P
             )
             assert body["samplers"] == ["temperature", "top_p"]  # ours: spec_jax.sampling.warp's order
+    assert [j.sampled for j in mixed_jobs(prompts[:2], 6)] == [False, True]  # both kinds from 2 prompts
     seeds = [bodies[p]["seed"] for p, kind in zip(prompts, kinds, strict=True) if kind == "sampled"]
     assert len(set(seeds)) == len(seeds) == 4
     # ours gets no llama-server fields (its schema refuses unknown ones)
