@@ -31,7 +31,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "ruff", "chex"],
+        "test": ["pytest", "pytest-xdist", "ruff", "chex", "lm-eval[api]"],  # tests/test_lm_eval.py
         # The experiments' plots and statistics (launch.experiment, launch.bench).
         "experiments": ["matplotlib", "scipy"],
         # A Hugging Face hub id as --target / --draft (models.sources.fetch_hub).

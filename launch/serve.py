@@ -8,7 +8,9 @@ continuous batching.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the target's chat template),
 `"stream": true` as server-sent events ending in `data: [DONE]`, GET /v1/models, GET /health,
-GET /metrics (Prometheus text). The model, drafter and precision flags are launch.generate's
+GET /metrics (Prometheus text), and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info
+(lm-evaluation-harness's remote tokenizer). Logprobs, echo, n samples and batches of prompts:
+launch/serve_schema.py. The model, drafter and precision flags are launch.generate's
 (see --helpfull); a request's fields take launch.generate's defaults (greedy, the model's stop
 tokens). Per-request speculation: `"spec_jax": {"speculate": false}` decodes that request plainly.
 launch/serve_schema.py documents the bodies and their checks. Needs the `serve` extra (pip
@@ -55,6 +57,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 SERVE_EXTRA_MODULES = ("uvicorn", "h11", "starlette", "pydantic", "prometheus_client")
 SERVE_EXTRA_INSTALL = "pip install -e '.[serve]'"
@@ -97,17 +101,23 @@ from launch.serve_engine import EngineFailed, EngineWorker, Metrics, Stream  # n
 from launch.serve_schema import (  # noqa: E402
     ApiError,
     ChatBody,
+    Choice,
     CompletionBody,
+    DetokenizeBody,
     StreamOptions,
+    TokenizeBody,
     body_field,
+    choice_logprobs,
     chunk,
     completion,
     parse_body,
+    prompts_of,
     request_id,
-    to_request,
+    to_requests,
 )
 from launch.serve_schema import usage as usage_body  # noqa: E402
 from spec_jax.engine import Engine, QueueFull  # noqa: E402
+from spec_jax.logprobs import TokenLogprobs  # noqa: E402
 from spec_jax.request import Request, RequestError  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -270,6 +280,29 @@ def make_app(service: Service) -> Starlette:
         status, body = service.health()
         return JSONResponse(body, status, headers=None if status == 200 else _retry())
 
+    async def tokenize(http: HttpRequest) -> Response:
+        return await _tokenizer_call(http, service, TokenizeBody)
+
+    async def detokenize(http: HttpRequest) -> Response:
+        return await _tokenizer_call(http, service, DetokenizeBody)
+
+    async def tokenizer_info(http: HttpRequest) -> Response:
+        try:
+            tokenizer = _tokenizer(service.ready_worker())
+        except ApiError as e:
+            return JSONResponse(e.body(), e.status, headers=e.headers)
+        name = {i: tokenizer.id_to_token(i) for i in (tokenizer.bos_id, tokenizer.eos_id) if i is not None}
+        return JSONResponse(
+            {
+                "tokenizer_class": "spec_jax",
+                "bos_token": name.get(tokenizer.bos_id),
+                "eos_token": name.get(tokenizer.eos_id),
+                "pad_token": None,
+                "chat_template": tokenizer.chat_template,
+                "model_max_length": service.context,
+            }
+        )
+
     async def prometheus(http: HttpRequest) -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -287,6 +320,9 @@ def make_app(service: Service) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: internal_error})
 
@@ -299,19 +335,128 @@ async def _generate(http: HttpRequest, service: Service, chat: bool) -> Response
     try:
         worker = service.ready_worker()
         raw = await _read_body(http, service.limits)
-        body, request = await asyncio.to_thread(_prepared, raw, chat, service.model, worker)
-        stream = await _submit(worker, request, rid)
+        body, requests = await asyncio.to_thread(_prepared, raw, chat, service.model, worker)
+        choices = await _submit_all(worker, body, requests, rid)
     except ApiError as e:
         service.metrics.requests.labels(endpoint=endpoint, status=str(e.status)).inc()
         return JSONResponse(e.body(), e.status, headers=e.headers)
     service.metrics.requests.labels(endpoint=endpoint, status="200").inc()
     options = body.stream_options or StreamOptions()
     if body.stream:
-        events = _events(worker, stream, rid, service.model, chat, options)
+        events = _events(worker, choices, rid, service.model, chat, options)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
-    return await _whole(http, worker, stream, rid, service.model, chat)
+    return await _whole(http, worker, choices, rid, service.model, chat)
+
+
+def _tokenizer(worker: EngineWorker):
+    """The served model's tokenizer, or ApiError 400 where it has none."""
+    tokenizer = worker.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer: send and read token ids")
+    return tokenizer
+
+
+async def _tokenizer_call(http: HttpRequest, service: Service, schema) -> Response:
+    """POST /tokenize or /detokenize (vLLM's bodies and answers: {"count", "max_model_len",
+    "tokens"} or {"prompt"}), off the event loop and the engine's thread."""
+
+    def answer(raw: bytes, worker: EngineWorker) -> dict:
+        body, tokenizer = parse_body(raw, schema), _tokenizer(worker)
+        if body.model is not None and body.model != service.model:
+            raise ApiError(
+                404, f"model: {body.model!r} is not served here", param="model", code="model_not_found"
+            )
+        if schema is DetokenizeBody:
+            vocab = worker.engine.target.config.vocab_size
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise ApiError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+            return {"prompt": tokenizer.decode(body.tokens)}
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "prompt: give exactly one of prompt, messages", param="prompt")
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            try:
+                messages = [{"role": m.role, "content": m.content} for m in body.messages]
+                ids = tokenizer.encode_chat(messages, body.add_generation_prompt)
+            except ValueError as e:
+                raise ApiError(400, f"messages: {e}", param="messages") from None
+        return {"count": len(ids), "max_model_len": service.context, "tokens": ids, "token_strs": None}
+
+    try:
+        worker = service.ready_worker()
+        raw = await _read_body(http, service.limits)
+        return JSONResponse(await asyncio.to_thread(answer, raw, worker))
+    except ApiError as e:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a response: its engine request's stream, which prompt it samples (the
+    first choice of each prompt counts its prompt tokens in the usage), what precedes its text
+    (echo: the prompt's text and, with logprobs, the prompt's TokenLogprobs), how its logprobs
+    are shown (None: not asked) and how far its tokens' text has run (their text_offset)."""
+
+    stream: Stream
+    counts_prompt: bool
+    echo_text: str = ""
+    echo_logprobs: TokenLogprobs | None = None
+    token_text: Callable[[int], str] | None = None  # a token's text, where logprobs are shown
+    offset: int = 0
+    first: bool = True
+
+    def logprobs(self, chat: bool, kept: TokenLogprobs | None) -> dict | None:
+        """kept (the echo's first, once) in the endpoint's format, text offsets running on."""
+        if self.token_text is None:
+            return None
+        kept = kept or TokenLogprobs()
+        if self.first and self.echo_logprobs is not None:
+            kept = self.echo_logprobs + kept
+        shown = choice_logprobs(chat, kept, self.token_text, self.offset)
+        self.offset += sum(len(self.token_text(t)) for t in kept.token_ids)
+        return shown
+
+
+async def _submit_all(worker: EngineWorker, body, requests: list[Request], rid: str) -> list[_Choice]:
+    """Submits each prompt's n samples (row ids 0..n-1 of its seed; the prompt's logprobs asked
+    of the first alone where it generates) and returns the choices in order (prompt i's sample
+    j at i * n + j). A refusal cancels what was submitted and is raised."""
+    chat = isinstance(body, ChatBody)
+    shown = bool(body.logprobs) if chat else body.logprobs is not None
+    token_text = _token_text(worker.engine.tokenizer) if shown else None
+    prompts = [None] if chat else prompts_of(body)
+    choices: list[_Choice] = []
+    try:
+        for prompt, request in zip(prompts, requests, strict=True):
+            first = None
+            for j in range(body.n):
+                asks = (
+                    request
+                    if not j or not request.max_tokens
+                    else dataclasses.replace(request, prompt_logprobs=None)
+                )
+                stream = await _submit(worker, asks, rid, row_id=j)
+                first = first or stream
+                choice = _Choice(stream, counts_prompt=not j, token_text=token_text)
+                if not chat and body.echo:
+                    choice.echo_text = (
+                        prompt if isinstance(prompt, str) else worker.engine.tokenizer.decode(prompt)
+                    )
+                    choice.echo_logprobs = first.handle.prompt_logprobs if shown else None
+                choices.append(choice)
+    except BaseException:
+        for choice in choices:
+            worker.cancel(choice.stream)
+        raise
+    return choices
+
+
+def _token_text(tokenizer) -> Callable[[int], str]:
+    """A token's text as logprobs show it (its own decoding, special tokens kept), memoized."""
+    return functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i]))
 
 
 async def _read_body(http: HttpRequest, limits: Limits) -> bytes:
@@ -351,9 +496,10 @@ def _too_large(limit: int, why: str) -> ApiError:
 
 
 def _prepared(raw: bytes, chat: bool, model: str, worker: EngineWorker):
-    """(the parsed body, its Request with the prompt as token ids): the body's checks
-    (serve_schema.parse_body, the model, to_request) and EngineWorker.prepare's tokenization, as
-    ApiErrors. Runs in a thread of its own: neither the event loop nor the engine waits for it."""
+    """(the parsed body, its Requests (one per prompt) with the prompts as token ids): the body's
+    checks (serve_schema.parse_body, the model, to_requests) and EngineWorker.prepare's
+    tokenization, as ApiErrors. Runs in a thread of its own: neither the event loop nor the
+    engine waits for it."""
     body = parse_body(raw, ChatBody if chat else CompletionBody)
     if body.model != model:
         raise ApiError(
@@ -362,21 +508,21 @@ def _prepared(raw: bytes, chat: bool, model: str, worker: EngineWorker):
             param="model",
             code="model_not_found",
         )
-    request = to_request(body)
+    requests = to_requests(body)
     try:
-        return body, worker.prepare(request)
+        return body, [worker.prepare(request) for request in requests]
     except RequestError as e:
         raise ApiError(400, str(e), param=body_field(e.field)) from None
 
 
-async def _submit(worker: EngineWorker, request: Request, rid: str) -> Stream:
+async def _submit(worker: EngineWorker, request: Request, rid: str, row_id: int = 0) -> Stream:
     """worker.submit with the engine's refusals as ApiErrors: the context (400), a full queue or a
     server shutting down (429 / 503, with Retry-After), an exception the engine raised for this
     request (500 naming it)."""
     if not worker.accepting:
         raise _unavailable()
     try:
-        return await worker.submit(request, rid)
+        return await worker.submit(request, rid, row_id)
     except RequestError as e:
         raise ApiError(400, str(e), param=body_field(e.field)) from None
     except EngineFailed as e:
@@ -411,63 +557,118 @@ def _unavailable() -> ApiError:
 
 
 async def _events(
-    worker: EngineWorker, stream: Stream, rid: str, model: str, chat: bool, options: StreamOptions
+    worker: EngineWorker, choices: list[_Choice], rid: str, model: str, chat: bool, options: StreamOptions
 ):
-    """The server-sent events of one streamed request: a chunk per Update with text (and the last;
-    each with the usage so far if options.continuous_usage_stats), an error event if the request
-    failed, a usage chunk if options.include_usage, then `data: [DONE]`. A client that leaves
-    ends this generator: its request is cancelled and its slot freed."""
+    """The server-sent events of one streamed request: a chunk per Update of each choice with text
+    or logprobs (and its first and last; each with the usage so far if
+    options.continuous_usage_stats), an error event if a choice failed (the others are then
+    cancelled), a usage chunk if options.include_usage, then `data: [DONE]`. A client that
+    leaves ends this generator: its requests are cancelled and their slots freed."""
     created = int(time.time())
-    first = True
+    merged = _Merged([c.stream for c in choices])
     try:
-        while True:
-            update = await stream.get()
+        while not merged.done:
+            i, update = await merged.get()
+            choice = choices[i]
             failure = _failure(update, rid)
             if failure is not None:
                 yield _sse(failure.body())
                 break
-            if update.text or update.finished or first:
-                piece = chunk(rid, model, created, chat, update.text, _finish_reason(update), first)
+            logprobs = choice.logprobs(chat, update.logprobs) if update.token_ids or choice.first else None
+            if update.text or update.finished or choice.first or logprobs is not None:
+                text = (choice.echo_text if choice.first else "") + update.text
+                finish = _finish_reason(update)
+                piece = chunk(rid, model, created, chat, text, finish, choice.first, i, logprobs)
                 if options.continuous_usage_stats:
-                    piece["usage"] = usage_body(_prompt_tokens(stream), stream.tokens, _cached_tokens(stream))
+                    piece["usage"] = _usage(choices)
                 yield _sse(piece)
-                first = False
-            if update.finished:
-                if options.include_usage:
-                    tail = chunk(rid, model, created, chat, "", None, False) | {"choices": []}
-                    use = usage_body(_prompt_tokens(stream), stream.tokens, _cached_tokens(stream))
-                    yield _sse(tail | {"usage": use})
-                break
+                choice.first = False
+        else:
+            if options.include_usage:
+                tail = chunk(rid, model, created, chat, "", None, False) | {"choices": []}
+                yield _sse(tail | {"usage": _usage(choices)})
         yield "data: [DONE]\n\n"
     finally:
-        worker.cancel(stream)  # a no-op once it has finished
+        merged.close()
+        for choice in choices:
+            worker.cancel(choice.stream)  # a no-op once it has finished
+
+
+class _Merged:
+    """The Updates of several streams in one queue as they come: get() -> (stream index, Update);
+    `done` once every stream has sent its finished one; close() stops reading them."""
+
+    def __init__(self, streams: list[Stream]):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._left = len(streams)
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, i: int, stream: Stream) -> None:
+        while True:
+            update = await stream.get()
+            self._queue.put_nowait((i, update))
+            if update.finished:
+                return
+
+    @property
+    def done(self) -> bool:
+        return not self._left
+
+    async def get(self) -> tuple[int, Any]:
+        i, update = await self._queue.get()
+        self._left -= update.finished
+        return i, update
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
 
 
 async def _whole(
-    http: HttpRequest, worker: EngineWorker, stream: Stream, rid: str, model: str, chat: bool
+    http: HttpRequest, worker: EngineWorker, choices: list[_Choice], rid: str, model: str, chat: bool
 ) -> Response:
-    """The non-streamed answer: every Update's text joined; the request is cancelled if the client
-    leaves first (checked each second)."""
-    pieces = []
+    """The non-streamed answer: each choice's Updates joined (its echo first); the requests are
+    cancelled if the client leaves first (checked each second) or one of them fails."""
+    texts = [[c.echo_text] for c in choices]
+    kept: list[TokenLogprobs | None] = [None] * len(choices)
+    last: list = [None] * len(choices)
+    merged = _Merged([c.stream for c in choices])
     try:
-        while True:
+        while not merged.done:
             try:
-                update = await asyncio.wait_for(stream.get(), timeout=1.0)
+                i, update = await asyncio.wait_for(merged.get(), timeout=1.0)
             except TimeoutError:
                 if await http.is_disconnected():
-                    worker.cancel(stream)
+                    for choice in choices:
+                        worker.cancel(choice.stream)
                 continue
-            pieces.append(update.text)
+            texts[i].append(update.text)
+            if update.logprobs is not None:
+                kept[i] = update.logprobs if kept[i] is None else kept[i] + update.logprobs
             if update.finished:
-                break
-    except asyncio.CancelledError:
-        worker.cancel(stream)
-        raise
-    failure = _failure(update, rid)
-    if failure is not None:
-        return JSONResponse(failure.body(), failure.status)
-    use = usage_body(_prompt_tokens(stream), stream.tokens, _cached_tokens(stream))
-    return JSONResponse(completion(rid, model, chat, "".join(pieces), _finish_reason(update), use))
+                last[i] = update
+                failure = _failure(update, rid)
+                if failure is not None:
+                    return JSONResponse(failure.body(), failure.status)
+    finally:
+        merged.close()
+        for choice in choices:
+            worker.cancel(choice.stream)  # a no-op once it has finished
+    out = [
+        Choice("".join(t), _finish_reason(u), c.logprobs(chat, k))
+        for c, t, k, u in zip(choices, texts, kept, last, strict=True)
+    ]
+    return JSONResponse(completion(rid, model, chat, out, _usage(choices)))
+
+
+def _usage(choices: list[_Choice]) -> dict:
+    """The usage of a response so far: each prompt's tokens once, every choice's new tokens."""
+    prompts = [c.stream for c in choices if c.counts_prompt]
+    return usage_body(
+        sum(_prompt_tokens(s) for s in prompts),
+        sum(c.stream.tokens for c in choices),
+        sum(_cached_tokens(s) for s in prompts),
+    )
 
 
 def _failure(update, rid: str) -> ApiError | None:

@@ -43,12 +43,14 @@ class EngineFailed(RuntimeError):
 class Stream:
     """One request's side of the worker: its asyncio queue of Updates and its timings (perf_counter
     seconds). `done` once its finished Update has been queued. `rid`: the id its response carries
-    (named in its errors)."""
+    (named in its errors); `row_id`: its row's keys, fold_in(key(seed), row_id) (a response's n
+    samples of one prompt: 0..n-1)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request, rid: str = ""):
+    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request, rid: str = "", row_id: int = 0):
         self.loop = loop
         self.request = request
         self.rid = rid
+        self.row_id = row_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handle = None
         self.arrived = time.perf_counter()
@@ -223,9 +225,9 @@ class EngineWorker:
         ids = encode_prompt(engine.target, request, engine.max_context)
         return dataclasses.replace(request, prompt=None, messages=None, prompt_ids=tuple(ids))
 
-    async def submit(self, request: Request, rid: str = "") -> Stream:
+    async def submit(self, request: Request, rid: str = "", row_id: int = 0) -> Stream:
         loop = asyncio.get_running_loop()
-        stream = Stream(loop, request, rid)
+        stream = Stream(loop, request, rid, row_id)
         done = loop.create_future()
         self._inbox.put(_Submit(stream, done))
         try:
@@ -306,7 +308,7 @@ class EngineWorker:
             error = QueueFull("the server is shutting down")
         else:
             try:
-                item.stream.handle = self.engine.submit(item.stream.request)
+                item.stream.handle = self.engine.submit(item.stream.request, item.stream.row_id)
                 error = None
             except (RequestError, QueueFull) as e:
                 error = e

@@ -11,6 +11,15 @@ Defaults are the project's, not OpenAI's: a field left out takes `Request`'s def
 the model's stop tokens, 64 new tokens), so the server, `launch.generate` and `spec_jax.generate`
 answer the same. The extension field `spec_jax` carries this project's per-request settings:
 `{"spec_jax": {"speculate": false}}` decodes that request plainly (same tokens, no drafting).
+
+What evaluation clients ask for (lm-evaluation-harness's `local-completions`): `logprobs` (0-20)
+on /v1/completions in OpenAI's legacy format (tokens, token_logprobs, top_logprobs, text_offset),
+`echo` (the prompt's tokens and their logprobs first; the first token's is null) with
+`max_tokens: 0` (the prompt scored alone), a batch of prompts (a list of strings or of token-id
+lists: choice i * n + j is prompt i's sample j); `logprobs: true` + `top_logprobs` (0-20) on
+/v1/chat/completions in OpenAI's chat format; `n` samples of each prompt (row ids 0..n-1 of one
+seed: spec_jax.generate's batch of the prompt n times). Logprobs are the target's raw ones
+(spec_jax.logprobs: before temperature, top-k and top-p). `best_of` is refused.
 """
 
 import dataclasses
@@ -22,7 +31,11 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from spec_jax.logprobs import MAX_LOGPROBS, TokenLogprobs
 from spec_jax.request import Request, RequestError
+
+MAX_N = 16  # samples per prompt (`n`): each one a row of the engine
+MAX_PROMPTS = 64  # prompts in one completions body (a batch: lm-evaluation-harness's batch_size)
 
 
 @dataclasses.dataclass
@@ -77,7 +90,7 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 class _Sampling(BaseModel):
     """The fields both endpoints share, with their types (strict: "5" is not 5). Their ranges are
     Request's (spec_jax.request), checked by to_request; only what OpenAI's API has and this server
-    does not do is refused here (n > 1, penalties, logit_bias, logprobs, tools)."""
+    does not do is refused here (best_of, penalties, logit_bias, tools)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str
@@ -91,7 +104,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False  # as vLLM's: no stop tokens (unless stop_token_ids names some)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
     logit_bias: Annotated[dict, Field(max_length=0)] | None = None
@@ -99,13 +112,23 @@ class _Sampling(BaseModel):
     spec_jax: SpecJaxOptions | None = None
 
 
-class CompletionBody(_Sampling):
-    """POST /v1/completions. `prompt`: a string or one list of token ids (a batch of prompts is
-    refused: send one request each)."""
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int] | None
-    echo: Literal[False] = False
-    logprobs: None = None
+
+class CompletionBody(_Sampling):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a batch of either (a list
+    of strings or of token-id lists, at most MAX_PROMPTS). `logprobs`: each token's logprob and
+    the top k's; `echo`: the prompt first (its tokens' logprobs too, with logprobs)."""
+
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | list[int]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | None
+    )
+    echo: bool = False
+    logprobs: Logprobs | None = None
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -115,8 +138,30 @@ class ChatBody(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
     tools: Annotated[list, Field(max_length=0)] | None = None
+
+
+class TokenizeBody(BaseModel):
+    """POST /tokenize, as vLLM's: a `prompt` (BOS added as the model's metadata says, where
+    add_special_tokens) or `messages` (the chat template's text). lm-evaluation-harness's remote
+    tokenizer (tokenizer_backend=remote) reads the model's tokens from it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    """POST /detokenize, as vLLM's: `tokens` -> their text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # What a body may hold (parse_json): JSON nested at most this deep (a body of this API nests 3
@@ -247,21 +292,49 @@ def body_field(field: str) -> str:
     return _BODY_NAME.get(field, field)
 
 
-def to_request(body: CompletionBody | ChatBody) -> Request:
-    """The engine's Request for a parsed body: only the fields the client set (the rest take
-    Request's defaults), validated by Request.from_dict (the ranges); ApiError 400 naming the
-    body's field."""
+def prompts_of(body: CompletionBody) -> list:
+    """The body's prompts: each a string or a list of token ids (one, or a batch)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return list(prompt)
+    return [prompt]
+
+
+def to_requests(body: CompletionBody | ChatBody) -> list[Request]:
+    """One Request per prompt of the body (a chat body: one), each as to_request makes it."""
+    if isinstance(body, ChatBody):
+        return [to_request(body)]
+    return [to_request(body, prompt) for prompt in prompts_of(body)]
+
+
+def to_request(body: CompletionBody | ChatBody, prompt=None) -> Request:
+    """The engine's Request for a parsed body (prompt: which of a completions body's prompts,
+    default its first): only the fields the client set (the rest take Request's defaults),
+    validated by Request.from_dict (the ranges); ApiError 400 naming the body's field. Logprobs:
+    a completion's `logprobs` k, or a chat's top_logprobs (0 by default) where `logprobs` is
+    true; `echo` with logprobs asks for the prompt's too (prompt_logprobs); `echo` with
+    max_tokens 0 scores the prompt alone."""
     fields: dict[str, Any] = {}
     if isinstance(body, ChatBody):
         fields["messages"] = [{"role": m.role, "content": m.content} for m in body.messages]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        if body.logprobs:
+            fields["logprobs"] = body.top_logprobs or 0
     else:
-        prompt = body.prompt
-        if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)):
+        prompt = prompts_of(body)[0] if prompt is None else prompt
+        if isinstance(prompt, list):
             fields["prompt_ids"] = prompt
         else:
-            fields["prompt"] = prompt if not isinstance(prompt, list) else prompt[0]
+            fields["prompt"] = prompt
         max_tokens = body.max_tokens
+        if body.logprobs is not None:
+            fields["logprobs"] = body.logprobs
+        if body.echo and (body.logprobs is not None or max_tokens == 0):
+            fields["prompt_logprobs"] = body.logprobs or 0  # max_tokens 0: the prompt is read alone
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: 0 only with echo (the prompt scored alone)", param="max_tokens")
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", body.temperature),
@@ -285,12 +358,23 @@ def request_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def chunk(rid: str, model: str, created: int, chat: bool, text: str, finish: str | None, first: bool) -> dict:
+def chunk(
+    rid: str,
+    model: str,
+    created: int,
+    chat: bool,
+    text: str,
+    finish: str | None,
+    first: bool,
+    index: int = 0,
+    logprobs: dict | None = None,
+) -> dict:
     """One streamed chunk, as OpenAI's: text_completion (a `text` piece) or chat.completion.chunk
-    (a `delta`; the first one carries the assistant's role)."""
+    (a `delta`; the first one carries the assistant's role), of choice `index`, with its tokens'
+    logprobs (completion_logprobs / chat_logprobs) or None."""
     if chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {
             "id": rid,
             "object": "chat.completion.chunk",
@@ -298,8 +382,55 @@ def chunk(rid: str, model: str, created: int, chat: bool, text: str, finish: str
             "model": model,
             "choices": [choice],
         }
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def completion_logprobs(kept: TokenLogprobs, token_text, offset: int = 0) -> dict:
+    """OpenAI's legacy `logprobs` of consecutive tokens: {"tokens", "token_logprobs",
+    "top_logprobs", "text_offset"}: each token's text (token_text(id)), its logprob (None for a
+    prompt's first token), {token text: logprob} of its top k and the token itself (so up to
+    k + 1 entries, as OpenAI's; None where it has no logprob), and where it starts in the
+    choice's text (the first at `offset`, each next one after the one before)."""
+    tokens = [token_text(t) for t in kept.token_ids]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    tops = []
+    for token, value, top in zip(tokens, kept.logprobs, kept.top, strict=True):
+        entry = None if value is None else {token_text(i): v for i, v in top}
+        if entry is not None:
+            entry.setdefault(token, value)
+        tops.append(entry)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(kept.logprobs),
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(kept: TokenLogprobs, token_text) -> dict:
+    """OpenAI's chat `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}, ...]}, ...]}, the top k of each token (bytes: the UTF-8 of its text)."""
+
+    def one(i: int, value: float) -> dict:
+        text = token_text(i)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = [
+        one(t, v) | {"top_logprobs": [one(i, x) for i, x in top]}
+        for t, v, top in zip(kept.token_ids, kept.logprobs, kept.top, strict=True)
+    ]
+    return {"content": content}
+
+
+def choice_logprobs(chat: bool, kept: TokenLogprobs | None, token_text, offset: int = 0) -> dict | None:
+    """A choice's `logprobs` in its endpoint's format (None where none were asked)."""
+    if kept is None:
+        return None
+    return chat_logprobs(kept, token_text) if chat else completion_logprobs(kept, token_text, offset)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -313,14 +444,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def completion(rid: str, model: str, chat: bool, text: str, finish: str, use: dict) -> dict:
-    """The whole (non-streamed) response: text_completion or chat.completion."""
+@dataclasses.dataclass
+class Choice:
+    """One choice of a whole response: its text, finish reason and logprobs (the endpoint's
+    format, or None)."""
+
+    text: str
+    finish: str
+    logprobs: dict | None = None
+
+
+def completion(rid: str, model: str, chat: bool, choices: list[Choice], use: dict) -> dict:
+    """The whole (non-streamed) response: text_completion or chat.completion, choice i at index i."""
     created = int(time.time())
-    if chat:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use}
+    out = []
+    for i, c in enumerate(choices):
+        if chat:
+            message = {"role": "assistant", "content": c.text}
+            out.append({"index": i, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish})
+        else:
+            out.append({"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish})
+    obj = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": use}

@@ -403,11 +403,12 @@ class Tokenizer:
             chat_template=metadata_value(reader, "tokenizer.chat_template"),
         )
 
-    def encode(self, text: str, at_most: int | None = None) -> list[int]:
-        """Token ids of `text` (BOS prepended only if the model's metadata asks for it). at_most:
-        TooLong, before tokenizing, where min_tokens proves the text longer than that."""
-        self._check_length(text, at_most, add_special_tokens=True)
-        return _encode(self._tok, [text], add_special_tokens=True)[0]
+    def encode(self, text: str, at_most: int | None = None, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (BOS prepended only if the model's metadata asks for it, and
+        add_special_tokens). at_most: TooLong, before tokenizing, where min_tokens proves the
+        text longer than that."""
+        self._check_length(text, at_most, add_special_tokens=add_special_tokens)
+        return _encode(self._tok, [text], add_special_tokens=add_special_tokens)[0]
 
     def min_tokens(self, text: str, add_special_tokens: bool = True) -> int:
         """A lower bound on the token count of `text` found without tokenizing it (0 where none

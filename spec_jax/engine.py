@@ -243,7 +243,7 @@ class Engine:
         self._counters["scored_prompts_total"] += 1
         n = len(ids)  # position s predicts token s + 1: token t's is at t - 1 (the first has none)
         shift = [np.concatenate([np.zeros_like(a[0, :1]), a[0, : n - 1]]) for a in (lp, ids_top, lp_top)]
-        row.prompt_logprobs = TokenLogprobs.of(ids, *shift, k, first_none=True)
+        row.prompt_logprobs = row.handle.prompt_logprobs = TokenLogprobs.of(ids, *shift, k, first_none=True)
 
     def cancel(self, handle: Handle) -> None:
         """Ends the request now: a waiting one leaves the queue, a running one frees its slot.

@@ -327,13 +327,16 @@ def stop_row(stop_ids) -> np.ndarray:
 
 @dataclasses.dataclass(eq=False)
 class Handle:
-    """A submitted request: .id (unique per engine), .request, .prompt_tokens, .cached_tokens.
-    Hashable by identity."""
+    """A submitted request: .id (unique per engine), .request, .prompt_tokens, .cached_tokens,
+    .prompt_logprobs. Hashable by identity."""
 
     id: int
     request: Request
     prompt_tokens: int = 0  # the prompt's token count (after the chat template)
     cached_tokens: int = 0  # of them, read from the prefix cache (set when it is prefilled)
+    # the prompt's logprobs where the request asks for them (Request.prompt_logprobs), set when
+    # it is submitted (they come in its first Update too)
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 @dataclasses.dataclass(frozen=True)

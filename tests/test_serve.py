@@ -17,7 +17,9 @@ import sys
 import time
 
 import httpx2
+import jax
 import jax.numpy as jnp
+import numpy as np
 import openai
 import pytest
 import serve_support
@@ -25,6 +27,7 @@ from serve_support import MODEL, Server
 
 from experiments.bench_serve import free_port, prometheus_values
 from models import registry
+from models.transformer import forward, init_cache
 from spec_jax.engine import Engine
 from spec_jax.request import Request
 
@@ -218,7 +221,13 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "n"),
+    ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n", "n"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "best_of", "best_of"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": -1}, 400, "logprobs", "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs", "logprobs"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "echo"),
     ({"model": MODEL, "prompt": "x", "max_token": 5}, 400, "max_token", "max_token"),
     (
         {"model": MODEL, "prompt": "x", "spec_jax": {"speculate": "no"}},
@@ -244,6 +253,130 @@ def test_bad_requests_get_an_openai_error_naming_the_field_and_never_reach_the_e
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and says in error["message"]
     assert server.engine.stats()["requests_total"] == before
+
+
+def test_chat_top_logprobs_without_logprobs_or_out_of_range_is_refused_naming_it(server):
+    before = server.engine.stats()["requests_total"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for extra, param in (
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ):
+        r = server.post("/v1/chat/completions", chat | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert server.engine.stats()["requests_total"] == before
+
+
+def _forward_logprobs(engine, ids) -> np.ndarray:
+    """float32 [T, V]: log_softmax of the served target's logits over ids, by a plain forward."""
+    target = engine.target
+    tokens = jnp.asarray([ids], jnp.int32)
+    out = forward(
+        target.config,
+        target.params,
+        tokens,
+        jnp.arange(len(ids))[None],
+        init_cache(target.config, 1, len(ids)),
+    )
+    return np.asarray(jax.nn.log_softmax(out.logits[0].astype(jnp.float32), axis=-1))
+
+
+def test_echo_logprobs_in_openais_legacy_format_equal_the_models(server):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1),
+    a batch of two prompts; and echo with max_tokens 0 (the prompt scored alone)."""
+    prompts = [[5, 72, 101, 108, 108, 111], [87, 111, 114]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["usage"]["prompt_tokens"] == 9 and out["usage"]["completion_tokens"] == 2
+    decode = server.engine.tokenizer.decode
+    for prompt, choice in zip(prompts, out["choices"], strict=True):
+        lp = choice["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        ids = prompt + [int(_forward_logprobs(server.engine, prompt)[-1].argmax())]  # greedy
+        assert len(lp["tokens"]) == len(ids) and lp["tokens"] == [decode([t]) for t in ids]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = _forward_logprobs(server.engine, ids)
+        np.testing.assert_allclose(
+            lp["token_logprobs"][1:], [want[t - 1, ids[t]] for t in range(1, len(ids))], atol=1e-5
+        )
+        for t in range(1, len(ids)):  # the top 1 and the token itself
+            top = lp["top_logprobs"][t]
+            assert max(top.values()) == pytest.approx(float(want[t - 1].max()), abs=1e-5)
+            assert top[lp["tokens"][t]] == lp["token_logprobs"][t]
+        assert lp["text_offset"] == list(np.cumsum([0] + [len(x) for x in lp["tokens"][:-1]]))
+        assert choice["text"].startswith(decode(prompt))
+    alone = server.post("/v1/completions", body | {"prompt": prompts[0], "max_tokens": 0}).json()
+    choice = alone["choices"][0]
+    assert choice["text"] == decode(prompts[0]) and alone["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"] == out["choices"][0]["logprobs"]["token_logprobs"][:-1]
+
+
+def test_chat_logprobs_and_streamed_logprobs_and_n_samples(server):
+    """Chat's format (content[] of token, logprob, bytes, top_logprobs); a stream's chunks carry
+    their tokens' logprobs, joined equal to the whole answer's; n = 3 sampled choices are three
+    requests of row ids 0, 1, 2, counted in the usage."""
+    messages = [{"role": "user", "content": "hi"}]
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, logprobs=True, top_logprobs=3, extra_body=NO_STOP_IDS
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    ids = server.engine.tokenizer.encode_chat(messages)
+    generated = []  # greedy: each token the argmax after the ones before
+    for _ in content:
+        generated.append(int(_forward_logprobs(server.engine, ids + generated)[-1].argmax()))
+    assert [c.token for c in content] == [server.engine.tokenizer.decode([t]) for t in generated]
+    want = _forward_logprobs(server.engine, ids + generated)[len(ids) - 1 :]
+    for i, c in enumerate(content):
+        assert c.logprob == pytest.approx(float(want[i, generated[i]]), abs=1e-5)
+        assert c.bytes == list(c.token.encode("utf-8")) and len(c.top_logprobs) == 3
+        assert [t.logprob for t in c.top_logprobs] == sorted(
+            (t.logprob for t in c.top_logprobs), reverse=True
+        )
+        assert c.top_logprobs[0].logprob == pytest.approx(float(want[i].max()), abs=1e-5)
+    stream = list(complete(server, PROMPTS[4], logprobs=2, stream=True, extra_body=NO_STOP_IDS))
+    whole = complete(server, PROMPTS[4], logprobs=2, extra_body=NO_STOP_IDS).choices[0].logprobs
+    joined = [
+        x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
+    ]
+    assert joined == whole.token_logprobs and len(joined) == 24
+    offsets = [
+        x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset
+    ]
+    assert offsets == whole.text_offset
+    n = complete(server, PROMPTS[5], n=3, temperature=1.0, seed=7, extra_body=NO_STOP_IDS)
+    assert [c.index for c in n.choices] == [0, 1, 2] and n.usage.completion_tokens == 72
+    assert n.usage.prompt_tokens == len(server.engine.tokenizer.encode(PROMPTS[5]))
+    texts = [c.text for c in n.choices]
+    assert len(set(texts)) == 3  # each its own row id (tests/test_logprobs.py: generate's rows 0, 1, 2)
+    one = complete(server, PROMPTS[5], temperature=1.0, seed=7, extra_body=NO_STOP_IDS)
+    assert one.choices[0].text == texts[0]  # row id 0: the request alone
+    streamed = list(
+        complete(server, PROMPTS[5], n=3, temperature=1.0, seed=7, stream=True, extra_body=NO_STOP_IDS)
+    )
+    assert [
+        "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    ] == texts
+
+
+def test_the_vllm_tokenizer_endpoints_answer_as_the_models_tokenizer(server):
+    tokenizer = server.engine.tokenizer
+    info = httpx2.get(server.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.id_to_token(tokenizer.eos_id)
+    r = server.post("/tokenize", {"prompt": "hello", "add_special_tokens": False}).json()
+    assert r["tokens"] == tokenizer.encode("hello", add_special_tokens=False) and r["count"] == 5
+    assert server.post("/tokenize", {"prompt": "hello"}).json()["tokens"] == tokenizer.encode("hello")
+    messages = [{"role": "user", "content": "hi"}]
+    assert server.post("/tokenize", {"messages": messages}).json()["tokens"] == tokenizer.encode_chat(
+        messages
+    )
+    assert server.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "hello"}
+    bad = server.post("/detokenize", {"tokens": [10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
 def test_the_openai_client_raises_its_own_errors_for_them(server):

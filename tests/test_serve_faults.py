@@ -323,7 +323,7 @@ class FakeEngine:
     def __init__(self):
         self.step_seconds, self.die, self.waiting = 0.0, False, []
 
-    def submit(self, request):
+    def submit(self, request, row_id=0):
         handle = Handle(len(self.waiting), request, len(request.prompt_ids))
         self.waiting.append(handle)
         return handle
