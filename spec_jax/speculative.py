@@ -288,9 +288,7 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, activ
         num_drafted=jnp.sum(tree.present, axis=1).astype(jnp.int32),
         num_accepted=num_accepted,
         overlap=overlap(p_path, q_taken),
-        logits=lambda: tree_lib.path_rows(
-            out.logits, path, num_accepted
-        ),  # a chain's positions, in path order
+        logits=lambda: tree_lib.path_rows(out.logits, path, num_accepted),  # a chain's, in path order
         target_cache=target_cache,
         draft_state=draft_state,
         observe=observe,

@@ -71,13 +71,15 @@ def test_kept_logprobs_are_the_targets_raw_log_softmax_of_a_plain_forward(tiny_t
         check_against_forward(tiny_target, prompt, tokens, kept, 5)
 
 
+@pytest.mark.parametrize("shape", [dict(gamma=GAMMA), dict(gamma=4, tree=4)], ids=["chain", "tree"])
 def test_with_a_draft_the_logprobs_equal_those_without_and_greedy_tokens_are_unchanged(
-    tiny_target, tiny_draft
+    tiny_target, tiny_draft, shape
 ):
+    """A chain of gamma 3, and a token tree of 4 nodes (its path's logits, in path order)."""
     kwargs = dict(max_new_tokens=MAX_NEW, temperature=0.0, eos_id=None)
     plain = spec_jax.generate(tiny_target, PROMPTS, **kwargs)
     asked = spec_jax.generate(tiny_target, PROMPTS, logprobs=3, **kwargs)
-    spec = spec_jax.generate(tiny_target, PROMPTS, draft=tiny_draft, gamma=GAMMA, logprobs=3, **kwargs)
+    spec = spec_jax.generate(tiny_target, PROMPTS, draft=tiny_draft, logprobs=3, **shape, **kwargs)
     assert (
         spec.stats["num_accepted_tokens"] > 0
         and spec.stats["num_accepted_tokens"] < spec.stats["num_draft_tokens"]
