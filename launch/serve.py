@@ -288,20 +288,9 @@ def make_app(service: Service) -> Starlette:
 
     async def tokenizer_info(http: HttpRequest) -> Response:
         try:
-            tokenizer = _tokenizer(service.ready_worker())
+            return JSONResponse(_tokenizer_info(service))
         except ApiError as e:
             return JSONResponse(e.body(), e.status, headers=e.headers)
-        name = {i: tokenizer.id_to_token(i) for i in (tokenizer.bos_id, tokenizer.eos_id) if i is not None}
-        return JSONResponse(
-            {
-                "tokenizer_class": "spec_jax",
-                "bos_token": name.get(tokenizer.bos_id),
-                "eos_token": name.get(tokenizer.eos_id),
-                "pad_token": None,
-                "chat_template": tokenizer.chat_template,
-                "model_max_length": service.context,
-            }
-        )
 
     async def prometheus(http: HttpRequest) -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -356,6 +345,20 @@ def _tokenizer(worker: EngineWorker):
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer: send and read token ids")
     return tokenizer
+
+
+def _tokenizer_info(service: Service) -> dict:
+    """GET /tokenizer_info, as vLLM's: the bos and eos tokens, the chat template, the context."""
+    tokenizer = _tokenizer(service.ready_worker())
+    name = {i: tokenizer.id_to_token(i) for i in (tokenizer.bos_id, tokenizer.eos_id) if i is not None}
+    return {
+        "tokenizer_class": "spec_jax",
+        "bos_token": name.get(tokenizer.bos_id),
+        "eos_token": name.get(tokenizer.eos_id),
+        "pad_token": None,
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": service.context,
+    }
 
 
 async def _tokenizer_call(http: HttpRequest, service: Service, schema) -> Response:

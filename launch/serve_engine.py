@@ -134,6 +134,8 @@ class _EngineCollector:
         "prefill_seconds": "Seconds in prefills, compilation excluded",
         "table_seconds": "Seconds writing, moving and resizing the table's rows (device work between chunks)",
         "compile_seconds": "Seconds compiling",
+        "scored_prompts_total": "Prompts scored for their logprobs (echo with logprobs, or max_tokens 0)",
+        "score_seconds": "Seconds scoring prompts for their logprobs",
         "step_seconds": "Seconds in Engine.step() calls (minus decode, prefill, table and compile: the host's own work)",
     }
     GAUGES = {

@@ -38,14 +38,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
 from models.settings import is_number
 from spec_jax import api, rows, sharding, step_costs
-from spec_jax.decode import PAD_ID, coarse_layout, layout, pad_prompts
+from spec_jax.decode import PAD_ID, coarse_layout, layout
 from spec_jax.drafting import NoDrafter, as_drafter
-from spec_jax.executables import compiled
-from spec_jax.logprobs import TokenLogprobs, score_prompt
+from spec_jax.logprobs import TokenLogprobs
 from spec_jax.prefix_cache import BLOCK, PrefixCache
 from spec_jax.request import Handle, Request, Update, check_pairing, encode_prompt, request_for
 from spec_jax.runner import Runner, auto_chunk, observed
@@ -225,25 +222,16 @@ class Engine:
         """Where the request asks for its prompt's logprobs (Request.prompt_logprobs): one
         scoring call over the prompt (spec_jax.logprobs.score_prompt, at the prompt's width) into
         row.prompt_logprobs, for its first Update. It runs here, on the engine's thread, once per
-        request: the row's generation (a slot, the prefill) is apart from it."""
-        k = row.handle.request.prompt_logprobs
+        request: the row's generation (a slot, the prefill) is apart from it (Runner.score)."""
+        k, ids = row.handle.request.prompt_logprobs, row.prompt_ids
         if k is None:
             return
-        ids = row.prompt_ids
         width = max(self._prompt_width(ids, max(row.handle.request.max_tokens, 1)), len(ids))
-        tokens, lens = pad_prompts([ids], width)
-        inputs = (tokens, lens, np.full(1, k, np.int32))
-        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
-        args = (self._runner.target_params, *inputs)
-        fn, compile_s = compiled("score_prompt", score_prompt, self._runner.static.config, args)
-        start = time.perf_counter()
-        lp, ids_top, lp_top = sharding.fetch(fn(*args))
+        kept, compile_s, seconds = self._runner.score(ids, width, k)
+        row.prompt_logprobs = row.handle.prompt_logprobs = kept
         self._counters["compile_seconds"] += compile_s
-        self._counters["score_seconds"] += time.perf_counter() - start
+        self._counters["score_seconds"] += seconds
         self._counters["scored_prompts_total"] += 1
-        n = len(ids)  # position s predicts token s + 1: token t's is at t - 1 (the first has none)
-        shift = [np.concatenate([np.zeros_like(a[0, :1]), a[0, : n - 1]]) for a in (lp, ids_top, lp_top)]
-        row.prompt_logprobs = row.handle.prompt_logprobs = TokenLogprobs.of(ids, *shift, k, first_none=True)
 
     def cancel(self, handle: Handle) -> None:
         """Ends the request now: a waiting one leaves the queue, a running one frees its slot.
@@ -462,7 +450,8 @@ class Engine:
         admission's run at the next step), the seconds of compilation, prefills, decoding (the
         chunks' wall time) and steps (all of step(): step_seconds - compile - prefill - decode is
         the host's own work between chunks), tokens_past_stop_total (tokens computed after a
-        stop string's match and cut), and ttft_seconds: the last TTFT_KEPT requests'
+        stop string's match and cut), scored_prompts_total and score_seconds (prompts scored for
+        their logprobs: Request.prompt_logprobs), and ttft_seconds: the last TTFT_KEPT requests'
         times from submit to their first tokens (a list)."""
         out = dict(self._counters)
         if self._table.prefix is not None:

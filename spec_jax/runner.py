@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import autogamma, sharding, timing
-from spec_jax.decode import PrefillInputs
+from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.drafting import NoDrafter
 from spec_jax.executables import compiled
+from spec_jax.logprobs import TokenLogprobs, score_prompt
 from spec_jax.speculative import SpecState, SpecStatic, committed_text, spec_loop, spec_prefill
 
 
@@ -42,7 +43,8 @@ def _resume_drafter(
 @dataclasses.dataclass
 class Runner:
     """The compiled programs of one call on its placed arguments: the prefill, the loop (one
-    executable per static settings, each chunk's gamma), and a drafter's catch-up."""
+    executable per static settings, each chunk's gamma), a drafter's catch-up, and the scoring
+    of a prompt (its logprobs)."""
 
     static: SpecStatic
     mesh: jax.sharding.Mesh
@@ -95,6 +97,22 @@ class Runner:
         start, work = time.perf_counter(), timing.work_clock()
         state = jax.block_until_ready(fn(*args))
         return state, compile_s, time.perf_counter() - start, timing.work_clock() - work
+
+    def score(self, ids: list[int], width: int, k: int) -> tuple[TokenLogprobs, float, float]:
+        """(the prompt's logprobs, compile seconds, run seconds): one scoring call over the
+        prompt ids padded to width (spec_jax.logprobs.score_prompt), each token's (the first's
+        None) and its top k."""
+        tokens, lens = pad_prompts([ids], width)
+        inputs = (tokens, lens, np.full(1, k, np.int32))
+        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, 1))
+        args = (self.target_params, *inputs)
+        fn, compile_s = compiled("score_prompt", score_prompt, self.static.config, args)
+        start = time.perf_counter()
+        kept = sharding.fetch(fn(*args))
+        seconds = time.perf_counter() - start
+        n = len(ids)  # position s predicts token s + 1: token t's is at t - 1 (the first has none)
+        shift = [np.concatenate([np.zeros_like(a[0, :1]), a[0, : n - 1]]) for a in kept]
+        return TokenLogprobs.of(ids, *shift, k, first_none=True), compile_s, seconds
 
     def resume(self, draft_state, state: SpecState, synced_b, width: int):
         """(the drafter's state caught up on the text committed without it, compile seconds,

@@ -91,9 +91,20 @@ def test_importing_every_model_and_spec_jax_module_loads_no_module_above_it():
 # of the gamma/tree policy (which uses them through Drafter), and the loop knows nothing of the
 # caches of compiled programs. A new module takes its place here.
 SPEC_JAX_LAYERS = (
-    # the pieces: the warp and draws, the rule, prefill and commit, metrics, closed forms,
-    # placement on a mesh, timing, a trained head's checkpoint
-    ("sampling", "tree", "verify", "decode", "metrics", "theory", "sharding", "timing", "head_checkpoint"),
+    # the pieces: the warp and draws, the kept tokens' logprobs, the rule, prefill and commit,
+    # metrics, closed forms, placement on a mesh, timing, a trained head's checkpoint
+    (
+        "sampling",
+        "logprobs",
+        "tree",
+        "verify",
+        "decode",
+        "metrics",
+        "theory",
+        "sharding",
+        "timing",
+        "head_checkpoint",
+    ),
     ("prefix_cache",),  # prompt prefixes' keys and values, kept in blocks (decode reads them)
     ("drafting",),  # what proposes drafts (Drafter and every drafter)
     ("speculative",),  # the loop
