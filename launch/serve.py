@@ -426,35 +426,45 @@ class _Choice:
 async def _submit_all(worker: EngineWorker, body, requests: list[Request], rid: str) -> list[_Choice]:
     """Submits each prompt's n samples (row ids 0..n-1 of its seed; the prompt's logprobs asked
     of the first alone where it generates) and returns the choices in order (prompt i's sample
-    j at i * n + j). A refusal cancels what was submitted and is raised."""
+    j at i * n + j). Where the engine reads cached prompt prefixes, the other samples wait for
+    the first one's first Update (its prefill put the prompt's blocks in the prefix cache): each
+    then computes only the prompt's last, partial block instead of all of it. A refusal cancels
+    what was submitted and is raised."""
     chat = isinstance(body, ChatBody)
     shown = bool(body.logprobs) if chat else body.logprobs is not None
     token_text = _token_text(worker.engine.tokenizer) if shown else None
     prompts = [None] if chat else prompts_of(body)
-    choices: list[_Choice] = []
+    choices: list[list[_Choice]] = [[] for _ in requests]
+    staged = body.n > 1 and worker.engine.reads_prefixes
+
+    async def sample(i: int, j: int) -> None:
+        request = requests[i]
+        if j and request.max_tokens:
+            request = dataclasses.replace(request, prompt_logprobs=None)  # the first one's serve all
+        choice = _Choice(
+            await _submit(worker, request, rid, row_id=j), counts_prompt=not j, token_text=token_text
+        )
+        if not chat and body.echo:
+            prompt = prompts[i]
+            choice.echo_text = prompt if isinstance(prompt, str) else worker.engine.tokenizer.decode(prompt)
+            choice.echo_logprobs = choices[i][0].stream.handle.prompt_logprobs if j and shown else None
+            if not j and shown:
+                choice.echo_logprobs = choice.stream.handle.prompt_logprobs
+        choices[i].append(choice)
+
     try:
-        for prompt, request in zip(prompts, requests, strict=True):
-            first = None
-            for j in range(body.n):
-                asks = (
-                    request
-                    if not j or not request.max_tokens
-                    else dataclasses.replace(request, prompt_logprobs=None)
-                )
-                stream = await _submit(worker, asks, rid, row_id=j)
-                first = first or stream
-                choice = _Choice(stream, counts_prompt=not j, token_text=token_text)
-                if not chat and body.echo:
-                    choice.echo_text = (
-                        prompt if isinstance(prompt, str) else worker.engine.tokenizer.decode(prompt)
-                    )
-                    choice.echo_logprobs = first.handle.prompt_logprobs if shown else None
-                choices.append(choice)
+        for i in range(len(requests)):
+            await sample(i, 0)
+        if staged:
+            await asyncio.gather(*(c[0].stream.started.wait() for c in choices))
+        for i in range(len(requests)):
+            for j in range(1, body.n):
+                await sample(i, j)
     except BaseException:
-        for choice in choices:
+        for choice in (c for per_prompt in choices for c in per_prompt):
             worker.cancel(choice.stream)
         raise
-    return choices
+    return [c for per_prompt in choices for c in per_prompt]
 
 
 def _token_text(tokenizer) -> Callable[[int], str]:

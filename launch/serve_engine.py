@@ -52,6 +52,7 @@ class Stream:
         self.rid = rid
         self.row_id = row_id
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.started = asyncio.Event()  # set with its first Update: it was prefilled (or ended)
         self.handle = None
         self.arrived = time.perf_counter()
         self.first_token: float | None = None
@@ -60,7 +61,11 @@ class Stream:
 
     def put(self, update: Update) -> None:
         """From the worker thread: hand `update` to the event loop."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+        self.loop.call_soon_threadsafe(self._arrived, update)
+
+    def _arrived(self, update: Update) -> None:
+        self.queue.put_nowait(update)
+        self.started.set()
 
     async def get(self) -> Update:
         return await self.queue.get()

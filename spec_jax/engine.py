@@ -163,6 +163,12 @@ class Engine:
         return PrefixCache(self.target.config, max_mb)
 
     @property
+    def reads_prefixes(self) -> bool:
+        """Whether a prefill reads the prompt's blocks held in the prefix cache (it is on): a
+        request whose prompt another one prefilled first computes only the rest of it."""
+        return self._table.prefix is not None
+
+    @property
     def drafts(self) -> bool:
         """Whether the engine has a drafter that runs (not where gamma=auto dropped it)."""
         return not isinstance(self._runner.static.drafter, NoDrafter)

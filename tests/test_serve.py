@@ -363,6 +363,24 @@ def test_chat_logprobs_and_streamed_logprobs_and_n_samples(server):
     ] == texts
 
 
+def test_n_samples_of_a_long_prompt_read_its_prefill_from_the_prefix_cache(server):
+    """The first sample's prefill puts the prompt's blocks in the prefix cache; the other two
+    read them (2 x 64 tokens of an 81-token prompt) and are still each their row's sample."""
+    prompt = "n samples share one prefill: " + "ab " * 17
+    assert len(server.engine.tokenizer.encode(prompt)) == 81
+    hits = server.metric("spec_jax_engine_prefix_cache_hit_tokens_total")
+    r = complete(server, prompt, n=3, temperature=1.0, seed=3, extra_body=NO_STOP_IDS)
+    deadline = time.monotonic() + 10  # the worker publishes the engine's counters after its step
+    while server.metric("spec_jax_engine_prefix_cache_hit_tokens_total") - hits < 2 * 64:
+        assert time.monotonic() < deadline, "the other samples did not read the cached prefix"
+        time.sleep(0.05)
+    assert len({c.text for c in r.choices}) == 3
+    assert (
+        complete(server, prompt, temperature=1.0, seed=3, extra_body=NO_STOP_IDS).choices[0].text
+        == r.choices[0].text
+    )
+
+
 def test_the_vllm_tokenizer_endpoints_answer_as_the_models_tokenizer(server):
     tokenizer = server.engine.tokenizer
     info = httpx2.get(server.url + "/tokenizer_info").json()
