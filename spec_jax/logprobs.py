@@ -34,7 +34,9 @@ class Kept(NamedTuple):
     """Log-probabilities of chosen tokens [B, C] and of the K most probable there [B, C, K]."""
 
     logprobs: jax.Array  # float32 [B, C]: the chosen token's
-    top_ids: jax.Array  # int32 [B, C, K]: most probable first (ties: the lower id)
+    top_ids: (
+        jax.Array
+    )  # int32 [B, C, K]: most probable first (ties: the lower id; -1 past a vocabulary under K)
     top_logprobs: jax.Array  # float32 [B, C, K]
 
 
@@ -60,8 +62,10 @@ def kept_logprobs(logits_fn, tokens_bc, num_logprobs_b) -> Kept:
         chosen = jnp.take_along_axis(lp, tokens_bc[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
         def top():
-            values, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-            return ids.astype(jnp.int32), values
+            k = min(MAX_LOGPROBS, lp.shape[-1])  # a vocabulary under K: its every token, then -1s
+            values, ids = jax.lax.top_k(lp, k)
+            pad = ((0, 0), (0, 0), (0, MAX_LOGPROBS - k))
+            return jnp.pad(ids.astype(jnp.int32), pad, constant_values=-1), jnp.pad(values, pad)
 
         none = empty_kept(batch, width)
         ids, values = jax.lax.cond(
@@ -122,7 +126,10 @@ class TokenLogprobs:
         (first_none: the first token has no logprob, and no top)."""
         lps = [float(x) for x in np.asarray(logprobs)]
         ids, values = np.asarray(top_ids)[:, :k].tolist(), np.asarray(top_logprobs)[:, :k].tolist()
-        top = [tuple(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
+        top = [
+            tuple((a, b) for a, b in zip(i, v, strict=True) if a >= 0)
+            for i, v in zip(ids, values, strict=True)
+        ]
         if first_none and lps:
             lps[0], top[0] = None, ()
         return cls(tuple(int(t) for t in token_ids), tuple(lps), tuple(top))
