@@ -26,8 +26,7 @@ import numpy as np
 
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
-from spec_jax.api import layout
-from spec_jax.decode import PrefillInputs
+from spec_jax.decode import PrefillInputs, layout
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.sampling import RowSampling, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill

@@ -8,23 +8,23 @@ the prefill, run the loop in chunks (one chunk unless gamma is auto).
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.settings import is_int
-from spec_jax import autogamma, sharding, step_costs, tree_auto
-from spec_jax.decode import PrefillInputs, layout, pad_prompts, stop_id_list
-from spec_jax.drafting import Drafter, NoDrafter, as_drafter
-from spec_jax.logprobs import MAX_LOGPROBS, TokenLogprobs
+from spec_jax import engine as engine_lib
+from spec_jax import rows, sharding
+from spec_jax.decode import PrefillInputs, pad_prompts
+from spec_jax.logprobs import TokenLogprobs
 from spec_jax.metrics import NONFINITE, nonfinite_rows
-from spec_jax.request import Request, encode_prompt, request_for, speculation_bound, stop_row, validate
+from spec_jax.plan import Options, Plan, make_plan, measured, spec_static
+from spec_jax.request import Update, encode_prompt, request_for, stop_row
 from spec_jax.runner import Runner, decode_auto
-from spec_jax.sampling import RowSampling, SamplingParams, row_keys
-from spec_jax.speculative import SpecState, SpecStatic
+from spec_jax.sampling import row_keys
+from spec_jax.speculative import SpecState
 
 
 @dataclasses.dataclass
@@ -43,218 +43,6 @@ class Generation:
         """The prompts whose target logits became non-finite (NaN or inf): each stopped there,
         its tokens are those before (spec_jax.metrics.NONFINITE)."""
         return nonfinite_rows(self.stats)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Options:
-    """generate's (and run's) keyword arguments, as generate documents them."""
-
-    draft: Any = None
-    gamma: int | str = "auto"
-    max_new_tokens: int = Request.max_tokens
-    temperature: float | Sequence[float] = Request.temperature  # a sequence: one per prompt
-    top_k: int | Sequence[int] = Request.top_k
-    top_p: float | Sequence[float] = Request.top_p
-    seed: int = Request.seed
-    row_ids: Any = None
-    eos_id: Any = "auto"
-    mesh: jax.sharding.Mesh | None = None
-    verify_widths: str = "auto"
-    tree: int | str = 0
-    logprobs: int | None = None
-
-
-VERIFY_WIDTHS = ("auto", "ends", "all")
-
-
-def resolve_verify_widths(verify_widths: str, drafter: Drafter) -> str:
-    """SpecStatic.verify_widths for generate's setting: "ends" (the target scores 1 or gamma + 1
-    positions) or "all" (any width up to gamma + 1: the narrowest that covers the round's
-    drafts; one compiled branch per width). "auto" is "all" for a drafter whose learned stop
-    makes short drafts common (a draft head with an acceptance head), else "ends"."""
-    if verify_widths not in VERIFY_WIDTHS:
-        raise ValueError(f"verify_widths must be one of {', '.join(VERIFY_WIDTHS)}, got {verify_widths!r}")
-    if verify_widths == "auto":
-        return "all" if drafter.stop_rejection > 0 else "ends"
-    return verify_widths
-
-
-@dataclasses.dataclass(frozen=True)
-class GammaPolicy:
-    """The one gamma decision of a call: the loop's static gamma (the cache and the metrics are
-    sized for it; 0: plain decoding), whether gamma=auto's Controller picks each chunk's
-    gamma up to it (spec_jax.autogamma), and the tree sizes it weighs too (tree="auto":
-    TreeController; the static gamma then covers the largest)."""
-
-    gamma: int
-    auto: bool = False
-    trees: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, gamma, drafter: Drafter | None, tree: int | str = 0) -> "GammaPolicy":
-        if drafter is None:
-            return cls(0)
-        bound, _, _ = speculation_bound(gamma, tree)
-        if tree == "auto":
-            return cls(bound, auto=True, trees=autogamma.TREE_SIZES)
-        # A tree round's paths are at most its node count long; with a learned stop (an
-        # acceptance head), gamma=auto's gamma is its fixed cap.
-        return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
-
-
-def spec_static(target, mesh, drafter: Drafter, policy: GammaPolicy, options, cache_len: int) -> SpecStatic:
-    """The loop's static settings: the target's config for the mesh, the placed drafter, the
-    policy's static gamma, options' max_new_tokens and verify_widths (resolve_verify_widths) and
-    tree (its node slots only for a fixed gamma with a drafter; options: Options or any object
-    with those fields), the cache length."""
-    return SpecStatic(
-        sharding.for_mesh(target.config, mesh),
-        drafter,
-        policy.gamma,
-        options.max_new_tokens,
-        cache_len,
-        resolve_verify_widths(options.verify_widths, drafter),
-        tree_nodes=options.tree if policy.gamma and not policy.auto else 0,
-    )
-
-
-@dataclasses.dataclass
-class Plan:
-    """What a call runs, decided before anything is placed: the drafter (NoDrafter for plain
-    decoding) and its unplaced params, the gamma policy and its controller (None: one chunk
-    to the end), the prompts and row ids padded to a multiple of the mesh's data axis, and the
-    layout (prompt width, cache length)."""
-
-    drafter: Drafter
-    draft_params: Any
-    policy: GammaPolicy
-    controller: autogamma.Controller | None
-    sampling: RowSampling  # each row's warp, the padding rows' included
-    mesh: jax.sharding.Mesh
-    num_rows: int  # the caller's prompts; rows past them pad the data axis
-    prompts: list
-    row_ids: np.ndarray
-    width: int
-    cache_len: int
-    stop_ids: list[int]
-    sources: tuple = ()  # the drafter's sources (the metrics' names), as given
-
-
-def _plan(target, prompts, options: Options) -> Plan:
-    """Validates the call and decides what runs (Plan; its controller: `measured`)."""
-    drafter, draft_params = (None, None) if options.draft is None else as_drafter(options.draft, target)
-    validate(target, prompts, drafter, options.gamma, options.max_new_tokens, options.eos_id, options.tree)
-    if options.logprobs is not None and (
-        not is_int(options.logprobs) or not 0 <= options.logprobs <= MAX_LOGPROBS
-    ):
-        raise ValueError(
-            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {options.logprobs!r}"
-        )
-    num_rows = len(prompts)
-    row_ids = np.arange(num_rows) if options.row_ids is None else np.asarray(options.row_ids)
-    if row_ids.shape != (num_rows,) or not np.issubdtype(row_ids.dtype, np.integer) or row_ids.min() < 0:
-        raise ValueError(f"row_ids must be {num_rows} non-negative integers (one per prompt), got {row_ids}")
-    policy = GammaPolicy.of(options.gamma, drafter, options.tree)
-    sources = () if drafter is None else drafter.sources
-    drafter = NoDrafter(target.config.vocab_size) if drafter is None else drafter
-    mesh = sharding.default_mesh() if options.mesh is None else options.mesh
-    sharding.check_mesh(mesh)
-    padding = -num_rows % mesh.shape[sharding.DATA]
-    prompts = list(prompts) + [prompts[0]] * padding
-    row_ids = np.concatenate([row_ids, np.zeros(padding, row_ids.dtype)])
-    width, cache_len = layout(
-        sharding.for_mesh(target.config, mesh),
-        prompts,
-        options.max_new_tokens,
-        policy.gamma,
-        drafter.reads_features,
-    )
-    warps = row_warps(options, num_rows)
-    sampling = RowSampling.of(warps + warps[:1] * padding)
-    stop_ids = stop_id_list(options.eos_id, target.config.vocab_size)
-    return Plan(
-        drafter,
-        draft_params,
-        policy,
-        None,
-        sampling,
-        mesh,
-        num_rows,
-        prompts,
-        row_ids,
-        width,
-        cache_len,
-        stop_ids,
-        sources,
-    )
-
-
-def row_warps(options: Options, num_rows: int) -> list[SamplingParams]:
-    """Each prompt's warp: options' temperature, top_k and top_p are each one value for every
-    prompt or a sequence of one per prompt (greedy and sampled rows run in one loop). ValueError
-    naming the argument and its allowed range."""
-
-    def each(name):
-        value = getattr(options, name)
-        if not isinstance(value, list | tuple | np.ndarray):
-            return [value] * num_rows
-        if len(value) != num_rows:
-            raise ValueError(
-                f"{name} must be one value or {num_rows} values (one per prompt), got {len(value)}"
-            )
-        return list(value)
-
-    values = zip(each("temperature"), each("top_k"), each("top_p"), strict=True)
-    return [SamplingParams(float(t), k, float(p)) for t, k, p in values]
-
-
-def controller_for(
-    target,
-    drafter: Drafter,
-    draft_params,
-    policy: GammaPolicy,
-    batch: int,
-    cache_slots: int,
-    measure: bool = True,
-):
-    """gamma=auto's controller for an auto policy (tree_auto.TreeController where it weighs
-    trees, else autogamma.Controller), from the costs cached for this batch and cache size
-    (step_costs.cost_entry, once per machine, pair and size buckets): where none are, measured
-    now (measure=True: the engine), or the prior at once, calibrated by the run's own rounds
-    afterwards (measure=False: generate; Controller.save_rounds, from its cost_entry)."""
-    sizes = step_costs.CostSizes(batch, cache_slots, tree_sizes=policy.trees)
-    kind = tree_auto.TreeController if policy.trees else autogamma.Controller
-    if measure:
-        costs = step_costs.costs_for(target, drafter, draft_params, sizes)
-        return kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
-    entry = step_costs.cost_entry(target, drafter, draft_params, sizes, measure_now=False)
-    controller = kind(entry.costs, policy.gamma, batch=batch, resumable=drafter.resumable)
-    controller.cost_entry = entry
-    return controller
-
-
-def measured(target, plan: Plan) -> Plan:
-    """The plan with gamma=auto's controller (None unless the policy is auto), from the costs
-    cached for its batch and cache size, or the prior where none are (controller_for with
-    measure=False: nothing is measured before the run); a drafter that would not pay even
-    with a good draft is dropped (plain decoding)."""
-    if not plan.policy.auto:
-        return plan
-    n = len(plan.prompts)
-    controllers, drafter, draft_params = bucket_controllers(
-        target, plan.drafter, plan.draft_params, plan.policy, [n], plan.cache_len, False
-    )
-    return dataclasses.replace(plan, controller=controllers[n], drafter=drafter, draft_params=draft_params)
-
-
-def bucket_controllers(target, drafter, draft_params, policy, batches, slots: int, measure: bool = True):
-    """({batch: controller_for(..., batch, slots, measure)} for each of batches, drafter,
-    draft_params): the drafter dropped (NoDrafter, None) where drafting would not pay at any of
-    them even at a good draft's acceptance (controller phase "never"): it never runs."""
-    found = {b: controller_for(target, drafter, draft_params, policy, b, slots, measure) for b in batches}
-    if all(c.phase == "never" for c in found.values()):
-        drafter, draft_params = NoDrafter(target.config.vocab_size), None
-    return found, drafter, draft_params
 
 
 def _place(target, plan: Plan, seed: int, max_new_tokens: int, logprobs: int | None = None):
@@ -297,7 +85,7 @@ def _run(target, prompts, options: Options) -> tuple[SpecState, dict, Plan]:
     """run's (state, timings), and the Plan it ran."""
     if options.eos_id == "auto":  # the model's stop tokens
         options = dataclasses.replace(options, eos_id=model_stop_ids(target))
-    plan = measured(target, _plan(target, prompts, options))
+    plan = measured(target, make_plan(target, prompts, options))
     target_params, draft_params, inputs, active, drafter = _place(
         target, plan, options.seed, options.max_new_tokens, options.logprobs
     )
@@ -444,3 +232,34 @@ def decoded(target, tokens: list[list[int]]) -> list[str] | None:
     without one."""
     tokenizer = getattr(target, "tokenizer", None)
     return None if tokenizer is None else [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+
+
+def stream(
+    target, prompts, draft=None, *, gamma="auto", tree=0, max_batch=8, mesh=None, **fields
+) -> Iterator[tuple[int, Update]]:
+    """Generates for each prompt (a text, a conversation, token ids, or a list of them) on an
+    Engine, yielding (prompt index, Update) as chunks of rounds finish: each Update carries the
+    prompt's new token ids and text since its last one; the last has finished set.
+
+    fields: the Request's (max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
+    speculate), one value for every prompt; the defaults are Request's (greedy, the model's
+    stop tokens). Each prompt's tokens equal spec_jax.generate's for it alone with the same
+    settings (seed: its own, row id 0)."""
+    prompts = list(one_or_many(prompts))
+    requests = [request_for(p, **fields).validate() for p in prompts]
+    ids, new = [encode_prompt(target, r) for r in requests], requests[0].max_tokens  # one for all
+    context = rows.stream_context(target.config, ids, new)  # launch.generate --stream's rule
+    engine = engine_lib.Engine(
+        target,
+        draft,
+        max_batch=max_batch,
+        gamma=gamma,
+        tree=tree,
+        mesh=mesh,
+        max_context=context,
+        max_new_tokens=new,
+        prefix_cache_mb=0,  # generate's prefill program: without the prefix cache's pool
+    )
+    index = {engine.submit(r).id: i for i, r in enumerate(requests)}
+    for update in engine.drain():
+        yield index[update.handle.id], update

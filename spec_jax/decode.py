@@ -147,41 +147,27 @@ def prefill(
 
 
 def prefill_rows(
-    config: ModelConfig,
-    params,
-    tokens_bp,
-    prompt_lens_b,
-    cache,
-    chunk: int,
-    with_features=False,
-    start_b=None,
-) -> ForwardOutput:
-    """prefill's result (a ForwardOutput), computed one row and `chunk` positions per model call, in one
-    lax.while_loop over (row, chunk) that stops at each row's own length: a row of n tokens
-    costs ceil(n / chunk) calls whatever the batch's longest prompt. The last chunk of a row
-    is moved back to end at the padded width when it would run past it (its overlap is
-    recomputed: the same tokens at the same positions write the same entries), so that every
-    call has the one shape [1, chunk]. A last chunk that the prompt does not fill runs its CPU
-    kernels' products over the prompt's rows only (forward's live_tokens: a 6-token prompt costs 6 rows
-    of products, not 16, in the same program). The output head runs in the call holding the row's
-    last prompt token alone (a lax.cond: the Qwen 1.5B's head of 151936 rows reads 190 MB, about
-    5 ms a call on the Zen 5). Cache slots past a row's prompt hold the padding's entries (never
-    read: decoding overwrites them first). start_b (int32 [B], multiples of chunk below each
-    row's length; default 0): each row's first position to read, the cache holding the ones
-    before (prefill's prefix)."""
+    config: ModelConfig, params, tokens_bp, prompt_lens_b, cache, chunk: int, with_features=False, start_b=None
+) -> ForwardOutput:  # fmt: skip
+    """prefill's result (a ForwardOutput), computed one row and `chunk` positions per model call,
+    in one lax.while_loop over (row, chunk) that stops at each row's own length: a row of n
+    tokens costs ceil(n / chunk) calls whatever the batch's longest prompt. A row's last chunk
+    is moved back to end at the padded width where it would run past it (its overlap is
+    recomputed: the same entries), so that every call has the shape [1, chunk]; a chunk the
+    prompt does not fill runs its CPU kernels' products over the prompt's rows only (forward's
+    live_tokens). The output head runs in the call holding the row's last prompt token alone (a
+    lax.cond: the Qwen 1.5B's head reads 190 MB). Cache slots past a row's prompt hold the
+    padding's entries (never read: decoding overwrites them first). start_b (int32 [B],
+    multiples of chunk below each row's length; default 0): each row's first position to read,
+    the cache holding the ones before (prefill's prefix)."""
     batch, width = tokens_bp.shape
     c = min(chunk, width)
     start_b = jnp.zeros((batch,), jnp.int32) if start_b is None else start_b
     next_start = jnp.concatenate([start_b[1:], jnp.zeros((1,), jnp.int32)])  # after row r: row r + 1's
     config = config.replace(bulk_products=True)  # nothing compares a prefill row with a decode step's
-    shapes = jax.eval_shape(
-        lambda: forward(config, params, tokens_bp[:1, :c], jnp.zeros((1, c), jnp.int32), _row(cache, 0),
-                        logits_at=jnp.zeros((1, 1), jnp.int32), with_features=with_features)
-    )  # fmt: skip
-    logits = jnp.zeros((batch, shapes.logits.shape[-1]), shapes.logits.dtype)
-    features = None
-    if with_features:
-        features = jnp.zeros((batch, width, shapes.features.shape[-1]), shapes.features.dtype)
+    logits, features = _prefill_outputs(
+        config, params, tokens_bp[:1, :c], _row(cache, 0), batch, width, with_features
+    )
 
     def body(carry):
         r, s, cache, logits, features = carry
@@ -232,6 +218,20 @@ def read_prefix(cache: KVCache, pool: KVCache, blocks_bj) -> KVCache:
         return jax.lax.dynamic_update_slice_in_dim(cache_x, head, 0, axis=2)
 
     return KVCache(k=one(cache.k, pool.k), v=one(cache.v, pool.v))
+
+
+def _prefill_outputs(config, params, tokens_1c, row_cache, batch: int, width: int, with_features: bool):
+    """prefill_rows' outputs before its first call, zeros: logits [B, V] and features [B, P, D]
+    (None without with_features), of the dtypes a call over tokens_1c gives."""
+    c = tokens_1c.shape[1]
+    shapes = jax.eval_shape(
+        lambda: forward(config, params, tokens_1c, jnp.zeros((1, c), jnp.int32), row_cache,
+                        logits_at=jnp.zeros((1, 1), jnp.int32), with_features=with_features)
+    )  # fmt: skip
+    logits = jnp.zeros((batch, shapes.logits.shape[-1]), shapes.logits.dtype)
+    if not with_features:
+        return logits, None
+    return logits, jnp.zeros((batch, width, shapes.features.shape[-1]), shapes.features.dtype)
 
 
 def _head_at(config: ModelConfig, params, features_1td, index):

@@ -1,35 +1,19 @@
 """The engine: one object that outlives a call, for requests that come and go (continuous
-batching at the granularity of chunks of rounds).
-
-It owns the placed target and drafter, the compiled programs (spec_jax.runner.Runner: the
-prefill, the loop, the drafter's catch-up; one of each per row bucket), the measured costs
-(gamma=auto: one Controller per row bucket, from the costs measured at that batch; a drafter
-that would not pay at any bucket even at a good draft's acceptance is dropped, as generate does) and a
-table of max_batch row slots (spec_jax.table.Table: one SpecState over the busy slots).
+batching at the granularity of chunks of rounds). It owns the plan (spec_jax.plan.plan_engine:
+the placed models, the compiled programs, gamma=auto's controllers per row bucket) and a table
+of max_batch row slots (spec_jax.table.Table: one SpecState over the busy slots).
 
   submit(request) -> Handle     validates the request against the model, queues it
-  step() -> [Update]            admits waiting requests into free slots (consecutive ones of
-                                one prompt width prefilled in one call), or else runs one
-                                chunk of the ONE compiled loop (speculative.spec_loop) over
-                                the table's rows; returns each request's new tokens and text
+  step() -> [Update]            admits waiting requests into free slots (one prefill per group
+                                of one prompt width), or runs one chunk of the ONE compiled
+                                loop over the table's rows; returns each request's new tokens
   cancel(handle)                frees the request's slot at once
   drain() -> iterator           step() until nothing waits or runs
 
-Invariants (docs/design.md, "The engine"; the table's rows, buckets, admissions and kept
-prefilled rows: spec_jax.table):
-- Exactness: a request's tokens do not depend on what else runs, nor on the slot, the row
-  bucket or the prefill batch it runs in. Its row draws from keys derived from its own seed
-  (row id 0: what spec_jax.generate gives the request alone), stops at its own budget
-  (Output.budget) and stop ids ([B, Z] per row), and the CPU kernels compute each row
-  bit-identically whatever the batch. Each row has its own warp (temperature, top-k, top-p:
-  per-row operands of the compiled loop, spec_jax.sampling.RowSampling), so greedy and sampled
-  requests share a chunk and a new value compiles nothing. With gamma=auto a greedy request's tokens are still its own; a
-  sampled one's depend on the chunks' gammas (as they do alone), so sampled exactness across
-  concurrency holds for a fixed gamma.
-- The chunk length adapts: MIN_CHUNK rounds while requests wait and after the table changed (an
-  admission or a freed slot: a request may be on its way), doubling up to MAX_CHUNK while the table
-  is stable, never past the rounds in which the busy row nearest its budget could finish (its slot
-  is then free for a waiting request). Not thread-safe: one thread owns an Engine.
+Invariants (docs/design.md, "The engine"): a request's tokens do not depend on what else runs
+(its own keys, budget, stop ids and warp, per-row operands of the loop; rows computed
+bit-identically whatever the batch); chunks of MIN_CHUNK rounds while requests wait, doubling
+to MAX_CHUNK while the table is stable. Not thread-safe: one thread owns an Engine.
 """
 
 import collections
@@ -38,15 +22,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from models.settings import is_number
-from spec_jax import api, rows, sharding, step_costs
-from spec_jax.decode import PAD_ID, coarse_layout, layout
-from spec_jax.drafting import NoDrafter, as_drafter
+from spec_jax import plan, rows, sharding
+from spec_jax.decode import PAD_ID, layout
+from spec_jax.drafting import NoDrafter
 from spec_jax.logprobs import TokenLogprobs
-from spec_jax.prefix_cache import BLOCK, PrefixCache
-from spec_jax.request import Handle, Request, Update, check_pairing, encode_prompt, request_for
-from spec_jax.runner import Runner, auto_chunk, observed
-from spec_jax.table import Table, row_buckets
+from spec_jax.prefix_cache import BLOCK, engine_prefix_cache
+from spec_jax.request import Handle, Request, Update, encode_prompt
+from spec_jax.runner import auto_chunk, observed
+from spec_jax.table import Table
 
 MIN_CHUNK, MAX_CHUNK = 1, 64  # rounds per chunk: while requests wait or the table just changed; at most
 # Rounds per chunk at most while a row has stop strings (matched on the host at chunk ends): a row
@@ -57,13 +40,10 @@ STOP_CHUNK = 2
 # piece's time, before it is admitted: the running streams slow down instead of stopping.
 PREFILL_PIECE = 2 * BLOCK
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
-# Prefilled rows kept for requests seen again (rows.prefill_key: the same prompt, width, seed,
-# row id, stop ids, speculation and warp give the same row but for its budget, which is set, so
-# reusing it is exact); each holds a slot's caches (about 85 MB for the Qwen pair at 1024 tokens).
-PREFILL_CACHE = 16
-# The prefix cache's pool (spec_jax.prefix_cache), MB: about 4,600 prompt tokens of the Qwen 1.5B
-# (57 KB a token at float32), a long system prompt and a few conversations.
-PREFIX_CACHE_MB = 256
+# Prefilled rows kept for requests seen again (rows.prefill_key; each holds a slot's caches, about
+# 85 MB for the Qwen pair at 1024 tokens), and the prefix cache's MB (spec_jax.prefix_cache: about
+# 4,600 prompt tokens of the Qwen 1.5B, a long system prompt and a few conversations).
+PREFILL_CACHE, PREFIX_CACHE_MB = 16, 256
 TTFT_KEPT = 1024  # stats()' ttft_seconds: the most recent requests' times to first token
 
 
@@ -105,31 +85,15 @@ class Engine:
             max_batch=(max_batch, 1), max_queue=(max_queue, 1), prefill_cache=(prefill_cache, 0)
         )
         self.target, self.max_batch, self.max_queue = target, max_batch, max_queue
-        drafter, draft_params = (None, None) if draft is None else as_drafter(draft, target)
-        policy = api.GammaPolicy.of(gamma, drafter, tree)
-        vocab = target.config.vocab_size
-        if drafter is not None:
-            check_pairing(vocab, drafter)
         self.mesh = sharding.default_mesh() if mesh is None else mesh
         sharding.check_mesh(self.mesh)
-        self.buckets = row_buckets(max_batch, self.mesh.shape[sharding.DATA])
-        self.max_context = rows.slot_context(target, drafter, policy.gamma, max_context)
-        self.max_new_tokens = rows.new_token_bound(max_new_tokens, self.max_context)
-        drafter = NoDrafter(vocab) if drafter is None else drafter
-        cache_len = self.max_context + policy.gamma
-        self.controllers = {}  # gamma=auto: one per row bucket, from its batch's costs (measure_costs)
-        if policy.auto:
-            slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
-            found = api.bucket_controllers(
-                target, drafter, draft_params, policy, self.buckets, slots, measure_costs
-            )
-            self.controllers, drafter, draft_params = found  # the drafter dropped where it never pays
-        target_params = sharding.placed_params(target, self.mesh)
-        draft_params = sharding.put_once(draft_params, drafter.param_shardings(draft_params, self.mesh))
-        drafter = drafter.for_mesh(self.mesh)
-        settings = api.Options(max_new_tokens=self.max_new_tokens, verify_widths=verify_widths, tree=tree)
-        static = api.spec_static(target, self.mesh, drafter, policy, settings, cache_len)
-        self._runner = Runner(static, self.mesh, target_params, draft_params, None)
+        settings = dict(max_batch=max_batch, gamma=gamma, tree=tree, max_context=max_context)
+        settings.update(
+            max_new_tokens=max_new_tokens, verify_widths=verify_widths, measure_costs=measure_costs
+        )
+        p = plan.plan_engine(target, draft, self.mesh, settings)
+        self._runner, self.controllers, self.buckets = p.runner, p.controllers, p.buckets
+        self.max_context, self.max_new_tokens = p.max_context, p.max_new_tokens
         self._ids = itertools.count()
         self._queue: collections.deque[rows.Row] = collections.deque()
         self._outbox: list[Update] = []
@@ -144,23 +108,12 @@ class Engine:
             self._counters,
             prefill_cache,
             self._prompt_width([PAD_ID], 1),
-            self._prefix_cache(prefix_cache_mb),
+            engine_prefix_cache(target.config, self.mesh, self._runner.static.drafter, prefix_cache_mb),
         )
         self._slots = self._table.slots  # the Rows in the table's slots (the table's list)
         self._ttft: collections.deque[float] = collections.deque(maxlen=TTFT_KEPT)
         self._piece_seconds = 0.0  # the last piece of a long prompt's prefill (0: none since)
         self._round_seconds = 0.05  # seconds per round of the last chunk (a guess before one)
-
-    def _prefix_cache(self, max_mb: float) -> PrefixCache | None:
-        """The prefix cache of max_mb MB (0: none), where a prefill reads rows from a cached
-        prefix with a full prefill's bits: the row-wise prefill of the CPU kernels, on one device,
-        for a drafter that reads no target features over the prompt (None elsewhere)."""
-        if not is_number(max_mb) or max_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be a number >= 0 (0: no prefix cache), got {max_mb!r}")
-        exact = coarse_layout(self.target.config) and self.mesh.size == 1
-        if not max_mb or not exact or self._runner.static.drafter.reads_features:
-            return None
-        return PrefixCache(self.target.config, max_mb)
 
     @property
     def reads_prefixes(self) -> bool:
@@ -193,22 +146,14 @@ class Engine:
         return self._table.bucket_for(n)
 
     # --- requests --------------------------------------------------------------------------
-    def encode(self, request: Request) -> list[int]:
-        """The request's prompt as token ids (encode_prompt)."""
-        return encode_prompt(self.target, request)
-
-    def stop_ids_of(self, request: Request) -> tuple[int, ...]:
-        """The request's stop ids: its own, or the model's stop tokens (none without a tokenizer)."""
-        return rows.stop_ids_for(request, self.tokenizer, self.target.config.vocab_size)
-
     def submit(self, request: Request, row_id: int = 0) -> Handle:
         """Queues a request (validated against the model) and returns its Handle. RequestError
         naming the field at fault; QueueFull when max_queue requests wait already. row_id:
         the request draws from fold_in(key(seed), row_id), as spec_jax.generate's prompt of
         that row id does (launch.generate --stream passes each prompt's index in its file)."""
         request.validate()
-        ids = self.encode(request)
-        stop_ids = self.stop_ids_of(request)
+        ids = encode_prompt(self.target, request)
+        stop_ids = rows.stop_ids_for(request, self.tokenizer, self.target.config.vocab_size)
         rows.check_room(ids, stop_ids, request, self.max_context, self.max_new_tokens)
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
         if request.max_tokens and len(self._queue) >= room:
@@ -225,10 +170,8 @@ class Engine:
         return handle
 
     def _score(self, row: rows.Row) -> None:
-        """Where the request asks for its prompt's logprobs (Request.prompt_logprobs): one
-        scoring call over the prompt (spec_jax.logprobs.score_prompt, at the prompt's width) into
-        row.prompt_logprobs, for its first Update. It runs here, on the engine's thread, once per
-        request: the row's generation (a slot, the prefill) is apart from it (Runner.score)."""
+        """The prompt's logprobs where the request asks (Request.prompt_logprobs), for its first
+        Update: one scoring call (Runner.score), apart from its generation."""
         k, ids = row.handle.request.prompt_logprobs, row.prompt_ids
         if k is None:
             return
@@ -280,7 +223,7 @@ class Engine:
         elif table.state is not None:
             table.timed(table.shrink)
             if self._busy():
-                self._read_piece()
+                self._read_piece()  # of a long prompt waiting (Table.read_piece), then decoding
                 self._run_chunk()
                 self._collect()
         updates, self._outbox = self._outbox, []
@@ -308,27 +251,17 @@ class Engine:
         return firsts
 
     def _uncached(self, row: rows.Row) -> int:
-        """The tokens of a waiting request's prompt its prefill would compute while rows decode:
-        those past its cached prefix (0 with no row decoding or no prefix cache: it is admitted
-        whole, in one prefill)."""
-        prefix = self._table.prefix
-        if prefix is None or not self._busy():
-            return 0
-        return len(row.prompt_ids) - prefix.cached_tokens(row.prompt_ids)
+        """A waiting prompt's tokens past its cached prefix while rows decode (0 otherwise: it is
+        prefilled whole)."""
+        return self._table.uncached(row.prompt_ids) if self._busy() else 0
 
     def _read_piece(self) -> None:
-        """Reads the next PREFILL_PIECE tokens of the first waiting request's prompt into the
-        prefix cache, where the rest is longer than that (a prefill of the prompt up to there,
-        at the request's width, whose row is dropped), and sets the next chunk to take about as
-        long: a long prompt takes turns with the running rows' decoding."""
-        if not self._queue or self._uncached(self._queue[0]) <= PREFILL_PIECE:
-            return
-        row = self._queue[0]
-        cached = self._table.prefix.cached_tokens(row.prompt_ids)
-        piece = row.prompt_ids[: cached + PREFILL_PIECE]
-        start = time.perf_counter()
-        self._table.read_piece(piece, self._width(row))
-        self._piece_seconds = time.perf_counter() - start
+        """The next PREFILL_PIECE tokens of the first waiting prompt into the prefix cache where
+        more than that is left, and the next chunk about as long (a long prompt takes turns)."""
+        if self._queue and self._uncached(self._queue[0]) > PREFILL_PIECE:
+            row, start = self._queue[0], time.perf_counter()
+            self._table.read_piece(row.prompt_ids, PREFILL_PIECE, self._width(row))
+            self._piece_seconds = time.perf_counter() - start
 
     def _width(self, row: rows.Row) -> int:
         return self._prompt_width(row.prompt_ids, row.handle.request.max_tokens)
@@ -447,18 +380,12 @@ class Engine:
 
     # --- counters --------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Counters for monitoring: requests_total, finished by reason (finished_stop, ...),
-        prompt_tokens_total, generation_tokens_total, draft_tokens_total,
-        accepted_tokens_total, queue_depth, slots_busy, max_batch, live_rows (the rows the loop
-        runs over), chunks, rounds, prefill_calls (each prefills one or more requests),
-        prefill_cache_hits (rows reused), prefix_cache_hit_tokens (prompt tokens read from the
-        prefix cache), prefix_cache_inserted_tokens, prefix_cache_tokens (held now), table_seconds (row writes, moves, resizes; an
-        admission's run at the next step), the seconds of compilation, prefills, decoding (the
-        chunks' wall time) and steps (all of step(): step_seconds - compile - prefill - decode is
-        the host's own work between chunks), tokens_past_stop_total (tokens computed after a
-        stop string's match and cut), scored_prompts_total and score_seconds (prompts scored for
-        their logprobs: Request.prompt_logprobs), and ttft_seconds: the last TTFT_KEPT requests'
-        times from submit to their first tokens (a list)."""
+        """Counters for monitoring (each named and described by launch.serve's /metrics): requests,
+        tokens (prompt, generated, drafted, accepted, read from the prefix cache, computed past a
+        stop), finishes by reason, chunks, rounds, prefills and pieces, seconds of compiling,
+        prefilling, scoring, decoding, table work and steps (step_seconds less the rest: the
+        host's own work); now: queue_depth, slots_busy, max_batch, live_rows,
+        prefix_cache_tokens; ttft_seconds: the last TTFT_KEPT requests' times to first token."""
         out = dict(self._counters)
         if self._table.prefix is not None:
             out.update(self._table.prefix.counters, prefix_cache_tokens=self._table.prefix.used_tokens)
@@ -470,34 +397,3 @@ class Engine:
             ttft_seconds=list(self._ttft),
         )
         return out
-
-
-def stream(
-    target, prompts, draft=None, *, gamma="auto", tree=0, max_batch=8, mesh=None, **fields
-) -> Iterator[tuple[int, Update]]:
-    """Generates for each prompt (a text, a conversation, token ids, or a list of them) on an
-    Engine, yielding (prompt index, Update) as chunks of rounds finish: each Update carries the
-    prompt's new token ids and text since its last one; the last has finished set.
-
-    fields: the Request's (max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
-    speculate), one value for every prompt; the defaults are Request's (greedy, the model's
-    stop tokens). Each prompt's tokens equal spec_jax.generate's for it alone with the same
-    settings (seed: its own, row id 0)."""
-    prompts = list(api.one_or_many(prompts))
-    requests = [request_for(p, **fields).validate() for p in prompts]
-    ids, new = [encode_prompt(target, r) for r in requests], requests[0].max_tokens  # one for all
-    context = rows.stream_context(target.config, ids, new)  # launch.generate --stream's rule
-    engine = Engine(
-        target,
-        draft,
-        max_batch=max_batch,
-        gamma=gamma,
-        tree=tree,
-        mesh=mesh,
-        max_context=context,
-        max_new_tokens=new,
-        prefix_cache_mb=0,  # generate's prefill program: without the prefix cache's pool
-    )
-    index = {engine.submit(r).id: i for i, r in enumerate(requests)}
-    for update in engine.drain():
-        yield index[update.handle.id], update

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.cache import KVCache
-from spec_jax.decode import PREFILL_CHUNK
+from models.settings import is_number
+from spec_jax.decode import PREFILL_CHUNK, coarse_layout
 
 BLOCK = PREFILL_CHUNK  # tokens per block: a prefill chunk, so that a hit ends on a chunk's edge
 
@@ -142,3 +143,15 @@ def write_blocks(pool: KVCache, cache: KVCache, sources_bj) -> KVCache:
 
 
 write_blocks_jit = jax.jit(write_blocks, donate_argnums=0)
+
+
+def engine_prefix_cache(config, mesh, drafter, max_mb: float) -> PrefixCache | None:
+    """An engine's prefix cache of max_mb MB (0: none), where a prefill reads rows from a cached
+    prefix with a full prefill's bits: the row-wise prefill of the CPU kernels (coarse_layout),
+    on one device, for a drafter that reads no target features over the prompt (None elsewhere).
+    ValueError naming prefix_cache_mb where it is not a number >= 0."""
+    if not is_number(max_mb) or max_mb < 0:
+        raise ValueError(f"prefix_cache_mb must be a number >= 0 (0: no prefix cache), got {max_mb!r}")
+    if not max_mb or not coarse_layout(config) or mesh.size != 1 or drafter.reads_features:
+        return None
+    return PrefixCache(config, max_mb)

@@ -289,11 +289,16 @@ class Table:
         plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
         return block.replace(plain=jnp.asarray(plain))
 
-    def read_piece(self, ids: list[int], width: int) -> None:
-        """Prefills the prompt ids at `width` for the prefix cache alone (its blocks kept, its row
-        dropped): a long prompt's piece."""
+    def uncached(self, ids) -> int:
+        """The tokens of prompt ids past its cached prefix (0 without a prefix cache)."""
+        return 0 if self.prefix is None else len(ids) - self.prefix.cached_tokens(ids)
+
+    def read_piece(self, ids: list[int], tokens: int, width: int) -> None:
+        """A long prompt's piece: the prompt ids up to `tokens` past its cached prefix, prefilled at
+        `width` for the prefix cache alone (its blocks kept, its row dropped)."""
+        ids = list(ids[: self.prefix.cached_tokens(ids) + tokens])
         request = Request(prompt_ids=tuple(ids), max_tokens=1, stop_ids=())
-        self.prefill([rows.Row(Handle(-1, request, len(ids)), list(ids), (), 0.0)], width, piece=True)
+        self.prefill([rows.Row(Handle(-1, request, len(ids)), ids, (), 0.0)], width, piece=True)
 
     def _run_prefill(self, active, inputs, group: list[rows.Row], batch: int, width: int):
         """runner.prefill's (state, compile seconds, prefill seconds) of the group's inputs; with the

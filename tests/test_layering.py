@@ -111,8 +111,9 @@ SPEC_JAX_LAYERS = (
     ("step_costs", "autogamma", "tree_auto", "executables"),  # measured costs, the policy, compiled programs
     ("request", "runner", "rows"),  # one request's checks; one call's compiled programs; the engine's rows
     ("table",),  # the engine's table: the loop state over its busy rows
-    ("api",),
-    ("engine", "__init__"),
+    ("plan",),  # what decides a run: options, the gamma policy, a call's and the engine's plan
+    ("engine",),
+    ("api", "__init__"),  # generate and stream (on an Engine)
 )
 
 
