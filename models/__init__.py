@@ -11,6 +11,7 @@ import jax
 from models import hf_checkpoint, hf_config, precision, registry, sources, weights
 from models.config import ModelConfig
 from models.kernels import gguf_matmul, target
+from models.too_long import TooLong
 from models.transformer import ForwardOutput, forward, init_cache, init_params, stack_layers, unstack_layers
 
 
@@ -85,8 +86,6 @@ class ByteTokenizer:
         there are more (as models.tokenizer.Tokenizer.encode)."""
         size = self.min_tokens(text)
         if at_most is not None and size > at_most:
-            from models.tokenizer import TooLong  # here: models.tokenizer imports this package
-
             raise TooLong(size, at_most, size, 1)
         return list(text.encode("utf-8"))
 

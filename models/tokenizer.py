@@ -31,6 +31,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from models import chat_template
 from models.families import FAMILIES
 from models.gguf_loader import PathOrReader, metadata_value, open_gguf
+from models.too_long import TooLong
 
 _FORMAT = "spec_jax.tokenizer/1"
 
@@ -308,19 +309,6 @@ def render_chat_template(
         add_generation_prompt=add_generation_prompt,
         **special,
     )
-
-
-class TooLong(ValueError):
-    """encode / encode_chat with `at_most`: the text has more tokens than that, as min_tokens
-    proves without tokenizing. .at_least: min_tokens' count; .size: the text's UTF-8 bytes;
-    .longest: the most bytes one token covers."""
-
-    def __init__(self, at_least: int, at_most: int, size: int, longest: int):
-        super().__init__(
-            f"{size} bytes are at least {at_least} tokens (a token covers at most {longest} bytes), "
-            f"more than {at_most}"
-        )
-        self.at_least, self.size, self.longest = at_least, size, longest
 
 
 # Characters of Unicode's Private Use Area that stand in for special-token text inside a chat
