@@ -506,30 +506,52 @@ def summarize(
     }
     turns = []
     if workload == "chat":
-        by_turn: dict[int, list[Outcome]] = {}
-        for records, _ in runs:
-            for job, o in records:
-                by_turn.setdefault(job.turn, []).append(o)
-        first, later = by_turn.get(1, []), [o for t, os in by_turn.items() if t > 1 for o in os]
-        for name, group in (("first_turn", first), ("later_turns", later)):
-            done = [o.ttft for o in group if o.status == 200]
-            row[f"ttft_{name}_p50_ms"] = _ms(percentile(done, 50))
-            row[f"ttft_{name}_p99_ms"] = _ms(percentile(done, 99))
-        for t, group in sorted(by_turn.items()):
-            done = [o for o in group if o.status == 200]
-            prompt = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
-            turns.append(
-                {
-                    "system": system.name,
-                    "concurrency": concurrency,
-                    "turn": t,
-                    "requests": len(group),
-                    "prompt_tokens_mean": float(np.mean(prompt)) if prompt else None,
-                    "ttft_p50_ms": _ms(percentile([o.ttft for o in done], 50)),
-                    "ttft_p99_ms": _ms(percentile([o.ttft for o in done], 99)),
-                    "errors": len(group) - len(done),
-                }
-            )
+        ttft_columns, turns = _by_turn(system, concurrency, runs)
+        row.update(ttft_columns)
+    row.update(_drafting_columns(system, ok, before, after))
+    return row, turns
+
+
+def _by_turn(system: System, concurrency: int, runs: list) -> tuple[dict, list[dict]]:
+    """A chat load's time to first token by turn: returns the row's columns for the first turn
+    and for the later ones (ttft_first_turn_p50_ms, ..._p99_ms, ttft_later_turns_p50_ms,
+    ..._p99_ms) and one row per turn (its requests, mean prompt tokens, time to first token and
+    errors)."""
+    by_turn: dict[int, list[Outcome]] = {}
+    for records, _ in runs:
+        for job, o in records:
+            by_turn.setdefault(job.turn, []).append(o)
+    columns = {}
+    first, later = by_turn.get(1, []), [o for t, os in by_turn.items() if t > 1 for o in os]
+    for name, group in (("first_turn", first), ("later_turns", later)):
+        done = [o.ttft for o in group if o.status == 200]
+        columns[f"ttft_{name}_p50_ms"] = _ms(percentile(done, 50))
+        columns[f"ttft_{name}_p99_ms"] = _ms(percentile(done, 99))
+    turns = []
+    for t, group in sorted(by_turn.items()):
+        done = [o for o in group if o.status == 200]
+        prompt = [o.prompt_tokens for o in done if o.prompt_tokens is not None]
+        turns.append(
+            {
+                "system": system.name,
+                "concurrency": concurrency,
+                "turn": t,
+                "requests": len(group),
+                "prompt_tokens_mean": float(np.mean(prompt)) if prompt else None,
+                "ttft_p50_ms": _ms(percentile([o.ttft for o in done], 50)),
+                "ttft_p99_ms": _ms(percentile([o.ttft for o in done], 99)),
+                "errors": len(group) - len(done),
+            }
+        )
+    return columns, turns
+
+
+def _drafting_columns(system: System, ok: list, before: dict, after: dict) -> dict:
+    """The row's drafting columns: returns {"acceptance": accepted / drafted tokens or None},
+    preceded for our server by "host_overhead_share" (its host work per step beyond its compiled
+    calls, as a share of decoding time; from the /metrics counters `before` and `after` the
+    runs); another server's counts come from its responses (`ok`, the successful outcomes)."""
+    columns = {}
     if system.ours:
         delta = {
             k: after.get(f"spec_jax_engine_{k}_total", 0) - before.get(f"spec_jax_engine_{k}_total", 0)
@@ -538,13 +560,13 @@ def summarize(
         drafted, accepted = delta["draft_tokens"], delta["accepted_tokens"]
         # The engine's host work per step beyond its compiled calls, as a share of decoding
         device = sum(delta[f"{k}_seconds"] for k in ("decode", "prefill", "table", "compile"))
-        row["host_overhead_share"] = (
+        columns["host_overhead_share"] = (
             (delta["step_seconds"] - device) / delta["decode_seconds"] if delta["decode_seconds"] else None
         )
     else:
         drafted, accepted = sum(o.drafted for o in ok), sum(o.accepted for o in ok)
-    row["acceptance"] = accepted / drafted if drafted else None
-    return row, turns
+    columns["acceptance"] = accepted / drafted if drafted else None
+    return columns
 
 
 _ENGINE = (
@@ -776,6 +798,29 @@ def _chat(systems: list[System], config) -> tuple[list[dict], list[dict]]:
     return rows, turns
 
 
+def _mixed_summary(prompts: list, max_tokens: int) -> dict:
+    """What the mixed load sends: returns its greedy and sampled request counts, the sampled
+    requests' temperature and top_p, and the samplers llama-server is given."""
+    sampled = sum(j.sampled for j in mixed_jobs(prompts, max_tokens))
+    return {
+        "greedy": len(prompts) - sampled,
+        "sampled": sampled,
+        "temperature": MIXED_TEMPERATURE,
+        "top_p": MIXED_TOP_P,
+        "llama_samplers": list(LLAMA_SAMPLERS),
+    }
+
+
+def _chat_summary(config) -> dict:
+    """What the chat load sends: returns its conversations, turns per conversation and the
+    shared system prompt's length in characters."""
+    return {
+        "conversations": config.conversations,
+        "turns": config.turns,
+        "system_prompt_chars": len(system_prompt(config.system_prompt_chars)),
+    }
+
+
 def run(config) -> framework.Result | None:
     prompts = common.prompt_set(config.prompt_set, config.num_prompts)
     log_dir = tempfile.mkdtemp(prefix="spec-jax-bench-serve-")  # the servers' output, kept for a look
@@ -796,22 +841,11 @@ def run(config) -> framework.Result | None:
         if "mixed" in config.workloads:
             mixed_rows, mixed_checks = _mixed(systems, config, prompts)
             rows, checks = rows + mixed_rows, checks + mixed_checks
-            sampled = sum(j.sampled for j in mixed_jobs(prompts, config.max_tokens))
-            summary["mixed"] = {
-                "greedy": len(prompts) - sampled,
-                "sampled": sampled,
-                "temperature": MIXED_TEMPERATURE,
-                "top_p": MIXED_TOP_P,
-                "llama_samplers": list(LLAMA_SAMPLERS),
-            }
+            summary["mixed"] = _mixed_summary(prompts, config.max_tokens)
         if "chat" in config.workloads:
             chat_rows, turns = _chat(systems, config)
             rows = rows + chat_rows
-            summary["chat"] = {
-                "conversations": config.conversations,
-                "turns": config.turns,
-                "system_prompt_chars": len(system_prompt(config.system_prompt_chars)),
-            }
+            summary["chat"] = _chat_summary(config)
         if config.guidellm:
             top = max(config.concurrency)
             loads = [guidellm(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems]

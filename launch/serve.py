@@ -919,6 +919,14 @@ def serve(
     server.run()
     if service.error is not None:
         raise service.error
+    return _how_it_stopped(server, service, model, host, port, grace)
+
+
+def _how_it_stopped(server, service, model: str, host: str, port: int, grace: float) -> str:
+    """Once the server has stopped: returns the one line that says how a signal stopped it (while
+    loading, or with the worker's requests finished, cancelled and failed within the `grace`
+    period, which it waits for). common.UsageError where uvicorn stopped by itself (e.g. the port
+    was taken), after shutting the worker down."""
     worker = service.worker
     if server.signal_name is None:  # uvicorn stopped by itself (e.g. the port was taken)
         if worker is not None:
