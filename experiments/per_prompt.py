@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import api, request
+from spec_jax import plan, request
 from spec_jax.decode import PrefillInputs, layout, pad_prompts
 from spec_jax.drafting import as_drafter
 from spec_jax.executables import compiled
@@ -56,7 +56,7 @@ def run(
     sampling = SamplingParams(float(temperature))
     drafter, draft_params = as_drafter(draft, target)
     request.validate(target, prompts, drafter, gamma, max_new_tokens, None, tree)
-    gamma = api.GammaPolicy.of(gamma, drafter, tree).gamma  # a tree's: its node count
+    gamma = plan.GammaPolicy.of(gamma, drafter, tree).gamma  # a tree's: its node count
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
     static = SpecStatic(target.config, drafter, gamma, max_new_tokens, cache_len, tree_nodes=tree)
     tokens, lens = pad_prompts(prompts, width)

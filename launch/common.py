@@ -5,6 +5,7 @@ $SPEC_JAX_COMPILATION_CACHE=0; launch.runtime.enable_compilation_cache). This mo
 neither jax nor the models: what needs them (the cache, atomic writes, the model-flag check) is
 launch.runtime's, imported by run once the flags are parsed."""
 
+import atexit
 import functools
 import gc
 import math
@@ -134,8 +135,14 @@ def _report_interrupt(e: Interrupted) -> None:
     prog = os.path.basename(sys.argv[0]) if sys.argv else "spec-jax"
     done = f"wrote {', '.join(WRITTEN)}" if WRITTEN else "nothing written"
     print(f"\n{prog}: interrupted ({e}); {done}", file=sys.stderr)
+    sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(128 + e.signum)
+    # Not sys.exit: the interpreter's finalization can meet XLA's threads mid-compile (a signal
+    # during compilation) and crash (seen once in the suite: exit -11 after this line). The exit
+    # functions still run (private temporary folders removed); what this process wrote is complete
+    # or removed by now (the exception unwound through its writers).
+    atexit._run_exitfuncs()
+    os._exit(128 + e.signum)
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None):
