@@ -122,3 +122,45 @@ def test_a_tiny_positive_temperature_is_the_argmax_and_never_nan(temperature):
 def test_a_tiny_temperature_keeps_exact_ties_of_the_maximum_uniform():
     probs = warp(jnp.array([[2.0, 5.0, 5.0, 1.0]]), SamplingParams(1e-30))
     np.testing.assert_allclose(probs, [[0.0, 0.5, 0.5, 0.0]])
+
+
+def _nucleus_reference(logits_row, temperature, top_p):
+    """The set top-p keeps, by numpy: the smallest set of most probable tokens reaching p."""
+    z = (logits_row - logits_row.max()) / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]
+    return set(order[before < top_p].tolist())
+
+
+def test_top_p_over_a_large_vocabulary_keeps_the_same_set_from_candidates_or_the_full_sort():
+    """V = 4 x CANDIDATES: a peaked row's nucleus lies within the candidates (no sort of the
+    vocabulary), a flat row's does not (the full sort); both keep exactly the smallest set
+    reaching p, and the peaked row's probabilities are the same bits beside the flat row as alone
+    (which path another row needs never changes a row's values)."""
+    from spec_jax.sampling import CANDIDATES, RowSampling
+
+    vocab = 4 * CANDIDATES
+    rng = np.random.default_rng(0)
+    peaked = (rng.normal(size=vocab) * 6).astype(np.float32)
+    flat = (rng.normal(size=vocab) * 0.01).astype(np.float32)
+    both = jnp.asarray(np.stack([peaked, flat]))
+    settings = [SamplingParams(0.7, 0, 0.9), SamplingParams(1.0, 0, 0.9)]
+    probs = np.asarray(jax.jit(warp)(both, RowSampling.of(settings)))
+    for row, logits, s in zip(probs, (peaked, flat), settings, strict=True):
+        assert set(np.nonzero(row)[0].tolist()) == _nucleus_reference(logits, s.temperature, s.top_p)
+        np.testing.assert_allclose(row.sum(), 1.0, rtol=1e-5)
+    alone = np.asarray(jax.jit(warp)(both[:1], RowSampling.of(settings[:1])))
+    np.testing.assert_array_equal(alone[0], probs[0])
+    assert len(np.nonzero(probs[1])[0]) > CANDIDATES  # the flat row needed the sort
+
+
+def test_top_k_larger_than_the_candidates_keeps_exactly_k():
+    from spec_jax.sampling import CANDIDATES, RowSampling
+
+    logits = jax.random.normal(jax.random.key(5), (2, 3 * CANDIDATES))
+    settings = [SamplingParams(1.0, 2 * CANDIDATES), SamplingParams(1.0, 7)]
+    probs = np.asarray(jax.jit(warp)(logits, RowSampling.of(settings)))
+    for row, lg, s in zip(probs, np.asarray(logits), settings, strict=True):
+        assert set(np.nonzero(row)[0].tolist()) == set(np.argsort(-lg, kind="stable")[: s.top_k].tolist())
