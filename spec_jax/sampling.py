@@ -126,43 +126,51 @@ def warp(logits, sampling):
         p = per_row(rows.top_p)
         filters = (k < vocab) | (p < 1.0)
 
-        def full_sort():  # the warp over the whole vocabulary, in order
-            order = jnp.argsort(-z, axis=-1, stable=True)  # most probable first, ties: lower id
-            positions = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), z.shape)
-            rank = jnp.put_along_axis(jnp.zeros_like(positions), order, positions, axis=-1, inplace=False)
-            probs = jax.nn.softmax(jnp.where(rank < k, z, -jnp.inf), axis=-1)
-            sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-            mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-            kept = jnp.take_along_axis(mass_before, rank, axis=-1) < p  # keeps the most probable
-            nucleus = jnp.where(kept, probs, 0.0)
-            nucleus = nucleus / jnp.sum(nucleus, axis=-1, keepdims=True)
-            return jnp.where(p < 1.0, nucleus, probs)
-
-        def filtered():
-            # The CANDIDATES most probable tokens (lax.top_k: ties to the lower id, as the sort's)
-            # hold the whole kept set of a row whose top-k is at most that many, or whose top-p
-            # is reached before the last candidate: the tokens past them could only follow it. That
-            # row's warp is computed over them; only another row needs the sort of every token.
-            c = min(CANDIDATES, vocab)
-            z_c, ids = jax.lax.top_k(z, c)
-            in_k = jnp.arange(c) < k
-            e = jnp.where(in_k, jnp.exp(z_c), 0.0)
-            probs_c = jnp.where(
-                k < vocab, e / jnp.sum(e, axis=-1, keepdims=True), jnp.take_along_axis(plain, ids, -1)
-            )
-            mass_before = jnp.cumsum(probs_c, axis=-1) - probs_c
-            nucleus = jnp.where(in_k & (mass_before < p), probs_c, 0.0)
-            nucleus = jnp.where(p < 1.0, nucleus / jnp.sum(nucleus, axis=-1, keepdims=True), probs_c)
-            from_candidates = jnp.put_along_axis(jnp.zeros_like(z), ids, nucleus, axis=-1, inplace=False)
-            whole = jnp.where(p < 1.0, (k <= c) | (mass_before[..., -1:] >= p), k <= c)
-            sort = filters & ~whole
-            every = jax.lax.cond(jnp.any(sort), full_sort, lambda: from_candidates)
-            return jnp.where(filters, jnp.where(whole, from_candidates, every), plain)
-
-        probs = jax.lax.cond(jnp.any(filters), filtered, lambda: plain)
+        probs = jax.lax.cond(jnp.any(filters), lambda: _filtered(z, plain, k, p, filters), lambda: plain)
         return jnp.where(greedy, one_hot, probs)
 
     return jax.lax.cond(jnp.all(greedy), lambda: one_hot, sampled)
+
+
+def _full_sort(z, k, p):
+    """The top-k / top-p warp of z [B, ..., V] (k, p: per row, broadcast against it) over the sorted
+    vocabulary."""
+    vocab = z.shape[-1]
+    order = jnp.argsort(-z, axis=-1, stable=True)  # most probable first, ties: lower id
+    positions = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), z.shape)
+    rank = jnp.put_along_axis(jnp.zeros_like(positions), order, positions, axis=-1, inplace=False)
+    probs = jax.nn.softmax(jnp.where(rank < k, z, -jnp.inf), axis=-1)
+    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
+    kept = jnp.take_along_axis(mass_before, rank, axis=-1) < p  # keeps the most probable
+    nucleus = jnp.where(kept, probs, 0.0)
+    nucleus = nucleus / jnp.sum(nucleus, axis=-1, keepdims=True)
+    return jnp.where(p < 1.0, nucleus, probs)
+
+
+def _filtered(z, plain, k, p, filters):
+    """warp's filtered probabilities of z (plain: softmax(z); k, p, filters: per row, broadcast):
+    from the CANDIDATES most probable tokens where they hold a row's kept set, else the sort."""
+    vocab = z.shape[-1]
+    # The CANDIDATES most probable tokens (lax.top_k: ties to the lower id, as the sort's)
+    # hold the whole kept set of a row whose top-k is at most that many, or whose top-p
+    # is reached before the last candidate: the tokens past them could only follow it. That
+    # row's warp is computed over them; only another row needs the sort of every token.
+    c = min(CANDIDATES, vocab)
+    z_c, ids = jax.lax.top_k(z, c)
+    in_k = jnp.arange(c) < k
+    e = jnp.where(in_k, jnp.exp(z_c), 0.0)
+    probs_c = jnp.where(
+        k < vocab, e / jnp.sum(e, axis=-1, keepdims=True), jnp.take_along_axis(plain, ids, -1)
+    )
+    mass_before = jnp.cumsum(probs_c, axis=-1) - probs_c
+    nucleus = jnp.where(in_k & (mass_before < p), probs_c, 0.0)
+    nucleus = jnp.where(p < 1.0, nucleus / jnp.sum(nucleus, axis=-1, keepdims=True), probs_c)
+    from_candidates = jnp.put_along_axis(jnp.zeros_like(z), ids, nucleus, axis=-1, inplace=False)
+    whole = jnp.where(p < 1.0, (k <= c) | (mass_before[..., -1:] >= p), k <= c)
+    sort = filters & ~whole
+    every = jax.lax.cond(jnp.any(sort), lambda: _full_sort(z, k, p), lambda: from_candidates)
+    return jnp.where(filters, jnp.where(whole, from_candidates, every), plain)
 
 
 def argmax(x):
