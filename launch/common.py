@@ -3,12 +3,13 @@ code 0, SIGINT / SIGTERM as one line with exit code 130 / 143, and the --compila
 (JAX's persistent compilation cache, on unless --nocompilation_cache or
 $SPEC_JAX_COMPILATION_CACHE=0; launch.runtime.enable_compilation_cache). This module imports
 neither jax nor the models: what needs them (the cache, atomic writes, the model-flag check) is
-launch.runtime's, imported by run once the flags are parsed."""
+launch.runtime's, imported by run once the flags are parsed. What both share (UsageError, the
+interruption, the files written, the --output_json checks) is launch.usage's, below both, and
+named here too, so that launch.runtime never imports this module."""
 
 import atexit
 import functools
 import gc
-import math
 import os
 import signal
 import sys
@@ -18,7 +19,26 @@ import warnings
 
 from absl import app, flags, logging
 
-COMPILATION_CACHE_ENV = "SPEC_JAX_COMPILATION_CACHE"
+from launch.usage import (  # launch.common's names, as before: the entry points and tests use them here
+    COMPILATION_CACHE_ENV,
+    RECEIVED,
+    WRITTEN,
+    Interrupted,
+    UsageError,
+    check_output_json,
+    finite_json,
+    raise_if_interrupted,
+)
+
+__all__ = [  # the names launch.usage defines, re-exported
+    "COMPILATION_CACHE_ENV",
+    "WRITTEN",
+    "Interrupted",
+    "UsageError",
+    "check_output_json",
+    "finite_json",
+    "raise_if_interrupted",
+]
 
 flags.DEFINE_bool(
     "compilation_cache",
@@ -28,19 +48,6 @@ flags.DEFINE_bool(
     f"compiling. --nocompilation_cache, or ${COMPILATION_CACHE_ENV}=0, turns it off; "
     f"${COMPILATION_CACHE_ENV}=PATH puts it in PATH/<digest>/ instead.",
 )
-
-
-class UsageError(ValueError):
-    """Bad input from the command line; reported as one line with exit code 2."""
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived (raised by the handler run installs; a BaseException, like
-    KeyboardInterrupt, so that no `except Exception` swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def _swallowed_at(frame) -> bool:
@@ -55,25 +62,12 @@ def _swallowed_at(frame) -> bool:
     return False
 
 
-# The signals whose handler ran: where its exception was swallowed in a place _swallowed_at
-# cannot name (a weakref callback), raise_if_interrupted still ends the run.
-_RECEIVED: list[int] = []
-
-
-def raise_if_interrupted() -> None:
-    """Interrupted for a signal that arrived earlier (normally raised where it arrived; this
-    catches one whose exception was swallowed): called before an output file is written and
-    when main returns."""
-    if _RECEIVED:
-        raise Interrupted(_RECEIVED[0])
-
-
 def _interrupt(signum, frame):
     """The SIGINT / SIGTERM handler: raises Interrupted where the program is; where that
     exception would be swallowed (_swallowed_at), the signal is sent again 50 ms later instead, so
     the run still ends (seen once in CI: a SIGINT landing in jax's gc callback let the run finish
     with exit code 0)."""
-    _RECEIVED.append(signum)
+    RECEIVED.append(signum)
     if _swallowed_at(frame):
         again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
         again.daemon = True
@@ -82,8 +76,6 @@ def _interrupt(signum, frame):
     raise Interrupted(signum)
 
 
-# The files this process wrote for the user (launch.runtime.write_json_atomic), named by the interrupt line.
-WRITTEN: list[str] = []
 HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
 
 
@@ -217,25 +209,3 @@ def terminal_text(text: str, stream=None) -> str:
         ch.encode("unicode_escape").decode() if unicodedata.category(ch) == "Cc" and ch not in "\n\t" else ch
         for ch in text
     )
-
-
-def finite_json(value):
-    """value with every non-finite float (NaN, inf) replaced by None, recursively: strict JSON
-    parsers reject the bare NaN that json.dump writes (e.g. acceptance_rate with --draft=none)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    return value
-
-
-def check_output_json(path: str) -> None:
-    """UsageError unless --output_json names a file in an existing folder (checked before any
-    model is loaded, and again when writing)."""
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
-        raise UsageError(f"--output_json: {path} is a folder; name a file")
-    if not os.path.isdir(os.path.dirname(path)):
-        raise UsageError(f"--output_json: directory {os.path.dirname(path)} does not exist")

@@ -1,7 +1,8 @@
 """The entry points' plumbing that needs the models and jax, for a run whose flags are parsed:
 JAX's persistent compilation cache, the errors that mean data cannot be had, the model-flag
 check and atomic JSON output. launch.common.run imports this module once the flags are parsed
-(launch.common stays light, so that --help and bad flags answer without jax)."""
+(launch.common stays light, so that --help and bad flags answer without jax). It imports
+launch.usage, never launch.common, so the imports among launch/ point one way."""
 
 import atexit
 import json
@@ -14,7 +15,7 @@ import tempfile
 from absl import flags
 
 import models
-from launch import common
+from launch import usage
 from models import convert, corpora, gguf_loader, registry
 from models.kernels import libraries
 from spec_jax import executables
@@ -43,7 +44,7 @@ def check_model_flag(flag: str, name: str) -> None:
     try:
         models.check_source(name)
     except ValueError as e:
-        raise common.UsageError(f"{flag}: {str(e).splitlines()[0]}") from None
+        raise usage.UsageError(f"{flag}: {str(e).splitlines()[0]}") from None
 
 
 def enable_compilation_cache():
@@ -55,7 +56,7 @@ def enable_compilation_cache():
     that others can write, or that this user cannot write is not used; the run then uses a
     private temporary cache (removed at exit) after one warning line on stderr. Returns the
     folder in use, or None when off."""
-    setting = os.environ.get(common.COMPILATION_CACHE_ENV, "").strip()
+    setting = os.environ.get(usage.COMPILATION_CACHE_ENV, "").strip()
     folder = None
     if flags.FLAGS.compilation_cache and setting.lower() not in _OFF:
         folder = executables.persistent_cache_dir(None if setting.lower() in _ON else setting)
@@ -74,9 +75,9 @@ def enable_compilation_cache():
 def write_json_atomic(path: str, payload) -> None:
     """Writes JSON to path all at once (models.registry.atomic_write: no half-written file, the
     user's usual permissions): strict JSON, non-finite numbers as null; the path is named by the
-    interrupt line (launch.common.WRITTEN)."""
-    common.check_output_json(path)
-    common.raise_if_interrupted()
-    text = json.dumps(common.finite_json(payload), indent=2, allow_nan=False) + "\n"
+    interrupt line (launch.usage.WRITTEN)."""
+    usage.check_output_json(path)
+    usage.raise_if_interrupted()
+    text = json.dumps(usage.finite_json(payload), indent=2, allow_nan=False) + "\n"
     registry.atomic_write(path, lambda f: f.write(text.encode()))
-    common.WRITTEN.append(path)
+    usage.WRITTEN.append(path)

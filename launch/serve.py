@@ -10,11 +10,12 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (the target's chat te
 `"stream": true` as server-sent events ending in `data: [DONE]`, GET /v1/models, GET /health,
 GET /metrics (Prometheus text), and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info
 (lm-evaluation-harness's remote tokenizer). Logprobs, echo, n samples and batches of prompts:
-launch/serve_schema.py. The model, drafter and precision flags are launch.generate's
-(see --helpfull); a request's fields take launch.generate's defaults (greedy, the model's stop
-tokens). Per-request speculation: `"spec_jax": {"speculate": false}` decodes that request plainly.
-launch/serve_schema.py documents the bodies and their checks. Needs the `serve` extra (pip
-install -e '.[serve]'); without it, one line naming the missing module and exit code 2.
+launch/serve_schema.py. The model, drafter and precision flags are launch.flags' (shared with
+launch.generate; see --helpfull); a request's fields take launch.generate's defaults (greedy,
+the model's stop tokens). Per-request speculation: `"spec_jax": {"speculate": false}` decodes
+that request plainly. launch/serve_schema.py documents the bodies and their checks. Needs the
+`serve` extra (pip install -e '.[serve]'); without it, one line naming the missing module and
+exit code 2.
 
 Start-up: the flags are checked (a bad one: one line, exit 2), the server listens at once
 (stdout: "launch.serve: listening on ..."), and loads the models in the background; /health
@@ -96,7 +97,7 @@ from starlette.routing import Route  # noqa: E402
 from uvicorn.protocols.http.h11_impl import H11Protocol  # noqa: E402
 
 from launch import common  # noqa: E402
-from launch import generate as generate_flags  # noqa: E402  (the model, drafter and precision flags)
+from launch import flags as shared  # noqa: E402  (the model, drafter and precision flags)
 from launch.serve_engine import EngineFailed, EngineWorker, Metrics, Stream  # noqa: E402
 from launch.serve_schema import (  # noqa: E402
     ApiError,
@@ -831,24 +832,19 @@ class GracefulServer(uvicorn.Server):
 
 
 def load_engine(mesh=None, measure_costs: bool = False):
-    """The Engine from launch.generate's model, drafter and precision flags, with --max_batch row
-    slots and a queue of --max_queue, on `mesh` (check_flags' first). measure_costs: gamma=auto
-    measures each row bucket's model calls before serving where none are cached (minutes on the
-    Qwen pair); by default it starts from the prior and refines from the rounds served."""
-    target = generate_flags.load_model(FLAGS.target, FLAGS.target_dtype, FLAGS.max_batch, mesh)
-    draft = None
-    if FLAGS.draft != "none" and FLAGS.drafter in ("model", "hybrid"):
-        draft = generate_flags.load_model(FLAGS.draft, FLAGS.draft_dtype, FLAGS.max_batch, mesh)
-    stop_ids = generate_flags.stop_ids_from_flag(target.tokenizer, target.config.vocab_size)
-    draft_vocab = generate_flags.draft_vocab_from_flag(draft.config.vocab_size) if draft is not None else 0
-    drafter = generate_flags.build_draft(target, draft, stop_ids, draft_vocab)
+    """The Engine from launch.flags' model, drafter and precision flags (shared.load_pair), with
+    --max_batch row slots and a queue of --max_queue, on `mesh` (check_flags' first).
+    measure_costs: gamma=auto measures each row bucket's model calls before serving where none
+    are cached (minutes on the Qwen pair); by default it starts from the prior and refines from
+    the rounds served."""
+    pair = shared.load_pair(FLAGS.max_batch, mesh)
     return Engine(
-        target,
-        drafter,
+        pair.target,
+        shared.drafting_of(pair).draft,
         max_batch=FLAGS.max_batch,
         max_queue=FLAGS.max_queue,
-        gamma=generate_flags.gamma_from_flag(),
-        tree=generate_flags.tree_from_flag(),
+        gamma=shared.gamma_from_flag(),
+        tree=shared.tree_from_flag(),
         mesh=mesh,
         max_context=FLAGS.max_context,
         measure_costs=measure_costs,
@@ -950,7 +946,7 @@ def engine_slots(engine) -> int:
 def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    mesh, _ = generate_flags.check_flags()  # every flag, before the server listens or anything loads
+    mesh, _ = shared.check_flags()  # every flag, before the server listens or anything loads
     limits = Limits(
         max_body_bytes=int(FLAGS.max_body_mb * MiB),
         body_timeout_s=FLAGS.body_timeout,

@@ -419,13 +419,13 @@ def test_gamma_beyond_the_targets_context_is_refused_for_model_free_drafters(cas
 # gives NaN logits from its prefill on.
 POISONED = """
 import jax.numpy as jnp
-from launch import generate
-load = generate.load_model
+from launch import loading
+load = loading.load_model
 def poisoned(name, dtype, *args, **kwargs):
     model = load(name, dtype, *args, **kwargs)
     table = model.params["embed"]["embedding"]
     return model.replace(params={**model.params, "embed": {"embedding": table.at[ord("Z")].set(jnp.nan)}})
-patch(generate, "load_model", poisoned)
+patch(loading, "load_model", poisoned)
 """
 
 
@@ -480,12 +480,12 @@ def test_a_train_config_that_is_missing_or_not_python_is_one_line_exit_2(train_c
 
 PAIRED = """
 import models
-from launch import generate
+from launch import loading
 mode = extra["mode"]
 class Renamed(models.ByteTokenizer):
     def id_to_token(self, i):
         return "hi" if i == 65 else super().id_to_token(i)
-load = generate.load_model
+load = loading.load_model
 def paired(name, dtype, *args, **kwargs):
     model = load(name, dtype, *args, **kwargs)
     if name != "random-draft":
@@ -494,7 +494,7 @@ def paired(name, dtype, *args, **kwargs):
         return model.replace(tokenizer=Renamed())
     small = models.random_model(vocab_size=384, num_layers=1, d_model=64, num_heads=4, num_kv_heads=2, seed=1)
     return small.replace(tokenizer=models.ByteTokenizer())  # a prefix of the target's 512 ids
-patch(generate, "load_model", paired)
+patch(loading, "load_model", paired)
 """
 
 
@@ -522,14 +522,14 @@ CHAT_TEMPLATE = (
 CHAT = """
 import json, pathlib
 import spec_jax, tiny_gguf
-from launch import generate
+from launch import loading
 from models.tokenizer import Tokenizer
 log = pathlib.Path(extra["log"])
 path = log.with_suffix(".gguf")
 tiny_gguf.write(path, chat_template=extra["template"], add_bos=True)
 tokenizer = Tokenizer.from_gguf(path)
-load = generate.load_model
-patch(generate, "load_model", lambda *args, **kwargs: load(*args, **kwargs).replace(tokenizer=tokenizer))
+load = loading.load_model
+patch(loading, "load_model", lambda *args, **kwargs: load(*args, **kwargs).replace(tokenizer=tokenizer))
 spec_generate = spec_jax.generate
 def recorded(target, prompts, **options):
     with log.open("a") as f:
