@@ -422,3 +422,107 @@ def test_the_late_import_check_finds_an_uncommented_one(tmp_path):
             ("launch/m.py:19", False),
         ]
     }
+
+
+# Issue 54 item 4: a thin launch layer. launch/'s modules import one another one way (function
+# bodies too: launch.common's late import of launch.runtime counts), the server shares
+# launch.flags with launch.generate instead of importing it, training's command line reaches
+# nothing of experiments/, and launch.generate reads as flags -> requests -> engine -> output.
+import pytest  # noqa: E402
+from test_import_cycles import cycles  # noqa: E402
+
+LAUNCH_GENERATE_MAX_LINES = 350
+
+
+def reached_from(root: pathlib.Path, module: str, packages=("launch",)) -> set[str]:
+    """The modules of `packages` under root that `module` imports, directly or through others
+    (test_import_cycles.import_graph: any import statement, function bodies included)."""
+    graph = import_graph(root, packages)
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen and name in graph:
+            seen.add(name)
+            todo += graph[name]
+    return seen - {module}
+
+
+def test_no_import_circle_among_launch_modules():
+    found = [sorted(c) for c in cycles(import_graph(ROOT, ("launch",)))]
+    assert not found, f"import circles in launch/ (make the imports point one way): {found}"
+
+
+def test_the_launch_circle_check_finds_one_through_a_late_import(tmp_path):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "common.py").write_text("def run():\n    from launch import runtime\n")
+    (tmp_path / "launch" / "runtime.py").write_text("from launch import common\n")
+    (tmp_path / "launch" / "usage.py").write_text("")
+    assert cycles(import_graph(tmp_path, ("launch",))) == [frozenset({"launch.common", "launch.runtime"})]
+    (tmp_path / "launch" / "runtime.py").write_text("from launch import usage\n")
+    assert cycles(import_graph(tmp_path, ("launch",))) == []
+
+
+def test_launch_serve_does_not_import_launch_generate():
+    reached = reached_from(ROOT, "launch.serve")
+    assert "launch.flags" in reached  # the walk works: the shared flags are reached
+    assert "launch.generate" not in reached, "launch.serve reaches launch.generate"
+
+
+def test_the_serve_check_finds_generate_reached_through_another_module(tmp_path):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "serve.py").write_text("from launch import flags\n")
+    (tmp_path / "launch" / "flags.py").write_text("def f():\n    from launch.generate import FLAGS\n")
+    (tmp_path / "launch" / "generate.py").write_text("")
+    assert "launch.generate" in reached_from(tmp_path, "launch.serve")
+    (tmp_path / "launch" / "flags.py").write_text("")
+    assert "launch.generate" not in reached_from(tmp_path, "launch.serve")
+
+
+def experiments_reached(root: pathlib.Path, module: str) -> list[str]:
+    """The modules of experiments/ that `module` reaches through any package of the project."""
+    reached = reached_from(root, module, ("launch", "experiments", "training", "models", "spec_jax"))
+    return sorted(m for m in reached if m.split(".")[0] == "experiments")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="launch.train still runs experiments/train_head.py and train_acceptance.py through "
+    "experiments.framework.run_experiment; moving them below launch is the experiments' owner's",
+)
+def test_launch_train_imports_nothing_of_experiments():
+    assert "launch.common" in reached_from(ROOT, "launch.train")  # the walk works
+    offenders = experiments_reached(ROOT, "launch.train")
+    assert not offenders, f"launch.train reaches {offenders}"
+
+
+def test_the_train_check_finds_experiments_reached_through_launch(tmp_path):
+    for package in ("launch", "experiments", "training", "models", "spec_jax"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "launch" / "train.py").write_text("from launch import runner\nimport training\n")
+    (tmp_path / "launch" / "runner.py").write_text("def run():\n    from experiments import framework\n")
+    (tmp_path / "experiments" / "framework.py").write_text("")
+    assert experiments_reached(tmp_path, "launch.train") == ["experiments.framework"]
+    (tmp_path / "launch" / "runner.py").write_text("import training\n")
+    assert experiments_reached(tmp_path, "launch.train") == []
+
+
+def generate_over(root: pathlib.Path) -> int | None:
+    """launch/generate.py's line count where it is over LAUNCH_GENERATE_MAX_LINES, else None."""
+    lines = len((root / "launch" / "generate.py").read_text().splitlines())
+    return lines if lines > LAUNCH_GENERATE_MAX_LINES else None
+
+
+def test_launch_generate_is_at_most_350_lines():
+    assert generate_over(ROOT) is None, (
+        f"launch/generate.py is {generate_over(ROOT)} lines: flags -> requests -> engine -> output "
+        f"fits in {LAUNCH_GENERATE_MAX_LINES} (shared flags: launch/flags.py; the loader: launch/loading.py)"
+    )
+
+
+def test_the_generate_size_check_finds_a_long_file(tmp_path):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "generate.py").write_text("x = 1\n" * LAUNCH_GENERATE_MAX_LINES)
+    assert generate_over(tmp_path) is None
+    (tmp_path / "launch" / "generate.py").write_text("x = 1\n" * (LAUNCH_GENERATE_MAX_LINES + 1))
+    assert generate_over(tmp_path) == LAUNCH_GENERATE_MAX_LINES + 1
