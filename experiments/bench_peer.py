@@ -27,6 +27,7 @@ import jax
 import ml_collections
 
 from experiments import bench_decode, common, framework
+from launch.loading import load_pair
 from models import registry
 from models.kernels import llama_cpp
 from spec_jax import timing
@@ -397,8 +398,14 @@ def _run_cells(config, peers, python: str) -> Cells:
         workers, peer_systems = _start_workers(
             stack, config, peers, python, _model_args(config, threads), threads
         )
-        target = common.load_model(config.target, config.target_dtype)
-        draft = common.load_model(config.draft, config.draft_dtype)
+        pair = load_pair(
+            config.target,
+            config.draft,
+            target_dtype=config.target_dtype,
+            draft_dtype=config.draft_dtype,
+            load=common.load_model,
+        )
+        target, draft = pair.target, pair.draft
         texts = common.prompt_set(config.prompt_set, config.num_prompts)
         prompts = [target.tokenizer.encode(t) for t in texts]
         systems = {

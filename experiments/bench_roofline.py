@@ -12,6 +12,7 @@ the KV cache at `context` slots) over the bandwidth; step_over_floor uses the co
 import ml_collections
 
 from experiments import common, framework
+from launch.loading import load_pair
 from models import precision, weights
 from spec_jax import timing
 from spec_jax.sampling import SamplingParams
@@ -63,8 +64,10 @@ def step_bytes(model, batch: int, tokens_per_row: int, cache_slots: int) -> dict
 
 def precision_rows(config, dtype: str, copy_gbs: float, read_gbs: float) -> list[dict]:
     """The three calls' rows with both models at one precision (timed interleaved)."""
-    target = common.load_model(config.target, dtype)
-    draft = common.load_model(config.draft, dtype)
+    pair = load_pair(
+        config.target, config.draft, target_dtype=dtype, draft_dtype=dtype, load=common.load_model
+    )
+    target, draft = pair.target, pair.draft
     batch, slots, gamma = config.batch_size, config.context, config.gamma
     greedy = SamplingParams(0.0)
     calls = {  # name: (model, widths, sampling)

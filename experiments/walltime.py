@@ -31,6 +31,7 @@ import tqdm
 
 import spec_jax
 from experiments import common, framework
+from launch.loading import load_pair
 from models import corpora
 from spec_jax import drafting, metrics, theory, timing
 from spec_jax.sampling import SamplingParams
@@ -413,11 +414,17 @@ def figure(rows, summary):
 
 
 def run(config) -> framework.Result:
-    target = common.load_model(config.target, config.target_dtype)
-    if config.drafter == "head":
+    head = config.drafter == "head"
+    pair = load_pair(
+        config.target,
+        None if head else config.draft,
+        target_dtype=config.target_dtype,
+        draft_dtype=config.draft_dtype,
+        load=common.load_model,
+    )
+    target, draft = pair.target, pair.draft
+    if head:
         draft = drafting.build("head", target, drafting.Settings(head_dtype=config.draft_dtype))
-    else:
-        draft = common.load_model(config.draft, config.draft_dtype)
     prompts = prompts_for(target.tokenizer, config)
     print("walltime: timing the model calls (compiles each first) ...", file=sys.stderr, flush=True)
     costs = step_costs(target, draft, config, max(len(p) for p in prompts))
