@@ -13,8 +13,8 @@ that is not the previous stop's file.
   included). Only `target` is tracked, by identity (not its config, params or what it returns).
 - serve: one tiny-model completion through launch.serve's app (tests/serve_support.Server:
   uvicorn in a thread, the engine in another; threading.setprofile follows both) from the
-  handler to the compiled loop (the first call of a function named `loop` of a class named
-  `Runner`, not counted: tracing ends there). Tracked: the handler's HTTP request, then every
+  handler to the compiled loop (the first call of `Runner.loop`, or --until's qualified name;
+  not counted: tracing ends there). Tracked: the handler's HTTP request, then every
   stop's return value that is not None, a bool, a number or a str (a tuple's or list's items
   too, two levels down): body -> Request -> token ids -> row -> ... Once the loop's thread
   (the engine's) has its first stop, the other threads' later stops are left out: they wait for
@@ -40,8 +40,12 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import serve_support  # noqa: E402  (the serve tests' in-process server and tiny GGUF pair)
 from starlette.requests import Request as HttpRequest  # noqa: E402
+
+try:  # the serve tests' in-process server and tiny GGUF pair; the generate path runs without it
+    import serve_support
+except ImportError as e:
+    serve_support, SERVE_SUPPORT_MISSING = None, e
 
 import models  # noqa: E402
 import spec_jax  # noqa: E402
@@ -232,15 +236,21 @@ def _is_handler_call(frame) -> bool:
     return any(isinstance(v, HttpRequest) for v in argument_values(frame))
 
 
-def _is_runner_loop(frame) -> bool:
-    return frame.f_code.co_name == "loop" and frame.f_code.co_qualname.endswith("Runner.loop")
+def calls_to(qualname: str):
+    """A predicate on frames: the code's qualified name is `qualname` or ends with "." + it."""
+    return lambda frame: (
+        frame.f_code.co_qualname == qualname or frame.f_code.co_qualname.endswith("." + qualname)
+    )
 
 
-def trace_serve(folder: pathlib.Path, max_tokens: int = 8) -> list[Stop]:
-    """The stops of one completion request through the served app, up to the compiled loop."""
+def trace_serve(folder: pathlib.Path, until: str = "Runner.loop", max_tokens: int = 8) -> list[Stop]:
+    """The stops of one completion request through the served app, up to the first call of the
+    function whose qualified name ends with `until` (the compiled loop)."""
+    if serve_support is None:
+        raise SystemExit(f"call_trace: the serve path needs tests/serve_support.py: {SERVE_SUPPORT_MISSING}")
     _, target, draft = serve_support.tiny_pair(folder)
     engine = spec_jax.Engine(target, draft, max_batch=2, max_queue=2, max_context=256)
-    tracer = Tracer(_code_root(), follow_returns=True, start=_is_handler_call, until=_is_runner_loop)
+    tracer = Tracer(_code_root(), follow_returns=True, start=_is_handler_call, until=calls_to(until))
     tracer.finished = True  # off while the server is built and warmed: its threads get the profile
     threading.setprofile(tracer)  # and so do the threads the request starts (asyncio.to_thread's)
     try:
@@ -258,7 +268,7 @@ def trace_serve(folder: pathlib.Path, max_tokens: int = 8) -> list[Stop]:
         tracer.finished = True
         assert response.status_code == 200, response.text
         assert tracer.stops, "no stop recorded: the handler was not reached"
-        assert tracer.ended, "the request ended without entering Runner.loop"
+        assert tracer.ended, f"the request ended without a call to {until} (--until)"
     finally:
         threading.setprofile(None)
         server.close()
@@ -266,7 +276,7 @@ def trace_serve(folder: pathlib.Path, max_tokens: int = 8) -> list[Stop]:
 
 
 GOALS = {"generate": (20, 8), "serve": (18, 8)}  # issue 54: at most this many stops, returns
-PATHS = {"generate": lambda folder: trace_generate(), "serve": trace_serve}
+PATHS = {"generate": lambda folder, until: trace_generate(), "serve": trace_serve}
 
 
 def _commit() -> str:
@@ -310,13 +320,16 @@ def main(argv=None) -> int:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--path", choices=("both", *PATHS), default="both", help="which path to trace")
     parser.add_argument("--verbose", action="store_true", help="list each stop as file:function")
+    parser.add_argument(
+        "--until", default="Runner.loop", help="serve: tracing ends at this function (qualified name)"
+    )
     parser.add_argument("--json", help="also write the figures and the stops to this file")
     args = parser.parse_args(argv)
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="call_trace") as folder:
         for name in PATHS if args.path == "both" else (args.path,):
-            results[name] = PATHS[name](pathlib.Path(folder))
+            results[name] = PATHS[name](pathlib.Path(folder), args.until)
     print(f"code: {_code_root()} at {_commit()}")
     print(table(results, args.verbose))
     if args.json:

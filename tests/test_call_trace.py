@@ -146,7 +146,7 @@ def test_start_arms_the_tracer_with_that_calls_arguments_and_until_ends_it(proje
         root,
         packages=("alpha", "beta"),
         start=lambda frame: frame.f_code.co_name == "finish",
-        until=lambda frame: frame.f_code.co_name == "last",
+        until=call_trace.calls_to("last"),
     )
     tracer.run(one.start, obj, 1)  # nothing is tracked before finish: start and middle are not stops
     assert [s.function for s in tracer.stops] == ["finish", "gen"]
