@@ -283,19 +283,16 @@ PATHS = {"generate": lambda folder, until: trace_generate(), "serve": trace_serv
 
 
 def _commit() -> str:
-    head = _code_root() / ".git"
+    """The short commit of the traced checkout, "+changes" where its packages differ from it."""
+    git = ["git", "-C", str(_code_root())]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(head.parent), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         dirty = subprocess.run(
-            ["git", "-C", str(head.parent), "status", "--porcelain", "--", *PACKAGES],
-            capture_output=True,
-            text=True,
+            [*git, "status", "--porcelain", "--", *PACKAGES], capture_output=True, text=True
         )
-        return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
+    return (head.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
 
 
 def numbered(stops: list[Stop]) -> list[tuple[int, Stop]]:
@@ -341,6 +338,7 @@ def main(argv=None) -> int:
             for name, stops in results.items()
         }
         record["commit"], record["date"] = _commit(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        record["command"] = " ".join(["scripts/call_trace.py", *(sys.argv[1:] if argv is None else argv)])
         pathlib.Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
