@@ -41,7 +41,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 # serve_support imports the tests' conftest, which puts the compile-only TPU / GPU backends on
 # the path where they are installed (their plugins log errors at jax's start-up): not needed here
-os.environ.setdefault("SPEC_JAX_COMPILE_DEPS", "")
+# (left as it is in a test process, whose conftest has run and whose subprocesses inherit it)
+if "conftest" not in sys.modules:
+    os.environ.setdefault("SPEC_JAX_COMPILE_DEPS", "")
 
 from starlette.requests import Request as HttpRequest  # noqa: E402
 
