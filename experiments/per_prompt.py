@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import plan, request
+from spec_jax import bounds, plan
 from spec_jax.decode import PrefillInputs, layout, pad_prompts
 from spec_jax.drafting import as_drafter
 from spec_jax.executables import compiled
@@ -55,7 +55,7 @@ def run(
     """
     sampling = SamplingParams(float(temperature))
     drafter, draft_params = as_drafter(draft, target)
-    request.validate(target, prompts, drafter, gamma, max_new_tokens, None, tree)
+    bounds.validate(target, prompts, drafter, gamma, max_new_tokens, None, tree)
     gamma = plan.GammaPolicy.of(gamma, drafter, tree).gamma  # a tree's: its node count
     width, cache_len = layout(target.config, prompts, max_new_tokens, gamma)
     static = SpecStatic(target.config, drafter, gamma, max_new_tokens, cache_len, tree_nodes=tree)

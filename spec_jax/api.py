@@ -21,10 +21,11 @@ from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.logprobs import TokenLogprobs
 from spec_jax.metrics import NONFINITE, nonfinite_rows
 from spec_jax.plan import Options, Plan, make_plan, measured, spec_static
-from spec_jax.request import Update, encode_prompt, request_for, stop_row
+from spec_jax.request import encode_prompt, request_for, stop_row
 from spec_jax.runner import Runner, decode_auto
 from spec_jax.sampling import row_keys
 from spec_jax.speculative import SpecState
+from spec_jax.updates import Update
 
 
 @dataclasses.dataclass

@@ -13,10 +13,11 @@ import numpy as np
 
 from models.settings import is_int
 from spec_jax import autogamma, rows, sharding, step_costs, tree_auto
+from spec_jax.bounds import check_pairing, speculation_bound, validate
 from spec_jax.decode import layout, stop_id_list
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.logprobs import MAX_LOGPROBS
-from spec_jax.request import Request, check_pairing, speculation_bound, validate
+from spec_jax.request import Request
 from spec_jax.runner import Runner
 from spec_jax.sampling import RowSampling, SamplingParams
 from spec_jax.speculative import SpecStatic

@@ -1,18 +1,13 @@
-"""One request, validated once: what every front end (spec_jax.generate, launch.generate, the
-server) builds, with its ranges and defaults defined here and nowhere else.
+"""One request, validated once and admitted once: what every front end (spec_jax.generate,
+launch.generate, the server) builds, with its ranges and defaults defined here and nowhere else.
 
 The defaults are the command line's: greedy unless asked (temperature 0), the model's stop
 tokens (stop_ids None), speculation on. A Request checks what it can without a model
-(`validate`); the engine checks the rest against its model (the vocabulary, the context) when
-the request is submitted (spec_jax.engine.Engine.submit). Errors are RequestError: a
-ValueError that names the field at fault and its allowed range.
-
-The rule for how far a round may write past the committed text (the gamma / tree settings:
-`speculation_bound`) is here too, the one copy that spec_jax.api and launch.generate use.
-So are a spec_jax.generate call's checks against the target (`validate`: the prompts, the
-budget, the context, gamma) and the draft/target pairing check (`check_pairing`), written
-once for generate, launch.generate and the engine. So are what the engine hands back for a
-request: its Handle and its Updates.
+(`validate`); `Request.admit(target, limits)` does the rest against the model and a slot, in
+one place: the prompt's token ids (a text by its tokenizer, a conversation by its chat
+template), the stop ids, and the room (prompt + max_tokens within the slot's context), and
+returns the Admitted request the engine queues. Errors are RequestError: a ValueError that
+names the field at fault and its allowed range.
 """
 
 import dataclasses
@@ -21,20 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from models import kernels
 from models.settings import is_int, is_number
 from models.tokenizer import TooLong, validate_messages
-from spec_jax import autogamma
-from spec_jax.decode import stop_id_list
-from spec_jax.drafting import Drafter, check_gamma
-from spec_jax.logprobs import MAX_LOGPROBS, TokenLogprobs
+from spec_jax.logprobs import MAX_LOGPROBS
 from spec_jax.sampling import SamplingParams, validate_sampling
 
 MAX_STOP_IDS = 16  # stop token ids per request (the loop holds [B, MAX_STOP_IDS])
 MAX_STOP_STRINGS = 8
 SEED_RANGE = (-(2**63), 2**63 - 1)  # jax.random.key takes a 64-bit seed
-# A tree call scores the root and N nodes, one bit each in the attention's int32 mask.
-MAX_TREE_NODES = kernels.MAX_TREE_QUERIES - 1
 
 
 class RequestError(ValueError):
@@ -44,6 +33,25 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field, self.message = field, message
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """A slot's bounds: context (tokens per slot, prompt and new tokens), max_new_tokens (the
+    most new tokens a request may ask for; None: no bound but the slot's)."""
+
+    context: int
+    max_new_tokens: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+    """A request checked against a model and a slot (Request.admit): its prompt's token ids and
+    its stop ids (its own, or the model's stop tokens)."""
+
+    request: "Request"
+    ids: tuple[int, ...]
+    stop_ids: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,6 +140,17 @@ class Request:
             values["stop"] = (values["stop"],)
         return cls(**values).validate()
 
+    def admit(self, target, limits: Limits) -> Admitted:
+        """This request checked (validate) and converted for target within a slot of `limits`:
+        its prompt's token ids (encode_prompt: a text far over the slot is refused before it is
+        tokenized), its stop ids, and the room for its prompt and max_tokens. RequestError
+        naming the field at fault."""
+        self.validate()
+        ids = encode_prompt(target, self, limits.context)
+        stop_ids = _stop_ids(self, target)
+        _check_room(len(ids), stop_ids, self, limits)
+        return Admitted(self, tuple(ids), stop_ids)
+
 
 def _check_prompt(r: Request) -> None:
     given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(r, name) is not None]
@@ -197,80 +216,6 @@ def _check_stops(r: Request) -> None:
         )
 
 
-def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> tuple[int, Any, str]:
-    """The one gamma / tree rule: (the most tokens a round may write past the committed text,
-    what an error message shows was asked for, the setting that bounds it). tree: 0 (chains),
-    a node count in [1, MAX_TREE_NODES] or "auto" (then gamma is auto too; the largest tree or
-    chain auto may run); gamma: an integer >= 1 or "auto" (up to autogamma.GAMMA_MAX).
-    RequestError naming gamma_name / tree_name where a value is out of range."""
-    if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
-        raise RequestError(
-            tree_name,
-            f"{tree_name} must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}",
-        )
-    if tree == "auto":
-        return autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})", tree_name
-    if tree:  # a tree round writes up to its node count past the text
-        return tree, tree, tree_name
-    if gamma == "auto":
-        return autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})", gamma_name
-    if not is_int(gamma) or gamma < 1:
-        raise RequestError(gamma_name, f"{gamma_name} must be an integer >= 1 or 'auto', got {gamma!r}")
-    return gamma, gamma, gamma_name
-
-
-def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
-    """spec_jax.generate's call checked against the target (prompts as token ids; drafter: a
-    drafter or None): returns None; raises ValueError naming the argument and its allowed range."""
-    if not isinstance(prompts, list | tuple) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    vocab = target.config.vocab_size
-    for i, p in enumerate(prompts):
-        if isinstance(p, str) or (isinstance(p, list | tuple) and any(isinstance(m, dict) for m in p)):
-            what = "a text" if isinstance(p, str) else "a conversation"
-            raise ValueError(
-                f"prompts[{i}] is {what}; prompts are token ids: target.tokenizer.encode(text), or "
-                "target.tokenizer.encode_chat(messages) for a conversation in the model's chat template"
-            )
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        arr = np.asarray(p)
-        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompts[{i}] must be a flat list of integer token ids")
-        if arr.min() < 0 or arr.max() >= vocab:
-            raise ValueError(
-                f"prompts[{i}] has token ids outside the vocabulary [0, {vocab}): "
-                f"min {arr.min()}, max {arr.max()}"
-            )
-    if not is_int(max_new_tokens) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    longest = max(len(p) for p in prompts)
-    if longest + max_new_tokens > target.config.max_seq_len:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"context of {target.config.max_seq_len} tokens"
-        )
-    stop_id_list(eos_id, vocab)
-    if drafter is None:
-        speculation_bound("auto", tree)  # the tree setting is checked without a drafter too
-        return
-    bound, shown, name = speculation_bound(gamma, tree)
-    check_pairing(vocab, drafter)
-    contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
-    check_gamma(bound, longest, max_new_tokens, contexts, name=name, shown=shown)
-
-
-def check_pairing(vocab: int, drafter: Drafter) -> None:
-    """The draft/target pairing check on the vocabularies (the tokenizers are checked where a
-    draft model becomes a drafter: spec_jax.drafting.build.paired_vocab): ValueError unless the
-    drafter proposes over the target's vocabulary of `vocab` tokens."""
-    if drafter.vocab_size != vocab:
-        raise ValueError(
-            f"draft vocabulary size ({drafter.vocab_size}) differs from the target's ({vocab}); "
-            "speculative decoding needs one shared vocabulary"
-        )
-
-
 def request_for(prompt, **fields) -> Request:
     """A Request for one prompt as spec_jax.generate takes it: a text, a conversation
     ([{"role", "content"}, ...]) or token ids; fields: the Request's others (max_tokens, ...)."""
@@ -286,7 +231,7 @@ def encode_prompt(target, request: Request, context: int | None = None) -> list[
     its chat template, token ids checked against its vocabulary; RequestError naming the
     prompt's field where the model cannot read it. context: a slot's tokens; a text that the
     tokenizer's bound (Tokenizer.min_tokens: its bytes over its longest token's) proves too long
-    for it with request.max_tokens is refused before it is tokenized, as rows.check_room
+    for it with request.max_tokens is refused before it is tokenized, as Request.admit
     refuses it after (RequestError naming prompt or max_tokens)."""
     if request.prompt_ids is not None:
         ids = list(request.prompt_ids)
@@ -325,32 +270,34 @@ def stop_row(stop_ids) -> np.ndarray:
     return stops
 
 
-@dataclasses.dataclass(eq=False)
-class Handle:
-    """A submitted request: .id (unique per engine), .request, .prompt_tokens, .cached_tokens,
-    .prompt_logprobs. Hashable by identity."""
+def _stop_ids(request: Request, target) -> tuple[int, ...]:
+    """The request's stop ids: its own (RequestError naming stop_ids where one is past the
+    target's vocabulary), or the model's stop tokens (none without a tokenizer)."""
+    vocab, tokenizer = target.config.vocab_size, target.tokenizer
+    if request.stop_ids is None:
+        return tuple(tokenizer.stop_ids) if tokenizer is not None else ()
+    if any(i >= vocab for i in request.stop_ids):
+        raise RequestError(
+            "stop_ids", f"stop_ids must be token ids in [0, {vocab}), got {list(request.stop_ids)}"
+        )
+    return tuple(request.stop_ids)
 
-    id: int
-    request: Request
-    prompt_tokens: int = 0  # the prompt's token count (after the chat template)
-    cached_tokens: int = 0  # of them, read from the prefix cache (set when it is prefilled)
-    # the prompt's logprobs where the request asks for them (Request.prompt_logprobs), set when
-    # it is submitted (they come in its first Update too)
-    prompt_logprobs: TokenLogprobs | None = None
 
-
-@dataclasses.dataclass(frozen=True)
-class Update:
-    """A request's progress since its last Update: its new token ids and their text (stop
-    strings cut); finished with finish_reason "stop" | "length" | "cancelled" | "error".
-    logprobs: the new tokens' (TokenLogprobs of token_ids) where the request asks for them;
-    prompt_logprobs: the prompt's, in the request's first Update, where it asks for them."""
-
-    handle: Handle
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: TokenLogprobs | None = None
+def _check_room(n: int, stop_ids: tuple[int, ...], request: Request, limits: Limits) -> None:
+    """RequestError naming the field at fault unless a prompt of n tokens and request.max_tokens
+    fit a slot of limits.context tokens, max_tokens is at most limits.max_new_tokens, and
+    stop_ids holds at most MAX_STOP_IDS ids."""
+    context = limits.context
+    if n >= context:
+        raise RequestError("prompt", f"prompt ({n} tokens) leaves no room in the context of {context} tokens")
+    if n + request.max_tokens > context:
+        raise RequestError(
+            "max_tokens",
+            f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context of {context} tokens",
+        )
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise RequestError("stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}")
+    if limits.max_new_tokens is not None and request.max_tokens > limits.max_new_tokens:
+        raise RequestError(
+            "max_tokens", f"max_tokens must be at most {limits.max_new_tokens}, got {request.max_tokens}"
+        )

@@ -7,11 +7,11 @@
   when rows leave (resize).
 - A free row is done in the loop state: it computes but commits nothing.
 - Admitting requests writes EVERY per-row leaf of their prefilled rows into their slots (the
-  row axis of each leaf: rows.batch_axes, found from the prefill's shapes at two batch
+  row axis of each leaf: row_ops.batch_axes, found from the prefill's shapes at two batch
   sizes), so nothing of a previous occupant survives: its cache, drafter state, tokens,
   budget, keys and per-row metrics. The first admission into an empty table writes nothing:
   its prefilled block (free rows past the requests, done) becomes the table. Rows prefilled
-  for identical requests are kept (rows.prefill_key) and written again instead of a prefill.
+  for identical requests are kept (spec_jax.prefiller.prefill_key) and written again instead of a prefill.
 - While a gamma=auto plain chunk holds the drafter's states aside (CatchUp.stash), writes,
   moves and resizes apply to them too.
 - An admission's resize and row writes are deferred (Table.flush, run by the next compaction):
@@ -19,7 +19,6 @@
   without waiting for them (XLA:CPU runs these copies inline, a few hundred ms for a burst).
 """
 
-import collections
 import functools
 import time
 
@@ -27,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import rows, sharding
-from spec_jax.request import Handle, Request
+from spec_jax import row_ops, rows, sharding
+from spec_jax.decode import PAD_ID
+from spec_jax.prefiller import Prefiller, prefill_key
+from spec_jax.request import stop_row
 from spec_jax.runner import CatchUp
 from spec_jax.speculative import SpecState, spec_prefill
 
@@ -50,39 +51,22 @@ class Table:
     Runner (its inputs are set here); controllers: gamma=auto's per bucket ({} without);
     counters: the engine's."""
 
-    def __init__(
-        self,
-        runner,
-        mesh,
-        max_batch,
-        max_context,
-        controllers,
-        counters,
-        prefill_cache,
-        blank_width,
-        prefix=None,
-    ):
-        self.runner, self.mesh, self.max_context = runner, mesh, max_context
-        self.buckets = row_buckets(max_batch, mesh.shape[sharding.DATA])
-        self.controllers, self.counters, self.prefill_cache = controllers, counters, prefill_cache
+    def __init__(self, prefiller: Prefiller, controllers: dict):
+        self.prefiller, self.controllers, self.counters = prefiller, controllers, prefiller.counters
+        self.runner, self.mesh, self.max_context = prefiller.runner, prefiller.mesh, prefiller.max_context
+        self.buckets, self.bucket_for = prefiller.buckets, prefiller.bucket_for
+        max_batch = self.buckets[-1]
         self.slots: list[rows.Row | None] = [None] * max_batch
-        self.host = rows.HostTable.empty(max_batch, max_context)
+        self.host = rows.HostTable.empty(max_batch, self.max_context)
         self.stop_rows = np.zeros(max_batch, bool)  # freed slots the loop state does not yet mark done
         self.inputs_stale = False  # the host's table of prompts and stop ids changed
         self.state, self.rows = None, 0  # the loop state (built at the first admission), its rows
         self.deferred: list = []  # device work on the state that flush() runs (an admission's)
         self._blank, self._axes = None, None  # a free row; the row axis of each leaf (blank, axes)
-        self.pending_keeps: list = []  # (prefill_key, block, row) kept at the next admission (keep_pending)
         # the free row's prompt width: a one-token request's, so that one prefill program serves both
-        self.blank_width = blank_width
+        self.blank_width = prefiller.width([PAD_ID], 1)
         self.catch_up = None
         self.counted = None
-        self.prefilled: collections.OrderedDict = collections.OrderedDict()  # prefill_key -> row
-        self.prefix = prefix  # the prefix cache (spec_jax.prefix_cache.PrefixCache) or None
-
-    def bucket_for(self, n: int) -> int:
-        """The smallest row bucket that holds n rows."""
-        return next(b for b in self.buckets if b >= n)
 
     def busy(self) -> int:
         return sum(r is not None for r in self.slots)
@@ -99,7 +83,7 @@ class Table:
         if self._blank is None:
             inputs = rows.HostTable.empty(1, self.blank_width).inputs(1, self.mesh)
             active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
-            blank, compile_s, _ = self._run_prefill(active, inputs, [], 1, self.blank_width)
+            blank, compile_s, _ = self.prefiller.run(active, inputs, [], 1)
             self.counters["compile_seconds"] += compile_s
             self._blank = blank.replace(plain=jnp.zeros(1, bool))
         return self._blank
@@ -119,14 +103,14 @@ class Table:
         # a copy: the loop donates the table's state, and a block's rows may wait in pending_keeps
         self.state = jax.tree.map(jnp.copy, self.blank if state is None else state)
         self.rows = int(self.state.length.shape[0])
-        self.counted = rows.table_counters(self.state)
+        self.counted = row_ops.table_counters(self.state)
         self.inputs_stale = True
         if self.controllers:
             self.catch_up = CatchUp(self.runner, np.ones(self.rows, np.int64))
             self.controllers[self.rows].forget(np.ones(self.rows, bool))
 
     def row_axes(self) -> dict[str, tuple[int, ...]]:
-        """The row axis of each leaf (rows.batch_axes) of the loop state ("state"), of the
+        """The row axis of each leaf (row_ops.batch_axes) of the loop state ("state"), of the
         drafter's state ("draft") and of the loop state without it ("nodraft": a plain chunk's,
         while the drafter's waits aside), from the shapes of the blank row (batch 1, already
         prefilled) and of the prefill at batch 2 (one trace of it: each trace of the whole model
@@ -137,9 +121,9 @@ class Table:
         b = b.replace(plain=jax.ShapeDtypeStruct((2,), bool))
         a = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.blank)
         return {
-            "state": rows.batch_axes(a, b),
-            "draft": rows.batch_axes(a.draft_state, b.draft_state),
-            "nodraft": rows.batch_axes(a.replace(draft_state=()), b.replace(draft_state=())),
+            "state": row_ops.batch_axes(a, b),
+            "draft": row_ops.batch_axes(a.draft_state, b.draft_state),
+            "nodraft": row_ops.batch_axes(a.replace(draft_state=()), b.replace(draft_state=())),
         }
 
     def stash(self):
@@ -163,18 +147,18 @@ class Table:
     def _resize_state(self, n: int) -> None:
         stash = self.stash()
         blank = self.blank if stash is None else self.blank.replace(draft_state=())
-        self.state = rows.resize_jit(self.state, blank, self.state_axes(), n)
+        self.state = row_ops.resize_jit(self.state, blank, self.state_axes(), n)
         if stash is not None:
-            self.catch_up.stash = rows.resize_jit(stash, self.blank.draft_state, self.axes["draft"], n)
+            self.catch_up.stash = row_ops.resize_jit(stash, self.blank.draft_state, self.axes["draft"], n)
 
     def move(self, src: int, dst: int) -> None:
         """The busy row in slot src moves to the free slot dst (its state, host row and
         catch-up position); src becomes free (marked done before the next chunk)."""
         s, d = jnp.int32(src), jnp.int32(dst)
         stash = self.stash()
-        self.state = rows.move_row_jit(self.state, self.state_axes(), s, d)
+        self.state = row_ops.move_row_jit(self.state, self.state_axes(), s, d)
         if stash is not None:
-            self.catch_up.stash = rows.move_row_jit(stash, self.axes["draft"], s, d)
+            self.catch_up.stash = row_ops.move_row_jit(stash, self.axes["draft"], s, d)
         self.host.move(src, dst)
         self.stop_rows[src], self.stop_rows[dst] = True, False
         row = self.slots[src]
@@ -193,6 +177,15 @@ class Table:
         for dst, src in zip(holes, [b for b in busy if b >= len(busy)], strict=True):
             self.move(src, dst)
 
+    def free(self, slot: int) -> None:
+        """Slot's request leaves: the slot takes the next admission, and its row of the loop
+        state is marked done before the next chunk (apply_stops)."""
+        self.slots[slot], self.stop_rows[slot] = None, True
+
+    def counters_now(self) -> np.ndarray:
+        """row_ops.table_counters of the state: int [3] rounds, draft tokens, accepted tokens."""
+        return row_ops.table_counters(self.state)
+
     def shrink(self) -> None:
         """The table runs over the smallest bucket that holds its busy rows (in its lowest slots)."""
         n = self.bucket_for(self.busy())
@@ -201,33 +194,42 @@ class Table:
             self.resize(n)
             self.flush()
 
+    def ready(self) -> None:
+        """Before a chunk: the loop's inputs (the rows' prompts, which a drafter's catch-up reads,
+        and stop ids) placed again where they changed, and the freed rows marked done."""
+        if self.inputs_stale:
+            self.runner.inputs = self.host.inputs(self.rows, self.mesh)
+            self.inputs_stale = False
+        self.apply_stops()
+
     def apply_stops(self) -> None:
         """The deferred work runs, and the loop state's rows of freed slots are marked done."""
         self.flush()
         if self.stop_rows[: self.rows].any():
             stop = sharding.put(self.stop_rows[: self.rows], sharding.batch_sharding(self.mesh, 1))
-            self.state = rows.mark_done_jit(self.state, stop)
+            self.state = row_ops.mark_done_jit(self.state, stop)
         self.stop_rows[:] = False
 
     def insert(self, group: list[rows.Row], width: int) -> list[tuple]:
         """Writes every per-row leaf of each request's prefilled row into the next free slot
         (the table grown to hold them), so nothing of a slot's previous occupant is read: the
-        rows kept from an earlier identical prefill (rows.prefill_key), and the others'
+        rows kept from an earlier identical prefill (spec_jax.prefiller.prefill_key), and the others'
         prefilled together (the smallest bucket of rows that holds them, the width of each
         alone), then kept (at the next admission: keep_pending). Into an empty table, a group
         prefilled whole becomes the table itself (build). The resize and writes are deferred
         (flush). Returns (row, block, index) per request: its prefilled row is row index of
         block (a prefill's state or a kept row)."""
-        self.keep_pending()
-        keys = [rows.prefill_key(row, width) for row in group]
+        if self.prefiller.pending:  # (the row axes are found here, not before a first token)
+            self.prefiller.keep_pending(self.axes["state"])
+        keys = [prefill_key(row, width) for row in group]
         start, k = self.busy(), len(group)
         misses = [
             (b, row)
             for b, (row, key) in enumerate(zip(group, keys, strict=True), start)
-            if key not in self.prefilled
+            if key not in self.prefiller.kept
         ]
         if self.state is None and start == 0 and len(misses) == k:  # the table starts from the block
-            block = self.prefill(group, width)
+            block = self.prefiller.prefill(group, width)
             self.build(block)
             firsts = [(row, block, i) for i, row in enumerate(group)]
         else:
@@ -237,21 +239,21 @@ class Table:
                 self.resize(self.bucket_for(start + k))
             firsts = []
             for b, (row, key) in enumerate(zip(group, keys, strict=True), start):
-                if key in self.prefilled:
-                    self.prefilled.move_to_end(key)
+                if key in self.prefiller.kept:
+                    self.prefiller.kept.move_to_end(key)
                     budget = row.handle.request.max_tokens
-                    self.deferred.append(functools.partial(self.write, self.prefilled[key], [b], budget))
+                    self.deferred.append(functools.partial(self.write, self.prefiller.kept[key], [b], budget))
                     self.counters["prefill_cache_hits"] += 1
-                    firsts.append((row, self.prefilled[key], 0))
+                    firsts.append((row, self.prefiller.kept[key], 0))
             block = None
             if misses:
-                block = self.prefill([row for _, row in misses], width)
+                block = self.prefiller.prefill([row for _, row in misses], width)
                 self.deferred.append(functools.partial(self.write, block, [b for b, _ in misses]))
                 firsts += [(row, block, i) for i, (_, row) in enumerate(misses)]
-        if self.prefill_cache and misses:
-            self.pending_keeps += [(keys[b - start], block, i) for i, (b, _) in enumerate(misses)]
+        if self.prefiller.prefill_cache and misses:
+            self.prefiller.pending += [(keys[b - start], block, i) for i, (b, _) in enumerate(misses)]
         for b, row in enumerate(group, start):
-            self.host.set_row(b, row.prompt_ids, rows.stop_row(row.stop_ids))
+            self.host.set_row(b, row.prompt_ids, stop_row(row.stop_ids))
             self.stop_rows[b], row.slot, self.slots[b] = False, b, row
             if self.catch_up is not None:
                 self.catch_up.synced[b] = len(row.prompt_ids)
@@ -260,61 +262,6 @@ class Table:
             self.controllers[self.rows].forget((new >= start) & (new < start + k))
         self.inputs_stale = True  # placed again once, before the next chunk
         return firsts
-
-    def keep_pending(self) -> None:
-        """Keeps the rows prefilled since the last admission (rows.take_row: the row axes are
-        found here, not before a first admission's token) among the prefilled rows, the
-        least recently used dropped beyond prefill_cache."""
-        for key, block, i in self.pending_keeps:
-            self.prefilled[key] = rows.take_row_jit(block, self.axes["state"], jnp.int32(i))
-            while len(self.prefilled) > self.prefill_cache:
-                self.prefilled.popitem(last=False)
-        self.pending_keeps = []
-
-    def prefill(self, group: list[rows.Row], width: int, piece: bool = False) -> SpecState:
-        """The group's requests prefilled in one call: a state of the smallest bucket of rows
-        that holds them (row i: group[i]; the rest free), their `plain` set per request. piece:
-        a long prompt's piece (read_piece), counted apart from the requests' prefills."""
-        k = len(group)
-        batch = self.bucket_for(k)
-        inputs = rows.group_inputs(group, width, batch)
-        inputs = sharding.put(inputs, sharding.state_shardings(inputs, self.mesh, batch))
-        active = sharding.put(np.arange(batch) < k, sharding.batch_sharding(self.mesh, 1))
-        block, compile_s, prefill_s = self._run_prefill(active, inputs, group, batch, width)
-        self.counters["compile_seconds"] += compile_s
-        self.counters["prefill_seconds"] += prefill_s
-        self.counters["prefill_pieces" if piece else "prefill_calls"] += 1
-        if not piece and self.prefix is not None:
-            self.counters["prefix_cache_hit_tokens"] += sum(row.handle.cached_tokens for row in group)
-        plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
-        return block.replace(plain=jnp.asarray(plain))
-
-    def uncached(self, ids) -> int:
-        """The tokens of prompt ids past its cached prefix (0 without a prefix cache)."""
-        return 0 if self.prefix is None else len(ids) - self.prefix.cached_tokens(ids)
-
-    def read_piece(self, ids: list[int], tokens: int, width: int) -> None:
-        """A long prompt's piece: the prompt ids up to `tokens` past its cached prefix, prefilled at
-        `width` for the prefix cache alone (its blocks kept, its row dropped)."""
-        ids = list(ids[: self.prefix.cached_tokens(ids) + tokens])
-        request = Request(prompt_ids=tuple(ids), max_tokens=1, stop_ids=())
-        self.prefill([rows.Row(Handle(-1, request, len(ids)), ids, (), 0.0)], width, piece=True)
-
-    def _run_prefill(self, active, inputs, group: list[rows.Row], batch: int, width: int):
-        """runner.prefill's (state, compile seconds, prefill seconds) of the group's inputs; with the
-        prefix cache, each request read from the end of its cached prefix (its handle's
-        cached_tokens), and the blocks of its prompt kept afterwards."""
-        if self.prefix is None:
-            return self.runner.prefill(active, inputs)
-        hits = [self.prefix.lookup(row.prompt_ids) for row in group]
-        for row, hit in zip(group, hits, strict=True):
-            row.handle.cached_tokens = hit.tokens
-        blocks = jnp.asarray(self.prefix.block_table(hits, batch, width))
-        inputs = inputs.replace(prefix_blocks=sharding.put(blocks, sharding.batch_sharding(self.mesh, 2)))
-        out = self.runner.prefill(active, inputs, self.prefix.pool)
-        if group:
-            self.prefix.insert([row.prompt_ids for row in group], out[0].target_cache, batch, width)
-        return out
 
     def timed(self, fn, *args) -> None:
         """fn(*args), its device work done, timed into stats' table_seconds (the table's row
@@ -334,8 +281,8 @@ class Table:
         where[: len(slots)] = slots
         where = jnp.asarray(where)
         if (stash := self.stash()) is not None:
-            self.catch_up.stash = rows.write_rows_jit(stash, block.draft_state, self.axes["draft"], where)
+            self.catch_up.stash = row_ops.write_rows_jit(stash, block.draft_state, self.axes["draft"], where)
             block = block.replace(draft_state=())
-        self.state = rows.write_rows_jit(self.state, block, self.state_axes(), where)
+        self.state = row_ops.write_rows_jit(self.state, block, self.state_axes(), where)
         if budget is not None:
-            self.state = rows.set_budget_jit(self.state, jnp.int32(slots[0]), jnp.int32(budget))
+            self.state = row_ops.set_budget_jit(self.state, jnp.int32(slots[0]), jnp.int32(budget))

@@ -383,7 +383,7 @@ def test_models_load_of_a_gguf_carries_its_template(tmp_path, monkeypatch, legac
 def test_generate_takes_token_ids_and_says_how_to_encode_text_or_messages(prompt, what):
     """spec_jax.generate keeps one prompt form, token ids; text and messages are named, with the
     tokenizer method that encodes them."""
-    from spec_jax.request import validate
+    from spec_jax.bounds import validate
 
     target = models.random_model(vocab_size=64, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, seed=0)
     with pytest.raises(ValueError, match=f"^prompts\\[1\\] is {what}; .*encode_chat\\(messages\\)"):

@@ -14,8 +14,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
-from spec_jax import engine as engine_module
-from spec_jax import executables, rows, step_costs
+from spec_jax import chunks, executables, row_ops, step_costs
 from spec_jax.decode import layout
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -154,7 +153,7 @@ def test_a_request_is_exact_across_slot_moves_bucket_changes_and_batched_prefill
             stop_ids=(),
         )
 
-    monkeypatch.setattr(engine_module, "MAX_CHUNK", 2)  # at most 8 tokens a step: the long row lasts
+    monkeypatch.setattr(chunks, "MAX_CHUNK", 2)  # at most 8 tokens a step: the long row lasts
     engine = Engine(tiny_target, tiny_draft, max_batch=4, gamma=GAMMA, max_context=CONTEXT)
     assert engine.buckets == (1, 2, 4)
     handles = [engine.submit(request(0)), engine.submit(request(2))]
@@ -276,25 +275,25 @@ def toy_table(b: int, fill):
 
 
 def test_row_writes_moves_and_resizes_touch_every_per_row_leaf_and_keep_shared_ones():
-    """rows.batch_axes finds the row axis from two batch sizes (not from a size that happens to
+    """row_ops.batch_axes finds the row axis from two batch sizes (not from a size that happens to
     equal the batch: "per_position" has 3 entries at batch 3); write_rows, move_row and resize
     act on exactly those leaves."""
-    axes = rows.batch_axes(toy_table(3, 0), toy_table(4, 0))
+    axes = row_ops.batch_axes(toy_table(3, 0), toy_table(4, 0))
     assert axes == (1, 1, -1, -1, 0)  # tree order: cache k, v, count, per_position, tokens
     table = toy_table(3, 0)
     block = toy_table(2, 7)
-    out = rows.write_rows(table, block, axes, jnp.asarray([1, 3], jnp.int32))  # row 1 of the block dropped
+    out = row_ops.write_rows(table, block, axes, jnp.asarray([1, 3], jnp.int32))  # row 1 of the block dropped
     np.testing.assert_array_equal(out["cache"].k[:, :, 0, 0, 0], [[0, 7, 0], [0, 7, 0]])
     np.testing.assert_array_equal(out["tokens"][:, 0], [0, 7, 0])
     assert int(out["count"]) == 0
     np.testing.assert_array_equal(out["per_position"], [0, 0, 0])
-    moved = rows.move_row(out, axes, jnp.int32(1), jnp.int32(2))
+    moved = row_ops.move_row(out, axes, jnp.int32(1), jnp.int32(2))
     np.testing.assert_array_equal(moved["tokens"][:, 0], [0, 7, 7])
     np.testing.assert_array_equal(moved["cache"].v[:, :, 0, 0, 0], [[0, 7, 7], [0, 7, 7]])
-    grown = rows.resize(moved, toy_table(1, 5), axes, 5)
+    grown = row_ops.resize(moved, toy_table(1, 5), axes, 5)
     np.testing.assert_array_equal(grown["tokens"][:, 0], [0, 7, 7, 5, 5])
     assert grown["cache"].k.shape == (2, 5, 4, 1, 2) and grown["per_position"].shape == (3,)
-    shrunk = rows.resize(grown, toy_table(1, 5), axes, 2)
+    shrunk = row_ops.resize(grown, toy_table(1, 5), axes, 2)
     np.testing.assert_array_equal(shrunk["cache"].k[:, :, 0, 0, 0], [[0, 7], [0, 7]])
     assert int(shrunk["count"]) == 0
 
@@ -341,7 +340,7 @@ def test_chunks_restart_at_one_round_after_the_table_changes_and_double_while_it
     engine.submit(dataclasses.replace(long, max_tokens=30, seed=4))
     assert rounds_of_next_step() == 0
     assert [rounds_of_next_step() for _ in range(2)] == [1, 2]
-    assert engine_module.MIN_CHUNK == 1
+    assert chunks.MIN_CHUNK == 1
 
 
 def test_a_request_that_ends_at_its_first_token_finishes_in_the_step_that_admits_it(tiny_target, tiny_draft):
@@ -531,7 +530,7 @@ def test_a_row_computes_at_most_stop_chunk_rounds_past_its_stop_string(text_mode
     updates = list(engine.drain())
     assert "".join(u.text for u in updates) == text[:first]
     assert updates[-1].finish_reason == "stop"
-    assert 0 <= engine.stats()["tokens_past_stop_total"] <= engine_module.STOP_CHUNK
+    assert 0 <= engine.stats()["tokens_past_stop_total"] <= chunks.STOP_CHUNK
 
 
 def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(

@@ -109,7 +109,11 @@ SPEC_JAX_LAYERS = (
     ("drafting",),  # what proposes drafts (Drafter and every drafter)
     ("speculative",),  # the loop
     ("step_costs", "autogamma", "tree_auto", "executables"),  # measured costs, the policy, compiled programs
-    ("request", "runner", "rows"),  # one request's checks; one call's compiled programs; the engine's rows
+    # one request's checks and admission; a call's bounds; one call's compiled programs; the
+    # engine's rows on the host and their operations on device memory
+    ("request", "bounds", "runner", "rows", "row_ops"),
+    ("updates", "chunks"),  # what the engine hands back; its chunks of rounds
+    ("prefiller",),  # the engine's prefills (the prefix cache, kept rows, a long prompt's pieces)
     ("table",),  # the engine's table: the loop state over its busy rows
     ("plan",),  # what decides a run: options, the gamma policy, a call's and the engine's plan
     ("engine",),

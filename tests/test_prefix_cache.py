@@ -164,7 +164,7 @@ def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tin
     running request gets tokens between the pieces, not only after the whole prefill), then
     admitted reading its cached prefix; both requests' tokens equal each alone."""
     import spec_jax
-    from spec_jax import engine as engine_module
+    from spec_jax import prefiller
     from spec_jax.engine import Engine
     from spec_jax.request import Request
 
@@ -182,12 +182,12 @@ def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tin
         progress.append((engine.stats().get("prefill_pieces", 0), len(tokens.get(running, []))))
     pieces = progress[-1][0]
     assert pieces == -(
-        -(200 - engine_module.PREFILL_PIECE) // engine_module.PREFILL_PIECE
+        -(200 - prefiller.PREFILL_PIECE) // prefiller.PREFILL_PIECE
     )  # the last is admitted
     # between the first piece and the last the running request kept producing tokens
     during = [n for p, n in progress if 1 <= p < pieces]
     assert during and during[-1] > during[0]
-    assert late.cached_tokens >= 200 - engine_module.PREFILL_PIECE
+    assert late.cached_tokens >= 200 - prefiller.PREFILL_PIECE
     for h, (p, n, seed) in ((running, ([5, 9, 2], 250, 1)), (late, (long_prompt, 8, 2))):
         alone = spec_jax.generate(
             tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None

@@ -7,7 +7,8 @@ import pytest
 
 from launch import generate as cli
 from spec_jax import api, autogamma
-from spec_jax.request import MAX_STOP_IDS, MAX_TREE_NODES, Request, RequestError, speculation_bound
+from spec_jax.bounds import MAX_TREE_NODES, speculation_bound
+from spec_jax.request import MAX_STOP_IDS, Request, RequestError
 
 
 def test_the_defaults_are_the_command_lines():

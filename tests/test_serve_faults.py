@@ -31,7 +31,8 @@ from launch.serve_engine import EngineWorker, Metrics
 from launch.serve_schema import MAX_JSON_DEPTH, MAX_NUMBER_CHARS
 from models.tokenizer import Tokenizer
 from spec_jax.engine import Engine
-from spec_jax.request import Handle, Request, RequestError, Update, encode_prompt
+from spec_jax.request import Request, RequestError, encode_prompt
+from spec_jax.updates import Handle, Update
 
 pytestmark = pytest.mark.xdist_group("serve")
 LIMITS = Limits(max_body_bytes=64 * 1024, body_timeout_s=1.0, header_timeout_s=1.0, health_stall_s=60)

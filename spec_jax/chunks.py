@@ -1,0 +1,59 @@
+"""The engine's chunks (spec_jax.engine): how many rounds of the one compiled loop the next one
+runs (chunk_rounds), and running it over the table with its counters (run_chunk).
+
+Chunks are MIN_CHUNK rounds while requests wait or just after the table changed (a request on
+its way waits at most that), doubling to MAX_CHUNK while the table is stable; at most as many
+rounds as the busy row nearest its budget has tokens left (the slot it frees is taken at once);
+at most STOP_CHUNK while a row has stop strings (matched on the host at chunk ends); and after a
+piece of a long prompt's prefill, about as long as the piece took.
+"""
+
+import time
+
+from spec_jax.runner import auto_chunk, observed
+
+MIN_CHUNK, MAX_CHUNK = 1, 64
+# A row computes at most this many rounds past its stop string.
+STOP_CHUNK = 2
+
+
+def chunk_rounds(
+    last: int, waiting: bool, busy: list, piece_seconds: float, round_seconds: float
+) -> tuple[int, int]:
+    """(the rounds of the next chunk, the chunk length the one after it doubles from): last, the
+    last chunk's length (0 after the table changed); waiting, whether requests wait; busy, the
+    busy Rows; piece_seconds: the last piece of a long prompt (0: none since); round_seconds:
+    the last chunk's seconds per round."""
+    chunk = MIN_CHUNK if waiting or not last else min(2 * last, MAX_CHUNK)
+    if piece_seconds:  # after a piece of a long prompt: decode about as long
+        chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, piece_seconds / round_seconds)))
+    left = min(r.handle.request.max_tokens - len(r.tokens) for r in busy)
+    if any(r.handle.request.stop for r in busy):
+        left = min(left, STOP_CHUNK)
+    return max(1, min(chunk, left)), chunk
+
+
+def run_chunk(runner, controllers: dict, table, rounds: int, counters) -> float | None:
+    """`rounds` rounds of the loop over the table's state (gamma=auto's controller of its bucket
+    choosing drafting or plain rounds where controllers are given), counted into counters
+    (rounds, draft and accepted tokens, compile and decode seconds). Returns the seconds per
+    drafted round, or None where none ran or it compiled."""
+    start = time.perf_counter()
+    if not controllers:
+        table.state, compile_s, _, _ = runner.loop(table.state, rounds)
+    else:
+        before = observed(table.state)
+        table.state, _, compile_s = auto_chunk(
+            controllers[table.rows], runner, table.catch_up, table.state, before, rounds
+        )
+    after = table.counters_now()
+    drafted_rounds, drafted, accepted = (after - table.counted).tolist()
+    table.counted = after
+    decode_s = time.perf_counter() - start - compile_s
+    counters["compile_seconds"] += compile_s
+    counters["decode_seconds"] += decode_s
+    counters["chunks"] += 1
+    counters["rounds"] += drafted_rounds
+    counters["draft_tokens_total"] += drafted
+    counters["accepted_tokens_total"] += accepted
+    return decode_s / drafted_rounds if drafted_rounds and not compile_s else None
