@@ -19,26 +19,15 @@ import warnings
 
 from absl import app, flags, logging
 
-from launch.usage import (  # launch.common's names, as before: the entry points and tests use them here
-    COMPILATION_CACHE_ENV,
-    RECEIVED,
-    WRITTEN,
-    Interrupted,
-    UsageError,
-    check_output_json,
-    finite_json,
-    raise_if_interrupted,
-)
-
-__all__ = [  # the names launch.usage defines, re-exported
-    "COMPILATION_CACHE_ENV",
-    "WRITTEN",
-    "Interrupted",
-    "UsageError",
-    "check_output_json",
-    "finite_json",
-    "raise_if_interrupted",
-]
+# launch.usage's names, used here and named here as before (the entry points and tests use
+# common.UsageError, ...): the `X as X` form re-exports them.
+from launch.usage import COMPILATION_CACHE_ENV as COMPILATION_CACHE_ENV
+from launch.usage import RECEIVED, Interrupted
+from launch.usage import WRITTEN as WRITTEN
+from launch.usage import UsageError as UsageError
+from launch.usage import check_output_json as check_output_json
+from launch.usage import finite_json as finite_json
+from launch.usage import raise_if_interrupted as raise_if_interrupted
 
 flags.DEFINE_bool(
     "compilation_cache",
