@@ -42,8 +42,9 @@ EXPERIMENTS = {
     "attention": "experiments.bench_attention",
     "serve": "experiments.bench_serve",
     "profile": "experiments.bench_profile",
+    "workloads": "experiments.bench_workloads",
 }
-BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention", "serve", "profile")
+BENCHMARKS = ("loop", "overhead", "peer", "decode", "roofline", "attention", "serve", "profile", "workloads")
 
 
 def names() -> list[str]:

@@ -8,6 +8,7 @@
   python -m launch.bench --suite=attention  # the attention kernels vs the XLA reference
   python -m launch.bench --suite=serve      # launch.serve vs llama-server, concurrent streams
   python -m launch.bench --suite=profile    # a decode step's and a prefill chunk's time by kind of work
+  python -m launch.bench --suite=workloads  # by category (code, editing, quoting, summaries, chat, translation) vs llama.cpp
   python -m launch.bench --suite=peer,decode,roofline   # together: the models load once
   python -m launch.bench --suite=decode --config.gammas=3,4 --config.repeats=5
 
