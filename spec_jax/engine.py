@@ -28,7 +28,7 @@ from spec_jax.prefiller import Prefiller
 from spec_jax.prefix_cache import engine_prefix_cache
 from spec_jax.request import Admitted, Limits, Request
 from spec_jax.table import Table
-from spec_jax.updates import Handle, Update, next_update, read_rows
+from spec_jax.updates import Handle, Update, next_update, read_rows, sources
 
 NONFINITE_ERROR = "the target's logits became NaN or infinite; the output stops before them"
 # Prefilled rows kept for requests seen again (rows.prefill_key; each holds a slot's caches, about
@@ -43,15 +43,19 @@ class QueueFull(RuntimeError):
 
 
 class Engine:
-    """Serves Requests on one target (and drafter) with a table of max_batch row slots (module
-    docstring). gamma, tree: as spec_jax.generate's, for every request (one compiled loop per
-    row bucket); mesh: as generate's; max_context: tokens per slot, prompt plus new tokens
-    (default the target's context, at most spec_jax.rows.DEFAULT_CONTEXT); max_new_tokens: the
-    most a request may ask for (default max_context; spec_jax.generate's programs for the same
-    max_new_tokens and cache length are the engine's); max_queue: requests that may wait;
-    measure_costs (gamma=auto): where no costs are cached for a row bucket, measure its model
-    calls now (a minute each on the Qwen pair), or, False, start from the costs predicted from
-    the models' sizes, corrected by the rounds that run (save_rounds caches them)."""
+    """Serves Requests on one target (and drafter) with a table of max_batch row slots.
+
+    Args:
+      target, draft: models (models.load), as spec_jax.generate's; draft may be any drafter.
+      max_batch: row slots; max_queue: requests that may wait beyond them (QueueFull past it).
+      gamma, tree, mesh, verify_widths: as spec_jax.generate's, for every request.
+      max_context: tokens per slot, prompt plus new tokens (default the target's context, at
+        most spec_jax.rows.DEFAULT_CONTEXT); max_new_tokens: the most a request may ask for.
+      prefill_cache: prefilled rows kept for identical requests; prefix_cache_mb: the prefix
+        cache's size (0: off; on only where exact, spec_jax.prefix_cache).
+      measure_costs (gamma=auto): measure a row bucket's model calls where no costs are cached
+        (a minute each on the Qwen pair), or, False, start from predicted costs.
+    """
 
     def __init__(
         self,
@@ -256,19 +260,10 @@ class Engine:
         self._round_seconds = per_round or self._round_seconds
 
     def _collect(self, firsts=None) -> None:
-        """Each busy row's new tokens and text into the outbox; finished rows free their slots.
-        firsts: the rows just admitted, (row, block, index): each one's first token is read from
-        row index of the block it was prefilled in (or kept), not from the table."""
-        if firsts is None:  # (row, key of the state it is read from, its index there)
-            blocks = {0: self._table.state}
-            sources = [
-                (row, 0, b) for b, row in enumerate(self._slots[: self._table.rows]) if row is not None
-            ]
-        else:
-            blocks = {id(block): block for _, block, _ in firsts}
-            sources = [(row, id(block), i) for row, block, i in firsts]
+        """Each busy row's new tokens and text into the outbox (updates.read_rows); finished rows
+        free their slots. firsts: the rows just admitted (Table.insert's), read from their blocks."""
         now = time.perf_counter()
-        for row, reason in read_rows(sources, blocks):
+        for row, reason in read_rows(*sources(self._table.state, self._slots[: self._table.rows], firsts)):
             if row.tokens and row.first_token_at is None:
                 row.first_token_at = now
                 self._ttft.append(now - row.submitted)

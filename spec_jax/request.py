@@ -94,7 +94,7 @@ class Request:
     def validate(self) -> "Request":
         """Returns self, or raises RequestError naming the first field out of range (the
         checks that need no model)."""
-        _check_prompt(self)
+        _check_prompt(self.prompt, self.messages, self.prompt_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -119,7 +119,7 @@ class Request:
             raise RequestError(str(e).split()[0], str(e)) from None
         if not is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise RequestError("seed", f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
-        _check_stops(self)
+        _check_stops(self.stop, self.stop_ids)
         if type(self.speculate) is not bool:  # not 0 or 1
             raise RequestError("speculate", f"speculate must be true or false, got {self.speculate!r}")
         return self
@@ -152,32 +152,30 @@ class Request:
         return Admitted(self, tuple(ids), stop_ids)
 
 
-def _check_prompt(r: Request) -> None:
-    given = [name for name in ("prompt", "messages", "prompt_ids") if getattr(r, name) is not None]
+def _check_prompt(prompt, messages, prompt_ids) -> None:
+    fields = {"prompt": prompt, "messages": messages, "prompt_ids": prompt_ids}
+    given = [name for name, value in fields.items() if value is not None]
     if len(given) != 1:
         raise RequestError(
             "prompt", f"give exactly one of prompt, messages, prompt_ids (got {given or 'none'})"
         )
-    if r.prompt is not None and (not isinstance(r.prompt, str) or not r.prompt):
-        raise RequestError("prompt", f"prompt must be a non-empty string, got {r.prompt!r:.80}")
-    if r.prompt is not None:
-        _check_unicode("prompt", r.prompt)
-    if r.messages is not None:
+    if prompt is not None and (not isinstance(prompt, str) or not prompt):
+        raise RequestError("prompt", f"prompt must be a non-empty string, got {prompt!r:.80}")
+    if prompt is not None:
+        _check_unicode("prompt", prompt)
+    if messages is not None:
         try:
-            messages = validate_messages(
-                list(r.messages) if isinstance(r.messages, tuple | list) else r.messages
-            )
+            messages = validate_messages(list(messages) if isinstance(messages, tuple | list) else messages)
         except ValueError as e:
             raise RequestError("messages", f"messages: {e}") from None
         for i, m in enumerate(messages):
             for key in ("role", "content"):
                 _check_unicode(f"messages[{i}].{key}", m[key], field="messages")
-    if r.prompt_ids is not None:
-        ids = r.prompt_ids
-        if not isinstance(ids, tuple | list) or not ids or not all(is_int(i) and i >= 0 for i in ids):
-            raise RequestError(
-                "prompt_ids", "prompt_ids must be a non-empty list of token ids (integers >= 0)"
-            )
+    ids = prompt_ids
+    if ids is not None and (
+        not isinstance(ids, tuple | list) or not ids or not all(is_int(i) and i >= 0 for i in ids)
+    ):
+        raise RequestError("prompt_ids", "prompt_ids must be a non-empty list of token ids (integers >= 0)")
 
 
 def _check_unicode(name: str, text: str, field: str | None = None) -> None:
@@ -195,15 +193,13 @@ def _check_unicode(name: str, text: str, field: str | None = None) -> None:
         ) from None
 
 
-def _check_stops(r: Request) -> None:
-    stop = r.stop
+def _check_stops(stop, ids) -> None:
     if not isinstance(stop, tuple | list) or len(stop) > MAX_STOP_STRINGS:
         raise RequestError("stop", f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {stop!r}")
     if not all(isinstance(s, str) and s for s in stop):
         raise RequestError("stop", f"stop strings must be non-empty strings, got {stop!r}")
     for i, s in enumerate(stop):
         _check_unicode(f"stop[{i}]", s, field="stop")
-    ids = r.stop_ids
     if ids is None:
         return
     if (

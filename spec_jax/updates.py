@@ -64,6 +64,15 @@ def visible_text(tokenizer, tokens: list[int], stops, final: bool) -> tuple[str,
     return text.rstrip("\ufffd"), None
 
 
+def sources(state, slots: list, firsts=None) -> tuple[list[tuple[Row, int, int]], dict]:
+    """read_rows' arguments: the busy rows of slots (Row or None), each read from its row of
+    the table's state; or firsts, the rows just admitted (row, block, index), each read from
+    row index of the block it was prefilled in (or kept), not from the table."""
+    if firsts is None:
+        return [(row, 0, b) for b, row in enumerate(slots) if row is not None], {0: state}
+    return [(row, id(block), i) for row, block, i in firsts], {id(block): block for _, block, _ in firsts}
+
+
 def read_rows(sources: list[tuple[Row, int, int]], blocks: dict) -> list[tuple[Row, str | None]]:
     """Each source's row read from its state, in one fetch: sources (row, key of its state in
     blocks, its index there); sets each row's tokens (and logprobs, where its request asks) and
