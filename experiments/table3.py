@@ -37,7 +37,7 @@ import tqdm
 from experiments import common, framework, per_prompt
 from models import corpora
 from spec_jax import drafting, metrics
-from spec_jax.drafting import ngram, suffix
+from spec_jax.drafting import ngram, suffix_table
 
 TITLE = "Table 3 of Leviathan et al. (2023): alpha for n-gram and model drafts, code and news"
 NGRAM_DRAFTS = ("unigram", "bigram")
@@ -257,12 +257,12 @@ def same_width_suffix(target, data, tasks) -> dict:
     """{task: suffix (drafter, tables)} fitted on each task's training sequences, every table
     with one number of buckets so the tasks share one compiled loop."""
     vocab = target.config.vocab_size
-    fits = {t: suffix.fit_suffix_tables(data[t][0], vocab, SUFFIX_NGRAM) for t in tasks}
+    fits = {t: suffix_table.fit_suffix_tables(data[t][0], vocab, SUFFIX_NGRAM) for t in tasks}
     buckets = max(t.keys.shape[0] for t in fits.values())
     out = {}
     for task, tables in fits.items():
         if tables.keys.shape[0] != buckets:
-            tables = suffix.fit_suffix_tables(data[task][0], vocab, SUFFIX_NGRAM, num_buckets=buckets)
+            tables = suffix_table.fit_suffix_tables(data[task][0], vocab, SUFFIX_NGRAM, num_buckets=buckets)
         out[task] = drafting.build(SUFFIX, target, drafting.Settings(max_ngram=SUFFIX_NGRAM, tables=tables))
     return out
 

@@ -22,8 +22,8 @@ import orbax.checkpoint as ocp
 
 from experiments import common, framework
 from models import corpora
-from spec_jax import step_costs
-from spec_jax.drafting import head as head_drafting
+from spec_jax.autogamma import cost_cache as step_costs
+from spec_jax.drafting import trained_head as head_drafting
 from training import acceptance
 
 TITLE = "Training an acceptance head (SpecDec++) that decides the draft length"

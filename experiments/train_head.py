@@ -17,7 +17,7 @@ import jax
 import training
 from experiments import common, framework, heads
 from models import corpora
-from spec_jax.drafting import head as head_drafting
+from spec_jax.drafting import trained_head as head_drafting
 
 TITLE = "Training a draft head on the target's features (EAGLE-1 loss, AdamW, orbax checkpoints)"
 

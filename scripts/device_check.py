@@ -61,7 +61,8 @@ import models  # noqa: E402
 import spec_jax  # noqa: E402
 from models import kernels, weights  # noqa: E402
 from models.kernels import compile_targets  # noqa: E402
-from spec_jax import executables, step_costs, theory, timing  # noqa: E402
+from spec_jax import executables, theory, timing  # noqa: E402
+from spec_jax.autogamma import cost_cache as step_costs  # noqa: E402
 from spec_jax.drafting import as_drafter  # noqa: E402
 from spec_jax.drafting.lookup import PromptLookupDrafter  # noqa: E402
 

@@ -17,12 +17,13 @@ import numpy as np
 
 from spec_jax import engine as engine_lib
 from spec_jax import rows, sharding
+from spec_jax.autogamma import decode_auto
 from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.logprobs import TokenLogprobs
 from spec_jax.metrics import NONFINITE, nonfinite_rows
 from spec_jax.plan import Options, Plan, make_plan, measured, spec_static
 from spec_jax.request import encode_prompt, request_for, stop_row
-from spec_jax.runner import Runner, decode_auto
+from spec_jax.runner import Runner
 from spec_jax.sampling import row_keys
 from spec_jax.speculative import SpecState
 from spec_jax.updates import Update
@@ -180,7 +181,7 @@ def generate(target, prompts, **options) -> Generation:
         its tree_depth and tree_width: spec_jax.drafting.model.ModelDrafter) in one target call
         with a tree mask (spec_jax.tree); gamma is then not used. "auto": each chunk of rounds
         runs plain decoding, a chain of 1..8 drafts or a tree of 4, 8 or 16 nodes, whichever
-        promises the most tokens per second (spec_jax.tree_auto.TreeController); gamma is then
+        promises the most tokens per second (spec_jax.autogamma.TreeController); gamma is then
         auto, whatever it says.
       logprobs: None, or k in [0, 20]: Generation.logprobs holds each new token's
         log-probability under the target (raw: log_softmax of its logits before the warp, from

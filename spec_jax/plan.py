@@ -12,10 +12,10 @@ import jax
 import numpy as np
 
 from models.settings import is_int
-from spec_jax import autogamma, rows, sharding, step_costs, tree_auto
+from spec_jax import autogamma, rows, sharding
 from spec_jax.bounds import check_pairing, speculation_bound, validate
 from spec_jax.decode import layout, stop_id_list
-from spec_jax.drafting import Drafter, NoDrafter, as_drafter
+from spec_jax.drafting import AUTO_TREE_SIZES, Drafter, NoDrafter, as_drafter
 from spec_jax.logprobs import MAX_LOGPROBS
 from spec_jax.request import Request
 from spec_jax.runner import Runner
@@ -75,7 +75,7 @@ class GammaPolicy:
             return cls(0)
         bound, _, _ = speculation_bound(gamma, tree)
         if tree == "auto":
-            return cls(bound, auto=True, trees=autogamma.TREE_SIZES)
+            return cls(bound, auto=True, trees=AUTO_TREE_SIZES)
         # A tree round's paths are at most its node count long; with a learned stop (an
         # acceptance head), gamma=auto's gamma is its fixed cap.
         return cls(bound, auto=not tree and gamma == "auto" and drafter.stop_rejection <= 0)
@@ -196,17 +196,17 @@ def controller_for(
     cache_slots: int,
     measure: bool = True,
 ):
-    """gamma=auto's controller for an auto policy (tree_auto.TreeController where it weighs
+    """gamma=auto's controller for an auto policy (autogamma.TreeController where it weighs
     trees, else autogamma.Controller), from the costs cached for this batch and cache size
-    (step_costs.cost_entry, once per machine, pair and size buckets): where none are, measured
+    (autogamma.cost_entry, once per machine, pair and size buckets): where none are, measured
     now (measure=True: the engine), or the prior at once, calibrated by the run's own rounds
     afterwards (measure=False: generate; Controller.save_rounds, from its cost_entry)."""
-    sizes = step_costs.CostSizes(batch, cache_slots, tree_sizes=policy.trees)
-    kind = tree_auto.TreeController if policy.trees else autogamma.Controller
+    sizes = autogamma.CostSizes(batch, cache_slots, tree_sizes=policy.trees)
+    kind = autogamma.TreeController if policy.trees else autogamma.Controller
     if measure:
-        costs = step_costs.costs_for(target, drafter, draft_params, sizes)
+        costs = autogamma.costs_for(target, drafter, draft_params, sizes)
         return kind(costs, policy.gamma, batch=batch, resumable=drafter.resumable)
-    entry = step_costs.cost_entry(target, drafter, draft_params, sizes, measure_now=False)
+    entry = autogamma.cost_entry(target, drafter, draft_params, sizes, measure_now=False)
     controller = kind(entry.costs, policy.gamma, batch=batch, resumable=drafter.resumable)
     controller.cost_entry = entry
     return controller
@@ -267,7 +267,7 @@ def plan_engine(target, draft, mesh, settings: dict) -> EnginePlan:
     cache_len = max_context + policy.gamma
     controllers = {}
     if policy.auto:
-        slots = min(cache_len, step_costs.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
+        slots = min(cache_len, autogamma.COST_SLOTS)  # full slots: 14-18 GB for the Qwen pair
         found = bucket_controllers(
             target, drafter, draft_params, policy, buckets, slots, settings["measure_costs"]
         )

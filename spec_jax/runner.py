@@ -1,7 +1,7 @@
 """The compiled programs of one decoding call on its placed arguments (Runner: the prefill, the
-loop in chunks, the drafter's catch-up), and gamma=auto's host loop over them (decode_auto,
-auto_chunk, CatchUp). spec_jax.api runs one call's prompts through them; spec_jax.engine its
-table of requests.
+loop in chunks, the drafter's catch-up, a prompt's scoring). spec_jax.api runs one call's prompts
+through them and spec_jax.engine its table of requests, each with gamma=auto's host loop
+(spec_jax.autogamma: decode_auto, auto_chunk) where the gamma is auto.
 """
 
 import dataclasses
@@ -12,7 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import autogamma, sharding, timing
+from spec_jax import sharding, timing
+
+# gamma=auto's host loop moved to spec_jax.autogamma: its old names here until the engine's and
+# the table's imports name the package.
+from spec_jax.autogamma import CatchUp, auto_chunk, decode_auto, observed  # noqa: F401
 from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.drafting import NoDrafter
 from spec_jax.executables import compiled
@@ -133,100 +137,3 @@ class Runner:
         start = timing.work_clock()
         draft_state = jax.block_until_ready(fn(*args))
         return draft_state, compile_s, timing.work_clock() - start
-
-
-def observed(state: SpecState):
-    """Host copies of what gamma=auto reads between chunks: (done, generated, length, budget,
-    overlap sums, scored positions, target calls)."""
-    m = state.metrics
-    return sharding.fetch(
-        (state.out.done, state.out.num_generated, state.length, state.out.budget)
-        + (m.row_overlap_sum, m.row_overlap_count, m.target_calls)
-    )
-
-
-def decode_auto(controller: autogamma.Controller, runner: Runner, state: SpecState):
-    """gamma=auto's host loop: auto_chunk until every row is done.
-
-    Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
-    the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
-    "resume_seconds": what the catch-ups took by timing.work_clock}).
-    """
-    catch_up = CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
-    compile_s = 0.0
-    start = time.perf_counter()
-    before = observed(state)
-    while not bool(np.all(before[0])):
-        state, before, c = auto_chunk(controller, runner, catch_up, state, before)
-        compile_s += c
-    decode_s = time.perf_counter() - start - compile_s
-    return (
-        state,
-        compile_s,
-        decode_s,
-        {"gamma_schedule": controller.schedule, "resume_seconds": catch_up.seconds},
-    )
-
-
-def auto_chunk(controller, runner: Runner, catch_up: "CatchUp", state: SpecState, before, max_rounds=None):
-    """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
-    (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
-    run without the drafter, whose state waits aside (catch_up); before it drafts again it
-    catches up on the text committed meanwhile. before: observed(state). The controller sees
-    the chunk's time by work_clock. Returns (state, observed(state), compile seconds)."""
-    done, generated, length, budget = before[:4]
-    arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
-    gamma, tree = autogamma.arm_shape(arm)
-    state, c = catch_up.before_chunk(state, gamma, done, length, controller)
-    rounds = rounds if max_rounds is None else min(rounds, max_rounds)
-    state, c_loop, _, seconds = runner.loop(state, rounds, gamma, tree)
-    after = observed(state)
-    controller.observe(
-        autogamma.Chunk(
-            gamma=gamma,
-            rounds=int(after[6] - before[6]),
-            seconds=seconds,
-            active_b=~done,
-            committed_b=after[1] - generated,
-            overlap_b=after[4] - before[4],
-            scored_b=after[5] - before[5],
-            remaining_b=np.where(after[0], 0, after[3] - after[1]),
-            tree=tree,
-        )
-    )
-    if gamma:  # its last round began at most gamma + 1 tokens back
-        catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
-    return state, after, c + c_loop
-
-
-@dataclasses.dataclass
-class CatchUp:
-    """The drafter's state while plain chunks run without it (stash), and the text it follows:
-    every row's committed tokens below `synced` (at prefill: the prompt)."""
-
-    runner: Runner
-    synced: np.ndarray
-    stash: Any = None
-    seconds: float = 0.0  # work_clock seconds of the catch-ups
-
-    def before_chunk(self, state: SpecState, gamma: int, done, length, controller):
-        """(the state a chunk of gamma starts from, compile seconds): a plain chunk sets the
-        drafter's state aside; a drafting chunk after plain ones catches it up first."""
-        if gamma == 0 and self.stash is None:
-            self.stash, state = state.draft_state, state.replace(draft_state=())
-        if not gamma or self.stash is None:
-            return state, 0.0
-        # The drafter catches up on the last RESUME_WINDOW positions at most: a model drafter's
-        # cache then holds stale entries before them, which changes its drafts and acceptance
-        # but never the output (the rule is exact for any draft).
-        self.synced = np.maximum(self.synced, length - 2 - autogamma.RESUME_WINDOW)
-        gap = int(np.max(np.where(done, 0, length - 2 - self.synced), initial=0))
-        compile_s = 0.0
-        if gap > 0:
-            width = min(autogamma.RESUME_WIDTH, 1 << (gap - 1).bit_length())
-            self.stash, compile_s, seconds = self.runner.resume(self.stash, state, self.synced, width)
-            self.seconds += seconds
-            controller.observe_resume(seconds, -(-gap // width))
-        state, self.stash = state.replace(draft_state=self.stash), None
-        return state, compile_s

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import draft_head
 from models.transformer import forward, init_cache
 from spec_jax.sampling import warp
 
@@ -74,16 +73,6 @@ def tree_bytes(tree) -> int:
     return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def model_key(config) -> dict:
-    """What a call of the model of `config` costs depends on (part of the key measured costs are
-    cached under: spec_jax.step_costs, and the drafters' Drafter.cost_key)."""
-    return {
-        k: getattr(config, k)
-        for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
-        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
-    }
-
-
 def model_call(model, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1, head=None):
     """A zero-argument function timing what the loops' model calls cost, nothing else.
 
@@ -129,7 +118,7 @@ def _runner(calls, params, new_cache):
 def _repeated(one_call, *, batch: int, widths, cache_slots: int, out_width: int, sampling, repeat: int):
     """calls(params, cache) -> (cache, logits [B, out_width] of the last call): `repeat` times,
     each width in turn at the next positions from half the cache; one_call(params, cache,
-    width, positions [B, width]) -> (logits [B, width or 1, out_width], cache)."""
+    positions [B, width]) -> (logits [B, width or 1, out_width], cache)."""
     widths = tuple(int(w) for w in widths)
     start = cache_slots // 2
     if start + sum(widths) > cache_slots:
@@ -141,7 +130,7 @@ def _repeated(one_call, *, batch: int, widths, cache_slots: int, out_width: int,
             position = start
             for width in widths:
                 positions = jnp.broadcast_to(position + jnp.arange(width, dtype=jnp.int32), (batch, width))
-                logits, cache = one_call(params, cache, width, positions)
+                logits, cache = one_call(params, cache, positions)
                 logits = logits if sampling is None else warp(logits, sampling)
                 position += width
             return cache, logits[:, -1]
@@ -156,8 +145,8 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
     """The pure function model_call times: calls(params, cache) -> (cache, logits of the last
     call [B, V]) (see model_call for what it runs); jit it with the cache donated."""
 
-    def one_call(params, cache, width, positions):
-        out = forward(config, params, jnp.ones((batch, width), jnp.int32), positions, cache, head=head)
+    def one_call(params, cache, positions):
+        out = forward(config, params, jnp.ones(positions.shape, jnp.int32), positions, cache, head=head)
         return out.logits, out.cache
 
     vocab = config.vocab_size if head is None else head.shape[0]
@@ -172,29 +161,30 @@ def model_calls(config, *, batch: int, widths, cache_slots: int, sampling=None, 
     )
 
 
-def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
-    """model_call for a draft head (spec_jax.drafting.head.HeadDrafter with its HeadParams): each
-    call feeds widths[i] (feature, token) pairs per row through the head, and its last output
-    through the (trimmed) output head: [1] a drafting step, [g + 1] the observe call of a round
-    and its first draft. Same contract as model_call."""
-    cfg = drafter.config
-
-    def one_call(params, cache, width, positions):
-        feats = jnp.ones((batch, width, cfg.d_model), cfg.jnp_dtype)
-        tokens = jnp.ones((batch, width), jnp.int32)
-        hidden, cache = draft_head.forward(cfg, params.head, feats, tokens, positions, cache, params.embed)
-        return draft_head.logits(hidden[:, -1:], params.out.weight, cfg), cache
-
+def call_runner(timed, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
+    """model_call for a call described as data (a drafter's spec_jax.drafting.TimedCall: its
+    call, the arrays it reads, its cache and its logits' width): same contract. gamma=auto times
+    a drafter's calls with it."""
     calls = _repeated(
-        one_call,
+        timed.call,
         batch=batch,
         widths=widths,
         cache_slots=cache_slots,
-        out_width=params.out.weight.shape[0],
+        out_width=timed.out_width,
         sampling=sampling,
         repeat=repeat,
     )
-    return _runner(calls, params, lambda: draft_head.new_cache(cfg, batch, cache_slots))
+    return _runner(calls, timed.params, lambda: timed.new_cache(batch, cache_slots))
+
+
+def head_call(drafter, params, *, batch: int, widths, cache_slots: int, sampling=None, repeat: int = 1):
+    """call_runner of a drafter's own model call (Drafter.timed_call; a draft head's, fed
+    widths[i] (feature, token) pairs per row: [1] a drafting step, [g + 1] the observe call of a
+    round and its first draft). Same contract as model_call."""
+    timed = drafter.timed_call(params)
+    return call_runner(
+        timed, batch=batch, widths=widths, cache_slots=cache_slots, sampling=sampling, repeat=repeat
+    )
 
 
 def measure_bandwidth(megabytes: int, repeats: int) -> list[dict]:

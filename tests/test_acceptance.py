@@ -12,8 +12,9 @@ from test_head import cycle_head, random_head
 from test_ngram import cycle_following_target
 
 import spec_jax
-from spec_jax.drafting.head import HeadDrafter, head_params
-from spec_jax.step_costs import Costs
+from spec_jax.autogamma.costs import Costs
+from spec_jax.drafting.head import HeadDrafter
+from spec_jax.drafting.trained_head import head_params
 from training import acceptance
 
 VOCAB, GAMMA = 16, 6

@@ -16,7 +16,8 @@ from conftest import apply, perturbed
 
 import models
 import spec_jax
-from spec_jax import autogamma, step_costs
+from spec_jax.autogamma import controller as autogamma
+from spec_jax.autogamma import cost_cache as step_costs
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.speculative import committed_text
@@ -364,8 +365,8 @@ def scripted(monkeypatch):
     """generate(gamma="auto") with fixed costs (a cheap draft: gamma 1-4 pay at high acceptance)
     and Scripted chunk times; returns the Scripted class to adjust."""
     fixed = costs(draft=0.05, verify_slope=0.2, resume=0.5)
-    monkeypatch.setattr(step_costs, "cost_entry", lambda *a, **k: fixed_entry(fixed))
-    monkeypatch.setattr(autogamma, "Controller", Scripted)
+    monkeypatch.setattr(spec_jax.autogamma, "cost_entry", lambda *a, **k: fixed_entry(fixed))
+    monkeypatch.setattr(spec_jax.autogamma, "Controller", Scripted)
     monkeypatch.setattr(Scripted, "extra", 0.0)
     return Scripted
 

@@ -12,10 +12,11 @@ from conftest import perturbed
 
 import models
 import spec_jax
-from spec_jax import autogamma, step_costs, timing
+from spec_jax import autogamma, timing
+from spec_jax.autogamma import cost_cache as step_costs
+from spec_jax.autogamma.cost_cache import CostSizes
 from spec_jax.drafting import NoDrafter, as_drafter
 from spec_jax.drafting.model import ModelDrafter
-from spec_jax.step_costs import CostSizes
 
 PROMPTS = [[5, 9, 2], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 

@@ -18,7 +18,8 @@ import pytest
 
 import models
 import spec_jax
-from spec_jax import drafting, step_costs
+from spec_jax import drafting
+from spec_jax.autogamma import cost_cache as step_costs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13, 14, 15, 16]]
@@ -69,7 +70,7 @@ def test_gamma_auto_measures_and_keys_a_new_drafters_costs_by_its_hooks(tmp_path
     drafter, params = toy_draft(target)
     sizes = step_costs.CostSizes(batch=1, cache_slots=32, gamma_max=2)
     costs = step_costs.costs_for(target, drafter, params, sizes, cache_dir=tmp_path)
-    assert costs.draft1 == costs.draft2 == costs.resume == 0.0  # no cost_calls: free
+    assert costs.draft1 == costs.draft2 == costs.resume == 0.0  # no timed_call: free
     assert len(costs.verify) == 3 and costs.step_seconds > 0
     (saved,) = (tmp_path / "costs").glob("*.json")
     assert json.loads(saved.read_text())["key"]["draft"] == {"table": 64}
@@ -112,9 +113,11 @@ CALLERS = (
     "spec_jax/api.py",
     "spec_jax/runner.py",
     "spec_jax/sharding.py",
-    "spec_jax/autogamma.py",
-    "spec_jax/tree_auto.py",
-    "spec_jax/step_costs.py",
+    "spec_jax/autogamma/controller.py",
+    "spec_jax/autogamma/trees.py",
+    "spec_jax/autogamma/costs.py",
+    "spec_jax/autogamma/cost_cache.py",
+    "spec_jax/autogamma/chunking.py",
 )
 
 

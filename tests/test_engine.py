@@ -14,7 +14,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
-from spec_jax import chunks, executables, row_ops, step_costs
+from spec_jax import autogamma, chunks, executables, row_ops
 from spec_jax.decode import layout
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -539,13 +539,13 @@ def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
     """gamma=auto on the table (costs fixed, drafting cheap): chunks switch between plain
     decoding (the drafter's states set aside, new rows' states written there) and drafting
     (caught up first); every greedy request still equals itself alone."""
-    cheap = step_costs.Costs(
+    cheap = autogamma.Costs(
         step_seconds=0.01,
         draft1=0.01,
         draft2=0.01,
         verify=(1.0,) + tuple(1.0 + 0.02 * g for g in range(1, 9)),
     )
-    monkeypatch.setattr(step_costs, "costs_for", lambda *a, **k: cheap)
+    monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: cheap)
     requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:6]]
     engine = Engine(tiny_target, tiny_draft, max_batch=3, gamma="auto", max_context=CONTEXT)
     tokens, reasons, handles = run_staggered(engine, requests, [0, 0, 1, 2, 3, 3])
@@ -560,8 +560,8 @@ def test_a_draft_that_would_never_pay_is_dropped_and_prefills_nothing(tiny_targe
     """gamma=auto with costs under which drafting loses even at a good draft's acceptance: the
     engine decodes plainly without the drafter (as spec_jax.generate does), so no prefill or
     slot carries the draft model's state, and each request equals plain decoding alone."""
-    expensive = step_costs.Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=(1.0,) + (2.0,) * 8)
-    monkeypatch.setattr(step_costs, "costs_for", lambda *a, **k: expensive)
+    expensive = autogamma.Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=(1.0,) + (2.0,) * 8)
+    monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: expensive)
     engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma="auto", max_context=CONTEXT)
     assert not engine.drafts
     assert jax.tree.leaves(engine._runner.draft_params) == []

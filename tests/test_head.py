@@ -16,7 +16,8 @@ import models
 import spec_jax
 from models import draft_head
 from models.transformer import init_params
-from spec_jax.drafting.head import HeadDrafter, head_params
+from spec_jax.drafting.head import HeadDrafter
+from spec_jax.drafting.trained_head import head_params
 
 PROMPTS = [[5, 9, 2], [1], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 MAX_NEW = 13

@@ -108,7 +108,7 @@ SPEC_JAX_LAYERS = (
     ("prefix_cache",),  # prompt prefixes' keys and values, kept in blocks (decode reads them)
     ("drafting",),  # what proposes drafts (Drafter and every drafter)
     ("speculative",),  # the loop
-    ("step_costs", "autogamma", "tree_auto", "executables"),  # measured costs, the policy, compiled programs
+    ("autogamma", "executables"),  # gamma=auto (its costs, controllers and chunking); compiled programs
     # one request's checks and admission; a call's bounds; one call's compiled programs; the
     # engine's rows on the host and their operations on device memory
     ("request", "bounds", "runner", "rows", "row_ops"),
@@ -168,10 +168,10 @@ def test_spec_jax_modules_import_only_their_own_layer_or_below():
 
 def test_the_order_check_finds_a_drafter_importing_the_policy_and_the_loop_importing_executables(tmp_path):
     (tmp_path / "spec_jax" / "drafting").mkdir(parents=True)
-    for name in ("sampling", "step_costs", "executables", "api"):
+    for name in ("sampling", "autogamma", "executables", "api"):
         (tmp_path / "spec_jax" / f"{name}.py").write_text("from spec_jax import sampling\n")
     (tmp_path / "spec_jax" / "drafting" / "base.py").write_text(
-        "def f():\n    from spec_jax import step_costs\n"
+        "def f():\n    from spec_jax import autogamma\n"
     )
     (tmp_path / "spec_jax" / "drafting" / "ok.py").write_text("from spec_jax.sampling import warp\n")
     (tmp_path / "spec_jax" / "speculative.py").write_text(
@@ -179,7 +179,7 @@ def test_the_order_check_finds_a_drafter_importing_the_policy_and_the_loop_impor
     )
     (tmp_path / "spec_jax" / "unplaced.py").write_text("")
     assert spec_jax_order_offenders(tmp_path) == {
-        "spec_jax/drafting/base.py": ["spec_jax.step_costs"],
+        "spec_jax/drafting/base.py": ["spec_jax.autogamma"],
         "spec_jax/speculative.py": ["spec_jax.api", "spec_jax.executables"],
         "spec_jax/unplaced.py": ["no layer"],
     }
@@ -530,3 +530,44 @@ def test_the_generate_size_check_finds_a_long_file(tmp_path):
     assert generate_over(tmp_path) is None
     (tmp_path / "launch" / "generate.py").write_text("x = 1\n" * (LAUNCH_GENERATE_MAX_LINES + 1))
     assert generate_over(tmp_path) == LAUNCH_GENERATE_MAX_LINES + 1
+
+
+# Drafters say what gamma=auto times (Drafter.timed_call: their model call as data) and import
+# nothing of gamma=auto or of the timing helpers: spec_jax.autogamma times and prices their calls.
+COST_SIDE = ("spec_jax.autogamma", "spec_jax.timing")
+
+
+def drafting_cost_imports(root: pathlib.Path) -> dict[str, list[str]]:
+    """{file: the modules of gamma=auto or timing it imports (function bodies too)} over
+    spec_jax/drafting/."""
+    found = {}
+    for path in sorted((root / "spec_jax" / "drafting").rglob("*.py")):
+        names = spec_jax_imports(path, root) | imported_modules(path)
+        bad = sorted(m for m in names if any(m == c or m.startswith(c + ".") for c in COST_SIDE))
+        if bad:
+            found[str(path.relative_to(root))] = bad
+    return found
+
+
+def test_no_drafter_imports_gamma_auto_or_timing():
+    offenders = drafting_cost_imports(ROOT)
+    assert not offenders, (
+        f"drafters importing gamma=auto or timing (describe the call: timed_call): {offenders}"
+    )
+
+
+def test_the_drafter_check_finds_a_drafter_that_times_its_own_call(tmp_path):
+    drafting = tmp_path / "spec_jax" / "drafting"
+    (drafting / "sub").mkdir(parents=True)
+    (tmp_path / "spec_jax" / "autogamma").mkdir()
+    (tmp_path / "spec_jax" / "autogamma" / "costs.py").write_text("")
+    (tmp_path / "spec_jax" / "timing.py").write_text("")
+    (drafting / "model.py").write_text("from spec_jax import sharding, timing\n")
+    (drafting / "head.py").write_text("def f():\n    from spec_jax.autogamma import costs\n")
+    (drafting / "sub" / "x.py").write_text("import spec_jax.autogamma\n")
+    (drafting / "ok.py").write_text("from spec_jax.drafting.base import TimedCall\nimport timing_lib\n")
+    assert drafting_cost_imports(tmp_path) == {
+        "spec_jax/drafting/head.py": ["spec_jax.autogamma", "spec_jax.autogamma.costs"],
+        "spec_jax/drafting/model.py": ["spec_jax.timing"],
+        "spec_jax/drafting/sub/x.py": ["spec_jax.autogamma"],
+    }

@@ -11,7 +11,7 @@ import pytest
 from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
 from spec_jax import drafting, executables, speculative, verify
-from spec_jax.drafting import hybrid, lookup, suffix
+from spec_jax.drafting import hybrid, lookup, suffix, suffix_table
 
 THRESHOLD = 0.25  # the V = 8 draft's top probability straddles this: rows draft 0, 1 or 2
 
@@ -129,7 +129,7 @@ def suffix_tables():
         for _ in range(30):
             s.append(int(rng.choice(8, p=transition[s[-1]])))
         seqs.append(s)
-    return suffix.fit_suffix_tables(seqs, 8, max_ngram=2, slots=4)
+    return suffix_table.fit_suffix_tables(seqs, 8, max_ngram=2, slots=4)
 
 
 def test_suffix_drafting_matches_target_distribution_exactly(pair):  # noqa: F811

@@ -6,9 +6,9 @@ call again, 150 s before the first token), and measuring is announced in one lin
 import pytest
 
 import models
-from spec_jax import step_costs
+from spec_jax.autogamma import cost_cache as step_costs
+from spec_jax.autogamma.cost_cache import CostSizes
 from spec_jax.drafting import NoDrafter
-from spec_jax.step_costs import CostSizes
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 
 from models import settings
 from spec_jax import sampling
-from spec_jax.drafting import lookup, ngram, suffix
+from spec_jax.drafting import lookup, ngram, suffix_table
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,10 @@ def test_a_setting_out_of_range_gets_one_line_naming_the_key_and_its_range():
     "call, message",
     [
         (lambda: sampling.validate_sampling(1.0, True, 1.0), "top_k must be an integer"),
-        (lambda: suffix.fit_suffix_tables([[1, 2, 3]], 4, max_ngram=True), "max_ngram must be an integer"),
+        (
+            lambda: suffix_table.fit_suffix_tables([[1, 2, 3]], 4, max_ngram=True),
+            "max_ngram must be an integer",
+        ),
         (lambda: ngram.most_frequent([[1, 2, 3]], 4, True), "count must be an integer"),
         (lambda: lookup.PromptLookupDrafter(8, max_ngram=True), "max_ngram must be an integer"),
     ],

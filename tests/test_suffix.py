@@ -11,7 +11,7 @@ from test_speculative import MAX_NEW, PROMPTS
 
 import spec_jax
 from spec_jax import drafting
-from spec_jax.drafting import suffix
+from spec_jax.drafting import suffix, suffix_table
 from spec_jax.sampling import SamplingParams
 
 GAMMA = 4
@@ -29,7 +29,7 @@ def by_hand(seqs, max_ngram):
 
 def corpus_lookup(tables, context, max_ngram):
     buffer = jnp.asarray([list(context) + [0] * 3], jnp.int32)  # garbage past the length
-    ngram, ids, counts = suffix.corpus_counts(tables, buffer, jnp.asarray([len(context)]), max_ngram)
+    ngram, ids, counts = suffix_table.corpus_counts(tables, buffer, jnp.asarray([len(context)]), max_ngram)
     return int(ngram[0]), [(int(i), int(c)) for i, c in zip(ids[0], counts[0], strict=True) if c > 0]
 
 
@@ -40,7 +40,7 @@ def random_sequences(seed, vocab=6, num=30):
 
 def test_the_table_holds_each_frequent_ngrams_top_successors_exactly():
     seqs = random_sequences(0)
-    tables = suffix.fit_suffix_tables(seqs, 6, 3, slots=3, min_count=2, num_buckets=2**16)
+    tables = suffix_table.fit_suffix_tables(seqs, 6, 3, slots=3, min_count=2, num_buckets=2**16)
     checked = 0
     for context, nxt in by_hand(seqs, 3).items():
         ngram, got = corpus_lookup(tables, context, len(context))
@@ -55,7 +55,7 @@ def test_the_table_holds_each_frequent_ngrams_top_successors_exactly():
 
 def test_where_ngrams_share_a_bucket_the_most_frequent_keeps_it_and_others_never_match_wrongly():
     seqs = random_sequences(1)
-    tables = suffix.fit_suffix_tables(seqs, 6, 2, slots=2, min_count=1, num_buckets=4)
+    tables = suffix_table.fit_suffix_tables(seqs, 6, 2, slots=2, min_count=1, num_buckets=4)
     counts = by_hand(seqs, 2)
     assert int(np.sum(np.asarray(tables.next_counts)[:, 0] > 0)) == 4, "every bucket is taken"
     for context in counts:
@@ -112,9 +112,9 @@ def test_bad_settings_are_refused(tiny_target):
     with pytest.raises(ValueError, match="max_ngram must be an integer in"):
         suffix.SuffixDrafter(64, max_ngram=0)
     with pytest.raises(ValueError, match="num_buckets must be a power of two"):
-        suffix.fit_suffix_tables([[1, 2, 3]], 64, 2, num_buckets=3)
+        suffix_table.fit_suffix_tables([[1, 2, 3]], 64, 2, num_buckets=3)
     with pytest.raises(ValueError, match="token ids in"):
-        suffix.fit_suffix_tables([[1, 2, 64]], 64, 2)
+        suffix_table.fit_suffix_tables([[1, 2, 64]], 64, 2)
     with pytest.raises(ValueError, match="tables must be"):
         drafting.build("suffix", tiny_target, drafting.Settings(tables={"keys": 1}))
 
@@ -133,7 +133,7 @@ def test_greedy_output_equals_autoregressive_on_a_ragged_batch(
 ):
     # a session's earlier outputs: the same prompts decoded before, one token shifted
     earlier = [p + out[:-1] for p, out in zip(PROMPTS, greedy_ar, strict=True)]
-    tables = suffix.fit_suffix_tables(earlier, 64, 3, min_count=1) if with_tables else None
+    tables = suffix_table.fit_suffix_tables(earlier, 64, 3, min_count=1) if with_tables else None
     draft = drafting.build(
         "suffix", tiny_target, drafting.Settings(max_ngram=3, threshold=threshold, tables=tables)
     )

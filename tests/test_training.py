@@ -202,7 +202,7 @@ def test_an_acceptance_head_trains_for_a_draft_head_and_loads_with_it_only(tmp_p
     """The quick experiments end to end: a draft head, then its acceptance head (logged rounds,
     classifier, threshold), loaded as one drafter; retraining the draft head invalidates it."""
     from experiments import common, framework
-    from spec_jax.drafting import head as heads
+    from spec_jax.drafting import trained_head as heads
 
     workdir = str(tmp_path / "head")
     framework.run_experiment(

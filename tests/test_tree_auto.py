@@ -16,16 +16,20 @@ import pytest
 from conftest import cli_case
 
 import spec_jax
-from spec_jax import autogamma, step_costs, theory, tree_auto
+from spec_jax import theory
 from spec_jax import tree as tree_lib
+from spec_jax.autogamma import controller as autogamma
+from spec_jax.autogamma import cost_cache as step_costs
+from spec_jax.autogamma import trees as tree_auto
+from spec_jax.drafting import AUTO_GAMMA_MAX, AUTO_TREE_SIZES
 from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
 
 PROMPTS = [[5, 9, 2], [7, 7, 3, 8, 11, 4, 6, 2, 9, 10]]
 NEW = 64
-SIZES = autogamma.TREE_SIZES
+SIZES = AUTO_TREE_SIZES
 
 
-def costs(tree_verify, chain_slope=0.02, gamma_max=autogamma.GAMMA_MAX):
+def costs(tree_verify, chain_slope=0.02, gamma_max=AUTO_GAMMA_MAX):
     """A drafter without a model (drafting is free): chain verify calls 1 + slope * g target
     steps, tree verify calls as given ({N: steps})."""
     return step_costs.Costs(
@@ -119,12 +123,12 @@ def oracle_params(plain_gen):
 @pytest.fixture
 def scripted(monkeypatch):
     """generate(tree="auto") with the costs set by set_costs and TreeScripted chunk times."""
-    monkeypatch.setattr(tree_auto, "TreeController", TreeScripted)
+    monkeypatch.setattr(spec_jax.autogamma, "TreeController", TreeScripted)
     monkeypatch.setattr(TreeScripted, "actual", {})
 
     def set_costs(fixed, actual=None):
         entry = step_costs.CostEntry(fixed, "measured", pathlib.Path("unused.json"), {}, fixed)
-        monkeypatch.setattr(step_costs, "cost_entry", lambda *a, **k: entry)
+        monkeypatch.setattr(spec_jax.autogamma, "cost_entry", lambda *a, **k: entry)
         monkeypatch.setattr(TreeScripted, "actual", actual or {})
 
     return set_costs
@@ -203,7 +207,7 @@ def test_a_drafter_that_never_matches_decodes_plainly(tiny_target, plain, script
 def test_an_untried_tree_runs_only_when_its_prior_beats_the_best_arm():
     """The prior 1 + TREE_BONUS * (E(alpha, N) - 1): at alpha 0 a tree promises plain
     decoding's one token; at a good alpha with a cheap verify it beats the chains."""
-    controller = tree_auto.TreeController(costs(CHEAP), autogamma.GAMMA_MAX)
+    controller = tree_auto.TreeController(costs(CHEAP), AUTO_GAMMA_MAX)
     controller.overlap, controller.weight = np.zeros(1), np.full(1, 100.0)  # alpha 0
     assert controller.tree_yields(8) == pytest.approx([1.0])
     controller.overlap = np.full(1, 80.0)  # alpha 0.8
@@ -212,7 +216,7 @@ def test_an_untried_tree_runs_only_when_its_prior_beats_the_best_arm():
     end = np.full(1, autogamma.END)
     chains = controller.rates(controller.alphas(), end)
     assert controller.tree_rate(8, end) > autogamma.SWITCH_GAIN * chains.max()
-    costly = tree_auto.TreeController(costs(EXPENSIVE), autogamma.GAMMA_MAX)
+    costly = tree_auto.TreeController(costs(EXPENSIVE), AUTO_GAMMA_MAX)
     costly.overlap, costly.weight = controller.overlap, controller.weight
     assert max(costly.tree_rate(n, end) for n in SIZES) < costly.rates(costly.alphas(), end).max()
 
@@ -241,7 +245,7 @@ def test_tree_auto_measures_the_tree_widths_under_its_own_key(tiny_target, tmp_p
     assert calls == [(), SIZES]  # two keys, each measured once
     assert len(list((tmp_path / "costs").glob("*.json"))) == 2
     with pytest.raises(ValueError, match="tree_verify is for trees of"):
-        step_costs.checked_costs(dataclasses.asdict(costs(CHEAP)), autogamma.GAMMA_MAX, (4, 8))
+        step_costs.checked_costs(dataclasses.asdict(costs(CHEAP)), AUTO_GAMMA_MAX, (4, 8))
 
 
 def test_measure_times_the_verify_call_of_each_tree_size(tiny_target):

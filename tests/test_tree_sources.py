@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_jax.drafting import lookup, suffix
+from spec_jax.drafting import lookup, suffix, suffix_table
 from spec_jax.sampling import SamplingParams
 from spec_jax.tree import ROOT, Tree, chain, verify_tree
 
@@ -357,7 +357,7 @@ def test_with_one_successor_everywhere_the_suffix_tree_is_the_greedy_chain():
 
 
 def test_the_suffix_tree_reads_the_corpus_table_where_the_row_has_no_match():
-    tables = suffix.fit_suffix_tables([[7, 8, 1, 7, 8, 2]], V, max_ngram=2, min_count=1)
+    tables = suffix_table.fit_suffix_tables([[7, 8, 1, 7, 8, 2]], V, max_ngram=2, min_count=1)
     row = [4, 5, 7, 8]  # "7 8" never occurred in the row: the table's 1 and 2 (once each)
     tree, _ = propose_tree(suffix.SuffixDrafter(V, max_ngram=2), [row], [4], nodes=2, params=tables)
     assert tree.tokens[0].tolist() == [1, 2] and tree.parents[0].tolist() == [ROOT, ROOT]

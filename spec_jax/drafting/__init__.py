@@ -4,6 +4,9 @@ MeshPlacement, CostMeasurement), one module per drafter, and `build(kind, target
 the one place drafters are made (spec_jax.drafting.build)."""
 
 from spec_jax.drafting.base import (
+    AUTO_GAMMA_MAX,
+    AUTO_TREE_MAX,
+    AUTO_TREE_SIZES,
     UNBOUNDED_CONTEXT,
     CostMeasurement,
     Drafter,
@@ -11,6 +14,7 @@ from spec_jax.drafting.base import (
     Proposal,
     Resumption,
     TargetFeatures,
+    TimedCall,
     TreeDrafting,
     TreeProposal,
     check_gamma,
@@ -19,6 +23,9 @@ from spec_jax.drafting.build import DRAFTERS, Settings, as_drafter, build
 from spec_jax.drafting.none import NoDrafter
 
 __all__ = [
+    "AUTO_GAMMA_MAX",
+    "AUTO_TREE_MAX",
+    "AUTO_TREE_SIZES",
     "DRAFTERS",
     "UNBOUNDED_CONTEXT",
     "CostMeasurement",
@@ -28,6 +35,7 @@ __all__ = [
     "Proposal",
     "Resumption",
     "TargetFeatures",
+    "TimedCall",
     "TreeDrafting",
     "TreeProposal",
     "Settings",

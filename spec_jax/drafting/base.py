@@ -27,6 +27,7 @@ per source.
 """
 
 import abc
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -38,6 +39,12 @@ from spec_jax.sampling import RowSampling
 
 # Drafters without a model (n-gram tables, prompt lookup, suffix) can read any context length.
 UNBOUNDED_CONTEXT = 2**31 - 1
+# The most a round drafts where gamma=auto or tree="auto" chooses (spec_jax.autogamma's arms:
+# chains of 1..AUTO_GAMMA_MAX drafts, trees of AUTO_TREE_SIZES node slots): what check_gamma is
+# given for "auto" (the request's speculation bound).
+AUTO_GAMMA_MAX = 8
+AUTO_TREE_SIZES = (4, 8, 16)
+AUTO_TREE_MAX = max(AUTO_GAMMA_MAX, *AUTO_TREE_SIZES)
 
 
 class Proposal(NamedTuple):
@@ -103,7 +110,7 @@ class TargetFeatures:
 
 class Resumption:
     """Optional: catching up on text committed without the drafter. gamma=auto runs plain chunks
-    (gamma 0, no drafter) between drafting chunks; before drafting again, spec_jax.runner's
+    (gamma 0, no drafter) between drafting chunks; before drafting again, spec_jax.autogamma's
     CatchUp calls `resume` of a resumable drafter. Default: not resumable, so gamma=auto makes
     plain decoding final for the call once it chose it (a draft head, which would need the
     target's features of the text it missed)."""
@@ -137,25 +144,44 @@ class MeshPlacement:
         return jax.tree.map(lambda _: sharding.replicated(mesh), params)
 
 
-class CostMeasurement:
-    """Optional: what gamma=auto times (spec_jax.step_costs.measure runs cost_calls; costs_for
-    caches the costs under a key that holds cost_key; prior_costs reads call_bytes). Default: no
-    calls (a drafter without a model drafts for free), keyed by the class name."""
+class TimedCall(NamedTuple):
+    """A drafter's model call as data, for gamma=auto to time and price (CostMeasurement.timed_call):
+    spec_jax.autogamma compiles `call` over W tokens per row at the next positions of a cache about
+    half full, times it, keys the times by `config` and `key`, and prices the call by the bytes of
+    `params` before anything is timed. The drafter says what runs; it times nothing itself."""
 
-    def cost_calls(self, params: Any, widths, *, batch: int, cache_slots: int, repeat: int) -> dict:
-        """{width: a timing.model_call-style runner of the drafter's call over `width` tokens per
-        row} for the widths it has a call of; the rest cost nothing. Default: {}."""
-        return {}
+    config: Any  # models.config.ModelConfig of the model called (the cost's key holds it)
+    params: Any  # the arrays one call reads (what `call` takes; their bytes price it)
+    call: Callable  # call(params, cache, positions [B, W]) -> (logits [B, W or 1, R], cache)
+    new_cache: Callable  # new_cache(batch, slots) -> the empty cache `call` runs on
+    out_width: int  # R: the rows of the output head the logits are over
+    widths: tuple[int, ...] | None = None  # the widths it has a call of (None: any)
+    key: dict = {}  # what else the cost depends on (a trimmed head's rows), in the cost's key
+
+
+class CostMeasurement:
+    """Optional: what gamma=auto times and prices (spec_jax.autogamma measures `timed_call`, keys
+    the cached costs by it or by cost_key, and prices the drafter's calls by call_bytes before any
+    are measured). Default: no call (a drafter without a model drafts for free), keyed by the
+    class name."""
+
+    def timed_call(self, params: Any) -> TimedCall | None:
+        """The drafter's model call as data (TimedCall), or None: it calls no model.
+        Default: None."""
+        return None
 
     def cost_key(self, params: Any):
-        """What the measured costs depend on (part of their cache key; timing.model_key for a
-        model). Default: the class name."""
+        """What the costs of a drafter without a timed call depend on (part of their cache key;
+        one with a timed call is keyed by its model's config and TimedCall.key). Default: the
+        class name."""
         return type(self).__name__
 
     def call_bytes(self, params: Any) -> int:
-        """Bytes of weights one of its calls reads: what spec_jax.step_costs.prior_costs prices
-        its calls by (over the target's) before any are measured. Default: 0 (no calls)."""
-        return 0
+        """Bytes of weights one of its calls reads: what gamma=auto's prior prices its calls by
+        (over the target's) before any are measured. Default: the bytes of timed_call's params
+        (0 without a call)."""
+        timed = self.timed_call(params)
+        return 0 if timed is None else sum(int(leaf.nbytes) for leaf in jax.tree.leaves(timed.params))
 
 
 class Drafter(TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasurement, abc.ABC):

@@ -15,13 +15,15 @@ from models import corpora
 from models.settings import is_int, is_number
 from models.tokenizer import check_pair
 from spec_jax.drafting.base import Drafter
-from spec_jax.drafting.head import HeadDrafter, load_drafter
+from spec_jax.drafting.head import HeadDrafter
 from spec_jax.drafting.hybrid import HybridDrafter
 from spec_jax.drafting.lookup import MAX_NGRAM_LIMIT, PromptLookupDrafter
 from spec_jax.drafting.model import ModelDrafter, trim_vocabulary
 from spec_jax.drafting.ngram import fit_bigram, fit_unigram
-from spec_jax.drafting.suffix import SuffixDrafter, SuffixTables, fit_suffix_tables
+from spec_jax.drafting.suffix import SuffixDrafter
+from spec_jax.drafting.suffix_table import SuffixTables, fit_suffix_tables
 from spec_jax.drafting.tables import frequent_tokens, suffix_tables
+from spec_jax.drafting.trained_head import load_drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +42,12 @@ class Settings:
       depth D, K children per expanded node and K expanded per depth (width 0: the chain);
       spec_jax.drafting.dynamic_tree.DynamicTree.
     sequences: unigram / bigram / suffix: token-id lists to fit the tables on.
-    tables: suffix: a spec_jax.drafting.suffix.SuffixTables.
+    tables: suffix: a spec_jax.drafting.suffix_table.SuffixTables.
     corpus: unigram / bigram / suffix with neither sequences nor tables: fit on the training
       split of the corpora (models.corpora; tables cached by spec_jax.drafting.tables), as the CLI does.
     head_dir, head_dtype, acceptance: head: the trained head's workdir (None: the default for
       the target), its precision (None: the target's), and whether its acceptance head decides
-      each row's draft length (spec_jax.drafting.head.load_drafter).
+      each row's draft length (spec_jax.drafting.trained_head.load_drafter).
     """
 
     draft: Any = None
@@ -147,7 +149,7 @@ def _suffix(target, settings: Settings):
         tables = suffix_tables(target.config.name, target.tokenizer, vocab, settings.max_ngram)
     if tables is not None and not isinstance(tables, SuffixTables):
         raise ValueError(
-            f"tables must be a spec_jax.drafting.suffix.SuffixTables, got {type(tables).__name__}"
+            f"tables must be a spec_jax.drafting.suffix_table.SuffixTables, got {type(tables).__name__}"
         )
     drafter = SuffixDrafter(vocab, settings.max_ngram, float(settings.threshold))
     return drafter, (() if tables is None else tables)
@@ -165,7 +167,7 @@ def _head(target, settings: Settings):
     if not isinstance(drafter, HeadDrafter):
         raise ValueError(
             "drafter 'head' needs a (HeadDrafter, HeadParams) pair as draft, or none to load the "
-            "trained head (spec_jax.drafting.head.load_drafter)"
+            "trained head (spec_jax.drafting.trained_head.load_drafter)"
         )
     return dataclasses.replace(drafter, threshold=float(settings.threshold), **tree), params
 

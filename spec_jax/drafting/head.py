@@ -1,5 +1,5 @@
-"""Drafting with a draft head on the target's features (models.draft_head; EAGLE-1), and loading a
-trained one (load_drafter).
+"""Drafting with a draft head on the target's features (models.draft_head; EAGLE-1). Its arrays
+for a target, and a trained head's loading, are spec_jax.drafting.trained_head's.
 
 The head needs the target's feature at every committed position, and the target computes them
 anyway: the verification call of each round returns its features beside its logits (one call,
@@ -24,32 +24,23 @@ committed text with the target's true features would hold (tests/test_head.py ch
 against a fresh prefill after every round), whatever was accepted or rejected. The draft
 distribution q is the head's (over the output head's token subset, 0 elsewhere, as a
 vocabulary-trimmed draft), and the drafts are sampled from it, so the rule stays exact.
-
-A head for target T trains into `$SPEC_JAX_CACHE/heads/T/` by default (default_workdir: its orbax
-checkpoints, history and plot; the precision whose features it learned is in its metadata, and
-it drafts for the target at any precision); `python -m launch.train` writes there, and
-load_drafter (`--drafter=head` of `launch.generate`, the benchmarks) reads from there.
 """
 
 import dataclasses
 import functools
-import pathlib
 from typing import Any, ClassVar
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import models
 import spec_jax.drafting.acceptance_head as acceptance_head
-from models import draft_head, registry
+from models import draft_head
 from models.cache import KVCache
 from models.config import ModelConfig
-from models.transformer import output_head
-from spec_jax import sharding, timing
+from spec_jax import sharding
 from spec_jax.decode import PAD_ID
-from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
+from spec_jax.drafting.base import Drafter, Proposal, TimedCall, TreeProposal
 from spec_jax.drafting.dynamic_tree import DynamicTree
 from spec_jax.drafting.model import TrimmedHead, on_ids
 from spec_jax.sampling import RowSampling, draw_rows, split_rows, warp
@@ -69,32 +60,6 @@ class HeadParams:
 class HeadState:
     cache: KVCache  # the head's cache: exact below length - 1 after observe
     hidden: jax.Array  # [B, D]: the head's prediction of the target's feature at length - 1
-
-
-def head_params(target, head, token_ids=None) -> HeadParams:
-    """The drafter's arrays: `head` (a models.Model of kind draft_head) and the target's (a
-    models.Model) embedding and output head, restricted to token_ids when given (distinct ids;
-    the drafts then come from those tokens only, as with spec_jax.drafting.model.trim_vocabulary)."""
-    if head.config.kind != "draft_head":
-        raise ValueError(f"head must be a draft head (models.draft_head), got a {head.config.kind}")
-    if head.config.d_model != target.config.d_model or head.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"head {head.config.name!r} (width {head.config.d_model}, vocabulary {head.config.vocab_size}) "
-            f"does not fit target {target.config.name!r} (width {target.config.d_model}, "
-            f"vocabulary {target.config.vocab_size})"
-        )
-    weight = output_head(target.config, target.params)
-    vocab = target.config.vocab_size
-    if token_ids is None:
-        ids = jnp.arange(vocab, dtype=jnp.int32)
-    else:
-        ids = jnp.asarray(sorted({int(i) for i in token_ids}), jnp.int32)
-        if ids.size == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab:
-            raise ValueError(f"token_ids must be a non-empty set of ids in [0, {vocab})")
-        weight = jax.tree.map(lambda a: a[ids], weight)
-    return HeadParams(
-        head=head.params, embed=target.params["embed"]["embedding"], out=TrimmedHead(weight, ids)
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,67 +277,19 @@ class HeadDrafter(DynamicTree, Drafter):
             acceptance=jax.tree.map(lambda _: replicated, params.acceptance),
         )
 
-    def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
-        """A drafting step (width 1) and a 2-pair call (a round's observe call and first draft)."""
-        return {
-            w: timing.head_call(self, params, batch=batch, widths=[w], cache_slots=cache_slots, repeat=repeat)
-            for w in widths
-            if w in (1, 2)
-        }
+    def timed_call(self, params: HeadParams):
+        """A drafting step (width 1) and a 2-pair call (a round's observe call and first draft)
+        over the target's features (here ones), through the (trimmed) output head."""
+        cfg, rows = self.config, int(params.out.ids.shape[0])
 
-    def cost_key(self, params):
-        return {
-            **timing.model_key(self.config),
-            "kind": "draft_head",
-            "head_rows": int(params.out.ids.shape[0]),
-        }
+        def call(params, cache, positions_bw):
+            feats = jnp.ones(positions_bw.shape + (cfg.d_model,), cfg.jnp_dtype)
+            tokens = jnp.ones(positions_bw.shape, jnp.int32)
+            hidden, cache = draft_head.forward(
+                cfg, params.head, feats, tokens, positions_bw, cache, params.embed
+            )
+            return draft_head.logits(hidden[:, -1:], params.out.weight, cfg), cache
 
-    def call_bytes(self, params):
-        return timing.tree_bytes(params)
-
-
-def default_workdir(target: str, cache_dir=None) -> pathlib.Path:
-    """Where a head for this target is trained and found by default."""
-    return registry.cache_root(cache_dir) / "heads" / target
-
-
-def load_drafter(
-    target, workdir=None, dtype: str | None = None, threshold: float = 0.0, acceptance: bool = False
-):
-    """(HeadDrafter, HeadParams) of the trained head in workdir (default: default_workdir for
-    the target's name), at `dtype` (default the target's), for spec_jax.generate. acceptance:
-    also its acceptance head (WORKDIR/acceptance/, experiments/train_acceptance.py), stopping
-    each row's draft at the threshold chosen in training. ValueError when there is none, it
-    belongs to another target, or the acceptance head belongs to another draft head."""
-    from spec_jax import head_checkpoint  # orbax: ~0.2 s of start-up (-X importtime), only to load a head
-
-    cfg = target.config
-    workdir = pathlib.Path(workdir or default_workdir(cfg.name))
-    trained, ids, _ = head_checkpoint.load_head(workdir, target)  # float32: what the hash is of
-    dtype = dtype or cfg.dtype
-    head = trained if dtype == "float32" else models.cast(trained, dtype)
-    trimmed = len(ids) < cfg.vocab_size
-    drafter = HeadDrafter(head.config, trimmed=trimmed, threshold=float(threshold))
-    params = head_params(target, head, ids if trimmed else None)
-    if acceptance:
-        stop, meta = load_acceptance(workdir, head_checkpoint.params_hash(trained.params), cfg.d_model)
-        drafter = dataclasses.replace(drafter, stop_rejection=float(meta["threshold"]))
-        params = params.replace(acceptance=stop)
-    return drafter, params
-
-
-def head_hash(workdir, target) -> str:
-    """The sha256 of the trained head's float32 parameters (what an acceptance head is tied to)."""
-    from spec_jax import head_checkpoint  # orbax: ~0.2 s of start-up (-X importtime), only to load a head
-
-    return head_checkpoint.params_hash(head_checkpoint.load_head(workdir, target)[0].params)
-
-
-def load_acceptance(workdir, head_sha256: str, width: int):
-    """(AcceptanceParams, meta) from WORKDIR/acceptance/ (head_checkpoint.load_acceptance); width:
-    the target's d_model. ValueError if there is none or it was trained for another head
-    (head_sha256: head_hash of the draft head in use)."""
-    from spec_jax import head_checkpoint  # orbax: ~0.2 s of start-up (-X importtime), only to load a head
-
-    like = acceptance_head.init(np.zeros((2, width + 2 + acceptance_head.POSITIONS), np.float32), 0)
-    return head_checkpoint.load_acceptance(workdir, head_sha256, like)
+        new_cache = functools.partial(draft_head.new_cache, cfg)
+        key = {"kind": "draft_head", "head_rows": rows}
+        return TimedCall(cfg, params, call, new_cache, rows, widths=(1, 2), key=key)

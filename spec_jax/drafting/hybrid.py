@@ -115,11 +115,5 @@ class HybridDrafter(Drafter):
     def param_shardings(self, params, mesh):
         return self.model.param_shardings(params, mesh)
 
-    def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
-        return self.model.cost_calls(params, widths, batch=batch, cache_slots=cache_slots, repeat=repeat)
-
-    def cost_key(self, params):
-        return self.model.cost_key(params)
-
-    def call_bytes(self, params):
-        return self.model.call_bytes(params)
+    def timed_call(self, params):
+        return self.model.timed_call(params)

@@ -12,13 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import Model
 from models.config import ModelConfig
-from models.transformer import forward, output_head
-from spec_jax import sharding, timing
+from models.transformer import forward, init_cache, output_head
+from spec_jax import sharding
 from spec_jax import tree as tree_lib
 from spec_jax.decode import prefill
-from spec_jax.drafting.base import Drafter, Proposal, TreeProposal
+from spec_jax.drafting.base import Drafter, Proposal, TimedCall, TreeProposal
 from spec_jax.drafting.dynamic_tree import DynamicTree
 from spec_jax.sampling import draw_rows, split_rows, warp
 
@@ -253,22 +252,18 @@ class ModelDrafter(DynamicTree, Drafter):
             head=jax.tree.map(lambda _: sharding.replicated(mesh), params.head),
         )
 
-    def cost_calls(self, params, widths, *, batch, cache_slots, repeat):
-        model_params, head = self.split_params(params)
-        model = Model(config=self.config, params=model_params)
-        return {
-            w: timing.model_call(
-                model, batch=batch, widths=[w], cache_slots=cache_slots, repeat=repeat, head=head
-            )
-            for w in widths
-        }
-
-    def cost_key(self, params):
+    def timed_call(self, params):
+        """One drafting call of the model (one per draft), over its (trimmed) head's rows."""
         rows = int(params.head.ids.shape[0]) if self.trimmed else self.config.vocab_size
-        return {**timing.model_key(self.config), "head_rows": rows}
 
-    def call_bytes(self, params):
-        return timing.tree_bytes(params)
+        def call(params, cache, positions_bw):
+            model_params, head = self.split_params(params)
+            tokens = jnp.ones(positions_bw.shape, jnp.int32)
+            out = forward(self.config, model_params, tokens, positions_bw, cache, head=head)
+            return out.logits, out.cache
+
+        new_cache = functools.partial(init_cache, self.config)
+        return TimedCall(self.config, params, call, new_cache, rows, key={"head_rows": rows})
 
 
 def top_probability(logits_bv):

@@ -9,7 +9,7 @@ import numpy as np
 
 from models import corpora, registry
 from spec_jax.drafting.ngram import most_frequent
-from spec_jax.drafting.suffix import SuffixTables, fit_suffix_tables
+from spec_jax.drafting.suffix_table import SuffixTables, fit_suffix_tables
 
 
 def frequent_tokens(model_name: str, tokenizer, vocab_size: int, count: int, always=(), cache_dir=None):
@@ -48,7 +48,7 @@ SUFFIX_TABLE_FIELDS = ("keys", "next_ids", "next_counts")
 
 
 def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, cache_dir=None):
-    """The suffix drafter's n-gram table (spec_jax.drafting.suffix.fit_suffix_tables) of the training
+    """The suffix drafter's n-gram table (spec_jax.drafting.suffix_table.fit_suffix_tables) of the training
     documents of both tasks, fitted once per model and max_ngram and cached as
     `$SPEC_JAX_CACHE/suffix/MODEL-N.npz` (registry.cached_entry: locked, written atomically, a
     damaged file (a zip or CRC error, a missing table, shapes that do not fit) rebuilt once)."""
@@ -68,7 +68,7 @@ def suffix_tables(model_name: str, tokenizer, vocab_size: int, max_ngram: int, c
             or (ids.size and (ids.min() < 0 or ids.max() >= vocab_size))
             or not np.isfinite(counts).all()
         ):
-            raise ValueError("not tables of the shapes, types and token ids suffix.SuffixTables holds")
+            raise ValueError("not tables of the shapes, types and token ids suffix_table.SuffixTables holds")
         return SuffixTables(**{k: jnp.asarray(a) for k, a in arrays.items()})
 
     def write(path):

@@ -1,6 +1,6 @@
-"""The costs gamma=auto (spec_jax.autogamma) plans with: each model call of a round in target
-decode steps, once per machine, model pair, precision, batch bucket and cache-length bucket,
-cached under `$SPEC_JAX_CACHE/costs/` (chunks are timed by spec_jax.timing.work_clock).
+"""The costs gamma=auto (spec_jax.autogamma) plans with (costs.Costs: each model call of a round
+in target decode steps), once per machine, model pair, precision, batch bucket and cache-length
+bucket, cached under `$SPEC_JAX_CACHE/costs/` (chunks are timed by spec_jax.timing.work_clock).
 
 Where they come from (CostEntry.source):
 - "measured": `measure` timed every call offline (costs_for: on first use, before the run; the
@@ -12,7 +12,7 @@ Where they come from (CostEntry.source):
   and nothing runs beside the run to skew its timings (on 2 cores a concurrent measurement would
   share the cores and the memory bandwidth with the very rounds it is meant to price).
 
-This module measures and caches; it chooses nothing (spec_jax.autogamma's controllers choose).
+This module keys and caches; it chooses nothing (spec_jax.autogamma's controllers choose).
 """
 
 import dataclasses
@@ -25,63 +25,11 @@ import sys
 import warnings
 
 import jax
-import numpy as np
 
 from models import machine, registry
 from models.kernels import builds, cpu_matmul
-from spec_jax import theory, timing
-
-GAMMA_MAX = 8  # the longest chain whose verify call is measured: the largest gamma auto considers
-RESUME_WIDTH = 32  # a drafter catches up on at most this many positions per call
-
-
-@dataclasses.dataclass(frozen=True)
-class Costs:
-    """Measured costs in target decode steps: draft1 / draft2 a drafter call over 1 / 2 tokens
-    per row, verify[g] the target's call over g + 1 tokens per row (verify[0] = 1 by definition),
-    resume a drafter call over RESUME_WIDTH tokens per row (catching up after plain decoding; 0
-    for drafters without a model), tree_verify the target's call over N + 1 tokens per row for
-    each tree size N of tree="auto" ((N, cost) pairs; empty for chains alone). step_seconds is the
-    target decode step they are relative to."""
-
-    step_seconds: float
-    draft1: float
-    draft2: float
-    verify: tuple[float, ...]
-    resume: float = 0.0  # a drafter call catching up on RESUME_WIDTH positions per row
-    tree_verify: tuple[tuple[int, float], ...] = ()
-
-    def draft_cost(self, gamma: int) -> float:
-        """The drafter's calls of a chain of gamma drafts, in target steps."""
-        return self.draft2 + (gamma - 1) * self.draft1 if gamma else 0.0
-
-    def round_cost(self, gamma: int) -> float:
-        """A round of gamma drafts, in target steps (gamma 0: one decode step)."""
-        if gamma == 0:
-            return 1.0
-        return self.draft_cost(gamma) + self.verify[gamma]
-
-    def tree_round_cost(self, nodes: int) -> float:
-        """A tree round of `nodes` node slots, in target steps: the target's call over nodes + 1
-        tokens (timed as a causal call of that width: what the tree mask adds shows once the
-        tree ran) and the drafter's calls of a chain of `nodes` drafts, what the default
-        propose_tree makes. For a drafter that builds its tree otherwise this is an
-        approximation: the draft model's EAGLE-2 tree makes min(tree_depth, N) calls (N at the
-        default depth of 16), wider than a chain's (up to tree_width nodes per depth above), so
-        it is priced low until it ran (and then by its measured rounds)."""
-        return self.draft_cost(nodes) + dict(self.tree_verify)[nodes]
-
-    def rate(self, alpha: float, gamma: int) -> float:
-        """Expected committed tokens per target-step time of rounds of gamma drafts."""
-        tokens = 1.0 if gamma == 0 else float(theory.expected_tokens(alpha, gamma))
-        return tokens / self.round_cost(gamma)
-
-    def best_gamma(self, alpha: float, gamma_max: int | None = None) -> int:
-        """The gamma in 0..gamma_max with the highest rate (the smallest such gamma on ties)."""
-        top = len(self.verify) - 1 if gamma_max is None else min(gamma_max, len(self.verify) - 1)
-        rates = [self.rate(alpha, g) for g in range(top + 1)]
-        return int(np.argmax(rates))
-
+from spec_jax.autogamma.costs import Costs, calibrated, checked_costs, measure, prior_costs
+from spec_jax.drafting.base import AUTO_GAMMA_MAX
 
 # How measure() turns repeats into a cost; part of the cache key, so a change re-measures.
 MEASURE_METHOD = "min of interleaved repeats; resume call"
@@ -138,7 +86,7 @@ class CostSizes:
 
     batch: int
     cache_slots: int
-    gamma_max: int = GAMMA_MAX
+    gamma_max: int = AUTO_GAMMA_MAX  # the longest chain whose verify call is measured
     tree_sizes: tuple[int, ...] = ()
 
     def bucketed(self) -> "CostSizes":
@@ -149,41 +97,21 @@ class CostSizes:
         )
 
 
-def measure(target, drafter, draft_params, sizes: CostSizes, repeats: int = 5) -> Costs:
-    """Times the target's calls over 1..gamma_max + 1 tokens (and N + 1 for each N of
-    tree_sizes) and the drafter's calls over 1, 2 and RESUME_WIDTH tokens, those it has
-    (Drafter.cost_calls: a draft model all three, a draft head a drafting step and a 2-pair
-    call, drafters without a model none: they count as free), the fastest of interleaved repeats
-    after a warm-up (spec_jax.timing.model_call), at `sizes` as they are."""
-    batch, gamma_max, tree_sizes = sizes.batch, sizes.gamma_max, sizes.tree_sizes
-    widest = max((gamma_max, *tree_sizes)) + 1
-    slots = max(sizes.cache_slots, 2 * (widest + 1), 2 * RESUME_WIDTH)
-    repeat = 4  # calls per timed program, so that dispatch is not counted
-    fns = {
-        ("target", w): timing.model_call(target, batch=batch, widths=[w], cache_slots=slots, repeat=repeat)
-        for w in sorted({*range(1, gamma_max + 2), *(n + 1 for n in tree_sizes)})
+def model_key(config) -> dict:
+    """What a call of the model of `config` costs depends on (part of the key measured costs are
+    cached under, for the target and a drafter's timed call)."""
+    return {
+        k: getattr(config, k)
+        for k in ("name", "vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim")
+        + ("mlp_dim", "dtype", "attention_impl", "matmul_impl", "cpu_isa", "scan_layers")
     }
-    calls = drafter.cost_calls(
-        draft_params, (1, 2, RESUME_WIDTH), batch=batch, cache_slots=slots, repeat=repeat
-    )
-    fns.update({("draft", w): fn for w, fn in calls.items()})
-    # The fastest of the interleaved repeats: on a machine shared with other work, each call's
-    # least disturbed time, so that the cost ratios do not follow the load of the moment.
-    times = timing.timed_interleaved(fns, repeats)
-    step = times[("target", 1)]["min"]
 
-    def rel(key):
-        return times[key]["min"] / step if key in times else 0.0
 
-    verify = (1.0,) + tuple(rel(("target", g + 1)) for g in range(1, gamma_max + 1))
-    return Costs(
-        step_seconds=step / repeat,
-        draft1=rel(("draft", 1)),
-        draft2=rel(("draft", 2)),
-        verify=verify,
-        resume=rel(("draft", RESUME_WIDTH)),
-        tree_verify=tuple((n, rel(("target", n + 1))) for n in tree_sizes),
-    )
+def drafter_key(drafter, draft_params):
+    """What a drafter's costs depend on: its timed call's model and TimedCall.key, or for a
+    drafter without one Drafter.cost_key."""
+    timed = drafter.timed_call(draft_params)
+    return drafter.cost_key(draft_params) if timed is None else {**model_key(timed.config), **timed.key}
 
 
 def cost_key(target, drafter, draft_params, sizes: CostSizes) -> dict:
@@ -191,8 +119,8 @@ def cost_key(target, drafter, draft_params, sizes: CostSizes) -> dict:
     measuring method; the cache file is named by its hash (cache_path)."""
     key = {
         "machine": machine_key(),
-        "target": timing.model_key(target.config),
-        "draft": drafter.cost_key(draft_params),
+        "target": model_key(target.config),
+        "draft": drafter_key(drafter, draft_params),
         "batch": sizes.batch,
         "cache_slots": sizes.cache_slots,
         "gamma_max": sizes.gamma_max,
@@ -265,71 +193,6 @@ def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry
     return CostEntry(costs, source, path, key, prior, seconds)
 
 
-# The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
-# steps (by backend, and precision where the CPU kernels' rows cost differently; others:
-# ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight bytes over the target's,
-# times the same growth. On the 2-core EPYC the int8 Qwen pair measured 1.3-1.45 steps over 5
-# tokens (docs/design.md); at gguf_q8 (ggml's gemv for one row, the multi-row kernel for more)
-# 1.35-1.47 over 2 and 2.25-2.57 over 4 (2026-11-28). Accelerators: about one step.
-PRIOR_VERIFY_STEP = {"cpu": 0.15, ("cpu", "gguf_q8"): 0.35}
-ACCELERATOR_VERIFY_STEP = 0.02
-
-
-def prior_costs(target, drafter, draft_params, sizes: CostSizes) -> Costs:
-    """Costs to plan with before any were measured or observed, from the weights alone: the
-    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP, by backend and the
-    target's precision), a drafter call over w tokens (Drafter.call_bytes over the target's
-    weight bytes) * (1 + (w - 1) * slope), nothing for a drafter without model calls. step_seconds
-    is a placeholder (the controller times the plain round before it uses it)."""
-    key = (jax.default_backend(), target.config.dtype)
-    slope = PRIOR_VERIFY_STEP.get(key, PRIOR_VERIFY_STEP.get(key[0], ACCELERATOR_VERIFY_STEP))
-    share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
-
-    def call(width: int) -> float:
-        return 1.0 + (width - 1) * slope
-
-    return Costs(
-        step_seconds=0.01,
-        draft1=share,
-        draft2=share * call(2),
-        verify=tuple(call(g + 1) for g in range(sizes.gamma_max + 1)),
-        resume=share * call(RESUME_WIDTH),
-        tree_verify=tuple((n, call(n + 1)) for n in sizes.tree_sizes),
-    )
-
-
-def _arm_cost(costs: Costs, arm: str) -> float:
-    """What costs say a round of `arm` (a chain's gamma "3", a tree "tree8") costs, in steps."""
-    return costs.tree_round_cost(int(arm[4:])) if arm.startswith("tree") else costs.round_cost(int(arm))
-
-
-def calibrated(prior: Costs, rounds: dict[str, float], resume: float | None = None) -> Costs:
-    """The prior with its cost beyond a plain step (every drafter call, and each verify and tree
-    call's cost above 1) scaled by the one factor that fits the timed rounds best (least
-    squares: rounds[arm] = a round of arm's seconds over a plain round's; arms the prior does
-    not price are left out); resume: a catch-up
-    call's seconds over a plain round's, as timed, where one ran. step_seconds stays the prior's
-    (the caller sets the timed one)."""
-    trees = {f"tree{n}" for n, _ in prior.tree_verify}
-    priced = [arm for arm in rounds if arm in trees or (arm.isdigit() and 0 < int(arm) < len(prior.verify))]
-    excess = {arm: _arm_cost(prior, arm) - 1.0 for arm in priced}
-    weight = sum(e * e for e in excess.values())
-    scale = sum((rounds[a] - 1.0) * e for a, e in excess.items()) / weight if weight > 0 else 1.0
-    scale = min(max(scale, 0.05), 20.0)  # a chunk timed under a passing load moves it this far at most
-
-    def up(v: float) -> float:
-        return 1.0 + scale * (v - 1.0)
-
-    return dataclasses.replace(
-        prior,
-        draft1=scale * prior.draft1,
-        draft2=scale * prior.draft2,
-        verify=tuple(up(v) for v in prior.verify),
-        resume=scale * prior.resume if resume is None else resume,
-        tree_verify=tuple((n, up(v)) for n, v in prior.tree_verify),
-    )
-
-
 @dataclasses.dataclass
 class CostEntry:
     """The costs a controller plans with and their cache file: `source` is "measured",
@@ -378,23 +241,3 @@ class CostEntry:
             registry.atomic_write(self.path, lambda f: f.write(text.encode()))
         except OSError as e:  # the costs are in hand: use them, and measure or observe again next time
             warnings.warn(f"gamma=auto: could not cache the costs in {self.path} ({e})", stacklevel=3)
-
-
-def checked_costs(saved: dict, gamma_max: int, tree_sizes: tuple[int, ...] = ()) -> Costs:
-    """Costs from their saved fields, or ValueError where they cannot be measured costs: a
-    verify list of other than gamma_max + 1 entries or not starting at 1, tree verify costs of
-    other sizes than tree_sizes, a step time or verify cost that is not finite and positive, a
-    drafter cost that is not finite and non-negative."""
-    trees = tuple((int(n), float(v)) for n, v in saved.get("tree_verify", ()))
-    costs = Costs(**{**saved, "verify": tuple(float(v) for v in saved["verify"]), "tree_verify": trees})
-    if len(costs.verify) != gamma_max + 1 or costs.verify[0] != 1.0:
-        raise ValueError(f"verify has {len(costs.verify)} entries, not 1.0 and {gamma_max} more")
-    if tuple(n for n, _ in trees) != tuple(tree_sizes):
-        raise ValueError(f"tree_verify is for trees of {[n for n, _ in trees]} nodes, not {list(tree_sizes)}")
-    positive = (costs.step_seconds, *costs.verify, *(v for _, v in trees))
-    free = (costs.draft1, costs.draft2, costs.resume)
-    if not all(isinstance(v, float | int) and math.isfinite(v) for v in positive + free):
-        raise ValueError("a cost is not a finite number")
-    if min(positive) <= 0 or min(free) < 0:
-        raise ValueError("a cost is not positive")
-    return costs

@@ -1,50 +1,12 @@
-"""gamma=auto: the number of draft tokens per round chosen, chunk by chunk, from the measured time
-of whole rounds and each row's running acceptance (Leviathan et al. 2023, Theorem 3.8, with
-costs measured instead of assumed).
-
-With acceptance alpha, a round of gamma drafts commits E(alpha, gamma) = (1 - alpha^(gamma+1)) /
-(1 - alpha) tokens per row on average; plain decoding (gamma = 0) commits 1. The loop runs in
-chunks of rounds (spec_jax.api), and before each chunk the Controller picks the gamma in
-0..gamma_max with the most expected tokens per second for the batch: the sum over the rows still
-running of each row's E (capped at what the row may still commit) over the seconds of one round.
-
-What a round costs. Each chunk's time over its rounds is a measured round of that gamma: the
-drafter's and the target's calls and the loop's own work (sampling and the rejection rule over
-[gamma + 1, V], the commit, the drafter's state). Chunks are timed by timing.work_clock: the process's
-CPU time on a CPU backend, so that other jobs on a shared machine do not sway the choice, wall
-time on an accelerator. A gamma is timed as the fastest of its last chunks. A gamma not yet run is predicted from the
-model calls measured offline (`Costs`, once per machine, pair, batch bucket and cache-length bucket, cached
-under `$SPEC_JAX_CACHE/costs/`) at the measured plain round's rate, plus the round's own work as
-the nearest measured drafting gamma showed it (what its calls do not explain, taken to grow
-with gamma), or EXTRA_STEPS per draft before any drafting round ran. A call starts with
-PLAIN_FIRST plain round(s), which time the plain round without costing anything against plain
-decoding; then it tries the drafting gamma that pays best at EXPLORE_ALPHA (a short draft), in
-chunks of 2, then 4 rounds.
-
-What a row accepts. Each row keeps the overlap sum_x min(p, q) of its scored positions (the
-metrics' alpha_hat, per row), weighted by recency (half weight HALF_LIFE positions back) after
-a weak prior; a chunk far outside what a row's estimate predicts (CHANGE_Z errors) drops the
-row's history, so a draft that turns always wrong is seen within a chunk or two.
-
-Falling back and trying again. Drafting stops when plain decoding wins even at an optimistic
-acceptance (FALLBACK_Z errors up). A drafter that can catch up (Drafter.resumable)
-is tried again later with a short chunk (PROBE_ROUNDS rounds after catching up on the last
-RESUME_WINDOW positions): after at least PROBE_SPACING plain rounds (doubled after each try that
-lost time) and only when what the try may lose is covered by what drafting saved so far plus
-PROBE_SHARE of the time spent. A draft that would not pay even at GOOD_ALPHA never runs.
-
-Trees (tree="auto"): spec_jax.tree_auto.TreeController weighs token trees beside the chains.
-
-Exactness is untouched: the schedule only chooses each chunk's gamma (or tree); greedy output
-equals plain decoding whatever it chooses, and a sampled output is an exact sample (which
-sample depends on the chunks: the random stream is consumed per round).
-"""
+"""gamma=auto's Controller: each chunk's gamma from the measured time of whole rounds and each
+row's running acceptance (the package's docstring says what it measures and how it decides),
+and what a chunk reports to it (Chunk)."""
 
 import dataclasses
 
 import numpy as np
 
-from spec_jax.step_costs import GAMMA_MAX, RESUME_WIDTH, Costs
+from spec_jax.autogamma.costs import RESUME_WIDTH, Costs
 
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 2.0  # a row's estimate starts as 2 positions at alpha 0.5
 HALF_LIFE = 6.0  # scored positions: a row's acceptance weighs a position half as much 6 later
@@ -62,8 +24,6 @@ PROBE_SPACING = 16  # plain rounds before a renewed try, at least (doubled after
 PROBE_SHARE = 0.02  # renewed tries may lose this share of the time so far, plus what drafting saved
 PROBE_MIN_REMAINING = 8  # no renewed try for a row with fewer tokens left than this
 RESUME_WINDOW = 64  # and on the last this many positions only (see Controller)
-TREE_SIZES = (4, 8, 16)  # tree="auto": the node budgets of its tree arms
-TREE_AUTO_MAX = max(GAMMA_MAX, *TREE_SIZES)  # the longest path tree="auto" may commit past the text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +48,9 @@ class Controller:
     """Chooses gamma for each chunk of rounds from measured round times and each row's running
     acceptance (module docstring: what it measures and how it decides).
 
-    The host loop (spec_jax.api.run) asks next_chunk(remaining) for (gamma, rounds), runs them,
-    and reports the chunk with observe(Chunk); catching a drafter up after plain chunks is
-    reported with observe_resume(seconds, calls).
+    The host loop (spec_jax.autogamma.chunking.auto_chunk) asks next_chunk(remaining) for
+    (gamma, rounds), runs them, and reports the chunk with observe(Chunk); catching a drafter up
+    after plain chunks is reported with observe_resume(seconds, calls).
     """
 
     def __init__(self, costs: Costs, gamma_max: int, batch: int = 1, resumable: bool = True):
@@ -112,7 +72,7 @@ class Controller:
         self.elapsed = 0.0  # seconds of all chunks and resumes
         self.resume_call = None  # seconds of one catch-up call, as last measured
         self.schedule: list[list[int]] = []  # [gamma, rounds] of the chunks run, one gamma merged
-        self.cost_entry = None  # a step_costs.CostEntry that save_rounds refreshes after the run
+        self.cost_entry = None  # a cost_cache.CostEntry that save_rounds refreshes after the run
 
     # --- estimates -------------------------------------------------------------------------
     def round_seconds(self, gamma: int) -> float:
@@ -253,14 +213,14 @@ class Controller:
     def timed_rounds(self) -> dict[str, float]:
         """Seconds per round of each drafting arm that ran at least two chunks (the fastest of
         its last chunks but its first, which may be its program's first execution, which costs
-        more) over timed_step ({"3": ..., "tree8": ...}: step_costs.CostEntry.record's)."""
+        more) over timed_step ({"3": ..., "tree8": ...}: cost_cache.CostEntry.record's)."""
         step = self.timed_step()
         return (
             {str(g): min(t[1:]) / step for g, t in self.times.items() if g and len(t) > 1} if step > 0 else {}
         )
 
     def save_rounds(self) -> None:
-        """After the run: its timed rounds go into cost_entry (step_costs.CostEntry.record:
+        """After the run: its timed rounds go into cost_entry (cost_cache.CostEntry.record:
         the cached costs the next run plans with), if it has one."""
         step = self.timed_step()
         if self.cost_entry is not None and step > 0:  # a clock too coarse to time the plain round: nothing

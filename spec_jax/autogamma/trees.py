@@ -1,27 +1,36 @@
-"""tree="auto": the gamma=auto Controller (spec_jax.autogamma) with token trees among its arms.
+"""tree="auto": the gamma=auto Controller (spec_jax.autogamma.controller) with token trees among
+its arms (TreeController).
 
-The arms are plain decoding, chains of 1..gamma_max drafts and token trees of N node slots for N in TREE_SIZES (spec_jax.tree; each a loop compiled
-with tree_nodes = N). A tree's round is predicted, before it ran, from the target's call over
-N + 1 tokens (measured offline with the chain widths when trees are on: Costs.tree_verify) and
-the drafter's calls of a chain of N drafts (what the default propose_tree makes; none for
-drafters without a model), plus the round's own work as the nearest tree that ran showed it
-(else as for a chain of N); once it ran, as the fastest of its last chunks. What a tree yields
-is measured per row from its chunks: committed tokens per round, weighted by recency (half
-weight TREE_HALF_LIFE rounds back). Before it ran an optimistic prior stands in: 1 + TREE_BONUS
-* (y - 1) where a smaller tree measured y tokens per round (a larger budget is taken to hold
-the smaller tree's paths and more), else 1 + TREE_BONUS * (E(alpha, N) - 1) at the row's chain
-acceptance (the chain of N's accepted drafts, TREE_BONUS times over). A tree is tried, with a
-short chunk (TREE_PROBE_ROUNDS), only when that beats the best other arm by SWITCH_GAIN. A tree
-that then loses is dropped: not tried again for TREE_SPACING rounds (doubled after each loss),
-its measured yield informing the larger trees' priors meanwhile and forgotten then, so that its
-prior decides again. Trees are weighed after drafting chunks only (a chain's acceptance
-measured first); plain chunks and renewed tries are the chains' (spec_jax.autogamma).
+The arms are plain decoding, chains of 1..gamma_max drafts and token trees of N node slots for N in
+AUTO_TREE_SIZES (spec_jax.drafting; spec_jax.tree; each a loop compiled with tree_nodes = N). A
+tree's round is predicted, before it ran, from the target's call over N + 1 tokens (measured offline
+with the chain widths when trees are on: Costs.tree_verify) and the drafter's calls of a chain of N
+drafts (what the default propose_tree makes; none for drafters without a model), plus the round's
+own work as the nearest tree that ran showed it (else as for a chain of N); once it ran, as the
+fastest of its last chunks. What a tree yields is measured per row from its chunks: committed tokens
+per round, weighted by recency (half weight TREE_HALF_LIFE rounds back). Before it ran an optimistic
+prior stands in: 1 + TREE_BONUS * (y - 1) where a smaller tree measured y tokens per round (a larger
+budget is taken to hold the smaller tree's paths and more), else 1 + TREE_BONUS * (E(alpha, N) - 1)
+at the row's chain acceptance (the chain of N's accepted drafts, TREE_BONUS times over). A tree is
+tried, with a short chunk (TREE_PROBE_ROUNDS), only when that beats the best other arm by
+SWITCH_GAIN. A tree that then loses is dropped: not tried again for TREE_SPACING rounds (doubled
+after each loss), its measured yield informing the larger trees' priors meanwhile and forgotten
+then, so that its prior decides again. Trees are weighed after drafting chunks only (a chain's
+acceptance measured first); plain chunks and renewed tries are the chains' (Controller).
 """
 
 import numpy as np
 
-from spec_jax.autogamma import FIRST_CHUNK, MAX_CHUNK, SWITCH_GAIN, TIMES_KEPT, Chunk, Controller, tree_arm
-from spec_jax.step_costs import Costs
+from spec_jax.autogamma.controller import (
+    FIRST_CHUNK,
+    MAX_CHUNK,
+    SWITCH_GAIN,
+    TIMES_KEPT,
+    Chunk,
+    Controller,
+    tree_arm,
+)
+from spec_jax.autogamma.costs import Costs
 
 TREE_BONUS = 1.5  # an untried tree's prior: its drafts accepted 1.5x a chain of N's (optimistic)
 TREE_HALF_LIFE = 4.0  # rounds: a tree's measured yield weighs a round half as much 4 rounds later
