@@ -14,10 +14,12 @@ as gguf_matmul.one_row_own chooses for this CPU; the header says which), `gemm`
 a CPU without the multi-row kernel), `gemv`
 (ggml's ggml_gemv_q4_K_8x8_q8_K on the same layout, one call per row of x), `multirow` (the
 multi-row kernel on the file's own layout) and `vec_dot` (ggml's vec_dot per (row, column));
-Q6_K `multirow` (what models use: the multi-row kernel with vec_dot's bits, and for one row
-either it or vec_dot, as for Q4_K) and `vec_dot`. So at M=1 `interleaved` against `gemv`
-and `multirow` against `vec_dot` compare the two one-row kernels (SPEC_JAX_GGUF_ONE_ROW=ggml|own
-fixes the choice).
+Q6_K `interleaved` (what models use on an AVX-512 VNNI CPU: the multi-row kernel on the
+kernel's own Q6Kx8 layout, gguf_matmul.interleave_q6k, with vec_dot's bits at every row count),
+`multirow` (the multi-row kernel on the file's layout, the path before Q6Kx8 and with
+SPEC_JAX_GGUF_Q6K=rows: for one row either it or vec_dot, as for Q4_K) and `vec_dot`. So at M=1
+`interleaved` against `gemv` (Q4_K) and `multirow` against `vec_dot` compare the one-row kernels
+(SPEC_JAX_GGUF_ONE_ROW=ggml|own fixes the choice).
 Shapes are the Qwen2.5-Coder-1.5B matrices. Run it alone: the machine's other load shows in
 the figures (read the ratios).
 
@@ -52,7 +54,11 @@ def paths(ggml_type: int) -> dict:
             "multirow": (False, False, False),
             "vec_dot": (True, False, False),
         }
-    return {"multirow": (False, False, False), "vec_dot": (True, False, False)}
+    return {
+        "interleaved": (False, True, False),
+        "multirow": (False, False, False),
+        "vec_dot": (True, False, False),
+    }
 
 
 def main():
@@ -83,7 +89,10 @@ def main():
         copies = max(1, args.rotate_mb * 2**20 // data.nbytes)
         layouts = {False: data}
         if any(il for _, il, _ in paths(ggml_type).values()):
-            layouts[True] = gguf_matmul.interleave_q4k(data)
+            interleave = (
+                gguf_matmul.interleave_q4k if ggml_type == T.Q4_K.value else gguf_matmul.interleave_q6k
+            )
+            layouts[True] = interleave(data)
         stored = {il: [jnp.asarray(d.copy()) for _ in range(copies)] for il, d in layouts.items()}
         fns = {}
         chosen = {n: p for n, p in paths(ggml_type).items() if not args.paths or n in args.paths.split(",")}

@@ -27,6 +27,10 @@
 //     that kernel, or with ggml_dot = 1 on any CPU, rows of x in groups of 4 go through ggml's
 //     ggml_gemm_q4_K_8x8_q8_K instead (its bits differ from gemv's in the last places), the rest
 //     as above: how llama.cpp reads a prompt.
+//   interleaved = 1 with Q6_K (at gguf_q8, the multi-row build only): the weight's rows in groups
+//     of 8 in this file's own layout (BlockQ6Kx8; SpecJaxGgufInterleaveQ6K writes it), multiplied
+//     by Q6Kx8Group: each block unpacked once for up to 8 rows of x, each row given exactly the
+//     bits of ggml's vec_dot on the file's layout, at every row count, one row included.
 //   live (an int32 operand): rows of x from it on are padding (a prefill's last chunk, shorter
 //     than its call): they are not computed and their outputs are 0 (spec_jax::LiveRows).
 //
@@ -515,6 +519,154 @@ void Q6KRows(const uint8_t* w, int64_t row_bytes, const BlockQ8K* xq, int64_t bl
 }
 
 // ---------------------------------------------------------------------------------------------
+// Multi-row Q6_K x Q8_K on an interleaved layout (this file's Q6Kx8: 8 weight rows per group, the
+// same 210 bytes a block; llama.cpp repacks Q6_K only for ARM), giving each row of x exactly the
+// bits of ggml's vec_dot, as Q6KGroup does, at about half its instructions per row of x: a 64-byte
+// load of the group's values is 8 columns x 8 consecutive values of one 8-value step t, met by the
+// 8 values of x broadcast to every column (vpmaddubsw, then vpdpwssd with the 16-value group's
+// scale: each int32 lane of a column sums 4 values, exact), so per row of x a block of 8 columns
+// costs 32 broadcasts, 32 vpmaddubsw and 32 vpdpwssd, 4 bsums products, 4 conversions and 4 fmas,
+// with no per-column reduction inside the block. vec_dot's lane L of a column (the values v with
+// v % 32 in [4L, 4L + 4)) is lane (2c + h) of pass k's accumulator, L = 2k + h, over the steps
+// t = k + 4j (j = 0..7; value 8t + 4h + i has v % 32 = 8k + 4h + i); its correction
+// -32 (sc_2L bsum_2L + sc_2L+1 bsum_2L+1) starts that accumulator. Then, as vec_dot, block after
+// block acc_L = fma(dx * d, float(lane L), acc_L), and the column's result is
+// ((acc_4 + acc_0) + (acc_6 + acc_2)) + ((acc_5 + acc_1) + (acc_7 + acc_3)).
+//
+// Q6Kx8, per group of 8 rows and block (1680 bytes):
+//   d[8]          float16, one per column
+//   scales[128]   scales[32 k + 4 c + q] = sc_{4k+q} of column c (k = 0..3, q = 0..3)
+//   ql[1024]      64 bytes per j = 0..15; byte 8 c + i: the low 4 bits of value 8 j + i of column c
+//                 (step t = j), and in its high nibble those of value 8 (j + 16) + i (t = j + 16)
+//   qh[512]       64 bytes per j = 0..7; byte 8 c + i: bits 2q, 2q + 1 hold the top 2 bits of value
+//                 8 (j + 8 q) + i of column c (q = 0..3)
+struct BlockQ6Kx8 {
+  uint16_t d[8];
+  int8_t scales[128];
+  uint8_t ql[1024];
+  uint8_t qh[512];
+};
+static_assert(sizeof(BlockQ6Kx8) == 8 * sizeof(BlockQ6K), "Q6Kx8 holds the 8 blocks' bytes");
+
+// The 6-bit values (0..63) of step t of a Q6Kx8 block: 8 columns x 8 values.
+template <int t>
+inline __m512i ValuesQ6Kx8(const BlockQ6Kx8& blk) {
+  const __m512i ql = _mm512_loadu_si512(blk.ql + 64 * (t % 16));
+  const __m512i lo = t < 16 ? ql : _mm512_srli_epi16(ql, 4);
+  const __m512i qh = _mm512_loadu_si512(blk.qh + 64 * (t % 8));
+  constexpr int q = t / 8;  // the top bits at 2q, 2q + 1 go to bits 4, 5
+  const __m512i hi = q == 0 ? _mm512_slli_epi16(qh, 4)
+                     : q == 1 ? _mm512_slli_epi16(qh, 2)
+                     : q == 2 ? qh
+                              : _mm512_srli_epi16(qh, 2);
+  return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0F)), _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+}
+
+// int16 lanes 4c .. 4c + 3 of a scale vector all take lane 4c + q of the source (the scale
+// sc_{4k+q} of column c): a vpshufb within 128-bit lanes (two columns each).
+template <int q>
+inline __m512i SpreadScale(__m512i s16) {
+  const __m512i ctrl = _mm512_broadcast_i32x4(_mm_set_epi8(8 + 2 * q + 1, 8 + 2 * q, 8 + 2 * q + 1, 8 + 2 * q,
+                                                            8 + 2 * q + 1, 8 + 2 * q, 8 + 2 * q + 1, 8 + 2 * q,
+                                                            2 * q + 1, 2 * q, 2 * q + 1, 2 * q, 2 * q + 1, 2 * q,
+                                                            2 * q + 1, 2 * q));
+  return _mm512_shuffle_epi8(s16, ctrl);
+}
+
+// Pass k (lanes L = 2k, 2k + 1 of each column) of one block for rows [m0, m0 + R): steps
+// t = k + 4j, whose values take the scales s = 2j + k / 2 (source vector k' = s / 4, lane q = s % 4).
+template <int R, int k, int j = 0>
+inline void Q6Kx8Steps(const BlockQ6Kx8& blk, const __m512i s16[4], const int8_t* const xs[R], __m512i acc[R]) {
+  if constexpr (j < 8) {
+    constexpr int t = k + 4 * j, s = 2 * j + k / 2;
+    const __m512i u = ValuesQ6Kx8<t>(blk);
+    const __m512i sc = SpreadScale<s % 4>(s16[s / 4]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(u, Broadcast8(xs[r] + 8 * t)), sc);
+    }
+    Q6Kx8Steps<R, k, j + 1>(blk, s16, xs, acc);
+  }
+}
+
+template <int R, int k>
+inline void Q6Kx8Pass(const BlockQ6Kx8& blk, const __m512i s16[4], const BlockQ8K* const xb[R], const __m512 dw,
+                      __m512 facc[R][4]) {
+  // -32 sc_{4k+q} of column c in int16 lane 4c + q, against bsums 4k .. 4k + 3 of the row: lane
+  // (2c + h) gets -32 (sc_{2L} bsum_{2L} + sc_{2L+1} bsum_{2L+1}), L = 2k + h.
+  const __m512i corr = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(s16[k], 5));
+  __m512i acc[R];
+  const int8_t* xs[R];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_madd_epi16(corr, Broadcast8(xb[r]->bsums + 4 * k));
+    xs[r] = xb[r]->qs;
+  }
+  Q6Kx8Steps<R, k>(blk, s16, xs, acc);
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+    const __m512 d = _mm512_mul_ps(_mm512_set1_ps(xb[r]->d), dw);  // dx * dw, as vec_dot's float
+    facc[r][k] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(acc[r]), facc[r][k]);
+  }
+}
+
+// Each block asks for the bytes 4 KB past it (about 2.4 blocks of 8 rows ahead, the next group's
+// where the row ends): the lm head (151936 x 1536) on one thread of the Xeon, weights on huge
+// pages, took 13.8 ms for a row of x against 19.3 without (on 4 KB pages: 2 KB ahead 15.8, 4 KB
+// 14.1, 8 KB 16.4; scripts/q6k_layout_bench.cc, min thread CPU time): the hardware prefetchers
+// fall behind the stream between a block's products. The loops over the R rows are unrolled by
+// pragma: GCC left them rolled from R = 3 on, the accumulators in memory, and 3-8 rows of x
+// cost about twice as much per row.
+constexpr int kQ6Kx8Prefetch = 4096;
+
+// Rows [m0, m0 + R) of x against `groups` groups of 8 weight rows from w; y's column n0 is the
+// first group's first row.
+template <int R>
+void Q6Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K* xq, int64_t m0, float* y,
+                int64_t n_dim, int64_t n0) {
+  const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i evens = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto* wg = reinterpret_cast<const BlockQ6Kx8*>(w) + g * blocks;
+    __m512 facc[R][4];
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+      for (int k = 0; k < 4; ++k) facc[r][k] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const BlockQ6Kx8& blk = wg[b];
+      for (int line = 0; line < static_cast<int>(sizeof(BlockQ6Kx8)); line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(&blk) + kQ6Kx8Prefetch + line, _MM_HINT_T0);
+      }
+      __m512i s16[4];
+      for (int k = 0; k < 4; ++k) {
+        s16[k] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.scales + 32 * k)));
+      }
+      const __m512 dw = _mm512_permutexvar_ps(
+          pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.d)))));
+      const BlockQ8K* xb[R];
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) xb[r] = &xq[(m0 + r) * blocks + b];
+      Q6Kx8Pass<R, 0>(blk, s16, xb, dw, facc);
+      Q6Kx8Pass<R, 1>(blk, s16, xb, dw, facc);
+      Q6Kx8Pass<R, 2>(blk, s16, xb, dw, facc);
+      Q6Kx8Pass<R, 3>(blk, s16, xb, dw, facc);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+      // lane 2c + h: ((acc_h + acc_4+h) + (acc_2+h + acc_6+h)), then h = 0 plus h = 1: vec_dot's order
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(facc[r][0], facc[r][2]), _mm512_add_ps(facc[r][1], facc[r][3]));
+      const __m512 both = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));  // lanes 2c, 2c + 1 swapped
+      _mm256_storeu_ps(y + (m0 + r) * n_dim + n0 + 8 * g,
+                       _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, both)));
+    }
+  }
+}
+
+void Q6Kx8Rows(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K* xq, int64_t m0, int64_t m1,
+               float* y, int64_t n_dim, int64_t n0) {
+  for (int64_t g = 0; g < groups; ++g) {  // a group's blocks stay in cache for every group of rows
+    InRowGroups(m0, m1, [&](auto rows, int64_t m) {
+      Q6Kx8Group<decltype(rows)::value>(w + g * blocks * sizeof(BlockQ6Kx8), 1, blocks, xq, m, y, n_dim, n0 + 8 * g);
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Which kernel a product of one row of x runs: ggml's own (gemv for interleaved Q4_K, vec_dot for
 // Q6_K) or this file's multi-row kernel, which gives that row the same bits. Which is faster
 // depends on how the CPU runs 512-bit instructions. A Zen 4 runs them in two passes, and there
@@ -627,13 +779,25 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
   if (interleaved && !quantize_x) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "spec_jax gguf_matmul: interleaved weights need quantize_x");
   }
+  // Interleaved Q6_K (Q6Kx8) is this file's layout: only its multi-row kernel reads it.
+  const bool q6k_x8 = interleaved && type == GGML_TYPE_Q6_K;
+  if (q6k_x8 && (ggml_dot || n_dim % 8 != 0 || k_dim % 256 != 0)) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "spec_jax gguf_matmul: interleaved Q6_K has rows a multiple of 8 and no ggml product");
+  }
+#ifndef SPEC_JAX_MULTIROW
+  if (q6k_x8) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "spec_jax gguf_matmul: interleaved Q6_K needs the multi-row build (AVX-512 VNNI)");
+  }
+#endif
 #ifdef SPEC_JAX_MULTIROW
   // The multi-row kernel is faster than ggml's gemm at every row count (docs/benchmarks.md, "The
   // GGUF kernel's paths"), and gives each row gemv's bits whatever the row count: bulk takes gemm
   // only with ggml_dot (ggml's own calls: its prefill product, which tests and benchmarks compare).
-  const bool gemm = interleaved && bulk && ggml_dot;
+  const bool gemm = interleaved && !q6k_x8 && bulk && ggml_dot;
 #else
-  const bool gemm = interleaved && bulk;
+  const bool gemm = interleaved && !q6k_x8 && bulk;
 #endif
   const float* x = x_buf.typed_data();
   const uint8_t* w = w_buf.typed_data();
@@ -660,6 +824,17 @@ ffi::Error GgufMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x_buf, ffi::Bu
       }
     });
     const uint8_t* xs = xq.data();
+#ifdef SPEC_JAX_MULTIROW
+    if (q6k_x8) {  // tasks of whole groups of 8 weight rows; each output computed alone
+      const int64_t per_task = RowsPerTask(pool, n_dim, kRowsPerTile, 8), blocks = k_dim / 256;
+      spec_jax::ParallelChunks(pool, (n_dim + per_task - 1) / per_task, [&](int64_t c) {
+        const int64_t n0 = c * per_task, n1 = std::min(n_dim, n0 + per_task);
+        Q6Kx8Rows(w + n0 * row_bytes, (n1 - n0) / 8, blocks, reinterpret_cast<const BlockQ8K*>(xs), 0, m_rows, y,
+                  n_dim, n0);
+      });
+      return ffi::Error::Success();
+    }
+#endif
     if (interleaved) {
       if (type != GGML_TYPE_Q4_K || n_dim % 8 != 0 || k_dim % 256 != 0) {
         return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -863,6 +1038,74 @@ extern "C" size_t SpecJaxGgufInterleaveQ4K(const uint8_t* src, uint8_t* dst, int
     }
   }
   return static_cast<size_t>(rows * blocks * 144);
+}
+
+// Q6_K rows [N, K] (N a multiple of 8) <-> the same blocks as groups of 8 rows in this file's
+// Q6Kx8 layout (BlockQ6Kx8 above), forward or back (to_x8 = 0): the 6-bit values, scales and d
+// of each of the 8 blocks moved bit for bit, nothing requantized. Returns the bytes written (0:
+// bad shape).
+extern "C" size_t SpecJaxGgufInterleaveQ6K(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t k_dim,
+                                           int to_x8) {
+  if (rows % 8 != 0 || k_dim % 256 != 0) return 0;
+  struct Q6K { uint8_t ql[128], qh[64]; int8_t scales[16]; uint16_t d; };
+  struct Q6Kx8 { uint16_t d[8]; int8_t scales[128]; uint8_t ql[1024], qh[512]; };
+  static_assert(sizeof(Q6K) == 210 && sizeof(Q6Kx8) == 8 * 210, "ggml's block_q6_K; Q6Kx8");
+  const int64_t blocks = k_dim / 256;
+  for (int64_t g = 0; g < rows / 8; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t x8_at = (g * blocks + b) * sizeof(Q6Kx8);
+      Q6Kx8 x8;
+      if (to_x8) {
+        std::memset(&x8, 0, sizeof(x8));
+      } else {
+        std::memcpy(&x8, src + x8_at, sizeof(x8));
+      }
+      for (int c = 0; c < 8; ++c) {
+        const int64_t at = ((g * 8 + c) * blocks + b) * sizeof(Q6K);
+        Q6K one;
+        if (to_x8) {
+          std::memcpy(&one, src + at, sizeof(one));
+        } else {
+          std::memset(&one, 0, sizeof(one));
+        }
+        for (int v = 0; v < 256; ++v) {  // ggml's placing of value v (dequantize_row_q6_K)
+          const int half = v / 128, l = v % 32, m = (v % 128) / 32;
+          uint8_t& ql = one.ql[64 * half + l + 32 * (m % 2)];
+          uint8_t& qh = one.qh[32 * half + l];
+          const int ql_shift = 4 * (m / 2), qh_shift = 2 * m;
+          const int t = v / 8, i = v % 8;
+          uint8_t& xl = x8.ql[64 * (t % 16) + 8 * c + i];
+          uint8_t& xh = x8.qh[64 * (t % 8) + 8 * c + i];
+          const int xl_shift = 4 * (t / 16), xh_shift = 2 * (t / 8);
+          if (to_x8) {
+            const int u = ((ql >> ql_shift) & 15) | (((qh >> qh_shift) & 3) << 4);
+            xl |= static_cast<uint8_t>((u & 15) << xl_shift);
+            xh |= static_cast<uint8_t>((u >> 4) << xh_shift);
+          } else {
+            const int u = ((xl >> xl_shift) & 15) | (((xh >> xh_shift) & 3) << 4);
+            ql |= static_cast<uint8_t>((u & 15) << ql_shift);
+            qh |= static_cast<uint8_t>((u >> 4) << qh_shift);
+          }
+        }
+        for (int s = 0; s < 16; ++s) {
+          int8_t& xs = x8.scales[32 * (s / 4) + 4 * c + s % 4];
+          if (to_x8) {
+            xs = one.scales[s];
+          } else {
+            one.scales[s] = xs;
+          }
+        }
+        if (to_x8) {
+          x8.d[c] = one.d;
+        } else {
+          one.d = x8.d[c];
+          std::memcpy(dst + at, &one, sizeof(one));
+        }
+      }
+      if (to_x8) std::memcpy(dst + x8_at, &x8, sizeof(x8));
+    }
+  }
+  return static_cast<size_t>(rows * blocks * sizeof(Q6K));
 }
 
 // Whether this build has the multi-row kernels (AVX-512 VNNI): calls of several rows of x then

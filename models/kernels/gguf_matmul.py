@@ -35,6 +35,10 @@ FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "
 MATMUL_TARGET, ROWS_TARGET = "spec_jax_gguf_matmul", "spec_jax_gguf_rows"
 # Fixes which kernel a product of one row runs (one_row_own); unset: the kernel decides.
 ONE_ROW_ENV, ONE_ROW_CHOICES = "SPEC_JAX_GGUF_ONE_ROW", ("ggml", "own")
+# How Q6_K weights at gguf_q8 are laid out for the kernel (interleave_q6k_pays); unset: interleaved
+# where the multi-row build runs. "rows" keeps the file's layout (Q6KRows, the path before Q6Kx8).
+Q6K_ENV, Q6K_CHOICES = "SPEC_JAX_GGUF_Q6K", ("interleaved", "rows")
+Q4K, Q6K = GGMLQuantizationType.Q4_K.value, GGMLQuantizationType.Q6_K.value
 
 
 class KernelUnavailable(RuntimeError):
@@ -122,6 +126,10 @@ def _library() -> ctypes.CDLL | str:
     library.SpecJaxGgufQuantize.restype = ctypes.c_size_t
     library.SpecJaxGgufQuantize.argtypes = [
         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+    ]  # fmt: skip
+    library.SpecJaxGgufInterleaveQ6K.restype = ctypes.c_size_t
+    library.SpecJaxGgufInterleaveQ6K.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
     ]  # fmt: skip
     library.SpecJaxGgufInterleaveQ4K.restype = ctypes.c_size_t
     library.SpecJaxGgufInterleaveQ4K.argtypes = [
@@ -214,6 +222,44 @@ def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
     return out
 
 
+def q6k_setting() -> str:
+    """$SPEC_JAX_GGUF_Q6K ("interleaved" where unset or empty); ValueError for any other value."""
+    value = os.environ.get(Q6K_ENV) or "interleaved"
+    if value not in Q6K_CHOICES:
+        raise ValueError(f"${Q6K_ENV} must be one of {', '.join(Q6K_CHOICES)} (or unset), got {value!r}")
+    return value
+
+
+def interleave_q6k_pays() -> bool:
+    """Whether Q6_K weights at gguf_q8 (8-bit activations) go into interleave_q6k's layout for
+    the CPU kernel: where its multi-row build runs (no other product reads that layout) and
+    $SPEC_JAX_GGUF_Q6K does not say "rows". The bits of every product are the same either way."""
+    return q6k_setting() == "interleaved" and multirow()
+
+
+def interleave_q6k(data_oy: np.ndarray, back: bool = False) -> np.ndarray:
+    """Q6_K rows [O, Y] (O a multiple of 8) -> the same blocks with each group of 8 rows in the
+    kernel's Q6Kx8 layout (gguf_matmul.cc: the 8 columns' 6-bit values 8 at a time, their
+    scales and d regrouped; the same bytes a block), which matmul(..., interleaved=True) reads on
+    the multi-row build; back: that layout -> the file's rows again (bit for bit)."""
+    library = _library()
+    if isinstance(library, str):
+        raise KernelUnavailable(library)
+    data_oy = np.ascontiguousarray(data_oy, np.uint8)
+    k = data_oy.shape[-1] // 210 * 256
+    if data_oy.ndim != 2 or data_oy.shape[0] % 8 or row_bytes(Q6K, k) != data_oy.shape[1]:
+        raise ValueError(
+            f"interleave_q6k: Q6_K rows [N, row_bytes] with N a multiple of 8, got {data_oy.shape}"
+        )
+    out = np.empty_like(data_oy)
+    written = library.SpecJaxGgufInterleaveQ6K(
+        data_oy.ctypes.data, out.ctypes.data, data_oy.shape[0], k, int(not back)
+    )
+    if written != out.size:
+        raise KernelUnavailable("the Q6_K interleave wrote the wrong number of bytes")
+    return out
+
+
 def matmul(
     x_mi,
     data_oy,
@@ -229,7 +275,9 @@ def matmul(
     outputs 0 (one program for every fill of a prefill's last chunk). ggml_dot:
     every (row, column) by ggml's own calls (to_float + its f32 vec_dot, or its quantized
     vec_dot), not this project's multi-row kernel for Q4_K / Q6_K (tests and benchmarks compare).
-    interleaved: data is Q4_K in interleave_q4k's layout (quantize_x only), multiplied by the
+    interleaved: data is Q6_K in interleave_q6k's layout (quantize_x only, the multi-row build;
+    each row the bits of ggml's vec_dot on the file's layout), or Q4_K in interleave_q4k's
+    layout (quantize_x only), multiplied by the
     multi-row kernel that gives each row the bits of ggml's repacked product
     (ggml_gemv_q4_K_8x8_q8_K; ggml_dot calls that gemv, one call per row of x); with bulk, rows
     in groups of 4 by ggml's ggml_gemm_q4_K_8x8_q8_K where the CPU lacks the multi-row kernel

@@ -1,0 +1,123 @@
+"""The interleaved Q6_K kernel (gguf_matmul.cc's Q6Kx8: 8 weight rows a group, one unpacking of
+each block for up to 8 rows of x): every row of every call has the bits of ggml's own vec_dot on
+the file's layout, so a verify call over gamma + 1 positions gives each position what a decode
+step gives it, and the layout moves the file's bits without changing them.
+
+The kernel builds on first use (the tests fail where it cannot: CI has compilers); the layout
+needs its multi-row build (AVX-512 VNNI), without which these tests skip.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from models.kernels import gguf_matmul
+
+Q6K = T.Q6_K.value
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert gguf_matmul.available(), "the GGUF block kernel did not build (see the warning)"
+    if not gguf_matmul.multirow():
+        pytest.skip("this CPU has no multi-row build (AVX-512 VNNI): Q6_K stays in the file's layout")
+    return gguf_matmul
+
+
+def q6k_rows(kernel, n: int, k: int, seed: int) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return kernel.quantize(w, Q6K)
+
+
+def product(kernel, data, interleaved=False, ggml_dot=False, live=None):
+    return jax.jit(
+        lambda x, live=None: kernel.matmul(
+            x, jnp.asarray(data), Q6K, True, ggml_dot=ggml_dot, interleaved=interleaved, live=live
+        )
+    )
+
+
+@pytest.mark.parametrize("k", [256, 1536, 2816])  # 1, 6 and 11 blocks a row
+def test_interleaved_q6k_rows_are_ggml_vec_dots_bits_at_every_row_count(kernel, k):
+    """Rows 1..16 of x: one group of rows up to 8, then a group of 8 and a remainder (9, 11, 13
+    are no multiple of the 8 rows a group or of the 4 lanes a pass), each row exactly ggml's
+    vec_dot of the file's layout (ggml_dot), for 40 weight rows (5 groups of 8 columns)."""
+    data = q6k_rows(kernel, 40, k, seed=1)
+    x = np.random.default_rng(2).standard_normal((16, k)).astype(np.float32) * 3
+    reference = np.asarray(product(kernel, data, ggml_dot=True)(jnp.asarray(x)))
+    own = product(kernel, kernel.interleave_q6k(data), interleaved=True)
+    for m in range(1, 17):
+        np.testing.assert_array_equal(np.asarray(own(jnp.asarray(x[:m]))), reference[:m], err_msg=f"{m} rows")
+
+
+def test_the_comparison_sees_a_wrong_layout(kernel):
+    """The check above can fail: the file's own rows read as Q6Kx8 (no interleave), or groups
+    of 8 rows interleaved in the wrong order, give other numbers."""
+    data = q6k_rows(kernel, 16, 512, seed=3)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 512)).astype(np.float32))
+    reference = np.asarray(product(kernel, data, ggml_dot=True)(x))
+    swapped = kernel.interleave_q6k(np.concatenate([data[8:], data[:8]]))
+    for wrong in (data, swapped):
+        assert not np.array_equal(np.asarray(product(kernel, wrong, interleaved=True)(x)), reference)
+
+
+def test_interleave_q6k_moves_the_bits_and_back(kernel):
+    data = q6k_rows(kernel, 24, 768, seed=5)
+    packed = kernel.interleave_q6k(data)
+    assert packed.shape == data.shape and packed.dtype == np.uint8
+    assert not np.array_equal(packed, data)
+    np.testing.assert_array_equal(kernel.interleave_q6k(packed, back=True), data)
+    assert sorted(np.unpackbits(packed).tolist()) == sorted(np.unpackbits(data).tolist())
+
+
+@pytest.mark.parametrize("shape", [(12, 210), (8, 200), (8,)])
+def test_interleave_q6k_refuses_other_shapes_in_one_line(kernel, shape):
+    with pytest.raises(
+        ValueError, match=r"interleave_q6k: Q6_K rows \[N, row_bytes\] with N a multiple of 8"
+    ):
+        kernel.interleave_q6k(np.zeros(shape, np.uint8))
+
+
+def test_no_ggml_product_reads_interleaved_q6k(kernel):
+    data = kernel.interleave_q6k(q6k_rows(kernel, 8, 256, seed=6))
+    x = jnp.ones((1, 256), jnp.float32)
+    with pytest.raises(Exception, match="interleaved Q6_K has rows a multiple of 8 and no ggml product"):
+        np.asarray(product(kernel, data, interleaved=True, ggml_dot=True)(x))
+
+
+@pytest.mark.parametrize("live", [0, 1, 5, 9, 16])
+def test_rows_past_live_are_zero_and_the_live_rows_keep_their_bits(kernel, live):
+    data = kernel.interleave_q6k(q6k_rows(kernel, 24, 768, seed=7))
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((16, 768)).astype(np.float32))
+    call = product(kernel, data, interleaved=True)
+    full = np.asarray(call(x))
+    part = np.asarray(call(x, jnp.int32(live)))
+    np.testing.assert_array_equal(part[:live], full[:live])
+    assert not part[live:].any()
+
+
+def test_rows_of_x_quantized_on_several_threads_keep_their_bits(kernel):
+    """24 rows of K 2816 (67K values: quantized on XLA's threads) against the same rows 3 at a
+    time (quantized on the calling thread)."""
+    data = kernel.interleave_q6k(q6k_rows(kernel, 64, 2816, seed=9))
+    x = np.random.default_rng(10).standard_normal((24, 2816)).astype(np.float32) * 3
+    call = product(kernel, data, interleaved=True)
+    together = np.asarray(call(jnp.asarray(x)))
+    apart = np.concatenate([np.asarray(call(jnp.asarray(x[i : i + 3]))) for i in range(0, 24, 3)])
+    np.testing.assert_array_equal(together, apart)
+
+
+def test_the_q6k_layout_setting(monkeypatch, kernel):
+    """$SPEC_JAX_GGUF_Q6K: unset or "interleaved" takes Q6Kx8 on the multi-row build, "rows"
+    keeps the file's layout (the path before it), anything else is one clear error."""
+    monkeypatch.delenv(gguf_matmul.Q6K_ENV, raising=False)
+    assert gguf_matmul.interleave_q6k_pays()
+    monkeypatch.setenv(gguf_matmul.Q6K_ENV, "rows")
+    assert not gguf_matmul.interleave_q6k_pays()
+    monkeypatch.setenv(gguf_matmul.Q6K_ENV, "fast")
+    with pytest.raises(
+        ValueError, match=r"\$SPEC_JAX_GGUF_Q6K must be one of interleaved, rows \(or unset\), got 'fast'"
+    ):
+        gguf_matmul.interleave_q6k_pays()
