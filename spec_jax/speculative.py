@@ -34,7 +34,7 @@ from spec_jax.drafting.base import Drafter
 from spec_jax.logprobs import kept_logprobs
 from spec_jax.metrics import SpecMetrics
 from spec_jax.sampling import RowSampling, split_rows, warp
-from spec_jax.verify import draft_lengths, finite_prefix, overlap, verify
+from spec_jax.verify import draft_lengths, finite_prefix, overlap, verify, verify_logits
 
 
 @flax.struct.dataclass
@@ -178,11 +178,13 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
         draft_params, state.draft_state, context, state.length, gamma, state.sampling, draft_keys
     )
     q = _unproposed(q, state.plain)
-    num_drafted = draft_lengths(q) if gamma else jnp.zeros_like(state.length)
-    p, logits, finite, target_cache, target_features = _score_chain(
+    num_drafted = draft_lengths(q, drafts) if gamma else jnp.zeros_like(state.length)
+    logits, finite, target_cache, target_features = _score_chain(
         static, params, state, drafts, num_drafted, active
     )
-    num_accepted, next_token = verify(drafts, q, p, verify_keys)
+    num_accepted, next_token, alpha_terms = verify_logits(
+        drafts, q, logits, state.sampling, verify_keys, rule=verify
+    )
     usable, nonfinite = _finite_tokens(finite, num_accepted, active)
 
     idx = jnp.arange(gamma + 1)[None, :]
@@ -202,7 +204,7 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
         nonfinite=nonfinite,
         num_drafted=num_drafted,
         num_accepted=num_accepted,
-        overlap=overlap(p[:, :gamma], q),
+        overlap=alpha_terms,
         logits=lambda: logits,
         target_cache=target_cache,
         draft_state=draft_state,
@@ -211,8 +213,8 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
 
 
 def _score_chain(static: SpecStatic, params, state: SpecState, drafts, num_drafted, active):
-    """(p [B, G + 1, V], the raw logits [B, G + 1, V], finite [B, G + 1] (the logits at the
-    position were all finite), the target cache, features [B, G + 1, D] or None): the target
+    """(the raw logits [B, G + 1, V], finite [B, G + 1] (the logits at the position were all
+    finite), the target cache, features [B, G + 1, D] or None): the target
     scores [t_{n-1}, drafts] at n-1 .. n-1+G, in the narrowest call that covers every active
     row's drafts where the drafter proposes variable lengths (a round where no row proposed
     anything is one decode step)."""
@@ -229,11 +231,10 @@ def _score_chain(static: SpecStatic, params, state: SpecState, drafts, num_draft
             static.config, params, tokens[:, :width], positions[:, :width], cache, with_features=features
         )
         pad = ((0, 0), (0, gamma + 1 - width), (0, 0))
-        p = jnp.pad(warp(out.logits, state.sampling), pad, mode="edge")
         logits = jnp.pad(out.logits, pad, mode="edge")
         finite = jnp.pad(jnp.all(jnp.isfinite(out.logits), axis=-1), pad[:2], mode="edge")
         f = jnp.pad(out.features, pad, mode="edge") if features else None
-        return p, logits, finite, out.cache, f
+        return logits, finite, out.cache, f
 
     if not (gamma and static.drafter.variable_length):
         return score(gamma + 1, state.target_cache)

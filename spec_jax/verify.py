@@ -13,9 +13,11 @@ positions of a row are a prefix of its G; whether a row stops may depend on draf
 information only (never on p or on the uniforms), which keeps every position exact.
 """
 
+import jax
 import jax.numpy as jnp
 
 from spec_jax import tree
+from spec_jax.sampling import argmax, warp
 
 
 def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
@@ -36,6 +38,39 @@ def verify(draft_tokens_bg, q_bgv, p_bgv, keys_b):
     return num_accepted, next_token
 
 
+def verify_logits(draft_tokens_bg, q_bgv, logits_bgv, sampling, keys_b, rule=None):
+    """verify (or `rule`, its signature: a test swaps in a broken one) on the target's raw logits
+    [B, G + 1, V] warped by each row's settings (sampling: spec_jax.sampling.RowSampling), and
+    the overlap of p and q at the drafts' positions.
+
+    Returns (num_accepted [B], next_token [B], overlap [B, G]: sum_x min(p, q), alpha's terms).
+    Where every row is greedy (a lax.cond), p is the one-hot of the argmax a_i and the rule
+    reduces to what it gives then without any pass over the vocabulary beyond the argmax: a
+    proposed draft (q(x_i) > 0) is accepted while x_i = a_i (u q(x_i) < p(x_i) = 1), the next
+    token is a at the first position not accepted (the residual max(0, p - q) of a one-hot p is
+    a point mass at a, or p itself), and sum_x min(p, q) = q(a_i). The same tokens as verify
+    on warp's one-hot p, bit for bit (tests/test_verify.py)."""
+    g = draft_tokens_bg.shape[1]
+
+    def greedy():
+        top = argmax(logits_bgv)  # [B, G + 1], warp's argmax (ties and NaN alike)
+        drafts = draft_tokens_bg.astype(jnp.int32)
+        q_x = jnp.take_along_axis(q_bgv, drafts[..., None], axis=-1)[..., 0]
+        accepted = (drafts == top[:, :g]) & (q_x > 0)
+        num_accepted = jnp.sum(jnp.cumprod(accepted, axis=1), axis=1).astype(jnp.int32)
+        next_token = jnp.take_along_axis(top, num_accepted[:, None], axis=1)[:, 0]
+        q_top = jnp.take_along_axis(q_bgv, top[:, :g, None], axis=-1)[..., 0]
+        return num_accepted, next_token, jnp.minimum(q_top.astype(jnp.float32), 1.0)
+
+    def sampled():
+        p = warp(logits_bgv, sampling)
+        num_accepted, next_token = (rule or verify)(draft_tokens_bg, q_bgv, p, keys_b)
+        return num_accepted, next_token, overlap(p[:, :g], q_bgv)
+
+    rows = sampling.for_rows(logits_bgv.shape[0])
+    return jax.lax.cond(jnp.all(rows.greedy), greedy, sampled)
+
+
 def finite_prefix(finite_bg1, num_accepted_b):
     """int32 [B] in [0, num_accepted + 1]: how many of the row's num_accepted + 1 tokens were
     drawn from finite target logits.
@@ -51,9 +86,15 @@ def finite_prefix(finite_bg1, num_accepted_b):
     return jnp.minimum(leading, num_accepted_b + 1)
 
 
-def draft_lengths(q_bgv):
-    """int32 [B]: how many leading positions of each row were proposed (q not all zero)."""
-    proposed = jnp.sum(q_bgv, axis=-1) > 0  # [B, G]
+def draft_lengths(q_bgv, draft_tokens_bg=None):
+    """int32 [B]: how many leading positions of each row were proposed (q not all zero). With
+    the drafts [B, G] (drawn from q, so q(x) > 0 where q is not all zero), q(x) > 0 is read
+    at each draft instead of q's sum over the vocabulary."""
+    if draft_tokens_bg is None:
+        proposed = jnp.sum(q_bgv, axis=-1) > 0  # [B, G]
+    else:
+        drafts = draft_tokens_bg.astype(jnp.int32)[..., None]
+        proposed = jnp.take_along_axis(q_bgv, drafts, axis=-1)[..., 0] > 0
     return jnp.sum(jnp.cumprod(proposed, axis=1), axis=1).astype(jnp.int32)
 
 
