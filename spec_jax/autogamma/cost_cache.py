@@ -12,7 +12,8 @@ Where they come from (CostEntry.source):
   and nothing runs beside the run to skew its timings (on 2 cores a concurrent measurement would
   share the cores and the memory bandwidth with the very rounds it is meant to price).
 
-This module keys and caches; it chooses nothing (spec_jax.autogamma's controllers choose).
+This module keys, assumes (the prior) and caches; it chooses nothing (spec_jax.autogamma's
+controllers choose).
 """
 
 import dataclasses
@@ -28,7 +29,8 @@ import jax
 
 from models import machine, registry
 from models.kernels import builds, cpu_matmul
-from spec_jax.autogamma.costs import Costs, calibrated, checked_costs, measure, prior_costs
+from spec_jax import timing
+from spec_jax.autogamma.costs import RESUME_WIDTH, Costs, calibrated, checked_costs, measure
 from spec_jax.drafting.base import AUTO_GAMMA_MAX
 
 # How measure() turns repeats into a cost; part of the cache key, so a change re-measures.
@@ -191,6 +193,39 @@ def _cached_entry(path, key: dict, sizes: CostSizes, prior: Costs) -> "CostEntry
     if source == "observed" and not seconds:  # ratios to a run's plain round, as kept before: anew
         return CostEntry(prior, "prior", path, key, prior)
     return CostEntry(costs, source, path, key, prior, seconds)
+
+
+# The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
+# steps (by backend, and precision where the CPU kernels' rows cost differently; others:
+# ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight bytes over the target's,
+# times the same growth. On the 2-core EPYC the int8 Qwen pair measured 1.3-1.45 steps over 5
+# tokens (docs/design.md); at gguf_q8 (ggml's gemv for one row, the multi-row kernel for more)
+# 1.35-1.47 over 2 and 2.25-2.57 over 4 (2026-11-28). Accelerators: about one step.
+PRIOR_VERIFY_STEP = {"cpu": 0.15, ("cpu", "gguf_q8"): 0.35}
+ACCELERATOR_VERIFY_STEP = 0.02
+
+
+def prior_costs(target, drafter, draft_params, sizes: CostSizes) -> Costs:
+    """Costs to plan with before any were measured or observed, from the weights alone: the
+    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP, by backend and the
+    target's precision), a drafter call over w tokens (Drafter.call_bytes over the target's
+    weight bytes) * (1 + (w - 1) * slope), nothing for a drafter without model calls. step_seconds
+    is a placeholder (the controller times the plain round before it uses it)."""
+    key = (jax.default_backend(), target.config.dtype)
+    slope = PRIOR_VERIFY_STEP.get(key, PRIOR_VERIFY_STEP.get(key[0], ACCELERATOR_VERIFY_STEP))
+    share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
+
+    def call(width: int) -> float:
+        return 1.0 + (width - 1) * slope
+
+    return Costs(
+        step_seconds=0.01,
+        draft1=share,
+        draft2=share * call(2),
+        verify=tuple(call(g + 1) for g in range(sizes.gamma_max + 1)),
+        resume=share * call(RESUME_WIDTH),
+        tree_verify=tuple((n, call(n + 1)) for n in sizes.tree_sizes),
+    )
 
 
 @dataclasses.dataclass

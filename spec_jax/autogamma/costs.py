@@ -1,14 +1,13 @@
-"""What a round of gamma=auto costs (Costs: each model call of a round in target decode steps), and
-the three ways to know it: `measure` times the calls (the target's, and the drafter's as the
-drafter describes them: Drafter.timed_call), `prior_costs` assumes them from the weights' bytes
-before anything ran, and `calibrated` fits the prior to the rounds a run timed. `checked_costs`
-reads saved ones back. Which of them a run plans with, and their cache, is cost_cache's.
+"""What a round of gamma=auto costs (Costs: each model call of a round in target decode steps):
+`measure` times the calls (the target's, and the drafter's as the drafter describes them:
+Drafter.timed_call), `calibrated` fits a prior (cost_cache.prior_costs, from the weights' bytes)
+to the rounds a run timed, `checked_costs` reads saved ones back. Which costs a run plans with,
+and their cache, is cost_cache's.
 """
 
 import dataclasses
 import math
 
-import jax
 import numpy as np
 
 from spec_jax import theory, timing
@@ -101,40 +100,6 @@ def measure(target, drafter, draft_params, sizes, repeats: int = 5) -> Costs:
         verify=verify,
         resume=rel(("draft", RESUME_WIDTH)),
         tree_verify=tuple((n, rel(("target", n + 1))) for n in tree_sizes),
-    )
-
-
-# The prior (prior_costs): a verify call over g + 1 tokens costs 1 + g * PRIOR_VERIFY_STEP target
-# steps (by backend, and precision where the CPU kernels' rows cost differently; others:
-# ACCELERATOR_VERIFY_STEP), a drafter's call over w tokens its weight bytes over the target's,
-# times the same growth. On the 2-core EPYC the int8 Qwen pair measured 1.3-1.45 steps over 5
-# tokens (docs/design.md); at gguf_q8 (ggml's gemv for one row, the multi-row kernel for more)
-# 1.35-1.47 over 2 and 2.25-2.57 over 4 (2026-11-28). Accelerators: about one step.
-PRIOR_VERIFY_STEP = {"cpu": 0.15, ("cpu", "gguf_q8"): 0.35}
-ACCELERATOR_VERIFY_STEP = 0.02
-
-
-def prior_costs(target, drafter, draft_params, sizes) -> Costs:
-    """Costs to plan with before any were measured or observed, from the weights alone (sizes: a
-    cost_cache.CostSizes): the
-    target's call over g + 1 tokens 1 + g * slope steps (PRIOR_VERIFY_STEP, by backend and the
-    target's precision), a drafter call over w tokens (Drafter.call_bytes over the target's
-    weight bytes) * (1 + (w - 1) * slope), nothing for a drafter without model calls. step_seconds
-    is a placeholder (the controller times the plain round before it uses it)."""
-    key = (jax.default_backend(), target.config.dtype)
-    slope = PRIOR_VERIFY_STEP.get(key, PRIOR_VERIFY_STEP.get(key[0], ACCELERATOR_VERIFY_STEP))
-    share = drafter.call_bytes(draft_params) / max(timing.tree_bytes(target.params), 1)
-
-    def call(width: int) -> float:
-        return 1.0 + (width - 1) * slope
-
-    return Costs(
-        step_seconds=0.01,
-        draft1=share,
-        draft2=share * call(2),
-        verify=tuple(call(g + 1) for g in range(sizes.gamma_max + 1)),
-        resume=share * call(RESUME_WIDTH),
-        tree_verify=tuple((n, call(n + 1)) for n in sizes.tree_sizes),
     )
 
 
