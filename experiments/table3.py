@@ -45,7 +45,8 @@ LOOKUP = "prompt_lookup"
 SUFFIX = "suffix"
 SUFFIX_NGRAM = 3
 HYBRID_PREFIX = "hybrid@"
-HEAD = "head"  # the target's trained draft head (spec_jax.drafting.head.load_drafter, default workdir)
+# the target's trained draft head (spec_jax.drafting.trained_head.load_drafter, default workdir)
+HEAD = "head"
 
 
 def is_lookup(draft: str) -> bool:

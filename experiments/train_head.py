@@ -27,7 +27,7 @@ DTYPE_KEYS = ("target_dtype",)
 
 def get_config(quick: bool = False):
     config = training.default_config()
-    config.workdir = ""  # "": spec_jax.drafting.head.default_workdir(target)
+    config.workdir = ""  # "": spec_jax.drafting.trained_head.default_workdir(target)
     if quick:  # a tiny random target on the code corpus: seconds
         config.target = "tiny"
         config.target_dtype = "float32"
