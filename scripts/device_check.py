@@ -19,7 +19,7 @@ skipped with a note once --budget_s is spent:
   costs      at bfloat16 and int8, batch 1: the target step against the HBM read floor (weight
              bytes a step reads over the bandwidth of a measured device copy), verify at gamma
              1-8 and trees of 8 / 16 and the 0.5B draft's step c, in target steps
-             (spec_jax.step_costs.measure: min of interleaved repeats), beside
+             (spec_jax.autogamma.costs.measure: min of interleaved repeats), beside
              experiments/predicted_speed's H100 prediction and Theorem 3.8 at its alpha
   walltime   the compiled loop (spec_jax.generate, greedy, gamma 4) with drafts of controlled
              acceptance (the target plus scaled noise, alpha about 0.6 / 0.8 / 0.9) against plain
@@ -481,7 +481,7 @@ def section_walltime(plan: Plan, state: dict) -> dict:
         f"tokens/s (prefill and compiles excluded), medians of {plan.repeats - 1} runs after one. The "
         "draft is the target plus noise (its shape: c about 1, so speculation cannot pay here; the "
         "check is the loop against Theorem 3.8, whose c and v are this pair's, measured by "
-        "spec_jax.step_costs.measure: min of interleaved repeats)."
+        "spec_jax.autogamma.costs.measure: min of interleaved repeats)."
     )
     checks = {
         f"walltime identical to plain at alpha {r['alpha_wanted']}": r["identical_to_plain"] for r in rows
