@@ -119,7 +119,7 @@ from launch.serve_schema import (  # noqa: E402
 from launch.serve_schema import usage as usage_body  # noqa: E402
 from spec_jax.engine import Engine, QueueFull  # noqa: E402
 from spec_jax.logprobs import TokenLogprobs  # noqa: E402
-from spec_jax.request import Request, RequestError  # noqa: E402
+from spec_jax.request import Admitted, Request, RequestError  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
@@ -424,7 +424,7 @@ class _Choice:
         return shown
 
 
-async def _submit_all(worker: EngineWorker, body, requests: list[Request], rid: str) -> list[_Choice]:
+async def _submit_all(worker: EngineWorker, body, requests: list[Admitted], rid: str) -> list[_Choice]:
     """Submits each prompt's n samples (row ids 0..n-1 of its seed; the prompt's logprobs asked
     of the first alone where it generates) and returns the choices in order (prompt i's sample
     j at i * n + j). Where the engine reads cached prompt prefixes, the other samples wait for
@@ -439,9 +439,11 @@ async def _submit_all(worker: EngineWorker, body, requests: list[Request], rid: 
     staged = body.n > 1 and worker.engine.reads_prefixes
 
     async def sample(i: int, j: int) -> None:
-        request = requests[i]
-        if j and request.max_tokens:
-            request = dataclasses.replace(request, prompt_logprobs=None)  # the first one's serve all
+        request = requests[i]  # admitted (EngineWorker.prepare)
+        if j and request.request.max_tokens:  # the first one's prompt logprobs serve all
+            request = dataclasses.replace(
+                request, request=dataclasses.replace(request.request, prompt_logprobs=None)
+            )
         choice = _Choice(
             await _submit(worker, request, rid, row_id=j), counts_prompt=not j, token_text=token_text
         )
@@ -510,7 +512,7 @@ def _too_large(limit: int, why: str) -> ApiError:
 
 
 def _prepared(raw: bytes, chat: bool, model: str, worker: EngineWorker):
-    """(the parsed body, its Requests (one per prompt) with the prompts as token ids): the body's
+    """(the parsed body, its Requests (one per prompt) admitted: Request.admit): the body's
     checks (serve_schema.parse_body, the model, to_requests) and EngineWorker.prepare's
     tokenization, as ApiErrors. Runs in a thread of its own: neither the event loop nor the
     engine waits for it."""
@@ -529,7 +531,7 @@ def _prepared(raw: bytes, chat: bool, model: str, worker: EngineWorker):
         raise ApiError(400, str(e), param=body_field(e.field)) from None
 
 
-async def _submit(worker: EngineWorker, request: Request, rid: str, row_id: int = 0) -> Stream:
+async def _submit(worker: EngineWorker, request: Admitted, rid: str, row_id: int = 0) -> Stream:
     """worker.submit with the engine's refusals as ApiErrors: the context (400), a full queue or a
     server shutting down (429 / 503, with Retry-After), an exception the engine raised for this
     request (500 naming it)."""

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from spec_jax.engine import QueueFull, Update
-from spec_jax.request import Request, RequestError, encode_prompt
+from spec_jax.request import Admitted, Request, RequestError
 
 PREFIX = "spec_jax"
 prometheus_client.disable_created_metrics()  # no `_created` sample beside every counter
@@ -46,7 +46,9 @@ class Stream:
     (named in its errors); `row_id`: its row's keys, fold_in(key(seed), row_id) (a response's n
     samples of one prompt: 0..n-1)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, request: Request, rid: str = "", row_id: int = 0):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, request: Request | Admitted, rid: str = "", row_id: int = 0
+    ):
         self.loop = loop
         self.request = request
         self.rid = rid
@@ -218,21 +220,14 @@ class EngineWorker:
         """Whether shutdown() was called."""
         return self._deadline is not None
 
-    def prepare(self, request: Request) -> Request:
-        """`request` as the engine takes it, its prompt as token ids: validated, and a text or a
-        conversation tokenized (encode_prompt, whose bound refuses a text far over the slot's
-        context before tokenizing it). Runs in the caller's thread, never the engine's:
-        tokenizing a long prompt does not hold up the rows that run (the tokenizer releases the
-        GIL). RequestError naming the field at fault; the request's tokens are the same as the
-        engine's own encoding would give."""
-        request.validate()
-        if request.prompt_ids is not None:
-            return request
-        engine = self.engine
-        ids = encode_prompt(engine.target, request, engine.max_context)
-        return dataclasses.replace(request, prompt=None, messages=None, prompt_ids=tuple(ids))
+    def prepare(self, request: Request) -> Admitted:
+        """`request` admitted as the engine takes it (Request.admit against the engine's target
+        and limits: validated, its prompt's token ids, stop ids, room). Runs in the caller's
+        thread, never the engine's: tokenizing a long prompt does not hold up the rows that run
+        (the tokenizer releases the GIL). RequestError naming the field at fault."""
+        return request.admit(self.engine.target, self.engine.limits)
 
-    async def submit(self, request: Request, rid: str = "", row_id: int = 0) -> Stream:
+    async def submit(self, request: Request | Admitted, rid: str = "", row_id: int = 0) -> Stream:
         loop = asyncio.get_running_loop()
         stream = Stream(loop, request, rid, row_id)
         done = loop.create_future()

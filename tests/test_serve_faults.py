@@ -31,6 +31,7 @@ from launch.serve_engine import EngineWorker, Metrics
 from launch.serve_schema import MAX_JSON_DEPTH, MAX_NUMBER_CHARS
 from models.tokenizer import Tokenizer
 from spec_jax.engine import Engine
+from spec_jax.request import Limits as SlotLimits
 from spec_jax.request import Request, RequestError, encode_prompt
 from spec_jax.updates import Handle, Update
 
@@ -123,7 +124,7 @@ def test_an_exception_in_engine_submit_fails_that_request_alone_and_the_engine_t
     submit = server.engine.submit
 
     def broken(request, *args, **kwargs):
-        if request.max_tokens == 13:
+        if request.request.max_tokens == 13:  # an Admitted (EngineWorker.prepare)
             raise TypeError("argument 'input': a bug met by this request")
         return submit(request, *args, **kwargs)
 
@@ -319,13 +320,15 @@ class FakeEngine:
     that ends without an exception Python reports)."""
 
     max_context = 64
+    limits = SlotLimits(max_context)
+    target = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=256), tokenizer=None)
     controllers: dict = {}
 
     def __init__(self):
         self.step_seconds, self.die, self.waiting = 0.0, False, []
 
-    def submit(self, request, row_id=0):
-        handle = Handle(len(self.waiting), request, len(request.prompt_ids))
+    def submit(self, admitted, row_id=0):  # an Admitted (EngineWorker.prepare)
+        handle = Handle(len(self.waiting), admitted.request, len(admitted.ids))
         self.waiting.append(handle)
         return handle
 
