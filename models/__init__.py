@@ -158,12 +158,21 @@ def load(
     checkpoint and caches the result beside it, so later loads read the smaller one; the GGUF
     precisions read the GGUF file's own blocks. A damaged cache entry is rebuilt once
     (models.convert; models.registry.DamagedCacheError, naming its path, if it cannot be).
-    `scan_layers` picks the layer layout (see ModelConfig.scan_layers); None means scanned
-    except for real models on a CPU backend. `place`: a function from the host parameter tree
-    to the placed one (spec_jax.sharding.place_params over a mesh); it is handed read-only
-    memory maps of the cached checkpoint, so each process of a multi-host mesh reads only the
-    slices its own devices hold. Default: every leaf onto the default device (on a CPU read
-    straight onto huge pages: models.convert.to_device).
+
+    Args:
+      name: a random preset, a registry name, a GGUF file, a Hugging Face folder or repo id.
+      dtype: float32, bfloat16, int8, or for a GGUF source gguf or gguf_q8 (models.precision).
+      cache_dir: the cache's root (default $SPEC_JAX_CACHE, else ~/.cache/spec_jax).
+      progress: progress bars on stderr for downloads and conversions.
+      scan_layers: the layer layout (ModelConfig.scan_layers); None: scanned except for real
+        models on a CPU backend.
+      place: a function from the host parameter tree to the placed one
+        (spec_jax.sharding.place_params over a mesh); it is handed read-only memory maps of the
+        cached checkpoint, so each process of a multi-host mesh reads only its devices' slices.
+        Default: every leaf onto the default device (on a CPU straight onto huge pages).
+
+    Returns:
+      A Model (config, params, tokenizer: a byte tokenizer for random presets).
     """
     precision.of(dtype)  # ValueError naming the precisions
     if name in RANDOM_PRESETS:

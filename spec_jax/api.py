@@ -239,14 +239,21 @@ def decoded(target, tokens: list[list[int]]) -> list[str] | None:
 def stream(
     target, prompts, draft=None, *, gamma="auto", tree=0, max_batch=8, mesh=None, **fields
 ) -> Iterator[tuple[int, Update]]:
-    """Generates for each prompt (a text, a conversation, token ids, or a list of them) on an
-    Engine, yielding (prompt index, Update) as chunks of rounds finish: each Update carries the
-    prompt's new token ids and text since its last one; the last has finished set.
+    """Generates for each prompt on an Engine, yielding its tokens as chunks of rounds finish.
 
-    fields: the Request's (max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
-    speculate), one value for every prompt; the defaults are Request's (greedy, the model's
-    stop tokens). Each prompt's tokens equal spec_jax.generate's for it alone with the same
-    settings (seed: its own, row id 0)."""
+    Args:
+      target, draft, gamma, tree, mesh: as generate's.
+      prompts: a text, a conversation, token ids, or a list of them.
+      max_batch: the engine's row slots (prompts beyond them wait for a free one).
+      **fields: the Request's (max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
+        speculate, logprobs), one value for every prompt; the defaults are Request's (greedy,
+        the model's stop tokens).
+
+    Yields:
+      (prompt index, spec_jax.updates.Update): the prompt's new token ids and text since its
+      last Update; its last has finished set. Each prompt's tokens equal generate's for it
+      alone with the same settings (seed: its own, row id 0).
+    """
     prompts = list(one_or_many(prompts))
     requests = [request_for(p, **fields).validate() for p in prompts]
     ids, new = [encode_prompt(target, r) for r in requests], requests[0].max_tokens  # one for all

@@ -88,7 +88,7 @@ class Request:
 
     @property
     def sampling(self) -> SamplingParams:
-        """The request's warp (static settings of the loop that runs it)."""
+        """The request's warp (its row's operands of the loop: spec_jax.sampling.RowSampling)."""
         return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p))
 
     def validate(self) -> "Request":
