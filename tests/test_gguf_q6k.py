@@ -121,3 +121,25 @@ def test_the_q6k_layout_setting(monkeypatch, kernel):
         ValueError, match=r"\$SPEC_JAX_GGUF_Q6K must be one of interleaved, rows \(or unset\), got 'fast'"
     ):
         gguf_matmul.interleave_q6k_pays()
+
+
+def test_the_q4k_kernels_prefetching_changes_no_bit(kernel):
+    """gguf_matmul.prefetch_q4k (the interleaved Q4_K kernel asking for its blocks ahead, or not,
+    as before it did; benchmarks time both): every row of 1..8 the same bits either way."""
+    data = jnp.asarray(
+        kernel.interleave_q4k(
+            kernel.quantize(
+                np.random.default_rng(11).standard_normal((264, 1536)).astype(np.float32), T.Q4_K.value
+            )
+        )
+    )
+    x = np.random.default_rng(12).standard_normal((8, 1536)).astype(np.float32)
+    call = jax.jit(lambda x: kernel.matmul(x, data, T.Q4_K.value, True, interleaved=True))
+    try:
+        for m in range(1, 9):
+            kernel.prefetch_q4k(False)
+            before = np.asarray(call(jnp.asarray(x[:m])))
+            kernel.prefetch_q4k(True)
+            np.testing.assert_array_equal(np.asarray(call(jnp.asarray(x[:m]))), before, err_msg=f"{m} rows")
+    finally:
+        kernel.prefetch_q4k(True)

@@ -353,12 +353,21 @@ inline __m512i Broadcast8(const void* p) {
 // Sums the int32 lane pairs (2c, 2c + 1) of v: column c's total, in lane c of the result.
 inline __m256i ColumnSums(__m512i v) { return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32))); }
 
+// Each block asks for the bytes 2 KB past it (1.8 blocks of 8 rows ahead), as Q6Kx8Group does:
+// 8960 x 1536 on one thread of the Xeon, 20 copies cycled on huge pages, 1/2/3/5/8 rows of x
+// 0.57/0.62/0.68/0.81/1.07 ms against 0.83-1.07/0.94/1.02-1.03/1.14-1.16/1.42-2.19 without (4 KB
+// ahead: the same as 2 KB in one run of two, slower in the other; least thread CPU time of 20).
+// q4k_prefetch: SpecJaxGgufPrefetchQ4K's switch, so that a benchmark can time the path before.
+constexpr int kQ4Kx8Prefetch = 2048;
+std::atomic<bool> q4k_prefetch{true};
+
 // Rows [m0, m0 + R) of x against `groups` groups of 8 weight rows starting at w; y's column n0
 // is the first group's first row. bs32: per row of x and block, the 8 sums of its 32-value
 // sub-blocks (from the Q8_K block's bsums, summed in pairs as gemv does).
 template <int R>
 void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K* xq, const int16_t* bs32,
                 int64_t m0, float* y, int64_t n_dim, int64_t n0) {
+  const bool prefetch = q4k_prefetch.load(std::memory_order_relaxed);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m128i pairs = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   for (int64_t g = 0; g < groups; ++g) {
@@ -367,6 +376,11 @@ void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K
     for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const BlockQ4Kx8& blk = wg[b];
+      if (prefetch) {
+        for (int line = 0; line < static_cast<int>(sizeof(BlockQ4Kx8)); line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(&blk) + kQ4Kx8Prefetch + line, _MM_HINT_T0);
+        }
+      }
       __m512i iacc[R];   // lanes 2c, 2c + 1: column c's sum of sc_j * (q . x) so far
       __m256i imin[R];   // lane c: column c's sum of m_j * bsum32_j so far
       for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512(), imin[r] = _mm256_setzero_si256();
@@ -1115,6 +1129,14 @@ extern "C" int SpecJaxGgufMultirow() {
   return 1;
 #else
   return 0;
+#endif
+}
+
+// Whether the multi-row Q4_K kernel on the interleaved layout prefetches (1, the default) or
+// not (0: the kernel as before, for benchmarks that time both in one process).
+extern "C" void SpecJaxGgufPrefetchQ4K(int on) {
+#ifdef SPEC_JAX_MULTIROW
+  q4k_prefetch.store(on != 0);
 #endif
 }
 

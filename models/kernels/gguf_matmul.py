@@ -222,6 +222,16 @@ def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
     return out
 
 
+def prefetch_q4k(on: bool) -> None:
+    """Whether the multi-row Q4_K kernel (interleaved layout) asks for its blocks ahead (True, the
+    default) or not (the kernel before it did): for benchmarks that time both in one process;
+    the bits are the same either way. Takes effect at the next product."""
+    library = _library()
+    if isinstance(library, str):
+        raise KernelUnavailable(library)
+    library.SpecJaxGgufPrefetchQ4K(ctypes.c_int(int(bool(on))))
+
+
 def q6k_setting() -> str:
     """$SPEC_JAX_GGUF_Q6K ("interleaved" where unset or empty); ValueError for any other value."""
     value = os.environ.get(Q6K_ENV) or "interleaved"
