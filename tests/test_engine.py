@@ -15,6 +15,7 @@ import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
 from spec_jax import autogamma, chunks, executables, row_ops
+from spec_jax.autogamma.costs import Costs
 from spec_jax.decode import layout
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
@@ -539,7 +540,7 @@ def test_gamma_auto_rows_are_greedy_exact_across_plain_and_drafting_chunks(
     """gamma=auto on the table (costs fixed, drafting cheap): chunks switch between plain
     decoding (the drafter's states set aside, new rows' states written there) and drafting
     (caught up first); every greedy request still equals itself alone."""
-    cheap = autogamma.Costs(
+    cheap = Costs(
         step_seconds=0.01,
         draft1=0.01,
         draft2=0.01,
@@ -560,7 +561,7 @@ def test_a_draft_that_would_never_pay_is_dropped_and_prefills_nothing(tiny_targe
     """gamma=auto with costs under which drafting loses even at a good draft's acceptance: the
     engine decodes plainly without the drafter (as spec_jax.generate does), so no prefill or
     slot carries the draft model's state, and each request equals plain decoding alone."""
-    expensive = autogamma.Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=(1.0,) + (2.0,) * 8)
+    expensive = Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=(1.0,) + (2.0,) * 8)
     monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: expensive)
     engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma="auto", max_context=CONTEXT)
     assert not engine.drafts

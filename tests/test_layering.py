@@ -571,3 +571,66 @@ def test_the_drafter_check_finds_a_drafter_that_times_its_own_call(tmp_path):
         "spec_jax/drafting/model.py": ["spec_jax.timing"],
         "spec_jax/drafting/sub/x.py": ["spec_jax.autogamma"],
     }
+
+
+# gamma=auto's face: spec_jax/ (outside the package) and launch/ import spec_jax.autogamma itself,
+# never one of its modules, and the package exports only what they use.
+FACE_CALLERS = ("spec_jax", "launch")
+
+
+def autogamma_face_offenders(root: pathlib.Path) -> tuple[dict[str, list[str]], list[str]]:
+    """({file: the modules of spec_jax.autogamma it imports past the package's __init__} over
+    FACE_CALLERS' files outside the package, [the names of the package's __all__ none of them
+    uses: `from spec_jax.autogamma import X` or `autogamma.X`])."""
+    package = root / "spec_jax" / "autogamma"
+    reach_ins, used = {}, set()
+    for folder in FACE_CALLERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            if package in path.parents:
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            inner = sorted(m for m in imported_modules(path) if m.startswith("spec_jax.autogamma."))
+            inner += sorted(
+                f"spec_jax.autogamma.{a.name}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module == "spec_jax.autogamma"
+                for a in node.names
+                if (package / f"{a.name}.py").is_file()
+            )
+            if inner:
+                reach_ins[str(path.relative_to(root))] = inner
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module == "spec_jax.autogamma":
+                    used.update(a.name for a in node.names)
+                elif isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "autogamma":
+                    used.add(node.attr)
+    exported = ast.literal_eval(
+        next(
+            node.value
+            for node in ast.parse((package / "__init__.py").read_text()).body
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__"
+        )
+    )
+    return reach_ins, sorted(set(exported) - used)
+
+
+def test_gamma_auto_is_called_through_its_face_only():
+    reach_ins, unused = autogamma_face_offenders(ROOT)
+    assert not reach_ins, f"callers importing spec_jax.autogamma's modules (use the package): {reach_ins}"
+    assert not unused, f"spec_jax.autogamma exports names no caller uses: {unused}"
+
+
+def test_the_face_check_finds_a_reach_in_and_an_unused_export(tmp_path):
+    package = tmp_path / "spec_jax" / "autogamma"
+    package.mkdir(parents=True)
+    (tmp_path / "launch").mkdir()
+    (package / "__init__.py").write_text('from spec_jax.autogamma.costs import a, b\n__all__ = ["a", "b"]\n')
+    (package / "costs.py").write_text("from spec_jax.autogamma import controller\n")  # inside: allowed
+    (package / "controller.py").write_text("")
+    (tmp_path / "spec_jax" / "plan.py").write_text("from spec_jax import autogamma\nx = autogamma.a\n")
+    (tmp_path / "launch" / "serve.py").write_text("def f():\n    from spec_jax.autogamma import costs\n")
+    reach_ins, unused = autogamma_face_offenders(tmp_path)
+    assert reach_ins == {"launch/serve.py": ["spec_jax.autogamma.costs"]}
+    assert unused == ["b"]
+    (tmp_path / "launch" / "serve.py").write_text("from spec_jax.autogamma import b\n")
+    assert autogamma_face_offenders(tmp_path) == ({}, [])

@@ -49,7 +49,6 @@ spec_jax.generate call is exported here, and nothing else.
 from spec_jax.autogamma.chunking import CatchUp, auto_chunk, decode_auto, observed
 from spec_jax.autogamma.controller import Controller
 from spec_jax.autogamma.cost_cache import COST_SLOTS, CostSizes, cost_entry, costs_for
-from spec_jax.autogamma.costs import Costs
 from spec_jax.autogamma.trees import TreeController
 
 # The bounds moved to spec_jax.drafting (beside check_gamma); their old names here until
@@ -62,7 +61,6 @@ __all__ = [
     "COST_SLOTS",
     "Controller",
     "CostSizes",
-    "Costs",  # what costs_for returns
     "TreeController",
     "cost_entry",
     "costs_for",
