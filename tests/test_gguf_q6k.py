@@ -110,10 +110,13 @@ def test_rows_of_x_quantized_on_several_threads_keep_their_bits(kernel):
 
 
 def test_the_q6k_layout_setting(monkeypatch, kernel):
-    """$SPEC_JAX_GGUF_Q6K: unset or "interleaved" takes Q6Kx8 on the multi-row build, "rows"
-    keeps the file's layout (the path before it), anything else is one clear error."""
+    """$SPEC_JAX_GGUF_Q6K: unset or "interleaved" takes Q6Kx8 where the kernel's own products
+    run one-row calls too (one_row_own), "rows" keeps the file's layout (the path before it),
+    anything else is one clear error."""
     monkeypatch.delenv(gguf_matmul.Q6K_ENV, raising=False)
-    assert gguf_matmul.interleave_q6k_pays()
+    assert gguf_matmul.interleave_q6k_pays() == gguf_matmul.one_row_own()
+    monkeypatch.setenv(gguf_matmul.Q6K_ENV, "interleaved")
+    assert gguf_matmul.interleave_q6k_pays() == gguf_matmul.one_row_own()
     monkeypatch.setenv(gguf_matmul.Q6K_ENV, "rows")
     assert not gguf_matmul.interleave_q6k_pays()
     monkeypatch.setenv(gguf_matmul.Q6K_ENV, "fast")

@@ -36,7 +36,7 @@ MATMUL_TARGET, ROWS_TARGET = "spec_jax_gguf_matmul", "spec_jax_gguf_rows"
 # Fixes which kernel a product of one row runs (one_row_own); unset: the kernel decides.
 ONE_ROW_ENV, ONE_ROW_CHOICES = "SPEC_JAX_GGUF_ONE_ROW", ("ggml", "own")
 # How Q6_K weights at gguf_q8 are laid out for the kernel (interleave_q6k_pays); unset: interleaved
-# where the multi-row build runs. "rows" keeps the file's layout (Q6KRows, the path before Q6Kx8).
+# where it pays. "rows" keeps the file's layout (Q6KRows, the path before Q6Kx8).
 Q6K_ENV, Q6K_CHOICES = "SPEC_JAX_GGUF_Q6K", ("interleaved", "rows")
 Q4K, Q6K = GGMLQuantizationType.Q4_K.value, GGMLQuantizationType.Q6_K.value
 
@@ -242,9 +242,12 @@ def q6k_setting() -> str:
 
 def interleave_q6k_pays() -> bool:
     """Whether Q6_K weights at gguf_q8 (8-bit activations) go into interleave_q6k's layout for
-    the CPU kernel: where its multi-row build runs (no other product reads that layout) and
-    $SPEC_JAX_GGUF_Q6K does not say "rows". The bits of every product are the same either way."""
-    return q6k_setting() == "interleaved" and multirow()
+    the CPU kernel: where its multi-row build runs (no other product reads that layout), its own
+    kernels run one-row products (one_row_own: a CPU that runs 512-bit instructions whole; on
+    a Zen 4 ggml's 256-bit vec_dot was faster for a decode step's row, and an interleaved Q6_K
+    slower), and $SPEC_JAX_GGUF_Q6K does not say "rows". The bits of every product are the same
+    either way."""
+    return q6k_setting() == "interleaved" and multirow() and one_row_own()
 
 
 def interleave_q6k(data_oy: np.ndarray, back: bool = False) -> np.ndarray:
