@@ -49,6 +49,7 @@ PROMPTS_DIR = os.path.join(bench_peer.ROOT, "experiments", "prompts", "workloads
 PLAIN = "spec-jax, plain"
 LLAMA_PLAIN = "llama.cpp, plain"
 DRAFTERS = ("model", "prompt_lookup", "hybrid", "suffix")
+LLAMA_PROGRAMS = (llama_peer_worker.PLAIN, llama_peer_worker.SPECULATIVE)  # built here once
 
 MODEL_KEYS = ("target", "draft")
 DTYPE_KEYS = ("target_dtype", "draft_dtype")
@@ -160,9 +161,13 @@ def _llama_backend(config):
     FakePrograms in quick mode; None, having printed why, where llama.cpp cannot run."""
     if config.fake_peer:
         return FakePrograms()
-    reason = bench_peer.peer_unavailable("", bench_peer.PEERS["llama"])
-    if reason:
-        print(f"workloads: llama.cpp skipped: {reason}")
+    try:
+        if not llama_cpp.built(LLAMA_PROGRAMS):
+            llama_cpp.check_tools()
+            print(f"workloads: building {', '.join(LLAMA_PROGRAMS)} (once, cached; minutes) ...", flush=True)
+        llama_cpp.build(LLAMA_PROGRAMS)
+    except llama_cpp.Unavailable as e:
+        print(f"workloads: llama.cpp skipped: {e}")
         return None
     paths = [str(registry.fetch_gguf(name)) for name in (config.target, config.draft)]
     return LlamaPrograms(str(llama_cpp.build_dir() / "bin"), *paths, os.cpu_count())
@@ -236,7 +241,12 @@ def _run_systems(config) -> Runs:
     ]
     n, gamma = config.max_new_tokens, config.gamma if config.gamma == "auto" else int(config.gamma)
     drafts = bench_decode.drafts_for(target, _drafter_config(config))
-    systems = {PLAIN: lambda i: _our_result(target, prompts[i], None, 4, n)}
+
+    def plain(i):
+        print(f"workloads: prompt {i + 1}/{len(prompts)} ({records[i]['category']})", flush=True)
+        return _our_result(target, prompts[i], None, 4, n)
+
+    systems = {PLAIN: plain}
     for name, draft in drafts.items():
         systems[f"spec-jax, {name}, gamma {gamma}"] = lambda i, d=draft: _our_result(
             target, prompts[i], d, gamma, n
