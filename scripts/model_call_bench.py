@@ -12,7 +12,8 @@ each (the VMs these figures come from are noisy): docs/benchmarks.md has figures
 --variants times versions of the GGUF kernel's paths in one process, every (variant, width)
 program interleaved, the same weights moved and the same bits out: "before" (the Q6_K matrices,
 the lm head and half the down projections, in the file's own rows: the multi-row kernel Q6KRows,
-or vec_dot for one row; the interleaved Q4_K kernel without prefetching), "q4k_prefetch" (the
+or vec_dot for one row; the interleaved Q4_K kernel without prefetching, though with its loops
+unrolled since 2026-12-07, which cannot be switched off), "q4k_prefetch" (the
 same with the Q4_K kernel prefetching) and "after" (Q6_K in gguf_matmul.interleave_q6k's Q6Kx8
 as well). --prompt_lens= (empty) skips the prefills.
 

@@ -358,6 +358,9 @@ inline __m256i ColumnSums(__m512i v) { return _mm512_cvtepi64_epi32(_mm512_add_e
 // 0.57/0.62/0.68/0.81/1.07 ms against 0.83-1.07/0.94/1.02-1.03/1.14-1.16/1.42-2.19 without (4 KB
 // ahead: the same as 2 KB in one run of two, slower in the other; least thread CPU time of 20).
 // q4k_prefetch: SpecJaxGgufPrefetchQ4K's switch, so that a benchmark can time the path before.
+// The loops over rows of x and the 4 loads of a sub-block are unrolled by pragma (GCC left them
+// rolled from R = 2 on, the accumulators in memory): the same shape then took 0.55/0.56/0.60/
+// 0.68/0.79 ms (two runs, within 0.04).
 constexpr int kQ4Kx8Prefetch = 2048;
 std::atomic<bool> q4k_prefetch{true};
 
@@ -373,7 +376,7 @@ void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K
   for (int64_t g = 0; g < groups; ++g) {
     const auto* wg = reinterpret_cast<const BlockQ4Kx8*>(w) + g * blocks;
     __m256 acc[R], acc_min[R];
-    for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r] = acc_min[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const BlockQ4Kx8& blk = wg[b];
       if (prefetch) {
@@ -383,7 +386,7 @@ void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K
       }
       __m512i iacc[R];   // lanes 2c, 2c + 1: column c's sum of sc_j * (q . x) so far
       __m256i imin[R];   // lane c: column c's sum of m_j * bsum32_j so far
-      for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512(), imin[r] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) iacc[r] = _mm512_setzero_si512(), imin[r] = _mm256_setzero_si256();
       for (int sb = 0; sb < 4; ++sb) {  // sub-blocks 2 sb (low nibbles) and 2 sb + 1 (high)
         uint32_t t0[4], t1[4];
         ScalesMins12(blk.scales + 24 * sb, t0);
@@ -394,15 +397,15 @@ void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K
         const __m256i mins = _mm256_cvtepu8_epi16(
             _mm_unpacklo_epi8(_mm_set_epi32(0, 0, t0[3], t0[2]), _mm_set_epi32(0, 0, t1[3], t1[2])));
         __m512i lo[4], hi[4];  // 8 columns x 8 values: 64 sb + 8 q + i (lo), 64 sb + 32 + 8 q + i (hi)
-        for (int q = 0; q < 4; ++q) {
+        _Pragma("GCC unroll 8") for (int q = 0; q < 4; ++q) {
           const __m512i raw = _mm512_loadu_si512(blk.qs + 256 * sb + 64 * q);
           lo[q] = _mm512_and_si512(raw, nibble);
           hi[q] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
         }
-        for (int r = 0; r < R; ++r) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
           const int8_t* a = xq[(m0 + r) * blocks + b].qs + 64 * sb;
           __m512i s_lo = _mm512_setzero_si512(), s_hi = _mm512_setzero_si512();
-          for (int q = 0; q < 4; ++q) {
+          _Pragma("GCC unroll 8") for (int q = 0; q < 4; ++q) {
             s_lo = _mm512_dpbusd_epi32(s_lo, lo[q], Broadcast8(a + 8 * q));
             s_hi = _mm512_dpbusd_epi32(s_hi, hi[q], Broadcast8(a + 32 + 8 * q));
           }
@@ -415,13 +418,13 @@ void Q4Kx8Group(const uint8_t* w, int64_t groups, int64_t blocks, const BlockQ8K
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.d)));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.dmin)));
-      for (int r = 0; r < R; ++r) {
+      _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(xq[(m0 + r) * blocks + b].d);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ColumnSums(iacc[r])), _mm256_mul_ps(d, dx), acc[r]);
         acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(dmin, dx), acc_min[r]);
       }
     }
-    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * n_dim + n0 + 8 * g, _mm256_sub_ps(acc[r], acc_min[r]));
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * n_dim + n0 + 8 * g, _mm256_sub_ps(acc[r], acc_min[r]));
   }
 }
 
