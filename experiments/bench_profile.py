@@ -215,19 +215,18 @@ def self_times(events) -> list[tuple[str, float]]:
     return out
 
 
-def attribute(wall: float, events, instrs: dict) -> dict:
-    """{kind: seconds} of one profiled run: each thunk's self time by kind_of, the executors'
-    self time as dispatch, the wall time beyond the outermost executor call as host."""
-    seconds = dict.fromkeys(KINDS, 0.0)
-    executor = 0.0
+def attribute(wall: float, events, instrs: dict, classify=kind_of, kinds=KINDS) -> dict:
+    """{kind: seconds} of one profiled run: each thunk's self time by classify (an instruction
+    -> one of kinds), the executors' self time as dispatch (kinds[-2]), the wall time beyond the
+    outermost executor call as host (kinds[-1])."""
+    seconds = dict.fromkeys(kinds, 0.0)
     for name, ns in self_times(events):
         if name in instrs:
-            seconds[kind_of(instrs[name])] += ns / 1e9
+            seconds[classify(instrs[name])] += ns / 1e9
         elif name == "ThunkExecutor::Execute":
-            seconds[KINDS[11]] += ns / 1e9
+            seconds[kinds[-2]] += ns / 1e9
     outer = [d for _, n, _, d in _outermost(events) if n == "ThunkExecutor::Execute"]
-    executor = sum(outer) / 1e9
-    seconds[KINDS[12]] = max(wall - executor, 0.0)
+    seconds[kinds[-1]] = max(wall - sum(outer) / 1e9, 0.0)
     return seconds
 
 
@@ -246,25 +245,31 @@ def _outermost(events):
     return out
 
 
-def profile_program(name: str, compiled, run, repeats: int, per: float, prepare=lambda: None) -> dict:
-    """{"program", "wall_ms", kinds..., "remainder_ms"} in ms per unit (a run's work over `per`),
-    medians over repeats: run() untimed by the profiler for the wall time, then once under it for
-    the kinds; prepare() before each run, untimed (a fresh donated input)."""
+def profile_program(
+    name: str, compiled, run, repeats: int, per: float, prepare=lambda: None, classify=kind_of, kinds=KINDS
+) -> dict:
+    """{"program", "wall_ms", "cpu_ms", kinds..., "remainder_ms"} in ms per unit (a run's work over
+    `per`), medians over repeats: run() untimed by the profiler for the wall time (and this
+    process's CPU time, which other jobs on a shared machine move less), then once under it for
+    the kinds (attribute's classify and kinds); prepare() before each run, untimed (a fresh
+    donated input)."""
     instrs = instructions(compiled.as_text())
     prepare()
     jax.block_until_ready(run())  # warm-up
-    walls, kinds = [], []
+    walls, cpus, profiles = [], [], []
     for _ in range(repeats):
         prepare()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         jax.block_until_ready(run())
         walls.append(time.perf_counter() - start)
+        cpus.append(time.process_time() - cpu)
         prepare()
-        kinds.append(attribute(*trace_events(run), instrs))
+        profiles.append(attribute(*trace_events(run), instrs, classify, kinds))
     row = {"program": name, "wall_ms": 1e3 * statistics.median(walls) / per}
-    for kind in KINDS:
-        row[kind] = 1e3 * statistics.median(k[kind] for k in kinds) / per
-    row["remainder_ms"] = row["wall_ms"] - sum(row[k] for k in KINDS)
+    row["cpu_ms"] = 1e3 * statistics.median(cpus) / per
+    for kind in kinds:
+        row[kind] = 1e3 * statistics.median(k[kind] for k in profiles) / per
+    row["remainder_ms"] = row["wall_ms"] - sum(row[k] for k in kinds)
     return row
 
 
