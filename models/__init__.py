@@ -162,10 +162,9 @@ def load(
     Args:
       name: a random preset, a registry name, a GGUF file, a Hugging Face folder or repo id.
       dtype: float32, bfloat16, int8, or for a GGUF source gguf or gguf_q8 (models.precision).
-      cache_dir: the cache's root (default $SPEC_JAX_CACHE, else ~/.cache/spec_jax).
-      progress: progress bars on stderr for downloads and conversions.
-      scan_layers: the layer layout (ModelConfig.scan_layers); None: scanned except for real
-        models on a CPU backend.
+      cache_dir: the cache's root (default $SPEC_JAX_CACHE, else ~/.cache/spec_jax); progress:
+        progress bars on stderr for downloads and conversions.
+      scan_layers: the layer layout (ModelConfig.scan_layers); None: scanned but real on a CPU.
       place: a function from the host parameter tree to the placed one
         (spec_jax.sharding.place_params over a mesh); it is handed read-only memory maps of the
         cached checkpoint, so each process of a multi-host mesh reads only its devices' slices.

@@ -11,9 +11,8 @@ import numpy as np
 
 from models import kernels
 from models.settings import is_int
-from spec_jax import autogamma
 from spec_jax.decode import stop_id_list
-from spec_jax.drafting import Drafter, check_gamma
+from spec_jax.drafting import AUTO_GAMMA_MAX, AUTO_TREE_MAX, Drafter, check_gamma
 from spec_jax.request import RequestError
 
 # A tree call scores the root and N nodes, one bit each in the attention's int32 mask.
@@ -24,7 +23,7 @@ def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> t
     """The one gamma / tree rule: (the most tokens a round may write past the committed text,
     what an error message shows was asked for, the setting that bounds it). tree: 0 (chains),
     a node count in [1, MAX_TREE_NODES] or "auto" (then gamma is auto too; the largest tree or
-    chain auto may run); gamma: an integer >= 1 or "auto" (up to autogamma.GAMMA_MAX).
+    chain auto may run); gamma: an integer >= 1 or "auto" (up to AUTO_GAMMA_MAX).
     RequestError naming gamma_name / tree_name where a value is out of range."""
     if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
         raise RequestError(
@@ -32,11 +31,11 @@ def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> t
             f"{tree_name} must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}",
         )
     if tree == "auto":
-        return autogamma.TREE_AUTO_MAX, f"'auto' (up to {autogamma.TREE_AUTO_MAX})", tree_name
+        return AUTO_TREE_MAX, f"'auto' (up to {AUTO_TREE_MAX})", tree_name
     if tree:  # a tree round writes up to its node count past the text
         return tree, tree, tree_name
     if gamma == "auto":
-        return autogamma.GAMMA_MAX, f"'auto' (up to {autogamma.GAMMA_MAX})", gamma_name
+        return AUTO_GAMMA_MAX, f"'auto' (up to {AUTO_GAMMA_MAX})", gamma_name
     if not is_int(gamma) or gamma < 1:
         raise RequestError(gamma_name, f"{gamma_name} must be an integer >= 1 or 'auto', got {gamma!r}")
     return gamma, gamma, gamma_name

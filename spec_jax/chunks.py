@@ -10,7 +10,7 @@ piece of a long prompt's prefill, about as long as the piece took.
 
 import time
 
-from spec_jax.runner import auto_chunk, observed
+from spec_jax.autogamma import auto_chunk, observed
 
 MIN_CHUNK, MAX_CHUNK = 1, 64
 # A row computes at most this many rounds past its stop string.

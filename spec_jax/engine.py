@@ -144,12 +144,13 @@ class Engine:
         spec_jax.generate's prompt of that row id does."""
         if isinstance(request, Request):
             request = request.admit(self.target, self.limits)
-        request, ids, stop_ids = request.request, list(request.ids), request.stop_ids
+        admitted, request, ids = request, request.request, list(request.ids)
         room = self.max_queue + self._slots.count(None)  # free slots take requests at the next step
         if request.max_tokens and len(self._queue) >= room:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request, len(ids))
-        row = rows.Row(handle, ids, stop_ids, time.perf_counter(), int(row_id))
+        row = rows.Row(handle, ids, admitted.stop_ids, time.perf_counter(), int(row_id))
+        row.sampling, row.num_logprobs = admitted.sampling, admitted.num_logprobs
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
         self._score(row)

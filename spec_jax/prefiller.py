@@ -50,17 +50,10 @@ def group_inputs(group: list[Row], width: int, batch: int) -> PrefillInputs:
         keys=jnp.concatenate(keys),
         budgets=jnp.asarray(budgets),
         sampling=RowSampling.of(
-            [row.handle.request.sampling for row in group] + [SamplingParams(0.0)] * (batch - len(group))
+            [row.sampling for row in group] + [SamplingParams(0.0)] * (batch - len(group))
         ),
-        num_logprobs=np.asarray(
-            [num_logprobs(row.handle.request) for row in group] + [-1] * (batch - len(group)), np.int32
-        ),
+        num_logprobs=np.asarray([row.num_logprobs for row in group] + [-1] * (batch - len(group)), np.int32),
     )
-
-
-def num_logprobs(request: Request) -> int:
-    """The request's Output.num_logprobs: -1 (no logprobs), or how many top logprobs it asks."""
-    return -1 if request.logprobs is None else int(request.logprobs)
 
 
 def prefill_key(row: Row, width: int) -> tuple:
@@ -78,8 +71,8 @@ def prefill_key(row: Row, width: int) -> tuple:
         request.max_tokens == 1,
         tuple(row.stop_ids),
         request.speculate,
-        request.sampling,
-        num_logprobs(request),
+        row.sampling,
+        row.num_logprobs,
     )
 
 

@@ -46,12 +46,15 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class Admitted:
-    """A request checked against a model and a slot (Request.admit): its prompt's token ids and
-    its stop ids (its own, or the model's stop tokens)."""
+    """A request checked against a model and a slot (Request.admit), with its row's operands:
+    its prompt's token ids, its stop ids (its own, or the model's stop tokens), its warp and
+    the logprobs it asks (-1: none; k: the kept token's and the top k)."""
 
     request: "Request"
     ids: tuple[int, ...]
     stop_ids: tuple[int, ...]
+    sampling: SamplingParams
+    num_logprobs: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -147,9 +150,34 @@ class Request:
         naming the field at fault."""
         self.validate()
         ids = encode_prompt(target, self, limits.context)
-        stop_ids = _stop_ids(self, target)
-        _check_room(len(ids), stop_ids, self, limits)
-        return Admitted(self, tuple(ids), stop_ids)
+        vocab, tokenizer, n, context = target.config.vocab_size, target.tokenizer, len(ids), limits.context
+        stop_ids = self.stop_ids
+        if stop_ids is None:  # the model's stop tokens
+            stop_ids = tuple(tokenizer.stop_ids) if tokenizer is not None else ()
+        elif any(i >= vocab for i in stop_ids):
+            raise RequestError(
+                "stop_ids", f"stop_ids must be token ids in [0, {vocab}), got {list(stop_ids)}"
+            )
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise RequestError(
+                "stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}"
+            )
+        if n >= context:
+            raise RequestError(
+                "prompt", f"prompt ({n} tokens) leaves no room in the context of {context} tokens"
+            )
+        if n + self.max_tokens > context:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({self.max_tokens}) exceeds the context of {context} tokens",
+            )
+        if limits.max_new_tokens is not None and self.max_tokens > limits.max_new_tokens:
+            raise RequestError(
+                "max_tokens", f"max_tokens must be at most {limits.max_new_tokens}, got {self.max_tokens}"
+            )
+        sampling = SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p))
+        asks = -1 if self.logprobs is None else int(self.logprobs)
+        return Admitted(self, tuple(ids), tuple(stop_ids), sampling, asks)
 
 
 def _check_prompt(prompt, messages, prompt_ids) -> None:
@@ -264,36 +292,3 @@ def stop_row(stop_ids) -> np.ndarray:
     stops = np.full(max(MAX_STOP_IDS, len(stop_ids)), -1, np.int32)
     stops[: len(stop_ids)] = stop_ids
     return stops
-
-
-def _stop_ids(request: Request, target) -> tuple[int, ...]:
-    """The request's stop ids: its own (RequestError naming stop_ids where one is past the
-    target's vocabulary), or the model's stop tokens (none without a tokenizer)."""
-    vocab, tokenizer = target.config.vocab_size, target.tokenizer
-    if request.stop_ids is None:
-        return tuple(tokenizer.stop_ids) if tokenizer is not None else ()
-    if any(i >= vocab for i in request.stop_ids):
-        raise RequestError(
-            "stop_ids", f"stop_ids must be token ids in [0, {vocab}), got {list(request.stop_ids)}"
-        )
-    return tuple(request.stop_ids)
-
-
-def _check_room(n: int, stop_ids: tuple[int, ...], request: Request, limits: Limits) -> None:
-    """RequestError naming the field at fault unless a prompt of n tokens and request.max_tokens
-    fit a slot of limits.context tokens, max_tokens is at most limits.max_new_tokens, and
-    stop_ids holds at most MAX_STOP_IDS ids."""
-    context = limits.context
-    if n >= context:
-        raise RequestError("prompt", f"prompt ({n} tokens) leaves no room in the context of {context} tokens")
-    if n + request.max_tokens > context:
-        raise RequestError(
-            "max_tokens",
-            f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context of {context} tokens",
-        )
-    if len(stop_ids) > MAX_STOP_IDS:
-        raise RequestError("stop_ids", f"at most {MAX_STOP_IDS} stop ids per request, got {len(stop_ids)}")
-    if limits.max_new_tokens is not None and request.max_tokens > limits.max_new_tokens:
-        raise RequestError(
-            "max_tokens", f"max_tokens must be at most {limits.max_new_tokens}, got {request.max_tokens}"
-        )

@@ -16,7 +16,7 @@ from spec_jax import sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
 from spec_jax.logprobs import TokenLogprobs
 from spec_jax.request import MAX_STOP_IDS
-from spec_jax.sampling import RowSampling, row_keys
+from spec_jax.sampling import RowSampling, SamplingParams, row_keys
 
 DEFAULT_CONTEXT = 2048  # tokens per slot (prompt + new tokens) unless max_context says otherwise
 
@@ -30,6 +30,8 @@ class Row:
     stop_ids: tuple[int, ...]
     submitted: float
     row_id: int = 0  # the request's keys: fold_in(key(seed), row_id)
+    sampling: SamplingParams = SamplingParams(0.0)  # its warp (Admitted.sampling)
+    num_logprobs: int = -1  # the logprobs it asks (Admitted.num_logprobs)
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     sent_tokens: int = 0  # tokens already handed out in Updates

@@ -13,10 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import sharding, timing
-
-# gamma=auto's host loop moved to spec_jax.autogamma: its old names here until the engine's and
-# the table's imports name the package.
-from spec_jax.autogamma import CatchUp, auto_chunk, decode_auto, observed  # noqa: F401
 from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.drafting import NoDrafter
 from spec_jax.executables import compiled

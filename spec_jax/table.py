@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax import row_ops, rows, sharding
+from spec_jax.autogamma import CatchUp
 from spec_jax.decode import PAD_ID
 from spec_jax.prefiller import Prefiller, prefill_key
 from spec_jax.request import stop_row
-from spec_jax.runner import CatchUp
 from spec_jax.speculative import SpecState, spec_prefill
 
 

@@ -6,8 +6,9 @@ import dataclasses
 import pytest
 
 from launch import generate as cli
-from spec_jax import api, autogamma
+from spec_jax import api
 from spec_jax.bounds import MAX_TREE_NODES, speculation_bound
+from spec_jax.drafting import AUTO_GAMMA_MAX, AUTO_TREE_MAX
 from spec_jax.request import MAX_STOP_IDS, Request, RequestError
 
 
@@ -79,9 +80,9 @@ def test_a_request_is_frozen():
 
 def test_the_gamma_and_tree_rule():
     assert speculation_bound(3, 0) == (3, 3, "gamma")
-    assert speculation_bound("auto", 0)[0] == autogamma.GAMMA_MAX
+    assert speculation_bound("auto", 0)[0] == AUTO_GAMMA_MAX
     assert speculation_bound(3, 5) == (5, 5, "tree")
-    assert speculation_bound(3, "auto")[0] == autogamma.TREE_AUTO_MAX
+    assert speculation_bound(3, "auto")[0] == AUTO_TREE_MAX
     for bad in (0, -1, "x", 2.5, True):
         with pytest.raises(RequestError, match="gamma must be an integer >= 1 or 'auto'"):
             speculation_bound(bad, 0)

@@ -13,7 +13,7 @@ Training data are logged rounds of the real pair (`log_rounds`): the loop runs r
 with the head drafting gamma_max tokens, and every draft position up to the first rejection
 is one example (label 1: rejected). The classifier trains with optax (AdamW, class-weighted
 binary cross-entropy); `choose_threshold` then picks h on held-out logged rounds: with the
-measured call costs (spec_jax.step_costs.Costs) it simulates each round stopped where h says
+measured call costs (spec_jax.autogamma.costs.Costs) it simulates each round stopped where h says
 (committed tokens min(accepted, k) + 1, cost of k drafts and a verify call over k + 1
 positions) and takes the h with the most tokens per unit of time, beside every fixed gamma.
 """

@@ -51,11 +51,6 @@ from spec_jax.autogamma.controller import Controller
 from spec_jax.autogamma.cost_cache import COST_SLOTS, CostSizes, cost_entry, costs_for
 from spec_jax.autogamma.trees import TreeController
 
-# The bounds moved to spec_jax.drafting (beside check_gamma); their old names here until
-# spec_jax.request (and spec_jax.bounds) import them from there.
-from spec_jax.drafting.base import AUTO_GAMMA_MAX as GAMMA_MAX
-from spec_jax.drafting.base import AUTO_TREE_MAX as TREE_AUTO_MAX
-
 __all__ = [
     # the planner (spec_jax.plan): a controller per row bucket, from cached, measured or prior costs
     "COST_SLOTS",
@@ -70,7 +65,4 @@ __all__ = [
     "observed",
     # spec_jax.generate: a call's chunks to the end
     "decode_auto",
-    # old names (see above)
-    "GAMMA_MAX",
-    "TREE_AUTO_MAX",
 ]
