@@ -112,7 +112,6 @@ from launch.serve_schema import (  # noqa: E402
     chunk,
     completion,
     parse_body,
-    prompts_of,
     request_id,
     to_requests,
 )
@@ -434,7 +433,8 @@ async def _submit_all(worker: EngineWorker, body, requests: list[Admitted], rid:
     chat = isinstance(body, ChatBody)
     shown = bool(body.logprobs) if chat else body.logprobs is not None
     token_text = _token_text(worker.engine.tokenizer) if shown else None
-    prompts = [None] if chat else prompts_of(body)
+    # each prompt as the body gave it (a text, or token ids), for echo
+    prompts = [None if chat else a.request.prompt or list(a.request.prompt_ids) for a in requests]
     choices: list[list[_Choice]] = [[] for _ in requests]
     staged = body.n > 1 and worker.engine.reads_prefixes
 

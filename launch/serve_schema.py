@@ -164,7 +164,7 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-# What a body may hold (parse_json): JSON nested at most this deep (a body of this API nests 3
+# What a body may hold (parse_body): JSON nested at most this deep (a body of this API nests 3
 # levels: messages, a message, its fields) and numbers of at most this many characters (a 64-bit
 # seed has 20). Python's parser would otherwise recurse until it fails, or refuse a number past
 # 4300 digits with an internal error.
@@ -186,26 +186,6 @@ def _float(text: str) -> float:
     if len(text) > MAX_NUMBER_CHARS:
         raise _Refused(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
     return float(text)
-
-
-def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object; ApiError 400 for what is not one: bytes that are not UTF-8 JSON,
-    nesting deeper than MAX_JSON_DEPTH, a number longer than MAX_NUMBER_CHARS, or a string (a
-    key or a value) that is not valid Unicode (a lone UTF-16 surrogate, which JSON's \\u escapes
-    can spell), naming the field where it is."""
-    try:
-        data = json.loads(raw, parse_int=_int, parse_float=_float)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise ApiError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}") from None
-    except RecursionError:  # the C parser's guard, near 1000 levels
-        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except _Refused as e:
-        raise ApiError(400, f"the request body holds {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    _check_values(data, (), 1)
-    return data
 
 
 def _check_values(value, path: tuple, depth: int) -> None:
@@ -262,8 +242,22 @@ def _printable(text: str) -> str:
 
 
 def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
-    """The body as `schema`; ApiError 400 naming the field (parse_json's checks first)."""
-    data = parse_json(raw)
+    """The body as `schema`; ApiError 400 for what is not one of it, naming the field where it
+    can: bytes that are not UTF-8 JSON, or not an object, nesting deeper than MAX_JSON_DEPTH, a
+    number longer than MAX_NUMBER_CHARS, a string (a key or a value) that is not valid Unicode
+    (a lone UTF-16 surrogate, which JSON's \\u escapes can spell), a field out of the schema."""
+    try:
+        data = json.loads(raw, parse_int=_int, parse_float=_float)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise ApiError(400, f"the request body is not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    except RecursionError:  # the C parser's guard, near 1000 levels
+        raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except _Refused as e:
+        raise ApiError(400, f"the request body holds {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    _check_values(data, (), 1)
     try:
         return schema.model_validate(data)
     except pydantic.ValidationError as e:
@@ -292,24 +286,18 @@ def body_field(field: str) -> str:
     return _BODY_NAME.get(field, field)
 
 
-def prompts_of(body: CompletionBody) -> list:
-    """The body's prompts: each a string or a list of token ids (one, or a batch)."""
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        return list(prompt)
-    return [prompt]
-
-
 def to_requests(body: CompletionBody | ChatBody) -> list[Request]:
     """One Request per prompt of the body (a chat body: one), each as to_request makes it."""
     if isinstance(body, ChatBody):
         return [to_request(body)]
-    return [to_request(body, prompt) for prompt in prompts_of(body)]
+    prompt = body.prompt  # one prompt (a string or token ids), or a batch of them
+    batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+    return [to_request(body, p) for p in (prompt if batch else [prompt])]
 
 
 def to_request(body: CompletionBody | ChatBody, prompt=None) -> Request:
-    """The engine's Request for a parsed body (prompt: which of a completions body's prompts,
-    default its first): only the fields the client set (the rest take Request's defaults),
+    """The engine's Request for a parsed body (prompt: which of a completions body's prompts;
+    to_requests gives each): only the fields the client set (the rest take Request's defaults),
     validated by Request.from_dict (the ranges); ApiError 400 naming the body's field. Logprobs:
     a completion's `logprobs` k, or a chat's top_logprobs (0 by default) where `logprobs` is
     true; `echo` with logprobs asks for the prompt's too (prompt_logprobs); `echo` with
@@ -323,7 +311,6 @@ def to_request(body: CompletionBody | ChatBody, prompt=None) -> Request:
         if body.logprobs:
             fields["logprobs"] = body.top_logprobs or 0
     else:
-        prompt = prompts_of(body)[0] if prompt is None else prompt
         if isinstance(prompt, list):
             fields["prompt_ids"] = prompt
         else:
