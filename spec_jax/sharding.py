@@ -1,28 +1,11 @@
 """Meshes, logical axes and placement: the same loop on one device, 8 CPU devices or a pod.
 
-Every parameter and cache array carries logical axis names; one rule table maps them to the
-two mesh axes, `data` (batch) and `model` (tensor parallelism, Megatron style):
-
-  logical axis   mesh axis   what it shards
-  batch          data        rows of the batch (inputs, loop state, KV caches)
-  heads          model       wq, bq column-parallel; wo row-parallel (its reduction dim)
-  kv_heads       model       wk, wv, bk, bv column-parallel; the KV cache
-  mlp            model       w_gate, w_up column-parallel; w_down row-parallel
-  vocab          model       embedding and lm_head rows (vocab-parallel; logits too)
-  embed, head_dim, layers, seq   -   replicated
-
-So a layer costs two all-reduces of [B, T, D] activations (after wo and after w_down), the
-Megatron pattern; the logits are vocab-sharded until sampling gathers them.
-
-Divisibility rule: a dimension the mesh axis does not divide is REPLICATED along that axis,
-never an error, because it is what serving engines do for GQA models whose kv heads are
-fewer than the tensor-parallel degree (Qwen2.5 has 2 kv heads: with model=4 wk/wv and the KV
-cache are replicated over `model` and each device keeps the full cache of its batch rows).
-The same rule covers query heads (Qwen2.5-0.5B has 14, the 1.5B 12): with model=4 the 1.5B
-shards its attention and the 0.5B replicates wq/bq/wo; with model=8 both replicate their
-attention weights and shard only the MLP and the vocabulary. Replication costs memory and
-redundant attention FLOPs, never correctness. `describe(config, mesh)` lists what is
-replicated for a given mesh.
+Every parameter and cache array carries logical axis names; one rule table (RULES) maps them
+to the two mesh axes, `data` (the batch's rows) and `model` (tensor parallelism, Megatron
+style: two all-reduces a layer, the logits vocab-sharded until sampling). A dimension its mesh
+axis does not divide is REPLICATED along that axis, never an error (what serving engines do
+for GQA models with fewer kv heads than the tensor-parallel degree); `describe(config, mesh)`
+lists what is. docs/pods.md has the table and what it gives the Qwen pair.
 
 Multi-host: arrays are built with `jax.make_array_from_callback` from host values that every
 process holds identically (same seed, same prompts), so `place` and `put` work the same in one
