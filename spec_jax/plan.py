@@ -6,7 +6,7 @@ the plan of a call (make_plan -> Plan) and gamma=auto's controllers per row buck
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -226,14 +226,25 @@ def measured(target, plan: Plan) -> Plan:
     return dataclasses.replace(plan, controller=controllers[n], drafter=drafter, draft_params=draft_params)
 
 
-def bucket_controllers(target, drafter, draft_params, policy, batches, slots: int, measure: bool = True):
-    """({batch: controller_for(..., batch, slots, measure)} for each of batches, drafter,
-    draft_params): the drafter dropped (NoDrafter, None) where drafting would not pay at any of
-    them even at a good draft's acceptance (controller phase "never"): it never runs."""
+class BucketControllers(NamedTuple):
+    """What bucket_controllers returns: a controller per row bucket, and the drafter and its
+    params that run (NoDrafter and None where drafting would never pay)."""
+
+    controllers: dict
+    drafter: Drafter
+    draft_params: Any
+
+
+def bucket_controllers(
+    target, drafter, draft_params, policy, batches, slots: int, measure: bool = True
+) -> BucketControllers:
+    """{batch: controller_for(..., batch, slots, measure)} for each of batches; the drafter
+    dropped (NoDrafter, None) where drafting would not pay at any of them even at a good
+    draft's acceptance (controller phase "never"): it never runs."""
     found = {b: controller_for(target, drafter, draft_params, policy, b, slots, measure) for b in batches}
     if all(c.phase == "never" for c in found.values()):
         drafter, draft_params = NoDrafter(target.config.vocab_size), None
-    return found, drafter, draft_params
+    return BucketControllers(found, drafter, draft_params)
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ auto_chunk over its table of requests.
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,6 +16,23 @@ from spec_jax import sharding
 from spec_jax.autogamma.controller import RESUME_WINDOW, Chunk, Controller, arm_shape
 from spec_jax.autogamma.costs import RESUME_WIDTH
 from spec_jax.speculative import SpecState
+
+
+class Chunked(NamedTuple):
+    """What auto_chunk returns."""
+
+    state: SpecState
+    observed: tuple  # observed(state): the host's copies after the chunk
+    compile_seconds: float
+
+
+class Decoded(NamedTuple):
+    """What decode_auto returns."""
+
+    state: SpecState
+    compile_seconds: float
+    decode_seconds: float  # all chunks, catch-ups and the host's work between them, compilation excluded
+    timings: dict  # {"gamma_schedule": [[gamma, rounds], ...], "resume_seconds": the catch-ups'}
 
 
 def observed(state: SpecState):
@@ -28,14 +45,10 @@ def observed(state: SpecState):
     )
 
 
-def decode_auto(controller: Controller, runner, state: SpecState):
-    """gamma=auto's host loop: auto_chunk until every row is done.
-
-    Returns (state, compile seconds, decode seconds: the wall time of all chunks, catch-ups and
-    the host's work between them, compilation excluded, {"gamma_schedule": [[gamma, rounds],
-    ...] (consecutive chunks of one gamma merged; a tree chunk's gamma is named "treeN"),
-    "resume_seconds": what the catch-ups took by timing.work_clock}).
-    """
+def decode_auto(controller: Controller, runner, state: SpecState) -> Decoded:
+    """gamma=auto's host loop: auto_chunk until every row is done. Decoded.timings:
+    gamma_schedule (consecutive chunks of one gamma merged; a tree chunk's gamma is named
+    "treeN") and resume_seconds (what the catch-ups took by timing.work_clock)."""
     catch_up = CatchUp(runner, np.asarray(sharding.fetch(runner.inputs.prompt_lens)).astype(np.int64))
     compile_s = 0.0
     start = time.perf_counter()
@@ -44,7 +57,7 @@ def decode_auto(controller: Controller, runner, state: SpecState):
         state, before, c = auto_chunk(controller, runner, catch_up, state, before)
         compile_s += c
     decode_s = time.perf_counter() - start - compile_s
-    return (
+    return Decoded(
         state,
         compile_s,
         decode_s,
@@ -52,12 +65,12 @@ def decode_auto(controller: Controller, runner, state: SpecState):
     )
 
 
-def auto_chunk(controller, runner, catch_up: "CatchUp", state: SpecState, before, max_rounds=None):
+def auto_chunk(controller, runner, catch_up: "CatchUp", state: SpecState, before, max_rounds=None) -> Chunked:
     """One chunk of gamma=auto: its gamma (tree="auto": or tree) chosen by the controller
     (spec_jax.autogamma) from the chunks before it, at most max_rounds rounds. Plain chunks
     run without the drafter, whose state waits aside (catch_up); before it drafts again it
     catches up on the text committed meanwhile. before: observed(state). The controller sees
-    the chunk's time by work_clock. Returns (state, observed(state), compile seconds)."""
+    the chunk's time by work_clock."""
     done, generated, length, budget = before[:4]
     arm, rounds = controller.next_chunk(np.where(done, 0, budget - generated))
     gamma, tree = arm_shape(arm)
@@ -80,7 +93,7 @@ def auto_chunk(controller, runner, catch_up: "CatchUp", state: SpecState, before
     )
     if gamma:  # its last round began at most gamma + 1 tokens back
         catch_up.synced = np.maximum(catch_up.synced, after[2] - gamma - 1)
-    return state, after, c + c_loop
+    return Chunked(state, after, c + c_loop)
 
 
 @dataclasses.dataclass
