@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+import models
+from models import precision, transformer
 from models.kernels import gguf_matmul
 
 Q6K = T.Q6_K.value
@@ -146,3 +148,46 @@ def test_the_q4k_kernels_prefetching_changes_no_bit(kernel):
             np.testing.assert_array_equal(np.asarray(call(jnp.asarray(x[:m]))), before, err_msg=f"{m} rows")
     finally:
         kernel.prefetch_q4k(True)
+
+
+def _q6k_layout(params, interleaved: bool):
+    """params with every Q6_K matrix at 8-bit activations (rows a multiple of 8) in Q6Kx8 or in
+    the file's rows, moved with interleave_q6k."""
+
+    def move(w):
+        if not isinstance(w, precision.BlockWeight) or w.ggml_type != Q6K or not w.quantize_x:
+            return w
+        rows = np.asarray(w.data).reshape(-1, w.data.shape[-1])
+        if rows.shape[0] % 8 or w.interleaved == interleaved:
+            return w
+        data = gguf_matmul.interleave_q6k(rows, back=not interleaved).reshape(w.data.shape)
+        return w.replace(data=jnp.asarray(data), interleaved=interleaved)
+
+    return jax.tree.map(move, params, is_leaf=lambda x: isinstance(x, precision.BlockWeight))
+
+
+@pytest.mark.slow
+def test_the_qwen_targets_logits_are_the_same_bits_in_either_q6k_layout(kernel):
+    """The Qwen2.5-Coder-1.5B at gguf_q8 (its lm head, 14 down and 14 v projections are Q6_K): a
+    verify call over 5 positions after a 4-token prefill gives the same logits with the Q6_K
+    matrices in the file's rows and in Q6Kx8, and each position the logits of its decode step."""
+    model = models.load("qwen2.5-coder-1.5b", dtype="gguf_q8", progress=False)
+    call = jax.jit(lambda p, t, pos, c: transformer.forward(model.config, p, t, pos, c))
+    prompt, drafts = jnp.array([[9707, 11, 1879, 0]]), jnp.array([[151643, 220, 16, 17, 18]])
+    logits = {}
+    for interleaved in (False, True):
+        params = _q6k_layout(model.params, interleaved)
+        moved = [w for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, precision.BlockWeight))]
+        assert sum(
+            isinstance(w, precision.BlockWeight) and w.interleaved and w.ggml_type == Q6K for w in moved
+        ) == (29 if interleaved else 0)
+        cache = call(params, prompt, jnp.arange(4)[None], transformer.init_cache(model.config, 1, 64)).cache
+        verify = np.asarray(call(params, drafts, 4 + jnp.arange(5)[None], cache).logits)[0]
+        steps = []
+        for i in range(5):
+            out = call(params, drafts[:, i : i + 1], jnp.array([[4 + i]]), cache)
+            cache = out.cache
+            steps.append(np.asarray(out.logits)[0, 0])
+        np.testing.assert_array_equal(verify, np.stack(steps))
+        logits[interleaved] = verify
+    np.testing.assert_array_equal(logits[True], logits[False])
