@@ -1,36 +1,17 @@
-"""Helpers shared by the model-based experiments and benchmark suites."""
+"""Helpers shared by the model-based experiments and benchmark suites. The models they load by
+name (the tiny random ones of the quick modes, the loader and its cache) are training.targets',
+named here too: launch.train loads the same without importing the experiments."""
 
 import ast
 
 import numpy as np
 
-import models
 from models import corpora, settings
-
-# Tiny random models for the quick modes: they compile in seconds. Vocabulary 256 = bytes, so
-# models.ByteTokenizer drives them with text.
-TINY_MODELS = {
-    "tiny": dict(vocab_size=256, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, seed=0),
-    "tiny-draft": dict(vocab_size=256, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, seed=1),
-}
-
-
-def model_names() -> list[str]:
-    """Every model name the experiments accept."""
-    return sorted(TINY_MODELS) + models.known_models()
-
-
-def check_model_name(key: str, name: str) -> None:
-    """ValueError("<key>: ...") unless name is a model the experiments can load: a tiny model,
-    or anything models.load takes (models.check_source: names, GGUF files, checkpoint folders,
-    hub ids)."""
-    if name in TINY_MODELS:
-        return
-    try:
-        models.check_source(name, known=model_names())
-    except ValueError as e:
-        raise ValueError(f"{key}: {str(e).splitlines()[0]}") from None
-
+from training.targets import TINY_MODELS as TINY_MODELS
+from training.targets import check_model_name as check_model_name
+from training.targets import encode_all as encode_all
+from training.targets import load_model as load_model
+from training.targets import model_names as model_names
 
 # Code and English prompts, alternating (the Qwen pair are code models; English is harder for
 # the draft), so that a few repeats already mix both. Each is at most 16 tokens with the Qwen
@@ -168,11 +149,6 @@ def prompt_set(name: str, count: int) -> list[str]:
     raise ValueError(f"prompt_set: must be one of {', '.join(PROMPT_SETS)}, got {name!r}")
 
 
-# Models loaded by this process, so that experiments run together (`--experiment=peer,decode`)
-# load each model once. At most two real models stay resident (a target and its draft).
-_LOADED: dict = {}
-
-
 def check_tuple(config, key: str, kind: type, low, high) -> None:
     """ValueError("<key>: ...") unless config[key] is a non-empty tuple of kind (int: integers,
     not bools; float: any real number) in [low, high]."""
@@ -184,29 +160,6 @@ def check_tuple(config, key: str, kind: type, low, high) -> None:
     if not values or not all(ok(v) for v in values):
         noun = "an integer" if kind is int else "a number"
         raise ValueError(f"{key}: each value must be {noun} in [{low:g}, {high:g}], got {values}")
-
-
-def load_model(name: str, dtype: str = "float32") -> models.Model:
-    """A tiny random model (quick modes) or anything models.load knows (with its tokenizer), at
-    a precision (models.precision.PRECISIONS); loaded once per process while it is one of the
-    last two real (model, precision) pairs asked for."""
-    if name in TINY_MODELS:
-        model = models.random_model(**TINY_MODELS[name], name=name, dtype=dtype)
-        return model.replace(tokenizer=models.ByteTokenizer())
-    key = (name, dtype)
-    if key not in _LOADED:
-        for old in list(_LOADED)[: max(0, len(_LOADED) - 1)]:
-            del _LOADED[old]
-        _LOADED[key] = models.load(name, dtype=dtype, progress=False)
-    _LOADED[key] = _LOADED.pop(key)  # most recently used last
-    return _LOADED[key]
-
-
-def encode_all(tokenizer, texts) -> list[list[int]]:
-    """Token ids of each text (in parallel where the tokenizer can)."""
-    if hasattr(tokenizer, "encode_batch"):
-        return tokenizer.encode_batch(list(texts))
-    return [tokenizer.encode(t) for t in texts]
 
 
 def bootstrap_ratio_ci(numerators, denominators, resamples: int, seed: int, level: float = 0.95):

@@ -6,28 +6,31 @@ Examples:
   python -m launch.train --config=launch/configs/draft_head.py:quick --output_dir=/tmp/out   # seconds
   python -m launch.train --config=launch/configs/acceptance_head.py   # after a draft head
 
-The config file's `kind` names what it trains (draft_head: experiments/train_head.py;
-acceptance_head: experiments/train_acceptance.py). A draft head's run writes its checkpoints
+The config file's `kind` names what it trains (draft_head: training/head_run.py;
+acceptance_head: training/acceptance_run.py). A draft head's run writes its checkpoints
 into --workdir (default $SPEC_JAX_CACHE/heads/TARGET/) and resumes there if it was interrupted
 (the same settings); an acceptance head reads the draft head there and is written beside it; its learning curves and summary go to
---output_dir (default experiments/results/) as NAME.csv/.md/.json/.png. Bad settings exit
-with code 2 and one line; data that cannot be fetched exits 1.
+--output_dir (default experiments/results/) as NAME.csv/.md/.json/.png (launch.results, the
+experiments' writer: NAME is train_head or train_acceptance, as `python -m launch.experiment`
+names the same runs). Bad settings exit with code 2 and one line; data that cannot be fetched
+exits 1.
 """
 
 import os
 import shlex
 import sys
+import time
 
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import framework
-from launch import common
+from launch import common, results
+from training import acceptance_run, head_run
 
 FLAGS = flags.FLAGS
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "draft_head.py")
-KINDS = {"draft_head": "train_head", "acceptance_head": "train_acceptance"}  # config kind -> experiment
+KINDS = {"draft_head": head_run, "acceptance_head": acceptance_run}  # config kind -> its run
 
 
 def check_override_keys(config, argv) -> None:
@@ -82,6 +85,37 @@ flags.DEFINE_string("workdir", None, "Checkpoint folder (default: $SPEC_JAX_CACH
 flags.DEFINE_string("output_dir", None, "Where the results go (default: experiments/results/).")
 
 
+def make_config(kind: str, overrides: dict, quick: bool) -> ml_collections.ConfigDict:
+    """The run's (quick or full) settings with the command line's config applied, validated
+    (ValueError("<key>: ...") for a key the run does not have or a value it refuses)."""
+    program = KINDS[kind]
+    config = program.get_config(quick)
+    for key, value in overrides.items():
+        if key not in config:
+            raise ValueError(
+                f"{key}: does not apply to experiment {program.NAME} (its settings: {', '.join(sorted(config.keys()))})"
+            )
+        config[key] = value
+    program.validate(config)
+    return config
+
+
+def train(kind: str, overrides: dict, output_dir: str | None, command: str) -> dict[str, str]:
+    """Runs the training of `kind` with the settings `overrides` and writes its report into
+    output_dir (default experiments/results/) as NAME.csv/.md/.json/.png; returns {filename: path}."""
+    program = KINDS[kind]
+    quick = overrides.get("target") in ("tiny",)
+    config = make_config(kind, overrides, quick)
+    directory = results.prepare_output_dir(output_dir)
+    prov = results.provenance(command)
+    start = time.perf_counter()
+    result = results.Result.from_report(program.run(config))
+    seconds = time.perf_counter() - start
+    return results.write_results(
+        directory, program.NAME, program.TITLE, result, config=config, prov=prov, seconds=seconds, quick=quick
+    )
+
+
 def main(argv):
     if len(argv) > 1:
         raise common.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -92,12 +126,8 @@ def main(argv):
     overrides = {k: v for k, v in config.items() if k != "kind"}
     if FLAGS.workdir:
         overrides["workdir" if kind == "draft_head" else "head_workdir"] = FLAGS.workdir
-    quick = overrides.get("target") in ("tiny",)
     command = shlex.join([os.path.basename(sys.executable), "-m", "launch.train", *sys.argv[1:]])
-    _, paths = framework.run_experiment(
-        KINDS[kind], quick=quick, overrides=overrides, output_dir=FLAGS.output_dir, command=command
-    )
-    for path in paths.values():
+    for path in train(kind, overrides, FLAGS.output_dir, command).values():
         print(f"wrote {path}")
 
 

@@ -341,8 +341,8 @@ def test_the_size_checks_find_a_long_function_and_a_grown_offender(tmp_path):
 LATE_IMPORT_CEILINGS = {
     "spec_jax": 3,
     "models": 2,
-    "launch": 6,
-    "experiments": 1,
+    "launch": 7,  # 6, and matplotlib's for a figure, moved with the results writer from experiments/
+    "experiments": 0,
     "scripts": 1,
     "training": 0,
 }
@@ -432,7 +432,6 @@ def test_the_late_import_check_finds_an_uncommented_one(tmp_path):
 # bodies too: launch.common's late import of launch.runtime counts), the server shares
 # launch.flags with launch.generate instead of importing it, training's command line reaches
 # nothing of experiments/, and launch.generate reads as flags -> requests -> engine -> output.
-import pytest  # noqa: E402
 from test_import_cycles import cycles  # noqa: E402
 
 LAUNCH_GENERATE_MAX_LINES = 350
@@ -488,11 +487,6 @@ def experiments_reached(root: pathlib.Path, module: str) -> list[str]:
     return sorted(m for m in reached if m.split(".")[0] == "experiments")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="launch.train still runs experiments/train_head.py and train_acceptance.py through "
-    "experiments.framework.run_experiment; moving them below launch is the experiments' owner's",
-)
 def test_launch_train_imports_nothing_of_experiments():
     assert "launch.common" in reached_from(ROOT, "launch.train")  # the walk works
     offenders = experiments_reached(ROOT, "launch.train")

@@ -2,6 +2,7 @@
 and seed give the same parameters, a resumed run equals an uninterrupted one (also after a
 SIGKILL), and bad settings get one clear error."""
 
+import csv
 import json
 import os
 import pathlib
@@ -19,7 +20,7 @@ from test_ngram import cycle_following_target
 import models
 import training
 from spec_jax import head_checkpoint
-from training import features, loss
+from training import features, head_run, loss
 from training.head import initial_params
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -157,6 +158,7 @@ def test_the_cli_refuses_bad_settings_with_one_line(tmp_path):
         (["--config.corpora=poetry"], "corpora: unknown corpus poetry"),
         (["--config.head_mlp_dim=100000"], "head_mlp_dim: must be an integer in [1, 96]"),
         (["--config.nosuch=3"], "--config.nosuch: not a setting of this config (settings: batch_size,"),
+        (["--config.target_dtype=fp8"], "target_dtype: each value must be one of float32,"),
     ]
     common = ["--config=launch/configs/draft_head.py:quick", f"--workdir={tmp_path / 'w'}"]
     common.append(f"--output_dir={tmp_path / 'out'}")
@@ -190,11 +192,53 @@ def test_a_killed_training_leaves_a_checkpoint_that_resumes_to_the_uninterrupted
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     resumed = cli(*flags, workdir=tmp_path / "killed", output_dir=tmp_path / "killed_out")
-    _, err = resumed.communicate(timeout=300)
+    out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
+    written = [f"wrote {tmp_path / 'killed_out' / 'train_head'}.{e}" for e in ("csv", "json", "md", "png")]
+    assert out.splitlines() == written, out
     assert summary_hash(tmp_path / "killed_out") == summary_hash(whole_out)
     history = [json.loads(line)["step"] for line in (tmp_path / "killed" / "history.jsonl").open()]
     assert history == list(range(1, 25)), "the history continues where the checkpoint was"
+
+
+@pytest.mark.xdist_group("cli_trained_head")
+def test_the_cli_writes_the_runs_table_provenance_summary_and_plot(cli_trained_head):
+    """launch.train's outputs (launch.results, the experiments' writer): train_head.csv a row per
+    evaluation, .json the provenance, the settings and the summary, .md the provenance then the
+    table and the reading, .png the curves."""
+    workdir, out = cli_trained_head
+    names = ["train_head.csv", "train_head.json", "train_head.md", "train_head.png"]
+    assert sorted(p.name for p in out.iterdir()) == names
+    with (out / "train_head.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(head_run.ROW_KEYS) and [int(r["step"]) for r in rows] == [6, 12, 18, 24]
+    sidecar = json.loads((out / "train_head.json").read_text())
+    assert (sidecar["experiment"], sidecar["title"], sidecar["quick"]) == (
+        "train_head",
+        head_run.TITLE,
+        False,
+    )
+    assert sidecar["provenance"]["command"].split()[1:] == [
+        "-m",
+        "launch.train",
+        *CLI_TRAINING_FLAGS,
+        f"--workdir={workdir}",
+        f"--output_dir={out}",
+    ]
+    config = sidecar["config"]
+    assert (config["target"], config["steps"], config["workdir"]) == ("random", 24, str(workdir))
+    assert "kind" not in config and sidecar["columns"] == list(head_run.ROW_KEYS)
+    summary = sidecar["summary"]
+    assert (
+        summary["steps"] == 24
+        and summary["workdir"] == str(workdir)
+        and summary["best"]["step"] in (6, 12, 18, 24)
+    )
+    markdown = (out / "train_head.md").read_text()
+    assert markdown.startswith(f"# train_head: {head_run.TITLE}\n\n- command: `")
+    assert "\n| step | loss | regression |" in markdown and "Best held-out accepted length" in markdown
+    assert markdown.rstrip().endswith("![train_head](train_head.png)")
+    assert (out / "train_head.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow  # 20 s; in make test: tests/test_acceptance.py drafts with acceptance heads in-process

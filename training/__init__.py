@@ -12,6 +12,10 @@ imports it (tests/test_layering.py checks both).
   checkpoint.py  orbax checkpoints of a run, and resuming from them
   head.py        the draft-head training loop (train)
   acceptance.py  the acceptance head (SpecDec++): logged rounds, its optax loop, the threshold
+  targets.py     the models a run loads by name (the quick configs' tiny ones) and its texts' ids
+  report.py      what a run reports (Report: table, reading, summary, plot), as data
+  head_run.py    a draft head's run: settings, the data, train, its report (launch.train)
+  acceptance_run.py  an acceptance head's run: settings, logged rounds, train, threshold, report
 """
 
 from training.config import default_config, head_config, validate

@@ -2,15 +2,15 @@
 
 Needs a trained draft head for the target (launch/configs/draft_head.py) in --workdir (default
 $SPEC_JAX_CACHE/heads/TARGET/); the acceptance head is written beside it, in acceptance/.
-`:quick` is the tiny variant the tests run. Settings: experiments/train_acceptance.py.
+`:quick` is the tiny variant the tests run. Settings: training/acceptance_run.py.
 """
 
-from experiments import train_acceptance
+from training import acceptance_run
 
 
 def get_config(variant: str | None = None):
     if variant not in (None, "", "quick"):
         raise ValueError(f"config variant must be empty or 'quick', got {variant!r}")
-    config = train_acceptance.get_config(quick=variant == "quick")
+    config = acceptance_run.get_config(quick=variant == "quick")
     config.kind = "acceptance_head"
     return config

@@ -6,12 +6,12 @@ target, seconds). Override any setting on the command line, e.g. `--config.steps
 (default_config) and docs/training.md.
 """
 
-from experiments import train_head
+from training import head_run
 
 
 def get_config(variant: str | None = None):
     if variant not in (None, "", "quick"):
         raise ValueError(f"config variant must be empty or 'quick', got {variant!r}")
-    config = train_head.get_config(quick=variant == "quick")
+    config = head_run.get_config(quick=variant == "quick")
     config.kind = "draft_head"
     return config
