@@ -138,8 +138,9 @@ class BlockWeight:
     """A weight [out..., in...] kept as GGUF blocks: each output unit's row of `in` values is a
     row of blocks of ggml type `ggml_type` (gguf.GGMLQuantizationType), row_bytes bytes.
     quantize_x: products quantize the activations to 8 bits (precision gguf_q8) or not (gguf).
-    interleaved: Q4_K rows in groups of 8 with their blocks interleaved (llama.cpp's CPU repack;
-    for_cpu_kernel): only the CPU kernel reads them."""
+    interleaved: Q4_K rows in groups of 8 (ggml's block_q4_Kx8, llama.cpp's CPU repack) or Q6_K
+    rows in the kernel's Q6Kx8 (gguf_matmul.interleave_q6k); for_cpu_kernel: only the CPU
+    kernel reads them."""
 
     data: jax.Array  # uint8 [out..., row_bytes]
     ggml_type: int = flax.struct.field(pytree_node=False)
@@ -260,18 +261,35 @@ def for_cpu_kernel(w: BlockWeight, table: bool = False) -> BlockWeight:
     AVX-512 CPU (docs/design.md). Everything else, an embedding table (table: its rows are
     looked up), or where the products do not run on this CPU's kernel: w unchanged. Host arrays."""
     rows = math.prod(w.data.shape[:-1])
-    if (
-        table
-        or w.interleaved
-        or not w.quantize_x
-        or w.ggml_type != GGMLQuantizationType.Q4_K.value
-        or rows % 8
-    ):
+    kinds = (gguf_matmul.Q4K, gguf_matmul.Q6K)
+    if table or w.interleaved or not w.quantize_x or w.ggml_type not in kinds or rows % 8:
         return w
     if target.current().platform != "cpu" or not gguf_matmul.available():
         return w
-    data = gguf_matmul.interleave_q4k(np.asarray(w.data).reshape(rows, -1))
+    host = np.asarray(w.data).reshape(rows, -1)
+    if w.ggml_type == gguf_matmul.Q6K:
+        if not gguf_matmul.interleave_q6k_pays():
+            return w
+        data = gguf_matmul.interleave_q6k(host)
+    else:
+        data = gguf_matmul.interleave_q4k(host)
     return w.replace(data=data.reshape(w.data.shape), interleaved=True)
+
+
+def take_rows(weight, ids):
+    """The output rows `ids` (int32 [N]) of a weight (an array, an Int8Weight or a BlockWeight:
+    each leaf's rows): a Q6_K BlockWeight in the kernel's interleaved layout is read back into
+    the file's rows first (its groups of 8 rows hold each other's values); an interleaved Q4_K
+    one is a ValueError (no way back to rows is built)."""
+    if isinstance(weight, BlockWeight) and weight.interleaved:
+        if weight.ggml_type != gguf_matmul.Q6K:
+            raise ValueError(
+                "take_rows: a Q4_K weight interleaved for the CPU kernel has no row layout to take from"
+            )
+        rows = math.prod(weight.data.shape[:-1])
+        host = gguf_matmul.interleave_q6k(np.asarray(weight.data).reshape(rows, -1), back=True)
+        weight = weight.replace(data=jnp.asarray(host.reshape(weight.data.shape)), interleaved=False)
+    return jax.tree.map(lambda a: a[ids], weight)
 
 
 def quantize_int8(w: np.ndarray, contract: int) -> Int8Weight:
@@ -419,7 +437,7 @@ def _block_product(x_mi, w: BlockWeight, config, live=None):
 def _no_interleaved(w: BlockWeight):
     if w.interleaved:
         raise ValueError(
-            "a Q4_K weight interleaved for the CPU kernel (precision.for_cpu_kernel) is read by that "
+            "a Q4_K or Q6_K weight interleaved for the CPU kernel (precision.for_cpu_kernel) is read by that "
             "kernel only: load the model for this device (models.load on it) instead"
         )
 

@@ -191,3 +191,22 @@ def test_the_qwen_targets_logits_are_the_same_bits_in_either_q6k_layout(kernel):
         np.testing.assert_array_equal(verify, np.stack(steps))
         logits[interleaved] = verify
     np.testing.assert_array_equal(logits[True], logits[False])
+
+
+def test_take_rows_reads_an_interleaved_q6k_head_back_into_rows_and_refuses_an_interleaved_q4k(kernel):
+    """A trimmed vocabulary or a trained head's token ids take rows of the output head
+    (precision.take_rows): from a Q6_K head in the kernel's layout, the file's rows, not the
+    interleaved bytes at those offsets (a group of 8 rows holds each other's values)."""
+    rows = q6k_rows(kernel, 16, 256, seed=5)
+    head = precision.BlockWeight(jnp.asarray(rows), T.Q6_K.value, (256,), quantize_x=True)
+    packed = head.replace(data=jnp.asarray(gguf_matmul.interleave_q6k(rows)), interleaved=True)
+    ids = jnp.asarray([0, 3, 8, 15], jnp.int32)
+    taken = precision.take_rows(packed, ids)
+    assert not taken.interleaved
+    np.testing.assert_array_equal(np.asarray(taken.data), rows[np.asarray(ids)])
+    assert not np.array_equal(
+        np.asarray(packed.data)[np.asarray(ids)], rows[np.asarray(ids)]
+    )  # the naive take
+    q4k = head.replace(ggml_type=T.Q4_K.value, interleaved=True)
+    with pytest.raises(ValueError, match="Q4_K weight interleaved"):
+        precision.take_rows(q4k, ids)

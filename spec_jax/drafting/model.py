@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import precision
 from models.config import ModelConfig
 from models.transformer import forward, init_cache, output_head
 from spec_jax import sharding
@@ -283,6 +284,6 @@ def trim_vocabulary(draft, token_ids) -> tuple[ModelDrafter, TrimmedDraftParams]
     if ids.min() < 0 or ids.max() >= vocab or np.unique(ids).size != ids.size:
         raise ValueError(f"token_ids must be distinct ids in [0, {vocab})")
     ids = jnp.asarray(np.sort(ids), jnp.int32)
-    weight = jax.tree.map(lambda a: a[ids], output_head(draft.config, draft.params))
+    weight = precision.take_rows(output_head(draft.config, draft.params), ids)
     params = TrimmedDraftParams(model=draft.params, head=TrimmedHead(weight=weight, ids=ids))
     return ModelDrafter(draft.config, trimmed=True), params

@@ -10,13 +10,12 @@ load_drafter (`--drafter=head` of `launch.generate`, the benchmarks) reads from 
 import dataclasses
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 import models
 import spec_jax.drafting.acceptance_head as acceptance_head
-from models import registry
+from models import precision, registry
 from models.transformer import output_head
 from spec_jax.drafting.head import HeadDrafter, HeadParams
 from spec_jax.drafting.model import TrimmedHead
@@ -42,7 +41,7 @@ def head_params(target, head, token_ids=None) -> HeadParams:
         ids = jnp.asarray(sorted({int(i) for i in token_ids}), jnp.int32)
         if ids.size == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab:
             raise ValueError(f"token_ids must be a non-empty set of ids in [0, {vocab})")
-        weight = jax.tree.map(lambda a: a[ids], weight)
+        weight = precision.take_rows(weight, ids)
     return HeadParams(
         head=head.params, embed=target.params["embed"]["embedding"], out=TrimmedHead(weight, ids)
     )
