@@ -13,7 +13,7 @@
      Theorem 3.8       E / (gamma c + 1)         (a verify call costs one step)
      verify-corrected  E / (gamma c + v(gamma))  (the measured verify cost)
      cost-corrected    E / (d(gamma) + v(gamma)) (the measured draft round as well)
-With drafter = "head" the draft is the target's trained draft head (experiments.heads) instead
+With drafter = "head" the draft is the target's trained draft head (training.head_run) instead
 of a draft model: c is its drafting step (the head's layer and its output head), and a round's
 drafter cost d(gamma) is its observe call over gamma + 1 pairs and gamma - 1 steps.
 4. Measured: spec_jax.generate, autoregressive and speculative at each gamma on the same
@@ -67,7 +67,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.target = "tiny" if quick else "qwen2.5-coder-1.5b"
     config.draft = "tiny-draft" if quick else "qwen2.5-coder-0.5b"
     config.drafter = (
-        "model"  # or "head": the target's trained draft head (experiments.heads) instead of `draft`
+        "model"  # or "head": the target's trained draft head (training.head_run) instead of `draft`
     )
     config.target_dtype = "float32"  # models.precision.PRECISIONS
     config.draft_dtype = "float32"
