@@ -81,7 +81,7 @@ class ModelConfig:
     cpu_isa: str = dataclasses.field(default_factory=this_cpu_isa)
     # True: products may take a many-row path whose rows differ in the last bits from a
     # one-row call's (gguf_q8's Q4_K through ggml's 4-row gemm). Set by the row-wise prefill
-    # only (spec_jax.decode.prefill_rows): a decode step and a verify call must agree bit for bit.
+    # only (spec_jax.row_prefill.prefill_rows): a decode step and a verify call must agree bit for bit.
     bulk_products: bool = False
     attention_interpret: bool = False  # run Pallas kernels in interpret mode (CPU tests)
     # True: parameters stacked over layers and run by nn.scan (compiles in seconds; best on

@@ -16,7 +16,7 @@ BLOCK tokens and found by their tokens, as vLLM's automatic prefix caching does.
 Exactness: on the CPU kernels the prefill reads each row in chunks whose positions' keys and
 values are the same bits whatever the chunk (tests/test_prefill.py), so a row prefilled from a
 hit has the bits of a full prefill (tests/test_prefix_cache.py). Only prompt positions are kept:
-a decode step's products are not the prefill's bit for bit (decode.prefill_rows' bulk_products),
+a decode step's products are not the prefill's bit for bit (row_prefill.prefill_rows' bulk_products),
 so the generated tokens' entries are never reused.
 """
 
@@ -30,7 +30,8 @@ import numpy as np
 
 from models.cache import KVCache
 from models.settings import is_number
-from spec_jax.decode import PREFILL_CHUNK, coarse_layout
+from spec_jax.decode import coarse_layout
+from spec_jax.row_prefill import PREFILL_CHUNK
 
 BLOCK = PREFILL_CHUNK  # tokens per block: a prefill chunk, so that a hit ends on a chunk's edge
 

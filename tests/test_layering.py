@@ -99,6 +99,7 @@ SPEC_JAX_LAYERS = (
         "tree",
         "verify",
         "decode",
+        "row_prefill",
         "metrics",
         "theory",
         "sharding",

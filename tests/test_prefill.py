@@ -1,4 +1,4 @@
-"""Row-wise chunked prefill (spec_jax.decode.prefill_rows): the same logits, cache entries and
+"""Row-wise chunked prefill (spec_jax.row_prefill.prefill_rows): the same logits, cache entries and
 features as one call over the padded batch, for every row length and chunk size."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 
 import models
 from models.transformer import attention_impl, forward, head_logits, init_cache, output_head
-from spec_jax import decode
+from spec_jax import decode, row_prefill
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_rows_in_chunks_equal_one_call_bit_for_bit(model, chunk):
     lengths = [1, 15, 16, 17, 40, 23]
     tokens, lens = _prompts(lengths, width)
     run = jax.jit(
-        lambda t, n: decode.prefill_rows(
+        lambda t, n: row_prefill.prefill_rows(
             model.config, model.params, t, n, init_cache(model.config, len(lengths), cache_len), chunk, True
         )
     )
@@ -71,19 +71,19 @@ def test_prefill_reads_rows_by_length_on_the_cpu_kernels(model, monkeypatch):
     ceil(length / chunk) calls, not the padded width's: counted by the calls of forward traced
     inside the loop (one) and the loop's trip count, seen through a counting callback."""
     calls = []
-    real = decode.forward
+    real = row_prefill.forward
 
     def counting(*args, **kwargs):
         jax.debug.callback(lambda: calls.append(1))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "forward", counting)
+    monkeypatch.setattr(row_prefill, "forward", counting)
     tokens, lens = _prompts([3, 33, 17], 64)
     jax.block_until_ready(
         decode.prefill(model.config, model.params, jnp.asarray(tokens), jnp.asarray(lens), 80).logits
     )
-    by_length = sum(-(-n // decode.PREFILL_CHUNK) for n in (3, 33, 17))  # ceil(n / chunk) a row
-    assert by_length < 3 * -(-64 // decode.PREFILL_CHUNK)  # the padded width's: these lengths tell them apart
+    by_length = sum(-(-n // row_prefill.PREFILL_CHUNK) for n in (3, 33, 17))  # ceil(n / chunk) a row
+    assert by_length < 3 * -(-64 // row_prefill.PREFILL_CHUNK)  # the padded width's: these lengths tell them apart
     assert len(calls) == by_length
 
 
