@@ -99,28 +99,19 @@ def check_mesh(mesh: Mesh) -> None:
 
 
 def for_mesh(config, mesh: Mesh):
-    """The model config as run on this mesh. The CPU matmul kernel (models.precision) is an XLA
-    custom call the partitioner cannot split, so it runs on one-device meshes only: there
-    "auto" keeps it, elsewhere "auto" means XLA's dot and "cpu_kernel" is a ValueError (and so
-    is attention_impl "cpu"). The Pallas attention kernels are custom calls too, not wrapped in
-    shard_map: on a multi-device TPU mesh Mosaic refuses to compile them ("Mosaic kernels cannot
-    be automatically partitioned"), so there "auto" attention means XLA's (experiments/pod_pairs.py
-    compiles the loop for pod slices)."""
-    if mesh.devices.size == 1:
+    """The model config as run on this mesh. The CPU kernels (matmul and attention) are XLA
+    custom calls the partitioner cannot split, and Mosaic refuses to partition the Pallas
+    attention kernels on a multi-device TPU mesh ("Mosaic kernels cannot be automatically
+    partitioned"; experiments/pod_pairs.py compiles the loop for pod slices): off one device,
+    "auto" means XLA's and asking for a CPU kernel is a ValueError naming the setting."""
+    n = mesh.devices.size
+    if n == 1:
         return config
-    if config.attention_impl == "cpu":
-        raise ValueError(
-            f"attention_impl: cpu runs on one device, not a {mesh.devices.size}-device mesh; use auto or xla"
-        )
-    if config.attention_impl == "auto":
-        config = config.replace(attention_impl="xla")
-    if config.matmul_impl == "xla":
-        return config
-    if config.matmul_impl == "cpu_kernel":
-        raise ValueError(
-            f"matmul_impl: cpu_kernel runs on one device, not a {mesh.devices.size}-device mesh; use auto or xla"
-        )
-    return config.replace(matmul_impl="xla")
+    for name, forced in (("attention_impl", "cpu"), ("matmul_impl", "cpu_kernel")):
+        if getattr(config, name) == forced:
+            raise ValueError(f"{name}: {forced} runs on one device, not a {n}-device mesh; use auto or xla")
+    attention = "xla" if config.attention_impl == "auto" else config.attention_impl
+    return config.replace(attention_impl=attention, matmul_impl="xla")
 
 
 def param_logical_axes(params):
