@@ -16,7 +16,10 @@ p99: per request, as vLLM's bench: (latency - TTFT) / (tokens - 1)), acceptance 
 it reports them) and errors. Then an overload check on our server: twice its slots in concurrent
 streams plus bursts, against a short queue: every request must complete or get 429, never a 5xx
 or a lost request, and /health must answer 200 afterwards. A load tool from the registry
-(guidellm) runs too where `config.guidellm` names its executable.
+(guidellm) runs too where `config.guidellm` names its executable: the plain load at the top
+concurrency (unless the workloads hold mixed and not plain), and with the `mixed` workload the
+mixed load at the top of config.mixed_concurrency (guidellm_mixed: its greedy and its sampled
+requests as two guidellm runs at once, guidellm having no per-request sampling field).
 
 The load comes in workloads (config.workloads, run in this order):
 - `plain`: the load above (greedy completions of the prompt set; the suite's only load before).
@@ -655,42 +658,53 @@ async def overload(url: str, model: str, prompts: list[str], slots: int, max_tok
     }
 
 
-def guidellm(
-    executable: str, system: System, prompts: list[str], concurrency: int, max_tokens: int, folder: str
-) -> dict:
-    """One guidellm run (the registry's load tool, in its own venv) on `system`: the prompts through
-    `concurrency` concurrent streams, max_tokens each. Returns its output tokens/s, TTFT and TPOT
-    (median, p99) and request counts, read from its JSON report."""
-    data = os.path.join(folder, "prompts.jsonl")
-    with open(data, "w") as f:
-        # guidellm then asks for exactly max_tokens (it sends ignore_eos, as vLLM's bench does)
+def _guidellm_data(path: str, prompts: list[str], max_tokens: int) -> None:
+    """guidellm's data file: one JSON row a prompt. With output_tokens_count guidellm asks for
+    exactly max_tokens (it sends ignore_eos, as vLLM's bench does)."""
+    with open(path, "w") as f:
         f.writelines(json.dumps({"prompt": p, "output_tokens_count": max_tokens}) + "\n" for p in prompts)
-    report = os.path.join(folder, f"guidellm-{system.server.port}-{concurrency}.json")
-    backend = (
-        f"kind=openai_http,target={system.server.url},model={system.model},request_format=/v1/completions"
-    )
-    cmd = [executable, "run", "--backend", backend, "--profile", f"kind=concurrent,streams={concurrency}"]
-    cmd += [
-        "--data",
-        f"kind=json_file,path={data}",
-        "--constraint",
-        f"kind=max_requests,count={len(prompts)}",
-    ]
+
+
+def guidellm_command(
+    executable: str, system: System, data: str, streams: int, count: int, report: str, body=None
+) -> list[str]:
+    """One guidellm run's command line: the rows of `data` to `system` through `streams`
+    concurrent streams, `count` requests, its JSON report written to `report`. body: fields that
+    every request of the run carries (guidellm's backend `extras`; it has no per-row field for
+    sampling settings), as the backend's JSON form; without it the plain load's key=value form."""
+    url, model = system.server.url, system.model
+    if body:
+        backend = {
+            "kind": "openai_http",
+            "target": url,
+            "model": model,
+            "request_format": "/v1/completions",
+            "extras": {"body": body},
+        }
+        backend = json.dumps(backend)
+    else:
+        backend = f"kind=openai_http,target={url},model={model},request_format=/v1/completions"
+    cmd = [executable, "run", "--backend", backend, "--profile", f"kind=concurrent,streams={streams}"]
+    cmd += ["--data", f"kind=json_file,path={data}", "--constraint", f"kind=max_requests,count={count}"]
     cmd += ["--output", f"kind=json,path={report}", "--disable-progress", "--disable-console"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S * 4, cwd=folder)
-    if proc.returncode or not os.path.exists(report):
-        return {"system": system.name, "tool": "guidellm", "error": (proc.stderr or proc.stdout)[-300:]}
-    with open(report) as f:
-        bench = json.load(f)["benchmarks"][0]
+    return cmd
+
+
+def _guidellm_report(path: str) -> dict:
+    """The first benchmark of a guidellm JSON report."""
+    with open(path) as f:
+        return json.load(f)["benchmarks"][0]
+
+
+def _guidellm_columns(bench: dict) -> dict:
+    """A guidellm benchmark's own figures: output tokens/s, TTFT and TPOT (p50, p99) of its
+    successful requests, requests made and errors (errored + incomplete)."""
     m, made = bench["metrics"], bench["scheduler_metrics"]["requests_made"]
 
     def ok(key, q):
         return round(m[key]["successful"]["percentiles"][q], 1)
 
     return {
-        "system": system.name,
-        "tool": "guidellm 0.8.1",
-        "concurrency": concurrency,
         "output_tokens_per_s": round(m["output_tokens_per_second"]["successful"]["mean"], 2),
         "ttft_p50_ms": ok("time_to_first_token_ms", "p50"),
         "ttft_p99_ms": ok("time_to_first_token_ms", "p99"),
@@ -699,6 +713,96 @@ def guidellm(
         "requests": made["total"],
         "errors": made["errored"] + made["incomplete"],
     }
+
+
+def _tool_failed(system: System, proc, report: str) -> dict | None:
+    if proc.returncode or not os.path.exists(report):
+        return {"system": system.name, "tool": "guidellm", "error": (proc.stderr or proc.stdout)[-300:]}
+    return None
+
+
+def guidellm(
+    executable: str, system: System, prompts: list[str], concurrency: int, max_tokens: int, folder: str
+) -> dict:
+    """One guidellm run (the registry's load tool, in its own venv) on `system`: the prompts through
+    `concurrency` concurrent streams, max_tokens each. Returns its output tokens/s, TTFT and TPOT
+    (median, p99) and request counts, read from its JSON report."""
+    data = os.path.join(folder, "prompts.jsonl")
+    _guidellm_data(data, prompts, max_tokens)
+    report = os.path.join(folder, f"guidellm-{system.server.port}-{concurrency}.json")
+    cmd = guidellm_command(executable, system, data, concurrency, len(prompts), report)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S * 4, cwd=folder)
+    failed = _tool_failed(system, proc, report)
+    if failed:
+        return failed
+    columns = _guidellm_columns(_guidellm_report(report))
+    return {"system": system.name, "tool": "guidellm 0.8.1", "concurrency": concurrency, **columns}
+
+
+def guidellm_mixed(
+    executable: str, system: System, prompts: list[str], concurrency: int, max_tokens: int, folder: str
+) -> dict:
+    """The mixed load from guidellm: the mixed load's greedy requests and its sampled ones
+    (mixed_jobs) as two guidellm runs at once against `system`, ceil(c / 2) and floor(c / 2)
+    streams (at least 1 each). guidellm sends the same body fields with every request of a run
+    (its backend's `extras`), so the greedy run sends temperature 0 and the sampled run
+    MIXED_TEMPERATURE, MIXED_TOP_P and the one seed MIXED_SEED; each with the server's own
+    fields (System.extra_for: llama-server's cache_prompt and, sampled, its samplers).
+
+    Returns the load's figures from the two reports' requests: output tokens / (the last end -
+    the first start), TTFT and TPOT p50 / p99 over both runs' successful requests, requests and
+    errors; and each run's own figures (guidellm's aggregates) under `greedy` and `sampled`."""
+    jobs = mixed_jobs(prompts, max_tokens)
+    streams = {"greedy": max(1, (concurrency + 1) // 2), "sampled": max(1, concurrency // 2)}
+    procs, reports = {}, {}
+    for kind in ("greedy", "sampled"):
+        part = [j for j in jobs if j.sampled == (kind == "sampled")]
+        if not part:
+            continue
+        body = {**Job(1).sampling(), **(system.extra_for(Job(1)) or {})}
+        if kind == "sampled":
+            sampled = Job(1, temperature=MIXED_TEMPERATURE, top_p=MIXED_TOP_P, seed=MIXED_SEED)
+            body = {**sampled.sampling(), **(system.extra_for(sampled) or {})}
+        data = os.path.join(folder, f"mixed-{kind}-{system.server.port}.jsonl")
+        _guidellm_data(data, [j.prompt for j in part], max_tokens)
+        reports[kind] = os.path.join(folder, f"guidellm-mixed-{kind}-{system.server.port}-{concurrency}.json")
+        cmd = guidellm_command(executable, system, data, streams[kind], len(part), reports[kind], body)
+        procs[kind] = subprocess.Popen(
+            cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    done = {}
+    for kind, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=REQUEST_TIMEOUT_S * 4)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        done[kind] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    for kind in procs:
+        failed = _tool_failed(system, done[kind], reports[kind])
+        if failed:
+            return {**failed, "run": kind}
+    benches = {kind: _guidellm_report(reports[kind]) for kind in procs}
+    ok = [r for b in benches.values() for r in b["requests"]["successful"]]
+    span = max(r["request_end_time"] for r in ok) - min(r["request_start_time"] for r in ok) if ok else 0
+    parts = {kind: _guidellm_columns(b) for kind, b in benches.items()}
+    return {
+        "system": system.name,
+        "tool": "guidellm 0.8.1, two runs at once (greedy, sampled)",
+        "concurrency": sum(streams[k] for k in procs),
+        "output_tokens_per_s": round(sum(r["output_tokens"] for r in ok) / span, 2) if span else None,
+        "ttft_p50_ms": _round(percentile([r["time_to_first_token_ms"] for r in ok], 50)),
+        "ttft_p99_ms": _round(percentile([r["time_to_first_token_ms"] for r in ok], 99)),
+        "tpot_p50_ms": _round(percentile([r["time_per_output_token_ms"] for r in ok], 50)),
+        "tpot_p99_ms": _round(percentile([r["time_per_output_token_ms"] for r in ok], 99)),
+        "requests": sum(p["requests"] for p in parts.values()),
+        "errors": sum(p["errors"] for p in parts.values()),
+        **{f"{kind}_{k}": v for kind, p in parts.items() for k, v in p.items() if k != "requests"},
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def _start_systems(config, stack: contextlib.ExitStack, log_dir: str) -> list[System]:
@@ -846,10 +950,15 @@ def run(config) -> framework.Result | None:
             chat_rows, turns = _chat(systems, config)
             rows = rows + chat_rows
             summary["chat"] = _chat_summary(config)
-        if config.guidellm:
+        if config.guidellm and ("plain" in config.workloads or "mixed" not in config.workloads):
             top = max(config.concurrency)
             loads = [guidellm(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems]
             summary["guidellm"] = loads
+        if config.guidellm and "mixed" in config.workloads:
+            top = max(config.mixed_concurrency)
+            summary["guidellm_mixed"] = [
+                guidellm_mixed(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems
+            ]
         if config.overload:
             result = asyncio.run(
                 overload(ours.server.url, ours.model, prompts, config.slots, config.max_tokens)
@@ -869,5 +978,6 @@ def run(config) -> framework.Result | None:
         "checks": checks,
         "chat: time to first token by turn": turns,
         "the same load from guidellm (the registry's load tool)": summary.get("guidellm"),
+        "the mixed load from guidellm (two runs at once: greedy, sampled)": summary.get("guidellm_mixed"),
     }
     return framework.Result.from_dicts(rows, sections=sections, summary=summary)

@@ -11,6 +11,10 @@ would differ from the servers' own."""
 import asyncio
 import csv
 import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import tiny_gguf
@@ -297,6 +301,131 @@ def test_a_bad_workloads_setting_is_refused_in_one_line_naming_the_field(workloa
 def test_the_default_workload_is_the_plain_load_alone():
     for quick in (True, False):
         assert tuple(framework.make_config("serve", quick=quick)["workloads"]) == ("plain",)
+
+
+# ---- the load tool (guidellm), faked: its command lines and its reports ------------------------
+
+FAKE_TOOL = """#!{python}
+import json, sys, time
+args = sys.argv[1:]
+opt = {{args[i]: args[i + 1] for i in range(1, len(args) - 1, 2)}}
+start = time.time()
+time.sleep(0.3)
+with open({log!r}, "a") as f:
+    f.write(json.dumps({{"argv": args, "start": start, "end": time.time()}}) + "\\n")
+rows = [json.loads(line) for line in open(opt["--data"].split("path=", 1)[1])]
+requests = [
+    {{"request_start_time": 1000.0 + i, "request_end_time": 1001.0 + i, "output_tokens": r["output_tokens_count"],
+      "time_to_first_token_ms": 10.0 * (i + 1), "time_per_output_token_ms": 2.0}}
+    for i, r in enumerate(rows)
+]
+def stat(mean, p50, p99):
+    return {{"successful": {{"mean": mean, "percentiles": {{"p50": p50, "p99": p99}}}}}}
+bench = {{
+    "metrics": {{"output_tokens_per_second": stat(7.0, 0, 0), "time_to_first_token_ms": stat(0, 15.0, 19.9),
+                 "time_per_output_token_ms": stat(0, 2.0, 2.0)}},
+    "scheduler_metrics": {{"requests_made": {{"total": len(rows), "errored": 0, "incomplete": 0}}}},
+    "requests": {{"successful": requests}},
+}}
+json.dump({{"benchmarks": [bench]}}, open(opt["--output"].split("path=", 1)[1], "w"))
+"""
+
+
+def _fake_tool(tmp_path):
+    """A fake guidellm executable: it records its command line and the time it ran, reads its
+    data file and writes a report in guidellm's JSON layout (request i of a run: start 1000 + i,
+    end 1001 + i, max_tokens output tokens, TTFT 10 (i + 1) ms). Returns (its path, its log)."""
+    log = tmp_path / "tool.jsonl"
+    tool = tmp_path / "guidellm"
+    tool.write_text(FAKE_TOOL.format(python=sys.executable, log=str(log)))
+    os.chmod(tool, 0o755)
+    return str(tool), log
+
+
+def _served(name="peer", extra=None, sampled=None) -> System:
+    server = SimpleNamespace(url="http://127.0.0.1:9", port=9)
+    return System(name, server, "stub", extra, sampled)
+
+
+def _option(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_the_load_tools_mixed_load_is_a_greedy_and_a_sampled_run_at_once(tmp_path):
+    tool, log = _fake_tool(tmp_path)
+    prompts = [f"prompt {i}" for i in range(4)]  # g s s g
+    peer = _llama_like()
+    peer = _served(extra=peer.extra, sampled=peer.sampled_extra)
+    result = bench_serve.guidellm_mixed(tool, peer, prompts, 8, 6, str(tmp_path))
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(runs) == 2
+    assert max(r["start"] for r in runs) < min(r["end"] for r in runs)  # both ran at once
+    by_kind = {}
+    for run in runs:
+        backend = json.loads(_option(run["argv"], "--backend"))
+        body = backend["extras"]["body"]
+        by_kind["sampled" if body["temperature"] > 0 else "greedy"] = (run["argv"], backend, body)
+    for kind, (argv, backend, body) in by_kind.items():
+        assert argv[0] == "run" and backend["kind"] == "openai_http"
+        assert backend["target"] == "http://127.0.0.1:9" and backend["request_format"] == "/v1/completions"
+        assert _option(argv, "--profile") == "kind=concurrent,streams=4"
+        assert _option(argv, "--constraint") == "kind=max_requests,count=2"
+        data = _option(argv, "--data").split("path=", 1)[1]
+        rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+        want = [0, 3] if kind == "greedy" else [1, 2]
+        assert rows == [{"prompt": f"prompt {i}", "output_tokens_count": 6} for i in want]
+        assert body["cache_prompt"] is True  # llama-server's field, in every request
+    assert by_kind["greedy"][2] == {"temperature": 0.0, "cache_prompt": True}
+    assert by_kind["sampled"][2] == {
+        "temperature": bench_serve.MIXED_TEMPERATURE,
+        "top_p": bench_serve.MIXED_TOP_P,
+        "seed": bench_serve.MIXED_SEED,
+        "cache_prompt": True,
+        "samplers": ["temperature", "top_p"],
+    }
+    # the load's figures from both reports' requests: 4 x 6 tokens over 1000.0 .. 1002.0
+    assert result["output_tokens_per_s"] == 12.0 and result["concurrency"] == 8
+    assert (result["ttft_p50_ms"], result["tpot_p50_ms"]) == (15.0, 2.0)
+    assert result["requests"] == 4 and result["errors"] == 0
+    assert result["greedy_output_tokens_per_s"] == result["sampled_output_tokens_per_s"] == 7.0
+    assert result["sampled_ttft_p99_ms"] == 19.9
+    # ours gets OpenAI's fields alone
+    (tmp_path / "ours").mkdir()
+    tool2, log2 = _fake_tool(tmp_path / "ours")
+    bench_serve.guidellm_mixed(tool2, _served("ours"), prompts, 1, 6, str(tmp_path / "ours"))
+    bodies = [
+        json.loads(_option(json.loads(line)["argv"], "--backend"))["extras"]["body"]
+        for line in log2.read_text().splitlines()
+    ]
+    assert sorted(b["temperature"] for b in bodies) == [0.0, bench_serve.MIXED_TEMPERATURE]
+    assert not any({"cache_prompt", "samplers"} & set(b) for b in bodies)
+    assert all(
+        "streams=1" in _option(json.loads(line)["argv"], "--profile")
+        for line in log2.read_text().splitlines()
+    )
+
+
+def test_the_load_tools_plain_run_keeps_its_command_line_and_a_failed_run_is_reported(tmp_path):
+    tool, log = _fake_tool(tmp_path)
+    result = bench_serve.guidellm(tool, _served(), ["a", "b", "c"], 2, 5, str(tmp_path))
+    (run,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert _option(run["argv"], "--backend") == (
+        "kind=openai_http,target=http://127.0.0.1:9,model=stub,request_format=/v1/completions"
+    )
+    assert result == {
+        "system": "peer",
+        "tool": "guidellm 0.8.1",
+        "concurrency": 2,
+        "output_tokens_per_s": 7.0,
+        "ttft_p50_ms": 15.0,
+        "ttft_p99_ms": 19.9,
+        "tpot_p50_ms": 2.0,
+        "tpot_p99_ms": 2.0,
+        "requests": 3,
+        "errors": 0,
+    }
+    failed = bench_serve.guidellm_mixed("false", _served(), ["a", "b"], 2, 5, str(tmp_path))
+    assert failed["tool"] == "guidellm" and failed["run"] == "greedy" and "error" in failed
 
 
 # ---- the quick mode, end to end ---------------------------------------------------------------
