@@ -74,7 +74,7 @@ class SpecMetrics:
 
         Only proposed positions the target scored on the committed prefix (i <= num_accepted)
         enter alpha: after the first rejection the drafts are conditioned on a rejected token.
-        A tree round (spec_jax.speculative.tree_round) counts every node as drafted and passes
+        A tree round (spec_jax.rounds.tree_round) counts every node as drafted and passes
         num_scored [B], the depths whose overlap (along the accepted path) enters alpha.
         """
         gamma = overlap_bg.shape[1]

@@ -17,7 +17,7 @@ from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import executables, speculative
+from spec_jax import executables, rounds
 from spec_jax.drafting import model as drafters
 from spec_jax.sampling import RowSampling, SamplingParams, warp
 
@@ -115,7 +115,7 @@ def test_a_broken_rule_that_always_accepts_fails(pair, monkeypatch):
         n = jnp.full(drafts.shape[:1], drafts.shape[1], jnp.int32)
         return n, jnp.argmax(p[:, -1], -1).astype(jnp.int32)
 
-    monkeypatch.setattr(speculative, "verify", always_accept)
+    monkeypatch.setattr(rounds, "verify", always_accept)
     # An empty cache of compiled loops for this test only: the real rule's loops stay for the others.
     monkeypatch.setattr(executables, "_EXECUTABLES", {})
     counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)

@@ -32,7 +32,7 @@ from models import precision, registry, weights
 from models.gguf_loader import open_gguf
 from models.kernels import gguf_blocks, gguf_matmul
 from models.precision import BlockWeight
-from spec_jax import executables, speculative
+from spec_jax import executables, rounds
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EPS32 = 2.0**-24  # float32's unit roundoff
@@ -565,7 +565,7 @@ def test_a_broken_rule_that_always_accepts_fails_at_gguf_q8(q8_pair, monkeypatch
         n = jnp.full(drafts.shape[:1], drafts.shape[1], jnp.int32)
         return n, jnp.argmax(p[:, -1], -1).astype(jnp.int32)
 
-    monkeypatch.setattr(speculative, "verify", always_accept)
+    monkeypatch.setattr(rounds, "verify", always_accept)
     monkeypatch.setattr(executables, "_EXECUTABLES", {})  # the real rule's loops stay for the others
     counts, _ = sample_counts(target, draft, WARPS[0], gamma=2, seed=0)
     assert chi2_pvalue(counts, joint) < 1e-6

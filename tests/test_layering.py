@@ -108,6 +108,8 @@ SPEC_JAX_LAYERS = (
     ),
     ("prefix_cache",),  # prompt prefixes' keys and values, kept in blocks (decode reads them)
     ("drafting",),  # what proposes drafts (Drafter and every drafter)
+    ("state",),  # the loop's state and static settings
+    ("rounds",),  # a round's bodies: a chain or a tree
     ("speculative",),  # the loop
     ("autogamma", "executables"),  # gamma=auto (its costs, controllers and chunking); compiled programs
     # one request's checks and admission; a call's bounds; one call's compiled programs; the
@@ -279,7 +281,7 @@ def test_spec_jax_imports_no_optimizer():
 # restructuring of autogamma, api, speculative, gguf_loader and launch/generate), with today's
 # size as a ceiling: an offender may shrink, not grow, and no new one may join. Delete an entry
 # when its file is split; never add one.
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 300  # issue 54: split by concept, not by size
 FILE_LINES_ALLOWED: dict[str, int] = {}
 MAX_FUNCTION_LINES = 60
 FUNCTION_LINES_ALLOWED: dict[str, int] = {}
@@ -314,7 +316,7 @@ def test_no_function_over_60_lines_outside_tests():
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines (split them into steps): {offenders}"
 
 
-def test_no_spec_jax_file_over_400_lines():
+def test_no_spec_jax_file_over_300_lines():
     sizes = {
         str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / "spec_jax").rglob("*.py")
     }

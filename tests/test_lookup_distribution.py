@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_distribution import WARPS, chi2_pvalue, exact_joint, pair, sample_counts  # noqa: F401
 
-from spec_jax import drafting, executables, speculative, verify
+from spec_jax import drafting, executables, rounds, verify
 from spec_jax.drafting import hybrid, lookup, suffix, suffix_table
 
 THRESHOLD = 0.25  # the V = 8 draft's top probability straddles this: rows draft 0, 1 or 2
@@ -105,7 +105,7 @@ def test_an_adaptive_stop_that_reads_the_targets_p_fails(pair, adaptive, monkeyp
         keep = jnp.cumprod(p_x >= 0.5 * q_x, axis=1)
         return verify.verify(drafts, q * keep[..., None], p, keys)
 
-    monkeypatch.setattr(speculative, "verify", peeking_verify)
+    monkeypatch.setattr(rounds, "verify", peeking_verify)
     monkeypatch.setattr(executables, "_EXECUTABLES", {})
     counts, _ = sample_counts(target, adaptive, WARPS[0], gamma=2, seed=0)
     assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6

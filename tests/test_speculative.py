@@ -7,7 +7,7 @@ from conftest import apply, loop_by_hand
 
 import models
 import spec_jax
-from spec_jax import drafting, executables, speculative
+from spec_jax import drafting, executables, rounds
 
 # Ragged rows: lengths 3, 1, 10 and 6. The same batch, length and gamma as tests/test_decode.py and
 # tests/test_ngram.py (one xdist group): compiling a loop costs ~10 s of CPU, so the tests share
@@ -125,7 +125,7 @@ def test_an_always_accepting_rule_fails_the_alpha_check(tiny_target, tiny_draft,
             jnp.int32
         )
 
-    monkeypatch.setattr(speculative, "verify", always_accept)
+    monkeypatch.setattr(rounds, "verify", always_accept)
     # An empty cache of compiled loops for this test only: the real rule's loops stay for the others.
     monkeypatch.setattr(executables, "_EXECUTABLES", {})
     measured, alpha, stderr, _ = acceptance_vs_alpha(tiny_target, tiny_draft, 1)

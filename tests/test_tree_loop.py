@@ -1,4 +1,4 @@
-"""Tree rounds in the compiled loop (spec_jax.speculative.tree_round): one target call scores a
+"""Tree rounds in the compiled loop (spec_jax.rounds.tree_round): one target call scores a
 token tree per row with the tree mask, verify_tree keeps a path, the path's keys and values move
 to where a chain's would be (tree.compact), and the output is exactly the target's."""
 

@@ -64,7 +64,7 @@ class TreeProposal(NamedTuple):
 
 
 class TreeDrafting:
-    """Optional: proposing a token tree. The loop's tree rounds (spec_jax.speculative.tree_round,
+    """Optional: proposing a token tree. The loop's tree rounds (spec_jax.rounds.tree_round,
     for generate(tree=N) and tree="auto") call propose_tree, verify every node in one target
     call with a tree mask, then call `accepted` with the path each row took; the metrics count
     tree_calls. Default: the chain of `propose` as a tree, so every drafter runs tree rounds; a
