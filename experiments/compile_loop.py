@@ -24,14 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.cache import KVCache
 from models.kernels import compile_targets as ct
 from models.weights import param_shapes
 from spec_jax.decode import PrefillInputs, layout
 from spec_jax.drafting.model import ModelDrafter
+from spec_jax.prefix_cache import BLOCK
 from spec_jax.sampling import RowSampling, row_keys
 from spec_jax.speculative import SpecStatic, spec_loop, spec_prefill
 
-PHASES = ("prefill", "loop")
+PHASES = ("prefill", "loop", "prefix_prefill")  # prefix_prefill: the engine's, reading the prefix cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,8 @@ DEMO = Demo()
 class LoopCase:
     """One compile of the speculative decoding program: spec_prefill or spec_loop of a pair.
 
-    phase: "prefill" or "loop". num_layers: None for the models' own depths (28 and 24 for the Qwen
+    phase: "prefill", "loop", or "prefix_prefill" (the engine's prefill reading each row's cached
+    prefix from the prefix cache's pool: spec_jax.prefix_cache). num_layers: None for the models' own depths (28 and 24 for the Qwen
     pair), or both models cut to that many layers (the same program with a shorter layer scan).
     impl: "forced" (the target's Pallas impl) or "auto" (what the dispatcher picks there).
     The other fields default to DEMO's values.
@@ -140,6 +143,11 @@ def loop_program(case: LoopCase, target_name: str):
     prefill = functools.partial(spec_prefill, static)
     if case.phase == "prefill":
         return prefill, (params, draft_params, inputs), impl, ()
+    if case.phase == "prefix_prefill":  # a pool of 64 blocks; each row's block table
+        shape = (target_cfg.num_layers, 64, BLOCK, target_cfg.num_kv_heads, target_cfg.head_dim)
+        pool = KVCache(*(jax.ShapeDtypeStruct(shape, target_cfg.jnp_dtype),) * 2)
+        inputs = inputs.replace(prefix_blocks=jax.ShapeDtypeStruct((b, width // BLOCK), jnp.int32))
+        return prefill, (params, draft_params, inputs, pool), impl, ()
     state = jax.eval_shape(prefill, params, draft_params, inputs)
     return functools.partial(spec_loop, static), (params, draft_params, state, inputs.stop_ids), impl, (2,)
 

@@ -286,3 +286,25 @@ def test_tpu_v4_broken_vmem_overflow_is_rejected():
     fn = functools.partial(fn, target=None)  # the device's own facts
     with pytest.raises(ValueError, match=r"more than the 12 MiB budget on TPU v4"):
         ct.lower_for(fn, args, ct.device("tpu-v4"))
+
+
+# The engine's programs (issue 52): its loop, whose rows each carry their own warp (per-row
+# temperature / top-k / top-p operands: every path of the warp is in the one program), and its
+# prefill reading each row's cached prefix from the prefix cache's pool, for TPU v5e and v6e and
+# an H100, with the target's Pallas kernels, at 2 layers (the same program as at full depth, a
+# shorter layer scan). The slow tier: each is a whole-program compile (tens of seconds here).
+ENGINE_PAIRS = [
+    (target, compile_loop.LoopCase(phase, 8, "bfloat16", num_layers=2))
+    for target in ("tpu-v5e", "tpu-v6e", "gpu-h100")
+    for phase in ("loop", "prefix_prefill")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "target, case", ENGINE_PAIRS, ids=[f"{t}-{c.label().replace(' ', '-')}" for t, c in ENGINE_PAIRS]
+)
+def test_engine_programs_compile_for_tpu_v5e_v6e_and_h100(target, case):
+    result = compile_loop.compile_loop_case(case, target)
+    assert result.status == "ok", result.error
+    assert result.impl == ct.pallas_impl(target)
