@@ -35,6 +35,7 @@ import time
 
 import ml_collections
 
+import spec_jax
 from experiments import bench_decode, bench_peer, common, framework
 from launch import llama_peer_worker, peer_protocol
 from models import registry
@@ -201,7 +202,9 @@ def _llama_systems(config, backend, prompts, texts) -> dict:
 def _our_result(target, prompt, draft, gamma, max_new_tokens: int) -> dict:
     """One spec_jax.generate call, timed whole: tokens, seconds, target calls, drafted, accepted."""
     start = time.perf_counter()
-    gen = bench_decode.run_generate(target, [prompt], draft, gamma, 0.0, max_new_tokens)
+    # eos_id=None: every system makes max_new_tokens (llama.cpp's run with --ignore-eos)
+    options = dict(gamma=gamma if draft is not None else 4, temperature=0.0, eos_id=None)
+    gen = spec_jax.generate(target, [prompt], draft=draft, max_new_tokens=max_new_tokens, **options)
     seconds = time.perf_counter() - start
     stats = gen.stats
     return {
