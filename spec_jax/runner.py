@@ -6,7 +6,7 @@ through them and spec_jax.engine its table of requests, each with gamma=auto's h
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,40 @@ def _resume_drafter(
 
 
 @dataclasses.dataclass
+class Prefilled(NamedTuple):
+    """What Runner.prefill returns."""
+
+    state: SpecState
+    compile_seconds: float
+    prefill_seconds: float
+
+
+class Looped(NamedTuple):
+    """What Runner.loop returns: the wall seconds of the chunk and its seconds by
+    timing.work_clock (the process's CPU time where the loop runs on this CPU)."""
+
+    state: SpecState
+    compile_seconds: float
+    seconds: float
+    work_seconds: float
+
+
+class Scored(NamedTuple):
+    """What Runner.score returns."""
+
+    logprobs: TokenLogprobs
+    compile_seconds: float
+    seconds: float
+
+
+class Resumed(NamedTuple):
+    """What Runner.resume returns."""
+
+    draft_state: Any
+    compile_seconds: float
+    work_seconds: float
+
+
 class Runner:
     """The compiled programs of one call on its placed arguments: the prefill, the loop (one
     executable per static settings, each chunk's gamma), a drafter's catch-up, and the scoring
@@ -52,9 +86,7 @@ class Runner:
     draft_params: Any
     inputs: PrefillInputs
 
-    def prefill(
-        self, active, inputs: PrefillInputs | None = None, pool=None
-    ) -> tuple[SpecState, float, float]:
+    def prefill(self, active, inputs: PrefillInputs | None = None, pool=None) -> Prefilled:
         """(state after prefill, compile seconds, prefill seconds) of inputs (default the
         call's; spec_jax.engine prefills one request at a time into its table); pool: the
         prefix cache's, for inputs.prefix_blocks (spec_prefill)."""
@@ -71,9 +103,9 @@ class Runner:
         )
         start = time.perf_counter()
         state = jax.block_until_ready(fn(*args))
-        return state, compile_s, time.perf_counter() - start
+        return Prefilled(state, compile_s, time.perf_counter() - start)
 
-    def loop(self, state: SpecState, max_rounds: int, gamma: int | None = None, tree: int = 0):
+    def loop(self, state: SpecState, max_rounds: int, gamma: int | None = None, tree: int = 0) -> Looped:
         """(state after up to max_rounds rounds, compile seconds, wall seconds, work_clock
         seconds); gamma: this chunk's (0: plain decoding, without the drafter); tree: its tree
         rounds' node slots (0: chains; a tree's gamma is its node count)."""
@@ -96,9 +128,9 @@ class Runner:
         )
         start, work = time.perf_counter(), timing.work_clock()
         state = jax.block_until_ready(fn(*args))
-        return state, compile_s, time.perf_counter() - start, timing.work_clock() - work
+        return Looped(state, compile_s, time.perf_counter() - start, timing.work_clock() - work)
 
-    def score(self, ids: list[int], width: int, k: int) -> tuple[TokenLogprobs, float, float]:
+    def score(self, ids: list[int], width: int, k: int) -> Scored:
         """(the prompt's logprobs, compile seconds, run seconds): one scoring call over the
         prompt ids padded to width (spec_jax.logprobs.score_prompt), each token's (the first's
         None) and its top k."""
@@ -112,7 +144,7 @@ class Runner:
         seconds = time.perf_counter() - start
         n = len(ids)  # position s predicts token s + 1: token t's is at t - 1 (the first has none)
         shift = [np.concatenate([np.zeros_like(a[0, :1]), a[0, : n - 1]]) for a in kept]
-        return TokenLogprobs.of(ids, *shift, k, first_none=True), compile_s, seconds
+        return Scored(TokenLogprobs.of(ids, *shift, k, first_none=True), compile_s, seconds)
 
     def resume(self, draft_state, state: SpecState, synced_b, width: int):
         """(the drafter's state caught up on the text committed without it, compile seconds,
@@ -132,4 +164,4 @@ class Runner:
         )
         start = timing.work_clock()
         draft_state = jax.block_until_ready(fn(*args))
-        return draft_state, compile_s, timing.work_clock() - start
+        return Resumed(draft_state, compile_s, timing.work_clock() - start)
