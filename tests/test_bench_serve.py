@@ -387,6 +387,7 @@ def test_the_load_tools_mixed_load_is_a_greedy_and_a_sampled_run_at_once(tmp_pat
     assert result["output_tokens_per_s"] == 12.0 and result["concurrency"] == 8
     assert (result["ttft_p50_ms"], result["tpot_p50_ms"]) == (15.0, 2.0)
     assert result["requests"] == 4 and result["errors"] == 0
+    assert result["runs_overlap_share"] == 1.0  # both runs' requests span 1000.0 .. 1002.0
     assert result["greedy_output_tokens_per_s"] == result["sampled_output_tokens_per_s"] == 7.0
     assert result["sampled_ttft_p99_ms"] == 19.9
     # ours gets OpenAI's fields alone
