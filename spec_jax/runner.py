@@ -40,7 +40,6 @@ def _resume_drafter(
     return drafter.resume(draft_params, draft_state, text_bs, synced_b, length_b, width)
 
 
-@dataclasses.dataclass
 class Prefilled(NamedTuple):
     """What Runner.prefill returns."""
 
@@ -75,6 +74,7 @@ class Resumed(NamedTuple):
     work_seconds: float
 
 
+@dataclasses.dataclass
 class Runner:
     """The compiled programs of one call on its placed arguments: the prefill, the loop (one
     executable per static settings, each chunk's gamma), a drafter's catch-up, and the scoring
