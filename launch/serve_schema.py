@@ -10,7 +10,8 @@ whose body names the field: `{"error": {"message", "type", "param", "code"}}`.
 Defaults are the project's, not OpenAI's: a field left out takes `Request`'s default (greedy,
 the model's stop tokens, 64 new tokens), so the server, `launch.generate` and `spec_jax.generate`
 answer the same. The extension field `spec_jax` carries this project's per-request settings:
-`{"spec_jax": {"speculate": false}}` decodes that request plainly (same tokens, no drafting).
+`{"spec_jax": {"speculate": false}}` decodes that request plainly (same tokens, no drafting);
+`{"spec_jax": {"max_drafts": 2}}` verifies at most 2 of its drafts a round (same tokens).
 
 What evaluation clients ask for (lm-evaluation-harness's `local-completions`): `logprobs` (0-20)
 on /v1/completions in OpenAI's legacy format (tokens, token_logprobs, top_logprobs, text_offset),
@@ -68,6 +69,7 @@ class SpecJaxOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     speculate: bool | None = None  # False: this request decodes plainly (its tokens are the same)
+    max_drafts: int | None = None  # at most this many drafts a round for this request (0: plainly)
 
 
 class StreamOptions(BaseModel):
@@ -278,7 +280,12 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "literal", "none", 
 
 
 # Request's fields that a body spells differently
-_BODY_NAME = {"prompt_ids": "prompt", "speculate": "spec_jax.speculate", "stop_ids": "stop_token_ids"}
+_BODY_NAME = {
+    "prompt_ids": "prompt",
+    "speculate": "spec_jax.speculate",
+    "max_drafts": "spec_jax.max_drafts",
+    "stop_ids": "stop_token_ids",
+}
 
 
 def body_field(field: str) -> str:
@@ -333,8 +340,9 @@ def to_request(body: CompletionBody | ChatBody, prompt=None) -> Request:
     ):
         if value is not None:
             fields[name] = value
-    if body.spec_jax is not None and body.spec_jax.speculate is not None:
-        fields["speculate"] = body.spec_jax.speculate
+    for name, value in dict(body.spec_jax or {}).items():
+        if value is not None:
+            fields[name] = value
     try:
         return Request.from_dict(fields)
     except RequestError as e:

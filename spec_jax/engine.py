@@ -150,7 +150,8 @@ class Engine:
             raise QueueFull(f"{len(self._queue)} requests are waiting already (max_queue {self.max_queue})")
         handle = Handle(next(self._ids), request, len(ids))
         row = rows.Row(handle, ids, admitted.stop_ids, time.perf_counter(), int(row_id))
-        row.sampling, row.num_logprobs = admitted.sampling, admitted.num_logprobs
+        for operand in ("sampling", "num_logprobs", "max_drafts"):  # the row's, from its admission
+            setattr(row, operand, getattr(admitted, operand))
         self._counters["requests_total"] += 1
         self._counters["prompt_tokens_total"] += len(ids)
         self._score(row)

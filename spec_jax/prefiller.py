@@ -70,7 +70,7 @@ def prefill_key(row: Row, width: int) -> tuple:
         row.row_id,
         request.max_tokens == 1,
         tuple(row.stop_ids),
-        request.speculate,
+        row.max_drafts,
         row.sampling,
         row.num_logprobs,
     )
@@ -111,7 +111,7 @@ class Prefiller:
 
     def prefill(self, group: list[Row], width: int, piece: bool = False) -> SpecState:
         """The group's requests prefilled in one call: a state of the smallest bucket of rows
-        that holds them (row i: group[i]; the rest free), their `plain` set per request. piece:
+        that holds them (row i: group[i]; the rest free), their max_drafts set per request. piece:
         a long prompt's piece (read_piece), counted apart from the requests' prefills."""
         k = len(group)
         batch = self.bucket_for(k)
@@ -124,8 +124,8 @@ class Prefiller:
         self.counters["prefill_pieces" if piece else "prefill_calls"] += 1
         if not piece and self.prefix is not None:
             self.counters["prefix_cache_hit_tokens"] += sum(row.handle.cached_tokens for row in group)
-        plain = [not r.handle.request.speculate for r in group] + [False] * (batch - k)
-        return block.replace(plain=jnp.asarray(plain))
+        caps = [r.max_drafts for r in group] + [0] * (batch - k)
+        return block.replace(max_drafts=jnp.asarray(caps, jnp.int32))
 
     def run(self, active, inputs: PrefillInputs, group: list[Row], batch: int):
         """runner.prefill's (state, compile seconds, prefill seconds) of the group's inputs; with the

@@ -1,13 +1,8 @@
-"""One request, validated once and admitted once: what every front end (spec_jax.generate,
-launch.generate, the server) builds, with its ranges and defaults defined here and nowhere else.
-
-The defaults are the command line's: greedy unless asked (temperature 0), the model's stop
-tokens (stop_ids None), speculation on. A Request checks what it can without a model
-(`validate`); `Request.admit(target, limits)` does the rest against the model and a slot, in
-one place: the prompt's token ids (a text by its tokenizer, a conversation by its chat
-template), the stop ids, and the room (prompt + max_tokens within the slot's context), and
-returns the Admitted request the engine queues. Errors are RequestError: a ValueError that
-names the field at fault and its allowed range.
+"""One request, validated once and admitted once, with its ranges and defaults defined here
+and nowhere else (greedy, the model's stop tokens, speculation on). `validate` checks what needs
+no model; `Request.admit(target, limits)` the rest, in one place (the prompt's token ids, the
+stop ids, the room in a slot), returning the Admitted request the engine queues. Errors are
+RequestError: a ValueError naming the field at fault and its allowed range.
 """
 
 import dataclasses
@@ -24,6 +19,7 @@ from spec_jax.sampling import SamplingParams, validate_sampling
 MAX_STOP_IDS = 16  # stop token ids per request (the loop holds [B, MAX_STOP_IDS])
 MAX_STOP_STRINGS = 8
 SEED_RANGE = (-(2**63), 2**63 - 1)  # jax.random.key takes a 64-bit seed
+UNCAPPED = 2**31 - 1  # Admitted.max_drafts of a request that sets none: the loop's gamma bounds it
 
 
 class RequestError(ValueError):
@@ -47,14 +43,15 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class Admitted:
     """A request checked against a model and a slot (Request.admit), with its row's operands:
-    its prompt's token ids, its stop ids (its own, or the model's stop tokens), its warp and
-    the logprobs it asks (-1: none; k: the kept token's and the top k)."""
+    its prompt's token ids, its stop ids (its own, or the model's stop tokens), its warp, the
+    logprobs it asks (-1: none; k: the top k too) and its most drafts a round (0: plainly)."""
 
     request: "Request"
     ids: tuple[int, ...]
     stop_ids: tuple[int, ...]
     sampling: SamplingParams
     num_logprobs: int
+    max_drafts: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +64,8 @@ class Request:
     top_p in (0, 1]: the warp of spec_jax.sampling. seed: the request's randomness depends on
     it alone (not on its slot or on other requests). stop: strings that end the text (the
     text stops before the match). stop_ids: token ids that end it (None: the model's stop
-    tokens). speculate: False decodes this request plainly, without drafts.
+    tokens). speculate: False decodes this request plainly, without drafts. max_drafts: None
+    (the engine's gamma), or the most drafts a round of this request verifies (0: plainly).
 
     logprobs: None, or k in [0, MAX_LOGPROBS]: each new token's log-probability under the
     target (raw: before the warp; spec_jax.logprobs) and the k most probable tokens' there
@@ -86,6 +84,7 @@ class Request:
     stop: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] | None = None
     speculate: bool = True
+    max_drafts: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -125,6 +124,11 @@ class Request:
         _check_stops(self.stop, self.stop_ids)
         if type(self.speculate) is not bool:  # not 0 or 1
             raise RequestError("speculate", f"speculate must be true or false, got {self.speculate!r}")
+        drafts = self.max_drafts
+        if drafts is not None and (not is_int(drafts) or not 0 <= drafts <= UNCAPPED):
+            raise RequestError(
+                "max_drafts", f"max_drafts must be None or an integer in [0, {UNCAPPED}], got {drafts!r}"
+            )
         return self
 
     @classmethod
@@ -177,7 +181,8 @@ class Request:
             )
         sampling = SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p))
         asks = -1 if self.logprobs is None else int(self.logprobs)
-        return Admitted(self, tuple(ids), tuple(stop_ids), sampling, asks)
+        drafts = 0 if not self.speculate else UNCAPPED if self.max_drafts is None else int(self.max_drafts)
+        return Admitted(self, tuple(ids), tuple(stop_ids), sampling, asks, drafts)
 
 
 def _check_prompt(prompt, messages, prompt_ids) -> None:

@@ -49,7 +49,7 @@ def chain_round(static: SpecStatic, params, draft_params, state: SpecState, acti
     drafts, q, draft_state = static.drafter.propose(
         draft_params, state.draft_state, context, state.length, gamma, state.sampling, draft_keys
     )
-    q = _unproposed(q, state.plain)
+    q = _capped(q, state.max_drafts, jnp.arange(1, gamma + 1)[None, :])
     num_drafted = draft_lengths(q, drafts) if gamma else jnp.zeros_like(state.length)
     logits, finite, target_cache, target_features = _score_chain(
         static, params, state, drafts, num_drafted, active
@@ -127,7 +127,8 @@ def tree_round(static: SpecStatic, params, draft_params, state: SpecState, activ
     proposal = drafter.propose_tree(
         draft_params, state.draft_state, context, state.length, n, state.sampling, draft_keys
     )
-    tree = proposal.tree.replace(q=_unproposed(proposal.tree.q, state.plain))
+    tree = proposal.tree
+    tree = tree.replace(q=_capped(tree.q, state.max_drafts, tree_lib.depths(tree.parents)))
     tokens, positions, bits = tree_lib.call_inputs(state.last_token, tree, state.length)
     features = drafter.reads_features
     out = forward(
@@ -178,6 +179,10 @@ def _finite_tokens(finite_bc, num_accepted_b, active_b):
     return usable, active_b & (usable <= num_accepted_b)
 
 
-def _unproposed(q_bnv, plain_b):
-    """q with the rows of plain_b (SpecState.plain; None: none) zeroed: they propose nothing."""
-    return q_bnv if plain_b is None else jnp.where(plain_b[:, None, None], 0.0, q_bnv).astype(q_bnv.dtype)
+def _capped(q_bnv, max_drafts_b, depth_bn):
+    """q with each row's drafts (or nodes) deeper than its max_drafts (SpecState.max_drafts;
+    None: none is) zeroed: the row does not propose them. depth_bn: int32 [B or 1, N], a draft's
+    depth (1: the first draft, a root child)."""
+    if max_drafts_b is None:
+        return q_bnv
+    return jnp.where((depth_bn > max_drafts_b[:, None])[:, :, None], 0.0, q_bnv).astype(q_bnv.dtype)

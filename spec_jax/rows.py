@@ -32,6 +32,7 @@ class Row:
     row_id: int = 0  # the request's keys: fold_in(key(seed), row_id)
     sampling: SamplingParams = SamplingParams(0.0)  # its warp (Admitted.sampling)
     num_logprobs: int = -1  # the logprobs it asks (Admitted.num_logprobs)
+    max_drafts: int = 0  # its most drafts a round (Admitted.max_drafts; 0: it decodes plainly)
     slot: int | None = None
     tokens: list[int] = dataclasses.field(default_factory=list)
     sent_tokens: int = 0  # tokens already handed out in Updates

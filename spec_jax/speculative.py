@@ -132,7 +132,7 @@ def _finish_round(
         keys=keys,
         metrics=metrics,
         sampling=state.sampling,
-        plain=state.plain,
+        max_drafts=state.max_drafts,
     )
 
 

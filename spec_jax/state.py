@@ -28,10 +28,12 @@ class SpecState:
     keys: jax.Array  # [B] PRNG keys, one chain per row
     metrics: SpecMetrics
     sampling: RowSampling  # each row's warp (temperature, top-k, top-p [B]), read every round
-    # bool [B] or None: rows that decode plainly inside a drafting loop (their drafts' q is
-    # zeroed, so the rule draws from p alone, with the keys plain decoding uses: the same
-    # tokens as gamma = 0). spec_jax.engine sets it per request (Request.speculate).
-    plain: jax.Array | None = None
+    # int32 [B] or None (every row: the loop's gamma): each row's most drafts a round, its
+    # drafts past it unproposed (q zeroed, so the rule reads them as a shorter proposal and draws
+    # from p there: exact); 0: the row decodes plainly inside a drafting loop, with the keys
+    # plain decoding uses (the same tokens as gamma = 0). A tree's nodes deeper than it are
+    # dropped. spec_jax.engine sets it per request (Request.speculate, Request.max_drafts).
+    max_drafts: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

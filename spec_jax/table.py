@@ -85,7 +85,7 @@ class Table:
             active = sharding.put(np.zeros(1, bool), sharding.batch_sharding(self.mesh, 1))
             blank, compile_s, _ = self.prefiller.run(active, inputs, [], 1)
             self.counters["compile_seconds"] += compile_s
-            self._blank = blank.replace(plain=jnp.zeros(1, bool))
+            self._blank = blank.replace(max_drafts=jnp.zeros(1, jnp.int32))
         return self._blank
 
     @property
@@ -118,7 +118,7 @@ class Table:
         inputs = rows.HostTable.empty(2, self.blank_width).inputs(2, self.mesh)
         prefill = functools.partial(spec_prefill, self.runner.static)
         b = jax.eval_shape(prefill, self.runner.target_params, self.runner.draft_params, inputs)
-        b = b.replace(plain=jax.ShapeDtypeStruct((2,), bool))
+        b = b.replace(max_drafts=jax.ShapeDtypeStruct((2,), jnp.int32))
         a = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.blank)
         return {
             "state": row_ops.batch_axes(a, b),

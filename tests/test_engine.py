@@ -383,6 +383,33 @@ def test_a_request_without_speculation_decodes_as_plain_decoding_beside_speculat
     assert tokens[hs] == alone(tiny_target, tiny_draft, spec)
 
 
+def test_a_requests_draft_cap_bounds_its_drafts_and_keeps_its_tokens(tiny_target, tiny_draft):
+    """max_drafts: a row verifies at most that many drafts a round (the loop's gamma is 3), its
+    greedy tokens those of plain decoding; a row beside it drafts the full gamma. Counted by the
+    engine's draft tokens per round: a cap the loop ignored drafts 3 a round here too."""
+
+    def run(*requests):
+        engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=GAMMA, max_context=CONTEXT)
+        handles = [engine.submit(r) for r in requests]
+        tokens = {h: [] for h in handles}
+        for u in engine.drain():
+            tokens[u.handle].extend(u.token_ids)
+        return [tokens[h] for h in handles], engine.stats()
+
+    capped = Request(prompt_ids=(5, 9, 2), max_tokens=16, max_drafts=1, stop_ids=())
+    free = Request(prompt_ids=(7, 3, 8), max_tokens=16, stop_ids=())
+    plain = _alone(tiny_target, None, (5, 9, 2), 16, 0, 0.0)
+    (alone_tokens,), alone_stats = run(capped)
+    assert alone_tokens == plain
+    assert 0 < alone_stats["draft_tokens_total"] <= alone_stats["rounds"]  # at most 1 a round
+    (free_tokens,), free_stats = run(free)
+    assert free_stats["draft_tokens_total"] > free_stats["rounds"]  # uncapped: more than 1 a round
+    (beside, other), _ = run(capped, free)
+    assert beside == plain and other == free_tokens
+    (none,), none_stats = run(dataclasses.replace(capped, max_drafts=0))
+    assert none == plain and none_stats["draft_tokens_total"] == 0
+
+
 def poisoned(model, token: int):
     """The model with a NaN embedding row for `token` (tests/test_nonfinite.py)."""
     params = dict(model.params)

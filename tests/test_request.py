@@ -54,6 +54,8 @@ def test_the_defaults_are_the_command_lines():
         (dict(prompt="a", stop=("",)), "stop", "non-empty strings"),
         (dict(prompt="a", stop_ids=tuple(range(MAX_STOP_IDS + 1))), "stop_ids", f"at most {MAX_STOP_IDS}"),
         (dict(prompt="a", speculate="no"), "speculate", "true or false"),
+        (dict(prompt="a", max_drafts=-1), "max_drafts", r"\[0, 2147483647\]"),
+        (dict(prompt="a", max_drafts=1.5), "max_drafts", "integer"),
     ],
 )
 def test_each_field_out_of_range_is_named(fields, field, message):

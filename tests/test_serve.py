@@ -150,6 +150,8 @@ def test_outputs_at_concurrency_8_are_each_requests_alone(server, temperature):
     if temperature == 0:  # speculation off for a request: the same tokens
         plain = complete(server, PROMPTS[0], seed=0, extra_body={"spec_jax": {"speculate": False}})
         assert (plain.choices[0].text, plain.usage.completion_tokens) == alone[0]
+        capped = complete(server, PROMPTS[0], seed=0, extra_body={"spec_jax": {"max_drafts": 1}})
+        assert (capped.choices[0].text, capped.usage.completion_tokens) == alone[0]
 
 
 def test_mixed_greedy_and_sampled_requests_at_once_are_each_alone(server):
@@ -234,6 +236,12 @@ BAD = [
         400,
         "spec_jax.speculate",
         "speculate",
+    ),
+    (
+        {"model": MODEL, "prompt": "x", "spec_jax": {"max_drafts": -1}},
+        400,
+        "spec_jax.max_drafts",
+        "max_drafts",
     ),
     ({"model": MODEL}, 400, "prompt", "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "gpt-4"),
