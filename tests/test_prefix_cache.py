@@ -181,9 +181,7 @@ def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tin
             tokens.setdefault(u.handle, []).extend(u.token_ids)
         progress.append((engine.stats().get("prefill_pieces", 0), len(tokens.get(running, []))))
     pieces = progress[-1][0]
-    assert pieces == -(
-        -(200 - prefiller.PREFILL_PIECE) // prefiller.PREFILL_PIECE
-    )  # the last is admitted
+    assert pieces == -(-(200 - prefiller.PREFILL_PIECE) // prefiller.PREFILL_PIECE)  # the last is admitted
     # between the first piece and the last the running request kept producing tokens
     during = [n for p, n in progress if 1 <= p < pieces]
     assert during and during[-1] > during[0]
