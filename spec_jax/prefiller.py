@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax import row_ops, sharding
+from spec_jax import sharding
 from spec_jax.decode import PAD_ID, PrefillInputs, layout
 from spec_jax.prefix_cache import BLOCK
 from spec_jax.request import MAX_STOP_IDS, Request, stop_row
@@ -93,7 +93,7 @@ class Prefiller:
     max_context: int
     # prefill_key -> a kept row (a state of one row), least recently used first
     kept: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
-    pending: list = dataclasses.field(default_factory=list)  # (key, block, row) kept at keep_pending
+    pending: list = dataclasses.field(default_factory=list)  # (key, block, row) kept at Table.keep_pending
 
     def bucket_for(self, n: int) -> int:
         """The smallest row bucket that holds n rows."""
@@ -167,11 +167,9 @@ class Prefiller:
         self.counters["score_seconds"] += seconds
         self.counters["scored_prompts_total"] += 1
 
-    def keep_pending(self, axes: tuple[int, ...]) -> None:
-        """Keeps the rows prefilled since the last admission (axes: the loop state's row axes)
-        among the kept rows, the least recently used dropped beyond prefill_cache."""
-        for key, block, i in self.pending:
-            self.kept[key] = row_ops.take_row_jit(block, axes, jnp.int32(i))
-            while len(self.kept) > self.prefill_cache:
-                self.kept.popitem(last=False)
-        self.pending = []
+    def keep(self, key: tuple, row: SpecState) -> None:
+        """Keeps a prefilled row (a state of one row) for requests of prefill_key `key`, the least
+        recently used dropped beyond prefill_cache."""
+        self.kept[key] = row
+        while len(self.kept) > self.prefill_cache:
+            self.kept.popitem(last=False)

@@ -32,6 +32,7 @@ from spec_jax.decode import PAD_ID
 from spec_jax.prefiller import Prefiller, prefill_key
 from spec_jax.request import stop_row
 from spec_jax.speculative import SpecState, spec_prefill
+from spec_jax.updates import First
 
 
 def row_buckets(max_batch: int, unit: int = 1) -> tuple[int, ...]:
@@ -210,7 +211,7 @@ class Table:
             self.state = row_ops.mark_done_jit(self.state, stop)
         self.stop_rows[:] = False
 
-    def insert(self, group: list[rows.Row], width: int) -> list[tuple]:
+    def insert(self, group: list[rows.Row], width: int) -> list[First]:
         """Writes every per-row leaf of each request's prefilled row into the next free slot
         (the table grown to hold them), so nothing of a slot's previous occupant is read: the
         rows kept from an earlier identical prefill (spec_jax.prefiller.prefill_key), and the others'
@@ -220,7 +221,7 @@ class Table:
         (flush). Returns (row, block, index) per request: its prefilled row is row index of
         block (a prefill's state or a kept row)."""
         if self.prefiller.pending:  # (the row axes are found here, not before a first token)
-            self.prefiller.keep_pending(self.axes["state"])
+            self.keep_pending()
         keys = [prefill_key(row, width) for row in group]
         start, k = self.busy(), len(group)
         misses = [
@@ -231,7 +232,7 @@ class Table:
         if self.state is None and start == 0 and len(misses) == k:  # the table starts from the block
             block = self.prefiller.prefill(group, width)
             self.build(block)
-            firsts = [(row, block, i) for i, row in enumerate(group)]
+            firsts = [First(row, block, i) for i, row in enumerate(group)]
         else:
             if self.state is None:
                 self.build()
@@ -244,12 +245,12 @@ class Table:
                     budget = row.handle.request.max_tokens
                     self.deferred.append(functools.partial(self.write, self.prefiller.kept[key], [b], budget))
                     self.counters["prefill_cache_hits"] += 1
-                    firsts.append((row, self.prefiller.kept[key], 0))
+                    firsts.append(First(row, self.prefiller.kept[key], 0))
             block = None
             if misses:
                 block = self.prefiller.prefill([row for _, row in misses], width)
                 self.deferred.append(functools.partial(self.write, block, [b for b, _ in misses]))
-                firsts += [(row, block, i) for i, (_, row) in enumerate(misses)]
+                firsts += [First(row, block, i) for i, (_, row) in enumerate(misses)]
         if self.prefiller.prefill_cache and misses:
             self.prefiller.pending += [(keys[b - start], block, i) for i, (b, _) in enumerate(misses)]
         for b, row in enumerate(group, start):
@@ -262,6 +263,13 @@ class Table:
             self.controllers[self.rows].forget((new >= start) & (new < start + k))
         self.inputs_stale = True  # placed again once, before the next chunk
         return firsts
+
+    def keep_pending(self) -> None:
+        """The rows prefilled since the last admission, each taken from its block, into the
+        prefiller's kept rows (Prefiller.keep)."""
+        for key, block, i in self.prefiller.pending:
+            self.prefiller.keep(key, row_ops.take_row_jit(block, self.axes["state"], jnp.int32(i)))
+        self.prefiller.pending = []
 
     def timed(self, fn, *args) -> None:
         """fn(*args), its device work done, timed into stats' table_seconds (the table's row

@@ -5,6 +5,7 @@ at characters still incomplete (visible_text), and written out by next_update.
 
 import dataclasses
 import functools
+from typing import Any, NamedTuple
 
 from spec_jax import sharding
 from spec_jax.logprobs import TokenLogprobs
@@ -64,7 +65,18 @@ def visible_text(tokenizer, tokens: list[int], stops, final: bool) -> tuple[str,
     return text.rstrip("\ufffd"), None
 
 
-def sources(state, slots: list, firsts=None) -> tuple[list[tuple[Row, int, int]], dict]:
+class First(NamedTuple):
+    """Where an admitted request's first token is read (Table.insert): row `index` of `block`,
+    the state it was prefilled in (or kept)."""
+
+    row: Row
+    block: Any
+    index: int
+
+
+def sources(
+    state, slots: list, firsts: "list[First] | None" = None
+) -> tuple[list[tuple[Row, int, int]], dict]:
     """read_rows' arguments: the busy rows of slots (Row or None), each read from its row of
     the table's state; or firsts, the rows just admitted (row, block, index), each read from
     row index of the block it was prefilled in (or kept), not from the table."""

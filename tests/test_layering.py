@@ -631,3 +631,38 @@ def test_the_face_check_finds_a_reach_in_and_an_unused_export(tmp_path):
     assert unused == ["b"]
     (tmp_path / "launch" / "serve.py").write_text("from spec_jax.autogamma import b\n")
     assert autogamma_face_offenders(tmp_path) == ({}, [])
+
+
+def row_ops_importers(root: pathlib.Path) -> set[str]:
+    """The project files (tests aside) that import spec_jax.row_ops, the table's row operations
+    on device memory."""
+    found = set()
+    for folder in sorted(PROJECT - {"tests"}):
+        for path in sorted((root / folder).rglob("*.py")):
+            names = imported_modules(path)
+            if "spec_jax.row_ops" in names or ("spec_jax" in names and "row_ops" in _from_spec_jax(path)):
+                found.add(str(path.relative_to(root)))
+    return found
+
+
+def _from_spec_jax(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "spec_jax"
+        for a in n.names
+    }
+
+
+def test_every_row_operation_on_device_memory_is_a_table_method():
+    """Issue 54's one admission: only spec_jax/table.py imports spec_jax.row_ops (its methods
+    are the row operations: resize, move, write, free, keep, counters)."""
+    assert row_ops_importers(ROOT) == {"spec_jax/table.py"}
+
+
+def test_the_row_ops_check_finds_another_importer(tmp_path):
+    (tmp_path / "spec_jax").mkdir()
+    (tmp_path / "spec_jax" / "table.py").write_text("from spec_jax import row_ops\n")
+    (tmp_path / "spec_jax" / "engine.py").write_text("from spec_jax.row_ops import resize_jit\n")
+    assert row_ops_importers(tmp_path) == {"spec_jax/table.py", "spec_jax/engine.py"}

@@ -211,10 +211,20 @@ class Drafter(TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasu
     def propose(
         self, params: Any, state: Any, context_b2, length_b, gamma: int, sampling: RowSampling, keys_b
     ) -> Proposal:
-        """Drafts gamma tokens per row (a Proposal, or the (tokens, q, state) tuple it unpacks as).
+        """Drafts up to gamma tokens per row.
 
-        context_b2: the last two committed tokens of each row, at positions length-2, length-1.
-        keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
+        Args:
+          params, state: the drafter's parameters and its state (init's, then each round's).
+          context_b2: int32 [B, 2], the last two committed tokens of each row, at positions
+            length-2 and length-1 (the last one in no cache yet).
+          length_b: int32 [B], each row's committed tokens, prompt included.
+          gamma: the drafts to propose (static).
+          sampling: each row's warp (RowSampling [B]): drafts are drawn from the warped q.
+          keys_b: [B] PRNG keys; row b's drafts may depend on keys_b[b] only.
+
+        Returns:
+          A Proposal (or the (tokens, q, state) tuple it unpacks as): tokens int32 [B, gamma],
+          q float32 [B, gamma, V] (all zeros past a row's last proposed draft), the new state.
         """
 
     def served(self, state: Any, batch: int):
