@@ -16,6 +16,10 @@ skipped with a note once --budget_s is spent:
   exactness  greedy speculative == plain for the model drafter, prompt lookup and a tree of 8;
              the first token's chi-square at temperature 1 (a V = 8 pair, many rows); the Pallas
              kernels (flash_decoding, flash_attention) against the XLA reference
+  serve      the engine (spec_jax.Engine, what launch.serve runs) at concurrency 8, bfloat16, with
+             the perturbed draft: 8 requests, every other one sampled (temperature 0.7, top-p
+             0.9, its own seed), all at once against one at a time; each request's tokens equal
+             in both, the greedy ones plain decoding's; output tokens/s at 8
   costs      at bfloat16 and int8, batch 1: the target step against the HBM read floor (weight
              bytes a step reads over the bandwidth of a measured device copy), verify at gamma
              1-8 and trees of 8 / 16 and the 0.5B draft's step c, in target steps
@@ -65,8 +69,9 @@ from spec_jax import executables, theory, timing  # noqa: E402
 from spec_jax.autogamma import cost_cache as step_costs  # noqa: E402
 from spec_jax.drafting import as_drafter  # noqa: E402
 from spec_jax.drafting.lookup import PromptLookupDrafter  # noqa: E402
+from spec_jax.request import Request  # noqa: E402
 
-SECTIONS = ("exactness", "costs", "walltime", "attention", "prefill", "batch")
+SECTIONS = ("exactness", "serve", "costs", "walltime", "attention", "prefill", "batch")
 PRECISIONS = ("bfloat16", "int8")
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 PREDICTED = os.path.join(ROOT, "experiments", "results", "predicted_speed.csv")
@@ -338,6 +343,47 @@ def kernel_rows(plan: Plan) -> list[dict]:
             }
         )
     return rows
+
+
+def _served(target, draft, requests, at_once: bool) -> tuple[list[list[int]], float]:
+    """(each request's tokens, output tokens/s) on a fresh Engine of 8 slots: all submitted at
+    once, or each after the one before finished."""
+    engine = spec_jax.Engine(target, draft, max_batch=8, gamma=4, measure_costs=False)
+    handles, tokens = [], {}
+    start = time.perf_counter()
+    for request in requests:
+        handles.append(engine.submit(request))
+        if not at_once:
+            for u in engine.drain():
+                tokens.setdefault(u.handle, []).extend(u.token_ids)
+    for u in engine.drain():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    out = [tokens.get(h, []) for h in handles]
+    return out, sum(map(len, out)) / (time.perf_counter() - start)
+
+
+def section_serve(plan: Plan, state: dict) -> dict:
+    target = model(plan, "target", "bfloat16")
+    draft = perturbed(target, 0.05)
+    prompts = prompts_for(plan) * 4
+    requests = [
+        Request(prompt_ids=tuple(p), max_tokens=plan.new_tokens, stop_ids=(), seed=i,
+                **({"temperature": 0.7, "top_p": 0.9} if i % 2 else {}))
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    _served(target, draft, requests[:1], at_once=True)  # compile outside the timing
+    together, tokens_per_s = _served(target, draft, requests, at_once=True)
+    alone, _ = _served(target, draft, requests, at_once=False)
+    plain = spec_jax.generate(
+        target, prompts[::2], max_new_tokens=plan.new_tokens, temperature=0.0, eos_id=None
+    )
+    rows = [
+        {"check": "serve: each request's tokens at concurrency 8 == one at a time", "passed": together == alone,
+         "requests": len(requests), "output_tokens_per_s": tokens_per_s},
+        {"check": "serve: greedy requests == plain decoding", "passed": together[::2] == plain.tokens,
+         "requests": len(plain.tokens), "output_tokens_per_s": tokens_per_s},
+    ]  # fmt: skip
+    return {"tables": {"serve": rows}, "checks": {r["check"]: bool(r["passed"]) for r in rows}}
 
 
 def section_exactness(plan: Plan, state: dict) -> dict:

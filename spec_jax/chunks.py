@@ -2,8 +2,9 @@
 runs (chunk_rounds), and running it over the table with its counters (run_chunk).
 
 Chunks are MIN_CHUNK rounds while requests wait or just after the table changed (a request on
-its way waits at most that), doubling to MAX_CHUNK while the table is stable; at most as many
-rounds as the busy row nearest its budget has tokens left (the slot it frees is taken at once);
+its way waits at most that), doubling to MAX_CHUNK while the table is stable, and about
+CHUNK_SECONDS long at most; at most as many rounds as the busy row nearest its budget has
+tokens left (the slot it frees is taken at once);
 at most STOP_CHUNK while a row has stop strings (matched on the host at chunk ends); and after a
 piece of a long prompt's prefill, about as long as the piece took.
 """
@@ -13,6 +14,10 @@ import time
 from spec_jax.autogamma import auto_chunk, observed
 
 MIN_CHUNK, MAX_CHUNK = 1, 64
+# A chunk runs about this long at most (the last chunk's seconds per round): a request that
+# arrives while it runs waits for its end to be admitted (64 rounds of a loaded 2-core CPU's
+# 0.15 s made a new request wait 10 s for its first token).
+CHUNK_SECONDS = 1.0
 # A row computes at most this many rounds past its stop string.
 STOP_CHUNK = 2
 
@@ -24,7 +29,11 @@ def chunk_rounds(
     last chunk's length (0 after the table changed); waiting, whether requests wait; busy, the
     busy Rows; piece_seconds: the last piece of a long prompt (0: none since); round_seconds:
     the last chunk's seconds per round."""
-    chunk = MIN_CHUNK if waiting or not last else min(2 * last, MAX_CHUNK)
+    chunk = (
+        MIN_CHUNK
+        if waiting or not last
+        else min(2 * last, MAX_CHUNK, max(MIN_CHUNK, int(CHUNK_SECONDS / round_seconds)))
+    )
     if piece_seconds:  # after a piece of a long prompt: decode about as long
         chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, piece_seconds / round_seconds)))
     left = min(r.handle.request.max_tokens - len(r.tokens) for r in busy)

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "device_check.py")
 TABLES = {
     "exactness": ["exactness"],
+    "serve": ["serve"],
     "costs": [
         "step against the HBM floor",
         "verify in target steps",
@@ -126,7 +127,7 @@ def test_a_failing_section_is_recorded_and_the_rest_still_run(monkeypatch):
 @pytest.mark.parametrize(
     "flag, message",
     [
-        ("--sections=costs,nope", "--sections: each one of exactness, costs"),
+        ("--sections=costs,nope", "--sections: each one of exactness, serve, costs"),
         ("--num_layers=99", "--num_layers must be in [0, 64], got 99"),
         ("--budget_s=0", "--budget_s must be > 0, got 0.0"),
         ("--vocab_size=8", "--vocab_size must be 0 or in [256, 1048576], got 8"),

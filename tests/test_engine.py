@@ -14,11 +14,12 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
-from spec_jax import autogamma, chunks, executables, row_ops
+from spec_jax import autogamma, chunks, executables, row_ops, rows
 from spec_jax.autogamma.costs import Costs
 from spec_jax.decode import layout
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
+from spec_jax.updates import Handle
 
 pytestmark = pytest.mark.xdist_group("tiny_target")
 
@@ -342,6 +343,16 @@ def test_chunks_restart_at_one_round_after_the_table_changes_and_double_while_it
     assert rounds_of_next_step() == 0
     assert [rounds_of_next_step() for _ in range(2)] == [1, 2]
     assert chunks.MIN_CHUNK == 1
+
+
+def test_a_chunk_lasts_about_chunk_seconds_at_most():
+    """A stable table's chunks double to MAX_CHUNK rounds where rounds are fast, and stop at
+    about CHUNK_SECONDS where they are slow (a request arriving mid-chunk waits for its end)."""
+    row = rows.Row(Handle(0, Request(prompt_ids=(1,), max_tokens=1000), 1), [1], (), 0.0)
+    assert chunks.chunk_rounds(32, False, [row], 0.0, 0.001) == (chunks.MAX_CHUNK, chunks.MAX_CHUNK)
+    slow = int(chunks.CHUNK_SECONDS / 0.15)
+    assert chunks.chunk_rounds(32, False, [row], 0.0, 0.15) == (slow, slow) and slow < 32
+    assert chunks.chunk_rounds(32, True, [row], 0.0, 0.15)[0] == chunks.MIN_CHUNK  # a request waits
 
 
 def test_a_request_that_ends_at_its_first_token_finishes_in_the_step_that_admits_it(tiny_target, tiny_draft):
