@@ -9,7 +9,10 @@ setup(
     # Files the code opens beside itself (grep __file__): the kernels' C++ sources, compiled on
     # first use (models/kernels/cpu_matmul.py, gguf_matmul.py). tests/test_install.py checks the
     # wheel holds every one.
-    package_data={"models.kernels": ["*.cc", "*.h"], "experiments": ["prompts/*.jsonl", "prompts/*.txt"]},
+    package_data={
+        "models.kernels": ["*.cc", "*.h"],
+        "experiments": ["prompts/*.jsonl", "prompts/*.txt", "prompts/workloads/*.jsonl"],
+    },
     # Builds this machine's CPU kernels now rather than in the first run (ggml from llama.cpp's
     # source in the registry's sdist with cmake, the GGUF kernel, the int8 kernel): what `make
     # demo` / `make test` start after installing. Not a step of `pip install` itself: the build

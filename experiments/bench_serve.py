@@ -756,8 +756,19 @@ def guidellm_mixed(
     errors; runs_overlap_share, the share of that span in which both runs were sending (they start
     as two processes, not at one instant); and each run's own figures (guidellm's aggregates)
     under `greedy_` and `sampled_`."""
-    jobs = mixed_jobs(prompts, max_tokens)
     streams = {"greedy": max(1, (concurrency + 1) // 2), "sampled": max(1, concurrency // 2)}
+    procs, reports = _start_mixed_runs(executable, system, prompts, streams, max_tokens, folder)
+    done = _finished(procs)
+    for kind in procs:
+        failed = _tool_failed(system, done[kind], reports[kind])
+        if failed:
+            return {**failed, "run": kind}
+    return _mixed_figures(system, {kind: _guidellm_report(reports[kind]) for kind in procs}, streams)
+
+
+def _start_mixed_runs(executable: str, system: System, prompts, streams: dict, max_tokens: int, folder: str):
+    """({kind: the guidellm process}, {kind: its report's path}) of guidellm_mixed's runs, started."""
+    jobs = mixed_jobs(prompts, max_tokens)
     procs, reports = {}, {}
     for kind in ("greedy", "sampled"):
         part = [j for j in jobs if j.sampled == (kind == "sampled")]
@@ -769,11 +780,18 @@ def guidellm_mixed(
             body = {**sampled.sampling(), **(system.extra_for(sampled) or {})}
         data = os.path.join(folder, f"mixed-{kind}-{system.server.port}.jsonl")
         _guidellm_data(data, [j.prompt for j in part], max_tokens)
-        reports[kind] = os.path.join(folder, f"guidellm-mixed-{kind}-{system.server.port}-{concurrency}.json")
+        reports[kind] = os.path.join(
+            folder, f"guidellm-mixed-{kind}-{system.server.port}-{sum(streams.values())}.json"
+        )
         cmd = guidellm_command(executable, system, data, streams[kind], len(part), reports[kind], body)
         procs[kind] = subprocess.Popen(
             cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
+    return procs, reports
+
+
+def _finished(procs: dict) -> dict:
+    """{kind: CompletedProcess} of each run, waited for (killed past REQUEST_TIMEOUT_S * 4)."""
     done = {}
     for kind, proc in procs.items():
         try:
@@ -782,11 +800,11 @@ def guidellm_mixed(
             proc.kill()
             out, err = proc.communicate()
         done[kind] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    for kind in procs:
-        failed = _tool_failed(system, done[kind], reports[kind])
-        if failed:
-            return {**failed, "run": kind}
-    benches = {kind: _guidellm_report(reports[kind]) for kind in procs}
+    return done
+
+
+def _mixed_figures(system: System, benches: dict, streams: dict) -> dict:
+    """guidellm_mixed's figures from its runs' reports ({kind: guidellm's report})."""
     ok = [r for b in benches.values() for r in b["requests"]["successful"]]
     span = max(r["request_end_time"] for r in ok) - min(r["request_start_time"] for r in ok) if ok else 0
     parts = {kind: _guidellm_columns(b) for kind, b in benches.items()}
@@ -800,7 +818,7 @@ def guidellm_mixed(
     return {
         "system": system.name,
         "tool": "guidellm 0.8.1, two runs at once (greedy, sampled)",
-        "concurrency": sum(streams[k] for k in procs),
+        "concurrency": sum(streams[k] for k in benches),
         "output_tokens_per_s": round(sum(r["output_tokens"] for r in ok) / span, 2) if span else None,
         "ttft_p50_ms": _round(percentile([r["time_to_first_token_ms"] for r in ok], 50)),
         "ttft_p99_ms": _round(percentile([r["time_to_first_token_ms"] for r in ok], 99)),
@@ -945,6 +963,17 @@ def _chat_summary(config) -> dict:
     }
 
 
+def _guidellm_mixed_loads(config, systems, prompts, log_dir: str) -> list[dict]:
+    """guidellm_mixed against each system at the top mixed concurrency. Each system's first run
+    of the tool's load is untimed (a warm-up, as the suite's own loads have): on the quick models
+    the first request of each run waited 1.7-1.9 s for its first token, the next ones 19-25 ms."""
+    top, loads = max(config.mixed_concurrency), []
+    for s in systems:
+        guidellm_mixed(config.guidellm, s, prompts, top, config.max_tokens, log_dir)
+        loads.append(guidellm_mixed(config.guidellm, s, prompts, top, config.max_tokens, log_dir))
+    return loads
+
+
 def run(config) -> framework.Result | None:
     prompts = common.prompt_set(config.prompt_set, config.num_prompts)
     log_dir = tempfile.mkdtemp(prefix="spec-jax-bench-serve-")  # the servers' output, kept for a look
@@ -975,15 +1004,7 @@ def run(config) -> framework.Result | None:
             loads = [guidellm(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems]
             summary["guidellm"] = loads
         if config.guidellm and "mixed" in config.workloads:
-            top = max(config.mixed_concurrency)
-            # each system's first run of the tool's load is untimed (a warm-up, as the suite's own
-            # loads have): on the quick models the first request of each run waited 1.7-1.9 s for
-            # its first token, the next ones 19-25 ms
-            loads = []
-            for s in systems:
-                guidellm_mixed(config.guidellm, s, prompts, top, config.max_tokens, log_dir)
-                loads.append(guidellm_mixed(config.guidellm, s, prompts, top, config.max_tokens, log_dir))
-            summary["guidellm_mixed"] = loads
+            summary["guidellm_mixed"] = _guidellm_mixed_loads(config, systems, prompts, log_dir)
         if config.overload:
             result = asyncio.run(
                 overload(ours.server.url, ours.model, prompts, config.slots, config.max_tokens)
