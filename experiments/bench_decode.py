@@ -133,10 +133,19 @@ _COMPILE_SECONDS: dict = {}  # loop -> seconds its first compile took, across ex
 
 
 def run_generate(
-    target, prompts, draft, gamma: int, temperature: float, max_new_tokens: int, seed: int = 0, tree: int = 0
+    target,
+    prompts,
+    draft,
+    gamma: int,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int = 0,
+    tree: int = 0,
+    eos_id="auto",
 ):
     """spec_jax.generate(...) with stats["first_compile_seconds"]: what compiling this loop
-    took, also when an earlier experiment in this process compiled it (generate then reports 0)."""
+    took, also when an earlier experiment in this process compiled it (generate then reports 0).
+    eos_id: generate's (None: every row makes max_new_tokens, as llama.cpp's --ignore-eos)."""
     gen = spec_jax.generate(
         target,
         prompts,
@@ -146,6 +155,7 @@ def run_generate(
         temperature=temperature,
         seed=seed,
         tree=tree if draft is not None else 0,
+        eos_id=eos_id,
     )
     width = bucket_length(max(len(p) for p in prompts))
     key = (id(target), id(draft), gamma, tree, temperature, len(prompts), width, max_new_tokens)

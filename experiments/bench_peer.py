@@ -350,11 +350,11 @@ def _model_args(config, threads: int) -> list[str]:
     return [f"--target={paths[0]}", f"--draft={paths[1]}", f"--threads={threads}"]
 
 
-def _our_result(target, prompt, draft, gamma, max_new_tokens: int) -> dict:
-    """One spec-jax generate call on one prompt, timed whole (compile included where it
-    compiles): its tokens, seconds and the loop's stats."""
+def our_result(target, prompt, draft, gamma, max_new_tokens: int, eos_id="auto") -> dict:
+    """One spec-jax generate call on one prompt, greedy, timed whole (compile included where it
+    compiles): its tokens, seconds and the loop's stats (eos_id: run_generate's)."""
     start = time.perf_counter()
-    gen = bench_decode.run_generate(target, [prompt], draft, gamma, 0.0, max_new_tokens)
+    gen = bench_decode.run_generate(target, [prompt], draft, gamma, 0.0, max_new_tokens, eos_id=eos_id)
     seconds = time.perf_counter() - start
     stats = gen.stats
     return {
@@ -409,11 +409,11 @@ def _run_cells(config, peers, python: str) -> Cells:
         texts = common.prompt_set(config.prompt_set, config.num_prompts)
         prompts = [target.tokenizer.encode(t) for t in texts]
         systems = {
-            ar: lambda i: _our_result(target, prompts[i], None, gamma, n),
-            spec: lambda i: _our_result(target, prompts[i], draft, gamma, n),
+            ar: lambda i: our_result(target, prompts[i], None, gamma, n),
+            spec: lambda i: our_result(target, prompts[i], draft, gamma, n),
         }
         if auto:
-            systems[auto] = lambda i: _our_result(target, prompts[i], draft, "auto", n)
+            systems[auto] = lambda i: our_result(target, prompts[i], draft, "auto", n)
         speculative = {spec, auto} - {None}
         for peer in peers:
             families[peer.library] = [s.name for s in peer_systems[peer.key]]

@@ -35,7 +35,6 @@ import time
 
 import ml_collections
 
-import spec_jax
 from experiments import bench_decode, bench_peer, common, framework
 from launch import llama_peer_worker, peer_protocol
 from models import registry
@@ -200,22 +199,9 @@ def _llama_systems(config, backend, prompts, texts) -> dict:
 
 
 def _our_result(target, prompt, draft, gamma, max_new_tokens: int) -> dict:
-    """One spec_jax.generate call, timed whole: tokens, seconds, target calls, drafted, accepted."""
-    start = time.perf_counter()
-    # eos_id=None: every system makes max_new_tokens (llama.cpp's run with --ignore-eos)
-    options = dict(gamma=gamma if draft is not None else 4, temperature=0.0, eos_id=None)
-    gen = spec_jax.generate(target, [prompt], draft=draft, max_new_tokens=max_new_tokens, **options)
-    seconds = time.perf_counter() - start
-    stats = gen.stats
-    return {
-        "tokens": gen.tokens[0],
-        "num_tokens": len(gen.tokens[0]),
-        "seconds": seconds,
-        "prefill_seconds": stats["prefill_seconds"],
-        "target_calls": stats["target_calls"],
-        "num_drafted": stats.get("num_draft_tokens", 0),
-        "num_accepted": stats.get("num_accepted_tokens", 0),
-    }
+    """bench_peer's result of one generate call, with eos_id=None: every system makes
+    max_new_tokens (llama.cpp's runs use --ignore-eos)."""
+    return bench_peer.our_result(target, prompt, draft, gamma, max_new_tokens, eos_id=None)
 
 
 @dataclasses.dataclass
