@@ -22,7 +22,7 @@ from spec_jax.decode import PrefillInputs, pad_prompts
 from spec_jax.logprobs import TokenLogprobs
 from spec_jax.metrics import NONFINITE, nonfinite_rows
 from spec_jax.plan import Options, Plan, make_plan, measured, spec_static
-from spec_jax.request import encode_prompt, request_for, stop_row
+from spec_jax.request import Limits, encode_prompt, request_for, stop_row
 from spec_jax.runner import Runner
 from spec_jax.sampling import row_keys
 from spec_jax.speculative import SpecState
@@ -255,8 +255,10 @@ def stream(
       alone with the same settings (seed: its own, row id 0).
     """
     prompts = list(one_or_many(prompts))
-    requests = [request_for(p, **fields).validate() for p in prompts]
-    ids, new = [encode_prompt(target, r) for r in requests], requests[0].max_tokens  # one for all
+    # Admitted once, against the target's context: the engine below is sized to hold them.
+    limits = Limits(target.config.max_seq_len)
+    admitted = [request_for(p, **fields).admit(target, limits) for p in prompts]
+    ids, new = [list(a.ids) for a in admitted], admitted[0].request.max_tokens  # one for all
     context = rows.stream_context(target.config, ids, new)  # launch.generate --stream's rule
     engine = engine_lib.Engine(
         target,
@@ -269,6 +271,6 @@ def stream(
         max_new_tokens=new,
         prefix_cache_mb=0,  # generate's prefill program: without the prefix cache's pool
     )
-    index = {engine.submit(r).id: i for i, r in enumerate(requests)}
+    index = {engine.submit(a).id: i for i, a in enumerate(admitted)}
     for update in engine.drain():
         yield index[update.handle.id], update
