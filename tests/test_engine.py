@@ -370,8 +370,12 @@ def test_a_request_that_ends_at_its_first_token_finishes_in_the_step_that_admits
         assert got[handles[0]] == (alone(tiny_target, tiny_draft, one), True, "length")
         assert got[handles[1]] == ([first], True, "stop")
         assert got[handles[2]] == ([first], False, None)
-        rest = [t for u in engine.drain() if u.handle is handles[2] for t in u.token_ids]
-        assert [first, *rest] == alone(tiny_target, tiny_draft, going)
+        later = [u for u in engine.drain() if u.handle is handles[2]]
+        rest = [t for u in later for t in u.token_ids]
+        # (the updates and counters in the message: this failed once in a fresh-clone CI run,
+        # the row handing out its first token and then nothing, and did not reproduce)
+        seen = [(u.token_ids, u.finished, u.finish_reason) for u in later]
+        assert [first, *rest] == alone(tiny_target, tiny_draft, going), (seen, engine.stats())
     assert engine.stats()["prefill_cache_hits"] == 3
 
 
