@@ -11,7 +11,7 @@ from test_speculative import MAX_NEW, PROMPTS
 
 import models
 import spec_jax
-from spec_jax import drafting
+from spec_jax import drafting, verify
 from spec_jax.drafting import hybrid, lookup
 from spec_jax.sampling import SamplingParams
 
@@ -71,6 +71,31 @@ def test_propose_hands_one_hot_q_where_it_matched_and_zero_where_not():
     np.testing.assert_array_equal(q[0], np.eye(12)[[3, 1, 2]])
     assert not np.asarray(q[1]).any(), "no earlier 8: nothing proposed"
     assert buffer[0, :8].tolist() == [1, 2, 3, 1, 2, 3, 1, 2], "the drafts are written past the length"
+
+
+def test_a_row_proposes_twice_its_whole_match_length_up_to_gamma_and_nothing_without_one():
+    rows = [
+        [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5],  # "3 4 5" ends at 4; the text before agrees 5 back
+        [7, 1, 2, 9, 3, 1, 2, 0, 0, 0, 0],  # "1 2" ends at 2; 7 before it, 3 here: a match of 2
+        [4, 5, 6, 0, 0, 0, 0, 0, 0, 0, 0],  # nothing matches "6"
+        [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2],  # a run: the match goes back to the text's start
+    ]
+    buffer = jnp.asarray(rows, jnp.int32)
+    length = jnp.asarray([11, 7, 3, 11], jnp.int32)
+    found, end, _ = lookup.find_match(buffer, length, 3)
+    m = lookup.match_length(buffer, length, end)
+    assert m.tolist() == [5, 2, 0, 10]
+    assert lookup.draft_counts(m, 16, 2.0).tolist() == [10, 4, 0, 16]
+    assert lookup.draft_counts(m, 3, 2.0).tolist() == [3, 3, 0, 3]
+    assert lookup.draft_counts(m, 16, 0.1).tolist() == [1, 1, 0, 1], "a match proposes at least one"
+    assert lookup.draft_counts(m, 16, float("inf")).tolist() == [16, 16, 0, 16]
+    drafter = lookup.PromptLookupDrafter(vocab_size=10, max_ngram=3)
+    context = jnp.take_along_axis(buffer, length[:, None] - 2 + jnp.arange(2)[None, :], axis=1)
+    padded = jnp.pad(buffer, ((0, 0), (0, 16)))
+    _, q, _ = drafter.propose((), padded, context, length, 16, SamplingParams(1.0), None)
+    assert verify.draft_lengths(q).tolist() == [10, 4, 0, 16], "q = 0 past each row's count"
+    with pytest.raises(ValueError, match="match_factor must be a number > 0"):
+        lookup.PromptLookupDrafter(vocab_size=10, match_factor=0)
 
 
 def test_a_bad_max_ngram_is_refused(tiny_target):

@@ -43,6 +43,10 @@ UNBOUNDED_CONTEXT = 2**31 - 1
 # chains of 1..AUTO_GAMMA_MAX drafts, trees of AUTO_TREE_SIZES node slots): what check_gamma is
 # given for "auto" (the request's speculation bound).
 AUTO_GAMMA_MAX = 8
+# A drafter that copies text (prompt lookup, suffix, the hybrid's lookup) proposes long runs where
+# a row copies (spec_jax.drafting.lookup.draft_counts): gamma=auto's chains go up to this for it
+# (Drafter.auto_gamma_max).
+AUTO_COPY_GAMMA_MAX = 16
 AUTO_TREE_SIZES = (4, 8, 16)
 AUTO_TREE_MAX = max(AUTO_GAMMA_MAX, *AUTO_TREE_SIZES)
 
@@ -162,8 +166,12 @@ class TimedCall(NamedTuple):
 class CostMeasurement:
     """Optional: what gamma=auto times and prices (spec_jax.autogamma measures `timed_call`, keys
     the cached costs by it or by cost_key, and prices the drafter's calls by call_bytes before any
-    are measured). Default: no call (a drafter without a model drafts for free), keyed by the
-    class name."""
+    are measured), and the longest chain it runs (auto_gamma_max). Default: no call (a drafter
+    without a model drafts for free), keyed by the class name, chains up to AUTO_GAMMA_MAX."""
+
+    # The longest chain gamma=auto runs with this drafter (the speculation bound of "auto",
+    # spec_jax.bounds): AUTO_COPY_GAMMA_MAX for a drafter that copies text.
+    auto_gamma_max: ClassVar[int] = AUTO_GAMMA_MAX
 
     def timed_call(self, params: Any) -> TimedCall | None:
         """The drafter's model call as data (TimedCall), or None: it calls no model.

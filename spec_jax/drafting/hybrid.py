@@ -1,5 +1,7 @@
 """Prompt lookup with a draft model behind it (HybridDrafter): per row and round, lookup where it
-finds a match (spec_jax.drafting.lookup), the model where it does not."""
+finds a match (spec_jax.drafting.lookup, as many drafts as its match supports), the model where
+it does not (at most AUTO_GAMMA_MAX drafts: a longer chain of model calls seldom pays, while a
+row that copies may run up to AUTO_COPY_GAMMA_MAX)."""
 
 import dataclasses
 from typing import Any, ClassVar
@@ -8,8 +10,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from spec_jax.drafting.base import Drafter, Proposal
-from spec_jax.drafting.lookup import PromptLookupDrafter, write_tokens
+from spec_jax.drafting.base import AUTO_COPY_GAMMA_MAX, AUTO_GAMMA_MAX, Drafter, Proposal
+from spec_jax.drafting.lookup import PromptLookupDrafter, one_hot_prefix, write_tokens
 from spec_jax.drafting.model import ModelDrafter
 
 
@@ -43,6 +45,7 @@ class HybridDrafter(Drafter):
     variable_length: ClassVar[bool] = True
     sources: ClassVar[tuple[str, ...]] = ("prompt_lookup", "model")
     resumable: ClassVar[bool] = True
+    auto_gamma_max: ClassVar[int] = AUTO_COPY_GAMMA_MAX
 
     @property
     def vocab_size(self) -> int:
@@ -76,7 +79,8 @@ class HybridDrafter(Drafter):
         )
 
     def propose(self, params, state: HybridState, context_b2, length_b, gamma, sampling, keys_b):
-        buffer, found, drafts = self.lookup.lookup(state.buffer, context_b2, length_b, gamma)
+        buffer, count, drafts = self.lookup.lookup(state.buffer, context_b2, length_b, gamma)
+        found = count > 0
         # The rows the model served last round have their accepted drafts in its cache.
         cached = jnp.where(state.model_drafted, jnp.maximum(state.cached, length_b - 2), state.cached)
         need = ~found & (length_b != state.last_length)  # a done row keeps its length: never needs it
@@ -84,9 +88,15 @@ class HybridDrafter(Drafter):
         def with_model(cache, cached):
             cache = self.model.feed(params, cache, buffer, cached, length_b - 2, self.catch_up)
             tokens, q, cache = self.model.propose(
-                params, cache, context_b2, length_b, gamma, sampling, keys_b
+                params, cache, context_b2, length_b, min(gamma, AUTO_GAMMA_MAX), sampling, keys_b
             )
-            return tokens, q, cache, length_b
+            pad = gamma - tokens.shape[1]  # the model's chain is at most AUTO_GAMMA_MAX long
+            return (
+                jnp.pad(tokens, ((0, 0), (0, pad))),
+                jnp.pad(q, ((0, 0), (0, pad), (0, 0))),
+                cache,
+                length_b,
+            )
 
         def without_model(cache, cached):
             batch = length_b.shape[0]
@@ -97,7 +107,7 @@ class HybridDrafter(Drafter):
             jnp.any(need), with_model, without_model, state.cache, cached
         )
         tokens = jnp.where(found[:, None], drafts, model_tokens)
-        lookup_q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32)
+        lookup_q = one_hot_prefix(drafts, count, self.vocab_size)
         q = jnp.where(found[:, None, None], lookup_q, model_q)
         new_state = HybridState(
             buffer=write_tokens(buffer, tokens, length_b),

@@ -6,10 +6,24 @@ earlier occurrence of the row's last n committed tokens (n from max_ngram down t
 prompt + generated tokens, and propose the tokens that followed it. When the occurrence is
 closer than gamma tokens to the end, the text is taken to repeat with that period (the match
 says t[n + i] = t[j + 1 + i] for an occurrence ending at j; where j + 1 + i reaches the draft
-itself, it is read from there), so a match always proposes gamma tokens. A row without a
-match proposes nothing (q = 0: spec_jax.verify). The drafts are deterministic, so q is
-one-hot: the rule accepts draft x with probability p(x) and otherwise draws from p with x
-removed, which keeps sampling at any temperature exact.
+itself, it is read from there). A row without a match proposes nothing (q = 0:
+spec_jax.verify). The drafts are deterministic, so q is one-hot: the rule accepts draft x with
+probability p(x) and otherwise draws from p with x removed, which keeps sampling at any
+temperature exact.
+
+How many drafts a row proposes (draft_counts): ceil(match_factor * m) in [1, gamma], m being
+the match's whole length (match_length: how far the text before the occurrence equals the
+text before the row's end, counted up to MATCH_SCAN tokens back, beyond the max_ngram the
+search matched). Why: a match of one or two tokens is mostly a coincidence, whose continuation
+the target rarely takes past its first token, while a long match says the row is copying (code
+edits, quotes, a text repeating with some period), where the copy goes on for tens of tokens;
+suffix decoding (Oliaro et al. 2024) caps its speculation at a multiple of the match length for
+the same reason. A copy's rounds then grow 2, 4, 8, 16 drafts as its match grows. The count
+reads the row's committed text only (draft-side information), so the positions past it get
+q = 0 and the rule stays exact (spec_jax.verify). Proposing fewer drafts saves target work
+where the verify call is as wide as the longest row's drafts (verify_widths="all"), and lets
+gamma=auto run long chains (AUTO_COPY_GAMMA_MAX) for the rows that copy without making the
+others propose as many. match_factor=inf proposes gamma drafts at every match.
 
 The state is a token buffer [B, S] (S = the loop's cache length) holding each row's prompt +
 committed tokens. The loop hands `propose` only the last two committed tokens, so the buffer
@@ -34,16 +48,25 @@ is again the committed text.
 """
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from models.settings import is_int
-from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal, TreeProposal
+from spec_jax.drafting.base import (
+    AUTO_COPY_GAMMA_MAX,
+    UNBOUNDED_CONTEXT,
+    Drafter,
+    Proposal,
+    TreeProposal,
+)
 from spec_jax.tree import ROOT, Tree
 
 MAX_NGRAM_LIMIT = 16  # the largest max_ngram accepted (the match is max_ngram shifted compares)
+MATCH_SCAN = 16  # how far back match_length counts a match
+MATCH_FACTOR = 2.0  # drafts per matched token (draft_counts), the drafters' default
 
 
 def write_tokens(buffer_bs, tokens_bt, start_b):
@@ -117,6 +140,29 @@ def continuation(buffer_bs, length_b, end_b, gamma: int):
     return jnp.take_along_axis(buffer_bs, jnp.clip(idx, 0, buffer_bs.shape[1] - 1), axis=1)
 
 
+def match_length(buffer_bs, length_b, end_b, scan: int = MATCH_SCAN):
+    """int32 [B]: the length m of the match ending at end (-1: none, m = 0): t[end - d] =
+    t[L - 1 - d] for d < m (L = length), counted up to `scan` and to the text's start."""
+    d = jnp.arange(scan)[None, :]
+    earlier, later = end_b[:, None] - d, length_b[:, None] - 1 - d  # [B, scan]
+    last = buffer_bs.shape[1] - 1
+    same = jnp.take_along_axis(buffer_bs, jnp.clip(earlier, 0, last), axis=1) == jnp.take_along_axis(
+        buffer_bs, jnp.clip(later, 0, last), axis=1
+    )
+    same = same & (earlier >= 0) & (end_b[:, None] >= 0)
+    return jnp.sum(jnp.cumprod(same, axis=1), axis=1).astype(jnp.int32)
+
+
+def draft_counts(match_b, gamma: int, factor: float):
+    """int32 [B]: the drafts each row proposes for a match of match_b tokens (module docstring):
+    ceil(factor * match) in [1, gamma], gamma where factor is inf, 0 where match is 0."""
+    if math.isinf(factor):
+        count = jnp.full_like(match_b, gamma)
+    else:
+        count = jnp.ceil(factor * match_b.astype(jnp.float32)).astype(jnp.int32)
+    return jnp.where(match_b > 0, jnp.clip(count, 1, gamma), 0).astype(jnp.int32)
+
+
 def trie(tokens_bcd, weight_bc, nodes: int, vocab_size: int) -> Tree:
     """The continuations tokens [B, C, D] (candidate c proposes tokens[c, :]; weight int32
     [B, C] > 0, 0: no candidate) merged into a trie of `nodes` slots: a node per distinct
@@ -165,6 +211,20 @@ def write_path(buffer_bs, tree: Tree, path_bn, count_b, length_b):
     return buffer_bs.at[rows, positions].set(tokens, mode="drop")
 
 
+def one_hot_prefix(drafts_bg, count_b, vocab_size: int):
+    """float32 [B, G, V]: the drafts' point masses at each row's first count positions, 0 past."""
+    proposed = jnp.arange(drafts_bg.shape[1])[None, :] < count_b[:, None]
+    return jax.nn.one_hot(drafts_bg, vocab_size, dtype=jnp.float32) * proposed[..., None]
+
+
+def check_match_factor(factor) -> None:
+    """ValueError unless factor is a number > 0 (inf included)."""
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+        raise ValueError(
+            f"match_factor must be a number > 0 (inf: gamma drafts at every match), got {factor!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptLookupDrafter(Drafter):
     """Drafts by prompt lookup (module docstring); no parameters (params: None or ())."""
@@ -173,15 +233,18 @@ class PromptLookupDrafter(Drafter):
     max_ngram: int = 3
     max_seq_len: int = UNBOUNDED_CONTEXT
     prefill_calls: int = 0
+    match_factor: float = MATCH_FACTOR  # drafts per matched token (draft_counts; inf: always gamma)
     variable_length: ClassVar[bool] = True
     sources: ClassVar[tuple[str, ...]] = ("prompt_lookup",)
     resumable: ClassVar[bool] = True
+    auto_gamma_max: ClassVar[int] = AUTO_COPY_GAMMA_MAX
 
     def __post_init__(self):
         if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
             raise ValueError(
                 f"max_ngram must be an integer in [1, {MAX_NGRAM_LIMIT}], got {self.max_ngram!r}"
             )
+        check_match_factor(self.match_factor)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
         """The token buffer [B, cache_len]: the padded prompts (padding past each length is garbage)."""
@@ -192,15 +255,17 @@ class PromptLookupDrafter(Drafter):
         return text_bs.astype(jnp.int32)
 
     def lookup(self, buffer_bs, context_b2, length_b, gamma: int):
-        """(buffer with the context written, found [B], drafts int32 [B, G]): the match."""
+        """(buffer with the context written, count int32 [B]: the drafts each row proposes, 0
+        without a match (draft_counts), drafts int32 [B, G]: the match's continuation)."""
         buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
         found, end, _ = find_match(buffer_bs, length_b, self.max_ngram)
         drafts = continuation(buffer_bs, length_b, end, gamma)
-        return buffer_bs, found, jnp.where(found[:, None], drafts, context_b2[:, 1:])
+        count = draft_counts(match_length(buffer_bs, length_b, end), gamma, self.match_factor)
+        return buffer_bs, count, jnp.where(found[:, None], drafts, context_b2[:, 1:])
 
     def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling, keys_b):
-        buffer_bs, found, drafts = self.lookup(buffer_bs, context_b2, length_b, gamma)
-        q = jax.nn.one_hot(drafts, self.vocab_size, dtype=jnp.float32) * found[:, None, None]
+        buffer_bs, count, drafts = self.lookup(buffer_bs, context_b2, length_b, gamma)
+        q = one_hot_prefix(drafts, count, self.vocab_size)
         return Proposal(drafts, q, write_tokens(buffer_bs, drafts, length_b))
 
     def propose_tree(self, params, buffer_bs, context_b2, length_b, nodes, sampling, keys_b):

@@ -14,8 +14,11 @@ The draft is sampled from q = warp(log counts) (temperature 1: the empirical fre
 temperature 0: the most frequent successor, ties toward the lower id), and q is what the rule
 gets, so sampling stays exact at any temperature (tests/test_lookup_distribution.py). A row
 stops proposing at its first position with no match, or where the top frequency is below
-`threshold` (the drafter's confidence: draft-side information only, so still exact); the
-positions after that get q = 0.
+`threshold` (the drafter's confidence: draft-side information only, so still exact), and after
+as many drafts as the match supports: ceil(match_factor * m) (spec_jax.drafting.lookup's
+draft_counts and its why), m the whole length of the row's match before the first draft (its own
+text's, counted up to MATCH_SCAN tokens back, or the corpus's n); the positions after that get
+q = 0.
 
 A tree round (`propose_tree`, spec_jax.tree) builds suffix decoding's speculation tree
 (Oliaro et al. 2024): a node's children are the successors by the counts of the text through
@@ -36,10 +39,15 @@ import jax
 import jax.numpy as jnp
 
 from models.settings import is_int
-from spec_jax.drafting.base import UNBOUNDED_CONTEXT, Drafter, Proposal, TreeProposal
+from spec_jax.drafting.base import AUTO_COPY_GAMMA_MAX, UNBOUNDED_CONTEXT, Drafter, Proposal, TreeProposal
 from spec_jax.drafting.lookup import (
+    MATCH_FACTOR,
     MAX_NGRAM_LIMIT,
     PromptLookupDrafter,
+    check_match_factor,
+    draft_counts,
+    find_match,
+    match_length,
     occurrences,
     write_path,
     write_tokens,
@@ -69,9 +77,11 @@ class SuffixDrafter(Drafter):
     threshold: float = 0.0
     max_seq_len: int = UNBOUNDED_CONTEXT
     prefill_calls: int = 0
+    match_factor: float = MATCH_FACTOR  # drafts per matched token (lookup.draft_counts; inf: no cap)
     variable_length: ClassVar[bool] = True
     sources: ClassVar[tuple[str, ...]] = ("suffix",)
     resumable: ClassVar[bool] = True
+    auto_gamma_max: ClassVar[int] = AUTO_COPY_GAMMA_MAX
 
     def __post_init__(self):
         if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
@@ -80,6 +90,7 @@ class SuffixDrafter(Drafter):
             )
         if not 0.0 <= self.threshold < 1.0:
             raise ValueError(f"threshold must be in [0, 1), got {self.threshold!r}")
+        check_match_factor(self.match_factor)
 
     def init(self, params, tokens_bp, prompt_lens_b, cache_len, features_bpd=None):
         return PromptLookupDrafter(self.vocab_size).init(None, tokens_bp, prompt_lens_b, cache_len)
@@ -98,10 +109,21 @@ class SuffixDrafter(Drafter):
         corpus = jnp.zeros_like(own).at[rows, ids].add(counts)
         return jnp.where((n_own >= n_corpus)[:, None], own, corpus)
 
+    def match(self, params, buffer_bs, length_b):
+        """int32 [B]: the whole length of each row's match (its own text's by match_length,
+        or the corpus's n where longer), 0 without one."""
+        _, end, _ = find_match(buffer_bs, length_b, self.max_ngram)
+        match = match_length(buffer_bs, length_b, end)
+        if isinstance(params, SuffixTables):
+            match = jnp.maximum(match, corpus_counts(params, buffer_bs, length_b, self.max_ngram)[0])
+        return match
+
     def propose(self, params, buffer_bs, context_b2, length_b, gamma, sampling: RowSampling, keys_b):
         buffer_bs = write_tokens(buffer_bs, context_b2, length_b - 2)
+        count = draft_counts(self.match(params, buffer_bs, length_b), gamma, self.match_factor)
 
-        def step(carry, step_keys):
+        def step(carry, xs):
+            step_keys, i = xs
             buffer, position, alive = carry
             counts = self.counts(params, buffer, position)
             total = jnp.sum(counts, axis=-1)
@@ -110,13 +132,13 @@ class SuffixDrafter(Drafter):
             q = warp(logits, sampling)
             token = draw_rows(step_keys, q)
             confidence = jnp.max(counts, axis=-1) / jnp.maximum(total, 1.0)
-            alive = alive & matched & (confidence >= self.threshold)
+            alive = alive & matched & (confidence >= self.threshold) & (i < count)
             buffer = write_tokens(buffer, token[:, None], position)
             return (buffer, position + 1, alive), (token, jnp.where(alive[:, None], q, 0.0))
 
         alive = jnp.ones(length_b.shape, jnp.bool_)
         (buffer_bs, _, _), (tokens, q) = jax.lax.scan(
-            step, (buffer_bs, length_b, alive), split_rows(keys_b, gamma)
+            step, (buffer_bs, length_b, alive), (split_rows(keys_b, gamma), jnp.arange(gamma))
         )
         return Proposal(tokens.T, jnp.swapaxes(q, 0, 1), buffer_bs)
 
