@@ -19,11 +19,14 @@ from spec_jax.request import RequestError
 MAX_TREE_NODES = kernels.MAX_TREE_QUERIES - 1
 
 
-def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> tuple[int, Any, str]:
+def speculation_bound(
+    gamma, tree, *, auto_gamma_max: int = AUTO_GAMMA_MAX, gamma_name="gamma", tree_name="tree"
+) -> tuple[int, Any, str]:
     """The one gamma / tree rule: (the most tokens a round may write past the committed text,
     what an error message shows was asked for, the setting that bounds it). tree: 0 (chains),
     a node count in [1, MAX_TREE_NODES] or "auto" (then gamma is auto too; the largest tree or
-    chain auto may run); gamma: an integer >= 1 or "auto" (up to AUTO_GAMMA_MAX).
+    chain auto may run); gamma: an integer >= 1 or "auto" (up to auto_gamma_max: the drafter's
+    Drafter.auto_gamma_max, AUTO_GAMMA_MAX where no drafter is known yet).
     RequestError naming gamma_name / tree_name where a value is out of range."""
     if tree != "auto" and (not is_int(tree) or not 0 <= tree <= MAX_TREE_NODES):
         raise RequestError(
@@ -31,11 +34,12 @@ def speculation_bound(gamma, tree, *, gamma_name="gamma", tree_name="tree") -> t
             f"{tree_name} must be 0 (chains), a node count in [1, {MAX_TREE_NODES}] or 'auto', got {tree!r}",
         )
     if tree == "auto":
-        return AUTO_TREE_MAX, f"'auto' (up to {AUTO_TREE_MAX})", tree_name
+        bound = max(AUTO_TREE_MAX, auto_gamma_max)
+        return bound, f"'auto' (up to {bound})", tree_name
     if tree:  # a tree round writes up to its node count past the text
         return tree, tree, tree_name
     if gamma == "auto":
-        return AUTO_GAMMA_MAX, f"'auto' (up to {AUTO_GAMMA_MAX})", gamma_name
+        return auto_gamma_max, f"'auto' (up to {auto_gamma_max})", gamma_name
     if not is_int(gamma) or gamma < 1:
         raise RequestError(gamma_name, f"{gamma_name} must be an integer >= 1 or 'auto', got {gamma!r}")
     return gamma, gamma, gamma_name
@@ -76,7 +80,7 @@ def validate(target, prompts, drafter, gamma, max_new_tokens, eos_id, tree=0):
     if drafter is None:
         speculation_bound("auto", tree)  # the tree setting is checked without a drafter too
         return
-    bound, shown, name = speculation_bound(gamma, tree)
+    bound, shown, name = speculation_bound(gamma, tree, auto_gamma_max=drafter.auto_gamma_max)
     check_pairing(vocab, drafter)
     contexts = {"the target's": target.config.max_seq_len, "the draft's": drafter.max_seq_len}
     check_gamma(bound, longest, max_new_tokens, contexts, name=name, shown=shown)

@@ -73,7 +73,7 @@ class GammaPolicy:
     def of(cls, gamma, drafter: Drafter | None, tree: int | str = 0) -> "GammaPolicy":
         if drafter is None:
             return cls(0)
-        bound, _, _ = speculation_bound(gamma, tree)
+        bound, _, _ = speculation_bound(gamma, tree, auto_gamma_max=drafter.auto_gamma_max)
         if tree == "auto":
             return cls(bound, auto=True, trees=AUTO_TREE_SIZES)
         # A tree round's paths are at most its node count long; with a learned stop (an
@@ -201,7 +201,7 @@ def controller_for(
     (autogamma.cost_entry, once per machine, pair and size buckets): where none are, measured
     now (measure=True: the engine), or the prior at once, calibrated by the run's own rounds
     afterwards (measure=False: generate; Controller.save_rounds, from its cost_entry)."""
-    sizes = autogamma.CostSizes(batch, cache_slots, tree_sizes=policy.trees)
+    sizes = autogamma.CostSizes(batch, cache_slots, drafter.auto_gamma_max, tree_sizes=policy.trees)
     kind = autogamma.TreeController if policy.trees else autogamma.Controller
     if measure:
         costs = autogamma.costs_for(target, drafter, draft_params, sizes)

@@ -22,9 +22,9 @@ from test_speculative import MAX_NEW, PROMPTS
 
 import models
 import spec_jax
-from spec_jax import drafting
+from spec_jax import bounds, drafting, plan
 from spec_jax.drafting import lookup
-from spec_jax.drafting.base import AUTO_COPY_GAMMA_MAX, Proposal
+from spec_jax.drafting.base import AUTO_COPY_GAMMA_MAX, AUTO_GAMMA_MAX, Proposal
 
 V, FOLLOW = 8, 0.75
 CYCLE_PROMPT = list(range(V)) * 2 + [0, 1]  # a text that repeats: lookup matches it 16 tokens back
@@ -182,3 +182,33 @@ def test_a_lookup_handing_the_rule_a_placeholder_q_past_its_count_fails_the_same
     target, transition = copy_target
     tokens, _ = sampled(target, PaddedLookup(V))
     assert min(pair_pvalues(tokens, transition, CYCLE_PROMPT[-1])) < 1e-6
+
+
+def test_gamma_auto_runs_chains_up_to_16_for_the_drafters_that_copy_and_8_for_a_model(
+    tiny_target, tiny_draft, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))  # the prior: nothing cached, nothing measured
+    for kind, longest in [("prompt_lookup", 16), ("suffix", 16), ("hybrid", 16), ("model", 8)]:
+        drafter, params = drafting.build(kind, tiny_target, drafting.Settings(draft=tiny_draft))
+        policy = plan.GammaPolicy.of("auto", drafter)
+        assert (policy.gamma, policy.auto) == (longest, True), kind
+        controller = plan.controller_for(tiny_target, drafter, params, policy, 1, 64, measure=False)
+        assert controller.gamma_max == longest and len(controller.costs.verify) == longest + 1, kind
+        if kind == "prompt_lookup":  # free drafts that are always accepted: the longest chain
+            assert controller.best_at(0.99) == longest
+    assert bounds.speculation_bound("auto", 0)[0] == AUTO_GAMMA_MAX, "no drafter known: 8"
+    assert bounds.speculation_bound("auto", "auto", auto_gamma_max=AUTO_COPY_GAMMA_MAX)[0] == 16
+
+
+def test_gamma_auto_with_lookup_keeps_greedy_output_exact(copy_target, copy_greedy, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    target = copy_target[0]
+    gen = spec_jax.generate(
+        target,
+        COPY_PROMPTS,
+        draft=drafting.build("prompt_lookup", target),
+        gamma="auto",
+        max_new_tokens=COPY_NEW,
+        temperature=0.0,
+    )
+    assert gen.tokens == copy_greedy

@@ -7,6 +7,10 @@ With acceptance alpha, a round of gamma drafts commits E(alpha, gamma) = (1 - al
 chunks of rounds (chunking.auto_chunk), and before each chunk the Controller picks the gamma in
 0..gamma_max with the most expected tokens per second for the batch: the sum over the rows still
 running of each row's E (capped at what the row may still commit) over the seconds of one round.
+gamma_max is the drafter's auto_gamma_max: AUTO_GAMMA_MAX (8), or AUTO_COPY_GAMMA_MAX (16) for a
+drafter that copies text (prompt lookup, suffix, hybrid), whose rows propose only as many of the
+chunk's gamma drafts as their match supports (spec_jax.drafting.lookup.draft_counts); E takes
+every row to propose gamma, so it overrates long chains for rows with short matches.
 
 What a round costs. Each chunk's time over its rounds is a measured round of that gamma: the
 drafter's and the target's calls and the loop's own work (sampling and the rejection rule over
