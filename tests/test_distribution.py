@@ -17,7 +17,7 @@ from scipy import stats
 
 import models
 import spec_jax
-from spec_jax import executables, rounds
+from spec_jax import executables, rounds, runner
 from spec_jax.drafting import model as drafters
 from spec_jax.sampling import RowSampling, SamplingParams, warp
 
@@ -173,6 +173,60 @@ def test_a_warp_that_leaks_one_rows_top_p_to_the_others_fails(pair, monkeypatch)
     monkeypatch.setattr(executables, "_EXECUTABLES", {})
     (t1, _), _, _ = mixed_counts(target, draft)
     assert chi2_pvalue(t1, exact_joint(target, MIXED[1])) < 1e-6
+
+
+# Per-row draft caps (SpecState.max_drafts, a request's max_drafts in the engine): row b verifies
+# at most CAPS[b % 3] of the round's gamma = 2 drafts (0: plain decoding).
+CAPS = (0, 1, 2)
+
+
+def capped_counts(target, draft, monkeypatch, caps=CAPS):
+    """sample_counts at WARPS[0] with each row's cap set after its prefill (caps[b % len(caps)]):
+    the counts of each cap's rows, and the stats. A fresh cache of compiled loops: the prefill
+    differs."""
+    prefill = runner.spec_prefill
+
+    def with_caps(*args, **kwargs):
+        state = prefill(*args, **kwargs)
+        batch = state.length.shape[0]
+        return state.replace(max_drafts=jnp.asarray(caps, jnp.int32)[jnp.arange(batch) % len(caps)])
+
+    monkeypatch.setattr(runner, "spec_prefill", with_caps)
+    monkeypatch.setattr(executables, "_EXECUTABLES", {})
+    gen = spec_jax.generate(
+        target, [PROMPT] * N, draft=draft, gamma=2, max_new_tokens=HORIZON, temperature=1.0, seed=0
+    )
+    flat = np.ravel_multi_index(np.array(gen.tokens).T, (V,) * HORIZON)
+    return [np.bincount(flat[i :: len(caps)], minlength=V**HORIZON) for i in range(len(caps))], gen.stats
+
+
+def test_rows_sampled_under_draft_caps_match_the_target_distribution(pair, monkeypatch):
+    """Rows capped at 0, 1 and 2 drafts in one loop each sample the target's distribution
+    exactly (drafts past a row's cap get q = 0: never accepted, the residual is p). That the caps
+    bound the drafts: tests/test_engine.py's draft-cap test."""
+    target, draft = pair
+    counts, s = capped_counts(target, draft, monkeypatch)
+    joint = exact_joint(target, WARPS[0])
+    for cap, c in zip(CAPS, counts, strict=True):
+        assert chi2_pvalue(c, joint) > 1e-3, f"rows capped at {cap}"
+    assert 0.1 < s["acceptance_rate"] < 0.95
+
+
+def test_a_cap_applied_after_the_rule_fails(pair, monkeypatch):
+    """Broken on purpose: the cap truncates the rule's accepted count after it ran (q left
+    whole), keeping the token the rule drew at the uncapped position (after both drafts were
+    accepted: a draw from p given both, committed after the first alone)."""
+    target, draft = pair
+    real = rounds.verify_logits
+
+    def truncated(*args, **kwargs):
+        n, token, terms = real(*args, **kwargs)
+        return jnp.minimum(n, 1), token, terms
+
+    monkeypatch.setattr(rounds, "_capped", lambda q, caps, depth: q)
+    monkeypatch.setattr(rounds, "verify_logits", truncated)
+    (counts,), _ = capped_counts(target, draft, monkeypatch, caps=(1,))
+    assert chi2_pvalue(counts, exact_joint(target, WARPS[0])) < 1e-6
 
 
 # VocabTrim: the draft proposes from 5 of the 8 tokens (q = 0 on the other 3).
