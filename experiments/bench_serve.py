@@ -169,10 +169,12 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 class ServerProcess:
     """A server subprocess on 127.0.0.1:port, its output in `log`; `wait_ready` polls its /health
-    until 200 (bounded), `stop` sends SIGTERM and returns (exit code, its output)."""
+    until 200 (bounded; ready_seconds: from the start of the process), `stop` sends SIGTERM and
+    returns (exit code, its output)."""
 
     def __init__(self, cmd: list[str], port: int, log_path: str, env=None):
         self.port, self.log_path = port, log_path
+        self.started, self.ready_seconds = time.monotonic(), None
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -183,6 +185,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode}: {self.output()[-600:]}")
             if http_get(self.url + "/health", timeout=2.0)[0] == 200:
+                self.ready_seconds = time.monotonic() - self.started
                 return
             time.sleep(0.5)
         raise TimeoutError(f"server not ready after {timeout} s: {self.output()[-600:]}")
@@ -988,6 +991,9 @@ def run(config) -> framework.Result | None:
     with contextlib.ExitStack() as stack:
         systems = _start_systems(config, stack, log_dir)
         ours = systems[0]
+        # from each process's start to /health 200 (the peers start while ours loads)
+        summary["ready_seconds"] = {s.name: _round(s.server.ready_seconds) for s in systems}
+        checks.append({"check": "seconds from start to /health 200", "result": str(summary["ready_seconds"])})
         if "plain" in config.workloads:
             plain_rows, plain_checks = _plain(systems, config, prompts)
             rows, checks = rows + plain_rows, checks + plain_checks

@@ -478,6 +478,17 @@ def test_quick_mode_runs_every_workload_and_counts_tokens_from_usage(quick_run):
     assert chat["ttft_first_turn_p50_ms"] and chat["ttft_later_turns_p99_ms"]
 
 
+def test_quick_mode_reports_how_long_each_server_took_to_answer_health(quick_run):
+    """The start-up figure (issue 52: ready in seconds): from the server process's start to its
+    first /health 200, for each system, in the summary and the checks."""
+    _, out = quick_run
+    report = json.loads((out / "serve.json").read_text())
+    ready = report["summary"]["ready_seconds"]
+    assert list(ready) == ["spec-jax launch.serve"] and 0 < ready["spec-jax launch.serve"] < 600
+    checks = {c["check"]: c["result"] for c in report["summary"]["sections"]["checks"]}
+    assert checks["seconds from start to /health 200"] == str(ready)
+
+
 def test_quick_mode_checks_our_greedy_mixed_texts_against_each_request_alone(quick_run):
     result, out = quick_run
     report = json.loads((out / "serve.json").read_text())
