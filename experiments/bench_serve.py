@@ -33,6 +33,12 @@ The load comes in workloads (config.workloads, run in this order):
   far (the system prompt, the earlier user messages and the replies as streamed, the new user
   message) to /v1/chat/completions, greedy. The user messages are the prompt set's. Time to
   first token is reported for the first turn apart from the later ones, and per turn.
+- `stops`: the prompt set's code completions (experiments/prompts/workloads: a function's
+  signature and docstring; the held-out file for `heldout`, the bench file otherwise), greedy,
+  config.stops_max_tokens each, with the usual stop strings of code completion (STOP_STRINGS),
+  at each of config.stops_concurrency. Checks: no text holds a stop string, our texts equal each
+  request sent alone, and the tokens our server computed past a stop string (its /metrics)
+  per request, with its rounds per chunk.
 Output tokens are the servers' own counts (`usage.completion_tokens` of each stream). llama-server
 gets `cache_prompt: true` in every request (its default on every endpoint of the vendored server,
 tools/server/server-schema.cpp; sent so that the setting is in the request), and for a sampled
@@ -85,14 +91,18 @@ INT_RANGES = {
     "conversations": (1, 64),
     "turns": (2, 16),
     "system_prompt_chars": (0, 1_000_000),
+    "stops_max_tokens": (1, 4096),
 }
 TUPLE_RANGES = {
     "concurrency": (int, 1, 64),
     "mixed_concurrency": (int, 1, 64),
     "chat_concurrency": (int, 1, 64),
+    "stops_concurrency": (int, 1, 64),
 }
 PEERS = ("llama", "llama-plain")  # llama-server with the draft model (draft-simple), and without
-WORKLOADS = ("plain", "mixed", "chat")
+WORKLOADS = ("plain", "mixed", "chat", "stops")
+# The stops load's stop strings: a completion ends before the next top-level statement
+STOP_STRINGS = ("\ndef", "\nclass", "\nif", "\n#", "\nprint")
 MIXED_TEMPERATURE = 0.7
 MIXED_TOP_P = 0.9
 MIXED_SEED = 1000  # the seed of the mixed load's request i (sampled ones): MIXED_SEED + i
@@ -119,7 +129,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.serve_flags = ""  # more launch.serve flags, space-separated (e.g. "--gamma=4")
     config.overload = True
     config.guidellm = ""  # the guidellm executable (GUIDELLM_INSTALL), or "" to skip it
-    config.workloads = ("plain",)  # WORKLOADS: plain, mixed, chat
+    config.workloads = ("plain",)  # WORKLOADS: plain, mixed, chat, stops
     config.mixed_concurrency = (2,) if quick else (1, 4, 8)  # the mixed load's concurrencies
     config.chat_concurrency = (2,) if quick else (8,)  # chat: conversations at a time
     config.conversations = 2 if quick else 8  # chat: conversations, each of `turns` turns
@@ -127,6 +137,8 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     # chat: the system prompt's first N characters, whole lines (0: all of it; the quick mode's
     # byte-level models read a character as a token)
     config.system_prompt_chars = 120 if quick else 0
+    config.stops_concurrency = (2,) if quick else (8,)  # stops: the code completions' concurrencies
+    config.stops_max_tokens = 16 if quick else 128  # stops: tokens at most (most stop before)
     return config
 
 
@@ -220,6 +232,7 @@ class Job:
     temperature: float = 0.0
     top_p: float | None = None
     seed: int | None = None
+    stop: tuple[str, ...] | None = None
 
     @property
     def sampled(self) -> bool:
@@ -233,6 +246,7 @@ class Job:
     def sampling(self) -> dict:
         """The request's sampling fields, as the openai client's keyword arguments."""
         fields = {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        fields["stop"] = None if self.stop is None else list(self.stop)
         return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -252,6 +266,22 @@ def mixed_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
         else Job(max_tokens, prompt=p, temperature=MIXED_TEMPERATURE, top_p=MIXED_TOP_P, seed=MIXED_SEED + i)
         for i, p in enumerate(prompts)
     ]
+
+
+def stop_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
+    """The stops load: each prompt once, greedy, with STOP_STRINGS."""
+    return [Job(max_tokens, prompt=p, stop=STOP_STRINGS) for p in prompts]
+
+
+def code_prompts(prompt_set: str, n: int) -> list[str]:
+    """The first n code completions of the workload suite's prompts: its held-out file for the
+    held-out set, its bench file for the others."""
+    from experiments import bench_workloads
+
+    records = bench_workloads.load_prompts(
+        "heldout" if prompt_set == "heldout" else "bench", ("code_completion",), n
+    )
+    return [r["prompt"] for r in records]
 
 
 def system_prompt(chars: int = 0) -> str:
@@ -943,6 +973,50 @@ def _chat(systems: list[System], config) -> tuple[list[dict], list[dict]]:
     return rows, turns
 
 
+def _stops(systems: list[System], config) -> tuple[list[dict], list[dict]]:
+    """The stops load's rows and checks: no text holds a stop string (every system), our texts at
+    the top concurrency equal each request alone, and our tokens computed past a stop string per
+    request and rounds per chunk over the timed runs (/metrics). The warm-up is the load itself."""
+    prompts = code_prompts(config.prompt_set, config.num_prompts)
+    jobs, concurrencies = stop_jobs(prompts, config.stops_max_tokens), config.stops_concurrency
+    _warm_up(systems, concurrencies, lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for))
+    ours, top = systems[0], max(concurrencies)
+    before = prometheus_values(ours.server.url)
+    rows, _, first = measure(
+        systems,
+        "stops",
+        concurrencies,
+        config.repeats,
+        lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for),
+    )
+    after = prometheus_values(ours.server.url)
+    delta = {
+        k: after.get(f"spec_jax_engine_{k}", 0) - before.get(f"spec_jax_engine_{k}", 0)
+        for k in _STOPS_COUNTERS
+    }
+    requests = len(jobs) * len(concurrencies) * config.repeats
+    checks = [
+        {
+            "check": f"{s.name}: texts holding a stop string",
+            "result": f"{sum(any(t in o.text for t in STOP_STRINGS) for _, o in first[s.name][top])}/{len(jobs)}",
+        }
+        for s in systems
+    ]
+    checks.append(
+        same_texts(
+            ours, first[ours.name][top], 1, f"our stops texts at concurrency {top} = each request alone"
+        )
+    )
+    past = delta["tokens_past_stop_total"] / requests
+    per_chunk = delta["rounds_total"] / delta["chunks_total"] if delta["chunks_total"] else None
+    checks.append({"check": "ours: tokens computed past a stop string per request", "result": f"{past:.2f}"})
+    checks.append({"check": "ours: rounds per chunk in the stops load", "result": str(_round(per_chunk))})
+    return rows, checks
+
+
+_STOPS_COUNTERS = ("tokens_past_stop_total", "rounds_total", "chunks_total")
+
+
 def _mixed_summary(prompts: list, max_tokens: int) -> dict:
     """What the mixed load sends: returns its greedy and sampled request counts, the sampled
     requests' temperature and top_p, and the samplers llama-server is given."""
@@ -1001,6 +1075,9 @@ def run(config) -> framework.Result | None:
             mixed_rows, mixed_checks = _mixed(systems, config, prompts)
             rows, checks = rows + mixed_rows, checks + mixed_checks
             summary["mixed"] = _mixed_summary(prompts, config.max_tokens)
+        if "stops" in config.workloads:
+            stops_rows, stops_checks = _stops(systems, config)
+            rows, checks = rows + stops_rows, checks + stops_checks
         if "chat" in config.workloads:
             chat_rows, turns = _chat(systems, config)
             rows = rows + chat_rows

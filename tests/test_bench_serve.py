@@ -281,13 +281,13 @@ def test_the_system_prompt_is_the_committed_file_or_its_first_whole_lines():
         (
             ("plain", "bursty"),
             "random",
-            "workloads: one or more of plain, mixed, chat, each once, got 'plain,bursty'",
+            "workloads: one or more of plain, mixed, chat, stops, each once, got 'plain,bursty'",
         ),
-        ((), "random", "workloads: one or more of plain, mixed, chat, each once, got ''"),
+        ((), "random", "workloads: one or more of plain, mixed, chat, stops, each once, got ''"),
         (
             ("mixed", "mixed"),
             "random",
-            "workloads: one or more of plain, mixed, chat, each once, got 'mixed,mixed'",
+            "workloads: one or more of plain, mixed, chat, stops, each once, got 'mixed,mixed'",
         ),
         (("chat",), "random", "workloads: chat needs a target with a chat template"),
     ],
@@ -446,7 +446,7 @@ def quick_run(tmp_path_factory):
     tiny_gguf.write(model, chat_template=CHAT_TEMPLATE, add_bos=True)
     with pytest.MonkeyPatch.context() as m:
         m.setenv("SPEC_JAX_CACHE", str(folder / "cache"))  # not the user's cache
-        overrides = {"workloads": ("plain", "mixed", "chat"), "target": str(model), "draft": str(model)}
+        overrides = {"workloads": bench_serve.WORKLOADS, "target": str(model), "draft": str(model)}
         result, _ = framework.run_experiment(
             "serve", quick=True, overrides={**overrides, "overload": False}, output_dir=str(folder / "out")
         )
@@ -465,6 +465,7 @@ def test_quick_mode_runs_every_workload_and_counts_tokens_from_usage(quick_run):
     expected = (
         [("plain", c) for c in config.concurrency]
         + [("mixed", c) for c in config.mixed_concurrency]
+        + [("stops", c) for c in config.stops_concurrency]
         + [("chat", c) for c in config.chat_concurrency]
     )
     assert [(r["workload"], int(r["concurrency"])) for r in rows] == expected
@@ -476,6 +477,24 @@ def test_quick_mode_runs_every_workload_and_counts_tokens_from_usage(quick_run):
     chat = next(r for r in rows if r["workload"] == "chat")
     assert int(chat["requests"]) == config.conversations * config.turns * config.repeats
     assert chat["ttft_first_turn_p50_ms"] and chat["ttft_later_turns_p99_ms"]
+
+
+def test_quick_mode_sends_the_stop_strings_and_checks_their_texts(quick_run):
+    """The stops load: every request carries STOP_STRINGS (the servers cut at them: no text holds
+    one), our texts equal each request sent alone, and our tokens past a stop and rounds per chunk
+    come from /metrics."""
+    _, out = quick_run
+    report = json.loads((out / "serve.json").read_text())
+    checks = {c["check"]: c["result"] for c in report["summary"]["sections"]["checks"]}
+    config = framework.make_config("serve", quick=True)
+    n, top = config.num_prompts, max(config.stops_concurrency)
+    assert checks["spec-jax launch.serve: texts holding a stop string"] == f"0/{n}"
+    assert checks[f"our stops texts at concurrency {top} = each request alone"] == f"{n}/{n}"
+    assert float(checks["ours: tokens computed past a stop string per request"]) >= 0
+    assert float(checks["ours: rounds per chunk in the stops load"]) >= 1
+    jobs = bench_serve.stop_jobs(bench_serve.code_prompts(config.prompt_set, n), 8)
+    assert all(j.sampling()["stop"] == list(bench_serve.STOP_STRINGS) for j in jobs)
+    assert all(j.prompt.startswith("def ") for j in jobs)  # the workload suite's code completions
 
 
 def test_quick_mode_reports_how_long_each_server_took_to_answer_health(quick_run):
