@@ -43,18 +43,19 @@ class Options:
     logprobs: int | None = None
 
 
-VERIFY_WIDTHS = ("auto", "ends", "all")
+VERIFY_WIDTHS = ("auto", "ends", "all", "doubling")
 
 
 def resolve_verify_widths(verify_widths: str, drafter: Drafter) -> str:
     """SpecStatic.verify_widths for generate's setting: "ends" (the target scores 1 or gamma + 1
     positions) or "all" (any width up to gamma + 1: the narrowest that covers the round's
-    drafts; one compiled branch per width). "auto" is "all" for a drafter whose learned stop
-    makes short drafts common (a draft head with an acceptance head), else "ends"."""
+    drafts; one compiled branch per width) or "doubling" (1, 2^k + 1 and gamma + 1). "auto" is
+    "all" for a drafter whose learned stop makes short drafts common (a draft head with an
+    acceptance head), else the drafter's auto_widths ("doubling" for one that copies text)."""
     if verify_widths not in VERIFY_WIDTHS:
         raise ValueError(f"verify_widths must be one of {', '.join(VERIFY_WIDTHS)}, got {verify_widths!r}")
     if verify_widths == "auto":
-        return "all" if drafter.stop_rejection > 0 else "ends"
+        return "all" if drafter.stop_rejection > 0 else drafter.auto_widths
     return verify_widths
 
 

@@ -47,7 +47,9 @@ class SpecStatic:
     cache_len: int
     # Target call widths for drafters that propose fewer than gamma drafts in some rounds (each
     # compiles a branch of the loop): "ends" 1 and gamma + 1; "all" every width 1..gamma + 1,
-    # so that a round verifies only as many positions as its longest draft needs.
+    # so that a round verifies only as many positions as its longest draft needs; "doubling" 1,
+    # 2^k + 1 below gamma + 1 and gamma + 1 (a copying drafter's power-of-two draft counts,
+    # spec_jax.drafting.lookup.draft_counts, in log2(gamma) + 2 branches).
     verify_widths: str = "ends"
     # 0: chain rounds. N > 0: tree rounds (spec_jax.tree), the drafter's propose_tree of N node
     # slots verified in one target call of N + 1 queries; gamma is then N (the cache and the
@@ -59,4 +61,7 @@ class SpecStatic:
             return tuple(range(1, self.gamma + 2))
         if self.verify_widths == "ends":
             return (1, self.gamma + 1)
-        raise ValueError(f"verify_widths must be 'ends' or 'all', got {self.verify_widths!r}")
+        if self.verify_widths == "doubling":
+            powers = {2**k + 1 for k in range(self.gamma.bit_length()) if 2**k < self.gamma}
+            return tuple(sorted({1, self.gamma + 1} | powers))
+        raise ValueError(f"verify_widths must be 'ends', 'all' or 'doubling', got {self.verify_widths!r}")

@@ -142,6 +142,7 @@ def test_the_loop_api_sharding_and_autogamma_ask_no_drafter_its_class(path):
 CAPABILITIES = ("TreeDrafting", "TargetFeatures", "Resumption", "MeshPlacement", "CostMeasurement")
 # What every round of the loop needs, declared on Drafter itself (vocab_size is annotated only).
 ROUND_MEMBERS = {"max_seq_len", "prefill_calls", "variable_length", "stop_rejection", "sources", "init"}
+ROUND_MEMBERS |= {"auto_widths"}
 ROUND_MEMBERS |= {"propose", "served"}
 
 

@@ -25,6 +25,7 @@ import spec_jax
 from spec_jax import bounds, drafting, plan
 from spec_jax.drafting import lookup
 from spec_jax.drafting.base import AUTO_COPY_GAMMA_MAX, AUTO_GAMMA_MAX, Proposal
+from spec_jax.state import SpecStatic
 
 V, FOLLOW = 8, 0.75
 CYCLE_PROMPT = list(range(V)) * 2 + [0, 1]  # a text that repeats: lookup matches it 16 tokens back
@@ -212,3 +213,17 @@ def test_gamma_auto_with_lookup_keeps_greedy_output_exact(copy_target, copy_gree
         temperature=0.0,
     )
     assert gen.tokens == copy_greedy
+
+
+def test_the_copying_drafters_rounds_verify_as_wide_as_their_power_of_two_counts(tiny_target, tiny_draft):
+    def widths(gamma):
+        return SpecStatic(None, None, gamma, 1, 1, verify_widths="doubling").widths()
+
+    assert widths(16) == (1, 2, 3, 5, 9, 17) and widths(12) == (1, 2, 3, 5, 9, 13)
+    assert widths(1) == (1, 2) and widths(2) == (1, 2, 3) and widths(4) == (1, 2, 3, 5)
+    for kind, auto in [("prompt_lookup", "doubling"), ("suffix", "doubling"), ("hybrid", "doubling")]:
+        drafter, _ = drafting.build(kind, tiny_target, drafting.Settings(draft=tiny_draft))
+        assert plan.resolve_verify_widths("auto", drafter) == auto
+        assert plan.resolve_verify_widths("ends", drafter) == "ends"
+    model, _ = drafting.build("model", tiny_target, drafting.Settings(draft=tiny_draft))
+    assert plan.resolve_verify_widths("auto", model) == "ends"

@@ -73,7 +73,7 @@ def test_propose_hands_one_hot_q_where_it_matched_and_zero_where_not():
     assert buffer[0, :8].tolist() == [1, 2, 3, 1, 2, 3, 1, 2], "the drafts are written past the length"
 
 
-def test_a_row_proposes_twice_its_whole_match_length_up_to_gamma_and_nothing_without_one():
+def test_a_row_proposes_twice_its_whole_match_length_as_a_power_of_two_up_to_gamma_or_nothing():
     rows = [
         [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5],  # "3 4 5" ends at 4; the text before agrees 5 back
         [7, 1, 2, 9, 3, 1, 2, 0, 0, 0, 0],  # "1 2" ends at 2; 7 before it, 3 here: a match of 2
@@ -85,15 +85,17 @@ def test_a_row_proposes_twice_its_whole_match_length_up_to_gamma_and_nothing_wit
     found, end, _ = lookup.find_match(buffer, length, 3)
     m = lookup.match_length(buffer, length, end)
     assert m.tolist() == [5, 2, 0, 10]
-    assert lookup.draft_counts(m, 16, 2.0).tolist() == [10, 4, 0, 16]
+    assert lookup.draft_counts(m, 16, 2.0).tolist() == [16, 4, 0, 16]  # 10 and 20 round up
+    assert lookup.draft_counts(m, 12, 2.0).tolist() == [12, 4, 0, 12]
     assert lookup.draft_counts(m, 3, 2.0).tolist() == [3, 3, 0, 3]
     assert lookup.draft_counts(m, 16, 0.1).tolist() == [1, 1, 0, 1], "a match proposes at least one"
+    assert lookup.draft_counts(jnp.arange(1, 5), 16, 2.0).tolist() == [2, 4, 8, 8]
     assert lookup.draft_counts(m, 16, float("inf")).tolist() == [16, 16, 0, 16]
     drafter = lookup.PromptLookupDrafter(vocab_size=10, max_ngram=3)
     context = jnp.take_along_axis(buffer, length[:, None] - 2 + jnp.arange(2)[None, :], axis=1)
     padded = jnp.pad(buffer, ((0, 0), (0, 16)))
     _, q, _ = drafter.propose((), padded, context, length, 16, SamplingParams(1.0), None)
-    assert verify.draft_lengths(q).tolist() == [10, 4, 0, 16], "q = 0 past each row's count"
+    assert verify.draft_lengths(q).tolist() == [16, 4, 0, 16], "q = 0 past each row's count"
     with pytest.raises(ValueError, match="match_factor must be a number > 0"):
         lookup.PromptLookupDrafter(vocab_size=10, match_factor=0)
 

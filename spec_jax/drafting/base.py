@@ -204,6 +204,9 @@ class Drafter(TreeDrafting, TargetFeatures, Resumption, MeshPlacement, CostMeasu
     # A learned stop (an acceptance head) decides each round's length: 0 = none. Then gamma is
     # its cap (gamma="auto" means the largest), and every verification width is compiled.
     stop_rejection: float = 0.0
+    # What verify_widths="auto" gives this drafter's rounds (spec_jax.plan.resolve_verify_widths):
+    # "ends", or "doubling" for one whose rows propose power-of-two counts (lookup.draft_counts).
+    auto_widths: ClassVar[str] = "ends"
 
     @property
     def sources(self) -> tuple[str, ...]:

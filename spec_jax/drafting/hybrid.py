@@ -46,6 +46,7 @@ class HybridDrafter(Drafter):
     sources: ClassVar[tuple[str, ...]] = ("prompt_lookup", "model")
     resumable: ClassVar[bool] = True
     auto_gamma_max: ClassVar[int] = AUTO_COPY_GAMMA_MAX
+    auto_widths: ClassVar[str] = "doubling"
 
     @property
     def vocab_size(self) -> int:

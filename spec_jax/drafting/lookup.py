@@ -11,8 +11,8 @@ spec_jax.verify). The drafts are deterministic, so q is one-hot: the rule accept
 probability p(x) and otherwise draws from p with x removed, which keeps sampling at any
 temperature exact.
 
-How many drafts a row proposes (draft_counts): ceil(match_factor * m) in [1, gamma], m being
-the match's whole length (match_length: how far the text before the occurrence equals the
+How many drafts a row proposes (draft_counts): match_factor * m rounded up to a power of two,
+in [1, gamma], m being the match's whole length (match_length: how far the text before the occurrence equals the
 text before the row's end, counted up to MATCH_SCAN tokens back, beyond the max_ngram the
 search matched). Why: a match of one or two tokens is mostly a coincidence, whose continuation
 the target rarely takes past its first token, while a long match says the row is copying (code
@@ -20,10 +20,12 @@ edits, quotes, a text repeating with some period), where the copy goes on for te
 suffix decoding (Oliaro et al. 2024) caps its speculation at a multiple of the match length for
 the same reason. A copy's rounds then grow 2, 4, 8, 16 drafts as its match grows. The count
 reads the row's committed text only (draft-side information), so the positions past it get
-q = 0 and the rule stays exact (spec_jax.verify). Proposing fewer drafts saves target work
-where the verify call is as wide as the longest row's drafts (verify_widths="all"), and lets
-gamma=auto run long chains (AUTO_COPY_GAMMA_MAX) for the rows that copy without making the
-others propose as many. match_factor=inf proposes gamma drafts at every match.
+q = 0 and the rule stays exact (spec_jax.verify). Proposing fewer drafts saves target work only
+where the verify call is as wide as the longest row's drafts: verify_widths="auto" gives these
+drafters "doubling" widths (1, 2, 3, 5, 9, 17: spec_jax.state.SpecStatic.widths), which the
+power-of-two counts fill; with "ends" (every round as wide as gamma + 1) a short count costs the
+same call and forgoes the drafts it did not propose. match_factor=inf proposes gamma drafts at
+every match.
 
 The state is a token buffer [B, S] (S = the loop's cache length) holding each row's prompt +
 committed tokens. The loop hands `propose` only the last two committed tokens, so the buffer
@@ -155,11 +157,13 @@ def match_length(buffer_bs, length_b, end_b, scan: int = MATCH_SCAN):
 
 def draft_counts(match_b, gamma: int, factor: float):
     """int32 [B]: the drafts each row proposes for a match of match_b tokens (module docstring):
-    ceil(factor * match) in [1, gamma], gamma where factor is inf, 0 where match is 0."""
+    factor * match rounded up to a power of two, in [1, gamma]; gamma where factor is inf; 0
+    where match is 0."""
     if math.isinf(factor):
         count = jnp.full_like(match_b, gamma)
     else:
-        count = jnp.ceil(factor * match_b.astype(jnp.float32)).astype(jnp.int32)
+        wanted = jnp.maximum(factor * match_b.astype(jnp.float32), 1.0)
+        count = jnp.exp2(jnp.ceil(jnp.log2(wanted) - 1e-6)).astype(jnp.int32)
     return jnp.where(match_b > 0, jnp.clip(count, 1, gamma), 0).astype(jnp.int32)
 
 
@@ -238,6 +242,7 @@ class PromptLookupDrafter(Drafter):
     sources: ClassVar[tuple[str, ...]] = ("prompt_lookup",)
     resumable: ClassVar[bool] = True
     auto_gamma_max: ClassVar[int] = AUTO_COPY_GAMMA_MAX
+    auto_widths: ClassVar[str] = "doubling"
 
     def __post_init__(self):
         if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):

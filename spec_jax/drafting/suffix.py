@@ -82,6 +82,7 @@ class SuffixDrafter(Drafter):
     sources: ClassVar[tuple[str, ...]] = ("suffix",)
     resumable: ClassVar[bool] = True
     auto_gamma_max: ClassVar[int] = AUTO_COPY_GAMMA_MAX
+    auto_widths: ClassVar[str] = "doubling"
 
     def __post_init__(self):
         if not (is_int(self.max_ngram) and 1 <= self.max_ngram <= MAX_NGRAM_LIMIT):
