@@ -109,7 +109,12 @@ def prefill(
     compute rate (on the Zen 5, a model call costs 8.99 ms a position over 16 positions, 8.14
     over 32 and 8.13 over 48; eight held-out prompts read in 0.93x the time with 32 as with 16),
     so one call over the whole padded batch only adds the padding's work (every row padded to
-    the longest prompt's bucket). Elsewhere (TPU, GPU, a mesh) one call over the batch.
+    the longest prompt's bucket). A call over every row's next chunk (prefill_rows' batched,
+    the same bits for each row) is not taken either: on the 2-core Xeon, 2-8 rows read in
+    0.87-0.99x the time where each read three full chunks, 1.09-1.22x where each read 24 tokens
+    past its cached prefix (a chat turn's: its padding to a chunk is then computed; the Qwen
+    1.5B at gguf_q8, docs/benchmarks.md, "Batched prefill of rows past a cached prefix").
+    Elsewhere (TPU, GPU, a mesh) one call over the batch.
     """
     batch, width = tokens_bp.shape
     cache = init_cache(config, batch, cache_len)
