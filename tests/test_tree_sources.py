@@ -5,6 +5,7 @@ special case, `accepted` writing the path, and greedy verification taking the te
 
 import collections
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -343,7 +344,7 @@ def test_the_suffix_tree_is_the_best_first_tree_of_the_counts_on_a_ragged_batch(
 
 
 def test_with_one_successor_everywhere_the_suffix_tree_is_the_greedy_chain():
-    drafter = suffix.SuffixDrafter(V, max_ngram=2)
+    drafter = suffix.SuffixDrafter(V, max_ngram=2, match_factor=math.inf)  # the chain: gamma long
     row = [1, 2, 3, 4, 5, 6, 1, 2]  # every context has one successor: 3 4 5 6 1 2 ...
     tree, _ = propose_tree(drafter, [row], [8], nodes=5)
     buffer = jnp.asarray([row + [0] * 5], jnp.int32)

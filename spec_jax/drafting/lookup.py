@@ -56,7 +56,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from models.settings import is_int
+from models.settings import is_int, is_number
 from spec_jax.drafting.base import (
     AUTO_COPY_GAMMA_MAX,
     UNBOUNDED_CONTEXT,
@@ -223,7 +223,7 @@ def one_hot_prefix(drafts_bg, count_b, vocab_size: int):
 
 def check_match_factor(factor) -> None:
     """ValueError unless factor is a number > 0 (inf included)."""
-    if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+    if not is_number(factor) or not factor > 0:
         raise ValueError(
             f"match_factor must be a number > 0 (inf: gamma drafts at every match), got {factor!r}"
         )
