@@ -67,7 +67,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 import models
-from experiments import common, framework
+from experiments import bench_workloads, common, framework
 from models import registry
 from models.kernels import llama_cpp
 
@@ -276,8 +276,6 @@ def stop_jobs(prompts: list[str], max_tokens: int) -> list[Job]:
 def code_prompts(prompt_set: str, n: int) -> list[str]:
     """The first n code completions of the workload suite's prompts: its held-out file for the
     held-out set, its bench file for the others."""
-    from experiments import bench_workloads
-
     records = bench_workloads.load_prompts(
         "heldout" if prompt_set == "heldout" else "bench", ("code_completion",), n
     )
