@@ -174,7 +174,8 @@ def generate(target, prompts, **options) -> Generation:
         models are placed on first use and cached. Tokens equal the unsharded run's (up to
         float reassociation in the sharded matmuls).
       verify_widths: for drafters that may propose fewer than gamma drafts, which widths the
-        target's verification call may take (resolve_verify_widths): "auto", "ends", "all".
+        target's verification call may take (spec_jax.plan.resolve_verify_widths): "auto",
+        "ends", "all", "doubling" (1, 2^k + 1 and gamma + 1: the copying drafters' "auto").
       tree: 0 (each round verifies a chain of gamma drafts) or N in [1, MAX_TREE_NODES]: each
         round verifies the drafter's token tree of up to N nodes (Drafter.propose_tree; by
         default the chain of N drafts; a draft model's is EAGLE-2's dynamic tree, shaped by
