@@ -133,3 +133,10 @@ class HostTable:
             num_logprobs=np.full(n, -1, np.int32),
         )
         return sharding.put(inputs, sharding.state_shardings(inputs, mesh, n))
+
+
+def put_snapshot(host: np.ndarray, placement):
+    """sharding.put of a copy of a host array its owner changes later (Table.stop_rows): put may
+    share the array's memory on a CPU, and work still queued would read the later values (the
+    engine marked done a running row that a later free flagged: an intermittent CI failure)."""
+    return sharding.put(np.array(host, copy=True), placement)

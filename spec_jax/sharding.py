@@ -203,8 +203,9 @@ def put(tree, shardings):
 
     Every process must pass the same global values; each one fills only its own shards. A
     leaf that already has its target sharding (or an equivalent one: a single-device array
-    for a 1x1 mesh on that device) is returned as it is (no copy).
-    """
+    for a 1x1 mesh on that device) is returned as it is (no copy). A NumPy leaf may be shared
+    (on a CPU, where its alignment allows): one changed later goes through
+    rows.put_snapshot."""
 
     def one(x, sharding):
         if isinstance(x, jax.Array) and (

@@ -207,7 +207,7 @@ class Table:
         """The deferred work runs, and the loop state's rows of freed slots are marked done."""
         self.flush()
         if self.stop_rows[: self.rows].any():
-            stop = sharding.put(self.stop_rows[: self.rows], sharding.batch_sharding(self.mesh, 1))
+            stop = rows.put_snapshot(self.stop_rows[: self.rows], sharding.batch_sharding(self.mesh, 1))
             self.state = row_ops.mark_done_jit(self.state, stop)
         self.stop_rows[:] = False
 

@@ -14,7 +14,7 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
-from spec_jax import autogamma, chunks, executables, row_ops, rows
+from spec_jax import autogamma, chunks, executables, row_ops, rows, sharding
 from spec_jax.autogamma.costs import Costs
 from spec_jax.decode import layout
 from spec_jax.engine import Engine, QueueFull
@@ -377,6 +377,23 @@ def test_a_request_that_ends_at_its_first_token_finishes_in_the_step_that_admits
         seen = [(u.token_ids, u.finished, u.finish_reason) for u in later]
         assert [first, *rest] == alone(tiny_target, tiny_draft, going), (seen, engine.stats())
     assert engine.stats()["prefill_cache_hits"] == 3
+
+
+def test_the_freed_rows_placed_for_the_loop_are_a_copy_not_the_tables_own_memory():
+    """Table.apply_stops places its freed-row flags through rows.put_snapshot: sharding.put of a
+    NumPy array may share its memory on a CPU (the broken case: plain put, which shared it in
+    57 of 200 such arrays here), and the table changes the flags right after queueing the
+    marking, so a running row could be marked done (the first-token test above failed so in
+    two fresh-clone CI runs: its running row ended as "length" with no token after its first)."""
+    placement = sharding.batch_sharding(sharding.default_mesh(), 1)
+    shared = copied = 0
+    for n in range(200):
+        host = np.zeros(n % 9 + 1, bool)  # sizes vary, and with them the arrays' alignment
+        plain, snapshot = sharding.put(host, placement), rows.put_snapshot(host, placement)
+        host[0] = True  # the table's next free, before the queued marking ran
+        shared, copied = shared + bool(plain[0]), copied + bool(snapshot[0])
+    assert copied == 0
+    assert shared > 0, "put no longer shares host memory: put_snapshot may be unneeded"
 
 
 def test_a_request_without_speculation_decodes_as_plain_decoding_beside_speculating_rows(
