@@ -926,20 +926,28 @@ def _plain(systems: list[System], config, prompts: list[str]) -> tuple[list[dict
     return rows, checks
 
 
+def _jobs_load(systems: list[System], workload: str, jobs: list[Job], concurrencies, config):
+    """A load of fixed jobs at each concurrency, warmed up with the load itself at full length
+    (_warm_up), then measured: (its table rows, each system's records of the first repeat, our
+    /metrics before and after the measured runs)."""
+
+    def load(s, c):
+        return run_load(s.server.url, s.model, jobs, c, s.extra_for)
+
+    _warm_up(systems, concurrencies, load)
+    before = prometheus_values(systems[0].server.url)
+    rows, _, first = measure(systems, workload, concurrencies, config.repeats, load)
+    return rows, first, (before, prometheus_values(systems[0].server.url))
+
+
 def _mixed(systems: list[System], config, prompts: list[str]) -> tuple[list[dict], list[dict]]:
     """The mixed load's rows and check: our greedy texts in the load at its top concurrency
     against each of those requests sent alone. The warm-up is the load itself, at full length: a
     sampled row's programs for the longer chunks compile only once a request runs that long (on
     the quick models, a warm-up of WARMUP_TOKENS left 0.4-3.7 s of compiling to the timed run)."""
-    jobs = mixed_jobs(prompts, config.max_tokens)
     concurrencies = config.mixed_concurrency
-    _warm_up(systems, concurrencies, lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for))
-    rows, _, first = measure(
-        systems,
-        "mixed",
-        concurrencies,
-        config.repeats,
-        lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for),
+    rows, first, _ = _jobs_load(
+        systems, "mixed", mixed_jobs(prompts, config.max_tokens), concurrencies, config
     )
     ours, top = systems[0], max(concurrencies)
     greedy = [r for r in first[ours.name][top] if not r[0].sampled]
@@ -977,17 +985,8 @@ def _stops(systems: list[System], config) -> tuple[list[dict], list[dict]]:
     request and rounds per chunk over the timed runs (/metrics). The warm-up is the load itself."""
     prompts = code_prompts(config.prompt_set, config.num_prompts)
     jobs, concurrencies = stop_jobs(prompts, config.stops_max_tokens), config.stops_concurrency
-    _warm_up(systems, concurrencies, lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for))
     ours, top = systems[0], max(concurrencies)
-    before = prometheus_values(ours.server.url)
-    rows, _, first = measure(
-        systems,
-        "stops",
-        concurrencies,
-        config.repeats,
-        lambda s, c: run_load(s.server.url, s.model, jobs, c, s.extra_for),
-    )
-    after = prometheus_values(ours.server.url)
+    rows, first, (before, after) = _jobs_load(systems, "stops", jobs, concurrencies, config)
     delta = {
         k: after.get(f"spec_jax_engine_{k}", 0) - before.get(f"spec_jax_engine_{k}", 0)
         for k in _STOPS_COUNTERS
