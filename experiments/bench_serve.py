@@ -39,6 +39,13 @@ The load comes in workloads (config.workloads, run in this order):
   at each of config.stops_concurrency. Checks: no text holds a stop string, our texts equal each
   request sent alone, and the tokens our server computed past a stop string (its /metrics)
   per request, with its rounds per chunk.
+- `longprompt`: config.longprompt_concurrency running streams send the prompt set's prompts back
+  to back (greedy, config.longprompt_max_tokens each) while one long prompt of about
+  config.longprompt_tokens tokens (a standard-library source file, LONGPROMPT_REPLY_TOKENS new
+  tokens) arrives (run_longprompt). Reported: the running streams' inter-token latency over the
+  run and over the window from the long prompt's send to its first token, the longest gap
+  between a stream's events in that window, and the long prompt's time to first token (issue 52:
+  the running streams' p99 stays <= 2x their p50 while a 2,000-token prompt arrives).
 Output tokens are the servers' own counts (`usage.completion_tokens` of each stream). llama-server
 gets `cache_prompt: true` in every request (its default on every endpoint of the vendored server,
 tools/server/server-schema.cpp; sent so that the setting is in the request), and for a sampled
@@ -68,7 +75,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import models
 from experiments import bench_workloads, common, framework
-from models import registry
+from models import corpora, registry
 from models.kernels import llama_cpp
 
 TITLE = "Benchmark serve: launch.serve against llama-server, concurrent streamed requests"
@@ -92,6 +99,10 @@ INT_RANGES = {
     "turns": (2, 16),
     "system_prompt_chars": (0, 1_000_000),
     "stops_max_tokens": (1, 4096),
+    "longprompt_concurrency": (1, 64),
+    "longprompt_max_tokens": (1, 4096),
+    "longprompt_tokens": (16, 32768),
+    "longprompt_lead_ms": (0, 60_000),
 }
 TUPLE_RANGES = {
     "concurrency": (int, 1, 64),
@@ -100,7 +111,7 @@ TUPLE_RANGES = {
     "stops_concurrency": (int, 1, 64),
 }
 PEERS = ("llama", "llama-plain")  # llama-server with the draft model (draft-simple), and without
-WORKLOADS = ("plain", "mixed", "chat", "stops")
+WORKLOADS = ("plain", "mixed", "chat", "stops", "longprompt")
 # The stops load's stop strings: a completion ends before the next top-level statement
 STOP_STRINGS = ("\ndef", "\nclass", "\nif", "\n#", "\nprint")
 MIXED_TEMPERATURE = 0.7
@@ -109,6 +120,10 @@ MIXED_SEED = 1000  # the seed of the mixed load's request i (sampled ones): MIXE
 # llama-server's sampler chain for a sampled request: the warp of spec_jax.sampling, by name
 LLAMA_SAMPLERS = ("temperature", "top_p")
 CHAT_SYSTEM_PROMPT = os.path.join(ROOT, "experiments", "prompts", "chat_system.txt")
+LONGPROMPT_REPLY_TOKENS = 8  # the longprompt load's long prompt: its new tokens
+# Characters of source text taken per token asked before the cut to tokens (Python source runs
+# 3-4 characters a token with the Qwen2.5 tokenizer, 1 with a byte-level one)
+LONGPROMPT_CHARS_PER_TOKEN = 6
 # guidellm pulls in versions of huggingface_hub, click and rich other than this project's, so it
 # lives in a venv of its own (gitignored); --config.guidellm=.venv-guidellm/bin/guidellm runs it.
 GUIDELLM_INSTALL = "python3 -m venv .venv-guidellm && .venv-guidellm/bin/pip install guidellm==0.8.1"
@@ -129,7 +144,7 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.serve_flags = ""  # more launch.serve flags, space-separated (e.g. "--gamma=4")
     config.overload = True
     config.guidellm = ""  # the guidellm executable (GUIDELLM_INSTALL), or "" to skip it
-    config.workloads = ("plain",)  # WORKLOADS: plain, mixed, chat, stops
+    config.workloads = ("plain",)  # WORKLOADS: plain, mixed, chat, stops, longprompt
     config.mixed_concurrency = (2,) if quick else (1, 4, 8)  # the mixed load's concurrencies
     config.chat_concurrency = (2,) if quick else (8,)  # chat: conversations at a time
     config.conversations = 2 if quick else 8  # chat: conversations, each of `turns` turns
@@ -139,6 +154,17 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.system_prompt_chars = 120 if quick else 0
     config.stops_concurrency = (2,) if quick else (8,)  # stops: the code completions' concurrencies
     config.stops_max_tokens = 16 if quick else 128  # stops: tokens at most (most stop before)
+    # longprompt: running streams (each sends the prompt set's prompts back to back, greedy, this
+    # many tokens each) while one long prompt of about longprompt_tokens tokens arrives. The long
+    # prompt needs a slot of longprompt_tokens + LONGPROMPT_REPLY_TOKENS: with the full default
+    # (2,000 tokens) --config.context=2560 or more (validate refuses a smaller one); llama-server's
+    # slots hold 4,096 tokens each whatever config.context is (start_llama_server)
+    config.longprompt_concurrency = 2 if quick else 4
+    config.longprompt_max_tokens = 24 if quick else 192
+    config.longprompt_tokens = 200 if quick else 2000
+    # longprompt: how long the running streams decode undisturbed (from each one's first token)
+    # before the long prompt is sent
+    config.longprompt_lead_ms = 100 if quick else 1000
     return config
 
 
@@ -153,6 +179,12 @@ def validate(config) -> None:
     if not workloads or len(set(workloads)) < len(workloads) or any(w not in WORKLOADS for w in workloads):
         raise ValueError(
             f"workloads: one or more of {', '.join(WORKLOADS)}, each once, got {','.join(workloads)!r}"
+        )
+    needed = config.longprompt_tokens + LONGPROMPT_REPLY_TOKENS
+    if "longprompt" in workloads and config.context < needed:
+        raise ValueError(
+            f"context: the longprompt load's prompt of {config.longprompt_tokens} tokens and its "
+            f"{LONGPROMPT_REPLY_TOKENS} new ones need --config.context={needed} or more, got {config.context}"
         )
     if "chat" in workloads and config.target in models.RANDOM_PRESETS:
         raise ValueError(
@@ -177,6 +209,15 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return e.code, e.read().decode()
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return 0, ""
+
+
+def http_post_json(url: str, body: dict, timeout: float = 60.0) -> dict:
+    """The JSON answer of a POST of `body` as JSON (raises urllib.error.HTTPError on a status >= 400)."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return json.loads(r.read())
 
 
 class ServerProcess:
@@ -224,7 +265,8 @@ class ServerProcess:
 class Job:
     """One request of a load: a completion (`prompt`) or a chat turn (`messages`: OpenAI's
     {"role", "content"} dicts, the last one the user's), at most max_tokens, greedy unless
-    temperature > 0 (then top_p and a seed of its own)."""
+    temperature > 0 (then top_p and a seed of its own). long: the longprompt load's long prompt
+    (the others of that load are its running streams)."""
 
     max_tokens: int
     prompt: str | None = None
@@ -233,6 +275,7 @@ class Job:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] | None = None
+    long: bool = False
 
     @property
     def sampled(self) -> bool:
@@ -317,6 +360,9 @@ class Outcome:
     error: str = ""
     usage: bool = False  # whether the stream reported usage (tokens is then the server's count)
     prompt_tokens: int | None = None  # usage.prompt_tokens
+    started: float = 0.0  # time.perf_counter() at the request's start
+    # (seconds from the start, characters) of each streamed event that carried text
+    events: tuple[tuple[float, int], ...] = ()
 
 
 Record = tuple[Job, Outcome]
@@ -332,12 +378,15 @@ def _chunk_text(chunk, chat: bool) -> str:
     return choice.text or ""
 
 
-async def stream_one(client: openai.AsyncOpenAI, model: str, job: Job, extra=None) -> Outcome:
+async def stream_one(
+    client: openai.AsyncOpenAI, model: str, job: Job, extra=None, first_token: asyncio.Event | None = None
+) -> Outcome:
     """One streamed request (usage asked for): a completion, or a chat completion where the job
-    has messages. Never raises for HTTP or connection errors (they are the Outcome's status)."""
+    has messages; first_token, where given, is set at its first text. Never raises for HTTP or
+    connection errors (they are the Outcome's status)."""
     start = time.perf_counter()
     first = None
-    pieces, tokens, prompt_tokens, drafted, accepted = [], None, None, 0, 0
+    pieces, events, tokens, prompt_tokens, drafted, accepted = [], [], None, None, 0, 0
     chat = job.messages is not None
     request = dict(model=model, max_tokens=job.max_tokens, stream=True, extra_body=extra, **job.sampling())
     request["stream_options"] = {"include_usage": True}
@@ -352,14 +401,18 @@ async def stream_one(client: openai.AsyncOpenAI, model: str, job: Job, extra=Non
             if text:
                 first = first or now
                 pieces.append(text)
+                events.append((now - start, len(text)))
+                if first_token is not None:
+                    first_token.set()
             if chunk.usage is not None:
                 tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
             timings = (chunk.model_extra or {}).get("timings") or {}
             drafted, accepted = timings.get("draft_n", drafted), timings.get("draft_n_accepted", accepted)
     except openai.APIStatusError as e:
-        return Outcome(e.status_code, seconds=time.perf_counter() - start, error=str(e)[:200])
+        return Outcome(e.status_code, seconds=time.perf_counter() - start, error=str(e)[:200], started=start)
     except (openai.APIConnectionError, openai.APIError) as e:
-        return Outcome(0, seconds=time.perf_counter() - start, error=f"{type(e).__name__}: {str(e)[:200]}")
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+        return Outcome(0, seconds=time.perf_counter() - start, error=error, started=start)
     end = time.perf_counter()
     usage = tokens is not None
     tokens = tokens if usage else len(pieces)
@@ -367,7 +420,21 @@ async def stream_one(client: openai.AsyncOpenAI, model: str, job: Job, extra=Non
     # as vLLM's bench: (latency - time to first token) / (tokens - 1)
     tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
     text = "".join(pieces)
-    return Outcome(200, tokens, ttft, tpot, end - start, text, drafted, accepted, "", usage, prompt_tokens)
+    return Outcome(
+        200,
+        tokens,
+        ttft,
+        tpot,
+        end - start,
+        text,
+        drafted,
+        accepted,
+        "",
+        usage,
+        prompt_tokens,
+        start,
+        tuple(events),
+    )
 
 
 def load_client(url: str) -> openai.AsyncOpenAI:
@@ -443,6 +510,140 @@ async def run_chat(
     return [r for records in conversations for r in records], time.perf_counter() - start
 
 
+async def run_longprompt(
+    url: str,
+    model: str,
+    prompts: list[str],
+    long_text: str,
+    concurrency: int,
+    max_tokens: int,
+    lead_s: float,
+    extra=_no_extra,
+):
+    """The longprompt load: `concurrency` running streams, stream i sending prompts i, i + c,
+    i + 2c, ... of `prompts` (cycling; greedy, max_tokens each) one after another until the long
+    prompt has ended (then it ends the request it runs); the long prompt (long_text, greedy,
+    LONGPROMPT_REPLY_TOKENS) goes out once every stream has its first token (or its first request
+    failed) and lead_s seconds more have passed. A stream whose request fails stops. Returns
+    (the records: the running requests' in the order they ended and the long prompt's, wall
+    seconds)."""
+    client = load_client(url)
+    firsts = [asyncio.Event() for _ in range(concurrency)]
+    done = asyncio.Event()
+    records: list = []
+
+    async def stream(i: int):
+        k = i
+        while not done.is_set():
+            job = Job(max_tokens, prompt=prompts[k % len(prompts)])
+            outcome = await stream_one(client, model, job, extra(job), firsts[i])
+            firsts[i].set()  # also where it failed before its first token
+            records.append((job, outcome))
+            k += concurrency
+            if outcome.status != 200:
+                break
+
+    async def long_prompt():
+        await asyncio.gather(*(e.wait() for e in firsts))
+        await asyncio.sleep(lead_s)
+        job = Job(LONGPROMPT_REPLY_TOKENS, prompt=long_text, long=True)
+        records.append((job, await stream_one(client, model, job, extra(job))))
+        done.set()
+
+    start = time.perf_counter()
+    async with client:
+        await asyncio.gather(long_prompt(), *(stream(i) for i in range(concurrency)))
+    return records, time.perf_counter() - start
+
+
+def long_texts(prompt_set: str, count: int, chars: int) -> list[tuple[tuple[str, ...], str]]:
+    """`count` long prompts' source texts, disjoint: each of whole standard-library files
+    (models.corpora's code documents, each headed by a comment naming it) joined until it holds
+    `chars` characters, as (the files' names, the text). The held-out and grounded sets take the
+    corpora's test split from its middle on (their own prompts come from its ends), the open set
+    its training split. ValueError naming the field where the split runs out."""
+    train, test = corpora.split(corpora.documents("code"), corpora.TRIM_TEST_FRACTION)
+    docs = train if prompt_set == "open" else test[len(test) // 2 :]
+    texts, names, parts = [], [], []
+    for name, text in docs:
+        names.append(name)
+        parts.append(f"# {name}\n{text}")
+        if sum(len(p) for p in parts) >= chars:
+            texts.append((tuple(names), "\n".join(parts)))
+            names, parts = [], []
+        if len(texts) == count:
+            return texts
+    raise ValueError(
+        f"repeats: the {prompt_set} set's source files hold {len(texts)} long prompts of "
+        f"longprompt_tokens, fewer than the {count} asked (repeats + 1, the warm-up's)"
+    )
+
+
+def cut_to_tokens(url: str, text: str, tokens: int) -> str:
+    """`text` cut to its first tokens - 1 tokens (room for a BOS) as the server at url tokenizes it
+    (POST /tokenize and /detokenize, vLLM's and ours), then back to whole lines. Where the server
+    does not tokenize (launch.serve answers 500 for the random models' byte-level tokenizer, whose
+    encode takes no add_special_tokens), a character stands for a token (byte-level: ASCII)."""
+    try:
+        ids = http_post_json(url + "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+        cut = http_post_json(url + "/detokenize", {"tokens": ids[: tokens - 1]})["prompt"]
+    except urllib.error.HTTPError as e:
+        print(f"serve: longprompt: {url}/tokenize answered {e.code}: cut at {tokens - 1} characters")
+        cut = text[: tokens - 1]
+    return cut[: cut.rfind("\n") + 1] if "\n" in cut else cut
+
+
+def event_tokens(chars: list[int], tokens: int) -> list[float]:
+    """A stream's output tokens spread over its text events (chars: each event's characters; the
+    stream tells no per-event count): one token an event where the stream has that many, the rest
+    in proportion to the events' characters beyond one (so a server that streams a token an event,
+    as llama-server does, gets 1 each, and ours, which streams a chunk's tokens an event, gets
+    them by their text). Asking for logprobs would count them exactly, and change the work the
+    servers do."""
+    n, extra_chars = len(chars), sum(chars) - len(chars)
+    if tokens <= n or extra_chars <= 0:
+        return [tokens / n] * n
+    return [1 + (tokens - n) * (c - 1) / extra_chars for c in chars]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """The wait for a stream's text event after its previous one: from `start` to `end`
+    (time.perf_counter() seconds), for the event's `tokens` (event_tokens)."""
+
+    start: float
+    end: float
+    tokens: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def per_token(self) -> float:
+        """The gap split evenly over its event's tokens: the inter-token latency of each."""
+        return self.seconds / self.tokens
+
+
+def stream_gaps(outcome: Outcome) -> list[Gap]:
+    """The Gaps of a successful stream: one for each text event after its first (the wait for the
+    first is its time to first token)."""
+    if outcome.status != 200 or len(outcome.events) < 2:
+        return []
+    times = [outcome.started + t for t, _ in outcome.events]
+    tokens = event_tokens([c for _, c in outcome.events], outcome.tokens)
+    return [Gap(a, b, k) for a, b, k in zip(times, times[1:], tokens[1:], strict=False)]
+
+
+def token_percentile(gaps: list[Gap], q: float) -> float | None:
+    """The q-th percentile of the seconds per output token over the gaps' tokens (each gap's
+    per_token weighted by its tokens); None without gaps."""
+    if not gaps:
+        return None
+    values, weights = [g.per_token for g in gaps], [g.tokens for g in gaps]
+    return float(np.percentile(values, q, weights=weights, method="inverted_cdf"))
+
+
 def percentile(values, q: float) -> float | None:
     values = [v for v in values if v is not None]
     return float(np.percentile(values, q)) if values else None
@@ -514,9 +715,12 @@ def start_llama_server(config, port: int, log_dir: str, draft: bool = True) -> S
 def summarize(
     system: System, workload: str, concurrency: int, runs: list, before: dict, after: dict
 ) -> tuple[dict, list[dict]]:
-    """One table row from the runs (records, wall seconds) of a system at a concurrency, and for a
-    chat load one row per turn (its requests' prompt tokens and time to first token)."""
-    outcomes = [o for records, _ in runs for _, o in records]
+    """One table row from the runs (records, wall seconds) of a system at a concurrency (for the
+    longprompt load, over its running streams), and rows of the workload's own: for a chat load
+    one per turn (its requests' prompt tokens and time to first token), for the longprompt load
+    one of its running streams' inter-token latency while the long prompt arrives
+    (longprompt_figures)."""
+    outcomes = [o for records, _ in runs for job, o in records if not job.long]
     ok = [o for o in outcomes if o.status == 200]
     for o in outcomes:
         if o.status != 200:
@@ -542,8 +746,52 @@ def summarize(
     if workload == "chat":
         ttft_columns, turns = _by_turn(system, concurrency, runs)
         row.update(ttft_columns)
+    if workload == "longprompt":
+        turns = [{"system": system.name, "running_streams": concurrency, **longprompt_figures(runs)}]
     row.update(_drafting_columns(system, ok, before, after))
     return row, turns
+
+
+def longprompt_figures(runs: list) -> dict:
+    """The longprompt load's figures over its runs ((records, wall seconds) each, one long prompt
+    a run): the running streams' seconds per output token (stream_gaps; p50 and p99 over their
+    tokens) over the whole runs and over each run's window, from the long prompt's send to its
+    first token (the gaps that overlap it); the window's p99 over the whole runs' p50 (issue 52:
+    at most 2) and the whole runs' p99 over their p50; the longest gap in a window and before one;
+    the longest time to first token of a running request sent in a window; and the long prompt's
+    prompt tokens (the smallest over the runs), time to first token (p50 over the runs) and
+    errors."""
+    whole, window, before, waits, longs = [], [], [], [], []
+    for records, _ in runs:
+        (long,) = [o for job, o in records if job.long]
+        longs.append(long)
+        end = long.started + (long.ttft if long.ttft is not None else long.seconds)
+        for job, o in records:
+            if job.long:
+                continue
+            gaps = stream_gaps(o)
+            whole += gaps
+            window += [g for g in gaps if g.end > long.started and g.start < end]
+            before += [g for g in gaps if g.end <= long.started]
+            if long.started <= o.started < end and o.ttft is not None:
+                waits.append(o.ttft)
+    ok = [o for o in longs if o.status == 200]
+    p50, p99, window_p99 = (token_percentile(g, q) for g, q in ((whole, 50), (whole, 99), (window, 99)))
+    prompt_tokens = [o.prompt_tokens for o in ok if o.prompt_tokens is not None]
+    return {
+        "long_prompt_tokens": min(prompt_tokens) if prompt_tokens else None,
+        "long_ttft_ms": _ms(percentile([o.ttft for o in ok], 50)),
+        "itl_p50_ms": _ms(p50),
+        "itl_p99_ms": _ms(p99),
+        "window_itl_p50_ms": _ms(token_percentile(window, 50)),
+        "window_itl_p99_ms": _ms(window_p99),
+        "window_p99_over_p50": round(window_p99 / p50, 2) if window_p99 and p50 else None,
+        "p99_over_p50": round(p99 / p50, 2) if p99 and p50 else None,
+        "longest_gap_in_window_ms": _ms(max((g.seconds for g in window), default=None)),
+        "longest_gap_before_ms": _ms(max((g.seconds for g in before), default=None)),
+        "sent_in_window_ttft_max_ms": _ms(max(waits, default=None)),
+        "long_errors": len(longs) - len(ok),
+    }
 
 
 def _by_turn(system: System, concurrency: int, runs: list) -> tuple[dict, list[dict]]:
@@ -1014,6 +1262,38 @@ def _stops(systems: list[System], config) -> tuple[list[dict], list[dict]]:
 _STOPS_COUNTERS = ("tokens_past_stop_total", "rounds_total", "chunks_total")
 
 
+def _longprompt(systems: list[System], config, prompts: list[str]) -> tuple[list[dict], list[dict], dict]:
+    """The longprompt load's rows (over its running streams), its rows of inter-token latency
+    while the long prompt arrives, and what it sent. The long prompts are cut to
+    config.longprompt_tokens by our server's tokenizer (the pair's, llama-server's too); the
+    warm-up is the load itself with a long prompt of its own, and each timed repeat sends
+    another (the same one to every system), so that no server finds its long prompt cached."""
+    c = config.longprompt_concurrency
+    sources = long_texts(
+        config.prompt_set, config.repeats + 1, LONGPROMPT_CHARS_PER_TOKEN * config.longprompt_tokens
+    )
+    texts = [cut_to_tokens(systems[0].server.url, text, config.longprompt_tokens) for _, text in sources]
+    sent = {s.name: 0 for s in systems}  # each system's long prompts sent so far
+
+    def load(s, c):
+        text = texts[sent[s.name]]
+        sent[s.name] += 1
+        max_tokens, lead = config.longprompt_max_tokens, config.longprompt_lead_ms / 1e3
+        return run_longprompt(s.server.url, s.model, prompts, text, c, max_tokens, lead, s.extra_for)
+
+    _warm_up(systems, (c,), load)
+    rows, itl, _ = measure(systems, "longprompt", (c,), config.repeats, load)
+    summary = {
+        "running_streams": c,
+        "max_tokens": config.longprompt_max_tokens,
+        "long_prompt_tokens_asked": config.longprompt_tokens,
+        "long_prompt_chars": [len(t) for t in texts],
+        "long_prompt_files": [list(names) for names, _ in sources],  # the warm-up's first
+        "long_prompt_max_tokens": LONGPROMPT_REPLY_TOKENS,
+    }
+    return rows, itl, summary
+
+
 def _mixed_summary(prompts: list, max_tokens: int) -> dict:
     """What the mixed load sends: returns its greedy and sampled request counts, the sampled
     requests' temperature and top_p, and the samplers llama-server is given."""
@@ -1048,6 +1328,26 @@ def _guidellm_mixed_loads(config, systems, prompts, log_dir: str) -> list[dict]:
     return loads
 
 
+def _overload_check(ours: System, config, prompts: list[str], summary: dict) -> dict:
+    """The overload check on our server (overload): its result into summary["overload"]; returns
+    the check's row."""
+    result = asyncio.run(overload(ours.server.url, ours.model, prompts, config.slots, config.max_tokens))
+    summary["overload"] = result
+    return {
+        "check": "overload: every request completes or gets 429; /health 200 after",
+        "result": str(result),
+    }
+
+
+def _sigterm(ours: System, summary: dict) -> dict:
+    """Our server stopped with SIGTERM: its exit code and last line into summary["sigterm"];
+    returns the check's row."""
+    code, output = ours.server.stop(timeout=120)
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    summary["sigterm"] = {"exit_code": code, "last_line": last}
+    return {"check": "SIGTERM: exit code and last line", "result": f"{code}: {last}"}
+
+
 def run(config) -> framework.Result | None:
     prompts = common.prompt_set(config.prompt_set, config.num_prompts)
     log_dir = tempfile.mkdtemp(prefix="spec-jax-bench-serve-")  # the servers' output, kept for a look
@@ -1058,7 +1358,7 @@ def run(config) -> framework.Result | None:
         "max_tokens": config.max_tokens,
         "workloads": list(config.workloads),
     }
-    rows, checks, turns = [], [], []
+    rows, checks, turns, itl = [], [], [], []
     with contextlib.ExitStack() as stack:
         systems = _start_systems(config, stack, log_dir)
         ours = systems[0]
@@ -1079,6 +1379,9 @@ def run(config) -> framework.Result | None:
             chat_rows, turns = _chat(systems, config)
             rows = rows + chat_rows
             summary["chat"] = _chat_summary(config)
+        if "longprompt" in config.workloads:
+            long_rows, itl, summary["longprompt"] = _longprompt(systems, config, prompts)
+            rows = rows + long_rows
         if config.guidellm and ("plain" in config.workloads or "mixed" not in config.workloads):
             top = max(config.concurrency)
             loads = [guidellm(config.guidellm, s, prompts, top, config.max_tokens, log_dir) for s in systems]
@@ -1086,23 +1389,12 @@ def run(config) -> framework.Result | None:
         if config.guidellm and "mixed" in config.workloads:
             summary["guidellm_mixed"] = _guidellm_mixed_loads(config, systems, prompts, log_dir)
         if config.overload:
-            result = asyncio.run(
-                overload(ours.server.url, ours.model, prompts, config.slots, config.max_tokens)
-            )
-            summary["overload"] = result
-            checks.append(
-                {
-                    "check": "overload: every request completes or gets 429; /health 200 after",
-                    "result": str(result),
-                }
-            )
-        code, output = ours.server.stop(timeout=120)
-        last = output.strip().splitlines()[-1] if output.strip() else ""
-        checks.append({"check": "SIGTERM: exit code and last line", "result": f"{code}: {last}"})
-        summary["sigterm"] = {"exit_code": code, "last_line": last}
+            checks.append(_overload_check(ours, config, prompts, summary))
+        checks.append(_sigterm(ours, summary))
     sections = {
         "checks": checks,
         "chat: time to first token by turn": turns,
+        "longprompt: the running streams' time per output token while a long prompt arrives": itl,
         "the same load from guidellm (the registry's load tool)": summary.get("guidellm"),
         "the mixed load from guidellm (two runs at once: greedy, sampled)": summary.get("guidellm_mixed"),
     }

@@ -10,6 +10,7 @@ would differ from the servers' own."""
 
 import asyncio
 import csv
+import dataclasses
 import json
 import os
 import sys
@@ -23,12 +24,17 @@ from experiments import bench_serve, framework
 from experiments.bench_serve import (
     Job,
     Outcome,
+    Record,
     System,
     chat_users,
+    event_tokens,
     greedy_jobs,
+    longprompt_figures,
     mixed_jobs,
     run_chat,
     run_load,
+    run_longprompt,
+    stream_gaps,
     summarize,
     system_prompt,
 )
@@ -281,13 +287,13 @@ def test_the_system_prompt_is_the_committed_file_or_its_first_whole_lines():
         (
             ("plain", "bursty"),
             "random",
-            "workloads: one or more of plain, mixed, chat, stops, each once, got 'plain,bursty'",
+            "workloads: one or more of plain, mixed, chat, stops, longprompt, each once, got 'plain,bursty'",
         ),
-        ((), "random", "workloads: one or more of plain, mixed, chat, stops, each once, got ''"),
+        ((), "random", "workloads: one or more of plain, mixed, chat, stops, longprompt, each once, got ''"),
         (
             ("mixed", "mixed"),
             "random",
-            "workloads: one or more of plain, mixed, chat, stops, each once, got 'mixed,mixed'",
+            "workloads: one or more of plain, mixed, chat, stops, longprompt, each once, got 'mixed,mixed'",
         ),
         (("chat",), "random", "workloads: chat needs a target with a chat template"),
     ],
@@ -298,9 +304,84 @@ def test_a_bad_workloads_setting_is_refused_in_one_line_naming_the_field(workloa
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+def test_a_context_too_small_for_the_long_prompt_is_refused_in_one_line_naming_the_field():
+    overrides = {"workloads": ("longprompt",), "longprompt_tokens": 2000, "context": 2007}
+    with pytest.raises(ValueError) as e:
+        framework.make_config("serve", quick=True, overrides=overrides)
+    assert str(e.value).startswith("context: the longprompt load's prompt of 2000 tokens")
+    assert "--config.context=2008 or more, got 2007" in str(e.value) and "\n" not in str(e.value)
+    config = framework.make_config("serve", quick=True, overrides={**overrides, "context": 2008})
+    assert config.context == 2008
+
+
 def test_the_default_workload_is_the_plain_load_alone():
     for quick in (True, False):
         assert tuple(framework.make_config("serve", quick=quick)["workloads"]) == ("plain",)
+
+
+# ---- the longprompt load: inter-token latency from each stream's events --------------------
+
+
+def test_an_events_tokens_are_one_each_for_a_token_an_event_and_by_characters_beyond():
+    assert event_tokens([3, 1, 5], 3) == [1.0, 1.0, 1.0]  # llama-server: one token an event
+    assert event_tokens([1, 5, 9], 15) == [1.0, 5.0, 9.0]  # ours: a chunk's tokens an event
+    assert event_tokens([2, 2], 3) == [1.5, 1.5]
+    assert event_tokens([4, 4], 1) == [0.5, 0.5]  # fewer tokens than events: spread evenly
+
+
+def _stream(started: float, times: list[float], chars: list[int], tokens: int, long=False) -> Record:
+    job = Job(8 if long else 4, prompt="long" if long else "p", long=long)
+    events = tuple((t - started, c) for t, c in zip(times, chars, strict=True))
+    outcome = Outcome(
+        200, tokens, times[0] - started, None, times[-1] - started, "x", usage=True, started=started
+    )
+    return job, dataclasses.replace(outcome, events=events, prompt_tokens=2000 if long else 3)
+
+
+def test_the_running_streams_latency_is_split_over_each_events_tokens_and_windowed_by_the_long_prompt():
+    """Stream A decodes a token every 0.1 s, then waits 0.5 s for an event of 2 tokens (its 3
+    characters) while the long prompt (sent at 0.45, first token at 1.0) is read; stream B is sent
+    inside that window and waits 0.5 s for its first token."""
+    a = _stream(0.0, [0.1, 0.2, 0.3, 0.4, 0.9, 1.0, 1.1], [1, 1, 1, 1, 3, 1, 1], 8)
+    b = _stream(0.6, [1.1, 1.2], [1, 1], 2)
+    long = _stream(0.45, [1.0, 1.05], [1, 1], 2, long=True)
+    gaps = stream_gaps(a[1])
+    assert [round(g.seconds, 6) for g in gaps] == [0.1, 0.1, 0.1, 0.5, 0.1, 0.1]
+    assert [g.tokens for g in gaps] == [1.0, 1.0, 1.0, 2.0, 1.0, 1.0]
+    assert round(gaps[3].per_token, 6) == 0.25
+    figures = longprompt_figures([([a, b, long], 1.2)])
+    # over the run: 6 of 8 tokens at 0.1 s, 2 at 0.25 s; in the window (gaps ending after 0.45
+    # and starting before 1.0): A's 0.5 s gap (2 tokens) and its 0.9 -> 1.0 gap (1 token)
+    assert (figures["itl_p50_ms"], figures["itl_p99_ms"]) == (100.0, 250.0)
+    assert (figures["window_itl_p50_ms"], figures["window_itl_p99_ms"]) == (250.0, 250.0)
+    assert figures["window_p99_over_p50"] == 2.5 and figures["p99_over_p50"] == 2.5
+    assert figures["longest_gap_in_window_ms"] == 500.0 and figures["longest_gap_before_ms"] == 100.0
+    assert figures["sent_in_window_ttft_max_ms"] == 500.0  # B, queued while the long prompt was read
+    assert figures["long_ttft_ms"] == 550.0 and figures["long_prompt_tokens"] == 2000
+    assert figures["long_errors"] == 0
+    # the row over the running streams leaves the long prompt out
+    row, itl = summarize(System("peer", None, "stub"), "longprompt", 2, [([a, b, long], 1.2)], {}, {})
+    assert row["requests"] == 2 and row["output_tokens"] == 10
+    assert itl == [{"system": "peer", "running_streams": 2, **figures}]
+
+
+def test_the_long_prompt_goes_out_after_every_running_stream_has_its_first_token():
+    (records, _), requests = _with_recorder(
+        lambda url: run_longprompt(url, "stub", ["p0", "p1", "p2"], "LONG", 3, 6, lead_s=0.05)
+    )
+    (long,) = [(j, o) for j, o in records if j.long]
+    running = [(j, o) for j, o in records if not j.long]
+    assert long[1].status == 200 and long[0].max_tokens == bench_serve.LONGPROMPT_REPLY_TOKENS
+    sent = {j.prompt for j, _ in running}
+    assert sent == {"p0", "p1", "p2"}  # each stream its own prompts, from the first on
+    first_tokens = {}
+    for j, o in running:
+        first_tokens.setdefault(j.prompt, o.started + o.ttft)
+    assert max(first_tokens.values()) + 0.05 <= long[1].started
+    ended = long[1].started + long[1].seconds
+    assert all(o.started < ended for _, o in running)  # no request starts after the long one ended
+    assert all(o.events for _, o in running) and all(j.max_tokens == 6 for j, _ in running)
+    assert [b["prompt"] for _, b in requests].count("LONG") == 1
 
 
 # ---- the load tool (guidellm), faked: its command lines and its reports ------------------------
@@ -467,6 +548,7 @@ def test_quick_mode_runs_every_workload_and_counts_tokens_from_usage(quick_run):
         + [("mixed", c) for c in config.mixed_concurrency]
         + [("stops", c) for c in config.stops_concurrency]
         + [("chat", c) for c in config.chat_concurrency]
+        + [("longprompt", config.longprompt_concurrency)]
     )
     assert [(r["workload"], int(r["concurrency"])) for r in rows] == expected
     for r in rows:
@@ -541,3 +623,22 @@ def test_quick_mode_chat_turns_grow_by_the_earlier_turns(quick_run):
     # each later turn's prompt holds the earlier turns: longer by at least the replies' tokens
     assert all(b >= a + 1 for a, b in zip(prompt, prompt[1:], strict=False)), prompt
     assert "## chat: time to first token by turn" in (out / "serve.md").read_text()
+
+
+def test_quick_mode_reports_the_running_streams_latency_while_a_long_prompt_arrives(quick_run):
+    """The longprompt load on the tiny GGUF: its long prompt is cut to about longprompt_tokens by
+    our server's tokenizer and answered, and the running streams' latency over the window holds
+    the gaps of the prompt's reading."""
+    _, out = quick_run
+    report = json.loads((out / "serve.json").read_text())
+    (itl,) = report["summary"]["sections"][
+        "longprompt: the running streams' time per output token while a long prompt arrives"
+    ]
+    config = framework.make_config("serve", quick=True)
+    assert itl["system"] == "spec-jax launch.serve" and itl["long_errors"] == 0
+    assert itl["running_streams"] == config.longprompt_concurrency
+    assert 0.8 * config.longprompt_tokens <= itl["long_prompt_tokens"] <= config.longprompt_tokens
+    assert 0 <= itl["itl_p50_ms"] <= itl["itl_p99_ms"] and itl["window_itl_p99_ms"] > 0
+    assert 0 < itl["longest_gap_in_window_ms"] <= itl["long_ttft_ms"]
+    summary = report["summary"]["longprompt"]
+    assert len(summary["long_prompt_files"]) == config.repeats + 1  # the warm-up's and each repeat's
