@@ -62,10 +62,8 @@ multiprocessing's spawn would re-run it).
 """
 
 import argparse
-import ctypes
 import json
 import math
-import mmap
 import os
 import pathlib
 import resource
@@ -82,6 +80,7 @@ import numpy as np
 
 from models import gguf_loader, hf_checkpoint, hf_config, precision, registry, sources, weights
 from models.config import ModelConfig
+from models.host_memory import file_backed, huge_page_empty, on_huge_pages
 from models.precision import Int8Weight
 from models.tokenizer import Tokenizer, from_hf_folder
 
@@ -90,9 +89,6 @@ PARAMS_TREE = "tree.json"  # in params/ and params-{dtype}/: every leaf's path, 
 MANIFEST = "spec_jax_manifest.json"  # in each entry and each params-{dtype}/, written last
 ENTRY_PARTS = ("config.json", "tokenizer.json")  # what an entry's manifest covers (older ones: params too)
 _HASHED_BYTES = 16 << 20  # files up to this size are hashed in the manifest (all are sized)
-
-
-HUGE_PAGE = 2 << 20  # an x86-64 transparent huge page
 
 
 def to_device(leaves: list, treedef):
@@ -106,58 +102,9 @@ def to_device(leaves: list, treedef):
         host = np.asarray(leaves[i])
         if cpu:
             placed = on_huge_pages(host)
-            host = np.array(host) if placed is host and _file_backed(host) else placed
+            host = np.array(host) if placed is host and file_backed(host) else placed
         leaves[i] = jax.device_put(host).block_until_ready()
     return jax.tree.unflatten(treedef, leaves)
-
-
-class _HugePages(mmap.mmap):
-    """Private anonymous memory advised for transparent huge pages (huge_page_empty's)."""
-
-
-def huge_page_empty(shape, dtype) -> np.ndarray:
-    """An uninitialised array in private anonymous memory advised for transparent huge pages
-    (Linux MADV_HUGEPAGE, its start 2 MB-aligned), or np.empty where it is under HUGE_PAGE bytes
-    or the OS has no such advice. A decode step streams every weight from memory once: on 4 KB
-    pages (a file's memory map, or malloc's) that is a TLB miss every 4 KB, on 2 MB pages one
-    every 2 MB (the decode step ~10% faster on this project's 2-core Zen 4 EPYC, 1-2% on its Zen 5;
-    docs/benchmarks.md).
-    Where the kernel finds no free huge page it falls back to 4 KB pages: the same values either
-    way. The array is an ordinary writable numpy array over the mapping, which it keeps alive."""
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return np.empty(shape, dtype)
-    buf = _HugePages(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)  # before anything touches a page: each fault then maps 2 MB
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
-    return np.frombuffer(buf, dtype, math.prod(shape), start).reshape(shape)
-
-
-def on_huge_pages(a: np.ndarray) -> np.ndarray:
-    """`a` on transparent huge pages: `a` itself where it is there already (huge_page_empty's
-    memory, or a view of it), under HUGE_PAGE bytes, or the OS has no such advice; else a copy
-    in huge_page_empty's memory."""
-    if isinstance(_bases(a)[-1], _HugePages) or a.nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return a
-    out = huge_page_empty(a.shape, a.dtype)
-    np.copyto(out, a)
-    return out
-
-
-def _bases(a) -> list:
-    """a, then what it views, down to the memory that owns the bytes (a memoryview's object)."""
-    chain = [a]
-    while True:
-        nxt = chain[-1].base if isinstance(chain[-1], np.ndarray) else getattr(chain[-1], "obj", None)
-        if nxt is None:
-            return chain
-        chain.append(nxt)
-
-
-def _file_backed(a: np.ndarray) -> bool:
-    """Whether `a` views a memory map of a file (np.memmap, as _leaf_blocks' `mmap` reads)."""
-    return any(isinstance(x, np.memmap) for x in _bases(a))
 
 
 def converted_dir(name: str, cache_dir=None) -> pathlib.Path:

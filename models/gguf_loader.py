@@ -99,6 +99,7 @@ _VALUE_FORMATS = {
 _VALUE_SIZES = {kind: struct.calcsize(fmt) for kind, fmt in _VALUE_FORMATS.items()}
 _READ_VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_U64 = struct.Struct("<Q")  # a string's length
 
 
 class _Header:
@@ -119,6 +120,21 @@ class _Header:
         if size > len(self.data) - self.at:
             raise GGUFFileError(f"{self.path}: truncated: the file ends inside {what} (at byte {self.at})")
         self.at += size
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Steps over an array of `count` strings (a vocabulary: 151k for Qwen) without reading
+        them, in one loop (string()'s calls for each made a server's start about 0.5 s longer).
+        GGUFFileError where the file ends inside them, as take() and skip() say it."""
+        data, at, end = self.data, self.at, len(self.data)
+        for _ in range(count):
+            if at + _U64.size > end:
+                break
+            at += _U64.size + _U64.unpack_from(data, at)[0]
+        else:
+            if at <= end:
+                self.at = at
+                return None
+        raise GGUFFileError(f"{self.path}: truncated: the file ends inside {what} (at byte {min(at, end)})")
 
     def string(self, what: str) -> bytes:
         size = self.take("<Q", what)
@@ -141,6 +157,8 @@ class _Header:
                 )
             if item not in (8, 9):
                 raise GGUFFileError(f"{self.path}: corrupt: {what} has unknown item type {item}")
+            if item == 8 and not arrays:
+                return self.skip_strings(count, what)
             items = [self.value(item, what, arrays) for _ in range(count)]
             return [v.decode(errors="replace") if item == 8 else v for v in items] if arrays else None
         if kind not in _VALUE_SIZES:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from models.host_memory import huge_page_empty
 from models.kernels import cpu_matmul, gguf_blocks, gguf_matmul, target
 
 MATMUL_IMPLS = ("auto", "xla", "cpu_kernel")
@@ -267,12 +268,13 @@ def for_cpu_kernel(w: BlockWeight, table: bool = False) -> BlockWeight:
     if target.current().platform != "cpu" or not gguf_matmul.available():
         return w
     host = np.asarray(w.data).reshape(rows, -1)
+    if w.ggml_type == gguf_matmul.Q6K and not gguf_matmul.interleave_q6k_pays():
+        return w
+    out = huge_page_empty(host.shape, np.uint8)  # written once, where models.convert places it
     if w.ggml_type == gguf_matmul.Q6K:
-        if not gguf_matmul.interleave_q6k_pays():
-            return w
-        data = gguf_matmul.interleave_q6k(host)
+        data = gguf_matmul.interleave_q6k(host, out=out)
     else:
-        data = gguf_matmul.interleave_q4k(host)
+        data = gguf_matmul.interleave_q4k(host, out=out)
     return w.replace(data=data.reshape(w.data.shape), interleaved=True)
 
 

@@ -13,7 +13,7 @@ import pytest
 import tiny_gguf
 
 import models
-from models import convert, gguf_loader, registry, weights
+from models import convert, gguf_loader, host_memory, registry, weights
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MB = 1 << 20
@@ -191,11 +191,11 @@ def _mapped_path(address: int) -> str:
 @pytest.mark.skipif(_thp_setting() == "never", reason="this kernel has transparent huge pages off")
 def test_a_leaf_read_from_the_cache_lands_on_huge_pages_and_is_used_there_without_a_copy(tmp_path):
     # one pass from the page cache: a copy of 1.8 GB of int8 weights after the read cost seconds
-    a = np.arange(3 * convert.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024)
+    a = np.arange(3 * host_memory.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024)
     np.save(tmp_path / "w.npy", a)
     leaf = {"file": "w.npy", "shape": list(a.shape), "dtype": "float32"}
     (host,) = convert._leaf_blocks(tmp_path, leaf)
-    assert host.ctypes.data % convert.HUGE_PAGE == 0 and "hg" in _mapping_of(host.ctypes.data)["VmFlags"]
+    assert host.ctypes.data % host_memory.HUGE_PAGE == 0 and "hg" in _mapping_of(host.ctypes.data)["VmFlags"]
     view = host[1:]
     assert convert.on_huge_pages(host) is host and convert.on_huge_pages(view) is view  # no copy
     placed = convert.to_device([host], jax.tree.structure(0))
@@ -208,7 +208,7 @@ def test_to_device_copies_memory_mapped_leaves_so_no_weight_aliases_the_cache_fi
     # models.load hands to_device read-only memory maps of the cache's .npy files: a device
     # array in place over one would change (or fault) if that file were rewritten
     arrays = {
-        "big": np.arange(3 * convert.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024),
+        "big": np.arange(3 * host_memory.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024),
         "small": np.arange(16, dtype=np.float32).reshape(4, 4),
     }
     maps = {}
@@ -224,14 +224,14 @@ def test_to_device_copies_memory_mapped_leaves_so_no_weight_aliases_the_cache_fi
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="huge pages are for a CPU backend's weights")
 @pytest.mark.skipif(_thp_setting() == "never", reason="this kernel has transparent huge pages off")
 def test_to_device_puts_weights_of_a_huge_page_or_more_on_huge_pages_in_place():
-    big = np.arange(3 * convert.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024)  # 3 huge pages
+    big = np.arange(3 * host_memory.HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024)  # 3 huge pages
     small = np.arange(16, dtype=np.float32).reshape(4, 4)
     params = convert.to_device(*jax.tree.flatten({"big": big, "small": small}))
     np.testing.assert_array_equal(np.asarray(params["big"]), big)
     np.testing.assert_array_equal(np.asarray(params["small"]), small)
     address = params["big"].unsafe_buffer_pointer()  # the CPU client uses the copy in place
     mapping = _mapping_of(address)
-    assert address % convert.HUGE_PAGE == 0
+    assert address % host_memory.HUGE_PAGE == 0
     assert "hg" in mapping["VmFlags"]  # advised (MADV_HUGEPAGE) ...
-    assert int(mapping["AnonHugePages"].split()[0]) * 1024 >= convert.HUGE_PAGE  # ... and on them
+    assert int(mapping["AnonHugePages"].split()[0]) * 1024 >= host_memory.HUGE_PAGE  # ... and on them
     assert convert.on_huge_pages(small) is small

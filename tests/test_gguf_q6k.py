@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import models
-from models import precision, transformer
+from models import convert, host_memory, precision, transformer
 from models.kernels import gguf_matmul
 
 Q6K = T.Q6_K.value
@@ -210,3 +210,29 @@ def test_take_rows_reads_an_interleaved_q6k_head_back_into_rows_and_refuses_an_i
     q4k = head.replace(ggml_type=T.Q4_K.value, interleaved=True)
     with pytest.raises(ValueError, match="Q4_K weight interleaved"):
         precision.take_rows(q4k, ids)
+
+
+def test_a_load_writes_each_interleaved_layout_once_onto_huge_pages(kernel):
+    """precision.for_cpu_kernel (every GGUF load at gguf_q8 on this CPU) interleaves a Q4_K and a
+    Q6_K matrix of a few huge pages straight into huge-page memory: the bits of interleaving
+    into a new array, and models.convert.to_device then places it where it is, with no copy
+    (a second buffer of fresh memory cost about 3 s per GB of the server's start)."""
+    for ggml_type, k in ((T.Q4_K.value, 2048), (Q6K, 1536)):
+        w = np.random.default_rng(ggml_type).standard_normal((4096, k)).astype(np.float32)
+        data = kernel.quantize(w, ggml_type)
+        assert data.nbytes > 2 * host_memory.HUGE_PAGE
+        block = precision.BlockWeight(data=data, ggml_type=ggml_type, in_shape=(k,), quantize_x=True)
+        packed = precision.for_cpu_kernel(block)
+        assert packed.interleaved
+        interleave = kernel.interleave_q6k if ggml_type == Q6K else kernel.interleave_q4k
+        np.testing.assert_array_equal(packed.data, interleave(data))
+        assert isinstance(host_memory.bases(packed.data)[-1], host_memory._HugePages)
+        placed = convert.to_device([packed.data], jax.tree.structure(0))
+        assert placed.unsafe_buffer_pointer() == packed.data.ctypes.data  # in place, not copied
+
+
+def test_an_interleave_into_a_wrong_buffer_is_refused(kernel):
+    data = q6k_rows(kernel, 8, 256, seed=6)
+    for out in (np.empty((8, 209), np.uint8), np.empty(data.shape, np.int8), data):
+        with pytest.raises(ValueError, match="out: "):
+            kernel.interleave_q6k(data, out=out)

@@ -320,3 +320,28 @@ def test_blocks_load_from_the_header_index_without_parsing_the_vocabulary(tmp_pa
     assert tree_e == tree_g and len(flat_g) > 0
     for e, g in zip(flat_e, flat_g, strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def test_a_file_cut_anywhere_inside_its_vocabulary_is_refused_naming_the_field(tiny_file, tmp_path):
+    """check_file steps over a vocabulary's strings in one loop (gguf_loader._Header.skip_strings):
+    it reads the same index as the whole file's parse, and a file that ends inside the strings,
+    at a length or inside one, is the one-line truncation error naming the field."""
+    reader = gguf_loader.GGUFReader(str(tiny_file), "r")
+    field = reader.fields["tokenizer.ggml.tokens"]
+    # the strings: after the key, the value type, the item type and the count (parts 0-4)
+    start = field.offset + sum(p.nbytes for p in field.parts[:5])
+    end = field.offset + sum(p.nbytes for p in field.parts)
+    index = gguf_loader.check_file(tiny_file)
+    assert set(index.tensors) == {t.name for t in reader.tensors}
+    assert gguf_loader.read_index(tiny_file).metadata["tokenizer.ggml.tokens"] == [
+        str(bytes(field.parts[i]), "utf-8") for i in field.data
+    ]
+    data = tiny_file.read_bytes()
+    for cut in sorted({start + 3, start + 8, start + 9, (start + end) // 2, end - 1}):
+        path = tmp_path / f"cut-{cut}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(
+            gguf_loader.GGUFFileError,
+            match=r"truncated: the file ends inside metadata 'tokenizer.ggml.tokens' \(at byte \d+\)",
+        ):
+            gguf_loader.check_file(path)

@@ -196,10 +196,11 @@ def quantize(w: np.ndarray, ggml_type: int) -> np.ndarray:
     return out
 
 
-def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
+def interleave_q4k(data_oy: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Q4_K rows [O, Y] (O a multiple of 8) -> the same bytes with each group of 8 rows'
     blocks interleaved (ggml's block_q4_Kx8, as llama.cpp's CPU backend repacks Q4_K): what
-    matmul(..., interleaved=True) reads."""
+    matmul(..., interleaved=True) reads. Written into `out` where given (uint8 of data_oy's
+    shape, C-contiguous: models.host_memory's huge pages), else a new array."""
     library = _library()
     if isinstance(library, str):
         raise KernelUnavailable(library)
@@ -213,12 +214,24 @@ def interleave_q4k(data_oy: np.ndarray) -> np.ndarray:
         raise ValueError(
             f"interleave_q4k: Q4_K rows [N, row_bytes] with N a multiple of 8, got {data_oy.shape}"
         )
-    out = np.empty_like(data_oy)
+    out = _out_like(data_oy, out)
     if (
         library.SpecJaxGgufInterleaveQ4K(data_oy.ctypes.data, out.ctypes.data, data_oy.shape[0], k)
         != out.size
     ):
         raise KernelUnavailable("ggml Q4_K interleave wrote the wrong number of bytes")
+    return out
+
+
+def _out_like(data_oy: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """An interleave's destination: `out` (checked: uint8, data_oy's shape, C-contiguous, and not
+    data_oy's memory), or a new array like data_oy."""
+    if out is None:
+        return np.empty_like(data_oy)
+    if out.dtype != np.uint8 or out.shape != data_oy.shape or not out.flags.c_contiguous:
+        raise ValueError(f"out: uint8 {data_oy.shape}, C-contiguous, got {out.dtype} {out.shape}")
+    if np.shares_memory(out, data_oy):
+        raise ValueError("out: must not overlap the rows it is interleaved from")
     return out
 
 
@@ -250,11 +263,12 @@ def interleave_q6k_pays() -> bool:
     return q6k_setting() == "interleaved" and multirow() and one_row_own()
 
 
-def interleave_q6k(data_oy: np.ndarray, back: bool = False) -> np.ndarray:
+def interleave_q6k(data_oy: np.ndarray, back: bool = False, out: np.ndarray | None = None) -> np.ndarray:
     """Q6_K rows [O, Y] (O a multiple of 8) -> the same blocks with each group of 8 rows in the
     kernel's Q6Kx8 layout (gguf_matmul.cc: the 8 columns' 6-bit values 8 at a time, their
     scales and d regrouped; the same bytes a block), which matmul(..., interleaved=True) reads on
-    the multi-row build; back: that layout -> the file's rows again (bit for bit)."""
+    the multi-row build; back: that layout -> the file's rows again (bit for bit). out: as
+    interleave_q4k's."""
     library = _library()
     if isinstance(library, str):
         raise KernelUnavailable(library)
@@ -264,7 +278,7 @@ def interleave_q6k(data_oy: np.ndarray, back: bool = False) -> np.ndarray:
         raise ValueError(
             f"interleave_q6k: Q6_K rows [N, row_bytes] with N a multiple of 8, got {data_oy.shape}"
         )
-    out = np.empty_like(data_oy)
+    out = _out_like(data_oy, out)
     written = library.SpecJaxGgufInterleaveQ6K(
         data_oy.ctypes.data, out.ctypes.data, data_oy.shape[0], k, int(not back)
     )
