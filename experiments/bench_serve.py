@@ -154,17 +154,18 @@ def get_config(quick: bool = False) -> ml_collections.ConfigDict:
     config.system_prompt_chars = 120 if quick else 0
     config.stops_concurrency = (2,) if quick else (8,)  # stops: the code completions' concurrencies
     config.stops_max_tokens = 16 if quick else 128  # stops: tokens at most (most stop before)
-    # longprompt: running streams (each sends the prompt set's prompts back to back, greedy, this
-    # many tokens each) while one long prompt of about longprompt_tokens tokens arrives. The long
+    # longprompt: running streams (each sends the prompt set's prompts back to back, greedy, at
+    # most this many tokens each: enough to outlast the long prompt's reading, after which they
+    # are closed) while one long prompt of about longprompt_tokens tokens arrives. The long
     # prompt needs a slot of longprompt_tokens + LONGPROMPT_REPLY_TOKENS: with the full default
     # (2,000 tokens) --config.context=2560 or more (validate refuses a smaller one); llama-server's
     # slots hold 4,096 tokens each whatever config.context is (start_llama_server)
     config.longprompt_concurrency = 2 if quick else 4
-    config.longprompt_max_tokens = 24 if quick else 192
+    config.longprompt_max_tokens = 64 if quick else 1024
     config.longprompt_tokens = 200 if quick else 2000
     # longprompt: how long the running streams decode undisturbed (from each one's first token)
     # before the long prompt is sent
-    config.longprompt_lead_ms = 100 if quick else 1000
+    config.longprompt_lead_ms = 100 if quick else 5000
     return config
 
 
@@ -361,8 +362,9 @@ class Outcome:
     usage: bool = False  # whether the stream reported usage (tokens is then the server's count)
     prompt_tokens: int | None = None  # usage.prompt_tokens
     started: float = 0.0  # time.perf_counter() at the request's start
-    # (seconds from the start, characters) of each streamed event that carried text
-    events: tuple[tuple[float, int], ...] = ()
+    # (seconds from the start, characters, output tokens so far or None where the server did not
+    # say) of each streamed event that carried text
+    events: tuple[tuple[float, int, int | None], ...] = ()
 
 
 Record = tuple[Job, Outcome]
@@ -379,62 +381,71 @@ def _chunk_text(chunk, chat: bool) -> str:
 
 
 async def stream_one(
-    client: openai.AsyncOpenAI, model: str, job: Job, extra=None, first_token: asyncio.Event | None = None
+    client: openai.AsyncOpenAI,
+    model: str,
+    job: Job,
+    extra=None,
+    first_token: asyncio.Event | None = None,
+    usage_each_event: bool = False,
+    until: asyncio.Event | None = None,
 ) -> Outcome:
     """One streamed request (usage asked for): a completion, or a chat completion where the job
-    has messages; first_token, where given, is set at its first text. Never raises for HTTP or
-    connection errors (they are the Outcome's status)."""
+    has messages. first_token, where given, is set at its first text; usage_each_event asks for
+    the usage so far in every event too (vLLM's continuous_usage_stats, which ours answers and
+    llama-server's schema does not hold); until, where given, closes the stream (the server
+    cancels the request) at the first event after it is set, the outcome counting what came.
+    Never raises for HTTP or connection errors (they are the Outcome's status)."""
     start = time.perf_counter()
     first = None
     pieces, events, tokens, prompt_tokens, drafted, accepted = [], [], None, None, 0, 0
     chat = job.messages is not None
     request = dict(model=model, max_tokens=job.max_tokens, stream=True, extra_body=extra, **job.sampling())
-    request["stream_options"] = {"include_usage": True}
+    request["stream_options"] = (
+        {"include_usage": True, "continuous_usage_stats": True}
+        if usage_each_event
+        else {"include_usage": True}
+    )
     try:
         if chat:
             stream = await client.chat.completions.create(messages=list(job.messages), **request)
         else:
             stream = await client.completions.create(prompt=job.prompt, **request)
         async for chunk in stream:
-            now = time.perf_counter()
-            text = _chunk_text(chunk, chat)
+            now, text = time.perf_counter(), _chunk_text(chunk, chat)
             if text:
                 first = first or now
                 pieces.append(text)
-                events.append((now - start, len(text)))
+                events.append(
+                    (now - start, len(text), chunk.usage.completion_tokens if chunk.usage else None)
+                )
                 if first_token is not None:
                     first_token.set()
             if chunk.usage is not None:
                 tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
             timings = (chunk.model_extra or {}).get("timings") or {}
             drafted, accepted = timings.get("draft_n", drafted), timings.get("draft_n_accepted", accepted)
+            if until is not None and until.is_set():
+                await stream.close()
+                break
     except openai.APIStatusError as e:
         return Outcome(e.status_code, seconds=time.perf_counter() - start, error=str(e)[:200], started=start)
     except (openai.APIConnectionError, openai.APIError) as e:
         error = f"{type(e).__name__}: {str(e)[:200]}"
         return Outcome(0, seconds=time.perf_counter() - start, error=error, started=start)
-    end = time.perf_counter()
     usage = tokens is not None
     tokens = tokens if usage else len(pieces)
+    counts = dict(drafted=drafted, accepted=accepted, usage=usage, prompt_tokens=prompt_tokens)
+    return _streamed(start, first, pieces, events, tokens, counts)
+
+
+def _streamed(start: float, first: float | None, pieces: list[str], events: list, tokens: int, counts: dict):
+    """The Outcome of a stream that ended now (stream_one's): its text, timings and `counts`."""
+    end = time.perf_counter()
     ttft = None if first is None else first - start
     # as vLLM's bench: (latency - time to first token) / (tokens - 1)
     tpot = (end - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    text = "".join(pieces)
-    return Outcome(
-        200,
-        tokens,
-        ttft,
-        tpot,
-        end - start,
-        text,
-        drafted,
-        accepted,
-        "",
-        usage,
-        prompt_tokens,
-        start,
-        tuple(events),
-    )
+    timing = dict(ttft=ttft, tpot=tpot, seconds=end - start, started=start, events=tuple(events))
+    return Outcome(200, tokens, text="".join(pieces), **timing, **counts)
 
 
 def load_client(url: str) -> openai.AsyncOpenAI:
@@ -519,14 +530,16 @@ async def run_longprompt(
     max_tokens: int,
     lead_s: float,
     extra=_no_extra,
+    usage_each_event: bool = False,
 ):
     """The longprompt load: `concurrency` running streams, stream i sending prompts i, i + c,
     i + 2c, ... of `prompts` (cycling; greedy, max_tokens each) one after another until the long
-    prompt has ended (then it ends the request it runs); the long prompt (long_text, greedy,
-    LONGPROMPT_REPLY_TOKENS) goes out once every stream has its first token (or its first request
-    failed) and lead_s seconds more have passed. A stream whose request fails stops. Returns
-    (the records: the running requests' in the order they ended and the long prompt's, wall
-    seconds)."""
+    prompt has ended, which closes the request each runs then (the server cancels it); the long
+    prompt (long_text, greedy, LONGPROMPT_REPLY_TOKENS) goes out once every stream has its first
+    token (or its first request failed) and lead_s seconds more have passed. A stream whose
+    request fails stops; the running requests ask for the usage in each event where
+    usage_each_event (stream_one). Returns (the records: the running requests' in the order they
+    ended and the long prompt's, wall seconds)."""
     client = load_client(url)
     firsts = [asyncio.Event() for _ in range(concurrency)]
     done = asyncio.Event()
@@ -536,7 +549,7 @@ async def run_longprompt(
         k = i
         while not done.is_set():
             job = Job(max_tokens, prompt=prompts[k % len(prompts)])
-            outcome = await stream_one(client, model, job, extra(job), firsts[i])
+            outcome = await stream_one(client, model, job, extra(job), firsts[i], usage_each_event, done)
             firsts[i].set()  # also where it failed before its first token
             records.append((job, outcome))
             k += concurrency
@@ -594,12 +607,12 @@ def cut_to_tokens(url: str, text: str, tokens: int) -> str:
 
 
 def event_tokens(chars: list[int], tokens: int) -> list[float]:
-    """A stream's output tokens spread over its text events (chars: each event's characters; the
-    stream tells no per-event count): one token an event where the stream has that many, the rest
-    in proportion to the events' characters beyond one (so a server that streams a token an event,
-    as llama-server does, gets 1 each, and ours, which streams a chunk's tokens an event, gets
-    them by their text). Asking for logprobs would count them exactly, and change the work the
-    servers do."""
+    """A stream's output tokens spread over its text events where the stream tells no per-event
+    count (chars: each event's characters): one token an event where the stream has that many, the
+    rest in proportion to the events' characters beyond one (so a server that streams a token an
+    event, as llama-server does, gets 1 each). Ours tells the count (stream_one's
+    usage_each_event): a chunk's events carry as many tokens each under plain decoding, while
+    their characters vary 4-fold."""
     n, extra_chars = len(chars), sum(chars) - len(chars)
     if tokens <= n or extra_chars <= 0:
         return [tokens / n] * n
@@ -627,11 +640,15 @@ class Gap:
 
 def stream_gaps(outcome: Outcome) -> list[Gap]:
     """The Gaps of a successful stream: one for each text event after its first (the wait for the
-    first is its time to first token)."""
+    first is its time to first token), with its tokens: from the usage so far in each event where
+    the server sent it (stream_one's usage_each_event), else event_tokens."""
     if outcome.status != 200 or len(outcome.events) < 2:
         return []
-    times = [outcome.started + t for t, _ in outcome.events]
-    tokens = event_tokens([c for _, c in outcome.events], outcome.tokens)
+    times = [outcome.started + t for t, _, _ in outcome.events]
+    tokens = event_tokens([c for _, c, _ in outcome.events], outcome.tokens)
+    counts = [n for _, _, n in outcome.events]
+    if None not in counts and all(b > a for a, b in zip([0, *counts], counts, strict=False)):
+        tokens = [b - a for a, b in zip([0, *counts], counts, strict=False)]
     return [Gap(a, b, k) for a, b, k in zip(times, times[1:], tokens[1:], strict=False)]
 
 
@@ -755,17 +772,20 @@ def summarize(
 def longprompt_figures(runs: list) -> dict:
     """The longprompt load's figures over its runs ((records, wall seconds) each, one long prompt
     a run): the running streams' seconds per output token (stream_gaps; p50 and p99 over their
-    tokens) over the whole runs and over each run's window, from the long prompt's send to its
-    first token (the gaps that overlap it); the window's p99 over the whole runs' p50 (issue 52:
-    at most 2) and the whole runs' p99 over their p50; the longest gap in a window and before one;
-    the longest time to first token of a running request sent in a window; and the long prompt's
-    prompt tokens (the smallest over the runs), time to first token (p50 over the runs) and
-    errors."""
-    whole, window, before, waits, longs = [], [], [], [], []
+    tokens) over the whole runs, before each run's window (p50: the streams undisturbed) and over
+    the window, from the long prompt's send to its first token (the gaps that overlap it); the
+    window's p99 over its p50 (issue 52: at most 2) and over the p50 before it; the longest gap in
+    a window and before one;
+    the longest time to first token of a running request sent in a window; the fewest running
+    requests that spanned a run's window; the tokens of an event (p50) before the windows and in
+    them; and the long prompt's prompt tokens (the smallest over the runs), time to first token
+    (p50 over the runs) and errors."""
+    whole, window, before, waits, longs, through = [], [], [], [], [], []
     for records, _ in runs:
         (long,) = [o for job, o in records if job.long]
         longs.append(long)
         end = long.started + (long.ttft if long.ttft is not None else long.seconds)
+        through.append(sum(o.started < long.started < end < o.started + o.seconds for _, o in records))
         for job, o in records:
             if job.long:
                 continue
@@ -776,22 +796,32 @@ def longprompt_figures(runs: list) -> dict:
             if long.started <= o.started < end and o.ttft is not None:
                 waits.append(o.ttft)
     ok = [o for o in longs if o.status == 200]
-    p50, p99, window_p99 = (token_percentile(g, q) for g, q in ((whole, 50), (whole, 99), (window, 99)))
+    window_p50, window_p99, before_p50 = (
+        token_percentile(g, q) for g, q in ((window, 50), (window, 99), (before, 50))
+    )
     prompt_tokens = [o.prompt_tokens for o in ok if o.prompt_tokens is not None]
     return {
         "long_prompt_tokens": min(prompt_tokens) if prompt_tokens else None,
         "long_ttft_ms": _ms(percentile([o.ttft for o in ok], 50)),
-        "itl_p50_ms": _ms(p50),
-        "itl_p99_ms": _ms(p99),
-        "window_itl_p50_ms": _ms(token_percentile(window, 50)),
+        "itl_p50_ms": _ms(token_percentile(whole, 50)),
+        "itl_p99_ms": _ms(token_percentile(whole, 99)),
+        "before_itl_p50_ms": _ms(before_p50),
+        "window_itl_p50_ms": _ms(window_p50),
         "window_itl_p99_ms": _ms(window_p99),
-        "window_p99_over_p50": round(window_p99 / p50, 2) if window_p99 and p50 else None,
-        "p99_over_p50": round(p99 / p50, 2) if p99 and p50 else None,
+        "window_p99_over_p50": _ratio(window_p99, window_p50),
+        "window_p99_over_before_p50": _ratio(window_p99, before_p50),
         "longest_gap_in_window_ms": _ms(max((g.seconds for g in window), default=None)),
         "longest_gap_before_ms": _ms(max((g.seconds for g in before), default=None)),
         "sent_in_window_ttft_max_ms": _ms(max(waits, default=None)),
+        "streams_through_window": min(through),
+        "tokens_per_event_before": _round(percentile([g.tokens for g in before], 50)),
+        "tokens_per_event_in_window": _round(percentile([g.tokens for g in window], 50)),
         "long_errors": len(longs) - len(ok),
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
 def _by_turn(system: System, concurrency: int, runs: list) -> tuple[dict, list[dict]]:
@@ -1279,7 +1309,7 @@ def _longprompt(systems: list[System], config, prompts: list[str]) -> tuple[list
         text = texts[sent[s.name]]
         sent[s.name] += 1
         max_tokens, lead = config.longprompt_max_tokens, config.longprompt_lead_ms / 1e3
-        return run_longprompt(s.server.url, s.model, prompts, text, c, max_tokens, lead, s.extra_for)
+        return run_longprompt(s.server.url, s.model, prompts, text, c, max_tokens, lead, s.extra_for, s.ours)
 
     _warm_up(systems, (c,), load)
     rows, itl, _ = measure(systems, "longprompt", (c,), config.repeats, load)

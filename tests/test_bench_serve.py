@@ -329,9 +329,12 @@ def test_an_events_tokens_are_one_each_for_a_token_an_event_and_by_characters_be
     assert event_tokens([4, 4], 1) == [0.5, 0.5]  # fewer tokens than events: spread evenly
 
 
-def _stream(started: float, times: list[float], chars: list[int], tokens: int, long=False) -> Record:
+def _stream(
+    started: float, times: list[float], chars: list[int], tokens: int, long=False, counts=None
+) -> Record:
     job = Job(8 if long else 4, prompt="long" if long else "p", long=long)
-    events = tuple((t - started, c) for t, c in zip(times, chars, strict=True))
+    counts = counts or [None] * len(times)
+    events = tuple((t - started, c, n) for t, c, n in zip(times, chars, counts, strict=True))
     outcome = Outcome(
         200, tokens, times[0] - started, None, times[-1] - started, "x", usage=True, started=started
     )
@@ -354,15 +357,29 @@ def test_the_running_streams_latency_is_split_over_each_events_tokens_and_window
     # and starting before 1.0): A's 0.5 s gap (2 tokens) and its 0.9 -> 1.0 gap (1 token)
     assert (figures["itl_p50_ms"], figures["itl_p99_ms"]) == (100.0, 250.0)
     assert (figures["window_itl_p50_ms"], figures["window_itl_p99_ms"]) == (250.0, 250.0)
-    assert figures["window_p99_over_p50"] == 2.5 and figures["p99_over_p50"] == 2.5
+    assert figures["before_itl_p50_ms"] == 100.0  # A's three gaps before the long prompt's send
+    assert figures["window_p99_over_p50"] == 1.0 and figures["window_p99_over_before_p50"] == 2.5
     assert figures["longest_gap_in_window_ms"] == 500.0 and figures["longest_gap_before_ms"] == 100.0
     assert figures["sent_in_window_ttft_max_ms"] == 500.0  # B, queued while the long prompt was read
     assert figures["long_ttft_ms"] == 550.0 and figures["long_prompt_tokens"] == 2000
     assert figures["long_errors"] == 0
+    assert figures["streams_through_window"] == 1  # A; B started inside the window
+    assert (figures["tokens_per_event_before"], figures["tokens_per_event_in_window"]) == (1.0, 1.5)
     # the row over the running streams leaves the long prompt out
     row, itl = summarize(System("peer", None, "stub"), "longprompt", 2, [([a, b, long], 1.2)], {}, {})
     assert row["requests"] == 2 and row["output_tokens"] == 10
     assert itl == [{"system": "peer", "running_streams": 2, **figures}]
+
+
+def test_an_events_tokens_come_from_the_usage_so_far_where_the_server_sends_it():
+    # 3 characters and 1 character, 2 tokens each (a chunk of 2 rounds for every row): the usage
+    # so far says so, where the characters would have split them 3 to 1
+    told = _stream(0.0, [0.1, 0.3, 0.5], [1, 3, 1], 5, counts=[1, 3, 5])
+    assert [g.tokens for g in stream_gaps(told[1])] == [2, 2]
+    assert [g.tokens for g in stream_gaps(_stream(0.0, [0.1, 0.3, 0.5], [1, 3, 1], 5)[1])] == [3.0, 1.0]
+    # a count that does not grow with each event is not believed
+    odd = _stream(0.0, [0.1, 0.3, 0.5], [1, 3, 1], 5, counts=[1, 1, 5])
+    assert [g.tokens for g in stream_gaps(odd[1])] == [3.0, 1.0]
 
 
 def test_the_long_prompt_goes_out_after_every_running_stream_has_its_first_token():
@@ -382,6 +399,14 @@ def test_the_long_prompt_goes_out_after_every_running_stream_has_its_first_token
     assert all(o.started < ended for _, o in running)  # no request starts after the long one ended
     assert all(o.events for _, o in running) and all(j.max_tokens == 6 for j, _ in running)
     assert [b["prompt"] for _, b in requests].count("LONG") == 1
+    assert not any(
+        "continuous_usage_stats" in b["stream_options"] for _, b in requests
+    )  # llama-server's schema
+    (records, _), requests = _with_recorder(
+        lambda url: run_longprompt(url, "stub", ["p0"], "LONG", 1, 6, 0.0, usage_each_event=True)
+    )
+    running = [b for _, b in requests if b["prompt"] != "LONG"]
+    assert running and all(b["stream_options"]["continuous_usage_stats"] for b in running)
 
 
 # ---- the load tool (guidellm), faked: its command lines and its reports ------------------------
