@@ -6,7 +6,7 @@ its way waits at most that), doubling to MAX_CHUNK while the table is stable, an
 CHUNK_SECONDS long at most; at most as many rounds as the busy row nearest its budget has
 tokens left (the slot it frees is taken at once);
 at most STOP_CHUNK while a row has stop strings (matched on the host at chunk ends); and after a
-piece of a long prompt's prefill, about as long as the piece took.
+piece of a long prompt's prefill, AFTER_PIECE times as long as the piece took.
 """
 
 import time
@@ -20,6 +20,14 @@ MIN_CHUNK, MAX_CHUNK = 1, 64
 CHUNK_SECONDS = 1.0
 # A row computes at most this many rounds past its stop string.
 STOP_CHUNK = 2
+# After a piece of a long prompt, the next chunk decodes this many times as long as the piece took:
+# the running rows' time per token is then about (1 + AFTER_PIECE) / AFTER_PIECE of their own, and
+# the long prompt is read at 1 / (1 + AFTER_PIECE) of the prefill's pace. At 1 (as long as the
+# piece), the serve suite's longprompt load (Qwen pair gguf_q8, 4 running streams, a prompt of
+# 1,997 tokens, 2-core Xeon) saw the streams' time per token in the window at p50 136 ms and p99
+# 329-483 ms (p99 2.4-3.5x the p50); at 2, p50 100-107 ms and p99 106-152 ms (1.1-1.4x), the long
+# prompt's first token 60 s -> 93 s (docs/benchmarks.md, serve: the longprompt load).
+AFTER_PIECE = 2.0
 
 
 def chunk_rounds(
@@ -34,8 +42,8 @@ def chunk_rounds(
         if waiting or not last
         else min(2 * last, MAX_CHUNK, max(MIN_CHUNK, int(CHUNK_SECONDS / round_seconds)))
     )
-    if piece_seconds:  # after a piece of a long prompt: decode about as long
-        chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, piece_seconds / round_seconds)))
+    if piece_seconds:  # after a piece of a long prompt: decode AFTER_PIECE times as long
+        chunk = int(min(MAX_CHUNK, max(MIN_CHUNK, AFTER_PIECE * piece_seconds / round_seconds)))
     left = min(r.handle.request.max_tokens - len(r.tokens) for r in busy)
     if any(r.handle.request.stop for r in busy):
         left = min(left, STOP_CHUNK)
