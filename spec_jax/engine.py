@@ -112,8 +112,7 @@ class Engine:
 
     @property
     def reads_prefixes(self) -> bool:
-        """Whether a prefill reads the prompt's blocks held in the prefix cache (it is on): a
-        request whose prompt another one prefilled first computes only the rest of it."""
+        """Whether prefills read prompts' blocks from the prefix cache (it is on)."""
         return self._prefiller.prefix is not None
 
     @property
@@ -132,8 +131,7 @@ class Engine:
 
     @property
     def live_rows(self) -> int:
-        """The rows the compiled loop runs over now: the smallest bucket that holds the busy
-        slots (0 before the first admission)."""
+        """The rows the loop runs over: the smallest bucket holding the busy slots (0 at first)."""
         return self._table.rows
 
     def submit(self, request: Request | Admitted, row_id: int = 0) -> Handle:
@@ -224,19 +222,22 @@ class Engine:
             yield from self.step()
 
     def _admit(self) -> list:
-        """Prefills waiting requests into the free slots, in order: consecutive requests of one
-        prompt width in one prefill call (whatever their warps). Returns Table.insert's (row,
-        block, index) of each request admitted."""
+        """Prefills waiting requests into the free slots, in order, consecutive ones of one prompt
+        width in one call; a long prompt still read in pieces (Prefiller.piece_due) keeps its place
+        while those behind it are admitted. Returns Table.insert's (row, block, index) of each."""
         firsts = []
-        due = self._prefiller.piece_due
-        while (
-            self._queue
-            and None in self._slots
-            and not due(self._queue[0].prompt_ids, bool(self._table.busy()))
-        ):
-            width, free, group = self._prefiller.row_width(self._queue[0]), self._slots.count(None), []
-            while self._queue and len(group) < free and self._prefiller.row_width(self._queue[0]) == width:
-                group.append(self._queue.popleft())
+        while None in self._slots:
+            busy = bool(self._table.busy())
+            ready = [r for r in self._queue if not self._prefiller.piece_due(r.prompt_ids, busy)]
+            if not ready:
+                break
+            width, free, group = self._prefiller.row_width(ready[0]), self._slots.count(None), []
+            for row in ready:
+                if len(group) == free or self._prefiller.row_width(row) != width:
+                    break
+                group.append(row)
+            taken = {id(r) for r in group}
+            self._queue = collections.deque(r for r in self._queue if id(r) not in taken)
             firsts, self._chunk = firsts + self._table.insert(group, width), 0
         return firsts
 

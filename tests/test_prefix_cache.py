@@ -208,3 +208,41 @@ def test_a_prefix_hit_has_a_full_prefills_bits_on_the_real_target_at_gguf_q8():
     prompts = [ids[:70] + target.tokenizer.encode(" return fib(n - 1)")]
     assert cache.lookup(prompts[0]).tokens == 64
     assert_same_rows(run(target, prompts, cache), run(target, prompts), prompts)
+
+
+@pytest.mark.xdist_group("tiny_target")
+def test_a_request_behind_a_long_prompt_is_admitted_while_its_pieces_are_read(tiny_target, tiny_draft):
+    """A short request sent just after a 200-token prompt (while a row decodes) does not wait for
+    the long prompt's whole prefill: it gets its first token before the long prompt's last
+    piece is read, and every request's tokens equal each alone (the old rule, admitting nothing
+    while the queue's head is read in pieces, made it wait for all of them)."""
+    import spec_jax
+    from spec_jax import prefiller
+    from spec_jax.engine import Engine
+    from spec_jax.request import Request
+
+    long_prompt = [1 + (7 * i) % 60 for i in range(200)]
+    engine = Engine(tiny_target, tiny_draft, max_batch=3, gamma=3, max_context=320)
+    jobs = {}
+    running = engine.submit(Request(prompt_ids=(5, 9, 2), max_tokens=120, seed=1, stop_ids=()))
+    jobs[running] = ([5, 9, 2], 120, 1)
+    tokens = {}
+    for u in engine.step():
+        tokens.setdefault(u.handle, []).extend(u.token_ids)
+    late = engine.submit(Request(prompt_ids=tuple(long_prompt), max_tokens=4, seed=2, stop_ids=()))
+    short = engine.submit(Request(prompt_ids=(3, 4, 8), max_tokens=6, seed=3, stop_ids=()))
+    jobs.update({late: (long_prompt, 4, 2), short: ([3, 4, 8], 6, 3)})
+    first_at = None  # pieces read when the short request's first token came
+    while not engine.idle:
+        for u in engine.step():
+            tokens.setdefault(u.handle, []).extend(u.token_ids)
+            if u.handle is short and u.token_ids and first_at is None:
+                first_at = engine.stats().get("prefill_pieces", 0)
+    pieces = -(-(200 - prefiller.PREFILL_PIECE) // prefiller.PREFILL_PIECE)
+    assert engine.stats()["prefill_pieces"] == pieces
+    assert first_at is not None and first_at < pieces
+    for h, (p, n, seed) in jobs.items():
+        alone = spec_jax.generate(
+            tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None
+        )
+        assert tokens[h] == alone.tokens[0]
