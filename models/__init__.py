@@ -81,9 +81,10 @@ class ByteTokenizer:
     stop_ids = ()
     chat_template = None
 
-    def encode(self, text: str, at_most: int | None = None) -> list[int]:
+    def encode(self, text: str, at_most: int | None = None, add_special_tokens: bool = True) -> list[int]:
         """The text's UTF-8 bytes; at_most: models.tokenizer.TooLong, before encoding, where
-        there are more (as models.tokenizer.Tokenizer.encode)."""
+        there are more (as models.tokenizer.Tokenizer.encode); add_special_tokens: as there (a
+        byte tokenizer has none to add)."""
         size = self.min_tokens(text)
         if at_most is not None and size > at_most:
             raise TooLong(size, at_most, size, 1)

@@ -9,6 +9,7 @@ The server is tests/serve_support.py's (the tiny GGUF pair, uvicorn in a thread 
 with small limits, so that a "huge" body costs little."""
 
 import asyncio
+import inspect
 import json
 import random
 import signal
@@ -292,6 +293,18 @@ def test_a_random_models_byte_tokenizer_is_refused_by_the_same_bound():
     with pytest.raises(RequestError) as e:
         encode_prompt(target, Request(prompt="x" * 10, max_tokens=60), context=64)
     assert e.value.field == "max_tokens"
+
+
+def test_a_random_models_byte_tokenizer_takes_every_argument_the_servers_tokenizer_does():
+    """The server calls a model's tokenizer the same way whatever the model: the random presets'
+    byte tokenizer takes each keyword of models.tokenizer.Tokenizer's methods (POST /tokenize's
+    add_special_tokens once made a 500 on --target=random)."""
+    byte = models.ByteTokenizer()
+    for name in ("encode", "min_tokens", "decode", "encode_chat", "apply_chat_template"):
+        ours = inspect.signature(getattr(models.ByteTokenizer, name)).parameters
+        theirs = inspect.signature(getattr(Tokenizer, name)).parameters
+        assert set(theirs) <= set(ours), (name, set(theirs) - set(ours))
+    assert byte.encode("hé", add_special_tokens=False) == list("hé".encode())
 
 
 def test_control_token_text_in_a_chat_message_is_encoded_as_text(server):
