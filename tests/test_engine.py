@@ -355,6 +355,18 @@ def test_a_chunk_lasts_about_chunk_seconds_at_most():
     assert chunks.chunk_rounds(32, True, [row], 0.0, 0.15)[0] == chunks.MIN_CHUNK  # a request waits
 
 
+def test_after_a_piece_of_a_long_prompt_the_chunk_decodes_after_piece_times_as_long():
+    """After a long prompt's piece took 0.6 s, rounds of 0.05 s: AFTER_PIECE x 0.6 / 0.05 rounds
+    (the running rows then compute AFTER_PIECE / (1 + AFTER_PIECE) of the time), whether requests
+    wait or not, within MAX_CHUNK; as many as the piece took (the old rule) fails it."""
+    row = rows.Row(Handle(0, Request(prompt_ids=(1,), max_tokens=1000), 1), [1], (), 0.0)
+    expected = int(chunks.AFTER_PIECE * 0.6 / 0.05)
+    assert chunks.AFTER_PIECE >= 2 and expected < chunks.MAX_CHUNK
+    for waiting in (False, True):
+        assert chunks.chunk_rounds(4, waiting, [row], 0.6, 0.05)[0] == expected != int(0.6 / 0.05)
+    assert chunks.chunk_rounds(4, False, [row], 60.0, 0.05)[0] == chunks.MAX_CHUNK
+
+
 def test_a_request_that_ends_at_its_first_token_finishes_in_the_step_that_admits_it(tiny_target, tiny_draft):
     """The admission step reads first tokens from the prefilled (or kept) rows, not the table: a
     budget of 1 ends as "length" and a first token that is a stop id as "stop", in that step,
