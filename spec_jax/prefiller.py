@@ -167,6 +167,18 @@ class Prefiller:
         self.counters["score_seconds"] += seconds
         self.counters["scored_prompts_total"] += 1
 
+    def keep_generated(self, state: SpecState | None, row: Row | None, slot: int) -> None:
+        """A leaving row's entries (its prompt's and generated tokens', but the last token's, not
+        written) into the prefix cache where they are a prefill's bits (PrefixCache.keeps_generated),
+        when they reach a block past its prompt's: the next chat turn, whose prompt holds this
+        reply, reads them instead of computing them again. state: the table's; slot: the row's."""
+        prefix = self.prefix
+        if prefix is None or not prefix.keeps_generated or state is None or row is None:
+            return
+        ids = [*row.prompt_ids, *row.tokens][: len(row.prompt_ids) + len(row.tokens) - 1]
+        if len(ids) // BLOCK > len(row.prompt_ids) // BLOCK:
+            prefix.insert_row(ids, state.target_cache, slot)
+
     def keep(self, key: tuple, row: SpecState) -> None:
         """Keeps a prefilled row (a state of one row) for requests of prefill_key `key`, the least
         recently used dropped beyond prefill_cache."""

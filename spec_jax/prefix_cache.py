@@ -10,14 +10,16 @@ BLOCK tokens and found by their tokens, as vLLM's automatic prefix caching does.
   token (whose logits the prefill must compute). The prefill copies them into the row's cache
   (decode.prefill's `prefix`) and reads the prompt from there on.
 - The blocks wholly inside a prefilled prompt are written into free slots (insert), the least
-  recently used evicted first. A lookup touches its blocks from the last to the first, so a
+  recently used evicted first; and, where a decode step's entries are a prefill's bits
+  (decode_entries_exact), those of a finished row's prompt and generated tokens (insert_row):
+  a chat's next turn, whose prompt holds the reply, reads them. A lookup touches its blocks from the last to the first, so a
   block is always more recent than its descendants and eviction takes leaves first.
 
 Exactness: on the CPU kernels the prefill reads each row in chunks whose positions' keys and
 values are the same bits whatever the chunk (tests/test_prefill.py), so a row prefilled from a
-hit has the bits of a full prefill (tests/test_prefix_cache.py). Only prompt positions are kept:
-a decode step's products are not the prefill's bit for bit (row_prefill.prefill_rows' bulk_products),
-so the generated tokens' entries are never reused.
+hit has the bits of a full prefill (tests/test_prefix_cache.py). Generated tokens' entries are
+kept only where a decode step's products are the prefill's bit for bit (decode_entries_exact: not
+where prefill_rows' bulk_products takes ggml's 4-row gemm); checked on the Qwen 1.5B at gguf_q8.
 """
 
 import collections
@@ -28,7 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import precision
 from models.cache import KVCache
+from models.kernels import gguf_matmul
 from models.settings import is_number
 from spec_jax.decode import coarse_layout
 from spec_jax.row_prefill import PREFILL_CHUNK
@@ -77,6 +81,8 @@ class PrefixCache:
         self.index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> slot, LRU first
         self.free = list(range(self.num_slots - 1, -1, -1))
         self.counters = collections.Counter()
+        # whether finished rows' generated tokens are kept too (insert_row; decode_entries_exact)
+        self.keeps_generated = False
 
     def lookup(self, ids) -> Hit:
         """The longest run of ids' leading blocks in the pool, short of its last token."""
@@ -125,6 +131,13 @@ class PrefixCache:
         if (sources >= 0).any():
             self.pool = write_blocks_jit(self.pool, cache, jnp.asarray(sources))
 
+    def insert_row(self, ids, cache: KVCache, row) -> None:
+        """insert of row `row` (an int, may be traced) of cache [L, B, S, K, E], whose entries
+        hold ids at positions 0 .. len(ids) - 1 (a finished row: its prompt and generated tokens
+        but the last, whose entry is not written)."""
+        one = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, jnp.asarray(row), 1, axis=1), cache)
+        self.insert([list(ids)], one, 1, one.k.shape[2] // BLOCK * BLOCK)
+
     @property
     def used_tokens(self) -> int:
         return len(self.index) * BLOCK
@@ -155,4 +168,16 @@ def engine_prefix_cache(config, mesh, drafter, max_mb: float) -> PrefixCache | N
         raise ValueError(f"prefix_cache_mb must be a number >= 0 (0: no prefix cache), got {max_mb!r}")
     if not max_mb or not coarse_layout(config) or mesh.size != 1 or drafter.reads_features:
         return None
-    return PrefixCache(config, max_mb)
+    cache = PrefixCache(config, max_mb)
+    cache.keeps_generated = decode_entries_exact(config)
+    return cache
+
+
+def decode_entries_exact(config) -> bool:
+    """Whether a decode step's (and so a verify call's) cache entries are a prefill's bits for
+    the same tokens, on the row-wise CPU kernels: their attention and norms take each position
+    alone, and the products differ only through ModelConfig.bulk_products (gguf_q8's Q4_K through
+    ggml's 4-row gemm in a prefill, where the CPU lacks the multi-row kernels)."""
+    if config.dtype not in precision.GGUF_PRECISIONS:
+        return True
+    return gguf_matmul.available() and gguf_matmul.multirow()

@@ -180,7 +180,9 @@ class Table:
 
     def free(self, slot: int) -> None:
         """Slot's request leaves: the slot takes the next admission, and its row of the loop
-        state is marked done before the next chunk (apply_stops)."""
+        state is marked done before the next chunk (apply_stops); its entries go to the prefix
+        cache first (Prefiller.keep_generated)."""
+        self.prefiller.keep_generated(self.state, self.slots[slot], slot)
         self.slots[slot], self.stop_rows[slot] = None, True
 
     def counters_now(self) -> np.ndarray:

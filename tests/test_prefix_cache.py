@@ -246,3 +246,55 @@ def test_a_request_behind_a_long_prompt_is_admitted_while_its_pieces_are_read(ti
             tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None
         )
         assert tokens[h] == alone.tokens[0]
+
+
+@pytest.mark.xdist_group("tiny_target")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_finished_rows_generated_tokens_are_kept_with_a_full_prefills_bits(
+    tiny_target, tiny_draft, temperature
+):
+    """A request of 40 prompt tokens that generates 60 (speculative rounds of gamma 3: verify
+    calls write the entries) leaves the blocks of its prompt and reply in the prefix cache
+    (decode_entries_exact): each block's entries are a full prefill's of the same tokens, bit
+    for bit, and the next turn (the reply and more) reads 96 tokens from them, its tokens those
+    of the request alone."""
+    import spec_jax
+    from spec_jax.engine import Engine
+    from spec_jax.prefix_cache import decode_entries_exact
+    from spec_jax.request import Request
+
+    assert decode_entries_exact(tiny_target.config)
+    engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma=3, max_context=160)
+    prompt = [1 + (11 * i) % 60 for i in range(40)]
+    first = engine.submit(
+        Request(prompt_ids=tuple(prompt), max_tokens=60, seed=1, temperature=temperature, stop_ids=())
+    )
+    reply = [t for u in engine.drain() if u.handle is first for t in u.token_ids]
+    assert len(reply) == 60
+    ids = prompt + reply[:59]  # the last token's entry is not written
+    prefix = engine._prefiller.prefix
+    assert prefix.cached_tokens(ids + [3]) == 96  # 3 blocks: 1 of the prompt, 2 reaching the reply
+    full = run(tiny_target, [ids]).cache
+    for j, key in enumerate(block_keys(ids)[:3]):
+        slot = prefix.index[key]
+        for pooled, ref in ((prefix.pool.k, full.k), (prefix.pool.v, full.v)):
+            np.testing.assert_array_equal(
+                np.asarray(pooled[:, slot]), np.asarray(ref[:, 0, j * BLOCK : (j + 1) * BLOCK])
+            )
+    later = ids + [5, 9, 2]
+    second = engine.submit(
+        Request(prompt_ids=tuple(later), max_tokens=6, seed=2, temperature=temperature, stop_ids=())
+    )
+    tokens = [t for u in engine.drain() if u.handle is second for t in u.token_ids]
+    assert second.cached_tokens == 96
+    alone = spec_jax.generate(
+        tiny_target,
+        [later],
+        draft=tiny_draft,
+        gamma=3,
+        max_new_tokens=6,
+        seed=2,
+        temperature=temperature,
+        eos_id=None,
+    )
+    assert tokens == alone.tokens[0]
