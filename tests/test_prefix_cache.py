@@ -298,3 +298,36 @@ def test_a_finished_rows_generated_tokens_are_kept_with_a_full_prefills_bits(
         eos_id=None,
     )
     assert tokens == alone.tokens[0]
+
+
+@pytest.mark.slow
+def test_decoded_entries_have_a_full_prefills_bits_on_the_real_target_at_gguf_q8():
+    """What keeping a finished row's reply rests on (decode_entries_exact), on the Qwen 1.5B at the
+    server's precision: 40 tokens decoded one at a time after an 11-token prompt leave the cache
+    entries that one prefill of the 51 tokens writes, bit for bit."""
+    from models.kernels import gguf_matmul
+    from models.transformer import forward, init_cache
+    from spec_jax.prefix_cache import decode_entries_exact
+    from spec_jax.row_prefill import PREFILL_CHUNK, prefill_rows
+
+    target = models.load("qwen2.5-coder-1.5b", dtype="gguf_q8")
+    config, params = target.config, target.params
+    if not decode_entries_exact(config):
+        pytest.skip(f"this CPU keeps no generated entries (multi-row kernels: {gguf_matmul.multirow()})")
+    prefill = jax.jit(lambda toks, n, cache: prefill_rows(config, params, toks, n, cache, PREFILL_CHUNK))
+    step = jax.jit(lambda toks, pos, cache: forward(config, params, toks, pos, cache))
+    prompt = target.tokenizer.encode('def quicksort(items):\n    """Sort a list."""\n')
+
+    def padded(ids):
+        return jnp.asarray([ids + [0] * (WIDTH - len(ids))], jnp.int32)
+
+    out = prefill(padded(prompt), jnp.asarray([len(prompt)], jnp.int32), init_cache(config, 1, WIDTH))
+    cache, ids = out.cache, list(prompt)
+    token = int(jnp.argmax(out.logits[0]))
+    for _ in range(40):
+        ids.append(token)
+        o = step(jnp.asarray([[token]], jnp.int32), jnp.asarray([[len(ids) - 1]], jnp.int32), cache)
+        cache, token = o.cache, int(jnp.argmax(o.logits[0, -1]))
+    full = prefill(padded(ids), jnp.asarray([len(ids)], jnp.int32), init_cache(config, 1, WIDTH)).cache
+    for a, b in ((cache.k, full.k), (cache.v, full.v)):
+        np.testing.assert_array_equal(np.asarray(a[:, 0, : len(ids)]), np.asarray(b[:, 0, : len(ids)]))
