@@ -147,7 +147,9 @@ class Prefiller:
     def piece_due(self, ids, busy: bool) -> bool:
         """Whether prompt ids, waiting while rows decode (busy), has more than PREFILL_PIECE
         tokens past its cached prefix: it is read in pieces (read_piece) before its admission."""
-        return busy and self.prefix is not None and len(ids) - self.prefix.cached_tokens(ids) > PREFILL_PIECE
+        if not busy or self.prefix is None or len(ids) <= PREFILL_PIECE:  # no hashing: Engine._admit
+            return False  # asks this of every waiting request each step
+        return len(ids) - self.prefix.cached_tokens(ids) > PREFILL_PIECE
 
     def read_piece(self, ids: list[int], width: int) -> None:
         """A long prompt's next piece: the prompt ids up to PREFILL_PIECE tokens past its cached
