@@ -27,6 +27,16 @@ def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b
     return state.replace(out=state.out.replace(done=state.out.done | ~active_b))
 
 
+def capped_program(drafter, draft_params) -> bool:
+    """Whether gamma=auto's chunks of a smaller gamma run in the loop's own program (the policy's
+    largest gamma) with each row's drafts capped at the chunk's (SpecState.max_drafts), so that
+    trying a new gamma compiles nothing (about a minute on 2 cores at gguf_q8): for a drafter
+    that calls no model (a longer proposal costs it nothing) and whose rounds are verified only
+    as wide as their longest row's drafts (auto_widths "doubling": prompt lookup, suffix)."""
+    free = drafter.timed_call(draft_params) is None
+    return free and drafter.variable_length and drafter.auto_widths == "doubling"
+
+
 def _shardings_of(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
@@ -109,7 +119,11 @@ class Runner:
         """(state after up to max_rounds rounds, compile seconds, wall seconds, work_clock
         seconds); gamma: this chunk's (0: plain decoding, without the drafter); tree: its tree
         rounds' node slots (0: chains; a tree's gamma is its node count)."""
-        static, draft_params = self.static, self.draft_params
+        static, draft_params, capped, caps = self.static, self.draft_params, False, None
+        if gamma and not tree and gamma < static.gamma and capped_program(static.drafter, draft_params):
+            capped, caps = True, state.max_drafts  # the rows' own caps, back after the chunk
+            state = state.replace(max_drafts=self._chunk_caps(caps, gamma, state.length.shape[0]))
+            gamma = static.gamma
         if gamma is not None:
             drafter = static.drafter if gamma else NoDrafter(static.config.vocab_size)
             static = dataclasses.replace(static, drafter=drafter, gamma=gamma, tree_nodes=tree)
@@ -128,7 +142,15 @@ class Runner:
         )
         start, work = time.perf_counter(), timing.work_clock()
         state = jax.block_until_ready(fn(*args))
+        state = state.replace(max_drafts=caps) if capped else state
         return Looped(state, compile_s, time.perf_counter() - start, timing.work_clock() - work)
+
+    def _chunk_caps(self, caps, gamma: int, batch: int):
+        """int32 [B]: each row's most drafts in a chunk of `gamma` run in the loop's own program
+        (capped_program); caps: the rows' own (None: none)."""
+        if caps is None:
+            return sharding.put(np.full(batch, gamma, np.int32), sharding.batch_sharding(self.mesh, 1))
+        return jnp.minimum(caps, gamma)
 
     def score(self, ids: list[int], width: int, k: int) -> Scored:
         """(the prompt's logprobs, compile seconds, run seconds): one scoring call over the

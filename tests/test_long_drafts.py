@@ -22,7 +22,7 @@ from test_speculative import MAX_NEW, PROMPTS
 
 import models
 import spec_jax
-from spec_jax import bounds, drafting, plan
+from spec_jax import autogamma, bounds, drafting, plan, runner
 from spec_jax.drafting import lookup
 from spec_jax.drafting.base import AUTO_COPY_GAMMA_MAX, AUTO_GAMMA_MAX, Proposal
 from spec_jax.state import SpecStatic
@@ -225,6 +225,36 @@ def test_gamma_auto_with_lookup_keeps_greedy_output_exact(copy_target, copy_gree
         temperature=0.0,
     )
     assert gen.tokens == copy_greedy
+
+
+def test_gamma_auto_with_lookup_runs_every_gamma_in_the_one_program_of_its_largest(
+    copy_target, copy_greedy, tmp_path, monkeypatch
+):
+    """A drafter that calls no model: gamma=auto's chunks of gamma 2, 5 and 3 (forced, 2 rounds
+    each, between plain ones) run the loop program of its largest gamma (16), each row's drafts
+    capped at the chunk's gamma, so a new gamma compiles nothing; the output stays plain
+    decoding's, and a chunk drafts no more than its gamma a round (the cycle would take 16)."""
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    arms = iter([2, 0, 5, 3] * 20)
+    monkeypatch.setattr(autogamma.Controller, "next_chunk", lambda self, remaining: (next(arms), 2))
+    programs, real = [], runner.compiled
+
+    def spy(name, fn, static, *args, **kwargs):
+        programs.append((name, getattr(static, "gamma", None)))
+        return real(name, fn, static, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "compiled", spy)
+    target = copy_target[0]
+    lookup_drafter = drafting.build("prompt_lookup", target)
+    gen = spec_jax.generate(
+        target, COPY_PROMPTS, draft=lookup_drafter, gamma="auto", max_new_tokens=COPY_NEW, temperature=0.0
+    )
+    assert gen.tokens == copy_greedy
+    assert {g for name, g in programs if name == "spec_loop"} == {0, AUTO_COPY_GAMMA_MAX}
+    schedule = gen.stats["gamma_schedule"]
+    assert {g for g, _ in schedule} >= {2, 5, 3}
+    rows = len(COPY_PROMPTS)
+    assert 0 < gen.stats["num_draft_tokens"] <= rows * sum(g * r for g, r in schedule)
 
 
 def test_the_copying_drafters_rounds_verify_as_wide_as_their_power_of_two_counts(tiny_target, tiny_draft):
