@@ -896,12 +896,10 @@ def serve(
             service.error = e
             server.should_exit = True
             return
-        plain = (
-            ""
-            if engine.drafts or not engine.controllers
-            else "; gamma=auto: drafting would not pay here, decoding plainly"
+        print(
+            f"launch.serve: serving {model} on {url} ({engine_slots(engine)} slots{drafting(engine)})",
+            flush=True,
         )
-        print(f"launch.serve: serving {model} on {url} ({engine_slots(engine)} slots{plain})", flush=True)
 
     loader = threading.Thread(target=load_and_warm, name="spec-jax-load", daemon=True)
 
@@ -939,6 +937,18 @@ def _how_it_stopped(server, service, model: str, host: str, port: int, grace: fl
         f"launch.serve: {server.signal_name}: stopped taking requests; {c['finished']} finished, "
         f"{c['cancelled']} cancelled, {c['error']} failed within the {grace:g} s grace period"
     )
+
+
+def drafting(engine) -> str:
+    """The ready line's note where gamma=auto set the draft model aside
+    (spec_jax.plan.bucket_controllers): plain decoding, or a hybrid's prompt lookup alone."""
+    if not engine.controllers or engine.drafter.sources == ("prompt_lookup", "model"):
+        return ""
+    if not engine.drafter.sources:
+        return "; gamma=auto: drafting would not pay here, decoding plainly"
+    if FLAGS.drafter == "hybrid":
+        return "; gamma=auto: the draft model would not pay here, prompt lookup drafts alone"
+    return ""
 
 
 def engine_slots(engine) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spec_jax import chunks, plan, rows, sharding
-from spec_jax.drafting import NoDrafter
+from spec_jax.drafting import Drafter
 from spec_jax.prefiller import Prefiller
 from spec_jax.prefix_cache import engine_prefix_cache
 from spec_jax.request import Admitted, Limits, Request
@@ -116,9 +116,9 @@ class Engine:
         return self._prefiller.prefix is not None
 
     @property
-    def drafts(self) -> bool:
-        """Whether the engine has a drafter that runs (not where gamma=auto dropped it)."""
-        return not isinstance(self._runner.static.drafter, NoDrafter)
+    def drafter(self) -> Drafter:
+        """The drafter that runs (spec_jax.plan.bucket_controllers: gamma=auto may set a model aside)."""
+        return self._runner.static.drafter
 
     @property
     def tokenizer(self):

@@ -216,15 +216,17 @@ def controller_for(
 def measured(target, plan: Plan) -> Plan:
     """The plan with gamma=auto's controller (None unless the policy is auto), from the costs
     cached for its batch and cache size, or the prior where none are (controller_for with
-    measure=False: nothing is measured before the run); a drafter that would not pay even
-    with a good draft is dropped (plain decoding)."""
+    measure=False: nothing is measured before the run); a drafter whose model never pays gives
+    way (bucket_controllers)."""
     if not plan.policy.auto:
         return plan
     n = len(plan.prompts)
-    controllers, drafter, draft_params = bucket_controllers(
+    found = bucket_controllers(
         target, plan.drafter, plan.draft_params, plan.policy, [n], plan.cache_len, False
     )
-    return dataclasses.replace(plan, controller=controllers[n], drafter=drafter, draft_params=draft_params)
+    sources = plan.sources if found.drafter is plan.drafter else found.drafter.sources
+    changed = dict(drafter=found.drafter, draft_params=found.draft_params, sources=sources)
+    return dataclasses.replace(plan, controller=found.controllers[n], **changed)
 
 
 class BucketControllers(NamedTuple):
@@ -239,11 +241,14 @@ class BucketControllers(NamedTuple):
 def bucket_controllers(
     target, drafter, draft_params, policy, batches, slots: int, measure: bool = True
 ) -> BucketControllers:
-    """{batch: controller_for(..., batch, slots, measure)} for each of batches; the drafter
-    dropped (NoDrafter, None) where drafting would not pay at any of them even at a good
-    draft's acceptance (controller phase "never"): it never runs."""
+    """{batch: controller_for(..., batch, slots, measure)} for each of batches. Where drafting
+    would not pay at any of them even at a good draft's acceptance (phase "never"), what drafts
+    without the model (Drafter.without_model: a hybrid's prompt lookup) takes its place with
+    controllers of its own, or else plain decoding (NoDrafter, None)."""
     found = {b: controller_for(target, drafter, draft_params, policy, b, slots, measure) for b in batches}
     if all(c.phase == "never" for c in found.values()):
+        if (free := drafter.without_model(draft_params)) is not None:
+            return bucket_controllers(target, *free, policy, batches, slots, measure)
         drafter, draft_params = NoDrafter(target.config.vocab_size), None
     return BucketControllers(found, drafter, draft_params)
 

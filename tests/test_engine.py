@@ -14,9 +14,11 @@ import tiny_gguf
 import spec_jax
 from models.cache import KVCache
 from models.tokenizer import Tokenizer
-from spec_jax import autogamma, chunks, executables, row_ops, rows, sharding
+from spec_jax import autogamma, chunks, drafting, executables, row_ops, rows, sharding
 from spec_jax.autogamma.costs import Costs
 from spec_jax.decode import layout
+from spec_jax.drafting.hybrid import HybridDrafter
+from spec_jax.drafting.lookup import PromptLookupDrafter
 from spec_jax.engine import Engine, QueueFull
 from spec_jax.request import Request, RequestError
 from spec_jax.updates import Handle
@@ -635,14 +637,47 @@ def test_a_draft_that_would_never_pay_is_dropped_and_prefills_nothing(tiny_targe
     expensive = Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=(1.0,) + (2.0,) * 8)
     monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: expensive)
     engine = Engine(tiny_target, tiny_draft, max_batch=2, gamma="auto", max_context=CONTEXT)
-    assert not engine.drafts
+    assert not engine.drafter.sources  # NoDrafter
     assert jax.tree.leaves(engine._runner.draft_params) == []
     requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:3]]
     tokens, _, handles = run_staggered(engine, requests, [0, 0, 1])
     for h in handles:
         assert tokens[h.id] == alone(tiny_target, None, h.request)
     assert engine.stats().get("draft_tokens_total", 0) == 0
-    assert Engine(tiny_target, tiny_draft, max_batch=2, gamma=2, max_context=CONTEXT).drafts
+    assert Engine(tiny_target, tiny_draft, max_batch=2, gamma=2, max_context=CONTEXT).drafter.sources
+
+
+def test_a_hybrid_whose_model_would_never_pay_drafts_with_prompt_lookup_alone(
+    tiny_target, tiny_draft, monkeypatch
+):
+    """gamma=auto with costs under which the draft model loses even at a good draft's acceptance,
+    while prompt lookup's drafts cost no call: a hybrid engine runs its lookup alone (the model's
+    params and prefill gone, controllers of the lookup's own), and each request equals plain
+    decoding alone. A model drafter under the same costs decodes plainly (the test above)."""
+    verify = tuple(1.0 + 0.05 * g for g in range(17))
+    by_kind = {
+        True: Costs(step_seconds=0.01, draft1=0.0, draft2=0.0, verify=verify),
+        False: Costs(step_seconds=0.01, draft1=1.5, draft2=3.0, verify=verify),
+    }
+    monkeypatch.setattr(
+        autogamma, "costs_for", lambda t, drafter, *a, **k: by_kind[isinstance(drafter, PromptLookupDrafter)]
+    )
+    hybrid = drafting.build("hybrid", tiny_target, drafting.Settings(draft=tiny_draft))
+    assert isinstance(hybrid[0], HybridDrafter)
+    engine = Engine(tiny_target, hybrid, max_batch=2, gamma="auto", max_context=CONTEXT)
+    assert isinstance(engine.drafter, PromptLookupDrafter)
+    assert jax.tree.leaves(engine._runner.draft_params) == []
+    assert {c.phase for c in engine.controllers.values()} != {"never"}
+    requests = [Request(prompt_ids=tuple(p), max_tokens=m, seed=s, stop_ids=()) for p, m, s in REQUESTS[:3]]
+    tokens, _, handles = run_staggered(engine, requests, [0, 0, 1])
+    for h in handles:
+        assert tokens[h.id] == alone(tiny_target, None, h.request)
+    monkeypatch.setattr(autogamma, "costs_for", lambda *a, **k: by_kind[False])
+    lookup = drafting.build("prompt_lookup", tiny_target)
+    assert isinstance(
+        Engine(tiny_target, hybrid, max_batch=2, gamma=2, max_context=CONTEXT).drafter, HybridDrafter
+    )
+    assert not Engine(tiny_target, lookup, max_batch=2, gamma="auto", max_context=CONTEXT).drafter.sources
 
 
 def test_tree_rounds_on_the_table_are_exact_and_a_plain_row_drafts_no_tree(tiny_target, tiny_draft):

@@ -184,6 +184,11 @@ class CostMeasurement:
         class name."""
         return type(self).__name__
 
+    def without_model(self, params: Any) -> "tuple[Drafter, Any] | None":
+        """(drafter, params) that drafts where this one's model calls would never pay (gamma=auto's
+        "never": spec_jax.plan.bucket_controllers), or None: plain decoding. Default: None."""
+        return None
+
     def call_bytes(self, params: Any) -> int:
         """Bytes of weights one of its calls reads: what gamma=auto's prior prices its calls by
         (over the target's) before any are measured. Default: the bytes of timed_call's params

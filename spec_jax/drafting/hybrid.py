@@ -128,3 +128,8 @@ class HybridDrafter(Drafter):
 
     def timed_call(self, params):
         return self.model.timed_call(params)
+
+    def without_model(self, params):
+        """Prompt lookup alone, which calls no model: where the model's calls would never pay, a
+        copied run is still drafted for free."""
+        return self.lookup, ()
