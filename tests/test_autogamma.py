@@ -6,6 +6,7 @@ Chunks built by hand), so the decisions follow from the costs and the acceptance
 """
 
 import dataclasses
+import itertools
 import pathlib
 
 import jax
@@ -18,6 +19,7 @@ import models
 import spec_jax
 from spec_jax.autogamma import controller as autogamma
 from spec_jax.autogamma import cost_cache as step_costs
+from spec_jax.autogamma import tries
 from spec_jax.drafting import Drafter, NoDrafter, as_drafter
 from spec_jax.drafting.model import ModelDrafter
 from spec_jax.speculative import committed_text
@@ -230,6 +232,44 @@ def test_a_round_whose_own_work_is_expensive_ends_drafting_though_its_calls_are_
     assert expensive.round_seconds(first) == pytest.approx(0.01 * (fixed.round_cost(first) + first))
     cheap = autogamma.Controller(fixed, gamma_max=8)
     assert [run_chunk(cheap, 0.7)[0] > 0 for _ in range(5)] == [False] + [True] * 4
+
+
+def seldom_proposing(controller, monkeypatch=None):
+    """Chunks of a drafter that calls no model and proposes in one round of 8 (prompt lookup on
+    text it does not copy): its proposals are right (alpha 1 over the few positions scored),
+    yet each round costs 1.2 plain rounds as timed and commits 1.125 tokens (6% lost). Returns
+    the schedule of the first 30 chunks."""
+    schedule = []
+    for _ in range(30):
+        gamma, rounds = controller.next_chunk(np.full(1, 100))
+        rounds = min(rounds, 16)
+        if gamma == 0:
+            controller.observe(chunk(0, rounds, rounds * 0.01, 0))
+        else:
+            scored = rounds / 8  # the positions scored: one round in 8 proposes one draft
+            controller.observe(chunk(gamma, rounds, rounds * 0.012, scored, scored))
+        schedule.append((gamma, rounds))
+    return schedule
+
+
+def test_a_try_that_measures_a_loss_ends_though_its_acceptance_looks_good():
+    """The acceptance model sees few scored positions, all accepted, and keeps drafting; the
+    rounds as timed lose 6% against plain rounds: the try ends after TRY_ROUNDS of them (its
+    first chunk left out), as a draft that loses in its predictions would. Without the measured
+    rule (Try.lost always False) it drafts on."""
+    free = costs(draft=0.0, verify_slope=0.01)
+    schedule = seldom_proposing(autogamma.Controller(free, gamma_max=8))
+    first_try = list(itertools.takewhile(lambda c: c[0] > 0, schedule[1:]))
+    assert schedule[0][0] == 0 and sum(r for _, r in first_try) <= 2 + tries.TRY_ROUNDS + autogamma.MAX_CHUNK
+    drafted, plain = (sum(r for g, r in schedule if bool(g) == d) for d in (True, False))
+    assert drafted < plain / 3  # renewed tries, each ended as the first
+
+
+def test_without_the_measured_rule_the_same_try_drafts_on(monkeypatch):
+    monkeypatch.setattr(tries.Try, "lost", lambda self, chunk, times, active: False)
+    free = costs(draft=0.0, verify_slope=0.01)
+    schedule = seldom_proposing(autogamma.Controller(free, gamma_max=8))
+    assert sum(r for g, r in schedule if g) > 100
 
 
 def test_a_draft_whose_acceptance_collapses_is_dropped_within_a_few_rounds():

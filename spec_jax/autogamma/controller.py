@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from spec_jax.autogamma.costs import RESUME_WIDTH, Costs
+from spec_jax.autogamma.tries import Try
 
 PRIOR_ALPHA, PRIOR_WEIGHT = 0.5, 2.0  # a row's estimate starts as 2 positions at alpha 0.5
 HALF_LIFE = 6.0  # scored positions: a row's acceptance weighs a position half as much 6 later
@@ -68,6 +69,7 @@ class Controller:
         self.plain_rounds = 0  # plain rounds since the drafter last ran
         self.spacing = PROBE_SPACING  # plain rounds before the next probe, at least
         self.bank_at_try = 0.0  # the bank when drafting last began
+        self.tried = Try()  # what this try's drafting rounds measured
         self.bank = 0.0  # seconds drafting saved against plain decoding, less what probes cost
         self.elapsed = 0.0  # seconds of all chunks and resumes
         self.resume_call = None  # seconds of one catch-up call, as last measured
@@ -165,6 +167,7 @@ class Controller:
         if wait:
             return 0, wait
         self.gamma, self.phase, self.bank_at_try = self.probe_gamma(), "draft", self.bank
+        self.tried = Try()
         self.forget(np.ones_like(self.weight, bool))  # the probe asks what the acceptance is now
         self.chunk = 2 * PROBE_ROUNDS
         return self.gamma, PROBE_ROUNDS
@@ -268,9 +271,10 @@ class Controller:
         self.bank += float(np.sum(chunk.committed_b)) / active * self.round_seconds(0) - chunk.seconds
         rates = self.rates(self.alphas(), chunk.remaining_b)
         # Plain decoding only when even an optimistic acceptance says drafting loses: a noisy
-        # stretch of a good draft should not end drafting (coming back costs a catch-up).
+        # stretch of a good draft should not end drafting (coming back costs a catch-up); or
+        # when the try's rounds measured a loss (Try.lost).
         optimistic = self.rates(self.alphas(FALLBACK_Z), chunk.remaining_b)
-        if np.argmax(optimistic) == 0:  # a try that lost time makes the next one wait twice as long
+        if np.argmax(optimistic) == 0 or self.tried.lost(chunk, self.times, active):  # next try waits 2x
             self.spacing = 2 * self.spacing if self.bank < self.bank_at_try else PROBE_SPACING
             self.phase, self.chunk, self.plain_rounds = "plain", FIRST_CHUNK, 0
         else:
