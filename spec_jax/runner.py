@@ -28,11 +28,13 @@ def _prefill_marking_padding_done(static, params, draft_params, inputs, active_b
 
 
 def capped_program(drafter, draft_params) -> bool:
-    """Whether gamma=auto's chunks of a smaller gamma run in the loop's own program (the policy's
-    largest gamma) with each row's drafts capped at the chunk's (SpecState.max_drafts), so that
-    trying a new gamma compiles nothing (about a minute on 2 cores at gguf_q8): for a drafter
-    that calls no model (a longer proposal costs it nothing) and whose rounds are verified only
-    as wide as their longest row's drafts (auto_widths "doubling": prompt lookup, suffix)."""
+    """Whether a chunk of gamma runs in the program of the smallest power of two at least gamma
+    (at most the loop's gamma), each row's drafts capped at the chunk's (SpecState.max_drafts):
+    gamma=auto's 1..16 then compile 5 programs at most (0, 2, 4, 8, 16; each is 20-50 s at
+    gguf_q8 on 2 cores), where each gamma compiled its own, and a short chunk's arrays stay
+    short (a round of the 16 program costs about 15% more than one of 2's). For a drafter that
+    calls no model (a longer proposal costs it nothing) and whose rounds are verified only as
+    wide as their longest row's drafts (auto_widths "doubling": prompt lookup, suffix)."""
     free = drafter.timed_call(draft_params) is None
     return free and drafter.variable_length and drafter.auto_widths == "doubling"
 
@@ -120,10 +122,11 @@ class Runner:
         seconds); gamma: this chunk's (0: plain decoding, without the drafter); tree: its tree
         rounds' node slots (0: chains; a tree's gamma is its node count)."""
         static, draft_params, capped, caps = self.static, self.draft_params, False, None
-        if gamma and not tree and gamma < static.gamma and capped_program(static.drafter, draft_params):
+        program = min(static.gamma, 1 << (gamma - 1).bit_length()) if gamma else 0
+        if gamma and not tree and gamma < program and capped_program(static.drafter, draft_params):
             capped, caps = True, state.max_drafts  # the rows' own caps, back after the chunk
             state = state.replace(max_drafts=self._chunk_caps(caps, gamma, state.length.shape[0]))
-            gamma = static.gamma
+            gamma = program
         if gamma is not None:
             drafter = static.drafter if gamma else NoDrafter(static.config.vocab_size)
             static = dataclasses.replace(static, drafter=drafter, gamma=gamma, tree_nodes=tree)

@@ -227,15 +227,16 @@ def test_gamma_auto_with_lookup_keeps_greedy_output_exact(copy_target, copy_gree
     assert gen.tokens == copy_greedy
 
 
-def test_gamma_auto_with_lookup_runs_every_gamma_in_the_one_program_of_its_largest(
+def test_gamma_auto_with_lookup_runs_each_gamma_in_the_program_of_a_power_of_two(
     copy_target, copy_greedy, tmp_path, monkeypatch
 ):
-    """A drafter that calls no model: gamma=auto's chunks of gamma 2, 5 and 3 (forced, 2 rounds
-    each, between plain ones) run the loop program of its largest gamma (16), each row's drafts
-    capped at the chunk's gamma, so a new gamma compiles nothing; the output stays plain
-    decoding's, and a chunk drafts no more than its gamma a round (the cycle would take 16)."""
+    """A drafter that calls no model: gamma=auto's chunks of gamma 5 and 3 (forced, 2 rounds
+    each, with plain ones) run the loop programs of 8 and 4 (the power of two at least each),
+    each row's drafts capped at the chunk's gamma; the output stays plain decoding's, and on the
+    cycle, which lookup matches at every round, a chunk drafts its gamma a round, no more (the
+    program's 8 or 4 uncapped)."""
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
-    arms = iter([2, 0, 5, 3] * 20)
+    arms = iter([5, 0, 3] * 30)
     monkeypatch.setattr(autogamma.Controller, "next_chunk", lambda self, remaining: (next(arms), 2))
     programs, real = [], runner.compiled
 
@@ -247,14 +248,13 @@ def test_gamma_auto_with_lookup_runs_every_gamma_in_the_one_program_of_its_large
     target = copy_target[0]
     lookup_drafter = drafting.build("prompt_lookup", target)
     gen = spec_jax.generate(
-        target, COPY_PROMPTS, draft=lookup_drafter, gamma="auto", max_new_tokens=COPY_NEW, temperature=0.0
+        target, [CYCLE_PROMPT], draft=lookup_drafter, gamma="auto", max_new_tokens=COPY_NEW, temperature=0.0
     )
-    assert gen.tokens == copy_greedy
-    assert {g for name, g in programs if name == "spec_loop"} == {0, AUTO_COPY_GAMMA_MAX}
+    assert gen.tokens == copy_greedy[:1]
+    assert {g for name, g in programs if name == "spec_loop"} == {0, 4, 8}  # 5 -> 8, 3 -> 4
     schedule = gen.stats["gamma_schedule"]
-    assert {g for g, _ in schedule} >= {2, 5, 3}
-    rows = len(COPY_PROMPTS)
-    assert 0 < gen.stats["num_draft_tokens"] <= rows * sum(g * r for g, r in schedule)
+    assert {g for g, _ in schedule} == {0, 5, 3}
+    assert 0 < gen.stats["num_draft_tokens"] <= sum(g * r for g, r in schedule)
 
 
 def test_the_copying_drafters_rounds_verify_as_wide_as_their_power_of_two_counts(tiny_target, tiny_draft):

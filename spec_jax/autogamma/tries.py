@@ -10,7 +10,7 @@ import numpy as np
 
 # A try whose drafting rounds (TRY_ROUNDS at least) took LOSS_SHARE longer than plain rounds, as
 # timed, would have for the tokens they committed ends.
-LOSS_SHARE, TRY_ROUNDS = 0.05, 6
+LOSS_SHARE, TRY_ROUNDS = 0.05, 4
 
 
 @dataclasses.dataclass
