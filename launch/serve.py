@@ -942,11 +942,10 @@ def _how_it_stopped(server, service, model: str, host: str, port: int, grace: fl
 def drafting(engine) -> str:
     """The ready line's note where gamma=auto set the draft model aside
     (spec_jax.plan.bucket_controllers): plain decoding, or a hybrid's prompt lookup alone."""
-    if not engine.controllers or engine.drafter.sources == ("prompt_lookup", "model"):
-        return ""
-    if not engine.drafter.sources:
+    sources = engine.drafter.sources
+    if engine.controllers and not sources:
         return "; gamma=auto: drafting would not pay here, decoding plainly"
-    if FLAGS.drafter == "hybrid":
+    if engine.controllers and FLAGS.drafter == "hybrid" and sources == ("prompt_lookup",):
         return "; gamma=auto: the draft model would not pay here, prompt lookup drafts alone"
     return ""
 

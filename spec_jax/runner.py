@@ -35,8 +35,8 @@ def capped_program(drafter, draft_params) -> bool:
     short (a round of the 16 program costs about 15% more than one of 2's). For a drafter that
     calls no model (a longer proposal costs it nothing) and whose rounds are verified only as
     wide as their longest row's drafts (auto_widths "doubling": prompt lookup, suffix)."""
-    free = drafter.timed_call(draft_params) is None
-    return free and drafter.variable_length and drafter.auto_widths == "doubling"
+    doubling = drafter.variable_length and drafter.auto_widths == "doubling"
+    return doubling and drafter.timed_call(draft_params) is None  # the class checks first: per chunk
 
 
 def _shardings_of(tree):

@@ -117,6 +117,18 @@ def test_a_pool_smaller_than_a_block_is_refused_naming_the_flag(model):
         PrefixCache(model.config, 1e-6)
 
 
+def alone(target, draft, prompt, max_new_tokens: int, seed: int, temperature: float = 0.0) -> list[int]:
+    """The request's tokens from spec_jax.generate alone (gamma 3, EOS ignored): what the engine's
+    row must equal, whatever it read from the prefix cache."""
+    import spec_jax
+
+    gen = spec_jax.generate(
+        target, [prompt], draft=draft, gamma=3, max_new_tokens=max_new_tokens,
+        temperature=temperature, seed=seed, eos_id=None,
+    )  # fmt: skip
+    return gen.tokens[0]
+
+
 @pytest.mark.xdist_group("tiny_target")
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_engine_requests_behind_a_shared_prefix_read_it_from_the_cache_and_stay_exact(
@@ -125,7 +137,6 @@ def test_engine_requests_behind_a_shared_prefix_read_it_from_the_cache_and_stay_
     """A system prompt of 70 tokens shared by three requests (and a fourth that repeats the first
     whole): the later ones read 64 of its tokens from the cache (two blocks; the chunk holding the
     70th is read again), and every request's tokens equal spec_jax.generate's for it alone."""
-    import spec_jax
     from spec_jax.engine import Engine
     from spec_jax.request import Request
 
@@ -144,17 +155,7 @@ def test_engine_requests_behind_a_shared_prefix_read_it_from_the_cache_and_stay_
     assert [h.cached_tokens for h in handles] == [0, 64, 64, 64]
     assert engine.stats()["prefix_cache_hit_tokens"] == 3 * 64
     for i, (h, p) in enumerate(zip(handles, prompts, strict=True)):
-        alone = spec_jax.generate(
-            tiny_target,
-            [p],
-            draft=tiny_draft,
-            gamma=3,
-            max_new_tokens=6,
-            temperature=temperature,
-            seed=i,
-            eos_id=None,
-        )
-        assert tokens[h] == alone.tokens[0], i
+        assert tokens[h] == alone(tiny_target, tiny_draft, p, 6, i, temperature), i
 
 
 @pytest.mark.xdist_group("tiny_target")
@@ -163,7 +164,6 @@ def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tin
     pieces of PREFILL_PIECE tokens, each followed by a chunk of the running row's decoding (the
     running request gets tokens between the pieces, not only after the whole prefill), then
     admitted reading its cached prefix; both requests' tokens equal each alone."""
-    import spec_jax
     from spec_jax import prefiller
     from spec_jax.engine import Engine
     from spec_jax.request import Request
@@ -187,10 +187,7 @@ def test_a_long_prompt_takes_turns_with_the_running_rows_and_both_stay_exact(tin
     assert during and during[-1] > during[0]
     assert late.cached_tokens >= 200 - prefiller.PREFILL_PIECE
     for h, (p, n, seed) in ((running, ([5, 9, 2], 250, 1)), (late, (long_prompt, 8, 2))):
-        alone = spec_jax.generate(
-            tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None
-        )
-        assert tokens[h] == alone.tokens[0]
+        assert tokens[h] == alone(tiny_target, tiny_draft, p, n, seed)
 
 
 @pytest.mark.slow
@@ -216,7 +213,6 @@ def test_a_request_behind_a_long_prompt_is_admitted_while_its_pieces_are_read(ti
     the long prompt's whole prefill: it gets its first token before the long prompt's last
     piece is read, and every request's tokens equal each alone (the old rule, admitting nothing
     while the queue's head is read in pieces, made it wait for all of them)."""
-    import spec_jax
     from spec_jax import prefiller
     from spec_jax.engine import Engine
     from spec_jax.request import Request
@@ -242,10 +238,7 @@ def test_a_request_behind_a_long_prompt_is_admitted_while_its_pieces_are_read(ti
     assert engine.stats()["prefill_pieces"] == pieces
     assert first_at is not None and first_at < pieces
     for h, (p, n, seed) in jobs.items():
-        alone = spec_jax.generate(
-            tiny_target, [p], draft=tiny_draft, gamma=3, max_new_tokens=n, seed=seed, eos_id=None
-        )
-        assert tokens[h] == alone.tokens[0]
+        assert tokens[h] == alone(tiny_target, tiny_draft, p, n, seed)
 
 
 @pytest.mark.xdist_group("tiny_target")
@@ -258,7 +251,6 @@ def test_a_finished_rows_generated_tokens_are_kept_with_a_full_prefills_bits(
     (decode_entries_exact): each block's entries are a full prefill's of the same tokens, bit
     for bit, and the next turn (the reply and more) reads 96 tokens from them, its tokens those
     of the request alone."""
-    import spec_jax
     from spec_jax.engine import Engine
     from spec_jax.prefix_cache import decode_entries_exact
     from spec_jax.request import Request
@@ -287,17 +279,7 @@ def test_a_finished_rows_generated_tokens_are_kept_with_a_full_prefills_bits(
     )
     tokens = [t for u in engine.drain() if u.handle is second for t in u.token_ids]
     assert second.cached_tokens == 96
-    alone = spec_jax.generate(
-        tiny_target,
-        [later],
-        draft=tiny_draft,
-        gamma=3,
-        max_new_tokens=6,
-        seed=2,
-        temperature=temperature,
-        eos_id=None,
-    )
-    assert tokens == alone.tokens[0]
+    assert tokens == alone(tiny_target, tiny_draft, later, 6, 2, temperature)
 
 
 @pytest.mark.slow
